@@ -1,0 +1,285 @@
+"""Radix index speed and memory (issue 2).
+
+Workload: 1000 requests of 2000 tokens, each one of 20 shared 1000-token prefixes followed by
+1000 tokens of its own; block_tokens=16. Three tiers are tracked (gpu, host, disk), with the
+shared prefixes on gpu and the private suffixes half on gpu, half on host, so a lookup splits
+every match by tier. Prints median and p99 microseconds for:
+
+- lookup, full hit (tokens as ndarray, as torch tensor, as Python list): the whole prompt is
+  cached; through `KVStore.lookup`'s path (`encode_tokens` + `RadixIndex.lookup`);
+- lookup, half hit: only the shared prefix is cached;
+- insert: a prompt whose first 1000 tokens are cached: match + insert of the 62 new blocks,
+  their BLAKE2b ids included;
+- eviction: blocks/s demoted by the LRU victim walk (gpu -> host) and dropped (host);
+- memory: bytes of the index per cached block at 1M blocks (tracemalloc).
+
+Baseline in the same run: a plain dict of block-token tuples (what a hash-chain cache without a
+tree does per block) for the full-hit lookup. Run: `python benchmarks/bench_index.py [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvtier.hashing import BlockHasher
+from kvtier.index import RadixIndex
+from kvtier.tokens import encode_tokens
+
+BT = 16
+PROMPT, SHARED, NUM_PREFIXES, NUM_REQUESTS = 2000, 1000, 20, 1000
+GPU, HOST, DISK = 0, 1, 2
+
+
+class ListRadixBaseline:
+    """Baseline in the same run: the classic Python radix cache shape (token lists as keys,
+    children keyed by the first page, pages compared by list slices), as engines such as
+    SGLang write it, tracking no tiers. Written here for the comparison; not kvtier code."""
+
+    class _Node:
+        __slots__ = ("children", "key")
+
+        def __init__(self, key: list[int]) -> None:
+            self.key = key
+            self.children: dict[tuple[int, ...], ListRadixBaseline._Node] = {}
+
+    def __init__(self, page: int) -> None:
+        self.page = page
+        self.root = self._Node([])
+
+    def _common(self, a: list[int], b: list[int]) -> int:
+        page, i, n = self.page, 0, min(len(a), len(b))
+        while i + page <= n and a[i : i + page] == b[i : i + page]:
+            i += page
+        return i
+
+    def match(self, key: list[int]) -> int:
+        node, pos, page = self.root, 0, self.page
+        while pos + page <= len(key):
+            child = node.children.get(tuple(key[pos : pos + page]))
+            if child is None:
+                break
+            common = self._common(child.key, key[pos:])
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
+    def insert(self, key: list[int]) -> None:
+        node, pos, page = self.root, 0, self.page
+        key = key[: len(key) - len(key) % page]
+        while pos < len(key):
+            first = tuple(key[pos : pos + page])
+            child = node.children.get(first)
+            if child is None:
+                node.children[first] = self._Node(key[pos:])
+                return
+            common = self._common(child.key, key[pos:])
+            if common < len(child.key):
+                head = self._Node(child.key[:common])
+                child.key = child.key[common:]
+                head.children[tuple(child.key[:page])] = child
+                node.children[first] = head
+                child = head
+            node, pos = child, pos + common
+
+
+class SlotCounter:
+    def __init__(self) -> None:
+        self.next = [0, 0, 0]
+
+    def take(self, tier: int, n: int) -> list[int]:
+        start = self.next[tier]
+        self.next[tier] += n
+        return list(range(start, start + n))
+
+
+def make_prefixes(rng: np.random.Generator) -> list[np.ndarray]:
+    return [rng.integers(0, 128_000, SHARED, dtype=np.int64) for _ in range(NUM_PREFIXES)]
+
+
+def build_requests(
+    rng: np.random.Generator, prefixes: list[np.ndarray], num_requests: int
+) -> list[np.ndarray]:
+    return [
+        np.concatenate(
+            [prefixes[i % NUM_PREFIXES], rng.integers(0, 128_000, PROMPT - SHARED, dtype=np.int64)]
+        )
+        for i in range(num_requests)
+    ]
+
+
+def fill(index: RadixIndex, ns: bytes, requests: list[np.ndarray], slots: SlotCounter) -> None:
+    for request in requests:
+        key = encode_tokens(request)
+        match = index.match(ns, key)  # type: ignore[arg-type]
+        new = len(request) // BT - match.num_blocks
+        if new > 0:
+            tier = GPU if match.num_blocks == 0 else HOST
+            index.insert(match, key, {tier: slots.take(tier, new), DISK: slots.take(DISK, new)})
+
+
+def timed(fn: Callable[[], object], repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        start = time.perf_counter_ns()
+        fn()
+        out.append((time.perf_counter_ns() - start) / 1000)
+    return out
+
+
+def summary(name: str, samples_us: list[float]) -> tuple[float, float]:
+    samples = sorted(samples_us)
+    p50 = statistics.median(samples)
+    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+    print(f"{name:<48} p50 {p50:8.2f} us   p99 {p99:8.2f} us")
+    return p50, p99
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="100k blocks for memory, not 1M")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    hasher = BlockHasher()
+    ns = hasher.seed(b"\0" * 16, b"bench")
+    prefixes = make_prefixes(rng)
+    requests = build_requests(rng, prefixes, NUM_REQUESTS)
+    index = RadixIndex(("gpu", "host", "disk"), BT, hasher)
+    fill(index, ns, requests, SlotCounter())
+    index.check()
+    print(f"index: {index.num_blocks} blocks in {index.num_nodes} nodes\n")
+
+    lists = [r.tolist() for r in requests]
+    tensors = [torch.from_numpy(r) for r in requests]
+    half = [np.concatenate([r[:SHARED], rng.integers(200_000, 300_000, SHARED)]) for r in requests]
+
+    def cycle(seq: list, fn: Callable[[object], object]) -> Callable[[], object]:
+        it = iter(range(10**9))
+        return lambda: fn(seq[next(it) % len(seq)])
+
+    def look(tokens: object) -> object:
+        return index.lookup(ns, encode_tokens(tokens))  # type: ignore[arg-type]
+
+    reps = 5000
+    results = {}
+    results["lookup full hit, ndarray"] = summary(
+        "lookup full hit (ndarray int64)", timed(cycle(requests, look), reps)
+    )
+    summary("lookup full hit (torch int64 tensor)", timed(cycle(tensors, look), reps))
+    results["lookup full hit, list"] = summary(
+        "lookup full hit (Python list)", timed(cycle(lists, look), reps)
+    )
+    summary("lookup half hit (ndarray int64)", timed(cycle(half, look), reps))
+
+    baseline = ListRadixBaseline(BT)
+    for r in lists:
+        baseline.insert(r)
+    assert all(baseline.match(r) == PROMPT // BT * BT for r in lists[:20])
+    results["baseline"] = summary(
+        "baseline: list-keyed radix tree, no tiers (list)",
+        timed(cycle(lists, baseline.match), reps),
+    )
+
+    del baseline, lists, tensors, half
+    gc.collect()
+
+    # insert: a fresh index holding only the shared prefixes; each sample inserts a new prompt
+    ins_index = RadixIndex(("gpu", "host", "disk"), BT, hasher)
+    slots = SlotCounter()
+    fill(ins_index, ns, prefixes, slots)
+    fresh = build_requests(np.random.default_rng(1), prefixes, 3000)
+    fresh_slots = [(slots.take(HOST, 63), slots.take(DISK, 63)) for _ in fresh]
+    it = iter(range(len(fresh)))
+
+    def insert_one() -> None:
+        i = next(it)
+        key = encode_tokens(fresh[i])
+        match = ins_index.match(ns, key)  # type: ignore[arg-type]
+        n = PROMPT // BT - match.num_blocks
+        host, disk = fresh_slots[i]
+        ins_index.insert(match, key, {HOST: host[:n], DISK: disk[:n]})
+
+    results["insert"] = summary(
+        "insert 2000 tokens, 1000 cached (ids included)", timed(insert_one, len(fresh))
+    )
+    ins_index.check()
+
+    # eviction, tier by tier: gpu -> host (copy where host lacks one), host -> disk (every
+    # block has a disk copy here), then drop everything from the lowest tier
+    taken = SlotCounter()
+    taken.next = [0, 10**7, 2 * 10**7]
+    rates = []
+    for tier, name in (
+        (GPU, "demote gpu -> host"),
+        (HOST, "demote host -> disk"),
+        (DISK, "drop from disk (lowest tier)"),
+    ):
+        t0 = time.perf_counter()
+        count = 0
+        for ref in index.victims(tier):
+            if tier == DISK:
+                index.drop(ref)
+            else:
+                if ref.node.slots[tier + 1][ref.i] is None:
+                    index.set_slot(ref, tier + 1, taken.take(tier + 1, 1)[0])
+                index.clear_slot(ref, tier)
+            count += 1
+        rate = count / (time.perf_counter() - t0)
+        rates.append(rate)
+        print(f"{'eviction: ' + name:<48} {rate:10.0f} blocks/s ({count} blocks)")
+    assert index.num_blocks == 0, "every block should have been evicted"
+    index.check()
+
+    # memory per block at 1M blocks
+    target = 100_000 if args.quick else 1_000_000
+    per_request = (PROMPT - SHARED) // BT
+    count = (target - NUM_PREFIXES * SHARED // BT) // per_request + 1
+    gc.collect()
+    mem_requests = build_requests(np.random.default_rng(2), prefixes, count)
+    mem_keys = [encode_tokens(r) for r in mem_requests]
+    del mem_requests
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    mem_index = RadixIndex(("gpu", "host", "disk"), BT, hasher)
+    ms = SlotCounter()
+    for key in mem_keys:
+        match = mem_index.match(ns, key)  # type: ignore[arg-type]
+        n = PROMPT // BT - match.num_blocks
+        mem_index.insert(match, key, {GPU: ms.take(GPU, n), DISK: ms.take(DISK, n)})
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    per_block = (after - before) / mem_index.num_blocks
+    print(
+        f"{'memory per cached block':<48} {per_block:8.1f} bytes "
+        f"at {mem_index.num_blocks} blocks (gpu + disk copies)"
+    )
+
+    print()
+    lk, ll, ins = (
+        results["lookup full hit, ndarray"][0],
+        results["lookup full hit, list"][0],
+        results["insert"][0],
+    )
+    print(
+        f"targets: lookup ndarray {lk:.1f}/12 us, list {ll:.1f}/25 us, insert {ins:.1f}/80 us, "
+        f"memory {per_block:.0f}/600 B"
+    )
+    base = results["baseline"][0]
+    print(
+        f"ratio, full-hit lookup of a list, baseline / kvtier (3 tiers tracked): "
+        f"{base / ll:.2f}x (ndarray: {base / lk:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

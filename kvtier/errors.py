@@ -1,0 +1,64 @@
+"""Typed errors for the caller's mistakes and for conditions the caller must handle.
+
+Contract: every error raised at a public boundary of kvtier is a `KVTierError`. Its message
+names the bad value and what was expected, so that a log line alone tells an operator what to
+fix. Errors of the caller never change stored state: the raising method checks before it
+commits. Our own bugs are `assert`s (or `InvariantError` from a `check()`), never these.
+
+Each error also subclasses the closest builtin (`ValueError`, `KeyError`, ...), so callers that
+catch builtins keep working.
+"""
+
+from __future__ import annotations
+
+
+class KVTierError(Exception):
+    """Base of every kvtier error."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """A configuration value is invalid. `field` is the dotted path, e.g. `tiers.gpu.capacity`."""
+
+    def __init__(self, field: str, value: object, expected: str) -> None:
+        self.field = field
+        self.value = value
+        self.expected = expected
+        super().__init__(f"config field {field!r}: got {value!r}, expected {expected}")
+
+
+class InvalidTokensError(KVTierError, ValueError):
+    """Token ids are not a 1-D sequence of non-negative integers below 2**32."""
+
+
+class InvalidKVError(KVTierError, ValueError):
+    """A KV tensor has the wrong dtype, shape or device for the store's layout."""
+
+
+class UnknownTenantError(KVTierError, KeyError):
+    """A tenant id that the configuration does not list."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class LeaseError(KVTierError, KeyError):
+    """A lease id that is unknown, already released or expired."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class CapacityError(KVTierError, MemoryError):
+    """A request cannot be satisfied within a tier's capacity; nothing was changed."""
+
+
+class ClosedError(KVTierError, RuntimeError):
+    """The store (or one of its parts) was closed."""
+
+
+class InvariantError(KVTierError, AssertionError):
+    """`check()` found state that breaks a DESIGN.md invariant; the message has the numbers."""
+
+
+class InvalidArgumentError(KVTierError, ValueError):
+    """Another argument of a public method is out of range or of the wrong type."""

@@ -1,0 +1,131 @@
+"""`RadixIndex.check()`: recompute everything the index keeps incrementally and compare.
+
+Verifies DESIGN invariants 2-5 as far as the index holds them:
+2. no orphans: every node hangs from its parent under the key of its first block, and every
+   node holds at least one block;
+3. prefix closure per tier: along every path, the fastest tier of each block is non-decreasing
+   (so for each tier, the blocks with a copy there or faster form a tree from the root), and
+   every block has at least one copy;
+4. every live lease still finds a copy of each of its blocks in each leased tier, and each
+   node's lock counts equal the leases covering it;
+5. per-tier resident counts equal a recount, and no slot holds two blocks of one tier.
+Also the derived fields (`depth`, `child_res`, eviction candidates, block and node counts).
+The store checks the pools' byte accounting against `resident()`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier.errors import InvariantError
+from kvtier.index.node import Node, depth_of
+
+if TYPE_CHECKING:
+    from kvtier.index.radix import RadixIndex
+
+
+def check_index(index: RadixIndex) -> None:
+    num_tiers = len(index.tiers)
+    kb, ds = index.key_nbytes, index.digest_size
+    resident = [0] * num_tiers
+    seen_slots: list[set[int]] = [set() for _ in range(num_tiers)]
+    blocks = nodes = 0
+    expected_locks: dict[Node, list[int]] = {}
+    for record in index.leases:
+        node = record.end
+        while node.parent is not None:
+            counts = expected_locks.setdefault(node, [0] * num_tiers)
+            for tier in record.tiers:
+                counts[tier] += 1
+            for tier in record.tiers:
+                missing = sum(1 for slot in node.slots[tier] if slot is None)
+                _expect(
+                    missing == 0,
+                    f"lease {record.lease_id}: {missing} blocks of a leased "
+                    f"node lost their {index.tiers[tier]} copy",
+                )
+            node = node.parent
+    for namespace, root in index._roots.items():
+        _expect(
+            root.parent is None and root.key == b"" and root.ids == namespace,
+            f"namespace root {namespace.hex()} is malformed",
+        )
+        _expect(root.children is not None, f"namespace {namespace.hex()} has an empty root")
+        stack = [(root, -1)]
+        while stack:
+            node, parent_fastest = stack.pop()
+            if node.parent is not None:
+                nodes += 1
+                size = node.size
+                blocks += size
+                _expect(size > 0, f"node {node!r} holds no block")
+                _expect(
+                    len(node.key) == size * kb and len(node.ids) == size * ds,
+                    f"node key/ids lengths {len(node.key)}/{len(node.ids)} for {size} blocks",
+                )
+                _expect(
+                    all(len(f) == size for f in node.slots),
+                    f"slot field lengths {[len(f) for f in node.slots]} for {size} blocks",
+                )
+                prev = parent_fastest
+                for i in range(size):
+                    fastest = node.fastest(i)
+                    _expect(fastest < num_tiers, f"block {i} of {node!r} has no copy anywhere")
+                    _expect(
+                        fastest >= prev,
+                        f"prefix closure broken: block {i} of {node!r} is on "
+                        f"tier {fastest} below a parent block on tier {prev}",
+                    )
+                    prev = fastest
+                for tier, fields in enumerate(node.slots):
+                    for slot in fields:
+                        if slot is not None:
+                            resident[tier] += 1
+                            _expect(
+                                slot not in seen_slots[tier],
+                                f"{index.tiers[tier]} slot {slot} holds two blocks",
+                            )
+                            seen_slots[tier].add(slot)
+                _expect(
+                    node.depth == depth_of(node.slots),
+                    f"{node!r}: depth {node.depth} != recount {depth_of(node.slots)}",
+                )
+                locks = node.locks or [0] * num_tiers
+                want = expected_locks.get(node, [0] * num_tiers)
+                _expect(locks == want, f"{node!r}: locks {locks} != leases covering it {want}")
+                parent_fastest = prev
+            children = node.children or {}
+            _expect(node.children is None or len(children) > 0, f"{node!r}: empty children dict")
+            res = [sum(1 for c in children.values() if c.depth[t] > 0) for t in range(num_tiers)]
+            _expect(node.child_res == res, f"{node!r}: child_res {node.child_res} != {res}")
+            for first, child in children.items():
+                _expect(child.parent is node, f"{child!r} does not point back to its parent")
+                _expect(child.key[:kb] == first, f"{child!r} is filed under another key")
+                stack.append((child, parent_fastest))
+            _check_candidacy(index, node)
+    _expect(
+        resident == [index.resident(t) for t in range(num_tiers)],
+        f"resident blocks per tier {[index.resident(t) for t in range(num_tiers)]} "
+        f"!= recount {resident}",
+    )
+    _expect(blocks == index.num_blocks, f"num_blocks {index.num_blocks} != recount {blocks}")
+    _expect(nodes == index.num_nodes, f"num_nodes {index.num_nodes} != recount {nodes}")
+    for tier in range(num_tiers):
+        stale = [n for n in index.candidates(tier) if n.parent is None]
+        _expect(not stale, f"{len(stale)} detached nodes are still {index.tiers[tier]} candidates")
+
+
+def _check_candidacy(index: RadixIndex, node: Node) -> None:
+    if node.parent is None:
+        return
+    lo = 0
+    for tier, hi in enumerate(node.depth):
+        want = hi > lo and (hi < node.size or node.child_res[tier] == 0) and not node.locked(tier)
+        have = node in index.candidates(tier)
+        _expect(want == have, f"{node!r}: {index.tiers[tier]} candidate is {have}, expected {want}")
+        lo = hi
+
+
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvariantError(message)

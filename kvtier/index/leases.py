@@ -1,0 +1,98 @@
+"""Leases: read locks on a cached prefix in some tiers, with an expiry.
+
+A lease covers every block from a namespace root down to the end of one node (leases end on
+node boundaries: the index splits a node where a leased prefix ends). Acquiring it adds one to
+`node.locks[t]` for each leased tier t on every node of that path; a locked node offers no
+eviction candidate in that tier, so leased copies are never evicted (DESIGN invariant 4).
+Leases expire at `expires_at` (a caller-supplied clock reading), so a crashed client cannot pin
+memory forever; the store calls `expire(now)`. The store's own short pins are leases that
+never expire, released before the store call returns.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.errors import LeaseError
+from kvtier.index.node import Node
+from kvtier.index.results import LeaseId
+
+if TYPE_CHECKING:
+    from kvtier.index.radix import RadixIndex
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    lease_id: LeaseId
+    end: Node
+    tiers: tuple[int, ...]
+    expires_at: float
+    num_blocks: int
+
+
+class LeaseTable:
+    def __init__(self, index: RadixIndex) -> None:
+        self._index = index
+        self._records: dict[LeaseId, LeaseRecord] = {}
+        self._expiry: list[tuple[float, LeaseId]] = []
+        self._next = 1
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self._records
+
+    def __iter__(self) -> Iterator[LeaseRecord]:
+        return iter(list(self._records.values()))
+
+    def get(self, lease_id: LeaseId) -> LeaseRecord:
+        record = self._records.get(lease_id)
+        if record is None:
+            raise LeaseError(f"lease {lease_id}: unknown, released or expired")
+        return record
+
+    def acquire(
+        self, end: Node, tiers: tuple[int, ...], expires_at: float, num_blocks: int
+    ) -> LeaseRecord:
+        """Lock the prefix ending at `end` in `tiers` until `expires_at` (math.inf: never)."""
+        record = LeaseRecord(LeaseId(self._next), end, tiers, expires_at, num_blocks)
+        self._next += 1
+        self._records[record.lease_id] = record
+        if expires_at != math.inf:
+            heapq.heappush(self._expiry, (expires_at, record.lease_id))
+        self._lock(end, tiers, +1)
+        return record
+
+    def release(self, lease_id: LeaseId) -> LeaseRecord:
+        """Unlock a lease; LeaseError if it is unknown (never acquired, released or expired)."""
+        record = self._records.pop(lease_id, None)
+        if record is None:
+            raise LeaseError(f"lease {lease_id}: unknown, released or expired")
+        self._lock(record.end, record.tiers, -1)
+        return record
+
+    def expire(self, now: float) -> list[LeaseRecord]:
+        """Release every lease whose expiry is at or before `now`; return them."""
+        expired = []
+        while self._expiry and self._expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiry)
+            if lease_id in self._records:
+                expired.append(self.release(lease_id))
+        return expired
+
+    def _lock(self, end: Node, tiers: tuple[int, ...], delta: int) -> None:
+        num_tiers = len(self._index.tiers)
+        node = end
+        while node.parent is not None:
+            if node.locks is None:
+                node.locks = [0] * num_tiers
+            for tier in tiers:
+                node.locks[tier] += delta
+                assert node.locks[tier] >= 0, "lock count below zero"
+            self._index._refresh(node)
+            node = node.parent

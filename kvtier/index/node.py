@@ -1,0 +1,99 @@
+"""One node of the radix index: a run of consecutive blocks with no branch inside it.
+
+A node holds `n` blocks (path compression): their token bytes `key` (n * key_nbytes), their
+ids `ids` (n * digest_size) and, per tier, a list of n slot fields. A block has a copy in tier t
+exactly when `slots[t][i] is not None`: residency is read from which fields are set, never from
+a status flag that could drift.
+
+    tiers:      0=gpu  1=host  2=disk        (fastest first)
+    block i:      0      1      2      3     (n = 4)
+    slots[0]:   [ 7,     3,   None,  None]   gpu copies of blocks 0 and 1
+    slots[1]:   [None,  12,    13,   None]
+    slots[2]:   [ 40,   41,    42,    43 ]
+    fastest:      0      0      1      2
+    depth:      [2, 3, 4]    depth[t] = number of blocks whose fastest copy is in tier <= t
+
+Prefix closure (DESIGN invariant 3) makes `fastest` non-decreasing along a path, so the blocks
+whose fastest tier is <= t are always the first `depth[t]` blocks of a node: a lookup splits a
+match by tier with one `min()` per tier, no per-block scan.
+
+`child_res[t]` counts the children whose first block has a copy in a tier <= t (their
+depth[t] > 0); with it, "is the tail of this node's tier-t run a leaf of tier t?" is O(1).
+`tick` is the index's clock reading at the node's last use (recency); `hits` counts the lookups
+and matches that walked through it (for the `selective` write policy).
+`locks[t]` counts the leases (and the store's short pins) on tier t whose prefix covers this
+node; None until the node is first locked, to keep unleased nodes small.
+
+The root of each namespace is a node with no blocks whose `ids` holds the namespace seed, so the
+parent id of any block is `parent.ids[-digest_size:]` without a special case.
+
+Only `RadixIndex` writes these fields; `index/check.py` recomputes every derived one.
+"""
+
+from __future__ import annotations
+
+Slot = int | None
+
+
+class Node:
+    __slots__ = (
+        "child_res",
+        "children",
+        "depth",
+        "hits",
+        "ids",
+        "key",
+        "locks",
+        "parent",
+        "slots",
+        "tick",
+    )
+
+    def __init__(
+        self,
+        parent: Node | None,
+        key: bytes,
+        ids: bytes,
+        slots: list[list[Slot]],
+        depth: list[int],
+        tick: int,
+    ) -> None:
+        self.parent = parent
+        self.key = key
+        self.ids = ids
+        self.slots = slots
+        self.children: dict[bytes, Node] | None = None
+        self.depth = depth
+        self.child_res = [0] * len(slots)
+        self.locks: list[int] | None = None
+        self.tick = tick
+        self.hits = 0
+
+    @property
+    def size(self) -> int:
+        """Number of blocks in this node (0 for a namespace root)."""
+        return len(self.slots[0])
+
+    def locked(self, tier: int) -> bool:
+        return self.locks is not None and self.locks[tier] > 0
+
+    def fastest(self, i: int) -> int:
+        """Index of the fastest tier holding block i; the number of tiers when none does."""
+        for tier, fields in enumerate(self.slots):
+            if fields[i] is not None:
+                return tier
+        return len(self.slots)
+
+    def __repr__(self) -> str:
+        return f"Node(size={self.size}, depth={self.depth}, tick={self.tick})"
+
+
+def depth_of(slots: list[list[Slot]]) -> list[int]:
+    """`depth` computed from slot fields (see the module docstring). O(n * tiers)."""
+    num_tiers = len(slots)
+    depth = [0] * num_tiers
+    for fields in zip(*slots, strict=True):
+        fastest = next((t for t, slot in enumerate(fields) if slot is not None), num_tiers)
+        for tier in range(fastest, num_tiers):
+            depth[tier] += 1
+    return depth

@@ -1,0 +1,37 @@
+"""Write policies: when a block gets a copy in the next slower tier (DESIGN "Movement policy").
+
+A table of small strategies, chosen by `policy.write` in the config:
+
+| policy          | copy down when stored | copy down when demoted                          |
+|-----------------|-----------------------|-------------------------------------------------|
+| `write_through` | yes                   | yes (when no copy below exists yet)             |
+| `write_back`    | no                    | yes                                             |
+| `selective`     | no                    | only blocks hit at least `selective_hits` times; |
+|                 |                       | a colder leaf is dropped instead                 |
+
+A block that cannot be dropped (it has children still cached) is always copied down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WritePolicy:
+    name: str
+    copy_on_store: bool
+    min_hits_to_keep: int  # a demoted block with fewer hits is dropped, if it is a leaf
+
+    def keep_on_demote(self, hits: int) -> bool:
+        return hits >= self.min_hits_to_keep
+
+
+def write_policy(name: str, selective_hits: int) -> WritePolicy:
+    """The strategy for a validated `policy.write` value."""
+    table = {
+        "write_through": WritePolicy("write_through", copy_on_store=True, min_hits_to_keep=0),
+        "write_back": WritePolicy("write_back", copy_on_store=False, min_hits_to_keep=0),
+        "selective": WritePolicy("selective", copy_on_store=False, min_hits_to_keep=selective_hits),
+    }
+    return table[name]

@@ -1,0 +1,66 @@
+"""The store's status as plain data (DESIGN "Status and metrics").
+
+Every figure is read from the live objects when asked: capacity and use from the pools,
+residency from the index, leases from the lease table, bytes moved from the executor; only
+event counts (hits, demotions, ...) are counters, because events leave no other trace.
+Field names are the API of `GET /v1/status` (issue 6): add fields, never rename them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.store import KVStore
+
+
+def store_status(store: KVStore) -> dict[str, Any]:
+    index = store.index
+    leased_blocks = [0] * len(store.pools)
+    seen: set[int] = set()
+    for record in index.leases:
+        node = record.end
+        while node.parent is not None and id(node) not in seen:
+            seen.add(id(node))
+            for tier in record.tiers:
+                leased_blocks[tier] += node.size
+            node = node.parent
+    tiers = {}
+    for tier, (pool, counters) in enumerate(zip(store.pools, store.counters, strict=True)):
+        moved_out = sum(n for (src, _), n in store.executor.bytes_moved.items() if src == pool.name)
+        moved_in = sum(n for (_, dst), n in store.executor.bytes_moved.items() if dst == pool.name)
+        tiers[pool.name] = {
+            "device": str(pool.device),
+            "capacity_bytes": pool.capacity_bytes,
+            "used_bytes": pool.used_bytes,
+            "slots": pool.num_slots,
+            "free_slots": pool.num_free,
+            "blocks": index.resident(tier),
+            "leased_blocks": leased_blocks[tier],
+            "hits": counters.hits,
+            "promotions": counters.promotions,
+            "demotions": counters.demotions,
+            "evictions": counters.evictions,
+            "bytes_in": moved_in,
+            "bytes_out": moved_out,
+        }
+    lookups = store.ops["lookup_tokens"]
+    return {
+        "layout": {
+            "model": store.layout.model_name,
+            "block_tokens": store.layout.block_tokens,
+            "block_bytes": store.layout.block_bytes,
+            "dtype": store.layout.dtype_name,
+        },
+        "tiers": tiers,
+        "index": {
+            "blocks": index.num_blocks,
+            "nodes": index.num_nodes,
+            "namespaces": index.num_namespaces,
+            "tenants": len(store.config.tenants),
+            "leases": len(index.leases),
+        },
+        "policy": {"write": store.policy.name},
+        "ops": dict(store.ops),
+        "hit_rate": store.ops["hit_tokens"] / lookups if lookups else 0.0,
+    }

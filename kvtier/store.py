@@ -1,0 +1,429 @@
+"""KVStore: the public, in-process API of kvtier (DESIGN "Engine contract").
+
+    store = KVStore(load_config("configs/default.yaml"))       # or KVStore() for the defaults
+    hit = store.lookup(tokens)                                 # cached prefix, split by tier
+    lease = store.prefetch(tokens)                             # prefix on gpu, locked
+    ... attention reads store.gpu_pool.buffer[lease.block_table] ...
+    store.release(lease)
+    store.store(tokens, kv)                                    # the new full blocks
+    kv = store.load(tokens).kv                                 # or copy the prefix out
+
+Contract:
+- Only whole blocks of `block_tokens` tokens are cached; a partial last block is ignored.
+- Blocks are immutable and shared: storing a prefix that is cached stores nothing twice.
+- `kv` tensors are `[num_layers, 2, num_tokens, num_kv_heads, head_dim]` in the layout's dtype.
+- Every method validates its arguments first: bad input raises a `kvtier.errors` exception
+  naming the bad value and changes nothing.
+- `lookup` changes only recency; `load` returns a new tensor; `prefetch` is all or nothing.
+- When a tier needs room, its least-recently-used unleased leaves move down (gpu -> host) and
+  the lowest tier drops leaves (`transfer/demotion.py`). The disk tier (issue 3) and the
+  background mover (issue 4) plug in at `self.pools` and `self.demoter`.
+- Thread-safe: one lock serialises calls. Leases expire after `policy.lease_ttl_s` seconds of
+  the store's clock.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvtier.config import KVTierConfig, load_config
+from kvtier.errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    InvalidArgumentError,
+    InvalidKVError,
+    InvariantError,
+    UnknownTenantError,
+)
+from kvtier.hashing import BlockHasher, BlockId, tenant_salt
+from kvtier.index import LeaseId, Match, RadixIndex
+from kvtier.policy import write_policy
+from kvtier.results import Lease, LoadResult, LookupResult, StoreResult
+from kvtier.status import store_status
+from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
+from kvtier.tiers.gpu import resolve_device
+from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
+from kvtier.transfer import InlineExecutor, Transfer
+from kvtier.transfer.demotion import Demoter, TierCounters
+
+GPU, HOST = 0, 1
+
+
+class KVStore:
+    def __init__(
+        self,
+        config: KVTierConfig | None = None,
+        *,
+        secret: bytes = b"",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Build the pools and the index of `config` (the embedded default when None).
+        `secret` keys the tenant salts (the sidecar persists one); `clock` drives leases."""
+        self.config = config if config is not None else KVTierConfig()
+        if self.config.tiers.disk is not None:
+            raise ConfigError("tiers.disk", "configured", "no disk tier: it comes with issue 3")
+        self.layout = self.config.layout
+        self.block_tokens = self.layout.block_tokens
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._closed = False
+        gpu_cfg, host_cfg = self.config.tiers.gpu, self.config.tiers.host
+        device = resolve_device(gpu_cfg.device)
+        self.pools: list[SlotPool] = [
+            GpuPool.create(
+                self.layout, gpu_cfg.capacity.resolve(free_device_bytes(device)), gpu_cfg.device
+            ),
+            HostPool.create(
+                self.layout, host_cfg.capacity.resolve(available_host_bytes()), host_cfg.pinned
+            ),
+        ]
+        self.tier_names = self.config.tier_names
+        hasher = BlockHasher(self.config.hashing.algorithm)
+        self.index = RadixIndex(self.tier_names, self.block_tokens, hasher)
+        self._namespaces: dict[str, BlockId] = {
+            tenant: hasher.seed(self.layout.fingerprint, tenant_salt(tenant, secret))
+            for tenant in self.config.tenants
+        }
+        self.policy = write_policy(self.config.policy.write, self.config.policy.selective_hits)
+        self.executor = InlineExecutor()
+        self.counters = [TierCounters() for _ in self.pools]
+        self.demoter = Demoter(self.index, self.pools, self.executor, self.policy, self.counters)
+        self.ops: dict[str, int] = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_tokens",
+                "hit_tokens",
+                "stores",
+                "stored_tokens",
+                "dropped_tokens",
+                "loads",
+                "loaded_tokens",
+                "prefetches",
+                "leases_expired",
+            ),
+            0,
+        )
+        self._leases: dict[LeaseId, Lease] = {}
+
+    @classmethod
+    def from_file(cls, path: str, **kwargs: Any) -> KVStore:
+        return cls(load_config(path), **kwargs)
+
+    @property
+    def gpu_pool(self) -> SlotPool:
+        return self.pools[GPU]
+
+    @property
+    def host_pool(self) -> SlotPool:
+        return self.pools[HOST]
+
+    # ---- the engine contract -------------------------------------------------------------
+
+    def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
+        """Cached leading tokens of `tokens`, split by tier. Changes only recency."""
+        key = encode_tokens(tokens)
+        with self._lock:
+            namespace = self._namespace(tenant)
+            hit = self.index.lookup(namespace, key)
+            self.ops["lookups"] += 1
+            self.ops["lookup_tokens"] += len(key) // TOKEN_NBYTES
+            self.ops["hit_tokens"] += hit.num_blocks * self.block_tokens
+            bt = self.block_tokens
+            by_tier = hit.tier_blocks
+            for tier, count in enumerate(by_tier):
+                self.counters[tier].hits += count
+            disk = by_tier[2] if len(by_tier) > 2 else 0
+            return LookupResult(hit.num_blocks * bt, by_tier[0] * bt, by_tier[1] * bt, disk * bt)
+
+    def store(self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default") -> StoreResult:
+        """Cache the full blocks of `tokens` that are not cached yet, with their KV.
+
+        `kv` is `[num_layers, 2, len(tokens), num_kv_heads, head_dim]`. New blocks go to the
+        fastest tier that prefix closure allows (gpu, unless the cached prefix before them has
+        left the gpu) and, under `write_through`, to host as well. If no tier can make room for
+        all of them (everything evictable is leased), nothing is stored and they are counted as
+        dropped."""
+        key = encode_tokens(tokens)
+        num_tokens = len(key) // TOKEN_NBYTES
+        self._check_kv(kv, num_tokens)
+        with self._lock:
+            namespace = self._namespace(tenant)
+            self._expire()
+            bt = self.block_tokens
+            match = self.index.match(namespace, key)
+            new_blocks = num_tokens // bt - match.num_blocks
+            self.ops["stores"] += 1
+            if new_blocks <= 0:
+                return StoreResult(match.num_blocks * bt, 0, 0)
+            pin = self.index.leases.acquire(match.end, tuple(range(len(self.pools))), math.inf, 0)
+            try:
+                slots = self._place(match, new_blocks)
+                if slots is None:
+                    self.ops["dropped_tokens"] += new_blocks * bt
+                    return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
+                start = match.num_blocks * bt
+                blocks = _to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
+                for tier, tier_slots in slots.items():
+                    self.pools[tier].write(tier_slots, blocks)
+                self.index.insert(match, key, slots)
+            finally:
+                self.index.leases.release(pin.lease_id)
+            self.ops["stored_tokens"] += new_blocks * bt
+            self._enforce_watermarks()
+            return StoreResult((match.num_blocks + new_blocks) * bt, new_blocks * bt, 0)
+
+    def load(
+        self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
+    ) -> LoadResult:
+        """The KV of the cached prefix of `tokens`, read from the fastest copy of each block,
+        as a new tensor on `device` (default: the gpu tier's device)."""
+        key = encode_tokens(tokens)
+        with self._lock:
+            namespace = self._namespace(tenant)
+            self._expire()
+            match = self.index.match(namespace, key)
+            target = torch.device(device) if device is not None else self.gpu_pool.device
+            blocks = torch.empty(
+                (match.num_blocks, *self.layout.block_shape), dtype=self.layout.dtype, device=target
+            )
+            by_tier: dict[int, tuple[list[int], list[int]]] = {}
+            for position, ref in enumerate(self.index.blocks(match.end)):
+                tier = ref.node.fastest(ref.i)
+                slot = ref.node.slots[tier][ref.i]
+                assert slot is not None
+                positions, slots = by_tier.setdefault(tier, ([], []))
+                positions.append(position)
+                slots.append(slot)
+            for tier, (positions, slots) in by_tier.items():
+                data = self.pools[tier].read(slots).to(target)
+                blocks[positions[0] : positions[-1] + 1] = data  # closure: one run per tier
+            self.ops["loads"] += 1
+            self.ops["loaded_tokens"] += match.num_blocks * self.block_tokens
+            return LoadResult(match.num_blocks * self.block_tokens, _from_blocks(blocks))
+
+    def prefetch(
+        self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
+    ) -> Lease:
+        """Bring the whole cached prefix of `tokens` to the gpu tier and lease it there.
+
+        All or nothing: if the gpu tier cannot hold the prefix beside what is leased, raise
+        `CapacityError` and lease nothing. A prefix with no cached block gives an empty lease
+        (num_tokens 0), which must be released like any other."""
+        key = encode_tokens(tokens)
+        ttl = self.config.policy.lease_ttl_s if ttl_s is None else ttl_s
+        if not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
+            raise InvalidArgumentError(
+                f"ttl_s: got {ttl_s!r}, expected a finite number of seconds > 0"
+            )
+        with self._lock:
+            namespace = self._namespace(tenant)
+            self._expire()
+            match = self.index.match(namespace, key)
+            pin = self.index.leases.acquire(match.end, tuple(range(len(self.pools))), math.inf, 0)
+            try:
+                self._promote(match)
+                record = self.index.leases.acquire(
+                    match.end, (GPU,), self._clock() + ttl, match.num_blocks
+                )
+            finally:
+                self.index.leases.release(pin.lease_id)
+            table = tuple(
+                self._slot(ref.node.slots[GPU][ref.i]) for ref in self.index.blocks(match.end)
+            )
+            lease = Lease(
+                record.lease_id,
+                tenant,
+                match.num_blocks * self.block_tokens,
+                table,
+                record.expires_at,
+            )
+            self._leases[record.lease_id] = lease
+            self.ops["prefetches"] += 1
+            return lease
+
+    def release(self, lease: Lease | int) -> None:
+        """Unlock a lease. `LeaseError` if it is unknown, released or expired."""
+        lease_id = LeaseId(lease.lease_id if isinstance(lease, Lease) else lease)
+        with self._lock:
+            self._ensure_open()
+            self.index.leases.release(lease_id)
+            del self._leases[lease_id]
+
+    def leases(self) -> list[Lease]:
+        """The live leases."""
+        with self._lock:
+            self._expire()
+            return list(self._leases.values())
+
+    # ---- operations ------------------------------------------------------------------------
+
+    def evict(self, tier: str, num_blocks: int) -> int:
+        """Free up to `num_blocks` slots of `tier` by demotion; return how many were freed."""
+        if tier not in self.tier_names:
+            raise InvalidArgumentError(f"tier: got {tier!r}, expected one of {self.tier_names}")
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise InvalidArgumentError(f"num_blocks: got {num_blocks!r}, expected an int >= 0")
+        with self._lock:
+            self._ensure_open()
+            pool = self.pools[self.tier_names.index(tier)]
+            before = pool.num_free
+            self.demoter.make_room(
+                self.tier_names.index(tier), min(pool.num_slots, before + num_blocks)
+            )
+            return pool.num_free - before
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-able snapshot of tiers, index, leases and counters (`status.py`)."""
+        with self._lock:
+            self._ensure_open()
+            self._expire()
+            return store_status(self)
+
+    def check(self) -> None:
+        """Verify DESIGN invariants 2-5 across index and pools; raise `InvariantError`."""
+        with self._lock:
+            self._ensure_open()
+            self.index.check()
+            for tier, pool in enumerate(self.pools):
+                pool.check()
+                in_index = self.index.resident(tier)
+                if pool.num_used != in_index:
+                    raise InvariantError(
+                        f"{pool.name}: {pool.num_used} slots in use but {in_index} blocks "
+                        f"resident in the index ({pool.used_bytes} bytes vs "
+                        f"{in_index * self.layout.block_bytes})"
+                    )
+            leased = {lid for lid in self._leases}
+            indexed = {r.lease_id for r in self.index.leases}
+            if leased != indexed:
+                raise InvariantError(f"leases: store has {sorted(leased)}, index {sorted(indexed)}")
+            for lease in self._leases.values():
+                record = self.index.leases.get(LeaseId(lease.lease_id))
+                now = tuple(ref.node.slots[GPU][ref.i] for ref in self.index.blocks(record.end))
+                if now != lease.block_table:
+                    raise InvariantError(
+                        f"lease {lease.lease_id}: block table "
+                        f"{lease.block_table} but gpu slots are now {now}"
+                    )
+
+    def close(self) -> None:
+        """Drop every lease and free the pools. Later calls raise `ClosedError`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._leases.clear()
+            for pool in self.pools:
+                pool.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _namespace(self, tenant: str) -> BlockId:
+        self._ensure_open()
+        namespace = self._namespaces.get(tenant)
+        if namespace is None:
+            raise UnknownTenantError(
+                f"tenant {tenant!r}: unknown, expected one of {sorted(self._namespaces)}"
+            )
+        return namespace
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the store is closed")
+
+    def _expire(self) -> None:
+        for record in self.index.leases.expire(self._clock()):
+            self._leases.pop(record.lease_id, None)
+            self.ops["leases_expired"] += 1
+
+    def _check_kv(self, kv: object, num_tokens: int) -> None:
+        layout = self.layout
+        want = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidKVError(f"kv: got {type(kv).__name__}, expected a torch.Tensor")
+        if kv.dtype != layout.dtype:
+            raise InvalidKVError(f"kv: got dtype {kv.dtype}, expected {layout.dtype}")
+        if tuple(kv.shape) != want:
+            raise InvalidKVError(
+                f"kv: got shape {tuple(kv.shape)}, expected {want} "
+                "= [num_layers, 2, len(tokens), num_kv_heads, head_dim]"
+            )
+
+    def _place(self, match: Match, count: int) -> dict[int, list[int]] | None:
+        """Slots for `count` new blocks after `match`: the fastest tier that closure allows and
+        that can make room, plus host under write_through. None when no tier can."""
+        first = 0 if match.end.parent is None else match.end.fastest(match.end.size - 1)
+        for tier in range(first, len(self.pools)):
+            if not self.demoter.make_room(tier, count):
+                continue
+            slots = {tier: self.pools[tier].allocate(count)}
+            if tier == GPU and self.policy.copy_on_store and self.demoter.make_room(HOST, count):
+                slots[HOST] = self.pools[HOST].allocate(count)
+            return slots
+        return None
+
+    def _promote(self, match: Match) -> None:
+        """Copy the blocks of `match` that are not on gpu up to gpu (they are a suffix of it,
+        by prefix closure), all or nothing; the caller has pinned the match."""
+        missing = [
+            ref for ref in self.index.blocks(match.end) if ref.node.slots[GPU][ref.i] is None
+        ]
+        if not missing:
+            return
+        if not self.demoter.make_room(GPU, len(missing)):
+            raise CapacityError(
+                f"prefetch: {len(missing)} blocks must come up to gpu, but only "
+                f"{self.gpu_pool.num_free} of {self.gpu_pool.num_slots} gpu slots can be freed "
+                "(the rest hold leased or pinned blocks)"
+            )
+        dst = self.gpu_pool.allocate(len(missing))
+        sources: dict[int, tuple[list[int], list[int]]] = {}
+        for ref, slot in zip(missing, dst, strict=True):
+            tier = ref.node.fastest(ref.i)
+            src_slots, dst_slots = sources.setdefault(tier, ([], []))
+            src_slots.append(self._slot(ref.node.slots[tier][ref.i]))
+            dst_slots.append(slot)
+        for tier, (src_slots, dst_slots) in sources.items():
+            self.executor.run(
+                Transfer(self.pools[tier], tuple(src_slots), self.gpu_pool, tuple(dst_slots))
+            )
+        for ref, slot in zip(missing, dst, strict=True):  # root first: closure holds each step
+            self.index.set_slot(ref, GPU, slot)
+        self.counters[GPU].promotions += len(missing)
+
+    def _enforce_watermarks(self) -> None:
+        for tier, pool in enumerate(self.pools):
+            tier_cfg = self.config.tiers.gpu if tier == GPU else self.config.tiers.host
+            if pool.num_used > tier_cfg.high_watermark * pool.num_slots:
+                self.demoter.demote_to(tier, int(tier_cfg.low_watermark * pool.num_slots))
+
+    @staticmethod
+    def _slot(slot: int | None) -> int:
+        assert slot is not None
+        return slot
+
+
+def _to_blocks(kv: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """`[L, 2, n*bt, H, D]` -> a `[n, L, 2, bt, H, D]` view (no copy)."""
+    layers, two, tokens, heads, dim = kv.shape
+    n = tokens // block_tokens
+    return kv.reshape(layers, two, n, block_tokens, heads, dim).permute(2, 0, 1, 3, 4, 5)
+
+
+def _from_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """`[n, L, 2, bt, H, D]` -> a contiguous `[L, 2, n*bt, H, D]`."""
+    n, layers, two, bt, heads, dim = blocks.shape
+    return blocks.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, n * bt, heads, dim)

@@ -1,0 +1,46 @@
+"""`HostPool`: the `host` tier, a `SlotPool` in CPU memory, pinned when CUDA is present.
+
+Contract:
+- `HostPool.create(layout, capacity_bytes, pinned)` resolves `tiers.host.pinned` once: `"auto"`
+  pins when CUDA is available (so host<->device copies can run asynchronously on their own
+  streams), `False` never pins, `True` pins and is a `ConfigError` on a machine without CUDA.
+  Anything else is a `ConfigError`. Nothing is allocated when the value is refused.
+- The buffer is always on the CPU; the pool's name is always `"host"`.
+- Seam: the memory comes from `_allocate_buffer` (see `SlotPool`). Placing the host pool in
+  POSIX shared memory, so that a sidecar's client can map it (DESIGN.md, engine contract), is a
+  subclass that overrides that one method; the slot bookkeeping does not change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+from kvtier.tiers.pool import SlotPool
+
+_FIELD = "tiers.host.pinned"
+
+
+def resolve_pinned(value: str | bool) -> bool:
+    """Whether a configured `tiers.host.pinned` pins memory on this machine, or `ConfigError`."""
+    cuda = torch.cuda.is_available()
+    if value == "auto":
+        return cuda
+    if value is False:
+        return False
+    if value is True:
+        if not cuda:
+            raise ConfigError(_FIELD, value, "'auto' or false on a machine without CUDA")
+        return True
+    raise ConfigError(_FIELD, value, "'auto', true or false")
+
+
+class HostPool(SlotPool):
+    """The `host` tier: slots in (optionally pinned) CPU memory."""
+
+    @classmethod
+    def create(cls, layout: KVLayout, capacity_bytes: int, pinned: str | bool = "auto") -> HostPool:
+        """A `host` pool of `capacity_bytes // layout.block_bytes` slots in CPU memory."""
+        pin = resolve_pinned(pinned)
+        return cls.with_capacity("host", layout, capacity_bytes, torch.device("cpu"), pin)

@@ -1,0 +1,277 @@
+"""Slot pools: exact slot ids, all-or-nothing errors, bit-exact data, exact accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError
+from kvtier.layout import KVLayout
+from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
+from kvtier.tiers.memory import parse_mem_available
+
+CPU = torch.device("cpu")
+INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+CUDA = torch.cuda.is_available()
+
+
+def tiny(dtype_name: str = "bfloat16") -> KVLayout:
+    return KVLayout(
+        "tiny", num_layers=2, num_kv_heads=2, head_dim=4, dtype_name=dtype_name, block_tokens=4
+    )
+
+
+def pool(num_slots: int = 4, dtype_name: str = "bfloat16") -> SlotPool:
+    return SlotPool("gpu", tiny(dtype_name), num_slots, CPU)
+
+
+def random_blocks(layout: KVLayout, n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *layout.block_shape), generator=gen).to(layout.dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT_VIEW[t.dtype])
+
+
+def test_fresh_pool_hands_out_in_order_and_reuses_last_freed_first() -> None:
+    p = pool(4)
+    assert p.allocate(3) == [0, 1, 2]
+    p.free([1])
+    assert p.allocate(1) == [1]
+    p.free([0, 2])
+    assert p.allocate(2) == [2, 0]
+    assert (p.num_used, p.num_free) == (3, 1)
+    assert p.used_bytes == 3 * p.layout.block_bytes
+    p.check()
+
+
+def test_allocate_beyond_free_raises_and_changes_nothing() -> None:
+    p = pool(4)
+    p.allocate(3)
+    assert p.can_allocate(1) and not p.can_allocate(2)
+    with pytest.raises(CapacityError, match=r"'gpu'.*allocate 2 slots.*only 1 of 4 free"):
+        p.allocate(2)
+    assert p.num_free == 1
+    assert [p.is_allocated(s) for s in range(4)] == [True, True, True, False]
+    p.check()
+    assert p.allocate(1) == [3]
+
+
+def test_allocate_zero_and_negative() -> None:
+    p = pool(2)
+    assert p.allocate(0) == []
+    with pytest.raises(ValueError, match="-1"):
+        p.allocate(-1)
+    assert p.num_free == 2
+    p.check()
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
+def test_write_read_round_trip_is_bit_exact(dtype_name: str) -> None:
+    p = pool(4, dtype_name)
+    slots = p.allocate(3)
+    blocks = random_blocks(p.layout, 3)
+    blocks.view(-1)[:2] = torch.tensor([float("nan"), float("-inf")])  # odd bit patterns too
+    p.write([slots[2], slots[0]], blocks[:2])
+    p.write([slots[1]], blocks[2:])
+    got = p.read([slots[2], slots[0], slots[1]])
+    assert got.shape == (3, *p.layout.block_shape)
+    assert got.dtype == p.layout.dtype
+    assert torch.equal(bits(got), bits(blocks))
+    assert torch.equal(bits(p.block(slots[1])), bits(blocks[2]))
+
+
+def test_block_is_a_view_of_the_slot() -> None:
+    p = pool(2)
+    (slot,) = p.allocate(1)
+    p.block(slot).fill_(3.0)
+    assert p.block(slot).data_ptr() == p.buffer[slot].data_ptr()
+    assert torch.equal(p.read([slot])[0], torch.full(p.layout.block_shape, 3.0).bfloat16())
+
+
+def test_bad_writes_raise_and_leave_contents_unchanged() -> None:
+    p = pool(4)
+    slots = p.allocate(2)
+    before = random_blocks(p.layout, 2, seed=1)
+    p.write(slots, before)
+    wrong_dtype = random_blocks(p.layout, 2, seed=2).float()
+    with pytest.raises(InvalidKVError, match=r"float32.*expected torch\.bfloat16"):
+        p.write(slots, wrong_dtype)
+    wrong_shape = random_blocks(p.layout, 3, seed=3)
+    with pytest.raises(InvalidKVError, match=r"shape \[3, 2, 2, 4, 2, 4\].*\[2, 2, 2, 4, 2, 4\]"):
+        p.write(slots, wrong_shape)
+    with pytest.raises(InvariantError, match="slot 3, it is not allocated"):
+        p.write([slots[0], 3], random_blocks(p.layout, 2, seed=4))
+    assert torch.equal(bits(p.read(slots)), bits(before))
+
+
+def test_read_of_free_slot_raises() -> None:
+    p = pool(4)
+    p.allocate(1)
+    with pytest.raises(InvariantError, match="slot 1, it is not allocated"):
+        p.read([0, 1])
+    with pytest.raises(InvariantError, match="slot 2, it is not allocated"):
+        p.block(2)
+
+
+@pytest.mark.parametrize(
+    ("to_free", "message"),
+    [
+        ([0, 2], "slot 2, it is not allocated"),  # never allocated
+        ([1, 4], r"slot 4, outside \[0, 4\)"),
+        ([1, -1], r"slot -1, outside \[0, 4\)"),
+        ([0, 1, 0], "slot 0, it is repeated"),
+    ],
+)
+def test_bad_free_raises_and_frees_nothing(to_free: list[int], message: str) -> None:
+    p = pool(4)
+    p.allocate(2)
+    with pytest.raises(InvariantError, match=message):
+        p.free(to_free)
+    assert (p.num_used, p.num_free) == (2, 2)
+    assert p.is_allocated(0) and p.is_allocated(1)
+    p.check()
+
+
+def test_double_free_raises() -> None:
+    p = pool(4)
+    p.allocate(2)
+    p.free([1])
+    with pytest.raises(InvariantError, match="slot 1, it is not allocated"):
+        p.free([0, 1])
+    assert p.is_allocated(0)
+    p.check()
+
+
+def test_with_capacity_rounds_down_to_whole_blocks() -> None:
+    layout = tiny()
+    assert layout.block_bytes == 256
+    p = SlotPool.with_capacity("host", layout, 3 * 256 + 128, CPU)
+    assert (p.num_slots, p.capacity_bytes) == (3, 768)
+    assert p.buffer.shape == layout.pool_shape(3) and p.buffer.is_contiguous()
+    with pytest.raises(ConfigError, match=r"tiers\.host\.capacity.*255.*one block of 256 bytes"):
+        SlotPool.with_capacity("host", layout, 255, CPU)
+
+
+def test_check_detects_tampered_free_list() -> None:
+    p = pool(4)
+    p.allocate(2)
+    p._free.append(3)
+    with pytest.raises(InvariantError, match=r"slot 3 is 2 times in the free list of 3"):
+        p.check()
+    p._free.pop()
+    p._free.append(1)  # allocated slot also in the free list
+    with pytest.raises(InvariantError, match=r"slot 1 is in the free list and marked allocated"):
+        p.check()
+    p._free.pop()
+    p._num_used = 3
+    with pytest.raises(InvariantError, match=r"2 free \+ 2 allocated.*4 slots.*num_used 3"):
+        p.check()
+
+
+def test_closed_pool_refuses_everything() -> None:
+    p = pool(2)
+    p.allocate(1)
+    p.close()
+    p.close()
+    assert p.closed
+    for call in (lambda: p.allocate(1), lambda: p.free([0]), lambda: p.read([0]), p.check):
+        with pytest.raises(ClosedError, match="'gpu' is closed"):
+            call()
+    with pytest.raises(ClosedError):
+        _ = p.buffer
+
+
+def test_gpu_pool_on_cpu_and_auto() -> None:
+    p = GpuPool.create(tiny(), 2 * 256, device="cpu")
+    assert (p.name, p.device, p.num_slots) == ("gpu", CPU, 2)
+    auto = GpuPool.create(tiny(), 256)
+    assert auto.device == (torch.device("cuda", 0) if CUDA else CPU)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_gpu_pool_on_cuda_without_cuda_is_a_config_error(device: str) -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.gpu\.device.*without CUDA"):
+        GpuPool.create(tiny(), 256, device=device)
+
+
+@pytest.mark.parametrize("device", ["mps", "tpu:0", "banana"])
+def test_gpu_pool_on_unknown_device_is_a_config_error(device: str) -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.gpu\.device"):
+        GpuPool.create(tiny(), 256, device=device)
+
+
+def test_host_pool_pinning() -> None:
+    p = HostPool.create(tiny(), 256, pinned=False)
+    assert (p.name, p.device, p.buffer.is_pinned()) == ("host", CPU, False)
+    assert HostPool.create(tiny(), 256).buffer.is_pinned() == CUDA
+    with pytest.raises(ConfigError, match=r"tiers\.host\.pinned.*'yes'"):
+        HostPool.create(tiny(), 256, pinned="yes")
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
+def test_host_pool_pinned_without_cuda_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.host\.pinned.*True.*without CUDA"):
+        HostPool.create(tiny(), 256, pinned=True)
+
+
+def test_memory_probes_return_positive_ints() -> None:
+    host = available_host_bytes()
+    assert type(host) is int and host > 0
+    device = free_device_bytes("cuda:0" if CUDA else "cpu")
+    assert type(device) is int and device > 0
+    assert parse_mem_available("MemTotal: 100 kB\nMemAvailable:   7 kB\n") == 7 * 1024
+    assert parse_mem_available("MemTotal: 100 kB\n") is None
+    with pytest.raises(ConfigError, match="'meta'"):
+        free_device_bytes("meta")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_random_allocate_free_matches_reference_set(data: st.DataObject) -> None:
+    p = pool(8)
+    reference: set[int] = set()
+    for _ in range(data.draw(st.integers(0, 30), label="steps")):
+        if data.draw(st.booleans(), label="allocate?"):
+            n = data.draw(st.integers(0, 10), label="n")
+            if n > 8 - len(reference):
+                with pytest.raises(CapacityError):
+                    p.allocate(n)
+            else:
+                got = p.allocate(n)
+                assert len(got) == n and len(set(got)) == n and not set(got) & reference
+                reference |= set(got)
+        elif reference:
+            chosen = data.draw(st.sets(st.sampled_from(sorted(reference))), label="free")
+            p.free(sorted(chosen))
+            reference -= chosen
+        assert {s for s in range(8) if p.is_allocated(s)} == reference
+        assert (p.num_used, p.num_free, p.used_bytes) == (
+            len(reference),
+            8 - len(reference),
+            len(reference) * p.layout.block_bytes,
+        )
+        p.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_pool_round_trips_and_host_pool_is_pinned() -> None:
+    layout = tiny()
+    gpu = GpuPool.create(layout, 4 * layout.block_bytes, device="cuda")
+    assert gpu.device == torch.device("cuda", 0) and gpu.buffer.is_cuda
+    host = HostPool.create(layout, 4 * layout.block_bytes, pinned=True)
+    assert host.buffer.is_pinned()
+    blocks = random_blocks(layout, 2)
+    slots = gpu.allocate(2)
+    gpu.write(slots, blocks)
+    host_slots = host.allocate(2)
+    host.write(host_slots, gpu.read(slots))
+    assert torch.equal(bits(host.read(host_slots)), bits(blocks))
+    assert free_device_bytes("cuda:0") > 0
+    gpu.check()
+    host.check()
