@@ -29,8 +29,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvtier.config import parse_config
 from kvtier.hashing import BlockHasher
 from kvtier.index import RadixIndex
+from kvtier.store import KVStore
 from kvtier.tokens import encode_tokens
 
 BT = 16
@@ -179,6 +181,40 @@ def main() -> None:
         "lookup full hit (Python list)", timed(cycle(lists, look), reps)
     )
     summary("lookup half hit (ndarray int64)", timed(cycle(half, look), reps))
+
+    # the same lookups through the public API: KVStore.lookup (lock, tenant, counters, result)
+    store = KVStore(
+        parse_config(
+            {
+                "model": {
+                    "name": "bench",
+                    "num_layers": 1,
+                    "num_kv_heads": 1,
+                    "head_dim": 2,
+                    "dtype": "float16",
+                },
+                "block_tokens": BT,
+                "tiers": {
+                    "gpu": {
+                        "capacity": 64 * 2 * 2 * BT * 70_000,
+                        "high_watermark": 1.0,
+                        "low_watermark": 1.0,
+                    },
+                    "host": {"capacity": 64 * 2 * 2 * BT * 70_000},
+                },
+            }
+        )
+    )
+    for r in requests:
+        store.store(r, torch.zeros((1, 2, PROMPT, 1, 2), dtype=torch.float16))
+    assert store.lookup(requests[0]).num_tokens == PROMPT
+    results["store lookup, ndarray"] = summary(
+        "KVStore.lookup full hit (ndarray int64)", timed(cycle(requests, store.lookup), reps)
+    )
+    summary("KVStore.lookup full hit (Python list)", timed(cycle(lists, store.lookup), reps))
+    store.close()
+    del store
+    gc.collect()
 
     baseline = ListRadixBaseline(BT)
     for r in lists:

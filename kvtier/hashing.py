@@ -27,7 +27,6 @@ BlockId = NewType("BlockId", bytes)
 """A block id: `digest_size` bytes naming a whole prefix of blocks."""
 
 
-
 class _Hash(Protocol):
     def update(self, data: bytes, /) -> None: ...
     def digest(self) -> bytes: ...
