@@ -10,21 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvtier.transfer.demotion import locked_blocks
+
 if TYPE_CHECKING:
     from kvtier.store import KVStore
 
 
 def store_status(store: KVStore) -> dict[str, Any]:
     index = store.index
-    leased_blocks = [0] * len(store.pools)
-    seen: set[int] = set()
-    for record in index.leases:
-        node = record.end
-        while node.parent is not None and id(node) not in seen:
-            seen.add(id(node))
-            for tier in record.tiers:
-                leased_blocks[tier] += node.size
-            node = node.parent
+    leased_blocks = [locked_blocks(index, tier) for tier in range(len(store.pools))]
     tiers = {}
     for tier, (pool, counters) in enumerate(zip(store.pools, store.counters, strict=True)):
         moved_out = sum(n for (src, _), n in store.executor.bytes_moved.items() if src == pool.name)

@@ -51,7 +51,7 @@ from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.transfer import InlineExecutor, Transfer
-from kvtier.transfer.demotion import Demoter, TierCounters
+from kvtier.transfer.demotion import Demoter, TierCounters, locked_blocks
 
 GPU, HOST = 0, 1
 
@@ -165,16 +165,17 @@ class KVStore:
             pin = self.index.leases.acquire(match.end, tuple(range(len(self.pools))), math.inf, 0)
             try:
                 slots = self._place(match, new_blocks)
-                if slots is None:
-                    self.ops["dropped_tokens"] += new_blocks * bt
-                    return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
-                start = match.num_blocks * bt
-                blocks = _to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
-                for tier, tier_slots in slots.items():
-                    self.pools[tier].write(tier_slots, blocks)
-                self.index.insert(match, key, slots)
             finally:
+                # the pin guards the match while room is made; unpinned, a leaf grows in place
                 self.index.leases.release(pin.lease_id)
+            if slots is None:
+                self.ops["dropped_tokens"] += new_blocks * bt
+                return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
+            start = match.num_blocks * bt
+            blocks = _to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
+            for tier, tier_slots in slots.items():
+                self.pools[tier].write(tier_slots, blocks)
+            self.index.insert(match, key, slots)
             self.ops["stored_tokens"] += new_blocks * bt
             self._enforce_watermarks()
             return StoreResult((match.num_blocks + new_blocks) * bt, new_blocks * bt, 0)
@@ -185,11 +186,12 @@ class KVStore:
         """The KV of the cached prefix of `tokens`, read from the fastest copy of each block,
         as a new tensor on `device` (default: the gpu tier's device)."""
         key = encode_tokens(tokens)
+        wanted = _device(device)
         with self._lock:
             namespace = self._namespace(tenant)
             self._expire()
             match = self.index.match(namespace, key)
-            target = torch.device(device) if device is not None else self.gpu_pool.device
+            target = wanted if wanted is not None else self.gpu_pool.device
             blocks = torch.empty(
                 (match.num_blocks, *self.layout.block_shape), dtype=self.layout.dtype, device=target
             )
@@ -218,7 +220,7 @@ class KVStore:
         (num_tokens 0), which must be released like any other."""
         key = encode_tokens(tokens)
         ttl = self.config.policy.lease_ttl_s if ttl_s is None else ttl_s
-        if not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
+        if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
             raise InvalidArgumentError(
                 f"ttl_s: got {ttl_s!r}, expected a finite number of seconds > 0"
             )
@@ -250,15 +252,20 @@ class KVStore:
 
     def release(self, lease: Lease | int) -> None:
         """Unlock a lease. `LeaseError` if it is unknown, released or expired."""
-        lease_id = LeaseId(lease.lease_id if isinstance(lease, Lease) else lease)
+        raw = lease.lease_id if isinstance(lease, Lease) else lease
+        if type(raw) is not int:
+            raise InvalidArgumentError(f"lease: got {lease!r}, expected a Lease or a lease id (int)")
+        lease_id = LeaseId(raw)
         with self._lock:
             self._ensure_open()
+            self._expire()
             self.index.leases.release(lease_id)
             del self._leases[lease_id]
 
     def leases(self) -> list[Lease]:
         """The live leases."""
         with self._lock:
+            self._ensure_open()
             self._expire()
             return list(self._leases.values())
 
@@ -272,6 +279,7 @@ class KVStore:
             raise InvalidArgumentError(f"num_blocks: got {num_blocks!r}, expected an int >= 0")
         with self._lock:
             self._ensure_open()
+            self._expire()
             pool = self.pools[self.tier_names.index(tier)]
             before = pool.num_free
             self.demoter.make_room(
@@ -367,7 +375,9 @@ class KVStore:
         that can make room, plus host under write_through. None when no tier can."""
         first = 0 if match.end.parent is None else match.end.fastest(match.end.size - 1)
         for tier in range(first, len(self.pools)):
-            if not self.demoter.make_room(tier, count):
+            if not (
+                self.demoter.can_make_room(tier, count) and self.demoter.make_room(tier, count)
+            ):
                 continue
             slots = {tier: self.pools[tier].allocate(count)}
             if tier == GPU and self.policy.copy_on_store and self.demoter.make_room(HOST, count):
@@ -383,10 +393,14 @@ class KVStore:
         ]
         if not missing:
             return
-        if not self.demoter.make_room(GPU, len(missing)):
+        if not (
+            self.demoter.can_make_room(GPU, len(missing))
+            and self.demoter.make_room(GPU, len(missing))
+        ):
             raise CapacityError(
                 f"prefetch: {len(missing)} blocks must come up to gpu, but only "
-                f"{self.gpu_pool.num_free} of {self.gpu_pool.num_slots} gpu slots can be freed "
+                f"{self.gpu_pool.num_slots - locked_blocks(self.index, GPU)} of "
+                f"{self.gpu_pool.num_slots} gpu slots can be freed "
                 "(the rest hold leased or pinned blocks)"
             )
         dst = self.gpu_pool.allocate(len(missing))
@@ -414,6 +428,23 @@ class KVStore:
     def _slot(slot: int | None) -> int:
         assert slot is not None
         return slot
+
+
+def _device(device: torch.device | str | None) -> torch.device | None:
+    """The device that `load(device=...)` names, or `InvalidArgumentError`."""
+    if device is None:
+        return None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        target = None
+    if target is None or target.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"device: got {device!r}, expected 'cpu', 'cuda' or 'cuda:N'")
+    if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
+        raise InvalidArgumentError(
+            f"device: got {device!r}, but this machine has {torch.cuda.device_count()} CUDA devices"
+        )
+    return target
 
 
 def _to_blocks(kv: torch.Tensor, block_tokens: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kvtier.config import parse_config
+from kvtier.layout import KVLayout
+from kvtier.results import Lease
 from kvtier.store import KVStore
 
 # ---- KVStore factory (tests/test_store*.py) ---------------------------------------------------
@@ -21,10 +23,11 @@ TINY_BLOCK_TOKENS = 4
 
 
 def tiny_block_bytes(dtype: str = "float32") -> int:
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
-    layers, heads, dim = TINY_MODEL["num_layers"], TINY_MODEL["num_kv_heads"], TINY_MODEL["head_dim"]
-    assert isinstance(layers, int) and isinstance(heads, int) and isinstance(dim, int)
-    return layers * 2 * TINY_BLOCK_TOKENS * heads * dim * itemsize
+    """Bytes of one block of the tiny layout in `dtype`."""
+    layout = KVLayout(
+        "tiny", num_layers=2, num_kv_heads=2, head_dim=4, dtype_name=dtype, block_tokens=4
+    )
+    return layout.block_bytes
 
 
 def build_store(
@@ -60,7 +63,11 @@ def build_store(
                     "pinned": False,
                 },
             },
-            "policy": {"write": write, "selective_hits": selective_hits, "lease_ttl_s": lease_ttl_s},
+            "policy": {
+                "write": write,
+                "selective_hits": selective_hits,
+                "lease_ttl_s": lease_ttl_s,
+            },
             "tenants": {tenant: {} for tenant in tenants},
         }
     )
@@ -91,6 +98,13 @@ def kv_for(store: KVStore, n_tokens: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     shape = (layout.num_layers, 2, n_tokens, layout.num_kv_heads, layout.head_dim)
     return torch.randn(shape, generator=gen).to(layout.dtype)
+
+
+def leased_kv(store: KVStore, lease: Lease) -> torch.Tensor:
+    """What the gpu slots of `lease` hold, as `[num_layers, 2, num_tokens, heads, head_dim]`."""
+    blocks = store.gpu_pool.buffer[list(lease.block_table)]
+    n, layers, two, bt, heads, dim = blocks.shape
+    return blocks.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, n * bt, heads, dim)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.index import BlockRef, RadixIndex
+from kvtier.index import BlockRef, Node, RadixIndex
 from kvtier.policy import WritePolicy
 from kvtier.tiers import SlotPool
 from kvtier.transfer.copy import InlineExecutor, Transfer
@@ -70,6 +70,15 @@ class Demoter:
                 return True
         return pool.num_free >= n
 
+    def can_make_room(self, tier: int, n: int) -> bool:
+        """Whether `make_room(tier, n)` can succeed at all: the free slots plus the copies in
+        `tier` that no lease or pin holds reach `n`. Checked before anything moves, so that a
+        request that cannot fit demotes (or drops) nothing."""
+        pool = self.pools[tier]
+        if pool.num_free >= n:
+            return True
+        return n <= pool.num_free + pool.num_used - locked_blocks(self.index, tier)
+
     def demote_to(self, tier: int, target_used: int) -> None:
         """Demote LRU leaves of `tier` until at most `target_used` slots are in use."""
         pool = self.pools[tier]
@@ -102,6 +111,22 @@ class Demoter:
         self.index.set_slot(ref, lower, dst_slot)
         self.pools[tier].free([self.index.clear_slot(ref, tier)])
         self.counters[tier].demotions += 1
+
+
+def locked_blocks(index: RadixIndex, tier: int) -> int:
+    """Blocks with a copy in `tier` that a lease (or a pin) on `tier` holds, each counted once
+    however many leases cover it."""
+    seen: set[Node] = set()
+    count = 0
+    for record in index.leases:
+        if tier not in record.tiers:
+            continue
+        node = record.end
+        while node.parent is not None and node not in seen:
+            seen.add(node)
+            count += sum(1 for slot in node.slots[tier] if slot is not None)
+            node = node.parent
+    return count
 
 
 def _is_leaf(ref: BlockRef) -> bool:

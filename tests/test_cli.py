@@ -1,0 +1,55 @@
+"""The `kvtier` command in a real process: `info` on the default config, `validate`, bad files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_info_on_the_default_config_prints_both_tiers() -> None:
+    done = run("info")
+    assert done.returncode == 0, done.stderr
+    assert "SmolLM2-135M-Instruct" in done.stdout
+    lines = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:4]}
+    assert lines["gpu"][3] == str((256 << 20) // (30 * 2 * 16 * 3 * 64 * 2))  # 728 slots
+    assert lines["host"][3] == str((1 << 30) // (30 * 2 * 16 * 3 * 64 * 2))  # 2912 slots
+
+
+def test_info_json_matches_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "small.yaml"
+    path.write_text(
+        "model: {name: t, num_layers: 1, num_kv_heads: 1, head_dim: 8, dtype: float16}\n"
+        "block_tokens: 4\ntiers: {gpu: {capacity: 64KiB}, host: {capacity: 128KiB}}\n"
+    )
+    done = run("info", "--config", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    assert status["layout"]["block_bytes"] == 1 * 2 * 4 * 1 * 8 * 2
+    assert status["tiers"]["gpu"]["slots"] == 65536 // 128
+    assert status["tiers"]["host"]["capacity_bytes"] == 131072
+
+
+def test_validate_accepts_every_shipped_config() -> None:
+    files = sorted(str(p) for p in CONFIGS.glob("*.yaml"))
+    done = run("validate", *files)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(": ok (") == len(files)
+
+
+def test_a_bad_file_stops_the_start_naming_field_and_value(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("policy: {write: write_sideways}\n")
+    done = run("info", "--config", str(path))
+    assert done.returncode == 2
+    assert "policy.write" in done.stderr and "write_sideways" in done.stderr
+    assert done.stdout == ""
