@@ -24,13 +24,14 @@ import gc
 import statistics
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvtier.config import parse_config
-from kvtier.hashing import BlockHasher
+from kvtier.hashing import BlockHasher, BlockId
 from kvtier.index import RadixIndex
 from kvtier.store import KVStore
 from kvtier.tokens import encode_tokens
@@ -119,10 +120,10 @@ def build_requests(
     ]
 
 
-def fill(index: RadixIndex, ns: bytes, requests: list[np.ndarray], slots: SlotCounter) -> None:
+def fill(index: RadixIndex, ns: BlockId, requests: list[np.ndarray], slots: SlotCounter) -> None:
     for request in requests:
         key = encode_tokens(request)
-        match = index.match(ns, key)  # type: ignore[arg-type]
+        match = index.match(ns, key)
         new = len(request) // BT - match.num_blocks
         if new > 0:
             tier = GPU if match.num_blocks == 0 else HOST
@@ -164,7 +165,7 @@ def main() -> None:
     tensors = [torch.from_numpy(r) for r in requests]
     half = [np.concatenate([r[:SHARED], rng.integers(200_000, 300_000, SHARED)]) for r in requests]
 
-    def cycle(seq: list, fn: Callable[[object], object]) -> Callable[[], object]:
+    def cycle(seq: Sequence[Any], fn: Callable[[Any], object]) -> Callable[[], object]:
         it = iter(range(10**9))
         return lambda: fn(seq[next(it) % len(seq)])
 
@@ -239,7 +240,7 @@ def main() -> None:
     def insert_one() -> None:
         i = next(it)
         key = encode_tokens(fresh[i])
-        match = ins_index.match(ns, key)  # type: ignore[arg-type]
+        match = ins_index.match(ns, key)
         n = PROMPT // BT - match.num_blocks
         host, disk = fresh_slots[i]
         ins_index.insert(match, key, {HOST: host[:n], DISK: disk[:n]})
@@ -289,7 +290,7 @@ def main() -> None:
     mem_index = RadixIndex(("gpu", "host", "disk"), BT, hasher)
     ms = SlotCounter()
     for key in mem_keys:
-        match = mem_index.match(ns, key)  # type: ignore[arg-type]
+        match = mem_index.match(ns, key)
         n = PROMPT // BT - match.num_blocks
         mem_index.insert(match, key, {GPU: ms.take(GPU, n), DISK: ms.take(DISK, n)})
     after = tracemalloc.get_traced_memory()[0]

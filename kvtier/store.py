@@ -254,7 +254,9 @@ class KVStore:
         """Unlock a lease. `LeaseError` if it is unknown, released or expired."""
         raw = lease.lease_id if isinstance(lease, Lease) else lease
         if type(raw) is not int:
-            raise InvalidArgumentError(f"lease: got {lease!r}, expected a Lease or a lease id (int)")
+            raise InvalidArgumentError(
+                f"lease: got {lease!r}, expected a Lease or a lease id (int)"
+            )
         lease_id = LeaseId(raw)
         with self._lock:
             self._ensure_open()

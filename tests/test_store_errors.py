@@ -257,6 +257,6 @@ def test_errors_are_also_the_closest_builtin(store: KVStore) -> None:
 def test_release_refuses_what_is_not_a_lease_or_an_int(store: KVStore, bad: object) -> None:
     live = [x.lease_id for x in store.leases()]
     assert live, "the fixture holds a lease"
-    refuse = lambda s: s.release(bad)  # type: ignore[arg-type]  # noqa: E731
+    refuse = lambda s: s.release(bad)  # noqa: E731
     assert_refused(store, refuse, InvalidArgumentError, "lease: got")
     assert [x.lease_id for x in store.leases()] == live

@@ -74,12 +74,12 @@ class RadixIndex:
     # ---- walking ------------------------------------------------------------------------
 
     def root(self, namespace: BlockId) -> Node:
-        """The root of a namespace, created on first use."""
+        """The root of a namespace. A namespace with no block has a fresh root that the index
+        registers only when a block is inserted under it, so misses leave nothing behind."""
         root = self._roots.get(namespace)
         if root is None:
             empty: list[list[Slot]] = [[] for _ in self.tiers]
             root = Node(None, b"", bytes(namespace), empty, [0] * len(self.tiers), 0)
-            self._roots[namespace] = root
         return root
 
     def lookup(self, namespace: BlockId, key: bytes) -> PrefixHit:
@@ -197,8 +197,10 @@ class RadixIndex:
         fastest = min(slots)  # every new block has copies in exactly the tiers of `slots`
         added = [count if t >= fastest else 0 for t in range(num_tiers)]
         self._tick += 1
-        if parent.parent is not None and parent.children is None:
-            node = parent  # extend a leaf instead of hanging a one-child chain under it
+        if parent.parent is not None and parent.children is None and not any(parent.locks or ()):
+            # extend a leaf instead of hanging a one-child chain under it; never a locked leaf:
+            # its leases end at its last block and must not grow to cover the new ones
+            node = parent
             node.key += new_key
             node.ids += new_ids
             for tier, run in enumerate(fields):
@@ -207,6 +209,8 @@ class RadixIndex:
             node.tick = self._tick
         else:
             node = Node(parent, new_key, new_ids, fields, added, self._tick)
+            if parent.parent is None:
+                self._roots.setdefault(parent.ids, parent)
             if parent.children is None:
                 parent.children = {}
             parent.children[new_key[:kb]] = node
@@ -260,11 +264,12 @@ class RadixIndex:
         node, i = ref
         assert node.slots[tier][i] is None, f"block already has a {self.tiers[tier]} copy"
         old = node.fastest(i)
-        node.slots[tier][i] = slot
-        self._resident[tier] += 1
         if tier < old:
             prev_ok = node.fastest(i - 1) <= tier if i else self._fastest_last_or_root(node, tier)
             assert prev_ok, "promotion must bring whole prefixes: parent block is slower"
+        node.slots[tier][i] = slot
+        self._resident[tier] += 1
+        if tier < old:
             self._shift_depth(node, i, tier, old, +1)
 
     def _fastest_last_or_root(self, node: Node, tier: int) -> bool:
