@@ -7,44 +7,10 @@ Keys are written one letter per block: `key("ABD")` is the tokens A A A A B B B 
 from __future__ import annotations
 
 import pytest
+from letters import DISK, GPU, HASHER, HOST, KB, NS, NS_BOB, key, new_index, put, ref
 
-from kvtier.hashing import BlockHasher, BlockId, tenant_salt
-from kvtier.index import BlockRef, InsertResult, PrefixHit, RadixIndex
-from kvtier.tokens import TOKEN_NBYTES, encode_tokens
-
-BT = 4
-KB = BT * TOKEN_NBYTES
-GPU, HOST, DISK = 0, 1, 2
-HASHER = BlockHasher()
-NS = HASHER.seed(b"layout-fingerprt", tenant_salt("alice"))
-NS_BOB = HASHER.seed(b"layout-fingerprt", tenant_salt("bob"))
-
-
-def key(blocks: str, extra: int = 0) -> bytes:
-    """One block of 4 equal tokens per letter, then `extra` tokens of a partial block."""
-    return encode_tokens([ord(c) for c in blocks for _ in range(BT)] + [1] * extra)
-
-
-def new_index(tiers: tuple[str, ...] = ("gpu", "host", "disk")) -> RadixIndex:
-    return RadixIndex(tiers, block_tokens=BT, hasher=HASHER)
-
-
-def put(ix: RadixIndex, blocks: str, slots: dict[int, list[int]], ns: BlockId = NS) -> InsertResult:
-    result = ix.insert(ix.match(ns, key(blocks)), key(blocks), slots)
-    ix.check()
-    return result
-
-
-def ref(ix: RadixIndex, blocks: str, ns: BlockId = NS) -> BlockRef:
-    """The last block of the path `blocks`, found without splitting any node."""
-    node, pos = ix.root(ns), 0
-    while True:
-        assert node.children is not None
-        node = node.children[key(blocks[pos])]
-        assert node.key.startswith(key(blocks[pos : pos + node.size]))
-        if pos + node.size >= len(blocks):
-            return BlockRef(node, len(blocks) - 1 - pos)
-        pos += node.size
+from kvtier.hashing import BlockId, tenant_salt
+from kvtier.index import InsertResult, PrefixHit, RadixIndex
 
 
 def hit(ix: RadixIndex, blocks: str, extra: int = 0, ns: BlockId = NS) -> PrefixHit:

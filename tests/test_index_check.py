@@ -10,20 +10,10 @@ import math
 import re
 
 import pytest
+from letters import BT, DISK, GPU, HASHER, HOST, NS, key, ref
 
 from kvtier.errors import InvariantError
-from kvtier.hashing import BlockHasher, tenant_salt
-from kvtier.index import BlockRef, RadixIndex
-from kvtier.tokens import encode_tokens
-
-BT = 4
-GPU, HOST, DISK = 0, 1, 2
-HASHER = BlockHasher()
-NS = HASHER.seed(b"layout-fingerprt", tenant_salt("alice"))
-
-
-def key(blocks: str) -> bytes:
-    return encode_tokens([ord(c) for c in blocks for _ in range(BT)])
+from kvtier.index import RadixIndex
 
 
 def scenario() -> RadixIndex:
@@ -32,14 +22,6 @@ def scenario() -> RadixIndex:
     ix.insert(ix.match(NS, key("ABD")), key("ABD"), {HOST: [3]})
     ix.check()
     return ix
-
-
-def ref(ix: RadixIndex, blocks: str) -> BlockRef:
-    """Last block of `blocks` in the scenario's fixed shape (AB, then C or D)."""
-    trunk = ix.root(NS).children[key("A")]  # type: ignore[index]
-    if len(blocks) <= 2:
-        return BlockRef(trunk, len(blocks) - 1)
-    return BlockRef(trunk.children[key(blocks[2])], 0)  # type: ignore[index]
 
 
 def expect(ix: RadixIndex, message: str) -> None:

@@ -9,40 +9,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from letters import DISK, GPU, HOST, KB, NS, key, new_index, put, ref
 
-from kvtier.hashing import BlockHasher, BlockId, tenant_salt
 from kvtier.index import BlockRef, PrefixHit, RadixIndex
-from kvtier.tokens import TOKEN_NBYTES, encode_tokens
-
-BT = 4
-KB = BT * TOKEN_NBYTES
-GPU, HOST, DISK = 0, 1, 2
-HASHER = BlockHasher()
-NS = HASHER.seed(b"layout-fingerprt", tenant_salt("alice"))
-
-
-def key(blocks: str) -> bytes:
-    return encode_tokens([ord(c) for c in blocks for _ in range(BT)])
-
-
-def new_index() -> RadixIndex:
-    return RadixIndex(("gpu", "host", "disk"), block_tokens=BT, hasher=HASHER)
-
-
-def put(ix: RadixIndex, blocks: str, slots: dict[int, list[int]], ns: BlockId = NS) -> None:
-    ix.insert(ix.match(ns, key(blocks)), key(blocks), slots)
-    ix.check()
-
-
-def ref(ix: RadixIndex, blocks: str) -> BlockRef:
-    """The last block of the path `blocks`, found without splitting any node."""
-    node, pos = ix.root(NS), 0
-    while True:
-        assert node.children is not None
-        node = node.children[key(blocks[pos])]
-        if pos + node.size >= len(blocks):
-            return BlockRef(node, len(blocks) - 1 - pos)
-        pos += node.size
 
 
 def name(ix: RadixIndex, block: BlockRef) -> str:

@@ -9,30 +9,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from letters import GPU, HOST, NS, key, new_index, put
 
 from kvtier.errors import LeaseError
-from kvtier.hashing import BlockHasher, tenant_salt
 from kvtier.index import LeaseId, LeaseRecord, Node, PrefixHit, RadixIndex
-from kvtier.tokens import TOKEN_NBYTES, encode_tokens
-
-BT = 4
-KB = BT * TOKEN_NBYTES
-GPU, HOST, DISK = 0, 1, 2
-HASHER = BlockHasher()
-NS = HASHER.seed(b"layout-fingerprt", tenant_salt("alice"))
-
-
-def key(blocks: str) -> bytes:
-    return encode_tokens([ord(c) for c in blocks for _ in range(BT)])
-
-
-def new_index() -> RadixIndex:
-    return RadixIndex(("gpu", "host", "disk"), block_tokens=BT, hasher=HASHER)
-
-
-def put(ix: RadixIndex, blocks: str, slots: dict[int, list[int]]) -> None:
-    ix.insert(ix.match(NS, key(blocks)), key(blocks), slots)
-    ix.check()
 
 
 def lease(ix: RadixIndex, blocks: str, tiers: tuple[int, ...], expires_at: float) -> LeaseRecord:
