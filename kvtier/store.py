@@ -67,8 +67,12 @@ class KVStore:
         """Build the pools and the index of `config` (the embedded default when None).
         `secret` keys the tenant salts (the sidecar persists one); `clock` drives leases."""
         self.config = config if config is not None else KVTierConfig()
-        if self.config.tiers.disk is not None:
-            raise ConfigError("tiers.disk", "configured", "no disk tier: it comes with issue 3")
+        if self.config.tiers.disk is not None:  # the NVMe tier is issue 3; refuse, never ignore
+            raise ConfigError(
+                "tiers.disk",
+                f"a disk tier at {self.config.tiers.disk.path}",
+                "null: this version of kvtier has no disk tier yet",
+            )
         self.layout = self.config.layout
         self.block_tokens = self.layout.block_tokens
         self._clock = clock

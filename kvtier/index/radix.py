@@ -139,7 +139,7 @@ class RadixIndex:
             pos += matched * kb
             if matched < size:
                 break
-        return Match(root, node, pos // kb)
+        return Match(node, pos // kb)
 
     def _common_blocks(self, node: Node, key: bytes, pos: int) -> int:
         """Whole blocks of `node.key` equal to `key[pos:]`; the first is known to match."""

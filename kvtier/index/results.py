@@ -19,10 +19,9 @@ class PrefixHit(NamedTuple):
 
 class Match(NamedTuple):
     """A cached prefix that ends on a node boundary: the first `num_blocks` blocks of the key,
-    held by the nodes from `root`'s child down to `end` (`end is root` when nothing matched).
-    Valid until the next change to the index; pin it (`RadixIndex.lock`) to keep it."""
+    held by the nodes from the namespace root down to `end` (`end` is the root when nothing
+    matched). Valid until the next change to the index; a lease on `end` keeps it."""
 
-    root: Node
     end: Node
     num_blocks: int
 
