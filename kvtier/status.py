@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.transfer.demotion import locked_blocks
-
 if TYPE_CHECKING:
     from kvtier.store import KVStore
 
 
 def store_status(store: KVStore) -> dict[str, Any]:
     index = store.index
-    leased_blocks = [locked_blocks(index, tier) for tier in range(len(store.pools))]
+    leased_blocks = [index.leases.locked_blocks(tier) for tier in range(len(store.pools))]
     tiers = {}
     for tier, (pool, counters) in enumerate(zip(store.pools, store.counters, strict=True)):
         moved_out = sum(n for (src, _), n in store.executor.bytes_moved.items() if src == pool.name)

@@ -51,7 +51,7 @@ from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.transfer import InlineExecutor, Transfer
-from kvtier.transfer.demotion import Demoter, TierCounters, locked_blocks
+from kvtier.transfer.demotion import Demoter, TierCounters
 
 GPU, HOST = 0, 1
 
@@ -405,7 +405,7 @@ class KVStore:
         ):
             raise CapacityError(
                 f"prefetch: {len(missing)} blocks must come up to gpu, but only "
-                f"{self.gpu_pool.num_slots - locked_blocks(self.index, GPU)} of "
+                f"{self.gpu_pool.num_slots - self.index.leases.locked_blocks(GPU)} of "
                 f"{self.gpu_pool.num_slots} gpu slots can be freed "
                 "(the rest hold leased or pinned blocks)"
             )
@@ -426,7 +426,7 @@ class KVStore:
 
     def _enforce_watermarks(self) -> None:
         for tier, pool in enumerate(self.pools):
-            tier_cfg = self.config.tiers.gpu if tier == GPU else self.config.tiers.host
+            tier_cfg = getattr(self.config.tiers, pool.name)
             if pool.num_used > tier_cfg.high_watermark * pool.num_slots:
                 self.demoter.demote_to(tier, int(tier_cfg.low_watermark * pool.num_slots))
 

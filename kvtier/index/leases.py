@@ -85,6 +85,21 @@ class LeaseTable:
                 expired.append(self.release(lease_id))
         return expired
 
+    def locked_blocks(self, tier: int) -> int:
+        """Blocks with a copy in `tier` that a lease (or pin) on `tier` holds, each counted once
+        however many leases cover it."""
+        seen: set[Node] = set()
+        count = 0
+        for record in self._records.values():
+            if tier not in record.tiers:
+                continue
+            node = record.end
+            while node.parent is not None and node not in seen:
+                seen.add(node)
+                count += sum(1 for slot in node.slots[tier] if slot is not None)
+                node = node.parent
+        return count
+
     def _lock(self, end: Node, tiers: tuple[int, ...], delta: int) -> None:
         num_tiers = len(self._index.tiers)
         node = end

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.index import BlockRef, Node, RadixIndex
+from kvtier.index import BlockRef, RadixIndex
 from kvtier.policy import WritePolicy
 from kvtier.tiers import SlotPool
 from kvtier.transfer.copy import InlineExecutor, Transfer
@@ -77,7 +77,7 @@ class Demoter:
         pool = self.pools[tier]
         if pool.num_free >= n:
             return True
-        return n <= pool.num_free + pool.num_used - locked_blocks(self.index, tier)
+        return n <= pool.num_free + pool.num_used - self.index.leases.locked_blocks(tier)
 
     def demote_to(self, tier: int, target_used: int) -> None:
         """Demote LRU leaves of `tier` until at most `target_used` slots are in use."""
@@ -111,22 +111,6 @@ class Demoter:
         self.index.set_slot(ref, lower, dst_slot)
         self.pools[tier].free([self.index.clear_slot(ref, tier)])
         self.counters[tier].demotions += 1
-
-
-def locked_blocks(index: RadixIndex, tier: int) -> int:
-    """Blocks with a copy in `tier` that a lease (or a pin) on `tier` holds, each counted once
-    however many leases cover it."""
-    seen: set[Node] = set()
-    count = 0
-    for record in index.leases:
-        if tier not in record.tiers:
-            continue
-        node = record.end
-        while node.parent is not None and node not in seen:
-            seen.add(node)
-            count += sum(1 for slot in node.slots[tier] if slot is not None)
-            node = node.parent
-    return count
 
 
 def _is_leaf(ref: BlockRef) -> bool:
