@@ -22,7 +22,7 @@ def store_status(store: KVStore) -> dict[str, Any]:
         moved_out = sum(n for (src, _), n in store.executor.bytes_moved.items() if src == pool.name)
         moved_in = sum(n for (_, dst), n in store.executor.bytes_moved.items() if dst == pool.name)
         tiers[pool.name] = {
-            "device": str(pool.device),
+            "location": pool.location,
             "capacity_bytes": pool.capacity_bytes,
             "used_bytes": pool.used_bytes,
             "slots": pool.num_slots,
@@ -36,6 +36,10 @@ def store_status(store: KVStore) -> dict[str, Any]:
             "bytes_in": moved_in,
             "bytes_out": moved_out,
         }
+    if store.disk is not None:
+        tiers["disk"]["direct_io"] = store.disk.direct
+        tiers["disk"]["compression"] = store.disk.codec.name
+        tiers["disk"]["faults"] = dict(store.disk.faults)
     lookups = store.ops["lookup_tokens"]
     return {
         "layout": {
@@ -53,6 +57,7 @@ def store_status(store: KVStore) -> dict[str, Any]:
             "leases": len(index.leases),
         },
         "policy": {"write": store.policy.name},
+        "recovery": dict(store.recovery),
         "ops": dict(store.ops),
         "hit_rate": store.ops["hit_tokens"] / lookups if lookups else 0.0,
     }

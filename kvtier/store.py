@@ -36,24 +36,27 @@ from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import (
     CapacityError,
     ClosedError,
-    ConfigError,
     InvalidArgumentError,
     InvalidKVError,
     InvariantError,
     UnknownTenantError,
 )
 from kvtier.hashing import BlockHasher, BlockId, tenant_salt
-from kvtier.index import LeaseId, Match, RadixIndex
+from kvtier.index import BlockRef, LeaseId, Match, RadixIndex
 from kvtier.policy import write_policy
+from kvtier.recovery import recover
 from kvtier.results import Lease, LoadResult, LookupResult, StoreResult
 from kvtier.status import store_status
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
+from kvtier.tiers.base import Tier
+from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.transfer import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter, TierCounters
+from kvtier.transfer.persist import persist
 
-GPU, HOST = 0, 1
+GPU, HOST, DISK = 0, 1, 2
 
 
 class KVStore:
@@ -67,12 +70,6 @@ class KVStore:
         """Build the pools and the index of `config` (the embedded default when None).
         `secret` keys the tenant salts (the sidecar persists one); `clock` drives leases."""
         self.config = config if config is not None else KVTierConfig()
-        if self.config.tiers.disk is not None:  # the NVMe tier is issue 3; refuse, never ignore
-            raise ConfigError(
-                "tiers.disk",
-                f"a disk tier at {self.config.tiers.disk.path}",
-                "null: this version of kvtier has no disk tier yet",
-            )
         self.layout = self.config.layout
         self.block_tokens = self.layout.block_tokens
         self._clock = clock
@@ -80,14 +77,25 @@ class KVStore:
         self._closed = False
         gpu_cfg, host_cfg = self.config.tiers.gpu, self.config.tiers.host
         device = resolve_device(gpu_cfg.device)
-        self.pools: list[SlotPool] = [
-            GpuPool.create(
-                self.layout, gpu_cfg.capacity.resolve(free_device_bytes(device)), gpu_cfg.device
-            ),
-            HostPool.create(
-                self.layout, host_cfg.capacity.resolve(available_host_bytes()), host_cfg.pinned
-            ),
-        ]
+        self.gpu_pool: SlotPool = GpuPool.create(
+            self.layout, gpu_cfg.capacity.resolve(free_device_bytes(device)), gpu_cfg.device
+        )
+        self.host_pool: SlotPool = HostPool.create(
+            self.layout, host_cfg.capacity.resolve(available_host_bytes()), host_cfg.pinned
+        )
+        self.memory: list[SlotPool] = [self.gpu_pool, self.host_pool]
+        self.pools: list[Tier] = [self.gpu_pool, self.host_pool]
+        self.disk: DiskTier | None = None
+        disk_cfg = self.config.tiers.disk
+        if disk_cfg is not None:
+            self.disk = DiskTier(
+                self.layout,
+                disk_cfg.path,
+                disk_cfg.capacity.resolve(0),
+                compression=disk_cfg.compression,
+                fsync=disk_cfg.fsync,
+            )
+            self.pools.append(self.disk)
         self.tier_names = self.config.tier_names
         hasher = BlockHasher(self.config.hashing.algorithm)
         self.index = RadixIndex(self.tier_names, self.block_tokens, hasher)
@@ -95,10 +103,14 @@ class KVStore:
             tenant: hasher.seed(self.layout.fingerprint, tenant_salt(tenant, secret))
             for tenant in self.config.tenants
         }
+        self._tenant_of = {namespace: tenant for tenant, namespace in self._namespaces.items()}
         self.policy = write_policy(self.config.policy.write, self.config.policy.selective_hits)
         self.executor = InlineExecutor()
         self.counters = [TierCounters() for _ in self.pools]
-        self.demoter = Demoter(self.index, self.pools, self.executor, self.policy, self.counters)
+        admission = [0, self.policy.min_hits_to_keep, self.config.policy.disk_admission_hits]
+        self.demoter = Demoter(
+            self.index, self.pools, self.executor, admission, self.counters, self._describe
+        )
         self.ops: dict[str, int] = dict.fromkeys(
             (
                 "lookups",
@@ -111,22 +123,16 @@ class KVStore:
                 "loaded_tokens",
                 "prefetches",
                 "leases_expired",
+                "corrupt_dropped",
             ),
             0,
         )
         self._leases: dict[LeaseId, Lease] = {}
+        self.recovery = recover(self) if self.disk is not None else {}
 
     @classmethod
     def from_file(cls, path: str, **kwargs: Any) -> KVStore:
         return cls(load_config(path), **kwargs)
-
-    @property
-    def gpu_pool(self) -> SlotPool:
-        return self.pools[GPU]
-
-    @property
-    def host_pool(self) -> SlotPool:
-        return self.pools[HOST]
 
     # ---- the engine contract -------------------------------------------------------------
 
@@ -166,19 +172,26 @@ class KVStore:
             self.ops["stores"] += 1
             if new_blocks <= 0:
                 return StoreResult(match.num_blocks * bt, 0, 0)
-            pin = self.index.leases.acquire(match.end, tuple(range(len(self.pools))), math.inf, 0)
+            pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0)
             try:
                 slots = self._place(match, new_blocks)
             finally:
                 # the pin guards the match while room is made; unpinned, a leaf grows in place
                 self.index.leases.release(pin.lease_id)
+            start = match.num_blocks * bt
+            blocks = _to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
+            if slots is None and self._tail_on_disk(match):
+                stored = self._store_to_disk(match, key, blocks, namespace)
+                self.ops["stored_tokens"] += stored * bt
+                self.ops["dropped_tokens"] += (new_blocks - stored) * bt
+                return StoreResult(
+                    (match.num_blocks + stored) * bt, stored * bt, (new_blocks - stored) * bt
+                )
             if slots is None:
                 self.ops["dropped_tokens"] += new_blocks * bt
                 return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
-            start = match.num_blocks * bt
-            blocks = _to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
             for tier, tier_slots in slots.items():
-                self.pools[tier].write(tier_slots, blocks)
+                self.memory[tier].write(tier_slots, blocks)
             self.index.insert(match, key, slots)
             self.ops["stored_tokens"] += new_blocks * bt
             self._enforce_watermarks()
@@ -207,12 +220,19 @@ class KVStore:
                 positions, slots = by_tier.setdefault(tier, ([], []))
                 positions.append(position)
                 slots.append(slot)
-            for tier, (positions, slots) in by_tier.items():
-                data = self.pools[tier].read(slots).to(target)
-                blocks[positions[0] : positions[-1] + 1] = data  # closure: one run per tier
+            count = match.num_blocks
+            for tier, (positions, slots) in sorted(by_tier.items()):
+                if tier == DISK:
+                    refs = list(self.index.blocks(match.end))[positions[0] :]
+                    data, good = self._read_disk(refs)
+                    blocks[positions[0] : positions[0] + good] = data[:good].to(target)
+                    count = positions[0] + good
+                else:
+                    data = self.memory[tier].read(slots).to(target)
+                    blocks[positions[0] : positions[-1] + 1] = data  # closure: one run per tier
             self.ops["loads"] += 1
-            self.ops["loaded_tokens"] += match.num_blocks * self.block_tokens
-            return LoadResult(match.num_blocks * self.block_tokens, _from_blocks(blocks))
+            self.ops["loaded_tokens"] += count * self.block_tokens
+            return LoadResult(count * self.block_tokens, _from_blocks(blocks[:count]))
 
     def prefetch(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
@@ -231,15 +251,20 @@ class KVStore:
         with self._lock:
             namespace = self._namespace(tenant)
             self._expire()
-            match = self.index.match(namespace, key)
-            pin = self.index.leases.acquire(match.end, tuple(range(len(self.pools))), math.inf, 0)
-            try:
-                self._promote(match)
-                record = self.index.leases.acquire(
-                    match.end, (GPU,), self._clock() + ttl, match.num_blocks
-                )
-            finally:
-                self.index.leases.release(pin.lease_id)
+            while True:  # each pass that finds a corrupt disk copy drops it: this ends
+                match = self.index.match(namespace, key)
+                pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0)
+                try:
+                    corrupt = self._promote(match)
+                    if corrupt is None:
+                        record = self.index.leases.acquire(
+                            match.end, (GPU,), self._clock() + ttl, match.num_blocks
+                        )
+                finally:
+                    self.index.leases.release(pin.lease_id)
+                if corrupt is None:
+                    break
+                self._drop_corrupt(corrupt)
             table = tuple(
                 self._slot(ref.node.slots[GPU][ref.i]) for ref in self.index.blocks(match.end)
             )
@@ -276,6 +301,17 @@ class KVStore:
             return list(self._leases.values())
 
     # ---- operations ------------------------------------------------------------------------
+
+    def persist(self) -> int:
+        """Give every cached block a durable disk copy now; return how many were written.
+        Blocks stay where they are; a restart recovers everything persisted (`persist.py`).
+        Without a disk tier there is nothing to persist to: `InvalidArgumentError`."""
+        with self._lock:
+            self._ensure_open()
+            if self.disk is None:
+                raise InvalidArgumentError("persist: this store has no disk tier (tiers.disk)")
+            self._expire()
+            return persist(self.index, self.pools, self.executor, self.demoter, self._describe)
 
     def evict(self, tier: str, num_blocks: int) -> int:
         """Free up to `num_blocks` slots of `tier` by demotion; return how many were freed."""
@@ -380,7 +416,7 @@ class KVStore:
         """Slots for `count` new blocks after `match`: the fastest tier that closure allows and
         that can make room, plus host under write_through. None when no tier can."""
         first = 0 if match.end.parent is None else match.end.fastest(match.end.size - 1)
-        for tier in range(first, len(self.pools)):
+        for tier in range(first, min(len(self.pools), DISK)):
             if not (
                 self.demoter.can_make_room(tier, count) and self.demoter.make_room(tier, count)
             ):
@@ -391,14 +427,59 @@ class KVStore:
             return slots
         return None
 
-    def _promote(self, match: Match) -> None:
+    def _tail_on_disk(self, match: Match) -> bool:
+        end = match.end
+        return (
+            self.disk is not None and end.parent is not None and end.fastest(end.size - 1) == DISK
+        )
+
+    def _store_to_disk(
+        self, match: Match, key: bytes, blocks: torch.Tensor, namespace: BlockId
+    ) -> int:
+        """New blocks below a prefix that lives only on disk go to disk (prefix closure), as one
+        group commit; the leading blocks that became durable enter the index. Returns them."""
+        assert self.disk is not None
+        count = blocks.shape[0]
+        if not (self.demoter.can_make_room(DISK, count) and self.demoter.make_room(DISK, count)):
+            return 0
+        kb, ds = self.index.key_nbytes, self.index.digest_size
+        start = match.num_blocks * kb
+        new_key = key[start : start + count * kb]
+        ids = self.index.hasher.chain(match.end.ids[-ds:], new_key, kb)
+        tenant = self._tenant_of[namespace]
+        metas = [
+            BlockMeta(
+                ids[i * ds : (i + 1) * ds],
+                ids[(i - 1) * ds : i * ds] if i else match.end.ids[-ds:],
+                namespace,
+                tenant,
+                new_key[i * kb : (i + 1) * kb],
+            )
+            for i in range(count)
+        ]
+        slots = self.disk.allocate(count)
+        ok = self.disk.write_blocks(slots, blocks.contiguous(), metas)
+        good = ok.index(False) if False in ok else count
+        self.disk.free(slots[good:])
+        if good:
+            self.index.insert(match, key[: start + good * kb], {DISK: slots[:good]})
+        return good
+
+    def _promote(self, match: Match) -> BlockRef | None:
         """Copy the blocks of `match` that are not on gpu up to gpu (they are a suffix of it,
-        by prefix closure), all or nothing; the caller has pinned the match."""
+        by prefix closure), all or nothing; the caller has pinned the match. Disk copies are
+        read and verified first: if one is corrupt, nothing moves and it is returned."""
         missing = [
             ref for ref in self.index.blocks(match.end) if ref.node.slots[GPU][ref.i] is None
         ]
         if not missing:
-            return
+            return None
+        on_disk = [ref for ref in missing if ref.node.fastest(ref.i) == DISK]
+        staged = None
+        if on_disk:
+            staged, good = self._read_disk(on_disk, drop=False)
+            if good < len(on_disk):
+                return on_disk[good]
         if not (
             self.demoter.can_make_room(GPU, len(missing))
             and self.demoter.make_room(GPU, len(missing))
@@ -417,15 +498,56 @@ class KVStore:
             src_slots.append(self._slot(ref.node.slots[tier][ref.i]))
             dst_slots.append(slot)
         for tier, (src_slots, dst_slots) in sources.items():
-            self.executor.run(
-                Transfer(self.pools[tier], tuple(src_slots), self.gpu_pool, tuple(dst_slots))
-            )
+            if tier == DISK:
+                assert staged is not None
+                self.gpu_pool.write(dst_slots, staged)  # verified above, no second read
+            else:
+                transfer = Transfer(
+                    self.pools[tier], tuple(src_slots), self.gpu_pool, tuple(dst_slots)
+                )
+                self.executor.run(transfer)
         for ref, slot in zip(missing, dst, strict=True):  # root first: closure holds each step
             self.index.set_slot(ref, GPU, slot)
         self.counters[GPU].promotions += len(missing)
+        return None
+
+    def _read_disk(self, refs: list[BlockRef], drop: bool = True) -> tuple[torch.Tensor, int]:
+        """Read and verify the disk copies of `refs` (consecutive blocks of one path): the data
+        and how many leading blocks verified. With `drop`, the first corrupt copy is dropped
+        with everything below it (they would be orphans) and counted."""
+        assert self.disk is not None
+        slots = [self._slot(ref.node.slots[DISK][ref.i]) for ref in refs]
+        data, ok = self.disk.read_blocks(slots, [self.index.block_id(ref) for ref in refs])
+        good = ok.index(False) if False in ok else len(ok)
+        self.executor.bytes_moved[("disk", "host")] += good * self.layout.block_bytes
+        if drop and good < len(refs):
+            self._drop_corrupt(refs[good])
+        return data, good
+
+    def _drop_corrupt(self, ref: BlockRef) -> None:
+        """A copy failed verification: drop the block and everything below it, count them."""
+        freed = self.index.drop_subtree(ref)
+        for tier, slot in freed:
+            self.pools[tier].free([slot])
+        self.ops["corrupt_dropped"] += 1
+
+    def _describe(self, ref: BlockRef) -> BlockMeta:
+        kb = self.index.key_nbytes
+        namespace = self.index.namespace_of(ref.node)
+        return BlockMeta(
+            block_id=self.index.block_id(ref),
+            parent_id=self.index.parent_id(ref),
+            namespace=namespace,
+            tenant=self._tenant_of.get(namespace, ""),
+            tokens=ref.node.key[ref.i * kb : (ref.i + 1) * kb],
+        )
+
+    @property
+    def _all_tiers(self) -> tuple[int, ...]:
+        return tuple(range(len(self.pools)))
 
     def _enforce_watermarks(self) -> None:
-        for tier, pool in enumerate(self.pools):
+        for tier, pool in enumerate(self.pools[:DISK]):
             tier_cfg = getattr(self.config.tiers, pool.name)
             if pool.num_used > tier_cfg.high_watermark * pool.num_slots:
                 self.demoter.demote_to(tier, int(tier_cfg.low_watermark * pool.num_slots))

@@ -11,11 +11,9 @@ import pytest
 import torch
 from conftest import bits, kv_for, leased_kv, tiny_block_bytes
 
-from kvtier.config import parse_config
 from kvtier.errors import (
     CapacityError,
     ClosedError,
-    ConfigError,
     LeaseError,
     UnknownTenantError,
 )
@@ -601,11 +599,3 @@ def test_a_store_used_as_a_context_manager_closes(make_store: MakeStore) -> None
         store.check()
     with pytest.raises(ClosedError):
         store.lookup(A)
-
-
-def test_a_config_with_a_disk_tier_is_refused_not_ignored() -> None:
-    config = parse_config({"tiers": {"disk": {"capacity": "1GiB", "path": "/tmp/kv"}}})
-    with pytest.raises(ConfigError) as err:
-        KVStore(config)
-    assert err.value.field == "tiers.disk"
-    assert "/tmp/kv" in str(err.value) and "no disk tier yet" in str(err.value)

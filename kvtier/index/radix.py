@@ -345,6 +345,39 @@ class RadixIndex:
             self._refresh(node)
         return [(t, s) for t, s in freed if s is not None]
 
+    def drop_subtree(self, ref: BlockRef) -> list[tuple[int, int]]:
+        """Remove a block and everything cached below it, leaf-first (e.g. a copy found corrupt
+        takes its descendants with it: they would be orphans). Nothing in it may be locked.
+        Returns the freed copies as (tier, slot) pairs."""
+        node, i = ref
+        below: list[Node] = []  # pre-order: every node before its descendants
+        stack = list(node.children.values()) if node.children else []
+        while stack:
+            child = stack.pop()
+            below.append(child)
+            stack.extend(child.children.values() if child.children else ())
+        freed: list[tuple[int, int]] = []
+        for child in reversed(below):
+            while child.parent is not None:
+                freed += self.drop(BlockRef(child, child.size - 1))
+        while node.parent is not None and node.size > i:
+            freed += self.drop(BlockRef(node, node.size - 1))
+        return freed
+
+    def parent_id(self, ref: BlockRef) -> bytes:
+        """The id before a block: the previous block's, or the namespace seed for a first one."""
+        node, i = ref
+        ds = self.digest_size
+        if i:
+            return node.ids[(i - 1) * ds : i * ds]
+        assert node.parent is not None
+        return node.parent.ids[-ds:]
+
+    def namespace_of(self, node: Node) -> BlockId:
+        while node.parent is not None:
+            node = node.parent
+        return BlockId(node.ids)
+
     def _detach(self, node: Node, parent: Node) -> None:
         """Unhook a node whose last block is being dropped."""
         assert parent.children is not None

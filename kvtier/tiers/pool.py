@@ -108,6 +108,10 @@ class SlotPool:
         return self._buffer is None
 
     @property
+    def location(self) -> str:
+        return str(self.device)
+
+    @property
     def capacity_bytes(self) -> int:
         return self.num_slots * self.layout.block_bytes
 

@@ -1,14 +1,17 @@
 """Transfers: copies of whole blocks from slots of one pool to slots of another.
 
-A `Transfer` is planned as an object (source pool and slots -> destination pool and slots), run
-by an executor, and only then reported to the index (DESIGN invariant 1: a copy becomes visible
-when it is complete). `InlineExecutor` runs a transfer to completion in the caller's thread,
-which is what the synchronous store needs; the async mover adds executors on CUDA streams and
-worker threads behind the same `run` (issue 4), and the disk tier its own I/O path (issue 3).
+A `Transfer` is planned as an object (source tier and slots -> destination tier and slots, and
+the blocks it carries), run by an executor, and only then reported to the index (DESIGN
+invariant 1: a copy becomes visible when it is complete). `run` returns, per block, whether its
+copy is complete: memory copies always are; a disk write is complete once durable, and a disk
+read once its checksum verified. `InlineExecutor` runs a transfer to completion in the caller's
+thread, which is what the synchronous store needs; the async mover (issue 4) adds executors on
+CUDA streams and worker threads behind the same `run`.
 
-Copies are merged: consecutive slots on both sides become one slice copy, so blocks that were
-allocated together move as one large copy; scattered slots fall back to one gather and one
-scatter (`index_select` + `index_copy_`).
+Memory copies are merged: consecutive slots on both sides become one slice copy, so blocks that
+were allocated together move as one large copy; scattered slots fall back to one gather and one
+scatter (`index_select` + `index_copy_`). Disk copies go through the disk tier's parallel,
+group-committed I/O path.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.tiers import SlotPool
+from kvtier.tiers.base import Tier
+from kvtier.tiers.disk import BlockMeta, DiskTier
 
 _MAX_RUNS = 8
 """Above this many contiguous runs, one gather + one scatter beats many slice copies."""
@@ -26,18 +31,16 @@ _MAX_RUNS = 8
 
 @dataclass(frozen=True)
 class Transfer:
-    src: SlotPool
+    src: Tier
     src_slots: tuple[int, ...]
-    dst: SlotPool
+    dst: Tier
     dst_slots: tuple[int, ...]
+    blocks: tuple[BlockMeta, ...] = ()  # what a disk copy records; needed when disk is involved
 
     def __post_init__(self) -> None:
         assert len(self.src_slots) == len(self.dst_slots), "one destination slot per block"
-        assert self.src.layout == self.dst.layout, "pools of different layouts"
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.src_slots) * self.src.layout.block_bytes
+        disk = isinstance(self.src, DiskTier) or isinstance(self.dst, DiskTier)
+        assert not disk or len(self.blocks) == len(self.src_slots), "disk copies need block metas"
 
     @property
     def path(self) -> tuple[str, str]:
@@ -63,10 +66,32 @@ class InlineExecutor:
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.transfers = 0
 
-    def run(self, transfer: Transfer) -> None:
+    def run(self, transfer: Transfer) -> list[bool]:
+        """Copy every block; per block, whether its copy is complete (see the module doc)."""
         if not transfer.src_slots:
-            return
-        src, dst = transfer.src.buffer, transfer.dst.buffer
+            return []
+        src_tier, dst_tier = transfer.src, transfer.dst
+        if isinstance(dst_tier, DiskTier):
+            assert isinstance(src_tier, SlotPool)
+            data = src_tier.read(transfer.src_slots)
+            ok = dst_tier.write_blocks(transfer.dst_slots, data, transfer.blocks)
+        elif isinstance(src_tier, DiskTier):
+            assert isinstance(dst_tier, SlotPool)
+            ids = [meta.block_id for meta in transfer.blocks]
+            data, ok = src_tier.read_blocks(transfer.src_slots, ids)
+            good = [i for i, done in enumerate(ok) if done]
+            if good:
+                dst_tier.write([transfer.dst_slots[i] for i in good], data[good])
+        else:
+            assert isinstance(src_tier, SlotPool) and isinstance(dst_tier, SlotPool)
+            self._copy_memory(src_tier, dst_tier, transfer)
+            ok = [True] * len(transfer.src_slots)
+        self.bytes_moved[transfer.path] += ok.count(True) * src_tier.layout.block_bytes
+        self.transfers += 1
+        return ok
+
+    def _copy_memory(self, src_pool: SlotPool, dst_pool: SlotPool, transfer: Transfer) -> None:
+        src, dst = src_pool.buffer, dst_pool.buffer
         runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
         if len(runs) <= _MAX_RUNS:
             for s, d, n in runs:
@@ -75,5 +100,3 @@ class InlineExecutor:
             src_index = torch.tensor(transfer.src_slots, dtype=torch.long, device=src.device)
             dst_index = torch.tensor(transfer.dst_slots, dtype=torch.long, device=dst.device)
             dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device))
-        self.bytes_moved[transfer.path] += transfer.nbytes
-        self.transfers += 1

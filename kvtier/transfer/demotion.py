@@ -5,10 +5,17 @@ tier, never leased or pinned) until the tier's pool has `n` free slots. For each
 
     has a copy in a slower tier?        -> forget this tier's copy, free the slot
     lowest tier?                        -> drop the block from the cache
-    policy keeps it and the next tier
-      has (or can make) a free slot?    -> copy it down, record the copy, then free this slot
+    admitted below (enough hits, or not
+      a leaf) and the next tier has (or
+      can make) a free slot?            -> copy it down, record the copy, then free this slot
     a leaf of the whole tree?           -> drop it (counted as an eviction)
     otherwise                           -> leave it; try the next victim
+
+Admission: a block enters tier t at demotion only with `admission[t]` hits (the `selective`
+write policy for host, `disk_admission_hits` for disk), unless it cannot be dropped because
+blocks below it are cached. A copy to disk takes the victim's neighbours along: the blocks of
+the same node that will be evicted next and lack a disk copy go in the same group commit
+(up to `DISK_BATCH`), so a node's demotion costs one sync, not one per block.
 
 Making room in the next tier recurses into `make_room(tier + 1, 1)`, so a full host tier
 drops (or, with a disk tier, demotes) its own leaves to take a block from the GPU. The copy is
@@ -22,13 +29,15 @@ the background, with its executors in place of `InlineExecutor`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.index import BlockRef, RadixIndex
-from kvtier.policy import WritePolicy
-from kvtier.tiers import SlotPool
+from kvtier.tiers.base import Tier
+from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.transfer.copy import InlineExecutor, Transfer
+
+DISK_BATCH = 32
 
 
 @dataclass
@@ -46,16 +55,20 @@ class Demoter:
     def __init__(
         self,
         index: RadixIndex,
-        pools: Sequence[SlotPool],
+        pools: Sequence[Tier],
         executor: InlineExecutor,
-        policy: WritePolicy,
+        admission: Sequence[int],
         counters: Sequence[TierCounters],
+        describe: Callable[[BlockRef], BlockMeta],
     ) -> None:
+        """`admission[t]`: hits a block needs to be copied into tier t at demotion.
+        `describe(ref)`: what a disk copy records about a block."""
         self.index = index
         self.pools = list(pools)
         self.executor = executor
-        self.policy = policy
+        self.admission = list(admission)
         self.counters = list(counters)
+        self.describe = describe
 
     def make_room(self, tier: int, n: int) -> bool:
         """Demote LRU leaves of `tier` until its pool has `n` free slots; False if it cannot."""
@@ -93,24 +106,54 @@ class Demoter:
             self.counters[tier].demotions += 1
             return
         lower = tier + 1
-        keep = self.policy.keep_on_demote(node.hits) or not _is_leaf(ref)
-        if lower < len(self.pools) and keep and self.make_room(lower, 1):
-            self._copy_down(ref, tier, lower)
-            return
+        if lower < len(self.pools):
+            keep = node.hits >= self.admission[lower] or not _is_leaf(ref)
+            if keep and self._copy_down(ref, tier, lower):
+                self.pools[tier].free([index.clear_slot(ref, tier)])
+                self.counters[tier].demotions += 1
+                return
         # making room below may have dropped later blocks of this node: ask again
         if _is_leaf(ref) and not any(node.locked(t) for t in range(len(self.pools))):
             for t, slot in index.drop(ref):
                 self.pools[t].free([slot])
             self.counters[tier].evictions += 1
 
-    def _copy_down(self, ref: BlockRef, tier: int, lower: int) -> None:
-        (dst_slot,) = self.pools[lower].allocate(1)
-        src_slot = ref.node.slots[tier][ref.i]
-        assert src_slot is not None
-        self.executor.run(Transfer(self.pools[tier], (src_slot,), self.pools[lower], (dst_slot,)))
-        self.index.set_slot(ref, lower, dst_slot)
-        self.pools[tier].free([self.index.clear_slot(ref, tier)])
-        self.counters[tier].demotions += 1
+    def _copy_down(self, ref: BlockRef, tier: int, lower: int) -> bool:
+        """Give the victim (and, for disk, its next-to-go neighbours) a copy in `lower`;
+        whether the victim has one now."""
+        node, i = ref
+        batch = [ref]
+        if isinstance(self.pools[lower], DiskTier):
+            first = node.depth[tier - 1] if tier else 0  # where this node's tier-run starts
+            start = max(first, i - DISK_BATCH + 1)
+            batch = [BlockRef(node, j) for j in range(start, i + 1) if node.slots[lower][j] is None]
+        if not self.make_room(lower, len(batch)):
+            batch = [ref]
+            if not self.make_room(lower, 1):
+                return False
+        if node.slots[tier][i] is None:  # making room below changed this node: give up on it
+            return False
+        dst = self.pools[lower].allocate(len(batch))
+        src = tuple(self._slot(b.node.slots[tier][b.i]) for b in batch)
+        metas = (
+            tuple(self.describe(b) for b in batch)
+            if isinstance(self.pools[lower], DiskTier)
+            else ()
+        )
+        done = self.executor.run(
+            Transfer(self.pools[tier], src, self.pools[lower], tuple(dst), metas)
+        )
+        for block, slot, ok in zip(batch, dst, done, strict=True):
+            if ok:
+                self.index.set_slot(block, lower, slot)
+            else:
+                self.pools[lower].free([slot])
+        return node.slots[lower][i] is not None
+
+    @staticmethod
+    def _slot(slot: int | None) -> int:
+        assert slot is not None
+        return slot
 
 
 def _is_leaf(ref: BlockRef) -> bool:

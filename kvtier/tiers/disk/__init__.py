@@ -1,0 +1,10 @@
+"""The disk tier: self-describing block copies in preallocated slab files.
+
+`format.py` (the slot header), `codec.py` (payload codecs), `io.py` (aligned, parallel,
+O_DIRECT file I/O), `tier.py` (`DiskTier`: slots, group commit, verified reads, the recovery
+scan).
+"""
+
+from kvtier.tiers.disk.tier import BlockMeta, DiskTier, ScannedCopy, ScanReport
+
+__all__ = ["BlockMeta", "DiskTier", "ScanReport", "ScannedCopy"]

@@ -1,0 +1,435 @@
+"""The disk tier: block copies in fixed slots of preallocated slab files on local NVMe.
+
+    <path>/kvtier-disk.json      geometry: slot size, slots per slab, layout fingerprint
+    <path>/slab-00000.kvt        slots 0 .. S-1
+    <path>/slab-00001.kvt        slots S .. 2S-1           (S = slots_per_slab)
+
+    slot = [ header region (msgpack header + header checksum, format.py) | payload (codec) ]
+
+Layout by measurement: one file per block pays an open/create/fsync and a directory entry per
+block and fragments the free space; fixed slots in a few large preallocated files turn every
+write into one aligned `pwritev` at a known offset, one `fdatasync` per file per batch, and
+recovery into a scan of header regions at known offsets (see README, "Disk tier").
+
+Contract:
+- Capacity is enforced on bytes allocated on disk: every slab is `posix_fallocate`d when the
+  tier opens, so `du` of the directory is the slabs' size (<= capacity) plus the superblock
+  and the directory itself. A filesystem that cannot hold the configured capacity gives fewer
+  slabs (counted in `faults["enospc"]`), never a write that fails later for lack of space.
+- `write_blocks` is a group commit: all copies of the batch are written in parallel, then each
+  touched slab is synced once (`fsync: batch`; `fsync: none` skips the sync and accepts losing
+  the tail on power loss). A copy is reported durable only after its sync returned. A failed
+  write or sync makes that copy fail (counted), never raises.
+- `read_blocks` verifies each copy (header checksum, expected block id, layout, payload
+  checksum, codec); a copy that fails is reported so and counted, never returned.
+- `scan()` reads every header region and returns the valid copies; the store rebuilds its index
+  from them (`index/restore.py`) and hands back the slots it keeps.
+The tier does not decide what to evict; the index and the demoter do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvtier.errors import CapacityError, ClosedError, ConfigError, InvariantError
+from kvtier.layout import KVLayout
+from kvtier.tiers.disk.codec import CorruptPayload, get_codec
+from kvtier.tiers.disk.format import (
+    BlockHeader,
+    CorruptHeader,
+    checksum,
+    decode_header,
+    encode_header,
+    header_region_size,
+    slot_size,
+)
+from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct
+
+SUPERBLOCK = "kvtier-disk.json"
+SLAB_TARGET_BYTES = 1 << 30
+"""Slabs are about 1 GiB: few enough files to sync per batch, small enough to create fast."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a disk copy records about its block besides the payload."""
+
+    block_id: bytes
+    parent_id: bytes
+    namespace: bytes
+    tenant: str
+    tokens: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedCopy:
+    slot: int
+    header: BlockHeader
+
+
+@dataclass
+class ScanReport:
+    copies: list[ScannedCopy] = field(default_factory=list)
+    empty: int = 0
+    corrupt: int = 0  # torn or damaged headers
+    foreign: int = 0  # another layout's copies
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        compression: str = "none",
+        fsync: str = "batch",
+        workers: int = 4,
+    ) -> None:
+        self.layout = layout
+        self.path = Path(path)
+        self.codec = get_codec(compression)
+        self.fsync = fsync
+        self.header_region = header_region_size(layout.block_tokens, 32)
+        self.slot_bytes = slot_size(self.header_region, layout.block_bytes)
+        fit = capacity_bytes // self.slot_bytes
+        if fit < 1:
+            raise ConfigError(
+                "tiers.disk.capacity",
+                capacity_bytes,
+                f"at least one slot of {self.slot_bytes} bytes",
+            )
+        self.slots_per_slab = max(1, min(fit, SLAB_TARGET_BYTES // self.slot_bytes))
+        self.faults: dict[str, int] = dict.fromkeys(
+            ("enospc", "write_errors", "sync_errors", "read_errors", "corrupt_reads"), 0
+        )
+        self._io = IOPool(workers)
+        self._closed = False
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.direct = probe_direct(self.path)
+        self._check_superblock()
+        self._slabs = self._open_slabs(fit // self.slots_per_slab)
+        self.num_slots = len(self._slabs) * self.slots_per_slab
+        if self.num_slots == 0:
+            raise ConfigError("tiers.disk.path", str(self.path), "room for at least one slab")
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._allocated = bytearray(self.num_slots)
+        self._num_used = 0
+        self._seq = 0
+
+    # ---- geometry and files ---------------------------------------------------------------
+
+    def _check_superblock(self) -> None:
+        want = {
+            "format": 1,
+            "slot_bytes": self.slot_bytes,
+            "header_region": self.header_region,
+            "slots_per_slab": self.slots_per_slab,
+            "layout": self.layout.fingerprint.hex(),
+        }
+        sb = self.path / SUPERBLOCK
+        if sb.exists():
+            have = json.loads(sb.read_text())
+            if have != want:
+                raise ConfigError(
+                    "tiers.disk.path",
+                    str(self.path),
+                    f"a directory of this layout and geometry ({want}), found {have}; "
+                    "use another path or delete this one",
+                )
+            return
+        tmp = sb.with_suffix(".tmp")
+        tmp.write_text(json.dumps(want))
+        os.replace(tmp, sb)
+
+    def _open_slabs(self, wanted: int) -> list[SlabFile]:
+        slabs = []
+        size = self.slots_per_slab * self.slot_bytes
+        for i in range(wanted):
+            path = self.path / f"slab-{i:05d}.kvt"
+            try:
+                exists = path.exists()
+                if exists and path.stat().st_size < size:
+                    _reallocate(path, size)  # truncated: its slots past the end must exist
+                slabs.append(SlabFile(path, size, direct=self.direct, create=not exists))
+            except OSError:
+                self.faults["enospc"] += 1
+                path.unlink(missing_ok=True)
+                break
+        for stale in sorted(self.path.glob("slab-*.kvt"))[len(slabs) :]:
+            stale.unlink()  # capacity shrank since the last start: drop the slabs beyond it
+        return slabs
+
+    def _where(self, slot: int) -> tuple[SlabFile, int]:
+        slab, index = divmod(slot, self.slots_per_slab)
+        return self._slabs[slab], index * self.slot_bytes
+
+    # ---- slots (the same contract as SlotPool) ---------------------------------------------
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self._num_used
+
+    @property
+    def used_bytes(self) -> int:
+        return self._num_used * self.layout.block_bytes
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        self._ensure_open()
+        if n > len(self._free):
+            raise CapacityError(f"disk: {n} slots requested, {len(self._free)} free")
+        slots = [self._free.pop() for _ in range(n)]
+        for slot in slots:
+            self._allocated[slot] = 1
+        self._num_used += n
+        return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            if not (0 <= slot < self.num_slots and self._allocated[slot]):
+                raise InvariantError(f"disk: free of slot {slot}, which is not allocated")
+        for slot in slots:
+            self._allocated[slot] = 0
+            self._free.append(slot)
+        self._num_used -= len(slots)
+
+    def is_allocated(self, slot: int) -> bool:
+        return 0 <= slot < self.num_slots and bool(self._allocated[slot])
+
+    def claim(self, slots: Sequence[int]) -> None:
+        """Mark recovered slots as used (after `scan`, before any allocation)."""
+        assert self._num_used == 0 and len(self._free) == self.num_slots
+        keep = set(slots)
+        for slot in keep:
+            self._allocated[slot] = 1
+        self._free = [s for s in self._free if s not in keep]
+        self._num_used = len(keep)
+
+    # ---- I/O ---------------------------------------------------------------------------------
+
+    def write_blocks(
+        self, slots: Sequence[int], blocks: torch.Tensor, metas: Sequence[BlockMeta]
+    ) -> list[bool]:
+        """Write one copy per slot and make the batch durable; True where it is."""
+        self._ensure_open()
+        assert len(slots) == len(metas) == blocks.shape[0]
+        raw = blocks.contiguous().view(torch.uint8).numpy().reshape(len(slots), -1)
+        itemsize = self.layout.itemsize
+        jobs: list[Callable[[], None]] = []
+        for slot, meta, data in zip(slots, metas, raw, strict=True):
+            jobs.append(self._write_job(slot, meta, data.data, itemsize))
+        ok = [not isinstance(r, OSError) for r in self._io.run(jobs)]
+        self.faults["write_errors"] += ok.count(False)
+        if self.fsync == "batch":
+            touched = sorted(
+                {slot // self.slots_per_slab for slot, good in zip(slots, ok, strict=True) if good}
+            )
+            synced = self._io.run([self._slabs[i].sync for i in touched])
+            failed = {i for i, r in zip(touched, synced, strict=True) if isinstance(r, OSError)}
+            self.faults["sync_errors"] += len(failed)
+            ok = [
+                good and slot // self.slots_per_slab not in failed
+                for slot, good in zip(slots, ok, strict=True)
+            ]
+        return ok
+
+    def _write_job(
+        self, slot: int, meta: BlockMeta, raw: memoryview, itemsize: int
+    ) -> Callable[[], None]:
+        encoded = self.codec.encode(raw, itemsize)
+        codec_name = self.codec.name
+        if len(encoded) >= len(raw):  # incompressible: store it plain
+            encoded, codec_name = raw, "none"
+        self._seq += 1
+        header = BlockHeader(
+            block_id=meta.block_id,
+            parent_id=meta.parent_id,
+            namespace=meta.namespace,
+            tenant=meta.tenant,
+            layout=self.layout.fingerprint,
+            tokens=meta.tokens,
+            codec=codec_name,
+            raw_nbytes=len(raw),
+            payload_nbytes=len(encoded),
+            payload_checksum=checksum(encoded),
+            seq=self._seq,
+        )
+        image = aligned_buffer(self.header_region + len(encoded))
+        image[: self.header_region] = encode_header(header, self.header_region)
+        image[self.header_region : self.header_region + len(encoded)] = encoded
+        slab, offset = self._where(slot)
+        return lambda: slab.write(offset, [image])
+
+    def read_blocks(
+        self, slots: Sequence[int], block_ids: Sequence[bytes]
+    ) -> tuple[torch.Tensor, list[bool]]:
+        """Read and verify copies: `[n, *block_shape]` and, per block, whether it is valid."""
+        self._ensure_open()
+        out = torch.empty((len(slots), *self.layout.block_shape), dtype=self.layout.dtype)
+        flat = out.view(torch.uint8).numpy().reshape(len(slots), -1)
+        results = self._io.run([self._read_job(slot) for slot in slots])
+        ok = []
+        for i, (result, block_id) in enumerate(zip(results, block_ids, strict=True)):
+            if isinstance(result, OSError):
+                self.faults["read_errors"] += 1
+                ok.append(False)
+                continue
+            payload = self._verify(result, block_id)
+            if payload is None:
+                self.faults["corrupt_reads"] += 1
+                ok.append(False)
+                continue
+            flat[i] = np.frombuffer(payload, dtype=np.uint8)
+            ok.append(True)
+        return out, ok
+
+    def _read_job(self, slot: int) -> Callable[[], memoryview]:
+        slab, offset = self._where(slot)
+
+        def job() -> memoryview:
+            buf = aligned_buffer(self.slot_bytes)
+            slab.read_into(offset, buf)
+            return buf
+
+        return job
+
+    def _verify(self, image: memoryview, block_id: bytes) -> bytes | memoryview | None:
+        try:
+            header = decode_header(image[: self.header_region])
+        except CorruptHeader:
+            return None
+        if (
+            header is None
+            or header.block_id != block_id
+            or header.layout != self.layout.fingerprint
+        ):
+            return None
+        if header.payload_nbytes > self.slot_bytes - self.header_region:
+            return None
+        stored = image[self.header_region : self.header_region + header.payload_nbytes]
+        if checksum(stored) != header.payload_checksum:
+            return None
+        try:
+            payload = get_codec(header.codec).decode(
+                stored, header.raw_nbytes, self.layout.itemsize
+            )
+        except (CorruptPayload, ValueError):
+            return None
+        return payload if len(payload) == self.layout.block_bytes else None
+
+    def scan(self, progress: bool | None = None) -> ScanReport:
+        """Read every header region; the valid copies of this layout, and what was not valid."""
+        self._ensure_open()
+        report = ScanReport()
+        show = sys.stderr.isatty() if progress is None else progress
+        batch = 1024
+        for start in range(0, self.num_slots, batch):
+            slots = range(start, min(start + batch, self.num_slots))
+            for slot, result in zip(
+                slots, self._io.run([self._header_job(s) for s in slots]), strict=True
+            ):
+                if isinstance(result, OSError):
+                    self.faults["read_errors"] += 1
+                    report.corrupt += 1
+                    continue
+                try:
+                    header = decode_header(result)
+                except CorruptHeader:
+                    report.corrupt += 1
+                    continue
+                if header is None:
+                    report.empty += 1
+                elif header.layout != self.layout.fingerprint:
+                    report.foreign += 1
+                else:
+                    report.copies.append(ScannedCopy(slot, header))
+                    self._seq = max(self._seq, header.seq)
+            if show:
+                done = min(start + batch, self.num_slots)
+                print(
+                    f"\rkvtier: recovering disk tier {done}/{self.num_slots} slots",
+                    end="" if done < self.num_slots else "\n",
+                    file=sys.stderr,
+                )
+        return report
+
+    def _header_job(self, slot: int) -> Callable[[], memoryview]:
+        slab, offset = self._where(slot)
+
+        def job() -> memoryview:
+            buf = aligned_buffer(self.header_region)
+            slab.read_into(offset, buf)
+            return buf
+
+        return job
+
+    # ---- consistency and shutdown ----------------------------------------------------------
+
+    def check(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise InvariantError(f"disk: free list holds {len(self._free) - len(free)} duplicates")
+        used = sum(self._allocated)
+        if used != self._num_used or used + len(free) != self.num_slots:
+            raise InvariantError(
+                f"disk: {used} slots marked used, {self._num_used} counted, {len(free)} free, "
+                f"{self.num_slots} in all"
+            )
+        if any(self._allocated[s] for s in free):
+            raise InvariantError("disk: a free slot is marked allocated")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for slab in self._slabs:
+            slab.close()
+        self._io.close()
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the disk tier is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskTier({self.path}, {self.num_used}/{self.num_slots} slots, direct={self.direct})"
+        )
+
+
+def _reallocate(path: Path, size: int) -> None:
+    """Give a slab file that was cut short its `size` bytes again, allocated (`du` counts them,
+    and a write to a slot past the cut neither fails nor lands outside the file)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)

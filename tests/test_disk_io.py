@@ -1,0 +1,257 @@
+"""Disk I/O layer: aligned buffers, O_DIRECT probe, slab files on real files, the I/O pool."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from kvtier.errors import ClosedError
+from kvtier.tiers.disk.io import ALIGN, IOPool, SlabFile, align_up, aligned_buffer, probe_direct
+
+MIB = 1 << 20
+
+
+def address(buf: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def filled(nbytes: int, seed: int) -> memoryview:
+    """An aligned buffer of `nbytes` whose bytes are `(seed + i) % 251`."""
+    buf = aligned_buffer(nbytes)
+    buf[:] = bytes((seed + i) % 251 for i in range(nbytes))
+    return buf
+
+
+@pytest.fixture
+def direct_ok(tmp_path: Path) -> None:
+    if not probe_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+
+
+def test_align_up() -> None:
+    assert [align_up(n) for n in (1, 4095, 4096, 4097, 8192)] == [4096] * 3 + [8192] * 2
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096, 5000, 2 * MIB + 1])
+def test_aligned_buffer_is_aligned_zeroed_and_rounded_up(nbytes: int) -> None:
+    buf = aligned_buffer(nbytes)
+    assert address(buf) % ALIGN == 0
+    assert len(buf) == align_up(nbytes)
+    assert not buf.readonly
+    assert buf.tobytes() == bytes(len(buf))
+
+
+def test_probe_direct_is_true_on_tmp_path_and_leaves_nothing(tmp_path: Path) -> None:
+    if not probe_direct(tmp_path):
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_probe_direct_is_false_for_a_missing_directory(tmp_path: Path) -> None:
+    assert probe_direct(tmp_path / "absent") is False
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_create_allocates_every_block_with_mode_0600(
+    tmp_path: Path, direct: bool, request: pytest.FixtureRequest
+) -> None:
+    if direct:
+        request.getfixturevalue("direct_ok")
+    path = tmp_path / "slab-0"
+    with SlabFile(path, 8 * MIB, direct=direct, create=True) as slab:
+        assert (slab.size, slab.direct, slab.path) == (8 * MIB, direct, path)
+    st = os.stat(path)
+    assert st.st_size == 8 * MIB
+    assert st.st_blocks * 512 >= 8 * MIB
+    assert stat.S_IMODE(st.st_mode) == 0o600
+
+
+def test_create_refuses_an_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "slab-0"
+    SlabFile(path, 4 * ALIGN, direct=False, create=True).close()
+    with pytest.raises(FileExistsError):
+        SlabFile(path, 4 * ALIGN, direct=False, create=True)
+    assert os.stat(path).st_size == 4 * ALIGN
+
+
+def test_open_without_create_keeps_the_size_on_disk(tmp_path: Path) -> None:
+    path = tmp_path / "slab-0"
+    SlabFile(path, 3 * ALIGN, direct=False, create=True).close()
+    with SlabFile(path, 99, direct=False, create=False) as slab:
+        assert slab.size == 3 * ALIGN
+    with pytest.raises(FileNotFoundError):
+        SlabFile(tmp_path / "absent", ALIGN, direct=False, create=False)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_several_buffers_round_trip_at_nonzero_offsets(
+    tmp_path: Path, direct: bool, request: pytest.FixtureRequest
+) -> None:
+    if direct:
+        request.getfixturevalue("direct_ok")
+    header, payload = filled(ALIGN, seed=1), filled(3 * ALIGN, seed=2)
+    path = tmp_path / "slab-0"
+    with SlabFile(path, 16 * ALIGN, direct=direct, create=True) as slab:
+        slab.write(4 * ALIGN, [header, payload])
+        slab.write(12 * ALIGN, [payload, header])
+        slab.sync()
+        back = aligned_buffer(4 * ALIGN)
+        assert slab.read_into(4 * ALIGN, back) == 4 * ALIGN
+        assert back.tobytes() == header.tobytes() + payload.tobytes()
+        assert slab.read_into(12 * ALIGN, back) == 4 * ALIGN
+        assert back.tobytes() == payload.tobytes() + header.tobytes()
+        # Untouched slots read back as the zeros that fallocate guarantees.
+        assert slab.read_into(0, back) == 4 * ALIGN
+        assert back.tobytes() == bytes(4 * ALIGN)
+    with SlabFile(path, 0, direct=direct, create=False) as again:
+        single = aligned_buffer(ALIGN)
+        assert again.read_into(5 * ALIGN, single) == ALIGN
+        assert single.tobytes() == payload[:ALIGN].tobytes()
+
+
+def test_buffered_slab_takes_unaligned_bytes_and_reads_short_at_the_end(tmp_path: Path) -> None:
+    with SlabFile(tmp_path / "slab-0", 100, direct=False, create=True) as slab:
+        slab.write(7, [b"abc", memoryview(b"defg")])
+        out = memoryview(bytearray(10))
+        assert slab.read_into(5, out) == 10
+        assert out.tobytes() == b"\0\0abcdefg\0"
+        tail = memoryview(bytearray(10))
+        assert slab.read_into(95, tail) == 5
+        assert tail.tobytes() == bytes(10)
+
+
+def test_direct_slab_asserts_alignment(tmp_path: Path, direct_ok: None) -> None:
+    with SlabFile(tmp_path / "slab-0", 4 * ALIGN, direct=True, create=True) as slab:
+        with pytest.raises(AssertionError, match="offset 512"):
+            slab.write(512, [aligned_buffer(ALIGN)])
+        with pytest.raises(AssertionError, match="lengths"):
+            slab.write(0, [aligned_buffer(ALIGN), b"x" * 100])
+        with pytest.raises(AssertionError, match="length 100"):
+            slab.read_into(0, aligned_buffer(ALIGN)[:100])
+
+
+def test_write_past_the_end_is_a_bug(tmp_path: Path) -> None:
+    with (
+        SlabFile(tmp_path / "slab-0", 2 * ALIGN, direct=False, create=True) as slab,
+        pytest.raises(AssertionError, match="outside"),
+    ):
+        slab.write(ALIGN, [bytes(ALIGN + 1)])
+
+
+def test_close_is_idempotent_and_later_io_is_refused(tmp_path: Path) -> None:
+    slab = SlabFile(tmp_path / "slab-0", ALIGN, direct=False, create=True)
+    slab.close()
+    slab.close()
+    with pytest.raises(ClosedError):
+        slab.write(0, [b"x"])
+    with pytest.raises(ClosedError):
+        slab.sync()
+
+
+def test_pool_runs_n_jobs_at_once() -> None:
+    n = 6
+    barrier = threading.Barrier(n, timeout=10)
+
+    def job(i: int) -> int:
+        barrier.wait()  # raises BrokenBarrierError unless all n jobs are running together
+        return i * i
+
+    with IOPool(workers=n) as pool:
+        assert pool.run([partial(job, i) for i in range(n)]) == [i * i for i in range(n)]
+
+
+def test_pool_returns_os_errors_in_place_and_in_order(tmp_path: Path) -> None:
+    def fail(code: int) -> int:
+        raise OSError(code, os.strerror(code))
+
+    jobs: list[Callable[[], int]] = [
+        lambda: 0,
+        partial(fail, errno.ENOSPC),
+        lambda: 2,
+        partial(fail, errno.EIO),
+        lambda: 4,
+    ]
+    with IOPool(workers=2) as pool:
+        results = pool.run(jobs)
+        assert pool.run([]) == []
+    assert [r if isinstance(r, int) else r.errno for r in results] == [
+        0,
+        errno.ENOSPC,
+        2,
+        errno.EIO,
+        4,
+    ]
+
+
+def test_pool_raises_other_errors_only_after_every_job_finished() -> None:
+    finished: list[int] = []
+
+    def slow(i: int) -> int:
+        threading.Event().wait(0.2)
+        finished.append(i)
+        return i
+
+    def bug() -> int:
+        raise ValueError("our bug")
+
+    jobs: list[Callable[[], int]] = [partial(slow, 0), bug, partial(slow, 2), partial(slow, 3)]
+    with IOPool(workers=4) as pool:
+        with pytest.raises(ValueError, match="our bug"):
+            pool.run(jobs)
+        assert sorted(finished) == [0, 2, 3]
+    pool.close()
+    with pytest.raises(ClosedError):
+        pool.run([lambda: 1])
+
+
+def test_pool_reads_and_writes_one_slab_in_parallel(tmp_path: Path) -> None:
+    direct = probe_direct(tmp_path)
+    chunks = [filled(4 * ALIGN, seed=i) for i in range(8)]
+    with (
+        SlabFile(tmp_path / "slab-0", 32 * ALIGN, direct=direct, create=True) as slab,
+        IOPool(workers=4) as pool,
+    ):
+        writes: list[Callable[[], None]] = [
+            partial(slab.write, i * 4 * ALIGN, [c]) for i, c in enumerate(chunks)
+        ]
+        assert pool.run(writes) == [None] * 8
+        slab.sync()
+        backs = [aligned_buffer(4 * ALIGN) for _ in chunks]
+        sizes = pool.run([partial(slab.read_into, i * 4 * ALIGN, b) for i, b in enumerate(backs)])
+    assert sizes == [4 * ALIGN] * 8
+    assert [b.tobytes() for b in backs] == [c.tobytes() for c in chunks]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs mounted on a fresh directory, unmounted afterwards."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs: {exc}")
+    if done.returncode != 0:
+        pytest.skip(f"mount of a tmpfs not permitted (not root?): {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True, timeout=30)
+
+
+def test_create_on_a_full_filesystem_raises_enospc_and_leaves_no_file(small_tmpfs: Path) -> None:
+    path = small_tmpfs / "slab-0"
+    with pytest.raises(OSError) as caught:
+        SlabFile(path, 4 * MIB, direct=probe_direct(small_tmpfs), create=True)
+    assert caught.value.errno == errno.ENOSPC
+    assert not path.exists()
