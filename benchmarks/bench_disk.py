@@ -10,6 +10,15 @@ Raw half, on one directory (a fresh directory under the repo's `.bench-disk/`, o
 - buffered write: the same bytes written without O_DIRECT into another preallocated file, then
   one `fdatasync`, for comparison.
 
+Tier half, on the same directory: the disk tier (`DiskTier`) writes the same number of bytes as
+2 MiB blocks (Llama-3.1-8B geometry: 32 layers, 8 KV heads, head_dim 128, bf16, 16 tokens) in
+group commits of `--batch` blocks (default 64: one header + payload image per block, parallel
+`pwritev`, one `fdatasync` per slab per batch), then, with the page cache dropped, reads them
+back with `read_blocks` (parallel `preadv` of whole slots, header and payload checksums
+verified) straight into the slots of a host pool. Blocks are written from, and read into,
+page-aligned pool slots, as in the store. Its MB/s count payload bytes only. The last line is
+the tier's share of raw bandwidth for writes and cold reads.
+
 Where the filesystem refuses O_DIRECT (see `probe_direct`), the raw rows run buffered and say so.
 Each figure is the median of `--repeat` runs (default 3); MB/s are 1e6 bytes per second. Every
 file is deleted at the end. `raw_bandwidth(directory, mib, workers, repeat)` is the reusable
@@ -29,10 +38,17 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import torch
+
+from kvtier.layout import KVLayout
+from kvtier.tiers import SlotPool
+from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct
 
 MIB = 1 << 20
 CHUNK = 2 * MIB
+SOURCE_CHUNKS = 64
+"""Raw writes cycle over 64 distinct 2 MiB chunks (128 MiB), the size of one tier batch."""
 DEFAULT_BASE = Path(__file__).resolve().parent.parent / ".bench-disk"
 ROWS = {
     "raw_write": "raw write (parallel pwritev + fdatasync)",
@@ -69,18 +85,24 @@ def _raise_first(results: list[OSError | None]) -> None:
             raise result
 
 
-def _write_seconds(slab: SlabFile, pool: IOPool, source: memoryview, n_chunks: int) -> float:
-    """Seconds to write `n_chunks` copies of `source` into `slab` in parallel, sync included."""
-    jobs = _strided(n_chunks, pool.workers, lambda _w, c: slab.write(c * CHUNK, [source]))
+def _write_seconds(slab: SlabFile, pool: IOPool, sources: list[memoryview], n_chunks: int) -> float:
+    """Seconds to write `n_chunks` chunks into `slab` in parallel, sync included; chunk c is
+    `sources[c % len(sources)]`, so the data comes from memory, not from the CPU's cache, as
+    the tier's does."""
+
+    def write(_w: int, c: int) -> None:
+        slab.write(c * CHUNK, [sources[c % len(sources)]])
+
+    jobs = _strided(n_chunks, pool.workers, write)
     start = time.perf_counter()
     _raise_first(pool.run(jobs))
     slab.sync()
     return time.perf_counter() - start
 
 
-def _read_seconds(slab: SlabFile, pool: IOPool, source: memoryview, n_chunks: int) -> float:
+def _read_seconds(slab: SlabFile, pool: IOPool, sources: list[memoryview], n_chunks: int) -> float:
     """Seconds to read `n_chunks` chunks of `slab` in parallel, one buffer per worker; checks
-    that the last chunk each worker read equals `source`."""
+    that the last chunk each worker read is what was written there."""
     buffers = [aligned_buffer(CHUNK) for _ in range(pool.workers)]
 
     def read(w: int, chunk: int) -> None:
@@ -91,8 +113,9 @@ def _read_seconds(slab: SlabFile, pool: IOPool, source: memoryview, n_chunks: in
     start = time.perf_counter()
     _raise_first(pool.run(jobs))
     seconds = time.perf_counter() - start
-    used = buffers[: min(pool.workers, n_chunks)]
-    assert all(b == source for b in used), "data read back differs from what was written"
+    for w in range(min(pool.workers, n_chunks)):
+        last = max(range(w, n_chunks, pool.workers))
+        assert buffers[w] == sources[last % len(sources)], "data read back differs"
     return seconds
 
 
@@ -104,8 +127,9 @@ def raw_runs(directory: Path, mib: int, workers: int, repeat: int) -> dict[str, 
     direct = probe_direct(directory)
     if not direct:
         print(f"note: {directory} refuses O_DIRECT; raw rows are buffered", file=sys.stderr)
-    source = aligned_buffer(CHUNK)
-    source[:] = os.urandom(CHUNK)
+    sources = [aligned_buffer(CHUNK) for _ in range(min(n_chunks, SOURCE_CHUNKS))]
+    for source in sources:
+        source[:] = os.urandom(CHUNK)
     runs: dict[str, list[float]] = {key: [] for key in ROWS}
     cold = True
     with IOPool(workers) as pool:
@@ -114,11 +138,11 @@ def raw_runs(directory: Path, mib: int, workers: int, repeat: int) -> dict[str, 
                 path = directory / f"{key}-{r}.slab"
                 try:
                     with SlabFile(path, size, direct=is_direct, create=True) as slab:
-                        seconds = _write_seconds(slab, pool, source, n_chunks)
+                        seconds = _write_seconds(slab, pool, sources, n_chunks)
                         runs[f"{key}_write"].append(size / seconds / 1e6)
                         if key == "raw":
                             cold = drop_page_cache() and cold
-                            seconds = _read_seconds(slab, pool, source, n_chunks)
+                            seconds = _read_seconds(slab, pool, sources, n_chunks)
                             runs["raw_cold_read"].append(size / seconds / 1e6)
                 finally:
                     path.unlink(missing_ok=True)
@@ -133,12 +157,74 @@ def raw_bandwidth(directory: Path, mib: int, workers: int, repeat: int) -> dict[
     return {key: statistics.median(values) for key, values in runs.items()}
 
 
+LLAMA_8B = KVLayout("Llama-3.1-8B", 32, 8, 128, "bfloat16", 16)
+TIER_ROWS = {
+    "tier_write": "disk tier write (group commits of --batch blocks)",
+    "tier_cold_read": "disk tier cold read (verified)",
+}
+
+
+def tier_runs(
+    directory: Path, mib: int, workers: int, repeat: int, batch: int
+) -> dict[str, list[float]]:
+    """MB/s of every run of each `TIER_ROWS` measurement (see the module docstring)."""
+    layout = LLAMA_8B
+    n_blocks = max(1, mib * MIB // layout.block_bytes)
+    batch = min(batch, n_blocks)
+    # the blocks live in a page-aligned pool buffer, as they do in the store's host tier
+    pool = SlotPool("host", layout, batch, torch.device("cpu"))
+    pool.buffer.copy_(torch.randn((batch, *layout.block_shape)).to(layout.dtype))
+    blocks = [pool.buffer[i] for i in range(batch)]
+    runs: dict[str, list[float]] = {key: [] for key in TIER_ROWS}
+    for r in range(repeat):
+        path = directory / f"tier-{r}"
+        probe = DiskTier(layout, path, 1 << 40, workers=workers)  # geometry only
+        slot_bytes = probe.slot_bytes
+        probe.close()
+        shutil.rmtree(path)
+        tier = DiskTier(layout, path, n_blocks * slot_bytes, workers=workers)
+        try:
+            slots = tier.allocate(n_blocks)
+            metas = [
+                BlockMeta(i.to_bytes(16, "little"), b"\0" * 16, b"\1" * 16, "bench", b"\0" * 64)
+                for i in range(n_blocks)
+            ]
+            start = time.perf_counter()
+            for first in range(0, n_blocks, batch):
+                part = slots[first : first + batch]
+                ok = tier.write_blocks(part, blocks[: len(part)], metas[first : first + len(part)])
+                assert all(ok), "a tier write failed"
+            runs["tier_write"].append(
+                n_blocks * layout.block_bytes / (time.perf_counter() - start) / 1e6
+            )
+            readback = SlotPool("host", layout, batch, torch.device("cpu"))
+            readback.buffer.zero_()  # resident, like a pool that is in use
+            back = [readback.buffer[i] for i in range(batch)]
+            drop_page_cache()
+            start = time.perf_counter()
+            for first in range(0, n_blocks, batch):
+                part = slots[first : first + batch]
+                ids = [m.block_id for m in metas[first : first + len(part)]]
+                _, ok = tier.read_blocks(part, ids, out=back[: len(part)])
+                assert all(ok), "a tier read failed verification"
+            seconds = time.perf_counter() - start
+            for got, want in zip(back[: len(part)], blocks, strict=False):
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            runs["tier_cold_read"].append(n_blocks * layout.block_bytes / seconds / 1e6)
+        finally:
+            tier.close()
+            shutil.rmtree(path, ignore_errors=True)
+    return runs
+
+
 def print_table(runs: dict[str, list[float]]) -> None:
-    print(f"{'measurement':<48}{'median MB/s':>12}{'min':>8}{'max':>8}")
-    for key, label in ROWS.items():
+    print(f"{'measurement':<52}{'median MB/s':>12}{'min':>8}{'max':>8}")
+    for key, label in {**ROWS, **TIER_ROWS}.items():
+        if key not in runs:
+            continue
         values = runs[key]
         med, low, high = statistics.median(values), min(values), max(values)
-        print(f"{label:<48}{med:>12.0f}{low:>8.0f}{high:>8.0f}")
+        print(f"{label:<52}{med:>12.0f}{low:>8.0f}{high:>8.0f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=4, help="I/O threads (4)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (3)")
     parser.add_argument("--quick", action="store_true", help="256 MiB per run")
+    parser.add_argument("--batch", type=int, default=64, help="blocks per group commit (64)")
     args = parser.parse_args(argv)
     mib = 256 if args.quick else args.mib
     base = args.dir if args.dir is not None else DEFAULT_BASE
@@ -160,7 +247,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.workers} workers, O_DIRECT {'yes' if direct else 'no'}, "
             f"median of {args.repeat}"
         )
-        print_table(raw_runs(work, mib, args.workers, args.repeat))
+        runs = raw_runs(work, mib, args.workers, args.repeat)
+        runs.update(tier_runs(work, mib, args.workers, args.repeat, args.batch))
+        print_table(runs)
+        med = {key: statistics.median(values) for key, values in runs.items()}
+        print(
+            f"ratio tier/raw: write {med['tier_write'] / med['raw_write']:.2f}, "
+            f"cold read {med['tier_cold_read'] / med['raw_cold_read']:.2f}"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if args.dir is None and not any(base.iterdir()):

@@ -518,6 +518,7 @@ class KVStore:
         assert self.disk is not None
         slots = [self._slot(ref.node.slots[DISK][ref.i]) for ref in refs]
         data, ok = self.disk.read_blocks(slots, [self.index.block_id(ref) for ref in refs])
+        assert isinstance(data, torch.Tensor)  # no `out` given: one new tensor
         good = ok.index(False) if False in ok else len(ok)
         self.executor.bytes_moved[("disk", "host")] += good * self.layout.block_bytes
         if drop and good < len(refs):

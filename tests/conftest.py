@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from kvtier.config import parse_config
+from kvtier.config import KVTierConfig, parse_config
 from kvtier.layout import KVLayout
 from kvtier.results import Lease
 from kvtier.store import KVStore
+from kvtier.tiers.disk.format import BlockHeader, CorruptHeader, decode_header
 
 # ---- KVStore factory (tests/test_store*.py) ---------------------------------------------------
 #
@@ -114,3 +117,102 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- end of the KVStore factory ---------------------------------------------------------------
+
+
+# ---- disk-tier stores (tests/test_disk_*.py) ---------------------------------------------------
+#
+# A tiny fp16 layout whose block is exactly one sector: 2 layers, 2 kv heads, head_dim 64, 4 tokens
+# a block -> 4096 bytes; a disk slot is a 4096-byte header region plus the payload, 8192 bytes.
+# Capacities of gpu and host are in whole blocks with watermarks 1.0/1.0, so a tier demotes only
+# when a new block needs its room; write_back and no disk admission unless a test asks.
+
+DISK_MODEL = {
+    "name": "tiny",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "dtype": "float16",
+}
+DISK_BLOCK_TOKENS = 4
+DISK_BLOCK_BYTES = 4096
+DISK_SLOT_BYTES = 8192
+DISK_HEADER_BYTES = 4096
+
+
+def disk_config(
+    path: str | os.PathLike[str],
+    *,
+    capacity: str | int = "1MiB",
+    gpu_blocks: int = 4,
+    host_blocks: int = 4,
+    block_tokens: int = DISK_BLOCK_TOKENS,
+    compression: str = "none",
+    admission_hits: int = 0,
+    write: str = "write_back",
+    tenants: tuple[str, ...] = ("default",),
+) -> KVTierConfig:
+    """A config of the tiny fp16 layout with a disk tier of `capacity` under `path`."""
+    block_bytes = DISK_BLOCK_BYTES * block_tokens // DISK_BLOCK_TOKENS
+    return parse_config(
+        {
+            "model": DISK_MODEL,
+            "block_tokens": block_tokens,
+            "tiers": {
+                "gpu": {
+                    "capacity": gpu_blocks * block_bytes,
+                    "high_watermark": 1.0,
+                    "low_watermark": 1.0,
+                    "device": "cpu",
+                },
+                "host": {
+                    "capacity": host_blocks * block_bytes,
+                    "high_watermark": 1.0,
+                    "low_watermark": 1.0,
+                    "pinned": False,
+                },
+                "disk": {"capacity": capacity, "path": os.fspath(path), "compression": compression},
+            },
+            "policy": {"write": write, "disk_admission_hits": admission_hits},
+            "tenants": {tenant: {} for tenant in tenants},
+        }
+    )
+
+
+@pytest.fixture
+def open_store() -> Iterator[Callable[[KVTierConfig], KVStore]]:
+    """`open_store(config)` starts a `KVStore` (recovering its disk tier); every store opened is
+    closed after the test, so a test may restart a store by closing it and opening another."""
+    stores: list[KVStore] = []
+
+    def factory(config: KVTierConfig) -> KVStore:
+        store = KVStore(config)
+        stores.append(store)
+        return store
+
+    yield factory
+    for store in stores:
+        store.close()
+
+
+def slab_headers(path: str | os.PathLike[str]) -> dict[tuple[int, ...], tuple[int, BlockHeader]]:
+    """The valid headers of the first slab under `path`, by their block's tokens: `(slot,
+    header)`. Empty and damaged slots are left out; with disjoint token ranges per sequence,
+    each block's tokens are unique."""
+    data = (Path(path) / "slab-00000.kvt").read_bytes()
+    found: dict[tuple[int, ...], tuple[int, BlockHeader]] = {}
+    for slot in range(len(data) // DISK_SLOT_BYTES):
+        start = slot * DISK_SLOT_BYTES
+        try:
+            header = decode_header(data[start : start + DISK_HEADER_BYTES])
+        except CorruptHeader:
+            continue
+        if header is not None:
+            tokens = tuple(
+                int.from_bytes(header.tokens[i : i + 4], "little")
+                for i in range(0, len(header.tokens), 4)
+            )
+            found[tokens] = (slot, header)
+    return found
+
+
+# ---- end of the disk-tier stores ----------------------------------------------------------------

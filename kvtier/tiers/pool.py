@@ -28,6 +28,7 @@ Subclasses choose the device and the memory behind the buffer (`_allocate_buffer
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -86,8 +87,16 @@ class SlotPool:
         """The pool's memory, `layout.pool_shape(num_slots)`, contiguous; override for other media.
 
         Called once from `__init__`, after `name`, `layout`, `num_slots`, `device` and
-        `pin_memory` are set. `torch.empty`, so capacity that is never written costs nothing.
+        `pin_memory` are set. Capacity that is never written costs nothing. Plain CPU memory
+        comes from an anonymous mmap, so that every slot whose size is a multiple of 4 KiB is
+        page-aligned and the disk tier can write it with O_DIRECT without a copy (torch's own
+        CPU allocator aligns to 64 bytes only); CUDA and pinned memory are page-aligned already.
         """
+        if self.device.type == "cpu" and not self.pin_memory:
+            nbytes = self.layout.block_bytes * self.num_slots
+            self._mapping = mmap.mmap(-1, nbytes)
+            flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
+            return flat.view(self.layout.dtype).view(self.layout.pool_shape(self.num_slots))
         return torch.empty(
             self.layout.pool_shape(self.num_slots),
             dtype=self.layout.dtype,

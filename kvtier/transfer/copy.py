@@ -17,6 +17,7 @@ group-committed I/O path.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,15 +74,19 @@ class InlineExecutor:
         src_tier, dst_tier = transfer.src, transfer.dst
         if isinstance(dst_tier, DiskTier):
             assert isinstance(src_tier, SlotPool)
-            data = src_tier.read(transfer.src_slots)
-            ok = dst_tier.write_blocks(transfer.dst_slots, data, transfer.blocks)
+            views = [src_tier.buffer[slot] for slot in transfer.src_slots]  # written in place
+            ok = dst_tier.write_blocks(transfer.dst_slots, views, transfer.blocks)
         elif isinstance(src_tier, DiskTier):
             assert isinstance(dst_tier, SlotPool)
             ids = [meta.block_id for meta in transfer.blocks]
-            data, ok = src_tier.read_blocks(transfer.src_slots, ids)
-            good = [i for i, done in enumerate(ok) if done]
-            if good:
-                dst_tier.write([transfer.dst_slots[i] for i in good], data[good])
+            if dst_tier.device.type == "cpu":  # straight into the destination slots
+                slots_out = [dst_tier.buffer[slot] for slot in transfer.dst_slots]
+                _, ok = src_tier.read_blocks(transfer.src_slots, ids, out=slots_out)
+            else:  # a CUDA pool: through host memory
+                data, ok = src_tier.read_blocks(transfer.src_slots, ids)
+                good = [i for i, done in enumerate(ok) if done]
+                if good:
+                    dst_tier.write([transfer.dst_slots[i] for i in good], _rows(data, good))
         else:
             assert isinstance(src_tier, SlotPool) and isinstance(dst_tier, SlotPool)
             self._copy_memory(src_tier, dst_tier, transfer)
@@ -100,3 +105,7 @@ class InlineExecutor:
             src_index = torch.tensor(transfer.src_slots, dtype=torch.long, device=src.device)
             dst_index = torch.tensor(transfer.dst_slots, dtype=torch.long, device=dst.device)
             dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device))
+
+
+def _rows(data: torch.Tensor | Sequence[torch.Tensor], rows: list[int]) -> torch.Tensor:
+    return torch.stack([data[i] for i in rows])

@@ -51,9 +51,10 @@ from kvtier.tiers.disk.format import (
     header_region_size,
     slot_size,
 )
-from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct
+from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct, staging_buffer
 
 SUPERBLOCK = "kvtier-disk.json"
+ALIGN = 4096
 SLAB_TARGET_BYTES = 1 << 30
 """Slabs are about 1 GiB: few enough files to sync per batch, small enough to create fast."""
 
@@ -109,17 +110,26 @@ class DiskTier:
                 capacity_bytes,
                 f"at least one slot of {self.slot_bytes} bytes",
             )
-        self.slots_per_slab = max(1, min(fit, SLAB_TARGET_BYTES // self.slot_bytes))
+        # fixed by the geometry alone, so a change of capacity never changes where slots are
+        self.slots_per_slab = max(1, SLAB_TARGET_BYTES // self.slot_bytes)
         self.faults: dict[str, int] = dict.fromkeys(
-            ("enospc", "write_errors", "sync_errors", "read_errors", "corrupt_reads"), 0
+            (
+                "enospc",
+                "write_errors",
+                "sync_errors",
+                "retire_errors",
+                "read_errors",
+                "corrupt_reads",
+            ),
+            0,
         )
         self._io = IOPool(workers)
         self._closed = False
         self.path.mkdir(parents=True, exist_ok=True)
         self.direct = probe_direct(self.path)
         self._check_superblock()
-        self._slabs = self._open_slabs(fit // self.slots_per_slab)
-        self.num_slots = len(self._slabs) * self.slots_per_slab
+        self._slabs = self._open_slabs(fit)
+        self.num_slots = sum(slab.size // self.slot_bytes for slab in self._slabs)
         if self.num_slots == 0:
             raise ConfigError("tiers.disk.path", str(self.path), "room for at least one slab")
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -152,23 +162,53 @@ class DiskTier:
         tmp.write_text(json.dumps(want))
         os.replace(tmp, sb)
 
-    def _open_slabs(self, wanted: int) -> list[SlabFile]:
-        slabs = []
-        size = self.slots_per_slab * self.slot_bytes
-        for i in range(wanted):
-            path = self.path / f"slab-{i:05d}.kvt"
-            try:
-                exists = path.exists()
-                if exists and path.stat().st_size < size:
-                    _reallocate(path, size)  # truncated: its slots past the end must exist
-                slabs.append(SlabFile(path, size, direct=self.direct, create=not exists))
-            except OSError:
-                self.faults["enospc"] += 1
-                path.unlink(missing_ok=True)
+    def _open_slabs(self, total_slots: int) -> list[SlabFile]:
+        """Open (or create and preallocate) the slabs for `total_slots` slots: full slabs of
+        `slots_per_slab`, the last one shorter. Where the filesystem runs out of space, a new
+        slab is halved until it fits and an existing short one is kept as it is; no slab
+        follows it (counted in `enospc`). Existing slabs are never deleted for lack of space."""
+        slabs: list[SlabFile] = []
+        remaining = total_slots
+        while remaining > 0:
+            want = min(self.slots_per_slab, remaining)
+            path = self.path / f"slab-{len(slabs):05d}.kvt"
+            slots = self._open_existing(path, want) if path.exists() else self._create(path, want)
+            if slots == 0:
+                break
+            slab = SlabFile(path, slots * self.slot_bytes, direct=self.direct, create=False)
+            slab.size = slots * self.slot_bytes  # a longer file (capacity shrank) is cut here
+            slabs.append(slab)
+            remaining -= slots
+            if slots < want:
                 break
         for stale in sorted(self.path.glob("slab-*.kvt"))[len(slabs) :]:
             stale.unlink()  # capacity shrank since the last start: drop the slabs beyond it
         return slabs
+
+    def _open_existing(self, path: Path, want: int) -> int:
+        """Slots of an existing slab: `want`, or what it holds when it cannot grow to that."""
+        have = path.stat().st_size // self.slot_bytes
+        if have >= want:
+            return want
+        try:
+            _reallocate(path, want * self.slot_bytes)  # truncated, or capacity grew
+            return want
+        except OSError:
+            self.faults["enospc"] += 1
+            return have
+
+    def _create(self, path: Path, want: int) -> int:
+        """Create a slab of `want` slots, halving it while the filesystem refuses; its slots."""
+        slots = want
+        while slots > 0:
+            try:
+                SlabFile(path, slots * self.slot_bytes, direct=self.direct, create=True).close()
+                return slots
+            except OSError:
+                self.faults["enospc"] += 1
+                path.unlink(missing_ok=True)
+                slots //= 2
+        return 0
 
     def _where(self, slot: int) -> tuple[SlabFile, int]:
         slab, index = divmod(slot, self.slots_per_slab)
@@ -210,13 +250,24 @@ class DiskTier:
         return slots
 
     def free(self, slots: Sequence[int]) -> None:
+        """Free slots and retire their copies: the header region is zeroed, so that a restart
+        does not bring back a block the store dropped (evicted, or found corrupt)."""
         for slot in slots:
             if not (0 <= slot < self.num_slots and self._allocated[slot]):
                 raise InvariantError(f"disk: free of slot {slot}, which is not allocated")
+        if not self._closed:
+            blank = aligned_buffer(self.header_region)
+            retire = [self._retire_job(slot, blank) for slot in slots]
+            failed = sum(isinstance(r, OSError) for r in self._io.run(retire))
+            self.faults["retire_errors"] += failed  # a copy left behind is verified when read
         for slot in slots:
             self._allocated[slot] = 0
             self._free.append(slot)
         self._num_used -= len(slots)
+
+    def _retire_job(self, slot: int, blank: memoryview) -> Callable[[], None]:
+        slab, offset = self._where(slot)
+        return lambda: slab.write(offset, [blank])
 
     def is_allocated(self, slot: int) -> bool:
         return 0 <= slot < self.num_slots and bool(self._allocated[slot])
@@ -233,16 +284,21 @@ class DiskTier:
     # ---- I/O ---------------------------------------------------------------------------------
 
     def write_blocks(
-        self, slots: Sequence[int], blocks: torch.Tensor, metas: Sequence[BlockMeta]
+        self,
+        slots: Sequence[int],
+        blocks: torch.Tensor | Sequence[torch.Tensor],
+        metas: Sequence[BlockMeta],
     ) -> list[bool]:
-        """Write one copy per slot and make the batch durable; True where it is."""
+        """Write one copy per slot and make the batch durable; True where it is. `blocks` is a
+        `[n, *block_shape]` tensor or n block tensors (e.g. views of pool slots, written in
+        place when they are page-aligned)."""
         self._ensure_open()
-        assert len(slots) == len(metas) == blocks.shape[0]
-        raw = blocks.contiguous().view(torch.uint8).numpy().reshape(len(slots), -1)
-        itemsize = self.layout.itemsize
+        assert len(slots) == len(metas) == len(blocks)
+        raw = [block.contiguous().view(torch.uint8).reshape(-1) for block in blocks]
         jobs: list[Callable[[], None]] = []
         for slot, meta, data in zip(slots, metas, raw, strict=True):
-            jobs.append(self._write_job(slot, meta, data.data, itemsize))
+            self._seq += 1
+            jobs.append(self._write_job(slot, meta, data, self._seq))
         ok = [not isinstance(r, OSError) for r in self._io.run(jobs)]
         self.faults["write_errors"] += ok.count(False)
         if self.fsync == "batch":
@@ -259,88 +315,129 @@ class DiskTier:
         return ok
 
     def _write_job(
-        self, slot: int, meta: BlockMeta, raw: memoryview, itemsize: int
+        self, slot: int, meta: BlockMeta, data: torch.Tensor, seq: int
     ) -> Callable[[], None]:
-        encoded = self.codec.encode(raw, itemsize)
-        codec_name = self.codec.name
-        if len(encoded) >= len(raw):  # incompressible: store it plain
-            encoded, codec_name = raw, "none"
-        self._seq += 1
-        header = BlockHeader(
-            block_id=meta.block_id,
-            parent_id=meta.parent_id,
-            namespace=meta.namespace,
-            tenant=meta.tenant,
-            layout=self.layout.fingerprint,
-            tokens=meta.tokens,
-            codec=codec_name,
-            raw_nbytes=len(raw),
-            payload_nbytes=len(encoded),
-            payload_checksum=checksum(encoded),
-            seq=self._seq,
-        )
-        image = aligned_buffer(self.header_region + len(encoded))
-        image[: self.header_region] = encode_header(header, self.header_region)
-        image[self.header_region : self.header_region + len(encoded)] = encoded
+        """One slot's write, run on an I/O thread: encode, checksum, header, one `pwritev`.
+        A plain payload whose memory is sector-aligned (a pool slot or a gathered batch of
+        whole blocks of 4 KiB multiples) is written in place; anything else is first copied
+        into an aligned buffer, as O_DIRECT requires."""
         slab, offset = self._where(slot)
-        return lambda: slab.write(offset, [image])
+        region = self.header_region
 
-    def read_blocks(
-        self, slots: Sequence[int], block_ids: Sequence[bytes]
-    ) -> tuple[torch.Tensor, list[bool]]:
-        """Read and verify copies: `[n, *block_shape]` and, per block, whether it is valid."""
-        self._ensure_open()
-        out = torch.empty((len(slots), *self.layout.block_shape), dtype=self.layout.dtype)
-        flat = out.view(torch.uint8).numpy().reshape(len(slots), -1)
-        results = self._io.run([self._read_job(slot) for slot in slots])
-        ok = []
-        for i, (result, block_id) in enumerate(zip(results, block_ids, strict=True)):
-            if isinstance(result, OSError):
-                self.faults["read_errors"] += 1
-                ok.append(False)
-                continue
-            payload = self._verify(result, block_id)
-            if payload is None:
-                self.faults["corrupt_reads"] += 1
-                ok.append(False)
-                continue
-            flat[i] = np.frombuffer(payload, dtype=np.uint8)
-            ok.append(True)
-        return out, ok
-
-    def _read_job(self, slot: int) -> Callable[[], memoryview]:
-        slab, offset = self._where(slot)
-
-        def job() -> memoryview:
-            buf = aligned_buffer(self.slot_bytes)
-            slab.read_into(offset, buf)
-            return buf
+        def job() -> None:
+            raw = data.numpy().data
+            encoded = self.codec.encode(raw, self.layout.itemsize)
+            codec_name = self.codec.name
+            if len(encoded) >= len(raw):  # incompressible: store it plain
+                encoded, codec_name = raw, "none"
+            header = BlockHeader(
+                block_id=meta.block_id,
+                parent_id=meta.parent_id,
+                namespace=meta.namespace,
+                tenant=meta.tenant,
+                layout=self.layout.fingerprint,
+                tokens=meta.tokens,
+                codec=codec_name,
+                raw_nbytes=len(raw),
+                payload_nbytes=len(encoded),
+                payload_checksum=checksum(encoded),
+                seq=seq,
+            )
+            if encoded is raw and _aligned(data):
+                head = staging_buffer(region)
+                head[:] = encode_header(header, region)
+                slab.write(offset, [head, raw])
+                return
+            image = staging_buffer(region + len(encoded))
+            image[:region] = encode_header(header, region)
+            np.frombuffer(image, dtype=np.uint8)[region : region + len(encoded)] = np.frombuffer(
+                encoded, dtype=np.uint8
+            )
+            slab.write(offset, [image])
 
         return job
 
-    def _verify(self, image: memoryview, block_id: bytes) -> bytes | memoryview | None:
+    def read_blocks(
+        self,
+        slots: Sequence[int],
+        block_ids: Sequence[bytes],
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor | Sequence[torch.Tensor], list[bool]]:
+        """Read and verify copies into `out` (n block tensors, e.g. pool slots; a new
+        `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. Plain
+        payloads land in place when the destination is page-aligned; others go through an
+        aligned staging buffer. A destination whose copy failed holds garbage."""
+        self._ensure_open()
+        dest: torch.Tensor | Sequence[torch.Tensor] = (
+            out
+            if out is not None
+            else torch.empty((len(slots), *self.layout.block_shape), dtype=self.layout.dtype)
+        )
+        flat = [block.view(torch.uint8).reshape(-1) for block in dest]
+        jobs = [self._read_job(slot, flat[i], block_ids[i]) for i, slot in enumerate(slots)]
+        ok = []
+        for result in self._io.run(jobs):
+            if isinstance(result, OSError):
+                self.faults["read_errors"] += 1
+                ok.append(False)
+            elif not result:
+                self.faults["corrupt_reads"] += 1
+                ok.append(False)
+            else:
+                ok.append(True)
+        return dest, ok
+
+    def _read_job(self, slot: int, dest: torch.Tensor, block_id: bytes) -> Callable[[], bool]:
+        slab, offset = self._where(slot)
+        region, payload_region = self.header_region, self.slot_bytes - self.header_region
+
+        def job() -> bool:
+            target = dest.numpy().data
+            if _aligned(dest) and len(target) == payload_region:
+                head = staging_buffer(region)
+                slab.readv(offset, [head, target])
+                payload = target
+            else:
+                image = staging_buffer(region + payload_region)
+                slab.readv(offset, [image])
+                head, payload = image[:region], image[region:]
+            decoded = self._verify(head, payload, block_id)
+            if decoded is None:
+                return False
+            if decoded is not target:
+                np.frombuffer(target, dtype=np.uint8)[:] = np.frombuffer(decoded, dtype=np.uint8)
+            return True
+
+        return job
+
+    def _verify(
+        self, head: memoryview, payload: memoryview, block_id: bytes
+    ) -> bytes | memoryview | None:
+        """The decoded payload of a slot if every check passes, else None."""
         try:
-            header = decode_header(image[: self.header_region])
+            header = decode_header(head)
         except CorruptHeader:
             return None
         if (
             header is None
             or header.block_id != block_id
             or header.layout != self.layout.fingerprint
+            or header.raw_nbytes != self.layout.block_bytes
+            or header.payload_nbytes > len(payload)
         ):
             return None
-        if header.payload_nbytes > self.slot_bytes - self.header_region:
-            return None
-        stored = image[self.header_region : self.header_region + header.payload_nbytes]
+        stored = payload[: header.payload_nbytes]
         if checksum(stored) != header.payload_checksum:
             return None
+        if header.codec == "none":
+            return stored if len(stored) == self.layout.block_bytes else None
         try:
-            payload = get_codec(header.codec).decode(
+            decoded = get_codec(header.codec).decode(
                 stored, header.raw_nbytes, self.layout.itemsize
             )
         except (CorruptPayload, ValueError):
             return None
-        return payload if len(payload) == self.layout.block_bytes else None
+        return bytes(decoded) if len(decoded) == self.layout.block_bytes else None
 
     def scan(self, progress: bool | None = None) -> ScanReport:
         """Read every header region; the valid copies of this layout, and what was not valid."""
@@ -433,3 +530,8 @@ def _reallocate(path: Path, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
     finally:
         os.close(fd)
+
+
+def _aligned(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's memory can be handed to O_DIRECT as it is."""
+    return tensor.data_ptr() % ALIGN == 0 and tensor.numel() * tensor.element_size() % ALIGN == 0
