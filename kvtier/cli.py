@@ -2,10 +2,11 @@
 
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
     kvtier validate FILE...                check config files; print each one's tier sizes
+    kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems)
 
 A bad config stops the command with the message of its `ConfigError` (field, bad value, what
 was expected) and exit status 2; nothing is started. `kvtier serve` (the sidecar) comes with
-issue 6 and `kvtier check` (the disk tier's offline check) with issue 3.
+issue 6.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvtier.config import KVTierConfig, format_size, load_config
 from kvtier.errors import KVTierError
 from kvtier.store import KVStore
+from kvtier.tiers.disk.check import PROBLEMS, check_directory
 
 
 def _config(path: str | None) -> KVTierConfig:
@@ -61,9 +64,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    report = check_directory(Path(args.path), fix=args.fix)
+    print(f"{args.path}: {report.slots} slots: {report.valid} valid, {report.empty} empty")
+    for name in PROBLEMS:
+        print(f"  {name.replace('_', ' '):<18}{getattr(report, name):>8}")
+    if args.fix:
+        print(f"  retired            {report.retired:>8}")
+    if report.problems and not args.fix:
+        print("problems found: run with --fix (with the store stopped) to retire those slots")
+        return 1
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "info": ("build the store from a config and print its status", cmd_info),
     "validate": ("check config files", cmd_validate),
+    "check": ("check a disk tier directory offline (store stopped)", cmd_check),
 }
 
 
@@ -75,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "info":
             cmd.add_argument("--config", help="YAML config (default: the embedded default)")
             cmd.add_argument("--json", action="store_true", help="print the status as JSON")
+        elif name == "check":
+            cmd.add_argument("path", help="the disk tier's directory (tiers.disk.path)")
+            cmd.add_argument("--fix", action="store_true", help="retire bad slots")
         else:
             cmd.add_argument("files", nargs="+", help="YAML config files")
     return parser

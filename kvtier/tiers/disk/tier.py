@@ -146,6 +146,7 @@ class DiskTier:
             "header_region": self.header_region,
             "slots_per_slab": self.slots_per_slab,
             "layout": self.layout.fingerprint.hex(),
+            "itemsize": self.layout.itemsize,
         }
         sb = self.path / SUPERBLOCK
         if sb.exists():

@@ -1,0 +1,187 @@
+"""`kvtier check PATH [--fix]`: an offline consistency check of a disk tier's directory.
+
+Reads the geometry from the superblock, then every slot whole (header and payload), and sorts
+the slots into:
+
+- `valid`: header and payload checksums pass, the codec decodes to the recorded size;
+- `empty`: never written, or retired;
+- `corrupt_headers` / `corrupt_payloads`: a torn or damaged copy;
+- `foreign`: a valid copy of another layout than the superblock's;
+- `duplicates`: older copies of a block id that a newer valid copy also holds;
+- `orphans`: valid copies whose chain of parents does not reach their namespace seed.
+
+A running store would discard or refuse every one of these anyway (at recovery or at read);
+`--fix` retires them now (zeroes their header region and syncs), so that the next start does
+not scan them again and `kvtier check` comes back clean. The store must not be running.
+Block ids are not re-hashed here (the hash algorithm is a store setting); recovery does that.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.disk.codec import CorruptPayload, get_codec
+from kvtier.tiers.disk.format import (
+    BlockHeader,
+    CorruptHeader,
+    checksum,
+    decode_header,
+    empty_header,
+)
+from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct, staging_buffer
+from kvtier.tiers.disk.tier import SUPERBLOCK
+
+PROBLEMS = ("corrupt_headers", "corrupt_payloads", "foreign", "duplicates", "orphans")
+
+
+@dataclass
+class DiskCheckReport:
+    slots: int = 0
+    valid: int = 0
+    empty: int = 0
+    corrupt_headers: int = 0
+    corrupt_payloads: int = 0
+    foreign: int = 0
+    duplicates: int = 0
+    orphans: int = 0
+    retired: int = 0
+    bad_slots: list[int] = field(default_factory=list)
+
+    @property
+    def problems(self) -> int:
+        return sum(getattr(self, name) for name in PROBLEMS)
+
+
+def check_directory(path: Path, fix: bool = False, progress: bool | None = None) -> DiskCheckReport:
+    """Check (and with `fix`, retire the bad slots of) the disk tier in `path`."""
+    superblock = path / SUPERBLOCK
+    if not superblock.exists():
+        raise ConfigError("PATH", str(path), f"a disk tier directory (with {SUPERBLOCK})")
+    geometry = json.loads(superblock.read_text())
+    slot_bytes, region = int(geometry["slot_bytes"]), int(geometry["header_region"])
+    per_slab, layout = int(geometry["slots_per_slab"]), bytes.fromhex(geometry["layout"])
+    itemsize = int(geometry["itemsize"])
+    direct = probe_direct(path)
+    slabs = [
+        SlabFile(p, p.stat().st_size // slot_bytes * slot_bytes, direct=direct, create=False)
+        for p in sorted(path.glob("slab-*.kvt"))
+    ]
+    report = DiskCheckReport()
+    valid: dict[int, BlockHeader] = {}
+    show = sys.stderr.isatty() if progress is None else progress
+    with IOPool() as pool:
+        jobs: list[Callable[[], tuple[int, str, BlockHeader | None]]] = []
+        for number, slab in enumerate(slabs):
+            for index in range(slab.size // slot_bytes):
+                slot = number * per_slab + index
+                jobs.append(
+                    _inspect(slab, index * slot_bytes, slot, (slot_bytes, region, itemsize), layout)
+                )
+        for start in range(0, len(jobs), 256):
+            for result in pool.run(jobs[start : start + 256]):
+                if isinstance(result, OSError):
+                    report.corrupt_headers += 1
+                    continue
+                slot, verdict, header = result
+                report.slots += 1
+                if verdict == "valid":
+                    assert header is not None
+                    valid[slot] = header
+                else:
+                    setattr(report, verdict, getattr(report, verdict) + 1)
+                    if verdict != "empty":
+                        report.bad_slots.append(slot)
+            if show:
+                print(
+                    f"\rkvtier check: {min(start + 256, len(jobs))}/{len(jobs)} slots",
+                    end="",
+                    file=sys.stderr,
+                )
+        if show:
+            print(file=sys.stderr)
+        _sort_valid(valid, report)
+        if fix and report.bad_slots:
+            blank = empty_header(region)
+            retire = [
+                _retire(slabs[s // per_slab], s % per_slab * slot_bytes, blank)
+                for s in report.bad_slots
+            ]
+            report.retired = sum(not isinstance(r, OSError) for r in pool.run(retire))
+            for slab in slabs:
+                slab.sync()
+    for slab in slabs:
+        slab.close()
+    return report
+
+
+def _inspect(
+    slab: SlabFile, offset: int, slot: int, geometry: tuple[int, int, int], layout: bytes
+) -> Callable[[], tuple[int, str, BlockHeader | None]]:
+    slot_bytes, region, itemsize = geometry
+
+    def job() -> tuple[int, str, BlockHeader | None]:
+        image = staging_buffer(slot_bytes)
+        slab.readv(offset, [image])
+        try:
+            header = decode_header(image[:region])
+        except CorruptHeader:
+            return slot, "corrupt_headers", None
+        if header is None:
+            return slot, "empty", None
+        if header.payload_nbytes > slot_bytes - region:
+            return slot, "corrupt_payloads", header
+        stored = image[region : region + header.payload_nbytes]
+        if checksum(stored) != header.payload_checksum:
+            return slot, "corrupt_payloads", header
+        try:
+            decoded = get_codec(header.codec).decode(stored, header.raw_nbytes, itemsize)
+        except (CorruptPayload, ValueError):
+            return slot, "corrupt_payloads", header
+        if len(decoded) != header.raw_nbytes:
+            return slot, "corrupt_payloads", header
+        return slot, "valid" if header.layout == layout else "foreign", header
+
+    return job
+
+
+def _sort_valid(valid: dict[int, BlockHeader], report: DiskCheckReport) -> None:
+    """Count duplicates (older copies of one id) and orphans among the valid copies."""
+    newest: dict[bytes, int] = {}
+    for slot, header in valid.items():
+        held = newest.get(header.block_id)
+        if held is None or header.seq > valid[held].seq:
+            if held is not None:
+                report.duplicates += 1
+                report.bad_slots.append(held)
+            newest[header.block_id] = slot
+        else:
+            report.duplicates += 1
+            report.bad_slots.append(slot)
+    children: dict[bytes, list[int]] = {}
+    for slot in newest.values():
+        children.setdefault(valid[slot].parent_id, []).append(slot)
+    reached: set[int] = set()
+    stack = [slot for slot in newest.values() if valid[slot].parent_id == valid[slot].namespace]
+    while stack:
+        slot = stack.pop()
+        reached.add(slot)
+        stack.extend(children.get(valid[slot].block_id, ()))
+    for slot in newest.values():
+        if slot not in reached:
+            report.orphans += 1
+            report.bad_slots.append(slot)
+    report.valid = len(reached)
+
+
+def _retire(slab: SlabFile, offset: int, blank: bytes) -> Callable[[], None]:
+    def job() -> None:
+        buffer = staging_buffer(len(blank))
+        buffer[:] = blank
+        slab.write(offset, [buffer])
+
+    return job
