@@ -34,15 +34,14 @@ import torch
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import (
-    CapacityError,
     ClosedError,
     InvalidArgumentError,
-    InvalidKVError,
     InvariantError,
     UnknownTenantError,
 )
 from kvtier.hashing import BlockHasher, BlockId, tenant_salt
 from kvtier.index import BlockRef, LeaseId, Match, RadixIndex
+from kvtier.kvdata import check_device, check_kv, from_blocks, to_blocks
 from kvtier.policy import write_policy
 from kvtier.recovery import recover
 from kvtier.results import Lease, LoadResult, LookupResult, StoreResult
@@ -52,9 +51,10 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
-from kvtier.transfer import InlineExecutor, Transfer
+from kvtier.transfer import InlineExecutor
 from kvtier.transfer.demotion import Demoter, TierCounters
 from kvtier.transfer.persist import persist
+from kvtier.transfer.promotion import Promoter
 
 GPU, HOST, DISK = 0, 1, 2
 
@@ -127,6 +127,9 @@ class KVStore:
             ),
             0,
         )
+        self.promoter = Promoter(
+            self.index, self.pools, self.executor, self.demoter, self.counters, self.ops
+        )
         self._leases: dict[LeaseId, Lease] = {}
         self.recovery = recover(self) if self.disk is not None else {}
 
@@ -162,7 +165,7 @@ class KVStore:
         dropped."""
         key = encode_tokens(tokens)
         num_tokens = len(key) // TOKEN_NBYTES
-        self._check_kv(kv, num_tokens)
+        check_kv(self.layout, kv, num_tokens)
         with self._lock:
             namespace = self._namespace(tenant)
             self._expire()
@@ -179,7 +182,7 @@ class KVStore:
                 # the pin guards the match while room is made; unpinned, a leaf grows in place
                 self.index.leases.release(pin.lease_id)
             start = match.num_blocks * bt
-            blocks = _to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
+            blocks = to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
             if slots is None and self._tail_on_disk(match):
                 stored = self._store_to_disk(match, key, blocks, namespace)
                 self.ops["stored_tokens"] += stored * bt
@@ -203,7 +206,7 @@ class KVStore:
         """The KV of the cached prefix of `tokens`, read from the fastest copy of each block,
         as a new tensor on `device` (default: the gpu tier's device)."""
         key = encode_tokens(tokens)
-        wanted = _device(device)
+        wanted = check_device(device)
         with self._lock:
             namespace = self._namespace(tenant)
             self._expire()
@@ -224,7 +227,7 @@ class KVStore:
             for tier, (positions, slots) in sorted(by_tier.items()):
                 if tier == DISK:
                     refs = list(self.index.blocks(match.end))[positions[0] :]
-                    data, good = self._read_disk(refs)
+                    data, good = self.promoter.read_disk(refs)
                     blocks[positions[0] : positions[0] + good] = data[:good].to(target)
                     count = positions[0] + good
                 else:
@@ -232,7 +235,7 @@ class KVStore:
                     blocks[positions[0] : positions[-1] + 1] = data  # closure: one run per tier
             self.ops["loads"] += 1
             self.ops["loaded_tokens"] += count * self.block_tokens
-            return LoadResult(count * self.block_tokens, _from_blocks(blocks[:count]))
+            return LoadResult(count * self.block_tokens, from_blocks(blocks[:count]))
 
     def prefetch(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
@@ -255,7 +258,7 @@ class KVStore:
                 match = self.index.match(namespace, key)
                 pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0)
                 try:
-                    corrupt = self._promote(match)
+                    corrupt = self.promoter.promote(match)
                     if corrupt is None:
                         record = self.index.leases.acquire(
                             match.end, (GPU,), self._clock() + ttl, match.num_blocks
@@ -264,7 +267,7 @@ class KVStore:
                     self.index.leases.release(pin.lease_id)
                 if corrupt is None:
                     break
-                self._drop_corrupt(corrupt)
+                self.promoter.drop_corrupt(corrupt)
             table = tuple(
                 self._slot(ref.node.slots[GPU][ref.i]) for ref in self.index.blocks(match.end)
             )
@@ -399,19 +402,6 @@ class KVStore:
             self._leases.pop(record.lease_id, None)
             self.ops["leases_expired"] += 1
 
-    def _check_kv(self, kv: object, num_tokens: int) -> None:
-        layout = self.layout
-        want = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
-        if not isinstance(kv, torch.Tensor):
-            raise InvalidKVError(f"kv: got {type(kv).__name__}, expected a torch.Tensor")
-        if kv.dtype != layout.dtype:
-            raise InvalidKVError(f"kv: got dtype {kv.dtype}, expected {layout.dtype}")
-        if tuple(kv.shape) != want:
-            raise InvalidKVError(
-                f"kv: got shape {tuple(kv.shape)}, expected {want} "
-                "= [num_layers, 2, len(tokens), num_kv_heads, head_dim]"
-            )
-
     def _place(self, match: Match, count: int) -> dict[int, list[int]] | None:
         """Slots for `count` new blocks after `match`: the fastest tier that closure allows and
         that can make room, plus host under write_through. None when no tier can."""
@@ -465,73 +455,6 @@ class KVStore:
             self.index.insert(match, key[: start + good * kb], {DISK: slots[:good]})
         return good
 
-    def _promote(self, match: Match) -> BlockRef | None:
-        """Copy the blocks of `match` that are not on gpu up to gpu (they are a suffix of it,
-        by prefix closure), all or nothing; the caller has pinned the match. Disk copies are
-        read and verified first: if one is corrupt, nothing moves and it is returned."""
-        missing = [
-            ref for ref in self.index.blocks(match.end) if ref.node.slots[GPU][ref.i] is None
-        ]
-        if not missing:
-            return None
-        on_disk = [ref for ref in missing if ref.node.fastest(ref.i) == DISK]
-        staged = None
-        if on_disk:
-            staged, good = self._read_disk(on_disk, drop=False)
-            if good < len(on_disk):
-                return on_disk[good]
-        if not (
-            self.demoter.can_make_room(GPU, len(missing))
-            and self.demoter.make_room(GPU, len(missing))
-        ):
-            raise CapacityError(
-                f"prefetch: {len(missing)} blocks must come up to gpu, but only "
-                f"{self.gpu_pool.num_slots - self.index.leases.locked_blocks(GPU)} of "
-                f"{self.gpu_pool.num_slots} gpu slots can be freed "
-                "(the rest hold leased or pinned blocks)"
-            )
-        dst = self.gpu_pool.allocate(len(missing))
-        sources: dict[int, tuple[list[int], list[int]]] = {}
-        for ref, slot in zip(missing, dst, strict=True):
-            tier = ref.node.fastest(ref.i)
-            src_slots, dst_slots = sources.setdefault(tier, ([], []))
-            src_slots.append(self._slot(ref.node.slots[tier][ref.i]))
-            dst_slots.append(slot)
-        for tier, (src_slots, dst_slots) in sources.items():
-            if tier == DISK:
-                assert staged is not None
-                self.gpu_pool.write(dst_slots, staged)  # verified above, no second read
-            else:
-                transfer = Transfer(
-                    self.pools[tier], tuple(src_slots), self.gpu_pool, tuple(dst_slots)
-                )
-                self.executor.run(transfer)
-        for ref, slot in zip(missing, dst, strict=True):  # root first: closure holds each step
-            self.index.set_slot(ref, GPU, slot)
-        self.counters[GPU].promotions += len(missing)
-        return None
-
-    def _read_disk(self, refs: list[BlockRef], drop: bool = True) -> tuple[torch.Tensor, int]:
-        """Read and verify the disk copies of `refs` (consecutive blocks of one path): the data
-        and how many leading blocks verified. With `drop`, the first corrupt copy is dropped
-        with everything below it (they would be orphans) and counted."""
-        assert self.disk is not None
-        slots = [self._slot(ref.node.slots[DISK][ref.i]) for ref in refs]
-        data, ok = self.disk.read_blocks(slots, [self.index.block_id(ref) for ref in refs])
-        assert isinstance(data, torch.Tensor)  # no `out` given: one new tensor
-        good = ok.index(False) if False in ok else len(ok)
-        self.executor.bytes_moved[("disk", "host")] += good * self.layout.block_bytes
-        if drop and good < len(refs):
-            self._drop_corrupt(refs[good])
-        return data, good
-
-    def _drop_corrupt(self, ref: BlockRef) -> None:
-        """A copy failed verification: drop the block and everything below it, count them."""
-        freed = self.index.drop_subtree(ref)
-        for tier, slot in freed:
-            self.pools[tier].free([slot])
-        self.ops["corrupt_dropped"] += 1
-
     def _describe(self, ref: BlockRef) -> BlockMeta:
         kb = self.index.key_nbytes
         namespace = self.index.namespace_of(ref.node)
@@ -557,33 +480,3 @@ class KVStore:
     def _slot(slot: int | None) -> int:
         assert slot is not None
         return slot
-
-
-def _device(device: torch.device | str | None) -> torch.device | None:
-    """The device that `load(device=...)` names, or `InvalidArgumentError`."""
-    if device is None:
-        return None
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        target = None
-    if target is None or target.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(f"device: got {device!r}, expected 'cpu', 'cuda' or 'cuda:N'")
-    if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
-        raise InvalidArgumentError(
-            f"device: got {device!r}, but this machine has {torch.cuda.device_count()} CUDA devices"
-        )
-    return target
-
-
-def _to_blocks(kv: torch.Tensor, block_tokens: int) -> torch.Tensor:
-    """`[L, 2, n*bt, H, D]` -> a `[n, L, 2, bt, H, D]` view (no copy)."""
-    layers, two, tokens, heads, dim = kv.shape
-    n = tokens // block_tokens
-    return kv.reshape(layers, two, n, block_tokens, heads, dim).permute(2, 0, 1, 3, 4, 5)
-
-
-def _from_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """`[n, L, 2, bt, H, D]` -> a contiguous `[L, 2, n*bt, H, D]`."""
-    n, layers, two, bt, heads, dim = blocks.shape
-    return blocks.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, n * bt, heads, dim)

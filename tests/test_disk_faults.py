@@ -36,7 +36,7 @@ from kvtier.config import KVTierConfig
 from kvtier.hashing import BlockHasher
 from kvtier.results import LookupResult, StoreResult
 from kvtier.store import KVStore
-from kvtier.tiers.disk import tier as disk_tier
+from kvtier.tiers.disk import slabs as disk_slabs
 from kvtier.tiers.disk.format import BlockHeader, checksum, encode_header
 from kvtier.tiers.disk.io import SlabFile
 
@@ -281,7 +281,7 @@ def test_a_filesystem_smaller_than_the_capacity_gives_fewer_slots_and_keeps_serv
 ) -> None:
     # 128 KiB slabs (16 slots): the 512 KiB filesystem holds 3 beside the superblock and a
     # shorter fourth (the slab that did not fit is halved until it does), not 32
-    monkeypatch.setattr(disk_tier, "SLAB_TARGET_BYTES", 128 * KIB)
+    monkeypatch.setattr(disk_slabs, "SLAB_TARGET_BYTES", 128 * KIB)
     config = disk_config(small_fs / "disk", capacity="4MiB")
     store = open_store(config)
     store.check()

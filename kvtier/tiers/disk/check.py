@@ -34,7 +34,7 @@ from kvtier.tiers.disk.format import (
     empty_header,
 )
 from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct, staging_buffer
-from kvtier.tiers.disk.tier import SUPERBLOCK
+from kvtier.tiers.disk.slabs import SUPERBLOCK
 
 PROBLEMS = ("corrupt_headers", "corrupt_payloads", "foreign", "duplicates", "orphans")
 

@@ -29,7 +29,6 @@ The tier does not decide what to evict; the index and the demoter do.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ import torch
 
 from kvtier.errors import CapacityError, ClosedError, ConfigError, InvariantError
 from kvtier.layout import KVLayout
+from kvtier.tiers.disk import slabs
 from kvtier.tiers.disk.codec import CorruptPayload, get_codec
 from kvtier.tiers.disk.format import (
     BlockHeader,
@@ -52,11 +52,9 @@ from kvtier.tiers.disk.format import (
     slot_size,
 )
 from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct, staging_buffer
+from kvtier.tiers.disk.slabs import check_superblock, open_slabs
 
-SUPERBLOCK = "kvtier-disk.json"
 ALIGN = 4096
-SLAB_TARGET_BYTES = 1 << 30
-"""Slabs are about 1 GiB: few enough files to sync per batch, small enough to create fast."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +109,7 @@ class DiskTier:
                 f"at least one slot of {self.slot_bytes} bytes",
             )
         # fixed by the geometry alone, so a change of capacity never changes where slots are
-        self.slots_per_slab = max(1, SLAB_TARGET_BYTES // self.slot_bytes)
+        self.slots_per_slab = max(1, slabs.SLAB_TARGET_BYTES // self.slot_bytes)
         self.faults: dict[str, int] = dict.fromkeys(
             (
                 "enospc",
@@ -127,8 +125,18 @@ class DiskTier:
         self._closed = False
         self.path.mkdir(parents=True, exist_ok=True)
         self.direct = probe_direct(self.path)
-        self._check_superblock()
-        self._slabs = self._open_slabs(fit)
+        geometry = {
+            "format": 1,
+            "slot_bytes": self.slot_bytes,
+            "header_region": self.header_region,
+            "slots_per_slab": self.slots_per_slab,
+            "layout": self.layout.fingerprint.hex(),
+            "itemsize": self.layout.itemsize,
+        }
+        check_superblock(self.path, geometry)
+        self._slabs = open_slabs(
+            self.path, fit, self.slot_bytes, self.slots_per_slab, self.direct, self.faults
+        )
         self.num_slots = sum(slab.size // self.slot_bytes for slab in self._slabs)
         if self.num_slots == 0:
             raise ConfigError("tiers.disk.path", str(self.path), "room for at least one slab")
@@ -138,78 +146,6 @@ class DiskTier:
         self._seq = 0
 
     # ---- geometry and files ---------------------------------------------------------------
-
-    def _check_superblock(self) -> None:
-        want = {
-            "format": 1,
-            "slot_bytes": self.slot_bytes,
-            "header_region": self.header_region,
-            "slots_per_slab": self.slots_per_slab,
-            "layout": self.layout.fingerprint.hex(),
-            "itemsize": self.layout.itemsize,
-        }
-        sb = self.path / SUPERBLOCK
-        if sb.exists():
-            have = json.loads(sb.read_text())
-            if have != want:
-                raise ConfigError(
-                    "tiers.disk.path",
-                    str(self.path),
-                    f"a directory of this layout and geometry ({want}), found {have}; "
-                    "use another path or delete this one",
-                )
-            return
-        tmp = sb.with_suffix(".tmp")
-        tmp.write_text(json.dumps(want))
-        os.replace(tmp, sb)
-
-    def _open_slabs(self, total_slots: int) -> list[SlabFile]:
-        """Open (or create and preallocate) the slabs for `total_slots` slots: full slabs of
-        `slots_per_slab`, the last one shorter. Where the filesystem runs out of space, a new
-        slab is halved until it fits and an existing short one is kept as it is; no slab
-        follows it (counted in `enospc`). Existing slabs are never deleted for lack of space."""
-        slabs: list[SlabFile] = []
-        remaining = total_slots
-        while remaining > 0:
-            want = min(self.slots_per_slab, remaining)
-            path = self.path / f"slab-{len(slabs):05d}.kvt"
-            slots = self._open_existing(path, want) if path.exists() else self._create(path, want)
-            if slots == 0:
-                break
-            slab = SlabFile(path, slots * self.slot_bytes, direct=self.direct, create=False)
-            slab.size = slots * self.slot_bytes  # a longer file (capacity shrank) is cut here
-            slabs.append(slab)
-            remaining -= slots
-            if slots < want:
-                break
-        for stale in sorted(self.path.glob("slab-*.kvt"))[len(slabs) :]:
-            stale.unlink()  # capacity shrank since the last start: drop the slabs beyond it
-        return slabs
-
-    def _open_existing(self, path: Path, want: int) -> int:
-        """Slots of an existing slab: `want`, or what it holds when it cannot grow to that."""
-        have = path.stat().st_size // self.slot_bytes
-        if have >= want:
-            return want
-        try:
-            _reallocate(path, want * self.slot_bytes)  # truncated, or capacity grew
-            return want
-        except OSError:
-            self.faults["enospc"] += 1
-            return have
-
-    def _create(self, path: Path, want: int) -> int:
-        """Create a slab of `want` slots, halving it while the filesystem refuses; its slots."""
-        slots = want
-        while slots > 0:
-            try:
-                SlabFile(path, slots * self.slot_bytes, direct=self.direct, create=True).close()
-                return slots
-            except OSError:
-                self.faults["enospc"] += 1
-                path.unlink(missing_ok=True)
-                slots //= 2
-        return 0
 
     def _where(self, slot: int) -> tuple[SlabFile, int]:
         slab, index = divmod(slot, self.slots_per_slab)
@@ -521,16 +457,6 @@ class DiskTier:
         return (
             f"DiskTier({self.path}, {self.num_used}/{self.num_slots} slots, direct={self.direct})"
         )
-
-
-def _reallocate(path: Path, size: int) -> None:
-    """Give a slab file that was cut short its `size` bytes again, allocated (`du` counts them,
-    and a write to a slot past the cut neither fails nor lands outside the file)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
 
 
 def _aligned(tensor: torch.Tensor) -> bool:
