@@ -88,7 +88,8 @@ def load_llama(path: Path, name: str, dtype: torch.dtype = torch.float32) -> Lla
         tensor = tensors[tensor_name]
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        return torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).to(dtype)
+        # np.array copies: F32 tensors come back as read-only views of the memory map
+        return torch.from_numpy(np.array(values).reshape(shape)).to(dtype)
 
     layers = []
     for i in range(config.num_layers):

@@ -39,8 +39,8 @@ class BPETokenizer:
         system_line: str,
     ) -> None:
         vocab = {token: i for i, token in enumerate(tokens)}
-        pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-        bpe = models.BPE(vocab=vocab, merges=[(a, b) for a, b in pairs])
+        pairs = [(left, right) for left, _, right in (merge.partition(" ") for merge in merges)]
+        bpe = models.BPE(vocab=vocab, merges=pairs)
         self._tokenizer = Tokenizer(bpe)
         self._tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
