@@ -3,9 +3,10 @@
 Raw half, on one directory (a fresh directory under the repo's `.bench-disk/`, or under `--dir`):
 
 - raw write: `--mib` MiB (default 1024) as 2 MiB chunks written with O_DIRECT `pwritev` into one
-  preallocated `SlabFile` from `--workers` threads (default 4), then one `fdatasync`; the time
-  includes the sync, not the preallocation. Twice: the first fill of the fresh file, then a
-  rewrite of it (on ext4 the first write into preallocated extents also converts them);
+  preallocated `SlabFile` from `--workers` threads (default 8, as the tier), then one
+  `fdatasync`; the time includes the sync, not the preallocation. Twice: the first fill of the
+  fresh file, then a rewrite of it (on ext4 the first write into preallocated extents also
+  converts them);
 - raw cold read: the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`, which
   needs root), then the same chunks are read back with O_DIRECT `preadv` from the same threads;
 - buffered write: the same bytes written without O_DIRECT into another preallocated file, then
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--dir", type=Path, help=f"parent of the work directory ({DEFAULT_BASE})")
     parser.add_argument("--mib", type=int, default=1024, help="MiB written per run (1024)")
-    parser.add_argument("--workers", type=int, default=4, help="I/O threads (4)")
+    parser.add_argument("--workers", type=int, default=8, help="I/O threads (8, as the tier)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (3)")
     parser.add_argument("--quick", action="store_true", help="256 MiB per run")
     parser.add_argument("--batch", type=int, default=64, help="blocks per group commit (64)")
