@@ -5,8 +5,10 @@ the blocks it carries), run by an executor, and only then reported to the index 
 invariant 1: a copy becomes visible when it is complete). `run` returns, per block, whether its
 copy is complete: memory copies always are; a disk write is complete once durable, and a disk
 read once its checksum verified. `InlineExecutor` runs a transfer to completion in the caller's
-thread, which is what the synchronous store needs; the async mover (issue 4) adds executors on
-CUDA streams and worker threads behind the same `run`.
+thread, which is what the synchronous store needs. It also satisfies the `Executor` protocol
+(`handles.py`): `submit` runs the transfer at once and returns a handle that is already done.
+`ThreadExecutor` (`threads.py`) runs the same `run` on worker threads, and `CudaExecutor`
+(`cuda.py`) runs memory copies on CUDA streams.
 
 Memory copies are merged: consecutive slots on both sides become one slice copy, so blocks that
 were allocated together move as one large copy; scattered slots fall back to one gather and one
@@ -22,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.errors import ClosedError
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
+from kvtier.transfer.handles import TransferHandle
 
 _MAX_RUNS = 8
 """Above this many contiguous runs, one gather + one scatter beats many slice copies."""
@@ -66,6 +70,34 @@ class InlineExecutor:
     def __init__(self) -> None:
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.transfers = 0
+        self._completed: list[TransferHandle] = []  # submitted, not yet polled
+        self._closed = False
+
+    def submit(self, transfer: Transfer) -> TransferHandle:
+        """Run `transfer` now, as `run`, and return its handle, already done (the next `poll()`
+        returns it). An exception of the copy is kept in the handle: `result()` raises it."""
+        if self._closed:
+            raise ClosedError("the inline executor is closed; submit before close()")
+        handle = TransferHandle(transfer)
+        ok: list[bool] | None = None
+        error: Exception | None = None
+        try:
+            ok = self.run(transfer)
+        except Exception as exc:
+            error = exc
+        handle._settle(ok, error)
+        self._completed.append(handle)
+        handle._run_callbacks()
+        return handle
+
+    def poll(self) -> list[TransferHandle]:
+        """The handles submitted since the last poll, each once, in submission order."""
+        completed, self._completed = self._completed, []
+        return completed
+
+    def close(self) -> None:
+        """Refuse later `submit`s (nothing is ever in flight). `run` is not affected."""
+        self._closed = True
 
     def run(self, transfer: Transfer) -> list[bool]:
         """Copy every block; per block, whether its copy is complete (see the module doc)."""

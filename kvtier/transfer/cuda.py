@@ -1,0 +1,208 @@
+"""`CudaExecutor`: block copies between a CUDA pool and host memory on two copy streams.
+
+    engine stream  ──●──────────────────────────────►   ● ready: recorded on the engine stream
+                      ╲ wait_event(ready)                 at submit
+    d2h stream     ────●══copy══copy══○───────────►    ○ done: recorded behind the last copy;
+    h2d stream     ───────────●══copy══○──────────►      event.query() says it has completed
+
+One stream per direction (device->host, host->device), so a prefetch never queues behind a
+demotion. Each submit is ordered after everything already enqueued on the engine's stream (the
+one given, or else the submitting thread's current stream), so a copy out of the gpu pool sees
+what the engine wrote and a copy into it cannot overtake the engine's last reads of the slots'
+previous blocks. The copies are slices merged by `contiguous_runs`, issued with
+`non_blocking=True`; they overlap with host code only when the host pool is pinned (with
+pageable memory CUDA copies synchronously, which is correct but slow). Completion is observed
+by `event.query()` in `done()` and `poll()`, never by a synchronize. The events of one stream
+complete in order, so each stream's handles are reaped from the front of its queue. `wait()` on
+a handle polls with backoff.
+
+Host <-> disk transfers (and host <-> host) are delegated to an internal `ThreadExecutor`.
+A disk copy straight to or from a CUDA pool is refused (`InvalidArgumentError`): the tiers
+stage disk blocks through host memory, and a thread's copy into device memory would return
+before the device has the data.
+
+Pool buffers are owned by their pools, so no `record_stream` is needed; the executor does not
+keep slots allocated (handles.py: that is the caller's part). An exception raised while the
+copies are enqueued is kept and reported by `result()` once the copies already enqueued have
+completed, so that a failed transfer is never done while a copy of it can still land. An
+asynchronous CUDA error (a sticky, fatal one) is raised by the `event.query()` that meets it.
+Importable without CUDA; construction raises `ConfigError` there. (torch's `Stream` and `Event`
+carry no type hints, hence the `no-untyped-call` ignores.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import ClosedError, ConfigError, InvalidArgumentError
+from kvtier.tiers import SlotPool
+from kvtier.tiers.base import Tier
+from kvtier.transfer.copy import Transfer, contiguous_runs
+from kvtier.transfer.handles import POLL_MAX_S, TransferHandle
+from kvtier.transfer.threads import ThreadExecutor
+
+_ROUTES: dict[tuple[str, str], str] = {
+    ("cuda", "cpu"): "d2h",
+    ("cpu", "cuda"): "h2d",
+    ("cpu", "cpu"): "threads",
+    ("cpu", "disk"): "threads",
+    ("disk", "cpu"): "threads",
+}
+"""(source medium, destination medium) -> copy stream, or the thread executor."""
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    handle: TransferHandle
+    done: torch.cuda.Event
+    error: Exception | None  # raised while enqueueing; reported once `done` has completed
+
+
+def _medium(tier: Tier) -> str:
+    return tier.device.type if isinstance(tier, SlotPool) else "disk"
+
+
+class CudaExecutor:
+    """Runs gpu<->host copies on one CUDA stream per direction; see the module doc."""
+
+    def __init__(
+        self, device: torch.device | str = "cuda", engine_stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Copy streams on `device`. Copies are ordered after `engine_stream`, or, when None,
+        after the current stream of the thread that calls `submit` (pass the engine's stream
+        when a mover thread submits)."""
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "transfer.device",
+                str(device),
+                "a 'cuda' device (torch.cuda.is_available() is false)",
+            )
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ConfigError("transfer.device", str(device), "a 'cuda' device")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        self.device = torch.device("cuda", index)
+        self._streams = {
+            "d2h": torch.cuda.Stream(self.device),  # type: ignore[no-untyped-call]
+            "h2d": torch.cuda.Stream(self.device),  # type: ignore[no-untyped-call]
+        }
+        self._engine_stream = engine_stream
+        self._threads = ThreadExecutor()
+        # `_submit_lock` orders enqueueing (and guards `_closed`); `_lock` guards the queues of
+        # events, `_completed` and `_bytes`, and is never held while copies are enqueued, so
+        # `done()` and `poll()` do not wait behind a long submit. Order: submit, then lock.
+        self._submit_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, deque[_InFlight]] = {key: deque() for key in self._streams}
+        self._completed: list[TransferHandle] = []
+        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self._closed = False
+
+    @property
+    def bytes_moved(self) -> dict[tuple[str, str], int]:
+        """Bytes of completed copies per path, streams and threads together (a snapshot)."""
+        moved = self._threads.bytes_moved
+        with self._lock:
+            for path, nbytes in self._bytes.items():
+                moved[path] = moved.get(path, 0) + nbytes
+        return moved
+
+    def submit(self, transfer: Transfer) -> TransferHandle:
+        """Enqueue the copies of `transfer` behind the current stream and return its handle."""
+        route = _ROUTES.get((_medium(transfer.src), _medium(transfer.dst)))
+        if route is None:
+            raise InvalidArgumentError(
+                f"CudaExecutor: no route for {transfer.path} "
+                f"({_medium(transfer.src)} -> {_medium(transfer.dst)}); expected cuda <-> cpu "
+                "pools, or cpu pool <-> disk"
+            )
+        if route == "threads":
+            with self._submit_lock:
+                self._ensure_open()
+            return self._threads.submit(transfer)
+        src, dst = transfer.src, transfer.dst
+        assert isinstance(src, SlotPool) and isinstance(dst, SlotPool)
+        gpu = src if route == "d2h" else dst
+        if gpu.buffer.device != self.device:  # the buffer's device has its index
+            raise InvalidArgumentError(
+                f"CudaExecutor on {self.device}: pool {gpu.name!r} is on {gpu.device}"
+            )
+        handle = TransferHandle(transfer, probe=self._reap)
+        stream = self._streams[route]
+        with self._submit_lock:  # one submit at a time: each queue is in its stream's order
+            self._ensure_open()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            engine = self._engine_stream or torch.cuda.current_stream(self.device)
+            ready.record(engine)
+            stream.wait_event(ready)
+            error: Exception | None = None
+            with torch.cuda.stream(stream):
+                try:
+                    for s, d, n in contiguous_runs(transfer.src_slots, transfer.dst_slots):
+                        dst.buffer[d : d + n].copy_(src.buffer[s : s + n], non_blocking=True)
+                except Exception as exc:
+                    error = exc
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(stream)
+            with self._lock:
+                self._in_flight[route].append(_InFlight(handle, done, error))
+        return handle
+
+    def poll(self) -> list[TransferHandle]:
+        """Handles completed since the last poll: the thread executor's, then the streams'."""
+        delegated = self._threads.poll()
+        self._reap()
+        with self._lock:
+            completed, self._completed = self._completed, []
+        return delegated + completed
+
+    def close(self, timeout_s: float | None = 30.0) -> None:
+        """Refuse new transfers; wait up to `timeout_s` for those in flight to complete."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._threads.close(timeout_s)
+        while self._pending() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(POLL_MAX_S)
+            self._reap()
+
+    def _pending(self) -> bool:
+        with self._lock:
+            return any(self._in_flight.values())
+
+    def _reap(self) -> None:
+        """Settle the handles whose completion event has fired, then run their callbacks (the
+        first exception of a callback is raised to the caller: of `done`, `wait` or `poll`)."""
+        settled: list[TransferHandle] = []
+        with self._lock:
+            for queue in self._in_flight.values():
+                while queue and queue[0].done.query():  # type: ignore[no-untyped-call]
+                    item = queue.popleft()
+                    transfer = item.handle.transfer
+                    if item.error is None:
+                        item.handle._settle([True] * len(transfer.src_slots), None)
+                        nbytes = len(transfer.src_slots) * transfer.src.layout.block_bytes
+                        self._bytes[transfer.path] += nbytes
+                    else:
+                        item.handle._settle(None, item.error)
+                    self._completed.append(item.handle)
+                    settled.append(item.handle)
+        first: Exception | None = None
+        for handle in settled:  # every handle's callbacks run, even if one of them raises
+            try:
+                handle._run_callbacks()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the CUDA executor is closed; submit before close()")

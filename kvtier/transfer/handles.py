@@ -1,0 +1,173 @@
+"""Transfer handles and the executor interface: how the mover learns that a copy is complete.
+
+An executor takes a `Transfer` (`copy.py`), starts its copies, and returns a `TransferHandle` at
+once; the mover later learns of completion by `poll()`, by `handle.wait()` from a thread, by
+`await handle` from asyncio, or by a done callback. Only then does it tell the index (DESIGN
+invariant 1: a copy becomes visible only when it is complete).
+
+Contract, for every executor (`InlineExecutor`, `ThreadExecutor`, `CudaExecutor`):
+- A handle reports done only after every copy of its transfer completed: on a worker thread,
+  after the copy returned (a disk write after its sync); on CUDA, after the event recorded
+  behind the last copy has completed. A reader that sees `done()` true then sees every byte.
+- The outcome is per block (`result()`, as `InlineExecutor.run`): memory copies are all ok, a
+  disk write is ok once durable, a disk read once its checksum verified. An unexpected
+  exception of the copy (a bad slot, a closed pool) is kept and raised again by `result()`.
+- Each handle completes exactly once, and `poll()` returns it exactly once, after it is done.
+- Source and destination slots must stay allocated, and unwritten by anyone else, until the
+  handle is done; the executor does not check, as it does not know who owns them.
+- Nothing here touches the index, and nothing here decides what to move.
+
+Waiting, three ways, none of which raises for a timeout:
+
+    handle.wait(timeout)     a thread blocks (an Event, or polling when completion must be probed)
+    await handle             asyncio polls `done()` with `asyncio.sleep` backoff, 0.1 ms .. 2 ms
+    handle.add_done_callback(fn)    fn(handle) once, from the thread that completes it
+
+`await` polls rather than parking a thread in `loop.run_in_executor`: a CUDA handle completes
+only when someone queries its event (there is no thread to wake the loop), a parked thread per
+awaited handle would exhaust the loop's default pool under many prefetches, and a cancelled
+awaiting task leaves nothing behind. The price is at most 2 ms of latency per wait, small next
+to the copies it waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Generator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvtier.transfer.copy import Transfer
+
+POLL_FIRST_S = 0.0001
+POLL_MAX_S = 0.002
+"""Backoff of polling waits (`await`, and `wait` on handles whose completion is probed)."""
+
+
+class TransferHandle:
+    """The completion of one submitted `Transfer`; created by an executor, never by callers.
+
+    `probe`, when given, is called by `done()` on a handle not yet done, to look for completion
+    (a CUDA executor queries its events there); without it, the executor completes the handle
+    from its own thread. Executors complete a handle in two steps: `_settle` (under their own
+    lock, so that `poll()` and `done()` agree) and then `_run_callbacks` (outside any lock).
+    """
+
+    def __init__(self, transfer: Transfer, probe: Callable[[], None] | None = None) -> None:
+        self.transfer = transfer
+        self._probe = probe
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._ok: list[bool] | None = None
+        self._error: Exception | None = None
+        self._callbacks: list[Callable[[TransferHandle], object]] | None = []
+
+    def done(self) -> bool:
+        """Whether every copy of the transfer has completed; never blocks."""
+        if not self._event.is_set() and self._probe is not None:
+            self._probe()
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or `timeout` seconds passed (None: no limit); True if done."""
+        if self._probe is None:
+            return self._event.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = POLL_FIRST_S
+        while not self.done():
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                delay = min(delay, left)
+            time.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+        return True
+
+    def result(self) -> list[bool]:
+        """Per block, whether its copy is complete. `RuntimeError` while still in flight; the
+        copy's own exception if it raised one."""
+        if not self.done():
+            path = "->".join(self.transfer.path)
+            raise RuntimeError(
+                f"transfer {path} of {len(self.transfer.src_slots)} blocks is still in flight; "
+                "wait for it (wait, await, poll) before reading its result"
+            )
+        if self._error is not None:
+            raise self._error
+        assert self._ok is not None
+        return list(self._ok)
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], object]) -> None:
+        """Call `fn(self)` once when done: from the completing thread, or now if already done.
+
+        A callback should not raise; if some do, every callback still runs and the first
+        exception goes to the completing thread (a `ThreadExecutor` raises it from `poll()`)."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def __await__(self) -> Generator[Any, None, list[bool]]:
+        """`await handle` polls without blocking the loop and returns `result()`."""
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> list[bool]:
+        delay = POLL_FIRST_S
+        while not self.done():
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+        return self.result()
+
+    # -- executor side ----------------------------------------------------------------------
+
+    def _settle(self, ok: list[bool] | None, error: Exception | None) -> None:
+        """Record the outcome (per-block `ok`, or the copy's `error`) and make the handle done."""
+        assert (ok is None) != (error is None), "an outcome is a result or an error"
+        with self._lock:
+            assert not self._event.is_set(), "a transfer completes once"
+            self._ok, self._error = ok, error
+            self._event.set()
+
+    def _run_callbacks(self) -> None:
+        """Run the callbacks registered so far, once; later ones run as they are added."""
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, None
+        assert callbacks is not None and self._event.is_set(), "settled once, then callbacks"
+        first: Exception | None = None
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def __repr__(self) -> str:
+        state = "done" if self._event.is_set() else "in flight"
+        path = "->".join(self.transfer.path)
+        return f"TransferHandle({path}, {len(self.transfer.src_slots)} blocks, {state})"
+
+
+class Executor(Protocol):
+    """What the mover needs of an executor; see the module doc for the contract."""
+
+    @property
+    def bytes_moved(self) -> Mapping[tuple[str, str], int]:
+        """Bytes of completed, ok block copies per path `(src tier, dst tier)`."""
+        ...
+
+    def submit(self, transfer: Transfer) -> TransferHandle:
+        """Start `transfer` and return its handle; `ClosedError` after `close()`."""
+        ...
+
+    def poll(self) -> list[TransferHandle]:
+        """Handles completed since the last poll, in completion order; never blocks."""
+        ...
+
+    def close(self) -> None:
+        """Wait (bounded) for transfers in flight, then refuse new ones; idempotent."""
+        ...
