@@ -12,7 +12,7 @@ import torch
 
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.layout import KVLayout
-from kvtier.results import Lease
+from kvtier.results import Lease, LookupResult, StoreResult
 from kvtier.store import KVStore
 from kvtier.tiers.disk.format import BlockHeader, CorruptHeader, decode_header
 
@@ -216,3 +216,30 @@ def slab_headers(path: str | os.PathLike[str]) -> dict[tuple[int, ...], tuple[in
 
 
 # ---- end of the disk-tier stores ----------------------------------------------------------------
+
+
+def hit(gpu: int = 0, host: int = 0, disk: int = 0) -> LookupResult:
+    """The lookup result of a prefix cached as `gpu`, `host` and `disk` tokens."""
+    return LookupResult(gpu + host + disk, gpu, host, disk)
+
+
+def tier(store: KVStore, name: str) -> dict[str, Any]:
+    """One tier's part of `store.status()`."""
+    status: dict[str, Any] = store.status()["tiers"][name]
+    return status
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and bit-identical contents (NaN patterns included)."""
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def fill(store: KVStore, seqs: list[list[int]], seed: int = 0) -> list[torch.Tensor]:
+    """Store each sequence with its own KV (all of it new); check after each; return the KVs."""
+    kvs = []
+    for i, tokens in enumerate(seqs):
+        kv = kv_for(store, len(tokens), seed=seed + i)
+        assert store.store(tokens, kv) == StoreResult(len(tokens), len(tokens), 0)
+        store.check()
+        kvs.append(kv)
+    return kvs

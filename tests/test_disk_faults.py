@@ -25,16 +25,19 @@ from conftest import (
     DISK_BLOCK_BYTES,
     DISK_HEADER_BYTES,
     DISK_SLOT_BYTES,
-    bits,
     disk_config,
+    fill,
+    hit,
     kv_for,
     leased_kv,
+    same,
     slab_headers,
+    tier,
 )
 
 from kvtier.config import KVTierConfig
 from kvtier.hashing import BlockHasher
-from kvtier.results import LookupResult, StoreResult
+from kvtier.results import StoreResult
 from kvtier.store import KVStore
 from kvtier.tiers.disk import slabs as disk_slabs
 from kvtier.tiers.disk.format import BlockHeader, checksum, encode_header
@@ -43,29 +46,6 @@ from kvtier.tiers.disk.io import SlabFile
 OpenStore = Callable[[KVTierConfig], KVStore]
 KIB = 1024
 SEQS = [list(range(100 * i, 100 * i + 8)) for i in range(10)]
-
-
-def hit(gpu: int = 0, host: int = 0, disk: int = 0) -> LookupResult:
-    return LookupResult(gpu + host + disk, gpu, host, disk)
-
-
-def tier(store: KVStore, name: str) -> dict[str, Any]:
-    status: dict[str, Any] = store.status()["tiers"][name]
-    return status
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def fill(store: KVStore, seqs: list[list[int]], seed: int = 0) -> list[torch.Tensor]:
-    kvs = []
-    for i, tokens in enumerate(seqs):
-        kv = kv_for(store, len(tokens), seed=seed + i)
-        assert store.store(tokens, kv) == StoreResult(len(tokens), len(tokens), 0)
-        store.check()
-        kvs.append(kv)
-    return kvs
 
 
 def demoted(path: Path, open_store: OpenStore) -> tuple[KVTierConfig, list[torch.Tensor]]:

@@ -11,52 +11,30 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from conftest import (
     DISK_BLOCK_BYTES,
     DISK_SLOT_BYTES,
-    bits,
     disk_config,
+    fill,
+    hit,
     kv_for,
     leased_kv,
+    same,
     slab_headers,
+    tier,
 )
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
-from kvtier.results import LookupResult, StoreResult
+from kvtier.results import StoreResult
 from kvtier.store import KVStore
 
 OpenStore = Callable[[KVTierConfig], KVStore]
 MIB = 1 << 20
 SEQS = [list(range(100 * i, 100 * i + 8)) for i in range(6)]  # A0..A5: 2 blocks, no sharing
-
-
-def hit(gpu: int = 0, host: int = 0, disk: int = 0) -> LookupResult:
-    return LookupResult(gpu + host + disk, gpu, host, disk)
-
-
-def tier(store: KVStore, name: str) -> dict[str, Any]:
-    status: dict[str, Any] = store.status()["tiers"][name]
-    return status
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
-def fill(store: KVStore, seqs: list[list[int]], seed: int = 0) -> list[torch.Tensor]:
-    """Store each sequence (8 tokens) with its own KV; check after each; return the KVs."""
-    kvs = []
-    for i, tokens in enumerate(seqs):
-        kv = kv_for(store, len(tokens), seed=seed + i)
-        assert store.store(tokens, kv) == StoreResult(len(tokens), len(tokens), 0)
-        store.check()
-        kvs.append(kv)
-    return kvs
 
 
 def ramp(store: KVStore, n_tokens: int, start: float = 0.0) -> torch.Tensor:

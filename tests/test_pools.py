@@ -159,15 +159,15 @@ def test_with_capacity_rounds_down_to_whole_blocks() -> None:
 def test_check_detects_tampered_free_list() -> None:
     p = pool(4)
     p.allocate(2)
-    p._free.append(3)
+    p._slots._free.append(3)
     with pytest.raises(InvariantError, match=r"slot 3 is 2 times in the free list of 3"):
         p.check()
-    p._free.pop()
-    p._free.append(1)  # allocated slot also in the free list
+    p._slots._free.pop()
+    p._slots._free.append(1)  # allocated slot also in the free list
     with pytest.raises(InvariantError, match=r"slot 1 is in the free list and marked allocated"):
         p.check()
-    p._free.pop()
-    p._num_used = 3
+    p._slots._free.pop()
+    p._slots._num_used = 3
     with pytest.raises(InvariantError, match=r"2 free \+ 2 allocated.*4 slots.*num_used 3"):
         p.check()
 

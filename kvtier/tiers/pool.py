@@ -5,12 +5,8 @@ The buffer is block-major and contiguous, so one slot is one block and moves as 
     buffer = [num_slots, num_layers, 2, block_tokens, num_kv_heads, head_dim]   (layout.dtype)
               ^ slot id
 
-Bookkeeping is a free list used as a stack plus an `allocated` bitmap:
-
-    free     = [3, 2, 1, 0]      top of the stack is the end; a fresh pool hands out 0, 1, 2, ...
-    allocate(2) -> [0, 1]        free = [3, 2]
-    free([1])                    free = [3, 2, 1]        (freed slots are reused last-in first-out)
-    allocate(1) -> [1]
+Bookkeeping is a `SlotAllocator` (slots.py): a free-list stack and an allocated bitmap; a fresh
+pool hands out 0, 1, 2, ... and freed slots are reused last-in first-out.
 
 Contract:
 - `allocate` and `free` are O(1) per slot and check everything before they change anything: an
@@ -34,8 +30,9 @@ from typing import TypeVar
 
 import torch
 
-from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError
+from kvtier.errors import ClosedError, ConfigError, InvalidKVError, InvariantError
 from kvtier.layout import KVLayout
+from kvtier.tiers.slots import SlotAllocator
 
 _Pool = TypeVar("_Pool", bound="SlotPool")
 
@@ -60,9 +57,7 @@ class SlotPool:
         self.pin_memory = pin_memory
         self._buffer: torch.Tensor | None = self._allocate_buffer()
         # Pushed in reverse so that the stack pops 0, 1, 2, ...
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._allocated = bytearray(num_slots)
-        self._num_used = 0
+        self._slots = SlotAllocator(f"pool {name!r}", num_slots)
 
     @classmethod
     def with_capacity(
@@ -126,54 +121,35 @@ class SlotPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._slots.num_free
 
     @property
     def num_used(self) -> int:
-        return self._num_used
+        return self._slots.num_used
 
     @property
     def used_bytes(self) -> int:
-        return self._num_used * self.layout.block_bytes
+        return self._slots.num_used * self.layout.block_bytes
 
     # -- slots ------------------------------------------------------------------------------
 
     def can_allocate(self, n: int) -> bool:
         self._ensure_open()
-        return 0 <= n <= len(self._free)
+        return self._slots.can_allocate(n)
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` free slots and return their ids; raises `CapacityError` (no change) if short."""
         self._ensure_open()
-        if n < 0:
-            raise ValueError(f"pool {self.name!r}: cannot allocate {n} slots, expected n >= 0")
-        if n > len(self._free):
-            raise CapacityError(
-                f"pool {self.name!r}: cannot allocate {n} slots, "
-                f"only {len(self._free)} of {self.num_slots} free"
-            )
-        if n == 0:
-            return []
-        slots = self._free[-n:]
-        del self._free[-n:]
-        slots.reverse()  # the order in which popping one at a time would return them
-        for slot in slots:
-            self._allocated[slot] = 1
-        self._num_used += n
-        return slots
+        return self._slots.allocate(n)
 
     def free(self, slots: Sequence[int]) -> None:
         """Return `slots` to the pool; all are validated first, so a bad call frees nothing."""
         self._ensure_open()
-        self._validate_allocated(slots, "free")
-        for slot in slots:
-            self._allocated[slot] = 0
-            self._free.append(slot)
-        self._num_used -= len(slots)
+        self._slots.free(slots)
 
     def is_allocated(self, slot: int) -> bool:
         self._ensure_open()
-        return 0 <= slot < self.num_slots and self._allocated[slot] == 1
+        return self._slots.is_allocated(slot)
 
     # -- data -------------------------------------------------------------------------------
 
@@ -215,29 +191,8 @@ class SlotPool:
     def check(self) -> None:
         """Verify that free list, bitmap and byte accounting agree; `InvariantError` if not."""
         self._ensure_open()
-        seen = bytearray(self.num_slots)
-        for slot in self._free:
-            if not 0 <= slot < self.num_slots:
-                raise InvariantError(
-                    f"pool {self.name!r}: free list holds slot {slot}, "
-                    f"outside [0, {self.num_slots})"
-                )
-            if seen[slot]:
-                raise InvariantError(
-                    f"pool {self.name!r}: slot {slot} is {self._free.count(slot)} times "
-                    f"in the free list of {len(self._free)}"
-                )
-            seen[slot] = 1
-            if self._allocated[slot]:
-                raise InvariantError(
-                    f"pool {self.name!r}: slot {slot} is in the free list and marked allocated"
-                )
-        allocated = self._allocated.count(1)
-        if len(self._free) + allocated != self.num_slots or allocated != self._num_used:
-            raise InvariantError(
-                f"pool {self.name!r}: {len(self._free)} free + {allocated} allocated in bitmap "
-                f"!= {self.num_slots} slots, or bitmap {allocated} != num_used {self._num_used}"
-            )
+        self._slots.check()
+        allocated = self._slots.num_used
         if self.used_bytes != allocated * self.layout.block_bytes:
             raise InvariantError(
                 f"pool {self.name!r}: used_bytes {self.used_bytes} != {allocated} allocated "
@@ -261,22 +216,7 @@ class SlotPool:
     def _validate_allocated(self, slots: Sequence[int], action: str) -> None:
         """Raise `InvariantError` naming the first slot that is out of range, free or repeated."""
         self._ensure_open()
-        seen: set[int] = set()
-        for slot in slots:
-            if not 0 <= slot < self.num_slots:
-                raise InvariantError(
-                    f"pool {self.name!r}: cannot {action} slot {slot}, "
-                    f"outside [0, {self.num_slots})"
-                )
-            if not self._allocated[slot]:
-                raise InvariantError(
-                    f"pool {self.name!r}: cannot {action} slot {slot}, it is not allocated"
-                )
-            if slot in seen:
-                raise InvariantError(
-                    f"pool {self.name!r}: cannot {action} slot {slot}, it is repeated in the call"
-                )
-            seen.add(slot)
+        self._slots.validate(slots, action)
 
     def _index(self, slots: Sequence[int], action: str) -> torch.Tensor:
         self._validate_allocated(slots, action)

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.errors import CapacityError, ClosedError, ConfigError, InvariantError
+from kvtier.errors import ClosedError, ConfigError
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import slabs
 from kvtier.tiers.disk.codec import CorruptPayload, get_codec
@@ -57,6 +57,7 @@ from kvtier.tiers.disk.format import (
 )
 from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct, staging_buffer
 from kvtier.tiers.disk.slabs import check_superblock, open_slabs
+from kvtier.tiers.slots import SlotAllocator
 
 ALIGN = 4096
 
@@ -144,9 +145,7 @@ class DiskTier:
         self.num_slots = sum(slab.size // self.slot_bytes for slab in self._slabs)
         if self.num_slots == 0:
             raise ConfigError("tiers.disk.path", str(self.path), "room for at least one slab")
-        self._free = list(range(self.num_slots - 1, -1, -1))
-        self._allocated = bytearray(self.num_slots)
-        self._num_used = 0
+        self._slots = SlotAllocator("disk", self.num_slots)
         self._seq = 0
 
     # ---- geometry and files ---------------------------------------------------------------
@@ -167,60 +166,45 @@ class DiskTier:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._slots.num_free
 
     @property
     def num_used(self) -> int:
-        return self._num_used
+        return self._slots.num_used
 
     @property
     def used_bytes(self) -> int:
-        return self._num_used * self.layout.block_bytes
+        return self._slots.num_used * self.layout.block_bytes
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return self._slots.can_allocate(n)
 
     def allocate(self, n: int) -> list[int]:
         self._ensure_open()
-        if n > len(self._free):
-            raise CapacityError(f"disk: {n} slots requested, {len(self._free)} free")
-        slots = [self._free.pop() for _ in range(n)]
-        for slot in slots:
-            self._allocated[slot] = 1
-        self._num_used += n
-        return slots
+        return self._slots.allocate(n)
 
     def free(self, slots: Sequence[int]) -> None:
         """Free slots and retire their copies: the header region is zeroed, so that a restart
         does not bring back a block the store dropped (evicted, or found corrupt)."""
-        for slot in slots:
-            if not (0 <= slot < self.num_slots and self._allocated[slot]):
-                raise InvariantError(f"disk: free of slot {slot}, which is not allocated")
+        self._slots.validate(slots, "free")
         if not self._closed:
             blank = aligned_buffer(self.header_region)
             retire = [self._retire_job(slot, blank) for slot in slots]
             failed = sum(isinstance(r, OSError) for r in self._io.run(retire))
             self.faults["retire_errors"] += failed  # a copy left behind is verified when read
-        for slot in slots:
-            self._allocated[slot] = 0
-            self._free.append(slot)
-        self._num_used -= len(slots)
+        self._slots.free(slots)
 
     def _retire_job(self, slot: int, blank: memoryview) -> Callable[[], None]:
         slab, offset = self._where(slot)
         return lambda: slab.write(offset, [blank])
 
     def is_allocated(self, slot: int) -> bool:
-        return 0 <= slot < self.num_slots and bool(self._allocated[slot])
+        return self._slots.is_allocated(slot)
 
     def claim(self, slots: Sequence[int]) -> None:
         """Mark recovered slots as used (after `scan`, before any allocation)."""
-        assert self._num_used == 0 and len(self._free) == self.num_slots
-        keep = set(slots)
-        for slot in keep:
-            self._allocated[slot] = 1
-        self._free = [s for s in self._free if s not in keep]
-        self._num_used = len(keep)
+        assert self._slots.num_used == 0
+        self._slots.claim(slots)
 
     # ---- I/O ---------------------------------------------------------------------------------
 
@@ -429,17 +413,8 @@ class DiskTier:
     # ---- consistency and shutdown ----------------------------------------------------------
 
     def check(self) -> None:
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise InvariantError(f"disk: free list holds {len(self._free) - len(free)} duplicates")
-        used = sum(self._allocated)
-        if used != self._num_used or used + len(free) != self.num_slots:
-            raise InvariantError(
-                f"disk: {used} slots marked used, {self._num_used} counted, {len(free)} free, "
-                f"{self.num_slots} in all"
-            )
-        if any(self._allocated[s] for s in free):
-            raise InvariantError("disk: a free slot is marked allocated")
+        """Free list, bitmap and count agree (`SlotAllocator.check`)."""
+        self._slots.check()
 
     def close(self) -> None:
         if self._closed:
