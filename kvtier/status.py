@@ -36,6 +36,13 @@ def store_status(store: KVStore) -> dict[str, Any]:
             "bytes_in": moved_in,
             "bytes_out": moved_out,
         }
+    paths = {
+        f"{src}->{dst}": {
+            "bytes": nbytes,
+            "recent_bytes_per_s": round(store.executor.recent_bandwidth((src, dst))),
+        }
+        for (src, dst), nbytes in sorted(store.executor.bytes_moved.items())
+    }
     if store.disk is not None:
         tiers["disk"]["direct_io"] = store.disk.direct
         tiers["disk"]["compression"] = store.disk.codec.name
@@ -49,6 +56,7 @@ def store_status(store: KVStore) -> dict[str, Any]:
             "dtype": store.layout.dtype_name,
         },
         "tiers": tiers,
+        "paths": paths,
         "index": {
             "blocks": index.num_blocks,
             "nodes": index.num_nodes,

@@ -337,3 +337,19 @@ def test_a_directory_of_another_geometry_refuses_to_start(
     store = open_store(disk_config(tmp_path / "disk"))  # the refused start changed nothing
     assert store.recovery["recovered"] == 4
     store.check()
+
+
+def test_status_counts_bytes_per_path(open_store: OpenStore, tmp_path: Path) -> None:
+    store = open_store(disk_config(tmp_path / "disk"))  # gpu 4, host 4 blocks of 4 KiB
+    fill(store, [list(range(100 * i, 100 * i + 8)) for i in range(8)])  # 16 blocks
+    store.load(list(range(8)))  # sequence 0 (2 blocks) now lives on disk only
+    paths = store.status()["paths"]
+    kib4 = DISK_BLOCK_BYTES
+    # write_back: 12 blocks left gpu for host, 8 of them left host for disk, 2 came back to load
+    assert {path: figures["bytes"] for path, figures in paths.items()} == {
+        "gpu->host": 12 * kib4,
+        "host->disk": 8 * kib4,
+        "disk->host": 2 * kib4,
+    }
+    assert all(figures["recent_bytes_per_s"] > 0 for figures in paths.values())
+    store.check()

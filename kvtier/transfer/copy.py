@@ -18,7 +18,8 @@ group-committed I/O path.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.transfer.handles import TransferHandle
+
+RECENT_TRANSFERS = 256
+"""Copies remembered per path for `recent_bandwidth`."""
 
 _MAX_RUNS = 8
 """Above this many contiguous runs, one gather + one scatter beats many slice copies."""
@@ -70,6 +74,10 @@ class InlineExecutor:
     def __init__(self) -> None:
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
         self.transfers = 0
+        # per path: (end time, bytes, seconds) of the latest copies, for `recent_bandwidth`
+        self._recent: dict[tuple[str, str], deque[tuple[float, int, float]]] = defaultdict(
+            lambda: deque(maxlen=RECENT_TRANSFERS)
+        )
         self._completed: list[TransferHandle] = []  # submitted, not yet polled
         self._closed = False
 
@@ -103,6 +111,7 @@ class InlineExecutor:
         """Copy every block; per block, whether its copy is complete (see the module doc)."""
         if not transfer.src_slots:
             return []
+        started = time.monotonic()
         src_tier, dst_tier = transfer.src, transfer.dst
         if isinstance(dst_tier, DiskTier):
             assert isinstance(src_tier, SlotPool)
@@ -123,9 +132,23 @@ class InlineExecutor:
             assert isinstance(src_tier, SlotPool) and isinstance(dst_tier, SlotPool)
             self._copy_memory(src_tier, dst_tier, transfer)
             ok = [True] * len(transfer.src_slots)
-        self.bytes_moved[transfer.path] += ok.count(True) * src_tier.layout.block_bytes
+        self.record(transfer.path, ok.count(True) * src_tier.layout.block_bytes, started)
         self.transfers += 1
         return ok
+
+    def record(self, path: tuple[str, str], nbytes: int, started: float) -> None:
+        """Count `nbytes` moved on `path` by a copy that began at `started` (monotonic)."""
+        now = time.monotonic()
+        self.bytes_moved[path] += nbytes
+        self._recent[path].append((now, nbytes, now - started))
+
+    def recent_bandwidth(self, path: tuple[str, str], window_s: float = 60.0) -> float:
+        """Bytes per second of copying on `path`, over the copies that ended in the last
+        `window_s` seconds (time spent copying, not wall time): 0.0 when there were none."""
+        horizon = time.monotonic() - window_s
+        recent = [(n, s) for end, n, s in self._recent.get(path, ()) if end >= horizon]
+        seconds = sum(s for _, s in recent)
+        return sum(n for n, _ in recent) / seconds if seconds > 0 else 0.0
 
     def _copy_memory(self, src_pool: SlotPool, dst_pool: SlotPool, transfer: Transfer) -> None:
         src, dst = src_pool.buffer, dst_pool.buffer

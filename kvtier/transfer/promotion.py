@@ -12,6 +12,7 @@ Synchronous here; the async mover (issue 4) runs the same plan on its streams an
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -98,10 +99,11 @@ class Promoter:
         with everything below it."""
         assert isinstance(self.disk, DiskTier)
         slots = [_slot(ref.node.slots[DISK][ref.i]) for ref in refs]
+        started = time.monotonic()
         data, ok = self.disk.read_blocks(slots, [self.index.block_id(ref) for ref in refs])
         assert isinstance(data, torch.Tensor)  # no `out` given: one new tensor
         good = ok.index(False) if False in ok else len(ok)
-        self.executor.bytes_moved[("disk", "host")] += good * self.disk.layout.block_bytes
+        self.executor.record(("disk", "host"), good * self.disk.layout.block_bytes, started)
         if drop and good < len(refs):
             self.drop_corrupt(refs[good])
         return data, good
