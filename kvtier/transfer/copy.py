@@ -34,11 +34,14 @@ from kvtier.transfer.handles import TransferHandle
 RECENT_TRANSFERS = 256
 """Copies remembered per path for `recent_bandwidth`."""
 
+FEW_RUNS = 8
+"""Up to this many runs always move as slice copies."""
+
 SLICE_COPY_MIN_BYTES = 64 << 10
-"""Runs of at least this many bytes on average move as slice copies, one per run; smaller ones
-as one gather and one scatter. Measured here (bench_mover): 2 MiB blocks in scattered slots
-move at 0.11 of a raw copy through gather/scatter (two copies, slow indexed kernels) and at
-raw speed as one slice copy per block."""
+"""Beyond `FEW_RUNS`, runs of at least this many bytes on average move as slice copies, one per
+run; smaller ones as one gather and one scatter. Measured here (bench_mover): 2 MiB blocks in
+scattered slots moved at 0.11 of a raw copy through gather/scatter (two copies, slow indexed
+kernels) and at 0.73 as one slice copy per block."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ class InlineExecutor:
         src, dst = src_pool.buffer, dst_pool.buffer
         runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
         run_bytes = len(transfer.src_slots) * src_pool.layout.block_bytes / len(runs)
-        if run_bytes >= SLICE_COPY_MIN_BYTES:
+        if len(runs) <= FEW_RUNS or run_bytes >= SLICE_COPY_MIN_BYTES:
             for s, d, n in runs:
                 dst[d : d + n].copy_(src[s : s + n])
         else:
