@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -243,3 +245,21 @@ def fill(store: KVStore, seqs: list[list[int]], seed: int = 0) -> list[torch.Ten
         store.check()
         kvs.append(kv)
     return kvs
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` (e.g. "512k") mounted on `mount_point` for the block, unmounted
+    after it; skips the test, with the reason, where mounting is not permitted (not root)."""
+    mount_point.mkdir(exist_ok=True)
+    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(reason=f"cannot run mount: {exc}")
+    if done.returncode != 0:
+        pytest.skip(reason=f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True, timeout=30)

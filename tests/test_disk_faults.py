@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import struct
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from conftest import (
     hit,
     kv_for,
     leased_kv,
+    mounted_tmpfs,
     same,
     slab_headers,
     tier,
@@ -237,23 +237,8 @@ def test_a_header_whose_id_is_not_the_hash_of_its_chain_is_refused(
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 512 KiB tmpfs mounted on a fresh directory; skips where mounting is not permitted."""
-    mountpoint = tmp_path / "small"
-    mountpoint.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mountpoint)],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot run mount: {e}")
-    if done.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=True, timeout=10)
+    with mounted_tmpfs(tmp_path / "small", "512k") as mount_point:
+        yield mount_point
 
 
 def test_a_filesystem_smaller_than_the_capacity_gives_fewer_slots_and_keeps_serving(

