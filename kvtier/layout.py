@@ -65,11 +65,6 @@ class KVLayout:
         return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
 
     @property
-    def token_shape(self) -> tuple[int, int, int, int]:
-        """One token's KV in a block, less the token axis: `[layers, 2, heads, dim]`."""
-        return (self.num_layers, 2, self.num_kv_heads, self.head_dim)
-
-    @property
     def block_bytes(self) -> int:
         layers, kv, tokens, heads, dim = self.block_shape
         return layers * kv * tokens * heads * dim * self.itemsize

@@ -23,9 +23,6 @@ class WritePolicy:
     copy_on_store: bool
     min_hits_to_keep: int  # a demoted block with fewer hits is dropped, if it is a leaf
 
-    def keep_on_demote(self, hits: int) -> bool:
-        return hits >= self.min_hits_to_keep
-
 
 def write_policy(name: str, selective_hits: int) -> WritePolicy:
     """The strategy for a validated `policy.write` value."""

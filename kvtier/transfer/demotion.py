@@ -30,7 +30,7 @@ the background, with its executors in place of `InlineExecutor`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.index import BlockRef, RadixIndex
 from kvtier.tiers.base import Tier
@@ -48,7 +48,6 @@ class TierCounters:
     promotions: int = 0  # blocks copied up into this tier
     demotions: int = 0  # blocks whose copy here was freed after a copy below existed
     evictions: int = 0  # blocks dropped from the cache while their fastest copy was here
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Demoter:
