@@ -64,7 +64,7 @@ def test_prefill_on_a_cached_prefix_equals_a_full_prefill(
 def test_layout_matches_the_kv_it_returns(model: Llama) -> None:
     layout = model.layout()
     assert layout.model_name == "SmolLM2-135M-Instruct"
-    assert layout.token_shape == (30, 2, 3, 64)
+    assert layout.block_shape == (30, 2, 16, 3, 64)
     assert layout.block_bytes == 30 * 2 * 16 * 3 * 64 * 2
 
 
