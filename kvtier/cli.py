@@ -40,10 +40,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"= {format_size(layout['block_bytes'])} per block; write policy "
         f"{status['policy']['write']}"
     )
-    print(f"{'tier':<6}{'location':<10}{'capacity':>12}{'slots':>10}{'used':>12}{'blocks':>9}")
+    width = max(10, *(len(t["location"]) + 2 for t in status["tiers"].values()))
+    print(f"{'tier':<6}{'location':<{width}}{'capacity':>12}{'slots':>10}{'used':>12}{'blocks':>9}")
     for name, tier in status["tiers"].items():
         print(
-            f"{name:<6}{tier['location']:<10}{format_size(tier['capacity_bytes']):>12}"
+            f"{name:<6}{tier['location']:<{width}}{format_size(tier['capacity_bytes']):>12}"
             f"{tier['slots']:>10}{format_size(tier['used_bytes']):>12}{tier['blocks']:>9}"
         )
     print(f"tenants: {status['index']['tenants']}; check passed")
