@@ -25,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -98,7 +99,11 @@ class KVStore:
             self.pools.append(self.disk)
         self.tier_names = self.config.tier_names
         hasher = BlockHasher(self.config.hashing.algorithm)
-        self.index = RadixIndex(self.tier_names, self.block_tokens, hasher)
+        # lease ids start at a random point in each process: a client holding an id from
+        # before a restart cannot release (or read through) a lease of the new one by accident
+        self.index = RadixIndex(
+            self.tier_names, self.block_tokens, hasher, first_lease_id=secrets.randbits(40) << 20
+        )
         self._namespaces: dict[str, BlockId] = {
             tenant: hasher.seed(self.layout.fingerprint, tenant_salt(tenant, secret))
             for tenant in self.config.tenants

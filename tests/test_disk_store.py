@@ -28,7 +28,7 @@ from conftest import (
 )
 
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, LeaseError
 from kvtier.results import StoreResult
 from kvtier.store import KVStore
 
@@ -352,4 +352,23 @@ def test_status_counts_bytes_per_path(open_store: OpenStore, tmp_path: Path) -> 
         "disk->host": 2 * kib4,
     }
     assert all(figures["recent_bytes_per_s"] > 0 for figures in paths.values())
+    store.check()
+
+
+def test_a_lease_id_from_before_a_restart_names_no_lease_after_it(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    config = disk_config(tmp_path / "disk")
+    store = open_store(config)
+    fill(store, SEQS[:2])
+    old = store.prefetch(SEQS[0])
+    store.persist()
+    store.close()
+    store = open_store(config)
+    new = store.prefetch(SEQS[0])
+    assert new.num_tokens == 8 and new.lease_id != old.lease_id
+    with pytest.raises(LeaseError):
+        store.release(old.lease_id)
+    assert store.leases() == [new]
+    store.release(new)
     store.check()

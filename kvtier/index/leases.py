@@ -35,11 +35,13 @@ class LeaseRecord:
 
 
 class LeaseTable:
-    def __init__(self, index: RadixIndex) -> None:
+    def __init__(self, index: RadixIndex, first_id: int = 1) -> None:
+        """Lease ids count up from `first_id` (the store starts each process at a random one,
+        so that an id held across a restart never names another client's lease)."""
         self._index = index
         self._records: dict[LeaseId, LeaseRecord] = {}
         self._expiry: list[tuple[float, LeaseId]] = []
-        self._next = 1
+        self._next = first_id
 
     def __len__(self) -> int:
         return len(self._records)

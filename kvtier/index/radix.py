@@ -34,7 +34,13 @@ from kvtier.tokens import TOKEN_NBYTES
 
 
 class RadixIndex:
-    def __init__(self, tiers: Sequence[str], block_tokens: int, hasher: BlockHasher) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[str],
+        block_tokens: int,
+        hasher: BlockHasher,
+        first_lease_id: int = 1,
+    ) -> None:
         assert len(tiers) >= 1 and block_tokens >= 1
         self.tiers = tuple(tiers)
         self.block_tokens = block_tokens
@@ -47,7 +53,7 @@ class RadixIndex:
         self._num_blocks = 0
         self._num_nodes = 0
         self._tick = 0
-        self.leases = LeaseTable(self)
+        self.leases = LeaseTable(self, first_lease_id)
 
     # ---- sizes --------------------------------------------------------------------------
 
