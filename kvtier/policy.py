@@ -2,12 +2,14 @@
 
 A table of small strategies, chosen by `policy.write` in the config:
 
-| policy          | copy down when stored | copy down when demoted                          |
-|-----------------|-----------------------|-------------------------------------------------|
-| `write_through` | yes                   | yes (when no copy below exists yet)             |
-| `write_back`    | no                    | yes                                             |
-| `selective`     | no                    | only blocks hit at least `selective_hits` times; |
-|                 |                       | a colder leaf is dropped instead                 |
+| policy          | copy to host when stored | when hit N times | when demoted              |
+|-----------------|--------------------------|------------------|---------------------------|
+| `write_through` | yes                      |                  | yes, if no copy below yet |
+| `write_back`    | no                       |                  | yes                       |
+| `selective`     | no                       | yes (1)          | only if hit N times (2)   |
+
+(1) N = `selective_hits`; the copy is made by the load or prefetch that reaches N.
+(2) a colder leaf is dropped instead.
 
 A block that cannot be dropped (it has children still cached) is always copied down.
 """
@@ -22,6 +24,7 @@ class WritePolicy:
     name: str
     copy_on_store: bool
     min_hits_to_keep: int  # a demoted block with fewer hits is dropped, if it is a leaf
+    copy_on_hits: int | None = None  # a gpu block hit this many times gets its host copy
 
 
 def write_policy(name: str, selective_hits: int) -> WritePolicy:
@@ -29,6 +32,11 @@ def write_policy(name: str, selective_hits: int) -> WritePolicy:
     table = {
         "write_through": WritePolicy("write_through", copy_on_store=True, min_hits_to_keep=0),
         "write_back": WritePolicy("write_back", copy_on_store=False, min_hits_to_keep=0),
-        "selective": WritePolicy("selective", copy_on_store=False, min_hits_to_keep=selective_hits),
+        "selective": WritePolicy(
+            "selective",
+            copy_on_store=False,
+            min_hits_to_keep=selective_hits,
+            copy_on_hits=selective_hits,
+        ),
     }
     return table[name]

@@ -53,6 +53,7 @@ from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.transfer import InlineExecutor
+from kvtier.transfer.copy import Transfer
 from kvtier.transfer.demotion import Demoter, TierCounters
 from kvtier.transfer.persist import persist
 from kvtier.transfer.promotion import Promoter
@@ -238,6 +239,7 @@ class KVStore:
                 else:
                     data = self.memory[tier].read(slots).to(target)
                     blocks[positions[0] : positions[-1] + 1] = data  # closure: one run per tier
+            self._copy_hot_to_host(match)
             self.ops["loads"] += 1
             self.ops["loaded_tokens"] += count * self.block_tokens
             return LoadResult(count * self.block_tokens, from_blocks(blocks[:count]))
@@ -284,6 +286,7 @@ class KVStore:
                 record.expires_at,
             )
             self._leases[record.lease_id] = lease
+            self._copy_hot_to_host(match)
             self.ops["prefetches"] += 1
             return lease
 
@@ -459,6 +462,26 @@ class KVStore:
         if good:
             self.index.insert(match, key[: start + good * kb], {DISK: slots[:good]})
         return good
+
+    def _copy_hot_to_host(self, match: Match) -> None:
+        """`selective` write policy: a gpu block hit `selective_hits` times gets its host copy
+        now (one batched copy), so that its demotion later costs no copy and no drop."""
+        if self.policy.copy_on_hits is None:
+            return
+        wanted = [
+            ref
+            for ref in self.index.blocks(match.end)
+            if ref.node.hits >= self.policy.copy_on_hits
+            and ref.node.slots[GPU][ref.i] is not None
+            and ref.node.slots[HOST][ref.i] is None
+        ]
+        if not wanted or not self.demoter.make_room(HOST, len(wanted)):
+            return
+        dst = self.host_pool.allocate(len(wanted))
+        src = tuple(self._slot(ref.node.slots[GPU][ref.i]) for ref in wanted)
+        self.executor.run(Transfer(self.gpu_pool, src, self.host_pool, tuple(dst)))
+        for ref, slot in zip(wanted, dst, strict=True):
+            self.index.set_slot(ref, HOST, slot)
 
     def _describe(self, ref: BlockRef) -> BlockMeta:
         kb = self.index.key_nbytes

@@ -599,3 +599,23 @@ def test_a_store_used_as_a_context_manager_closes(make_store: MakeStore) -> None
         store.check()
     with pytest.raises(ClosedError):
         store.lookup(A)
+
+
+def test_selective_copies_to_host_at_the_nth_hit(make_store: MakeStore) -> None:
+    store = make_store(gpu_blocks=4, host_blocks=8, write="selective", selective_hits=3)
+    hot = seq(0, 8)
+    hot_kv = kv_for(store, 8, seed=1)
+    store.store(hot, hot_kv)  # a new node: 0 hits
+    store.load(hot)  # 1 hit
+    store.lookup(hot)  # 2 hits: not yet (lookups count, but copy nothing)
+    assert tier(store, "host")["blocks"] == 0
+    lease = store.prefetch(hot)  # 3 hits: both blocks get a host copy, once
+    assert tier(store, "host")["blocks"] == 2
+    assert store.status()["paths"]["gpu->host"]["bytes"] == 2 * BLOCK_BYTES
+    store.release(lease)
+    store.load(hot)
+    assert store.status()["paths"]["gpu->host"]["bytes"] == 2 * BLOCK_BYTES  # not copied twice
+    assert store.evict("gpu", 2) == 2  # its demotion is free now: the host copy is there
+    assert store.lookup(hot) == hit(host=8)
+    assert torch.equal(store.load(hot).kv, hot_kv)
+    store.check()
