@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING
 
 from kvtier.hashing import BlockId
 from kvtier.index.restore import RestoreEntry, restore_namespace
+from kvtier.tiers.base import DISK
 from kvtier.tiers.disk import ScannedCopy
 
 if TYPE_CHECKING:
     from kvtier.store import KVStore
-
-DISK = 2
 
 
 def recover(store: KVStore) -> dict[str, float]:

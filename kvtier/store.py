@@ -48,7 +48,7 @@ from kvtier.recovery import recover
 from kvtier.results import Lease, LoadResult, LookupResult, StoreResult
 from kvtier.status import store_status
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import DISK, GPU, HOST, Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
@@ -57,8 +57,6 @@ from kvtier.transfer.copy import Transfer
 from kvtier.transfer.demotion import Demoter, TierCounters
 from kvtier.transfer.persist import persist
 from kvtier.transfer.promotion import Promoter
-
-GPU, HOST, DISK = 0, 1, 2
 
 
 class KVStore:

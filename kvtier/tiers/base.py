@@ -12,6 +12,10 @@ from typing import Protocol
 
 from kvtier.layout import KVLayout
 
+GPU, HOST, DISK = 0, 1, 2
+"""Tier indices, fastest first (DESIGN "Tier"): the index's slot fields and the store's list of
+tiers use this order."""
+
 
 class Tier(Protocol):
     name: str

@@ -79,7 +79,6 @@ class InlineExecutor:
 
     def __init__(self) -> None:
         self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
-        self.transfers = 0
         # per path: (end time, bytes, seconds) of the latest copies, for `recent_bandwidth`
         self._recent: dict[tuple[str, str], deque[tuple[float, int, float]]] = defaultdict(
             lambda: deque(maxlen=RECENT_TRANSFERS)
@@ -139,7 +138,6 @@ class InlineExecutor:
             self._copy_memory(src_tier, dst_tier, transfer)
             ok = [True] * len(transfer.src_slots)
         self.record(transfer.path, ok.count(True) * src_tier.layout.block_bytes, started)
-        self.transfers += 1
         return ok
 
     def record(self, path: tuple[str, str], nbytes: int, started: float) -> None:

@@ -20,12 +20,10 @@ import torch
 from kvtier.errors import CapacityError
 from kvtier.index import BlockRef, Match, RadixIndex
 from kvtier.tiers import SlotPool
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import DISK, GPU, Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter, TierCounters
-
-GPU, DISK = 0, 2
 
 
 class Promoter:
