@@ -56,6 +56,7 @@ __all__ = [
     "HostTierConfig",
     "KVTierConfig",
     "ModelConfig",
+    "MoverConfig",
     "PolicyConfig",
     "ServiceConfig",
     "TenantConfig",
@@ -250,6 +251,20 @@ class PolicyConfig(_Section):
     lease_ttl_s: Annotated[float, _number_in(0.0, math.inf, "a finite number > 0")] = 60.0
 
 
+class MoverConfig(_Section):
+    """How blocks move between tiers (`transfer/mover.py`).
+
+    `background: true` copies on worker threads (CUDA streams for a CUDA gpu tier): prefetches
+    return pending leases, watermark demotion and disk writes run behind the caller, and
+    `store()` never waits on the disk. `false` runs every copy in the calling thread, which is
+    deterministic (tests, replay)."""
+
+    background: Annotated[bool, _one_of((True, False))] = True
+    workers_per_path: Annotated[int, _int_in(1, 64)] = 1
+    layer_groups: Annotated[int, _int_in(1, 1024)] = 4
+    lift_on_lookup: Annotated[bool, _one_of((True, False))] = False
+
+
 class ServiceConfig(_Section):
     """Where the REST service listens."""
 
@@ -271,6 +286,7 @@ class KVTierConfig(_Section):
     hashing: HashingConfig = HashingConfig()
     tiers: TiersConfig = TiersConfig()
     policy: PolicyConfig = PolicyConfig()
+    mover: MoverConfig = MoverConfig()
     service: ServiceConfig = ServiceConfig()
     tenants: Annotated[dict[str, TenantConfig], BeforeValidator(_tenant_ids)] = Field(
         default_factory=lambda: {"default": TenantConfig()}

@@ -6,10 +6,17 @@ Token counts, not block counts: an engine thinks in tokens. Every count is a mul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+import asyncio
+import contextlib
+import enum
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any, NamedTuple, Protocol
 
 import torch
+
+from kvtier.errors import InvalidArgumentError, LeaseError
 
 
 class LookupResult(NamedTuple):
@@ -26,11 +33,15 @@ class LookupResult(NamedTuple):
 class StoreResult(NamedTuple):
     """`stored_tokens` tokens were newly cached; `cached_tokens` of the sequence are cached now
     (the prefix that was already there plus the new blocks). `dropped_tokens` could not be
-    placed in any tier (everything evictable was leased) and were not stored."""
+    placed in any tier (everything evictable was leased, or the disk could not keep up) and
+    were not stored. `pending_tokens` are being written to disk (they extend a prefix that
+    lives only there) and become visible to `lookup` once durable; one that fails is counted
+    in the mover's failures, never reported cached."""
 
     cached_tokens: int
     stored_tokens: int
     dropped_tokens: int
+    pending_tokens: int = 0
 
 
 class LoadResult(NamedTuple):
@@ -41,14 +52,183 @@ class LoadResult(NamedTuple):
     kv: torch.Tensor
 
 
-@dataclass(frozen=True)
+class LeaseState(str, enum.Enum):
+    """Where a lease is in its life. PENDING -> READY -> RELEASED (or EXPIRED); a pending lease
+    may also end CANCELLED, EXPIRED or FAILED (a copy it waited on failed verification)."""
+
+    PENDING = "pending"
+    READY = "ready"
+    RELEASED = "released"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    FAILED = "failed"
+
+
+class _Progress(Protocol):
+    """What a lease reads of a copy it waits on (a prefetch in flight, `transfer/mover.py`)."""
+
+    layers_done: int
+
+
 class Lease:
     """A read lock on a prefix held on the `gpu` tier until released or `expires_at` (the
-    store's clock). `block_table[i]` is the gpu slot of block i; while the lease lives, those
-    slots hold exactly those blocks."""
+    store's clock). `block_table[i]` is the gpu slot of block i; once the lease is READY, and
+    while it lives, those slots hold exactly those blocks.
 
-    lease_id: int
-    tenant: str
-    num_tokens: int
-    block_table: tuple[int, ...]
-    expires_at: float
+    A prefetch returns its lease at once, PENDING while the copies that bring the prefix up are
+    in flight (its block table already names their destination slots). Wait for it:
+
+        lease.wait(timeout)            from a thread: True when READY, False on timeout
+        await lease                    from asyncio: the lease, once READY
+        lease.wait_layer(l, timeout)   layer l of every block is in place (layer-by-layer use)
+
+    Each raises `LeaseError` (naming the state and why) if the lease ended without becoming
+    ready: cancelled, expired, failed, or released. A second prefetch of a prefix in flight
+    joins the copies already running instead of starting its own. `layers_ready` is the number
+    of leading layers whose data is complete in every slot of the block table; it reaches
+    `num_layers` when the lease is READY. Cancel a pending lease with `store.cancel(lease)`
+    (or `lease.cancel()`); releasing works in any live state.
+    """
+
+    def __init__(
+        self,
+        lease_id: int,
+        tenant: str,
+        num_tokens: int,
+        block_table: tuple[int, ...],
+        expires_at: float,
+        *,
+        num_layers: int = 0,
+        pending: bool = False,
+        canceller: Callable[[Lease], None] | None = None,
+    ) -> None:
+        self.lease_id = lease_id
+        self.tenant = tenant
+        self.num_tokens = num_tokens
+        self.block_table = block_table
+        self.expires_at = expires_at
+        self.num_layers = num_layers
+        self._state = LeaseState.PENDING if pending else LeaseState.READY
+        self._reason = ""
+        self._flights: list[_Progress] = []  # what a pending lease waits on
+        self._layer_groups: Callable[[int], int] | None = None  # groups done -> layers ready
+        self._layers = 0 if pending else num_layers
+        self._cond = threading.Condition()
+        self._async: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._canceller = canceller
+        self.created = time.monotonic()
+        self.ready_after_s: float | None = None if pending else 0.0
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> LeaseState:
+        return self._state
+
+    @property
+    def reason(self) -> str:
+        """Why the lease ended without becoming ready ('' otherwise)."""
+        return self._reason
+
+    def ready(self) -> bool:
+        return self._state is LeaseState.READY
+
+    @property
+    def layers_ready(self) -> int:
+        return self._layers
+
+    # ---- waiting ---------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until READY (True) or `timeout` seconds passed (False); `LeaseError` if the
+        lease ended without becoming ready."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._state is not LeaseState.PENDING, timeout)
+            return self._outcome()
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer `layer` of every block is in place (True) or `timeout` passed."""
+        if type(layer) is not int or not 0 <= layer < max(self.num_layers, 1):
+            raise InvalidArgumentError(
+                f"layer: got {layer!r}, expected an int in [0, {self.num_layers})"
+            )
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._layers > layer or self._state is not LeaseState.PENDING, timeout
+            )
+            if self._layers > layer and self._state in (LeaseState.PENDING, LeaseState.READY):
+                return True
+            return self._outcome()
+
+    def __await__(self) -> Generator[Any, None, Lease]:
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> Lease:
+        future: asyncio.Future[None] | None = None
+        with self._cond:
+            if self._state is LeaseState.PENDING:
+                loop = asyncio.get_running_loop()
+                future = loop.create_future()
+                self._async.append((loop, future))
+        if future is not None:
+            await future
+        with self._cond:
+            self._outcome()
+        return self
+
+    def _outcome(self) -> bool:
+        """True if READY, False if PENDING; `LeaseError` for every ended state."""
+        if self._state is LeaseState.READY:
+            return True
+        if self._state is LeaseState.PENDING:
+            return False
+        why = f": {self._reason}" if self._reason else ""
+        raise LeaseError(f"lease {self.lease_id} is {self._state.value}{why}")
+
+    def cancel(self) -> None:
+        """Cancel through the store that made this lease (`KVStore.cancel`)."""
+        if self._canceller is None:
+            raise LeaseError(f"lease {self.lease_id}: not made by a store, nothing to cancel")
+        self._canceller(self)
+
+    # ---- the store's side ------------------------------------------------------------------
+
+    def _wait_on(self, flight: _Progress, layer_groups: Callable[[int], int]) -> None:
+        """Depend on `flight` (before the lease is handed out, under the store's lock)."""
+        self._flights.append(flight)
+        self._layer_groups = layer_groups
+
+    def _progress(self) -> None:
+        """A flight finished a layer group: recompute `layers_ready` and wake waiters."""
+        if self._layer_groups is None or not self._flights:
+            return
+        groups = min(flight.layers_done for flight in self._flights)
+        with self._cond:
+            if self._state is LeaseState.PENDING:
+                self._layers = max(self._layers, self._layer_groups(groups))
+                self._cond.notify_all()
+
+    def _resolve(self, state: LeaseState, reason: str = "") -> None:
+        """Move to `state` and wake every waiter (threads and event loops)."""
+        with self._cond:
+            if self._state is LeaseState.PENDING and state is LeaseState.READY:
+                self._layers = self.num_layers
+                self.ready_after_s = time.monotonic() - self.created
+            self._state, self._reason = state, reason
+            self._flights = []
+            waiters, self._async = self._async, []
+            self._cond.notify_all()
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(_wake, future)
+
+    def __repr__(self) -> str:
+        return (
+            f"Lease(id={self.lease_id}, tenant={self.tenant!r}, tokens={self.num_tokens}, "
+            f"{self._state.value}, layers_ready={self._layers}/{self.num_layers})"
+        )
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():  # the awaiting task may have been cancelled
+        future.set_result(None)

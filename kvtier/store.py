@@ -15,11 +15,15 @@ Contract:
 - Every method validates its arguments first: bad input raises a `kvtier.errors` exception
   naming the bad value and changes nothing.
 - `lookup` changes only recency; `load` returns a new tensor; `prefetch` is all or nothing.
-- When a tier needs room, its least-recently-used unleased leaves move down (gpu -> host) and
-  the lowest tier drops leaves (`transfer/demotion.py`). The disk tier (issue 3) and the
-  background mover (issue 4) plug in at `self.pools` and `self.demoter`.
-- Thread-safe: one lock serialises calls. Leases expire after `policy.lease_ttl_s` seconds of
-  the store's clock.
+- When a tier needs room now, its least-recently-used unleased leaves move down (gpu -> host)
+  and the lowest tier drops leaves (`transfer/demotion.py`).
+- The mover (`transfer/mover.py`, `mover.background`) runs copies on worker threads (CUDA
+  streams for a CUDA gpu tier): `prefetch(wait=False)` returns a PENDING lease to wait on,
+  watermark demotion and disk writes happen behind the caller, and `store()` never waits on
+  the disk (what cannot be placed is dropped and counted). With `background: false` every copy
+  runs in the calling thread and every call returns with its copies done.
+- Thread-safe: one lock serialises calls; copies run outside it. Leases expire after
+  `policy.lease_ttl_s` seconds of the store's clock.
 """
 
 from __future__ import annotations
@@ -38,14 +42,16 @@ from kvtier.errors import (
     ClosedError,
     InvalidArgumentError,
     InvariantError,
+    LeaseError,
     UnknownTenantError,
 )
 from kvtier.hashing import BlockHasher, BlockId, tenant_salt
 from kvtier.index import BlockRef, LeaseId, Match, RadixIndex
+from kvtier.index.node import Node
 from kvtier.kvdata import check_device, check_kv, from_blocks, to_blocks
 from kvtier.policy import write_policy
 from kvtier.recovery import recover
-from kvtier.results import Lease, LoadResult, LookupResult, StoreResult
+from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, StoreResult
 from kvtier.status import store_status
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import DISK, GPU, HOST, Tier
@@ -53,10 +59,16 @@ from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.transfer import InlineExecutor
-from kvtier.transfer.copy import Transfer
+from kvtier.transfer.copy import Ledger, Transfer
 from kvtier.transfer.demotion import Demoter, TierCounters
+from kvtier.transfer.handles import Executor
+from kvtier.transfer.mover import Mover
 from kvtier.transfer.persist import persist
 from kvtier.transfer.promotion import Promoter
+from kvtier.transfer.threads import ThreadExecutor
+
+PREFETCH_ATTEMPTS = 4
+"""A waiting prefetch that meets a corrupt disk copy drops it and tries again, this often."""
 
 
 class KVStore:
@@ -109,11 +121,20 @@ class KVStore:
         }
         self._tenant_of = {namespace: tenant for tenant, namespace in self._namespaces.items()}
         self.policy = write_policy(self.config.policy.write, self.config.policy.selective_hits)
-        self.executor = InlineExecutor()
+        mover_cfg = self.config.mover
+        self.ledger = Ledger()  # every copy, inline or in the background, is counted here
+        self.executor = InlineExecutor(self.ledger)  # copies made inside a call
         self.counters = [TierCounters() for _ in self.pools]
         admission = [0, self.policy.min_hits_to_keep, self.config.policy.disk_admission_hits]
         self.demoter = Demoter(
-            self.index, self.pools, self.executor, admission, self.counters, self._describe
+            self.index,
+            self.pools,
+            self.executor,
+            admission,
+            self.counters,
+            self._describe,
+            reserved=lambda tier: self.mover.reserved(tier),
+            sync_disk=not mover_cfg.background,
         )
         self.ops: dict[str, int] = dict.fromkeys(
             (
@@ -134,12 +155,41 @@ class KVStore:
         self.promoter = Promoter(
             self.index, self.pools, self.executor, self.demoter, self.counters, self.ops
         )
-        self._leases: dict[LeaseId, Lease] = {}
         self.recovery = recover(self) if self.disk is not None else {}
+        self.mover = Mover(
+            index=self.index,
+            pools=self.pools,
+            demoter=self.demoter,
+            counters=self.counters,
+            ops=self.ops,
+            describe=self._describe,
+            clock=self._clock,
+            lock=self._lock,
+            executor=self._background_executor(),
+            background=mover_cfg.background,
+            watermarks=[
+                (tier.high_watermark, tier.low_watermark)
+                for tier in (self.config.tiers.gpu, self.config.tiers.host)
+            ],
+            admission=admission,
+            layer_groups=mover_cfg.layer_groups,
+            keep_host_copy=self.policy.copy_on_store,
+            lift_on_lookup=mover_cfg.lift_on_lookup,
+        )
 
     @classmethod
     def from_file(cls, path: str, **kwargs: Any) -> KVStore:
         return cls(load_config(path), **kwargs)
+
+    def _background_executor(self) -> Executor:
+        cfg = self.config.mover
+        if not cfg.background:
+            return self.executor
+        if self.gpu_pool.device.type == "cuda":
+            from kvtier.transfer.cuda import CudaExecutor
+
+            return CudaExecutor(self.gpu_pool.device, ledger=self.ledger)
+        return ThreadExecutor(cfg.workers_per_path, ledger=self.ledger)
 
     # ---- the engine contract -------------------------------------------------------------
 
@@ -156,6 +206,8 @@ class KVStore:
             by_tier = hit.tier_blocks
             for tier, count in enumerate(by_tier):
                 self.counters[tier].hits += count
+            if by_tier[0] < hit.num_blocks:
+                self.mover.note_lookup(namespace, key[: hit.num_blocks * self.index.key_nbytes])
             disk = by_tier[2] if len(by_tier) > 2 else 0
             return LookupResult(hit.num_blocks * bt, by_tier[0] * bt, by_tier[1] * bt, disk * bt)
 
@@ -166,7 +218,8 @@ class KVStore:
         fastest tier that prefix closure allows (gpu, unless the cached prefix before them has
         left the gpu) and, under `write_through`, to host as well. If no tier can make room for
         all of them (everything evictable is leased), nothing is stored and they are counted as
-        dropped."""
+        dropped. Below a prefix that lives only on disk they go to disk: written in the
+        background (`pending_tokens`) with a background mover, in this call without one."""
         key = encode_tokens(tokens)
         num_tokens = len(key) // TOKEN_NBYTES
         check_kv(self.layout, kv, num_tokens)
@@ -187,6 +240,13 @@ class KVStore:
                 self.index.leases.release(pin.lease_id)
             start = match.num_blocks * bt
             blocks = to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
+            if slots is None and self._tail_on_disk(match) and self.mover.background:
+                tenant_name = self._tenant_of[namespace]
+                pending = self.mover.insert_on_disk(match, key, blocks, namespace, tenant_name)
+                self.ops["dropped_tokens"] += (new_blocks - pending) * bt
+                return StoreResult(
+                    match.num_blocks * bt, 0, (new_blocks - pending) * bt, pending * bt
+                )
             if slots is None and self._tail_on_disk(match):
                 stored = self._store_to_disk(match, key, blocks, namespace)
                 self.ops["stored_tokens"] += stored * bt
@@ -237,56 +297,66 @@ class KVStore:
                 else:
                     data = self.memory[tier].read(slots).to(target)
                     blocks[positions[0] : positions[-1] + 1] = data  # closure: one run per tier
-            self._copy_hot_to_host(match)
+            self._copy_hot_to_host(match.end)
             self.ops["loads"] += 1
             self.ops["loaded_tokens"] += count * self.block_tokens
             return LoadResult(count * self.block_tokens, from_blocks(blocks[:count]))
 
     def prefetch(
-        self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
+        self,
+        tokens: Tokens,
+        *,
+        tenant: str = "default",
+        ttl_s: float | None = None,
+        wait: bool = True,
     ) -> Lease:
         """Bring the whole cached prefix of `tokens` to the gpu tier and lease it there.
 
         All or nothing: if the gpu tier cannot hold the prefix beside what is leased, raise
         `CapacityError` and lease nothing. A prefix with no cached block gives an empty lease
-        (num_tokens 0), which must be released like any other."""
+        (num_tokens 0), which must be released like any other.
+
+        With `wait` (the default) return once the lease is READY; a corrupt disk copy met on the
+        way is dropped and the prefix shrinks to what is intact. With `wait=False` return the
+        lease at once, PENDING while its copies run: `lease.wait(timeout)`, `await lease` and
+        `lease.wait_layer(l)` wait for it (`results.Lease`); a prefix already in flight is
+        joined, not copied twice."""
         key = encode_tokens(tokens)
         ttl = self.config.policy.lease_ttl_s if ttl_s is None else ttl_s
         if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
             raise InvalidArgumentError(
                 f"ttl_s: got {ttl_s!r}, expected a finite number of seconds > 0"
             )
+        if type(wait) is not bool:
+            raise InvalidArgumentError(f"wait: got {wait!r}, expected True or False")
+        for attempt in range(PREFETCH_ATTEMPTS):
+            with self._lock:
+                namespace = self._namespace(tenant)
+                self._expire()
+                lease = self.mover.prefetch(
+                    namespace, key, tenant, self._clock() + ttl, self.cancel
+                )
+                if lease.lease_id in self.index.leases:  # (an inline prefetch may have failed)
+                    self._copy_hot_to_host(self.index.leases.get(LeaseId(lease.lease_id)).end)
+                self.ops["prefetches"] += 1
+            if not wait:
+                return lease
+            try:
+                lease.wait()  # bounded: a lease that never becomes ready expires
+                return lease
+            except LeaseError:
+                if lease.state is not LeaseState.FAILED or attempt + 1 == PREFETCH_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    def cancel(self, lease: Lease) -> None:
+        """Cancel a pending lease (its copies still land; nothing waits on them) or release a
+        ready one. `LeaseError` if it is not live."""
+        if not isinstance(lease, Lease):
+            raise InvalidArgumentError(f"lease: got {lease!r}, expected a Lease")
         with self._lock:
-            namespace = self._namespace(tenant)
-            self._expire()
-            while True:  # each pass that finds a corrupt disk copy drops it: this ends
-                match = self.index.match(namespace, key)
-                pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0)
-                try:
-                    corrupt = self.promoter.promote(match)
-                    if corrupt is None:
-                        record = self.index.leases.acquire(
-                            match.end, (GPU,), self._clock() + ttl, match.num_blocks
-                        )
-                finally:
-                    self.index.leases.release(pin.lease_id)
-                if corrupt is None:
-                    break
-                self.promoter.drop_corrupt(corrupt)
-            table = tuple(
-                self._slot(ref.node.slots[GPU][ref.i]) for ref in self.index.blocks(match.end)
-            )
-            lease = Lease(
-                record.lease_id,
-                tenant,
-                match.num_blocks * self.block_tokens,
-                table,
-                record.expires_at,
-            )
-            self._leases[record.lease_id] = lease
-            self._copy_hot_to_host(match)
-            self.ops["prefetches"] += 1
-            return lease
+            self._ensure_open()
+            self.mover.cancel(lease)
 
     def release(self, lease: Lease | int) -> None:
         """Unlock a lease. `LeaseError` if it is unknown, released or expired."""
@@ -299,15 +369,14 @@ class KVStore:
         with self._lock:
             self._ensure_open()
             self._expire()
-            self.index.leases.release(lease_id)
-            del self._leases[lease_id]
+            self.mover.release(lease_id)
 
     def leases(self) -> list[Lease]:
         """The live leases."""
         with self._lock:
             self._ensure_open()
             self._expire()
-            return list(self._leases.values())
+            return list(self.mover.leases.values())
 
     # ---- operations ------------------------------------------------------------------------
 
@@ -319,8 +388,24 @@ class KVStore:
             self._ensure_open()
             if self.disk is None:
                 raise InvalidArgumentError("persist: this store has no disk tier (tiers.disk)")
+            self.mover.drain()  # what was stored before this call is in the index
             self._expire()
             return persist(self.index, self.pools, self.executor, self.demoter, self._describe)
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Do the mover's pending work now and wait for every copy in flight: watermark
+        demotion, disk writes, prefetches. True if it is all in the index within `timeout_s`
+        (for checkpoints, benchmarks and tests; the mover does the same on its own)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._ensure_open()
+            while True:
+                self.mover.step()
+                if not self.mover.drain(max(0.0, deadline - time.monotonic())):
+                    return False
+                self.mover.step()
+                if self.mover.idle():
+                    return True
 
     def evict(self, tier: str, num_blocks: int) -> int:
         """Free up to `num_blocks` slots of `tier` by demotion; return how many were freed."""
@@ -339,46 +424,62 @@ class KVStore:
             return pool.num_free - before
 
     def status(self) -> dict[str, Any]:
-        """A JSON-able snapshot of tiers, index, leases and counters (`status.py`)."""
+        """A JSON-able snapshot of tiers, index, leases, mover and counters (`status.py`)."""
         with self._lock:
             self._ensure_open()
+            self.mover.reap()
             self._expire()
             return store_status(self)
 
     def check(self) -> None:
-        """Verify DESIGN invariants 2-5 across index and pools; raise `InvariantError`."""
+        """Verify DESIGN invariants 2-5 across index, pools, mover and leases; raise
+        `InvariantError`. Safe to call while the mover runs: it holds the store's lock."""
         with self._lock:
             self._ensure_open()
             self.index.check()
+            self.mover.check()
             for tier, pool in enumerate(self.pools):
                 pool.check()
-                in_index = self.index.resident(tier)
-                if pool.num_used != in_index:
+                in_index, reserved = self.index.resident(tier), self.mover.reserved(tier)
+                if pool.num_used != in_index + reserved:
                     raise InvariantError(
                         f"{pool.name}: {pool.num_used} slots in use but {in_index} blocks "
-                        f"resident in the index ({pool.used_bytes} bytes vs "
-                        f"{in_index * self.layout.block_bytes})"
+                        f"resident in the index and {reserved} held by flights "
+                        f"({pool.used_bytes} bytes vs "
+                        f"{(in_index + reserved) * self.layout.block_bytes})"
                     )
-            leased = {lid for lid in self._leases}
+            leases = self.mover.leases
+            pins = self.mover.pin_ids()
             indexed = {r.lease_id for r in self.index.leases}
-            if leased != indexed:
-                raise InvariantError(f"leases: store has {sorted(leased)}, index {sorted(indexed)}")
-            for lease in self._leases.values():
+            if set(leases) | pins != indexed:
+                raise InvariantError(
+                    f"leases: store has {sorted(leases)} and pins {sorted(pins)}, "
+                    f"index {sorted(indexed)}"
+                )
+            for lease in leases.values():
                 record = self.index.leases.get(LeaseId(lease.lease_id))
-                now = tuple(ref.node.slots[GPU][ref.i] for ref in self.index.blocks(record.end))
+                refs = list(self.index.blocks(record.end))
+                now = tuple(
+                    ref.node.slots[GPU][ref.i]
+                    if ref.node.slots[GPU][ref.i] is not None or lease.ready()
+                    else self.mover.gpu_slot_in_flight(self.index.block_id(ref))
+                    for ref in refs
+                )
                 if now != lease.block_table:
                     raise InvariantError(
-                        f"lease {lease.lease_id}: block table "
-                        f"{lease.block_table} but gpu slots are now {now}"
+                        f"lease {lease.lease_id} ({lease.state.value}): block table "
+                        f"{lease.block_table} but gpu slots (or slots in flight) are now {now}"
                     )
 
     def close(self) -> None:
-        """Drop every lease and free the pools. Later calls raise `ClosedError`."""
+        """End every lease, wait (bounded) for copies in flight, free the pools. Later calls
+        raise `ClosedError`."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._leases.clear()
+        self.mover.close()  # without the lock: the mover thread takes it to stop
+        with self._lock:
             for pool in self.pools:
                 pool.close()
 
@@ -404,9 +505,7 @@ class KVStore:
             raise ClosedError("the store is closed")
 
     def _expire(self) -> None:
-        for record in self.index.leases.expire(self._clock()):
-            self._leases.pop(record.lease_id, None)
-            self.ops["leases_expired"] += 1
+        self.ops["leases_expired"] += self.mover.expire()
 
     def _place(self, match: Match, count: int) -> dict[int, list[int]] | None:
         """Slots for `count` new blocks after `match`: the fastest tier that closure allows and
@@ -461,14 +560,14 @@ class KVStore:
             self.index.insert(match, key[: start + good * kb], {DISK: slots[:good]})
         return good
 
-    def _copy_hot_to_host(self, match: Match) -> None:
+    def _copy_hot_to_host(self, end: Node) -> None:
         """`selective` write policy: a gpu block hit `selective_hits` times gets its host copy
         now (one batched copy), so that its demotion later costs no copy and no drop."""
         if self.policy.copy_on_hits is None:
             return
         wanted = [
             ref
-            for ref in self.index.blocks(match.end)
+            for ref in self.index.blocks(end)
             if ref.node.hits >= self.policy.copy_on_hits
             and ref.node.slots[GPU][ref.i] is not None
             and ref.node.slots[HOST][ref.i] is None
@@ -497,6 +596,9 @@ class KVStore:
         return tuple(range(len(self.pools)))
 
     def _enforce_watermarks(self) -> None:
+        if self.mover.background:  # the mover thread demotes, outside this call
+            self.mover.kick()
+            return
         for tier, pool in enumerate(self.pools[:DISK]):
             tier_cfg = getattr(self.config.tiers, pool.name)
             if pool.num_used > tier_cfg.high_watermark * pool.num_slots:

@@ -47,8 +47,11 @@ def build_store(
     lease_ttl_s: float = 60.0,
     gpu_watermarks: tuple[float, float] = (1.0, 1.0),
     host_watermarks: tuple[float, float] = (1.0, 1.0),
+    background: bool = True,
+    layer_groups: int = 4,
 ) -> KVStore:
-    """A `KVStore` over the tiny layout with `gpu_blocks` and `host_blocks` slots on the CPU."""
+    """A `KVStore` over the tiny layout with `gpu_blocks` and `host_blocks` slots on the CPU;
+    its mover runs on threads unless `background` is False."""
     block_bytes = tiny_block_bytes(dtype)
     config = parse_config(
         {
@@ -73,6 +76,7 @@ def build_store(
                 "selective_hits": selective_hits,
                 "lease_ttl_s": lease_ttl_s,
             },
+            "mover": {"background": background, "layer_groups": layer_groups},
             "tenants": {tenant: {} for tenant in tenants},
         }
     )
@@ -152,8 +156,11 @@ def disk_config(
     admission_hits: int = 0,
     write: str = "write_back",
     tenants: tuple[str, ...] = ("default",),
+    background: bool = False,
+    host_watermarks: tuple[float, float] = (1.0, 1.0),
 ) -> KVTierConfig:
-    """A config of the tiny fp16 layout with a disk tier of `capacity` under `path`."""
+    """A config of the tiny fp16 layout with a disk tier of `capacity` under `path`. The mover
+    runs inline unless `background`: these tests pin down where each block is after each call."""
     block_bytes = DISK_BLOCK_BYTES * block_tokens // DISK_BLOCK_TOKENS
     return parse_config(
         {
@@ -168,13 +175,14 @@ def disk_config(
                 },
                 "host": {
                     "capacity": host_blocks * block_bytes,
-                    "high_watermark": 1.0,
-                    "low_watermark": 1.0,
+                    "high_watermark": host_watermarks[0],
+                    "low_watermark": host_watermarks[1],
                     "pinned": False,
                 },
                 "disk": {"capacity": capacity, "path": os.fspath(path), "compression": compression},
             },
             "policy": {"write": write, "disk_admission_hits": admission_hits},
+            "mover": {"background": background},
             "tenants": {tenant: {} for tenant in tenants},
         }
     )

@@ -15,7 +15,9 @@ def test_readme_python_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert blocks, "README has no python example"
     exec(compile(blocks[0], "README.md", "exec"), {})
     out = capsys.readouterr().out
-    assert "StoreResult(cached_tokens=8, stored_tokens=8, dropped_tokens=0)" in out
+    assert (
+        "StoreResult(cached_tokens=8, stored_tokens=8, dropped_tokens=0, pending_tokens=0)" in out
+    )
     assert "'blocks': 2" in out
 
 

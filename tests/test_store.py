@@ -230,11 +230,17 @@ def test_a_store_that_drops_all_else_of_its_namespace_stays_reachable(
     store.check()
 
 
-def test_passing_the_high_watermark_demotes_down_to_the_low_one(make_store: MakeStore) -> None:
-    store = make_store(gpu_blocks=4, host_blocks=8, gpu_watermarks=(0.5, 0.25))
+@pytest.mark.parametrize("background", [False, True])
+def test_passing_the_high_watermark_demotes_down_to_the_low_one(
+    make_store: MakeStore, background: bool
+) -> None:
+    store = make_store(
+        gpu_blocks=4, host_blocks=8, gpu_watermarks=(0.5, 0.25), background=background
+    )
     kv = kv_for(store, 12)
     store.store(seq(0, 12), kv)  # 3 of 4 slots > 0.5: demote to 1 slot in use
     store.check()
+    assert store.drain(timeout_s=10)  # in the background, the mover's thread does it
     assert store.lookup(seq(0, 12)) == hit(gpu=4, host=8)
     assert tier(store, "gpu")["used_bytes"] == BLOCK_BYTES
     assert torch.equal(store.load(seq(0, 12)).kv, kv)

@@ -78,6 +78,16 @@ class LeaseTable:
         self._lock(record.end, record.tiers, -1)
         return record
 
+    def narrow(self, lease_id: LeaseId, tiers: tuple[int, ...]) -> LeaseRecord:
+        """Keep a lease (same id, prefix and expiry) but lock only `tiers` from now on: a
+        prefetch holds its path in every tier while copies run, then only on gpu."""
+        record = self.get(lease_id)
+        self._lock(record.end, tiers, +1)
+        self._lock(record.end, record.tiers, -1)
+        narrowed = LeaseRecord(lease_id, record.end, tiers, record.expires_at, record.num_blocks)
+        self._records[lease_id] = narrowed
+        return narrowed
+
     def expire(self, now: float) -> list[LeaseRecord]:
         """Release every lease whose expiry is at or before `now`; return them."""
         expired = []

@@ -175,6 +175,21 @@ class RadixIndex:
             for i in range(node.size):
                 yield BlockRef(node, i)
 
+    def refs_at(self, end: Node, positions: Sequence[int]) -> list[BlockRef]:
+        """The blocks at `positions` (ascending, counted from the namespace root) along the
+        path to `end`. Positions survive splits, which change nodes but not the path."""
+        refs: list[BlockRef] = []
+        wanted = iter(positions)
+        nxt = next(wanted, None)
+        start = 0
+        for node in self.path(end):
+            while nxt is not None and nxt < start + node.size:
+                refs.append(BlockRef(node, nxt - start))
+                nxt = next(wanted, None)
+            start += node.size
+        assert nxt is None, f"position {nxt} is past the end of the path ({start} blocks)"
+        return refs
+
     def block_id(self, ref: BlockRef) -> BlockId:
         ds = self.digest_size
         return BlockId(ref.node.ids[ref.i * ds : (ref.i + 1) * ds])

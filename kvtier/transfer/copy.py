@@ -10,6 +10,14 @@ thread, which is what the synchronous store needs. It also satisfies the `Execut
 `ThreadExecutor` (`threads.py`) runs the same `run` on worker threads, and `CudaExecutor`
 (`cuda.py`) runs memory copies on CUDA streams.
 
+A transfer may carry a range of layers (`layers=(first, stop)`): only those layers of each block
+move, so a prefetch can land layer group by layer group and an engine can start on layer 0
+while later layers arrive. Disk copies always carry whole blocks (a checksum covers a block).
+
+Every executor counts what it moved in a `Ledger` (bytes per path and the recent copies for
+bandwidth), which the store shares between its inline and its background executor so that
+status reads one set of figures. A ledger is locked: worker threads write it, status reads it.
+
 Memory copies are merged: consecutive slots on both sides become one slice copy, so blocks that
 were allocated together move as one large copy; scattered small blocks (under 64 KiB a run) go
 as one gather and one scatter (`index_select` + `index_copy_`), large ones as a slice copy
@@ -18,6 +26,7 @@ each. Disk copies go through the disk tier's parallel, group-committed I/O path.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -51,15 +60,65 @@ class Transfer:
     dst: Tier
     dst_slots: tuple[int, ...]
     blocks: tuple[BlockMeta, ...] = ()  # what a disk copy records; needed when disk is involved
+    layers: tuple[int, int] | None = None  # (first, stop): only these layers; None: whole blocks
 
     def __post_init__(self) -> None:
         assert len(self.src_slots) == len(self.dst_slots), "one destination slot per block"
         disk = isinstance(self.src, DiskTier) or isinstance(self.dst, DiskTier)
         assert not disk or len(self.blocks) == len(self.src_slots), "disk copies need block metas"
+        assert not disk or self.layers is None, "disk copies carry whole blocks"
+        if self.layers is not None:
+            first, stop = self.layers
+            assert 0 <= first < stop <= self.src.layout.num_layers, f"bad layers {self.layers}"
 
     @property
     def path(self) -> tuple[str, str]:
         return (self.src.name, self.dst.name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this transfer moves (of its layers, when it carries a range)."""
+        layout = self.src.layout
+        whole = len(self.src_slots) * layout.block_bytes
+        if self.layers is None:
+            return whole
+        first, stop = self.layers
+        return whole * (stop - first) // layout.num_layers
+
+
+class Ledger:
+    """Bytes moved per path, and the latest copies per path for `recent_bandwidth`; locked, so
+    that copying threads record while status reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
+        # per path: (end time, bytes, seconds) of the latest copies
+        self._recent: dict[tuple[str, str], deque[tuple[float, int, float]]] = defaultdict(
+            lambda: deque(maxlen=RECENT_TRANSFERS)
+        )
+
+    def record(self, path: tuple[str, str], nbytes: int, started: float) -> None:
+        """Count `nbytes` moved on `path` by a copy that began at `started` (monotonic)."""
+        now = time.monotonic()
+        with self._lock:
+            self._bytes[path] += nbytes
+            self._recent[path].append((now, nbytes, now - started))
+
+    @property
+    def bytes_moved(self) -> dict[tuple[str, str], int]:
+        """Bytes of completed copies per path (a snapshot)."""
+        with self._lock:
+            return dict(self._bytes)
+
+    def recent_bandwidth(self, path: tuple[str, str], window_s: float = 60.0) -> float:
+        """Bytes per second of copying on `path`, over the copies that ended in the last
+        `window_s` seconds (time spent copying, not wall time): 0.0 when there were none."""
+        horizon = time.monotonic() - window_s
+        with self._lock:
+            recent = [(n, s) for end, n, s in self._recent.get(path, ()) if end >= horizon]
+        seconds = sum(s for _, s in recent)
+        return sum(n for n, _ in recent) / seconds if seconds > 0 else 0.0
 
 
 def contiguous_runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -75,14 +134,11 @@ def contiguous_runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[in
 
 
 class InlineExecutor:
-    """Runs transfers to completion in the calling thread and counts bytes per path."""
+    """Runs transfers to completion in the calling thread and counts bytes per path in its
+    ledger (its own, or one shared with other executors)."""
 
-    def __init__(self) -> None:
-        self.bytes_moved: dict[tuple[str, str], int] = defaultdict(int)
-        # per path: (end time, bytes, seconds) of the latest copies, for `recent_bandwidth`
-        self._recent: dict[tuple[str, str], deque[tuple[float, int, float]]] = defaultdict(
-            lambda: deque(maxlen=RECENT_TRANSFERS)
-        )
+    def __init__(self, ledger: Ledger | None = None) -> None:
+        self.ledger = ledger if ledger is not None else Ledger()
         self._completed: list[TransferHandle] = []  # submitted, not yet polled
         self._closed = False
 
@@ -137,26 +193,27 @@ class InlineExecutor:
             assert isinstance(src_tier, SlotPool) and isinstance(dst_tier, SlotPool)
             self._copy_memory(src_tier, dst_tier, transfer)
             ok = [True] * len(transfer.src_slots)
-        self.record(transfer.path, ok.count(True) * src_tier.layout.block_bytes, started)
+        self.ledger.record(transfer.path, transfer.nbytes * ok.count(True) // len(ok), started)
         return ok
 
+    @property
+    def bytes_moved(self) -> dict[tuple[str, str], int]:
+        return self.ledger.bytes_moved
+
     def record(self, path: tuple[str, str], nbytes: int, started: float) -> None:
-        """Count `nbytes` moved on `path` by a copy that began at `started` (monotonic)."""
-        now = time.monotonic()
-        self.bytes_moved[path] += nbytes
-        self._recent[path].append((now, nbytes, now - started))
+        self.ledger.record(path, nbytes, started)
 
     def recent_bandwidth(self, path: tuple[str, str], window_s: float = 60.0) -> float:
-        """Bytes per second of copying on `path`, over the copies that ended in the last
-        `window_s` seconds (time spent copying, not wall time): 0.0 when there were none."""
-        horizon = time.monotonic() - window_s
-        recent = [(n, s) for end, n, s in self._recent.get(path, ()) if end >= horizon]
-        seconds = sum(s for _, s in recent)
-        return sum(n for n, _ in recent) / seconds if seconds > 0 else 0.0
+        return self.ledger.recent_bandwidth(path, window_s)
 
     def _copy_memory(self, src_pool: SlotPool, dst_pool: SlotPool, transfer: Transfer) -> None:
         src, dst = src_pool.buffer, dst_pool.buffer
         runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
+        if transfer.layers is not None:  # a layer range: one strided slice copy per run
+            first, stop = transfer.layers
+            for s, d, n in runs:
+                dst[d : d + n, first:stop].copy_(src[s : s + n, first:stop])
+            return
         run_bytes = len(transfer.src_slots) * src_pool.layout.block_bytes / len(runs)
         if len(runs) <= FEW_RUNS or run_bytes >= SLICE_COPY_MIN_BYTES:
             for s, d, n in runs:

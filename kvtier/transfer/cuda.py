@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,7 @@ import torch
 from kvtier.errors import ClosedError, ConfigError, InvalidArgumentError
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
-from kvtier.transfer.copy import Transfer, contiguous_runs
+from kvtier.transfer.copy import Ledger, Transfer, contiguous_runs
 from kvtier.transfer.handles import POLL_MAX_S, TransferHandle
 from kvtier.transfer.threads import ThreadExecutor
 
@@ -61,6 +61,7 @@ class _InFlight:
     handle: TransferHandle
     done: torch.cuda.Event
     error: Exception | None  # raised while enqueueing; reported once `done` has completed
+    started: float  # monotonic time of the submit, for the ledger's bandwidth
 
 
 def _medium(tier: Tier) -> str:
@@ -70,12 +71,17 @@ def _medium(tier: Tier) -> str:
 class CudaExecutor:
     """Runs gpu<->host copies on one CUDA stream per direction; see the module doc."""
 
+    polled = True  # completion is observed by querying events: the mover polls while busy
+
     def __init__(
-        self, device: torch.device | str = "cuda", engine_stream: torch.cuda.Stream | None = None
+        self,
+        device: torch.device | str = "cuda",
+        engine_stream: torch.cuda.Stream | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         """Copy streams on `device`. Copies are ordered after `engine_stream`, or, when None,
         after the current stream of the thread that calls `submit` (pass the engine's stream
-        when a mover thread submits)."""
+        when a mover thread submits). `ledger`: where bytes moved are counted."""
         if not torch.cuda.is_available():
             raise ConfigError(
                 "transfer.device",
@@ -92,25 +98,27 @@ class CudaExecutor:
             "h2d": torch.cuda.Stream(self.device),  # type: ignore[no-untyped-call]
         }
         self._engine_stream = engine_stream
-        self._threads = ThreadExecutor()
+        self.ledger = ledger if ledger is not None else Ledger()
+        self._threads = ThreadExecutor(ledger=self.ledger)
         # `_submit_lock` orders enqueueing (and guards `_closed`); `_lock` guards the queues of
-        # events, `_completed` and `_bytes`, and is never held while copies are enqueued, so
+        # events and `_completed`, and is never held while copies are enqueued, so
         # `done()` and `poll()` do not wait behind a long submit. Order: submit, then lock.
         self._submit_lock = threading.Lock()
         self._lock = threading.Lock()
         self._in_flight: dict[str, deque[_InFlight]] = {key: deque() for key in self._streams}
         self._completed: list[TransferHandle] = []
-        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
         self._closed = False
 
     @property
     def bytes_moved(self) -> dict[tuple[str, str], int]:
         """Bytes of completed copies per path, streams and threads together (a snapshot)."""
-        moved = self._threads.bytes_moved
+        return self.ledger.bytes_moved
+
+    def queued(self) -> int:
+        """Transfers submitted and not yet complete (queue depth), streams and threads."""
         with self._lock:
-            for path, nbytes in self._bytes.items():
-                moved[path] = moved.get(path, 0) + nbytes
-        return moved
+            on_streams = sum(len(queue) for queue in self._in_flight.values())
+        return on_streams + self._threads.queued()
 
     def submit(self, transfer: Transfer) -> TransferHandle:
         """Enqueue the copies of `transfer` behind the current stream and return its handle."""
@@ -136,21 +144,25 @@ class CudaExecutor:
         stream = self._streams[route]
         with self._submit_lock:  # one submit at a time: each queue is in its stream's order
             self._ensure_open()
+            started = time.monotonic()
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             engine = self._engine_stream or torch.cuda.current_stream(self.device)
             ready.record(engine)
             stream.wait_event(ready)
             error: Exception | None = None
             with torch.cuda.stream(stream):
+                first, stop = transfer.layers or (0, src.layout.num_layers)
                 try:
                     for s, d, n in contiguous_runs(transfer.src_slots, transfer.dst_slots):
-                        dst.buffer[d : d + n].copy_(src.buffer[s : s + n], non_blocking=True)
+                        dst.buffer[d : d + n, first:stop].copy_(
+                            src.buffer[s : s + n, first:stop], non_blocking=True
+                        )
                 except Exception as exc:
                     error = exc
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
             with self._lock:
-                self._in_flight[route].append(_InFlight(handle, done, error))
+                self._in_flight[route].append(_InFlight(handle, done, error, started))
         return handle
 
     def poll(self) -> list[TransferHandle]:
@@ -188,8 +200,7 @@ class CudaExecutor:
                     transfer = item.handle.transfer
                     if item.error is None:
                         item.handle._settle([True] * len(transfer.src_slots), None)
-                        nbytes = len(transfer.src_slots) * transfer.src.layout.block_bytes
-                        self._bytes[transfer.path] += nbytes
+                        self.ledger.record(transfer.path, transfer.nbytes, item.started)
                     else:
                         item.handle._settle(None, item.error)
                     self._completed.append(item.handle)

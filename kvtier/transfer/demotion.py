@@ -23,8 +23,12 @@ complete before the index learns of it (DESIGN invariant 1); the slot of the fas
 freed only after the index has forgotten it.
 
 This is the synchronous part of the mover: the store calls it when an allocation needs room
-and when a tier passes its high watermark. The async mover (issue 4) runs the same decisions in
-the background, with its executors in place of `InlineExecutor`.
+(and, without a background mover, when a tier passes its high watermark). The background mover
+(`mover.py`) makes the same decisions in flights. With `sync_disk` off (background mode) a copy
+down to disk is never made here, in the caller's thread: a leaf that would need one is dropped
+instead and counted in `backpressure_drops`, so that `store()` never waits on the disk.
+`reserved(tier)` is the number of slots of a tier that flights own (allocated, not yet in the
+index, never evictable); room-making leaves them out.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class Demoter:
         admission: Sequence[int],
         counters: Sequence[TierCounters],
         describe: Callable[[BlockRef], BlockMeta],
+        reserved: Callable[[int], int] = lambda tier: 0,
+        sync_disk: bool = True,
     ) -> None:
         """`admission[t]`: hits a block needs to be copied into tier t at demotion.
         `describe(ref)`: what a disk copy records about a block."""
@@ -68,6 +74,9 @@ class Demoter:
         self.admission = list(admission)
         self.counters = list(counters)
         self.describe = describe
+        self.reserved = reserved
+        self.sync_disk = sync_disk
+        self.backpressure_drops = 0  # leaves dropped because a disk copy was not made inline
 
     def make_room(self, tier: int, n: int) -> bool:
         """Demote LRU leaves of `tier` until its pool has `n` free slots; False if it cannot."""
@@ -89,7 +98,8 @@ class Demoter:
         pool = self.pools[tier]
         if pool.num_free >= n:
             return True
-        return n <= pool.num_free + pool.num_used - self.index.leases.locked_blocks(tier)
+        evictable = pool.num_used - self.index.leases.locked_blocks(tier) - self.reserved(tier)
+        return n <= pool.num_free + evictable
 
     def demote_to(self, tier: int, target_used: int) -> None:
         """Demote LRU leaves of `tier` until at most `target_used` slots are in use."""
@@ -105,17 +115,20 @@ class Demoter:
             self.counters[tier].demotions += 1
             return
         lower = tier + 1
+        refused = False  # admitted below, but the copy is a disk write we may not make here
         if lower < len(self.pools):
-            keep = node.hits >= self.admission[lower] or not _is_leaf(ref)
-            if keep and self._copy_down(ref, tier, lower):
+            keep = node.hits >= self.admission[lower] or not is_leaf(ref)
+            refused = keep and not self.sync_disk and isinstance(self.pools[lower], DiskTier)
+            if keep and not refused and self._copy_down(ref, tier, lower):
                 self.pools[tier].free([index.clear_slot(ref, tier)])
                 self.counters[tier].demotions += 1
                 return
         # making room below may have dropped later blocks of this node: ask again
-        if _is_leaf(ref) and not any(node.locked(t) for t in range(len(self.pools))):
+        if is_leaf(ref) and not any(node.locked(t) for t in range(len(self.pools))):
             for t, slot in index.drop(ref):
                 self.pools[t].free([slot])
             self.counters[tier].evictions += 1
+            self.backpressure_drops += refused
 
     def _copy_down(self, ref: BlockRef, tier: int, lower: int) -> bool:
         """Give the victim (and, for disk, its next-to-go neighbours) a copy in `lower`;
@@ -155,6 +168,6 @@ class Demoter:
         return slot
 
 
-def _is_leaf(ref: BlockRef) -> bool:
+def is_leaf(ref: BlockRef) -> bool:
     """The last block of a node without children: nothing in the cache depends on it."""
     return ref.node.children is None and ref.i == ref.node.size - 1

@@ -7,8 +7,9 @@
 
 One queue per path, so that device->host demotions, host->device prefetches and disk traffic
 never wait behind each other; a path's workers start with its first transfer. The copies are
-`InlineExecutor.run` (one `InlineExecutor` per worker, whose byte counters only that worker
-writes), so threads and the synchronous store move bytes with the same code.
+`InlineExecutor.run` (one `InlineExecutor` per worker, all counting in one `Ledger`, which may
+be shared with the store's inline executor), so threads and the synchronous store move bytes
+with the same code.
 
 Contract, besides that of `handles.py`:
 - FIFO per path: the transfers of one path complete in submission order, with any number of
@@ -30,7 +31,7 @@ import threading
 import time
 
 from kvtier.errors import ClosedError, InvalidArgumentError
-from kvtier.transfer.copy import InlineExecutor, Transfer
+from kvtier.transfer.copy import InlineExecutor, Ledger, Transfer
 from kvtier.transfer.handles import TransferHandle
 
 _Outcome = tuple[TransferHandle, list[bool] | None, Exception | None]
@@ -68,7 +69,7 @@ class _PathQueue:
         self._lock = threading.Lock()  # guards `_next` and `_ready`; taken before the executor's
         self._next = 0  # sequence number of the next transfer to publish
         self._ready: dict[int, _Outcome] = {}  # finished, waiting for those before them
-        self._copiers = [InlineExecutor() for _ in range(workers)]
+        self._copiers = [InlineExecutor(executor.ledger) for _ in range(workers)]
         self._threads = [
             threading.Thread(
                 target=self._work, args=(copier,), name=f"kvtier-{path[0]}-{path[1]}-{i}"
@@ -84,8 +85,10 @@ class _PathQueue:
         self._queue.put((self._submitted, handle))
         self._submitted += 1
 
-    def bytes_moved(self) -> int:
-        return sum(copier.bytes_moved.get(self.path, 0) for copier in self._copiers)
+    def queued(self) -> int:
+        """Transfers submitted on this path and not yet published."""
+        with self._lock:
+            return self._submitted - self._next
 
     def stop(self) -> None:
         """Let each worker finish what is queued, then exit."""
@@ -100,7 +103,7 @@ class _PathQueue:
         while (item := self._queue.get()) is not None:
             seq, handle = item
             transfer = handle.transfer
-            self._throttle.hold(len(transfer.src_slots) * transfer.src.layout.block_bytes)
+            self._throttle.hold(transfer.nbytes)
             ok: list[bool] | None = None
             error: Exception | None = None
             try:
@@ -128,8 +131,12 @@ class ThreadExecutor:
     """Runs transfers on worker threads, `workers_per_path` per path; see the module doc."""
 
     def __init__(
-        self, workers_per_path: int = 1, throttle_bytes_per_s: float | None = None
+        self,
+        workers_per_path: int = 1,
+        throttle_bytes_per_s: float | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
+        """`ledger`: where the workers count bytes moved (a new one when None)."""
         if type(workers_per_path) is not int or workers_per_path < 1:
             raise InvalidArgumentError(
                 f"workers_per_path: got {workers_per_path!r}, expected an integer >= 1"
@@ -140,6 +147,7 @@ class ThreadExecutor:
             )
         self.workers_per_path = workers_per_path
         self.throttle_bytes_per_s = throttle_bytes_per_s
+        self.ledger = ledger if ledger is not None else Ledger()
         self._rate = math.inf if throttle_bytes_per_s is None else throttle_bytes_per_s
         self._lock = threading.Lock()
         self._paths: dict[tuple[str, str], _PathQueue] = {}
@@ -149,10 +157,14 @@ class ThreadExecutor:
 
     @property
     def bytes_moved(self) -> dict[tuple[str, str], int]:
-        """Bytes of completed, ok block copies per path (a snapshot)."""
+        """Bytes of completed, ok block copies per path (a snapshot of the ledger)."""
+        return self.ledger.bytes_moved
+
+    def queued(self) -> int:
+        """Transfers submitted and not yet complete, all paths together (queue depth)."""
         with self._lock:
             paths = list(self._paths.values())
-        return {path.path: path.bytes_moved() for path in paths}
+        return sum(path.queued() for path in paths)
 
     def submit(self, transfer: Transfer) -> TransferHandle:
         """Queue `transfer` on its path and return its handle; `ClosedError` after `close()`."""

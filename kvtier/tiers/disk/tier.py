@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,8 @@ class DiskTier:
             raise ConfigError("tiers.disk.path", str(self.path), "room for at least one slab")
         self._slots = SlotAllocator("disk", self.num_slots)
         self._seq = 0
+        # copies run on mover threads beside the store's calls: `_seq` and `faults` are shared
+        self._count_lock = threading.Lock()
 
     # ---- geometry and files ---------------------------------------------------------------
 
@@ -191,8 +194,12 @@ class DiskTier:
             blank = aligned_buffer(self.header_region)
             retire = [self._retire_job(slot, blank) for slot in slots]
             failed = sum(isinstance(r, OSError) for r in self._io.run(retire))
-            self.faults["retire_errors"] += failed  # a copy left behind is verified when read
+            self._fault("retire_errors", failed)  # a copy left behind is verified when read
         self._slots.free(slots)
+
+    def _fault(self, kind: str, count: int) -> None:
+        with self._count_lock:
+            self.faults[kind] += count
 
     def _retire_job(self, slot: int, blank: memoryview) -> Callable[[], None]:
         slab, offset = self._where(slot)
@@ -221,18 +228,20 @@ class DiskTier:
         assert len(slots) == len(metas) == len(blocks)
         raw = [block.contiguous().view(torch.uint8).reshape(-1) for block in blocks]
         jobs: list[Callable[[], None]] = []
-        for slot, meta, data in zip(slots, metas, raw, strict=True):
-            self._seq += 1
-            jobs.append(self._write_job(slot, meta, data, self._seq))
+        with self._count_lock:
+            first = self._seq + 1
+            self._seq += len(slots)
+        for seq, (slot, meta, data) in enumerate(zip(slots, metas, raw, strict=True), first):
+            jobs.append(self._write_job(slot, meta, data, seq))
         ok = [not isinstance(r, OSError) for r in self._io.run(jobs)]
-        self.faults["write_errors"] += ok.count(False)
+        self._fault("write_errors", ok.count(False))
         if self.fsync == "batch":
             touched = sorted(
                 {slot // self.slots_per_slab for slot, good in zip(slots, ok, strict=True) if good}
             )
             synced = self._io.run([self._slabs[i].sync for i in touched])
             failed = {i for i, r in zip(touched, synced, strict=True) if isinstance(r, OSError)}
-            self.faults["sync_errors"] += len(failed)
+            self._fault("sync_errors", len(failed))
             ok = [
                 good and slot // self.slots_per_slab not in failed
                 for slot, good in zip(slots, ok, strict=True)
@@ -303,10 +312,10 @@ class DiskTier:
         ok = []
         for result in self._io.run(jobs):
             if isinstance(result, OSError):
-                self.faults["read_errors"] += 1
+                self._fault("read_errors", 1)
                 ok.append(False)
             elif not result:
-                self.faults["corrupt_reads"] += 1
+                self._fault("corrupt_reads", 1)
                 ok.append(False)
             else:
                 ok.append(True)
@@ -376,7 +385,7 @@ class DiskTier:
                 slots, self._io.run([self._header_job(s) for s in slots]), strict=True
             ):
                 if isinstance(result, OSError):
-                    self.faults["read_errors"] += 1
+                    self._fault("read_errors", 1)
                     report.corrupt += 1
                     continue
                 try:
