@@ -65,6 +65,10 @@ def store_status(store: KVStore) -> dict[str, Any]:
             "leases": len(index.leases),
         },
         "policy": {"write": store.policy.name},
+        "mover": {
+            **store.mover.status(),
+            "backpressure_drops": store.demoter.backpressure_drops,
+        },
         "recovery": dict(store.recovery),
         "ops": dict(store.ops),
         "hit_rate": store.ops["hit_tokens"] / lookups if lookups else 0.0,

@@ -78,9 +78,12 @@ class KVStore:
         *,
         secret: bytes = b"",
         clock: Callable[[], float] = time.monotonic,
+        executor: Executor | None = None,
     ) -> None:
         """Build the pools and the index of `config` (the embedded default when None).
-        `secret` keys the tenant salts (the sidecar persists one); `clock` drives leases."""
+        `secret` keys the tenant salts (the sidecar persists one); `clock` drives leases.
+        `executor` runs the background copies instead of the one the config implies (e.g. a
+        throttled `ThreadExecutor`); the store closes it. Needs `mover.background: true`."""
         self.config = config if config is not None else KVTierConfig()
         self.layout = self.config.layout
         self.block_tokens = self.layout.block_tokens
@@ -122,7 +125,13 @@ class KVStore:
         self._tenant_of = {namespace: tenant for tenant, namespace in self._namespaces.items()}
         self.policy = write_policy(self.config.policy.write, self.config.policy.selective_hits)
         mover_cfg = self.config.mover
-        self.ledger = Ledger()  # every copy, inline or in the background, is counted here
+        if executor is not None and not mover_cfg.background:
+            raise InvalidArgumentError(
+                "executor: given, but mover.background is false (copies run in the caller)"
+            )
+        self.ledger = (
+            Ledger() if executor is None else executor.ledger
+        )  # every copy, inline or in the background, is counted here
         self.executor = InlineExecutor(self.ledger)  # copies made inside a call
         self.counters = [TierCounters() for _ in self.pools]
         admission = [0, self.policy.min_hits_to_keep, self.config.policy.disk_admission_hits]
@@ -165,7 +174,7 @@ class KVStore:
             describe=self._describe,
             clock=self._clock,
             lock=self._lock,
-            executor=self._background_executor(),
+            executor=self._background_executor() if executor is None else executor,
             background=mover_cfg.background,
             watermarks=[
                 (tier.high_watermark, tier.low_watermark)
@@ -232,7 +241,7 @@ class KVStore:
             self.ops["stores"] += 1
             if new_blocks <= 0:
                 return StoreResult(match.num_blocks * bt, 0, 0)
-            pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0)
+            pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
             try:
                 slots = self._place(match, new_blocks)
             finally:

@@ -32,6 +32,7 @@ class LeaseRecord:
     tiers: tuple[int, ...]
     expires_at: float
     num_blocks: int
+    resident: bool = True  # every block of the path has a copy in each of `tiers` (checked)
 
 
 class LeaseTable:
@@ -59,10 +60,19 @@ class LeaseTable:
         return record
 
     def acquire(
-        self, end: Node, tiers: tuple[int, ...], expires_at: float, num_blocks: int
+        self,
+        end: Node,
+        tiers: tuple[int, ...],
+        expires_at: float,
+        num_blocks: int,
+        *,
+        resident: bool = True,
     ) -> LeaseRecord:
-        """Lock the prefix ending at `end` in `tiers` until `expires_at` (math.inf: never)."""
-        record = LeaseRecord(LeaseId(self._next), end, tiers, expires_at, num_blocks)
+        """Lock the prefix ending at `end` in `tiers` until `expires_at` (math.inf: never).
+        `resident`: the prefix has a copy in each of `tiers` and keeps it (`check()` verifies
+        it); False for a pure lock (a pin, a prefetch whose copies are in flight), which only
+        stops copies in those tiers from leaving."""
+        record = LeaseRecord(LeaseId(self._next), end, tiers, expires_at, num_blocks, resident)
         self._next += 1
         self._records[record.lease_id] = record
         if expires_at != math.inf:
@@ -79,12 +89,15 @@ class LeaseTable:
         return record
 
     def narrow(self, lease_id: LeaseId, tiers: tuple[int, ...]) -> LeaseRecord:
-        """Keep a lease (same id, prefix and expiry) but lock only `tiers` from now on: a
-        prefetch holds its path in every tier while copies run, then only on gpu."""
+        """Keep a lease (same id, prefix and expiry) but lock only `tiers` from now on, which
+        now hold the whole prefix: a prefetch locks its path in every tier while copies run,
+        then holds it resident on gpu."""
         record = self.get(lease_id)
         self._lock(record.end, tiers, +1)
         self._lock(record.end, record.tiers, -1)
-        narrowed = LeaseRecord(lease_id, record.end, tiers, record.expires_at, record.num_blocks)
+        narrowed = LeaseRecord(
+            lease_id, record.end, tiers, record.expires_at, record.num_blocks, resident=True
+        )
         self._records[lease_id] = narrowed
         return narrowed
 

@@ -39,7 +39,7 @@ from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from kvtier.transfer.copy import Transfer
+    from kvtier.transfer.copy import Ledger, Transfer
 
 POLL_FIRST_S = 0.0001
 POLL_MAX_S = 0.002
@@ -154,6 +154,11 @@ class TransferHandle:
 
 class Executor(Protocol):
     """What the mover needs of an executor; see the module doc for the contract."""
+
+    @property
+    def ledger(self) -> Ledger:
+        """Where the executor counts what it moved (shared with the store's inline copies)."""
+        ...
 
     @property
     def bytes_moved(self) -> Mapping[tuple[str, str], int]:

@@ -138,7 +138,6 @@ class Mover:
                 "insert_flights",
                 "failed_flights",
                 "failed_blocks",
-                "backpressure_drops",
                 "lifted_blocks",
                 "leases_cancelled",
                 "leases_failed",
@@ -172,7 +171,9 @@ class Mover:
         """Plan the promotion of the cached prefix of `key` and lease it (see the module doc)."""
         self.reap()
         match = self._before_doomed(namespace, key, self.index.match(namespace, key))
-        record = self.index.leases.acquire(match.end, self._all_tiers, expires_at, match.num_blocks)
+        record = self.index.leases.acquire(
+            match.end, self._all_tiers, expires_at, match.num_blocks, resident=False
+        )
         try:
             table, flights = self._plan_promotion(match.end)
         except BaseException:
@@ -251,7 +252,7 @@ class Mover:
                 "tier cannot free them (leased or in flight)"
             )
         gpu_dst = self.gpu.allocate(count)
-        pin = self.index.leases.acquire(end, self._all_tiers, math.inf, 0)
+        pin = self.index.leases.acquire(end, self._all_tiers, math.inf, 0, resident=False)
         flight = Flight("prefetch", pin, [p for p, _ in new], groups=self.groups, after=after)
         flight.dst[GPU] = gpu_dst
         dst_of = dict(zip(flight.positions, gpu_dst, strict=True))
@@ -578,7 +579,7 @@ class Mover:
             for j in range(max(first, i - BATCH + 1), i + 1)
             if node.slots[lower][j] is None and node.slots[tier][j] is not None
         ]
-        pin = self.index.leases.acquire(node, self._all_tiers, math.inf, 0)
+        pin = self.index.leases.acquire(node, self._all_tiers, math.inf, 0, resident=False)
         target = self.pools[lower]
         if target.num_free < len(batch) and not self.demoter.make_room(lower, len(batch)):
             batch = batch[len(batch) - target.num_free :] if target.num_free else []
@@ -619,7 +620,7 @@ class Mover:
             ]
             if not missing or len(missing) > self.gpu.num_free:
                 continue
-            pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0)
+            pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
             try:
                 joined = self._joined_before(match.end, missing[0][0])
                 self._plan_prefetch_flight(match.end, missing, joined)
@@ -649,7 +650,7 @@ class Mover:
         count = len(blocks)
         host, disk = self.pools[HOST], self.pools[DISK]
         assert isinstance(host, SlotPool) and isinstance(disk, DiskTier)
-        pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0)
+        pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
         room = (
             self.demoter.can_make_room(HOST, count)
             and self.demoter.make_room(HOST, count)
@@ -712,25 +713,21 @@ class Mover:
                     log.exception("kvtier mover step failed")
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread, wait (bounded) for copies in flight, end every lease. Call without
-        the store's lock: the thread needs it to stop."""
+        """End every lease (pending ones CANCELLED, ready ones RELEASED, waiters wake), wait
+        (bounded) for the copies in flight and publish them, stop the thread. Call without the
+        store's lock: the thread needs it to stop."""
         with self.lock:
             self._stop = True
+            for lease_id, lease in list(self.leases.items()):
+                self.index.leases.release(lease_id)
+                state = LeaseState.RELEASED if lease.ready() else LeaseState.CANCELLED
+                self._end(lease, state, "the store closed")
             if not self.drain(timeout_s):
-                log.warning(
-                    "kvtier mover: flights still in flight at close: %d", len(self._flights)
-                )
+                log.warning("kvtier mover: %d flights still in flight at close", len(self._flights))
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self.executor.close()
-        with self.lock:
-            for lease in list(self.leases.values()):
-                lease._resolve(
-                    LeaseState.CANCELLED if lease.state is LeaseState.PENDING else lease.state,
-                    "the store closed",
-                )
-            self.leases.clear()
 
     # ---- accounting -----------------------------------------------------------------------
 

@@ -1,0 +1,363 @@
+"""The background mover (`transfer/mover.py`) through the store, with a real slow path: a
+`ThreadExecutor` throttled to a few KB/s, so copies take long enough to be seen in flight.
+
+Ordering: a lease is never READY before its copies completed, `layers_ready` never runs ahead of
+the bytes in the slots, and the index learns of a copy only when it is complete. Joins, cancel,
+expiry, `await`, corruption, backpressure, background demotion to a real disk, and writes below
+a disk-only prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    DISK_BLOCK_BYTES,
+    DISK_HEADER_BYTES,
+    DISK_SLOT_BYTES,
+    build_store,
+    disk_config,
+    hit,
+    kv_for,
+    leased_kv,
+    same,
+    slab_headers,
+    tier,
+)
+
+from kvtier.errors import CapacityError, LeaseError
+from kvtier.results import LeaseState
+from kvtier.store import KVStore
+from kvtier.transfer.threads import ThreadExecutor
+
+BLOCK = 512  # bytes of a tiny float32 block (conftest.build_store)
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def slow_store(rate: float, **kwargs: object) -> KVStore:
+    """A tiny store whose background copies run at `rate` bytes/s on every path."""
+    store = build_store(**kwargs)  # type: ignore[arg-type]
+    config = store.config
+    store.close()
+    return KVStore(config, executor=ThreadExecutor(throttle_bytes_per_s=rate))
+
+
+def on_host(store: KVStore, tokens: list[int], kv: torch.Tensor) -> None:
+    """Store `tokens`, then push their blocks off the gpu (write_through keeps host copies)."""
+    store.store(tokens, kv)
+    assert store.evict("gpu", len(tokens) // 4) == len(tokens) // 4
+    assert store.lookup(tokens) == hit(host=len(tokens))
+
+
+@pytest.fixture
+def stores() -> Iterator[list[KVStore]]:
+    made: list[KVStore] = []
+    yield made
+    for store in made:
+        store.close()
+
+
+def test_a_pending_lease_is_ready_only_after_its_copies_and_layers_never_run_ahead(
+    stores: list[KVStore],
+) -> None:
+    store = slow_store(8 * BLOCK, gpu_blocks=8, host_blocks=16, layer_groups=2)
+    stores.append(store)
+    tokens, kv = seq(0, 32), kv_for(store, 32)  # 8 blocks: 4 KiB, two layer groups of 0.25 s
+    on_host(store, tokens, kv)
+    started = time.monotonic()
+    lease = store.prefetch(tokens, wait=False)
+    assert lease.state is LeaseState.PENDING and not lease.ready()
+    assert len(lease.block_table) == 8 and lease.layers_ready == 0
+    assert store.lookup(tokens) == hit(host=32)  # the index knows nothing of the copies yet
+    store.check()
+    want = kv.reshape(2, 2, 8, 4, 2, 4).permute(2, 0, 1, 3, 4, 5)  # [block, layer, kv, ...]
+    seen = []
+    while not lease.ready():
+        layers = lease.layers_ready  # read first: the slots must already hold these layers
+        slots = store.gpu_pool.buffer[list(lease.block_table)]
+        assert same(slots[:, :layers], want[:, :layers]), f"layer < {layers} read before copied"
+        seen.append(layers)
+        time.sleep(0.01)
+    elapsed = time.monotonic() - started
+    assert elapsed >= 0.4, f"ready after {elapsed:.3f} s, before 4 KiB at 8 KiB/s could land"
+    assert 1 in seen, f"layer 0 was never ready alone: {sorted(set(seen))}"
+    assert lease.wait(0) and lease.layers_ready == 2
+    assert same(leased_kv(store, lease), kv)
+    assert store.lookup(tokens) == hit(gpu=32)
+    store.check()
+    assert store.status()["mover"]["prefetch_to_ready_s"]["count"] == 1
+    store.release(lease)
+    store.check()
+
+
+def test_wait_layer_returns_as_soon_as_that_layer_is_in(stores: list[KVStore]) -> None:
+    store = slow_store(4 * BLOCK, gpu_blocks=8, host_blocks=16, layer_groups=2)
+    stores.append(store)
+    tokens, kv = seq(0, 32), kv_for(store, 32)
+    on_host(store, tokens, kv)
+    lease = store.prefetch(tokens, wait=False)
+    assert lease.wait_layer(0, timeout=10)
+    assert not lease.ready(), "layer 0 came with the whole lease: no layer-by-layer progress"
+    first = store.gpu_pool.buffer[list(lease.block_table), 0]
+    assert same(first, kv[0].reshape(2, 8, 4, 2, 4).permute(1, 0, 2, 3, 4))
+    assert lease.wait(10) and lease.wait_layer(1, timeout=0)
+    with pytest.raises(Exception, match="layer"):
+        lease.wait_layer(2)
+    store.release(lease)
+
+
+def test_a_second_prefetch_joins_the_copies_in_flight(stores: list[KVStore]) -> None:
+    store = slow_store(16 * BLOCK, gpu_blocks=8, host_blocks=16)
+    stores.append(store)
+    tokens, kv = seq(0, 32), kv_for(store, 32)
+    on_host(store, tokens, kv)
+    short = store.prefetch(tokens[:16], wait=False)
+    full = store.prefetch(tokens, wait=False)  # joins blocks 0-3, copies 4-7 itself
+    again = store.prefetch(tokens, wait=False)  # joins everything
+    assert full.block_table[:4] == short.block_table and again.block_table == full.block_table
+    store.check()
+    for lease in (short, full, again):
+        assert lease.wait(10)
+    assert same(leased_kv(store, full), kv)
+    assert store.status()["paths"]["host->gpu"]["bytes"] == 8 * BLOCK, "a block moved twice"
+    assert store.status()["mover"]["joined_prefetches"] == 2
+    for lease in (short, full, again):
+        store.release(lease)
+    store.check()
+
+
+def test_cancel_ends_the_lease_and_the_copies_still_land(stores: list[KVStore]) -> None:
+    store = slow_store(8 * BLOCK, gpu_blocks=8, host_blocks=16)
+    stores.append(store)
+    tokens, kv = seq(0, 16), kv_for(store, 16)
+    on_host(store, tokens, kv)
+    lease = store.prefetch(tokens, wait=False)
+    lease.cancel()
+    assert lease.state is LeaseState.CANCELLED
+    with pytest.raises(LeaseError, match="cancelled"):
+        lease.wait(1)
+    with pytest.raises(LeaseError):
+        store.release(lease)
+    assert store.leases() == []
+    assert store.drain(10)
+    assert store.lookup(tokens) == hit(gpu=16)  # promoted, unleased: ordinary gpu copies
+    assert tier(store, "gpu")["leased_blocks"] == 0
+    store.check()
+
+
+def test_a_pending_lease_expires_and_its_waiters_wake(stores: list[KVStore]) -> None:
+    store = slow_store(2 * BLOCK, gpu_blocks=8, host_blocks=16)  # 8 blocks: 4 s
+    stores.append(store)
+    tokens, kv = seq(0, 32), kv_for(store, 32)
+    on_host(store, tokens, kv)
+    lease = store.prefetch(tokens, wait=False, ttl_s=0.2)
+    started = time.monotonic()
+    with pytest.raises(LeaseError, match="expired"):
+        lease.wait(10)  # nobody calls the store: the mover thread expires it
+    assert time.monotonic() - started < 2.0
+    assert lease.state is LeaseState.EXPIRED and store.leases() == []
+    store.check()
+
+
+def test_await_a_lease_from_asyncio(stores: list[KVStore]) -> None:
+    store = slow_store(16 * BLOCK, gpu_blocks=8, host_blocks=16)
+    stores.append(store)
+    tokens, kv = seq(0, 16), kv_for(store, 16)
+    on_host(store, tokens, kv)
+
+    async def main() -> tuple[bool, bool]:
+        lease = store.prefetch(tokens, wait=False)
+        ticks = 0
+
+        async def ticker() -> None:  # the loop keeps running while the lease is awaited
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(ticker())
+        assert (await lease) is lease
+        task.cancel()
+        # a cancelled awaiter leaves nothing behind
+        other = store.prefetch(seq(100, 4), wait=False)
+        waiter = asyncio.create_task(asyncio.wait_for(other._wait_async(), 0))
+        with pytest.raises(asyncio.TimeoutError):
+            await waiter
+        store.release(other)
+        return lease.ready() and same(leased_kv(store, lease), kv), ticks > 5
+
+    ready, ticked = asyncio.run(main())
+    assert ready and ticked
+    store.check()
+
+
+def test_prefetch_refuses_at_once_when_gpu_cannot_hold_the_prefix(stores: list[KVStore]) -> None:
+    store = slow_store(64 * BLOCK, gpu_blocks=4, host_blocks=16)
+    stores.append(store)
+    tokens, kv = seq(0, 32), kv_for(store, 32)
+    store.store(tokens, kv)  # 8 blocks: 4 on gpu at most, the rest on host
+    held = store.prefetch(seq(0, 16))
+    with pytest.raises(CapacityError, match="prefetch"):
+        store.prefetch(tokens, wait=False)
+    store.check()
+    assert [lease.lease_id for lease in store.leases()] == [held.lease_id]
+    store.release(held)
+
+
+def test_store_never_waits_on_a_slow_disk(tmp_path: Path, stores: list[KVStore]) -> None:
+    """Host over its watermark with a disk path at 16 KiB/s: store() returns at memory speed;
+    what the tiers cannot take is dropped and counted, and everything that stays is intact."""
+    config = disk_config(
+        tmp_path / "disk",
+        gpu_blocks=4,
+        host_blocks=8,
+        background=True,
+        host_watermarks=(0.5, 0.25),
+    )
+    store = KVStore(config, executor=ThreadExecutor(throttle_bytes_per_s=4 * DISK_BLOCK_BYTES))
+    stores.append(store)
+    kvs = {}
+    started = time.monotonic()
+    for s in range(12):  # 24 blocks into 12 memory slots; the disk takes 4 blocks a second
+        tokens = seq(1000 * s, 8)
+        kvs[s] = kv_for(store, 8, seed=s)
+        store.store(tokens, kvs[s])
+        store.check()
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.0, f"12 stores took {elapsed:.2f} s: store() waited on the disk"
+    status = store.status()
+    assert status["mover"]["backpressure_drops"] + status["tiers"]["host"]["evictions"] > 0
+    assert store.drain(30)
+    store.check()
+    on_disk = 0
+    for s, kv in kvs.items():
+        loaded = store.load(seq(1000 * s, 8))
+        assert same(loaded.kv, kv[:, :, : loaded.num_tokens])
+        on_disk += store.lookup(seq(1000 * s, 8)).disk_tokens
+    assert on_disk > 0, "the background mover wrote nothing to disk"
+
+
+def test_background_demotion_keeps_host_under_its_watermark_through_a_real_disk(
+    tmp_path: Path, stores: list[KVStore]
+) -> None:
+    config = disk_config(
+        tmp_path / "disk", gpu_blocks=4, host_blocks=8, background=True, host_watermarks=(0.5, 0.25)
+    )
+    store = KVStore(config)
+    stores.append(store)
+    kvs = [kv_for(store, 8, seed=s) for s in range(5)]
+    for s, kv in enumerate(kvs):
+        store.store(seq(1000 * s, 8), kv)
+        assert store.drain(10)
+        store.check()
+        assert tier(store, "host")["used_bytes"] <= 4 * DISK_BLOCK_BYTES  # high watermark
+    assert tier(store, "disk")["blocks"] > 0
+    headers = slab_headers(tmp_path / "disk")
+    assert len(headers) == tier(store, "disk")["blocks"], "index and slabs disagree"
+    for s, kv in enumerate(kvs):
+        lease = store.prefetch(seq(1000 * s, 8))
+        assert lease.num_tokens == 8 and same(leased_kv(store, lease), kv)
+        store.release(lease)
+        store.check()
+
+
+def test_new_blocks_below_a_disk_only_prefix_are_written_in_the_background(
+    tmp_path: Path, stores: list[KVStore]
+) -> None:
+    store = KVStore(disk_config(tmp_path / "disk", gpu_blocks=2, host_blocks=2, background=True))
+    stores.append(store)
+    head, head_kv = seq(0, 8), kv_for(store, 8, seed=1)
+    store.store(head, head_kv)
+    store.persist()
+    for s in range(1, 3):  # push the head off both memory tiers (its disk copy stays)
+        store.store(seq(1000 * s, 8), kv_for(store, 8, seed=10 + s))
+    assert store.lookup(head) == hit(disk=8)
+    full, full_kv = [*head, *seq(500, 8)], kv_for(store, 16, seed=2)
+    full_kv[:, :, :8] = head_kv
+    result = store.store(full, full_kv)
+    assert (result.stored_tokens, result.pending_tokens, result.dropped_tokens) == (0, 8, 0)
+    store.check()
+    assert store.drain(10)
+    assert store.lookup(full) == hit(disk=16)
+    assert same(store.load(full).kv, full_kv)
+    store.check()
+
+
+def test_a_corrupt_disk_copy_fails_the_pending_lease_and_a_waiting_prefetch_recovers(
+    tmp_path: Path, stores: list[KVStore]
+) -> None:
+    store = KVStore(disk_config(tmp_path / "disk", gpu_blocks=4, host_blocks=4, background=True))
+    stores.append(store)
+    tokens, kv = seq(0, 16), kv_for(store, 16)
+    store.store(tokens, kv)
+    store.persist()
+    for s in range(1, 3):
+        store.store(seq(1000 * s, 16), kv_for(store, 16, seed=s))
+    assert store.lookup(tokens) == hit(disk=16)
+    slot = slab_headers(tmp_path / "disk")[(8, 9, 10, 11)][0]  # the third block
+    with open(tmp_path / "disk" / "slab-00000.kvt", "r+b") as slab:  # flip a payload byte
+        slab.seek(slot * DISK_SLOT_BYTES + DISK_HEADER_BYTES + 100)
+        byte = slab.read(1)[0]
+        slab.seek(slot * DISK_SLOT_BYTES + DISK_HEADER_BYTES + 100)
+        slab.write(bytes([byte ^ 0xFF]))
+    lease = store.prefetch(tokens, wait=False)
+    with pytest.raises(LeaseError, match="failed"):
+        lease.wait(10)
+    assert lease.state is LeaseState.FAILED
+    store.check()
+    good = store.prefetch(tokens)  # the corrupt block is gone: the lease stops before it
+    assert good.num_tokens == 8 and same(leased_kv(store, good), kv[:, :, :8])
+    assert store.status()["ops"]["corrupt_dropped"] == 1
+    store.release(good)
+    store.check()
+
+
+def test_lift_on_lookup_brings_a_host_prefix_up_while_gpu_has_room(stores: list[KVStore]) -> None:
+    store = build_store(gpu_blocks=8, host_blocks=16, gpu_watermarks=(0.9, 0.75))
+    config = store.config.model_copy(
+        update={"mover": store.config.mover.model_copy(update={"lift_on_lookup": True})}
+    )
+    store.close()
+    store = KVStore(config)
+    stores.append(store)
+    tokens, kv = seq(0, 16), kv_for(store, 16)
+    on_host(store, tokens, kv)
+    store.lookup(tokens)
+    deadline = time.monotonic() + 10
+    while store.lookup(seq(0, 4)).gpu_tokens == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.drain(10)
+    assert store.lookup(tokens) == hit(gpu=16) and store.leases() == []
+    assert same(store.load(tokens).kv, kv)
+    assert store.status()["mover"]["lifted_blocks"] == 4
+    store.check()
+
+
+def test_close_ends_pending_leases_and_wakes_their_waiters() -> None:
+    store = slow_store(BLOCK, gpu_blocks=8, host_blocks=16)
+    tokens, kv = seq(0, 16), kv_for(store, 16)
+    on_host(store, tokens, kv)
+    lease = store.prefetch(tokens, wait=False)
+    outcome: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            lease.wait(30)
+        except LeaseError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    store.close()
+    thread.join(30)
+    assert not thread.is_alive() and outcome, "a waiter outlived the store"
+    assert lease.state is LeaseState.CANCELLED and "closed" in str(outcome[0])
