@@ -158,6 +158,7 @@ def disk_config(
     tenants: tuple[str, ...] = ("default",),
     background: bool = False,
     host_watermarks: tuple[float, float] = (1.0, 1.0),
+    gpu_watermarks: tuple[float, float] = (1.0, 1.0),
 ) -> KVTierConfig:
     """A config of the tiny fp16 layout with a disk tier of `capacity` under `path`. The mover
     runs inline unless `background`: these tests pin down where each block is after each call."""
@@ -169,8 +170,8 @@ def disk_config(
             "tiers": {
                 "gpu": {
                     "capacity": gpu_blocks * block_bytes,
-                    "high_watermark": 1.0,
-                    "low_watermark": 1.0,
+                    "high_watermark": gpu_watermarks[0],
+                    "low_watermark": gpu_watermarks[1],
                     "device": "cpu",
                 },
                 "host": {
