@@ -64,7 +64,7 @@ from kvtier.transfer.demotion import Demoter, TierCounters
 from kvtier.transfer.handles import Executor
 from kvtier.transfer.mover import Mover
 from kvtier.transfer.persist import persist
-from kvtier.transfer.promotion import Promoter
+from kvtier.transfer.reads import DiskReader
 from kvtier.transfer.threads import ThreadExecutor
 
 PREFETCH_ATTEMPTS = 4
@@ -161,9 +161,7 @@ class KVStore:
             ),
             0,
         )
-        self.promoter = Promoter(
-            self.index, self.pools, self.executor, self.demoter, self.counters, self.ops
-        )
+        self.reader = DiskReader(self.index, self.pools, self.executor, self.ops)
         self.recovery = recover(self) if self.disk is not None else {}
         self.mover = Mover(
             index=self.index,
@@ -300,7 +298,7 @@ class KVStore:
             for tier, (positions, slots) in sorted(by_tier.items()):
                 if tier == DISK:
                     refs = list(self.index.blocks(match.end))[positions[0] :]
-                    data, good = self.promoter.read_disk(refs)
+                    data, good = self.reader.read_disk(refs)
                     blocks[positions[0] : positions[0] + good] = data[:good].to(target)
                     count = positions[0] + good
                 else:

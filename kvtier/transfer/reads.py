@@ -1,0 +1,61 @@
+"""Reading verified disk copies in the caller's thread, for `KVStore.load`.
+
+`read_disk(refs)` reads and verifies the disk copies of consecutive blocks of one path; the
+first that fails verification is dropped with everything below it (`drop_corrupt`: the blocks
+below would be orphans), counted, and never served. Promotion to gpu (prefetch) is the mover's
+(`mover.py`), which reads through the executor and drops corrupt copies the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.index import BlockRef, RadixIndex
+from kvtier.tiers.base import DISK, Tier
+from kvtier.tiers.disk import DiskTier
+from kvtier.transfer.copy import InlineExecutor
+
+
+class DiskReader:
+    def __init__(
+        self,
+        index: RadixIndex,
+        pools: Sequence[Tier],
+        executor: InlineExecutor,
+        ops: dict[str, int],
+    ) -> None:
+        """`ops` is the store's counter table: `corrupt_dropped` is counted there."""
+        self.index = index
+        self.pools = list(pools)
+        self.disk = self.pools[DISK] if len(self.pools) > DISK else None
+        self.executor = executor
+        self.ops = ops
+
+    def read_disk(self, refs: list[BlockRef], drop: bool = True) -> tuple[torch.Tensor, int]:
+        """Read and verify the disk copies of `refs` (consecutive blocks of one path): the data
+        and how many leading blocks verified. With `drop`, the first corrupt copy is dropped
+        with everything below it."""
+        assert isinstance(self.disk, DiskTier)
+        slots = [_slot(ref.node.slots[DISK][ref.i]) for ref in refs]
+        started = time.monotonic()
+        data, ok = self.disk.read_blocks(slots, [self.index.block_id(ref) for ref in refs])
+        assert isinstance(data, torch.Tensor)  # no `out` given: one new tensor
+        good = ok.index(False) if False in ok else len(ok)
+        self.executor.record(("disk", "host"), good * self.disk.layout.block_bytes, started)
+        if drop and good < len(refs):
+            self.drop_corrupt(refs[good])
+        return data, good
+
+    def drop_corrupt(self, ref: BlockRef) -> None:
+        """A copy failed verification: drop the block and everything below it, and count it."""
+        for tier, slot in self.index.drop_subtree(ref):
+            self.pools[tier].free([slot])
+        self.ops["corrupt_dropped"] += 1
+
+
+def _slot(slot: int | None) -> int:
+    assert slot is not None
+    return slot
