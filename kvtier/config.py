@@ -220,8 +220,8 @@ class HostTierConfig(_MemoryTierConfig):
     """Host RAM. A fraction capacity is of MemAvailable; `pinned: auto` pins when CUDA is up."""
 
     capacity: MemoryCapacity = Capacity(nbytes=2**30)
-    high_watermark: Fraction01 = 1.0
-    low_watermark: Fraction01 = 0.9
+    high_watermark: Fraction01 = 0.95  # with a disk tier: write LRU leaves down above this
+    low_watermark: Fraction01 = 0.85
     pinned: Annotated[Pinned, _one_of(get_args(Pinned))] = "auto"
 
 

@@ -607,6 +607,8 @@ class KVStore:
             self.mover.kick()
             return
         for tier, pool in enumerate(self.pools[:DISK]):
+            if tier + 1 == len(self.pools):  # nothing below: the lowest tier drops on demand only
+                break
             tier_cfg = getattr(self.config.tiers, pool.name)
             if pool.num_used > tier_cfg.high_watermark * pool.num_slots:
                 self.demoter.demote_to(tier, int(tier_cfg.low_watermark * pool.num_slots))
