@@ -266,6 +266,7 @@ class KVStore:
                 return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
             for tier, tier_slots in slots.items():
                 self.memory[tier].write(tier_slots, blocks)
+            self._mark_engine()  # CUDA: background copies of these slots wait for the writes
             self.index.insert(match, key, slots)
             self.ops["stored_tokens"] += new_blocks * bt
             self._enforce_watermarks()
@@ -377,6 +378,7 @@ class KVStore:
             self._ensure_open()
             self._expire()
             self.mover.release(lease_id)
+            self._mark_engine()  # CUDA: a copy into these slots waits for the engine's reads
 
     def leases(self) -> list[Lease]:
         """The live leases."""
@@ -601,6 +603,11 @@ class KVStore:
     @property
     def _all_tiers(self) -> tuple[int, ...]:
         return tuple(range(len(self.pools)))
+
+    def _mark_engine(self) -> None:
+        mark = getattr(self.mover.executor, "mark_engine", None)
+        if mark is not None:
+            mark()
 
     def _enforce_watermarks(self) -> None:
         if self.mover.background:  # the mover thread demotes, outside this call

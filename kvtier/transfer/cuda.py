@@ -6,7 +6,10 @@
     h2d stream     ───────────●══copy══○──────────►      event.query() says it has completed
 
 One stream per direction (device->host, host->device), so a prefetch never queues behind a
-demotion. Each submit is ordered after everything already enqueued on the engine's stream (the
+demotion. A copy submitted from another thread than the engine's (the mover's) cannot see the
+engine's stream; the store therefore calls `mark_engine()` from the engine's thread after it
+writes pool slots and when a lease is released, and every later copy also waits for that mark.
+Each submit is ordered after everything already enqueued on the engine's stream (the
 one given, or else the submitting thread's current stream), so a copy out of the gpu pool sees
 what the engine wrote and a copy into it cannot overtake the engine's last reads of the slots'
 previous blocks. The copies are slices merged by `contiguous_runs`, issued with
@@ -107,7 +110,15 @@ class CudaExecutor:
         self._lock = threading.Lock()
         self._in_flight: dict[str, deque[_InFlight]] = {key: deque() for key in self._streams}
         self._completed: list[TransferHandle] = []
+        self._engine_mark: torch.cuda.Event | None = None  # the latest `mark_engine()`
         self._closed = False
+
+    def mark_engine(self) -> None:
+        """Record where the calling thread's stream (or the engine stream) is now: every copy
+        submitted later, from any thread, waits for the work enqueued there so far."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._engine_stream or torch.cuda.current_stream(self.device))
+        self._engine_mark = event
 
     @property
     def bytes_moved(self) -> dict[tuple[str, str], int]:
@@ -149,6 +160,9 @@ class CudaExecutor:
             engine = self._engine_stream or torch.cuda.current_stream(self.device)
             ready.record(engine)
             stream.wait_event(ready)
+            mark = self._engine_mark
+            if mark is not None:  # the engine's writes and reads, seen from another thread
+                stream.wait_event(mark)
             error: Exception | None = None
             with torch.cuda.stream(stream):
                 first, stop = transfer.layers or (0, src.layout.num_layers)
