@@ -133,12 +133,15 @@ class KVStore:
             Ledger() if executor is None else executor.ledger
         )  # every copy, inline or in the background, is counted here
         self.executor = InlineExecutor(self.ledger)  # copies made inside a call
+        background = self._background_executor() if executor is None else executor
+        # room made inside a call: on CUDA through the copy streams, which see the engine's marks
+        runner = background if hasattr(background, "mark_engine") else self.executor
         self.counters = [TierCounters() for _ in self.pools]
         admission = [0, self.policy.min_hits_to_keep, self.config.policy.disk_admission_hits]
         self.demoter = Demoter(
             self.index,
             self.pools,
-            self.executor,
+            runner,  # type: ignore[arg-type]
             admission,
             self.counters,
             self._describe,
@@ -172,7 +175,7 @@ class KVStore:
             describe=self._describe,
             clock=self._clock,
             lock=self._lock,
-            executor=self._background_executor() if executor is None else executor,
+            executor=background,
             background=mover_cfg.background,
             watermarks=[
                 (tier.high_watermark, tier.low_watermark)

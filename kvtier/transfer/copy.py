@@ -176,7 +176,10 @@ class InlineExecutor:
         src_tier, dst_tier = transfer.src, transfer.dst
         if isinstance(dst_tier, DiskTier):
             assert isinstance(src_tier, SlotPool)
-            views = [src_tier.buffer[slot] for slot in transfer.src_slots]  # written in place
+            if src_tier.device.type == "cpu":
+                views = [src_tier.buffer[slot] for slot in transfer.src_slots]  # written in place
+            else:  # a CUDA pool (persist): through host memory, on the caller's stream
+                views = list(src_tier.read(list(transfer.src_slots)).cpu())
             ok = dst_tier.write_blocks(transfer.dst_slots, views, transfer.blocks)
         elif isinstance(src_tier, DiskTier):
             assert isinstance(dst_tier, SlotPool)

@@ -179,6 +179,13 @@ class CudaExecutor:
                 self._in_flight[route].append(_InFlight(handle, done, error, started))
         return handle
 
+    def run(self, transfer: Transfer) -> list[bool]:
+        """Submit and wait: for copies a caller needs done now (the store's room-making), which
+        must still be ordered after the engine's marks."""
+        handle = self.submit(transfer)
+        handle.wait()
+        return handle.result()
+
     def poll(self) -> list[TransferHandle]:
         """Handles completed since the last poll: the thread executor's, then the streams'."""
         delegated = self._threads.poll()

@@ -35,13 +35,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvtier.index import BlockRef, RadixIndex
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
-from kvtier.transfer.copy import InlineExecutor, Transfer
+from kvtier.transfer.copy import Transfer
 
 DISK_BATCH = 32
+
+
+class Runner(Protocol):
+    """Runs one transfer to completion in the calling thread: `InlineExecutor`, or, for a CUDA
+    gpu pool with a background mover, `CudaExecutor` (its streams see the engine's marks)."""
+
+    def run(self, transfer: Transfer) -> list[bool]: ...
 
 
 @dataclass
@@ -59,7 +67,7 @@ class Demoter:
         self,
         index: RadixIndex,
         pools: Sequence[Tier],
-        executor: InlineExecutor,
+        executor: Runner,
         admission: Sequence[int],
         counters: Sequence[TierCounters],
         describe: Callable[[BlockRef], BlockMeta],
