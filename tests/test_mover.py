@@ -361,3 +361,33 @@ def test_close_ends_pending_leases_and_wakes_their_waiters() -> None:
     thread.join(30)
     assert not thread.is_alive() and outcome, "a waiter outlived the store"
     assert lease.state is LeaseState.CANCELLED and "closed" in str(outcome[0])
+
+
+def test_a_background_demotion_is_invisible_until_its_disk_write_is_durable(
+    tmp_path: Path, stores: list[KVStore]
+) -> None:
+    config = disk_config(
+        tmp_path / "disk", gpu_blocks=4, host_blocks=8, background=True, host_watermarks=(0.5, 0.25)
+    )
+    store = KVStore(config, executor=ThreadExecutor(throttle_bytes_per_s=2 * DISK_BLOCK_BYTES))
+    stores.append(store)
+    kvs = [kv_for(store, 8, seed=s) for s in range(5)]
+    for s, kv in enumerate(kvs):  # 10 blocks, gpu holds 4: host passes its high watermark (4)
+        store.store(seq(1000 * s, 8), kv)
+    deadline = time.monotonic() + 10
+    while store.status()["mover"]["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    status = store.status()
+    assert status["mover"]["in_flight"] > 0, "no demotion started"
+    assert status["tiers"]["disk"]["blocks"] == 0, "a disk copy is visible before it is durable"
+    assert status["tiers"]["disk"]["used_bytes"] > 0  # its slots are reserved, not indexed
+    store.check()
+    for s, kv in enumerate(kvs):  # readers meanwhile get the host copies, whole
+        assert same(store.load(seq(1000 * s, 8)).kv, kv)
+    assert store.drain(30)
+    status = store.status()
+    assert status["tiers"]["disk"]["blocks"] > 0 and status["mover"]["in_flight"] == 0
+    assert status["tiers"]["host"]["used_bytes"] <= 4 * DISK_BLOCK_BYTES
+    headers = slab_headers(tmp_path / "disk")
+    assert len(headers) == status["tiers"]["disk"]["blocks"]
+    store.check()

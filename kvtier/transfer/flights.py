@@ -1,7 +1,8 @@
 """Flights: the copies of one mover decision, from submit to the moment the index learns of them.
 
-A flight is planned under the store's lock (`mover.py`): it pins the path of its blocks in every
-tier (a never-expiring lease, so no source copy is evicted or dropped while it is read), owns the
+A flight is planned under the store's lock (`mover.py`): it pins the path of its blocks (a
+never-expiring lease, so no source copy is evicted or dropped while it is read: a prefetch in
+every tier, a demotion in its source tier, a disk insert on disk), owns the
 destination slots it allocated (`dst`, reserved: allocated in a pool, not yet in the index), and
 names its blocks by position along the pinned path (positions survive node splits). Its copies
 then run without the lock, on the executor's threads or streams; the done callbacks here count
@@ -39,7 +40,7 @@ from kvtier.transfer.handles import Executor, TransferHandle
 @dataclass(eq=False)
 class Flight:
     kind: str  # "prefetch" | "demote" | "insert"
-    pin: LeaseRecord  # locks the path to pin.end in every tier until published
+    pin: LeaseRecord  # locks the path to pin.end (in the tiers it reads) until published
     positions: list[int]  # the flight's blocks, as positions from the namespace root
     dst: dict[int, list[int]] = field(default_factory=dict)  # tier -> slots it allocated
     groups: int = 1  # layer groups of the final copy (prefetch)

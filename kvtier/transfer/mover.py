@@ -191,9 +191,10 @@ class Mover:
         )
         self.leases[record.lease_id] = lease
         self._waits[record.lease_id] = flights
+        for flight in flights:  # all of them before any flight's callback can see the lease
+            lease._wait_on(flight, self._layers_of_groups)
         for flight in flights:
             flight.leases.append(lease)
-            lease._wait_on(flight, self._layers_of_groups)
         lease._progress()
         self._settle(lease)
         self.reap()  # inline copies are done already: publish them before returning
@@ -579,7 +580,7 @@ class Mover:
             for j in range(max(first, i - BATCH + 1), i + 1)
             if node.slots[lower][j] is None and node.slots[tier][j] is not None
         ]
-        pin = self.index.leases.acquire(node, self._all_tiers, math.inf, 0, resident=False)
+        pin = self.index.leases.acquire(node, (tier,), math.inf, 0, resident=False)
         target = self.pools[lower]
         if target.num_free < len(batch) and not self.demoter.make_room(lower, len(batch)):
             batch = batch[len(batch) - target.num_free :] if target.num_free else []
@@ -650,7 +651,7 @@ class Mover:
         count = len(blocks)
         host, disk = self.pools[HOST], self.pools[DISK]
         assert isinstance(host, SlotPool) and isinstance(disk, DiskTier)
-        pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
+        pin = self.index.leases.acquire(match.end, (DISK,), math.inf, 0, resident=False)
         room = (
             self.demoter.can_make_room(HOST, count)
             and self.demoter.make_room(HOST, count)
