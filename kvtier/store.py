@@ -32,6 +32,7 @@ import math
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -186,6 +187,8 @@ class KVStore:
             keep_host_copy=self.policy.copy_on_store,
             lift_on_lookup=mover_cfg.lift_on_lookup,
         )
+        # a store dropped without close(): its copy threads end (the mover's thread ends alone)
+        weakref.finalize(self, background.close)
 
     @classmethod
     def from_file(cls, path: str, **kwargs: Any) -> KVStore:

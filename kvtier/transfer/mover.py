@@ -40,6 +40,7 @@ import math
 import statistics
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -151,7 +152,9 @@ class Mover:
         self._stop = False
         self._thread: threading.Thread | None = None
         if background:
-            self._thread = threading.Thread(target=self._run, name="kvtier-mover", daemon=True)
+            self._thread = threading.Thread(
+                target=_run, args=(weakref.ref(self), self._wake), name="kvtier-mover", daemon=True
+            )
             self._thread.start()
 
     @property
@@ -694,24 +697,26 @@ class Mover:
         """Wake the thread (any thread may call it, with or without the store's lock)."""
         self._wake.set()
 
-    def _run(self) -> None:
+    def _wait_s(self) -> float:
+        # a CUDA handle completes only when its event is queried: poll while copies run;
+        # thread executors wake the thread from their done callbacks
         polled = getattr(self.executor, "polled", False)
-        while True:
-            # a CUDA handle completes only when its event is queried: poll while copies run;
-            # thread executors wake us from their done callbacks
-            self._wake.wait(POLL_S if polled and self._flights else IDLE_WAKE_S)
-            self._wake.clear()
-            with self.lock:
-                if self._stop:
-                    return
-                try:
-                    self.step()
-                except ClosedError:
-                    return
-                except Exception as exc:  # a bug: keep it visible in status, and keep moving
-                    self.last_error = f"mover step raised {exc!r}"
-                    self.stats["step_errors"] += 1
-                    log.exception("kvtier mover step failed")
+        return POLL_S if polled and self._flights else IDLE_WAKE_S
+
+    def _round(self) -> bool:
+        """One wake of the thread; False when it should end."""
+        with self.lock:
+            if self._stop:
+                return False
+            try:
+                self.step()
+            except ClosedError:
+                return False
+            except Exception as exc:  # a bug: keep it visible in status, and keep moving
+                self.last_error = f"mover step raised {exc!r}"
+                self.stats["step_errors"] += 1
+                log.exception("kvtier mover step failed")
+        return True
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End every lease (pending ones CANCELLED, ready ones RELEASED, waiters wake), wait
@@ -789,6 +794,23 @@ class Mover:
         for lease_id, lease in self.leases.items():
             if lease.state not in (LeaseState.PENDING, LeaseState.READY):
                 raise InvariantError(f"lease {lease_id}: {lease.state.value} but still live")
+
+
+def _run(ref: weakref.ref[Mover], wake: threading.Event) -> None:
+    """The mover thread. It holds its mover only while it works, so that a store dropped
+    without `close()` is collected and its thread ends."""
+    while True:
+        mover = ref()
+        if mover is None:
+            return
+        timeout = mover._wait_s()
+        del mover
+        wake.wait(timeout)
+        wake.clear()
+        mover = ref()
+        if mover is None or not mover._round():
+            return
+        del mover
 
 
 def _subtree_locked(end: Node, num_tiers: int) -> bool:
