@@ -51,11 +51,32 @@ def slow_store(rate: float, **kwargs: object) -> KVStore:
     return KVStore(config, executor=ThreadExecutor(throttle_bytes_per_s=rate))
 
 
+def hosted(
+    stores: list[KVStore], n_tokens: int, rate: float, **kwargs: object
+) -> tuple[KVStore, list[int], torch.Tensor]:
+    """A `slow_store` (closed after the test) holding tokens 0..n_tokens-1 on host only."""
+    store = slow_store(rate, **kwargs)
+    stores.append(store)
+    tokens, kv = seq(0, n_tokens), kv_for(store, n_tokens)
+    on_host(store, tokens, kv)
+    return store, tokens, kv
+
+
 def on_host(store: KVStore, tokens: list[int], kv: torch.Tensor) -> None:
     """Store `tokens`, then push their blocks off the gpu (write_through keeps host copies)."""
     store.store(tokens, kv)
     assert store.evict("gpu", len(tokens) // 4) == len(tokens) // 4
     assert store.lookup(tokens) == hit(host=len(tokens))
+
+
+def on_disk_only(store: KVStore, tokens: list[int], kv: torch.Tensor) -> None:
+    """Store `tokens` durably, then push them off both memory tiers with two other prompts of
+    the same length (their disk copies stay)."""
+    store.store(tokens, kv)
+    store.persist()
+    for s in range(1, 3):
+        store.store(seq(1000 * s, len(tokens)), kv_for(store, len(tokens), seed=10 + s))
+    assert store.lookup(tokens) == hit(disk=len(tokens))
 
 
 @pytest.fixture
@@ -100,10 +121,7 @@ def test_a_pending_lease_is_ready_only_after_its_copies_and_layers_never_run_ahe
 
 
 def test_wait_layer_returns_as_soon_as_that_layer_is_in(stores: list[KVStore]) -> None:
-    store = slow_store(4 * BLOCK, gpu_blocks=8, host_blocks=16, layer_groups=2)
-    stores.append(store)
-    tokens, kv = seq(0, 32), kv_for(store, 32)
-    on_host(store, tokens, kv)
+    store, tokens, kv = hosted(stores, 32, 4 * BLOCK, gpu_blocks=8, host_blocks=16, layer_groups=2)
     lease = store.prefetch(tokens, wait=False)
     assert lease.wait_layer(0, timeout=10)
     assert not lease.ready(), "layer 0 came with the whole lease: no layer-by-layer progress"
@@ -116,10 +134,7 @@ def test_wait_layer_returns_as_soon_as_that_layer_is_in(stores: list[KVStore]) -
 
 
 def test_a_second_prefetch_joins_the_copies_in_flight(stores: list[KVStore]) -> None:
-    store = slow_store(16 * BLOCK, gpu_blocks=8, host_blocks=16)
-    stores.append(store)
-    tokens, kv = seq(0, 32), kv_for(store, 32)
-    on_host(store, tokens, kv)
+    store, tokens, kv = hosted(stores, 32, 16 * BLOCK, gpu_blocks=8, host_blocks=16)
     short = store.prefetch(tokens[:16], wait=False)
     full = store.prefetch(tokens, wait=False)  # joins blocks 0-3, copies 4-7 itself
     again = store.prefetch(tokens, wait=False)  # joins everything
@@ -136,10 +151,7 @@ def test_a_second_prefetch_joins_the_copies_in_flight(stores: list[KVStore]) -> 
 
 
 def test_cancel_ends_the_lease_and_the_copies_still_land(stores: list[KVStore]) -> None:
-    store = slow_store(8 * BLOCK, gpu_blocks=8, host_blocks=16)
-    stores.append(store)
-    tokens, kv = seq(0, 16), kv_for(store, 16)
-    on_host(store, tokens, kv)
+    store, tokens, _ = hosted(stores, 16, 8 * BLOCK, gpu_blocks=8, host_blocks=16)
     lease = store.prefetch(tokens, wait=False)
     lease.cancel()
     assert lease.state is LeaseState.CANCELLED
@@ -169,10 +181,7 @@ def test_a_pending_lease_expires_and_its_waiters_wake(stores: list[KVStore]) -> 
 
 
 def test_await_a_lease_from_asyncio(stores: list[KVStore]) -> None:
-    store = slow_store(16 * BLOCK, gpu_blocks=8, host_blocks=16)
-    stores.append(store)
-    tokens, kv = seq(0, 16), kv_for(store, 16)
-    on_host(store, tokens, kv)
+    store, tokens, kv = hosted(stores, 16, 16 * BLOCK, gpu_blocks=8, host_blocks=16)
 
     async def main() -> tuple[bool, bool]:
         lease = store.prefetch(tokens, wait=False)
@@ -276,11 +285,7 @@ def test_new_blocks_below_a_disk_only_prefix_are_written_in_the_background(
     store = KVStore(disk_config(tmp_path / "disk", gpu_blocks=2, host_blocks=2, background=True))
     stores.append(store)
     head, head_kv = seq(0, 8), kv_for(store, 8, seed=1)
-    store.store(head, head_kv)
-    store.persist()
-    for s in range(1, 3):  # push the head off both memory tiers (its disk copy stays)
-        store.store(seq(1000 * s, 8), kv_for(store, 8, seed=10 + s))
-    assert store.lookup(head) == hit(disk=8)
+    on_disk_only(store, head, head_kv)
     full, full_kv = [*head, *seq(500, 8)], kv_for(store, 16, seed=2)
     full_kv[:, :, :8] = head_kv
     result = store.store(full, full_kv)
@@ -298,11 +303,7 @@ def test_a_corrupt_disk_copy_fails_the_pending_lease_and_a_waiting_prefetch_reco
     store = KVStore(disk_config(tmp_path / "disk", gpu_blocks=4, host_blocks=4, background=True))
     stores.append(store)
     tokens, kv = seq(0, 16), kv_for(store, 16)
-    store.store(tokens, kv)
-    store.persist()
-    for s in range(1, 3):
-        store.store(seq(1000 * s, 16), kv_for(store, 16, seed=s))
-    assert store.lookup(tokens) == hit(disk=16)
+    on_disk_only(store, tokens, kv)
     slot = slab_headers(tmp_path / "disk")[(8, 9, 10, 11)][0]  # the third block
     with open(tmp_path / "disk" / "slab-00000.kvt", "r+b") as slab:  # flip a payload byte
         slab.seek(slot * DISK_SLOT_BYTES + DISK_HEADER_BYTES + 100)

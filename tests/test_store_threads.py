@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,30 @@ SEQS = 12  # 3 blocks each, sharing a first block in threes
 
 def tokens_of(seq: int) -> list[int]:
     return [900 + seq // 3] * 4 + [seq * 100 + j for j in range(8)]
+
+
+def run_threads(
+    store: KVStore, worker: Callable[[int], None], stop: float, errors: list[BaseException]
+) -> None:
+    """Four `worker(seed)` threads and a checker calling `check()` every 50 ms until `stop`;
+    every join is bounded, and the first error of any thread fails the test."""
+
+    def checker() -> None:
+        try:
+            while time.monotonic() < stop:
+                store.check()
+                time.sleep(0.05)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    threads.append(threading.Thread(target=checker))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, stop - time.monotonic()) + 60)
+        assert not thread.is_alive(), "a thread is stuck"
+    assert not errors, errors[0]
 
 
 def test_threads_store_lookup_prefetch_and_release_with_demotion_to_disk(tmp_path: Path) -> None:
@@ -82,22 +107,7 @@ def test_threads_store_lookup_prefetch_and_release_with_demotion_to_disk(tmp_pat
         except BaseException as exc:
             errors.append(exc)
 
-    def checker() -> None:
-        try:
-            while time.monotonic() < stop:
-                store.check()
-                time.sleep(0.05)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    threads.append(threading.Thread(target=checker))
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(SECONDS + 30)
-        assert not thread.is_alive(), "a thread is stuck"
-    assert not errors, errors[0]
+    run_threads(store, worker, stop, errors)
     store.check()
     assert store.leases() == []
     status = store.status()
@@ -199,24 +209,9 @@ def test_background_mover_under_threads_for_twenty_seconds(tmp_path: Path) -> No
         except BaseException as exc:
             errors.append(exc)
 
-    def checker() -> None:
-        try:
-            while time.monotonic() < stop:
-                store.check()
-                time.sleep(0.05)
-        except BaseException as exc:
-            errors.append(exc)
-
     looper = threading.Thread(target=loop.run_forever, daemon=True)
     looper.start()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    threads.append(threading.Thread(target=checker))
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(SOAK_SECONDS + 60)
-        assert not thread.is_alive(), "a thread is stuck"
-    assert not errors, errors[0]
+    run_threads(store, worker, stop, errors)
     assert store.drain(30)
     deadline = time.monotonic() + 10  # abandoned leases live at most 5 s
     while store.leases() and time.monotonic() < deadline:
