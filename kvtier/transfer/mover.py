@@ -209,11 +209,23 @@ class Mover:
     def _plan_promotion(self, end: Node) -> tuple[tuple[int, ...], list[Flight]]:
         """Gpu slots for every block of the path to `end` (the lease record locks it), and the
         flights the lease waits on: joined ones, and a new one for the rest."""
-        refs = list(self.index.blocks(end))
+        table, joined, new = self._missing(end)
+        if joined:
+            self.stats["joined_prefetches"] += 1
+        if not new:
+            return tuple(table), joined
+        flight = self._plan_prefetch_flight(end, new, joined)
+        for (position, _), slot in zip(new, flight.dst[GPU], strict=True):
+            table[position] = slot
+        return tuple(table), [*joined, flight]
+
+    def _missing(self, end: Node) -> tuple[list[int], list[Flight], list[tuple[int, BlockRef]]]:
+        """Along the path to `end`: each block's gpu slot (-1 where none is planned yet), the
+        flights already bringing some of them up, and (position, block) of the others."""
         table: list[int] = []
         joined: dict[Flight, None] = {}
         new: list[tuple[int, BlockRef]] = []
-        for position, ref in enumerate(refs):
+        for position, ref in enumerate(self.index.blocks(end)):
             slot = ref.node.slots[GPU][ref.i]
             if slot is None:
                 entry = self._to_gpu.get(self.index.block_id(ref))
@@ -222,16 +234,9 @@ class Mover:
                     slot = entry[1]
                 else:
                     new.append((position, ref))
-                    slot = -1  # filled below
+                    slot = -1
             table.append(slot)
-        if joined:
-            self.stats["joined_prefetches"] += 1
-        if not new:
-            return tuple(table), list(joined)
-        flight = self._plan_prefetch_flight(end, new, list(joined))
-        for (position, _), slot in zip(new, flight.dst[GPU], strict=True):
-            table[position] = slot
-        return tuple(table), [*joined, flight]
+        return table, list(joined), new
 
     def _plan_prefetch_flight(
         self, end: Node, new: list[tuple[int, BlockRef]], after: list[Flight]
@@ -616,33 +621,16 @@ class Mover:
         while self._lifts and self.pressure(GPU) < low * self.gpu.num_slots:
             namespace, key = self._lifts.popleft()
             match = self._before_doomed(namespace, key, self.index.match(namespace, key))
-            missing = [
-                (p, ref)
-                for p, ref in enumerate(self.index.blocks(match.end))
-                if ref.node.slots[GPU][ref.i] is None
-                and self.index.block_id(ref) not in self._to_gpu
-            ]
-            if not missing or len(missing) > self.gpu.num_free:
-                continue
             pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
             try:
-                joined = self._joined_before(match.end, missing[0][0])
-                self._plan_prefetch_flight(match.end, missing, joined)
-                self.stats["lifted_blocks"] += len(missing)
-            except CapacityError:
+                _, joined, new = self._missing(match.end)
+                if new and len(new) <= self.gpu.num_free:
+                    self._plan_prefetch_flight(match.end, new, joined)
+                    self.stats["lifted_blocks"] += len(new)
+            except CapacityError:  # host staging slots were not to be had: skip it
                 pass
             finally:
                 self.index.leases.release(pin.lease_id)
-
-    def _joined_before(self, end: Node, upto: int) -> list[Flight]:
-        flights: dict[Flight, None] = {}
-        for position, ref in enumerate(self.index.blocks(end)):
-            if position >= upto:
-                break
-            entry = self._to_gpu.get(self.index.block_id(ref))
-            if entry is not None:
-                flights[entry[0]] = None
-        return list(flights)
 
     # ---- writes below a disk-only prefix --------------------------------------------------
 
