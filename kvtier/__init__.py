@@ -5,13 +5,14 @@ The public API is `KVStore` (in-process) with its result types and `load_config`
 """
 
 from kvtier.config import KVTierConfig, load_config, parse_config
-from kvtier.results import Lease, LoadResult, LookupResult, StoreResult
+from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, StoreResult
 from kvtier.store import KVStore
 
 __all__ = [
     "KVStore",
     "KVTierConfig",
     "Lease",
+    "LeaseState",
     "LoadResult",
     "LookupResult",
     "StoreResult",
