@@ -62,3 +62,8 @@ class InvariantError(KVTierError, AssertionError):
 
 class InvalidArgumentError(KVTierError, ValueError):
     """Another argument of a public method is out of range or of the wrong type."""
+
+
+class ResidencyError(KVTierError, LookupError):
+    """A kernel was asked to read a gpu slot that no live lease covers (unleased, released,
+    expired, freed or demoted): its memory may hold another block, or none."""

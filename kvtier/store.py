@@ -386,6 +386,19 @@ class KVStore:
             self.mover.release(lease_id)
             self._mark_engine()  # CUDA: a copy into these slots waits for the engine's reads
 
+    def leased_slots(self) -> frozenset[int]:
+        """The gpu slots that READY leases cover now: while one of them lives, each of these
+        slots holds one fixed block (what kernels may read, `kernels/attention.py`)."""
+        with self._lock:
+            self._ensure_open()
+            self._expire()
+            return frozenset(
+                slot
+                for lease in self.mover.leases.values()
+                if lease.ready()
+                for slot in lease.block_table
+            )
+
     def leases(self) -> list[Lease]:
         """The live leases."""
         with self._lock:

@@ -18,6 +18,11 @@ from kvtier.results import Lease, LookupResult, StoreResult
 from kvtier.store import KVStore
 from kvtier.tiers.disk.format import BlockHeader, CorruptHeader, decode_header
 
+# Triton reads this when a kernel is defined, so before any test imports kvtier.kernels (none of
+# the imports above does): without CUDA the kernels run on the CPU, in Triton's interpreter
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # ---- KVStore factory (tests/test_store*.py) ---------------------------------------------------
 #
 # A tiny layout: 2 layers, 2 kv heads, head_dim 4, 4 tokens per block. Capacities are given in

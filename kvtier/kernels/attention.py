@@ -1,0 +1,236 @@
+"""The checked way to attend over a store's gpu pages: arguments and residency, then launch.
+
+    attn = PagedAttention(store)
+    lease = store.prefetch(tokens)                      # READY: its pages stay put while it lives
+    out = attn.decode(q, layer, [lease])                # q [batch, q_heads, head_dim]
+    out = attn.decode_table(q, layer, table, seq_lens)  # an engine's own block table
+    out = attn.extend(q, k_new, v_new, layer, [lease], new_lens)
+    store.release(lease)                                # after the kernel has finished
+
+Contract:
+- Residency: every slot a launch will read (the first ceil(len / block_tokens) entries of each
+  row) must be covered by a READY lease that is live now (`KVStore.leased_slots`); else
+  `ResidencyError` names the sequence, the position and the slot, and nothing is launched. A slot
+  that was never leased, was released, expired, was freed or demoted, fails. Checked under the
+  store's lock just before the launch; the caller keeps its leases until the kernel is done
+  (on CUDA the launch returns before it is).
+- Arguments: shapes, dtypes (q, k and v in the pool's dtype), devices, head counts (query heads
+  a multiple of kv heads), lengths (>= 1, within the block table) are checked first, each
+  failure an `InvalidArgumentError` naming the value and what was expected.
+- Dispatch: the Triton kernels (`paged_attention.py`) on CUDA tensors, and on CPU tensors under
+  Triton's interpreter; the torch reference otherwise (a CPU without `TRITON_INTERPRET=1`, or no
+  Triton), so every path runs everywhere. `backend` says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.errors import InvalidArgumentError, ResidencyError
+from kvtier.kernels import paged_attention as kernels
+from kvtier.results import Lease
+
+if TYPE_CHECKING:
+    from kvtier.store import KVStore
+
+
+class PagedAttention:
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self.buffer = store.gpu_pool.buffer
+        self.layout = store.layout
+
+    @property
+    def backend(self) -> str:
+        """'triton' or 'reference': what a launch on this pool's device runs."""
+        on_cuda = self.buffer.device.type == "cuda"
+        if kernels.available() and (on_cuda or kernels.INTERPRETED):
+            return "triton"
+        return "reference"
+
+    # ---- decode ---------------------------------------------------------------------------
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        layer: int,
+        leases: Sequence[Lease],
+        seq_lens: Sequence[int] | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """One query token per lease, over its leased prefix (or the first `seq_lens[b]`
+        tokens of it)."""
+        table, lens = self._from_leases(leases, seq_lens)
+        return self.decode_table(q, layer, table, lens, scale)
+
+    def decode_table(
+        self,
+        q: torch.Tensor,
+        layer: int,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Decode over an engine's own block table `[batch, max_blocks]` (int32 or int64 slot
+        ids) and `seq_lens` `[batch]`; q `[batch, q_heads, head_dim]`."""
+        self._check_q(q, "q", 3)
+        self._check_layer(layer)
+        table, lens = self._check_table(block_table, seq_lens, q.shape[0])
+        self._check_resident(table, lens)
+        table, lens = table.to(self.buffer.device), lens.to(self.buffer.device)
+        if self.backend == "triton":
+            return kernels.paged_decode(q, self.buffer, layer, table, lens, scale)
+        return kernels.paged_decode_reference(q, self.buffer, layer, table, lens, scale)
+
+    # ---- extend ---------------------------------------------------------------------------
+
+    def extend(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        layer: int,
+        leases: Sequence[Lease],
+        new_lens: Sequence[int],
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """New tokens after each lease's prefix: `new_lens[b]` of them per lease, packed in
+        order in q `[total, q_heads, head_dim]` and k/v `[total, kv_heads, head_dim]`; each
+        attends to the whole leased prefix and causally to the new tokens."""
+        table, prefix = self._from_leases(leases, None, allow_empty=True)
+        self._check_q(q, "q", 3)
+        self._check_layer(layer)
+        new = _lengths(new_lens, "new_lens", len(leases))
+        total = int(new.sum())
+        kv_shape = (total, self.layout.num_kv_heads, self.layout.head_dim)
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if tuple(t.shape) != kv_shape or t.dtype != q.dtype or t.device != q.device:
+                raise InvalidArgumentError(
+                    f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}, expected "
+                    f"{kv_shape} {q.dtype} on {q.device}"
+                )
+            if t.stride(-1) != 1:
+                raise InvalidArgumentError(f"{name}: its last dimension must be contiguous")
+        if q.shape[0] != total:
+            raise InvalidArgumentError(
+                f"q: got {q.shape[0]} tokens, expected sum(new_lens) = {total}"
+            )
+        self._check_resident(table, prefix)
+        device = self.buffer.device
+        args = (table.to(device), prefix.to(device), new.to(device))
+        if self.backend == "triton":
+            return kernels.paged_extend(q, k_new, v_new, self.buffer, layer, *args, scale)
+        return kernels.paged_extend_reference(q, k_new, v_new, self.buffer, layer, *args, scale)
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def _from_leases(
+        self, leases: Sequence[Lease], seq_lens: Sequence[int] | None, allow_empty: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not leases:
+            raise InvalidArgumentError("leases: got none, expected one lease per sequence")
+        for b, lease in enumerate(leases):
+            if not isinstance(lease, Lease):
+                raise InvalidArgumentError(f"leases[{b}]: got {lease!r}, expected a Lease")
+            if not lease.ready():
+                raise ResidencyError(
+                    f"leases[{b}]: lease {lease.lease_id} is {lease.state.value}, expected "
+                    "ready (wait for it before reading its pages)"
+                )
+        lens = torch.tensor(
+            [lease.num_tokens for lease in leases] if seq_lens is None else list(seq_lens),
+            dtype=torch.int32,
+        )
+        for b, lease in enumerate(leases):
+            if int(lens[b]) > lease.num_tokens or (int(lens[b]) < 1 and not allow_empty):
+                raise InvalidArgumentError(
+                    f"seq_lens[{b}]: got {int(lens[b])}, expected 1..{lease.num_tokens} "
+                    f"(the tokens lease {lease.lease_id} covers)"
+                )
+        width = max(1, max(len(lease.block_table) for lease in leases))
+        table = torch.zeros((len(leases), width), dtype=torch.int32)
+        for b, lease in enumerate(leases):
+            table[b, : len(lease.block_table)] = torch.tensor(lease.block_table, dtype=torch.int32)
+        return table, lens
+
+    def _check_q(self, q: torch.Tensor, name: str, dims: int) -> None:
+        kv_heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        if not (
+            isinstance(q, torch.Tensor)
+            and q.dim() == dims
+            and q.shape[-1] == dim
+            and q.shape[1] % kv_heads == 0
+        ):
+            raise InvalidArgumentError(
+                f"{name}: got {_describe(q)}, expected [n, q_heads, {dim}] with q_heads a "
+                f"multiple of {kv_heads} kv heads"
+            )
+        if q.dtype != self.buffer.dtype or q.device != self.buffer.device:
+            raise InvalidArgumentError(
+                f"{name}: got {q.dtype} on {q.device}, expected {self.buffer.dtype} on "
+                f"{self.buffer.device} (the gpu pool's)"
+            )
+        if q.stride(-1) != 1:
+            raise InvalidArgumentError(f"{name}: its last dimension must be contiguous")
+
+    def _check_layer(self, layer: int) -> None:
+        if type(layer) is not int or not 0 <= layer < self.layout.num_layers:
+            raise InvalidArgumentError(
+                f"layer: got {layer!r}, expected an int in [0, {self.layout.num_layers})"
+            )
+
+    def _check_table(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            not isinstance(block_table, torch.Tensor)
+            or block_table.dim() != 2
+            or block_table.shape[0] != batch
+            or block_table.dtype not in (torch.int32, torch.int64)
+        ):
+            raise InvalidArgumentError(
+                f"block_table: got {_describe(block_table)}, expected an int32 or int64 tensor "
+                f"[{batch}, max_blocks]"
+            )
+        lens = _lengths(seq_lens, "seq_lens", batch)
+        bt = self.layout.block_tokens
+        for b in range(batch):
+            if int(lens[b]) > block_table.shape[1] * bt:
+                raise InvalidArgumentError(
+                    f"seq_lens[{b}]: got {int(lens[b])}, expected at most "
+                    f"{block_table.shape[1] * bt} ({block_table.shape[1]} blocks in the table)"
+                )
+        return block_table.to("cpu", torch.int32).contiguous(), lens
+
+    def _check_resident(self, table: torch.Tensor, lens: torch.Tensor) -> None:
+        covered = self.store.leased_slots()
+        bt = self.layout.block_tokens
+        for b in range(table.shape[0]):
+            used = -(-int(lens[b]) // bt)
+            for position, slot in enumerate(table[b, :used].tolist()):
+                if slot not in covered:
+                    raise ResidencyError(
+                        f"sequence {b}, block {position}: gpu slot {slot} is not covered by a "
+                        "live ready lease (never leased, released, expired, freed or demoted); "
+                        "prefetch the prefix and wait for its lease"
+                    )
+
+
+def _lengths(values: Sequence[int] | torch.Tensor, name: str, batch: int) -> torch.Tensor:
+    lens = torch.as_tensor(values).to("cpu")
+    if lens.dim() != 1 or lens.shape[0] != batch or lens.dtype.is_floating_point:
+        raise InvalidArgumentError(
+            f"{name}: got {_describe(values)}, expected {batch} integer lengths"
+        )
+    if batch and int(lens.min()) < 1:
+        raise InvalidArgumentError(f"{name}: got {lens.tolist()}, expected every length >= 1")
+    return lens.to(torch.int32)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return repr(value)
