@@ -235,3 +235,25 @@ def test_bad_arguments_name_the_value(
     args.update(change)
     with pytest.raises(InvalidArgumentError, match=message):
         attn.decode_table(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_and_extend_on_cuda_match_the_reference(dtype: torch.dtype) -> None:
+    seed = fresh_seed()
+    buffer = pool(dtype).cuda()
+    table, lens = tables([1, BLOCK_TOKENS, 45, 17])
+    table, lens = table.cuda(), lens.cuda()
+    q = torch.randn(4, KV_HEADS * 4, HEAD_DIM, device="cuda").to(dtype)
+    got = kernels.paged_decode(q, buffer, 0, table, lens)
+    want = kernels.paged_decode_reference(q, buffer, 0, table, lens)
+    assert rel_error(got, want) <= TOLERANCE[dtype], f"seed {seed}"
+    new_lens = torch.tensor([3, 1, 20, 5], dtype=torch.int32, device="cuda")
+    total = int(new_lens.sum())
+    qe = torch.randn(total, KV_HEADS * 4, HEAD_DIM, device="cuda").to(dtype)
+    kn = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda").to(dtype)
+    vn = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda").to(dtype)
+    args = (qe, kn, vn, buffer, 1, table, lens, new_lens)
+    got = kernels.paged_extend(*args)
+    assert rel_error(got, kernels.paged_extend_reference(*args)) <= TOLERANCE[dtype], f"seed {seed}"
