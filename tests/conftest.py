@@ -18,8 +18,9 @@ from kvtier.results import Lease, LookupResult, StoreResult
 from kvtier.store import KVStore
 from kvtier.tiers.disk.format import BlockHeader, CorruptHeader, decode_header
 
-# Triton reads this when a kernel is defined, so before any test imports kvtier.kernels (none of
-# the imports above does): without CUDA the kernels run on the CPU, in Triton's interpreter
+# Triton reads this when a kernel is defined, so before any test imports
+# kvtier.kernels.paged_attention (the imports above do not import Triton): without CUDA the
+# kernels run on the CPU, in Triton's interpreter
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

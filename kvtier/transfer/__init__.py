@@ -1,11 +1,16 @@
 """The mover: plans and runs block copies between tiers (see `copy.py` and `handles.py`)."""
 
-from kvtier.transfer.copy import InlineExecutor, Transfer, contiguous_runs
+from kvtier.kernels.block_copy import contiguous_runs
+from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.cuda import CudaExecutor
 from kvtier.transfer.handles import Executor, TransferHandle
+from kvtier.transfer.planner import BlockCopier, CopyKey, CopyPlanner
 from kvtier.transfer.threads import ThreadExecutor
 
 __all__ = [
+    "BlockCopier",
+    "CopyKey",
+    "CopyPlanner",
     "CudaExecutor",
     "Executor",
     "InlineExecutor",

@@ -18,10 +18,12 @@ Every executor counts what it moved in a `Ledger` (bytes per path and the recent
 bandwidth), which the store shares between its inline and its background executor so that
 status reads one set of figures. A ledger is locked: worker threads write it, status reads it.
 
-Memory copies are merged: consecutive slots on both sides become one slice copy, so blocks that
-were allocated together move as one large copy; scattered small blocks (under 64 KiB a run) go
-as one gather and one scatter (`index_select` + `index_copy_`), large ones as a slice copy
-each. Disk copies go through the disk tier's parallel, group-committed I/O path.
+Memory copies of whole blocks go through the executor's `BlockCopier` (`planner.py`): one slice
+copy per run of slots consecutive on both sides, one gather and one scatter, or, within a GPU
+or between it and pinned host memory, one CUDA kernel launch (`kernels/block_copy.py`),
+whichever its first copies of that kind measured fastest. A layer range moves as one strided
+slice copy per run.
+Disk copies go through the disk tier's parallel, group-committed I/O path.
 """
 
 from __future__ import annotations
@@ -35,22 +37,15 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ClosedError
+from kvtier.kernels.block_copy import contiguous_runs
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.transfer.handles import TransferHandle
+from kvtier.transfer.planner import BlockCopier
 
 RECENT_TRANSFERS = 256
 """Copies remembered per path for `recent_bandwidth`."""
-
-FEW_RUNS = 8
-"""Up to this many runs always move as slice copies."""
-
-SLICE_COPY_MIN_BYTES = 64 << 10
-"""Beyond `FEW_RUNS`, runs of at least this many bytes on average move as slice copies, one per
-run; smaller ones as one gather and one scatter. Measured here (bench_mover): 2 MiB blocks in
-scattered slots moved at 0.11 of a raw copy through gather/scatter (two copies, slow indexed
-kernels) and at 0.73 as one slice copy per block."""
 
 
 @dataclass(frozen=True)
@@ -121,24 +116,15 @@ class Ledger:
         return sum(n for n, _ in recent) / seconds if seconds > 0 else 0.0
 
 
-def contiguous_runs(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) runs where both sides advance by one slot together."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            start_s, start_d, length = runs[-1]
-            runs[-1] = (start_s, start_d, length + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
-
-
 class InlineExecutor:
     """Runs transfers to completion in the calling thread and counts bytes per path in its
     ledger (its own, or one shared with other executors)."""
 
-    def __init__(self, ledger: Ledger | None = None) -> None:
+    def __init__(self, ledger: Ledger | None = None, copier: BlockCopier | None = None) -> None:
+        """`copier`: how memory copies of whole blocks move (its planner's `choices` say which
+        strategy each kind of copy uses); a fresh one when None."""
         self.ledger = ledger if ledger is not None else Ledger()
+        self.copier = copier if copier is not None else BlockCopier()
         self._completed: list[TransferHandle] = []  # submitted, not yet polled
         self._closed = False
 
@@ -211,20 +197,12 @@ class InlineExecutor:
 
     def _copy_memory(self, src_pool: SlotPool, dst_pool: SlotPool, transfer: Transfer) -> None:
         src, dst = src_pool.buffer, dst_pool.buffer
-        runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
-        if transfer.layers is not None:  # a layer range: one strided slice copy per run
-            first, stop = transfer.layers
-            for s, d, n in runs:
-                dst[d : d + n, first:stop].copy_(src[s : s + n, first:stop])
+        if transfer.layers is None:
+            self.copier.copy(src, dst, transfer.src_slots, transfer.dst_slots)
             return
-        run_bytes = len(transfer.src_slots) * src_pool.layout.block_bytes / len(runs)
-        if len(runs) <= FEW_RUNS or run_bytes >= SLICE_COPY_MIN_BYTES:
-            for s, d, n in runs:
-                dst[d : d + n].copy_(src[s : s + n])
-        else:
-            src_index = torch.tensor(transfer.src_slots, dtype=torch.long, device=src.device)
-            dst_index = torch.tensor(transfer.dst_slots, dtype=torch.long, device=dst.device)
-            dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device))
+        first, stop = transfer.layers  # a layer range: one strided slice copy per run
+        for s, d, n in contiguous_runs(transfer.src_slots, transfer.dst_slots):
+            dst[d : d + n, first:stop].copy_(src[s : s + n, first:stop])
 
 
 def _rows(data: torch.Tensor | Sequence[torch.Tensor], rows: list[int]) -> torch.Tensor:

@@ -12,9 +12,13 @@ writes pool slots and when a lease is released, and every later copy also waits 
 Each submit is ordered after everything already enqueued on the engine's stream (the
 one given, or else the submitting thread's current stream), so a copy out of the gpu pool sees
 what the engine wrote and a copy into it cannot overtake the engine's last reads of the slots'
-previous blocks. The copies are slices merged by `contiguous_runs`, issued with
-`non_blocking=True`; they overlap with host code only when the host pool is pinned (with
-pageable memory CUDA copies synchronously, which is correct but slow). Completion is observed
+previous blocks. Whole blocks move as slice copies merged by `contiguous_runs` (issued with
+`non_blocking=True`) or, where CuPy is installed and the host pool is pinned, as one launch of
+the block-copy kernel (`kernels/block_copy.py`): the executor's `planner` times both on the
+first copies of each kind (CUDA events around the copies, read once they have completed) and
+keeps the faster. A layer range always moves as slice copies. Copies overlap with host code
+only when the host pool is pinned (with pageable memory CUDA copies synchronously, which is
+correct but slow). Completion is observed
 by `event.query()` in `done()` and `poll()`, never by a synchronize. The events of one stream
 complete in order, so each stream's handles are reaped from the front of its queue. `wait()` on
 a handle polls with backoff.
@@ -38,15 +42,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.errors import ClosedError, ConfigError, InvalidArgumentError
+from kvtier.kernels.block_copy import (
+    CopyStrategy,
+    applies_anywhere,
+    contiguous_runs,
+    copy_blocks_kernel,
+    kernel_applies,
+)
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
-from kvtier.transfer.copy import Ledger, Transfer, contiguous_runs
+from kvtier.transfer.copy import Ledger, Transfer
 from kvtier.transfer.handles import POLL_MAX_S, TransferHandle
+from kvtier.transfer.planner import CopyKey, CopyPlanner, copy_key
 from kvtier.transfer.threads import ThreadExecutor
 
 _ROUTES: dict[tuple[str, str], str] = {
@@ -59,12 +72,38 @@ _ROUTES: dict[tuple[str, str], str] = {
 """(source medium, destination medium) -> copy stream, or the thread executor."""
 
 
+def _slices_on_stream(
+    src: torch.Tensor, dst: torch.Tensor, src_slots: Sequence[int], dst_slots: Sequence[int]
+) -> None:
+    """One `copy_(non_blocking=True)` per run, enqueued on the current stream."""
+    for s, d, n in contiguous_runs(src_slots, dst_slots):
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+
+
+_STREAM_STRATEGIES = (
+    CopyStrategy("slices", _slices_on_stream, applies_anywhere),
+    CopyStrategy("kernel", copy_blocks_kernel, kernel_applies),
+)
+"""What the planner chooses from for whole blocks; both only enqueue on the current stream."""
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """A copy the planner measures: its key and strategy, and an event recorded before it."""
+
+    key: CopyKey
+    strategy: str
+    blocks: int
+    start: torch.cuda.Event
+
+
 @dataclass(frozen=True)
 class _InFlight:
     handle: TransferHandle
     done: torch.cuda.Event
     error: Exception | None  # raised while enqueueing; reported once `done` has completed
     started: float  # monotonic time of the submit, for the ledger's bandwidth
+    sample: _Sample | None  # timed from `sample.start` to `done`, when the planner measures
 
 
 def _medium(tier: Tier) -> str:
@@ -102,6 +141,7 @@ class CudaExecutor:
         }
         self._engine_stream = engine_stream
         self.ledger = ledger if ledger is not None else Ledger()
+        self.planner = CopyPlanner(_STREAM_STRATEGIES)  # its `choices`: slices or kernel, per key
         self._threads = ThreadExecutor(ledger=self.ledger)
         # `_submit_lock` orders enqueueing (and guards `_closed`); `_lock` guards the queues of
         # events and `_completed`, and is never held while copies are enqueued, so
@@ -164,20 +204,41 @@ class CudaExecutor:
             if mark is not None:  # the engine's writes and reads, seen from another thread
                 stream.wait_event(mark)
             error: Exception | None = None
+            sample: _Sample | None = None
             with torch.cuda.stream(stream):
-                first, stop = transfer.layers or (0, src.layout.num_layers)
                 try:
-                    for s, d, n in contiguous_runs(transfer.src_slots, transfer.dst_slots):
-                        dst.buffer[d : d + n, first:stop].copy_(
-                            src.buffer[s : s + n, first:stop], non_blocking=True
-                        )
+                    sample = self._enqueue(transfer, src.buffer, dst.buffer, stream)
                 except Exception as exc:
                     error = exc
-                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                timed = sample is not None
+                done = torch.cuda.Event(enable_timing=timed)  # type: ignore[no-untyped-call]
                 done.record(stream)
             with self._lock:
-                self._in_flight[route].append(_InFlight(handle, done, error, started))
+                self._in_flight[route].append(_InFlight(handle, done, error, started, sample))
         return handle
+
+    def _enqueue(
+        self, transfer: Transfer, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream
+    ) -> _Sample | None:
+        """Enqueue the copies of `transfer` on `stream`, the current one: a layer range as
+        slice copies per run, whole blocks by the planner's pick; returns the sample to record
+        when the planner measures this copy."""
+        runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
+        if transfer.layers is not None:
+            first, stop = transfer.layers
+            for s, d, n in runs:
+                dst[d : d + n, first:stop].copy_(src[s : s + n, first:stop], non_blocking=True)
+            return None
+        blocks = len(transfer.src_slots)
+        key = copy_key(src, dst, len(runs), blocks)
+        pick = self.planner.pick(key)
+        sample = None
+        if pick.measure:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record(stream)
+            sample = _Sample(key, pick.strategy.name, blocks, start)
+        pick.strategy.copy(src, dst, transfer.src_slots, transfer.dst_slots)
+        return sample
 
     def run(self, transfer: Transfer) -> list[bool]:
         """Submit and wait: for copies a caller needs done now (the store's room-making), which
@@ -222,6 +283,10 @@ class CudaExecutor:
                     if item.error is None:
                         item.handle._settle([True] * len(transfer.src_slots), None)
                         self.ledger.record(transfer.path, transfer.nbytes, item.started)
+                        if item.sample is not None:
+                            sample = item.sample
+                            seconds = sample.start.elapsed_time(item.done) / 1e3
+                            self.planner.record(sample.key, sample.strategy, seconds, sample.blocks)
                     else:
                         item.handle._settle(None, item.error)
                     self._completed.append(item.handle)

@@ -1,0 +1,181 @@
+"""Which block-copy strategy to use, chosen by measuring the first real copies.
+
+    copy k of a key ──► pick(key) ──► while measuring: the candidate picked least so far
+                                      (slices, gather, kernel, slices, gather, ...), timed
+                                 └──► then: the fastest, for good
+    record(key, strategy, seconds, blocks) ── once every candidate has `samples` samples, the
+                                              lowest median seconds per block is chosen
+
+A key is what the cost of a copy depends on: the two memories (`block_copy.medium`: a CUDA
+device, pinned or pageable host memory), the block size, and the numbers of runs and of blocks,
+each rounded up to a power of two (runs of slots consecutive on both sides: one slice copy each).
+The candidates of a key are the strategies of `kernels/block_copy.py` that apply to its memories:
+the torch ones everywhere, the CUDA kernel where CuPy and a pinned or device side allow it. A key
+with one candidate needs no measurement.
+
+`CopyPlanner` keeps the samples and the choices, behind a lock, so that one thread can pick
+while another records (`CudaExecutor` records when a copy's events have completed).
+`BlockCopier` is the synchronous user (`InlineExecutor`): it times each measured copy with its
+clock (`time.perf_counter`), waiting for the CUDA devices involved before and after, so that a
+sample is the whole copy and nothing queued before it; copies it does not measure never wait
+beyond what the strategy itself does. Tests drive both with fake strategies and clocks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.kernels.block_copy import STRATEGIES, CopyStrategy, contiguous_runs, medium
+
+SAMPLES = 3
+"""Timed copies per candidate before a key's choice; the median discounts one outlier (a first
+touch of fresh pages, a compile)."""
+
+
+def bucket(n: int) -> int:
+    """`n` rounded up to a power of two (1, 2, 4, 8, ...)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class CopyKey:
+    """What a copy's cost depends on; `runs` and `blocks` are `bucket`s, as upper bounds."""
+
+    src: str  # block_copy.medium of the source buffer
+    dst: str
+    block_bytes: int
+    runs: int
+    blocks: int
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst} {self.block_bytes}B runs<={self.runs} blocks<={self.blocks}"
+
+
+def copy_key(src: torch.Tensor, dst: torch.Tensor, runs: int, blocks: int) -> CopyKey:
+    """The key of copying `blocks` whole blocks in `runs` runs from pool buffer `src` to `dst`."""
+    block_bytes = src[0].numel() * src.element_size()
+    return CopyKey(medium(src), medium(dst), block_bytes, bucket(runs), bucket(blocks))
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The strategy for one copy, and whether the planner wants its time (`record`)."""
+
+    strategy: CopyStrategy
+    measure: bool
+
+
+@dataclass
+class _Trial:
+    """One key's measurement: its candidates, picks handed out, and samples per candidate."""
+
+    candidates: tuple[CopyStrategy, ...]
+    picked: dict[str, int] = field(default_factory=dict)
+    samples: dict[str, list[float]] = field(default_factory=dict)  # seconds per block
+
+
+class CopyPlanner:
+    """Per `CopyKey`, the fastest of the applicable strategies, measured on the first copies."""
+
+    def __init__(
+        self, strategies: Sequence[CopyStrategy] = STRATEGIES, samples: int = SAMPLES
+    ) -> None:
+        assert samples >= 1, f"samples {samples}"
+        self._strategies = tuple(strategies)
+        self._samples = samples
+        self._lock = threading.Lock()
+        self._trials: dict[CopyKey, _Trial] = {}
+        self._chosen: dict[CopyKey, CopyStrategy] = {}
+
+    def pick(self, key: CopyKey) -> Pick:
+        """The strategy for the next copy of `key`: the chosen one once measured; until then
+        the candidate picked least often so far (ties: in table order), to be timed."""
+        with self._lock:
+            chosen = self._chosen.get(key)
+            if chosen is not None:
+                return Pick(chosen, measure=False)
+            trial = self._trials.get(key)
+            if trial is None:
+                candidates = tuple(s for s in self._strategies if s.applies(key.src, key.dst))
+                assert candidates, f"no copy strategy applies to {key}"
+                if len(candidates) == 1:
+                    self._chosen[key] = candidates[0]
+                    return Pick(candidates[0], measure=False)
+                trial = self._trials[key] = _Trial(candidates)
+            strategy = min(trial.candidates, key=lambda s: trial.picked.get(s.name, 0))
+            trial.picked[strategy.name] = trial.picked.get(strategy.name, 0) + 1
+            return Pick(strategy, measure=True)
+
+    def record(self, key: CopyKey, strategy: str, seconds: float, blocks: int) -> None:
+        """A measured copy of `key`: `strategy` moved `blocks` blocks in `seconds`. Once every
+        candidate has its samples, the lowest median per block is chosen (ties: table order) and
+        the samples are dropped; a sample that arrives after the choice is ignored."""
+        with self._lock:
+            trial = self._trials.get(key)
+            if trial is None:  # chosen already: a copy picked while the last samples came in
+                return
+            trial.samples.setdefault(strategy, []).append(seconds / blocks)
+            medians: dict[str, float] = {}
+            for candidate in trial.candidates:
+                samples = trial.samples.get(candidate.name, [])
+                if len(samples) < self._samples:
+                    return
+                medians[candidate.name] = statistics.median(samples)
+            self._chosen[key] = min(trial.candidates, key=lambda s: medians[s.name])
+            del self._trials[key]
+
+    @property
+    def choices(self) -> dict[CopyKey, str]:
+        """The name of the strategy chosen per key so far (a snapshot); a key being measured,
+        or not yet copied, is absent."""
+        with self._lock:
+            return {key: strategy.name for key, strategy in self._chosen.items()}
+
+
+class BlockCopier:
+    """Copies whole blocks between pool buffers with its planner's pick, timing the copies the
+    planner measures. One per thread: it is not locked (its planner is)."""
+
+    def __init__(
+        self,
+        planner: CopyPlanner | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.planner = planner if planner is not None else CopyPlanner()
+        self._clock = clock
+
+    def copy(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        src_slots: Sequence[int],
+        dst_slots: Sequence[int],
+    ) -> str:
+        """Copy block `src_slots[i]` of `src` into slot `dst_slots[i]` of `dst` for every i,
+        complete as `Tensor.copy_` leaves a copy (block_copy's module doc); returns the name of
+        the strategy used. Nothing else of `dst` is written. At least one block."""
+        assert src_slots, "a copy of no blocks"
+        runs = len(contiguous_runs(src_slots, dst_slots))
+        key = copy_key(src, dst, runs, len(src_slots))
+        pick = self.planner.pick(key)
+        if not pick.measure:
+            pick.strategy.copy(src, dst, src_slots, dst_slots)
+            return pick.strategy.name
+        _wait_for_devices(src, dst)
+        started = self._clock()
+        pick.strategy.copy(src, dst, src_slots, dst_slots)
+        _wait_for_devices(src, dst)
+        self.planner.record(key, pick.strategy.name, self._clock() - started, len(src_slots))
+        return pick.strategy.name
+
+
+def _wait_for_devices(*buffers: torch.Tensor) -> None:
+    """Wait until every CUDA device among `buffers` has run all it was given."""
+    for device in {b.device for b in buffers if b.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
