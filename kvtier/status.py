@@ -68,6 +68,10 @@ def store_status(store: KVStore) -> dict[str, Any]:
         "mover": {
             **store.mover.status(),
             "backpressure_drops": store.demoter.backpressure_drops,
+            # how the store's in-call memory copies move, per kind of copy (transfer/planner.py)
+            "copy_choices": {
+                str(key): name for key, name in store.executor.copier.planner.choices.items()
+            },
         },
         "recovery": dict(store.recovery),
         "ops": dict(store.ops),
