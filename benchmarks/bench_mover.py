@@ -3,7 +3,8 @@
 (a) 1 GiB of 2 MiB blocks (Llama-3.1-8B geometry) moved host -> "gpu" and back through the
     transfer executors (`InlineExecutor` and `ThreadExecutor`, one transfer of all blocks, and
     64-block transfers), with contiguous and with scattered slots, against one raw `copy_` of
-    the same bytes between two plain buffers, in the same run. Medians of `--repeat` runs.
+    the same bytes between two plain buffers, in the same run. Medians of `--repeat` runs, after
+    `WARMUP` untimed ones (in which the copy planners measure and choose).
 (b) A mixed load on a `KVStore` with a disk tier: one producer thread storing new 2000-token
     prompts that share 1000-token prefixes while `--consumers` threads prefetch (without
     waiting, then `lease.wait()`) and release prompts already stored, for `--seconds`, once
@@ -36,7 +37,14 @@ LAYOUT = KVLayout("Llama-3.1-8B", 32, 8, 128, "bfloat16", 16)
 MIB = 1 << 20
 
 
+WARMUP = 3
+"""Untimed runs first: the executors' copy planners time their candidate strategies on the first
+copies of each kind (3 samples each) before they settle on the fastest."""
+
+
 def median_gbps(nbytes: int, run: Callable[[], None], repeat: int) -> float:
+    for _ in range(WARMUP):
+        run()
     seconds = []
     for _ in range(repeat):
         start = time.perf_counter()
