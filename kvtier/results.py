@@ -44,6 +44,20 @@ class StoreResult(NamedTuple):
     pending_tokens: int = 0
 
 
+class Reservation(NamedTuple):
+    """Slots reserved for the new blocks of a sequence (`KVStore.reserve`): block i of the
+    `num_tokens` new tokens (after the `cached_tokens` already cached) goes into slot `slots[i]`
+    of tier `tier`'s pool. `reservation_id` 0 with no slots: nothing could be reserved."""
+
+    reservation_id: int
+    tenant: str
+    cached_tokens: int
+    num_tokens: int
+    tier: str
+    slots: tuple[int, ...]
+    expires_at: float
+
+
 class LoadResult(NamedTuple):
     """The KV of the cached prefix: `kv` is `[num_layers, 2, num_tokens, num_kv_heads, head_dim]`
     (a new tensor; K at index 0, V at index 1)."""

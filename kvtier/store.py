@@ -52,7 +52,14 @@ from kvtier.index.node import Node
 from kvtier.kvdata import check_device, check_kv, from_blocks, to_blocks
 from kvtier.policy import write_policy
 from kvtier.recovery import recover
-from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, StoreResult
+from kvtier.results import (
+    Lease,
+    LeaseState,
+    LoadResult,
+    LookupResult,
+    Reservation,
+    StoreResult,
+)
 from kvtier.status import store_status
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import DISK, GPU, HOST, Tier
@@ -68,6 +75,9 @@ from kvtier.transfer.persist import persist
 from kvtier.transfer.reads import DiskReader
 from kvtier.transfer.threads import ThreadExecutor
 
+_Reserved = tuple["Reservation", BlockId, bytes, LeaseId, dict[int, list[int]]]
+"""A live reservation: itself, its namespace and key, its pin, and its slots per tier."""
+
 PREFETCH_ATTEMPTS = 4
 """A waiting prefetch that meets a corrupt disk copy drops it and tries again, this often."""
 
@@ -80,11 +90,14 @@ class KVStore:
         secret: bytes = b"",
         clock: Callable[[], float] = time.monotonic,
         executor: Executor | None = None,
+        shared_memory: str | None = None,
     ) -> None:
         """Build the pools and the index of `config` (the embedded default when None).
         `secret` keys the tenant salts (the sidecar persists one); `clock` drives leases.
         `executor` runs the background copies instead of the one the config implies (e.g. a
-        throttled `ThreadExecutor`); the store closes it. Needs `mover.background: true`."""
+        throttled `ThreadExecutor`); the store closes it. Needs `mover.background: true`.
+        `shared_memory`: a name prefix; the host pool and a CPU gpu pool then live in POSIX
+        shared memory (/dev/shm/<prefix>-<random>-<tier>, mode 0600), which clients map."""
         self.config = config if config is not None else KVTierConfig()
         self.layout = self.config.layout
         self.block_tokens = self.layout.block_tokens
@@ -93,11 +106,18 @@ class KVStore:
         self._closed = False
         gpu_cfg, host_cfg = self.config.tiers.gpu, self.config.tiers.host
         device = resolve_device(gpu_cfg.device)
+        prefix = None if shared_memory is None else f"{shared_memory}-{secrets.token_hex(4)}"
         self.gpu_pool: SlotPool = GpuPool.create(
-            self.layout, gpu_cfg.capacity.resolve(free_device_bytes(device)), gpu_cfg.device
+            self.layout,
+            gpu_cfg.capacity.resolve(free_device_bytes(device)),
+            gpu_cfg.device,
+            None if prefix is None else f"{prefix}-gpu",
         )
         self.host_pool: SlotPool = HostPool.create(
-            self.layout, host_cfg.capacity.resolve(available_host_bytes()), host_cfg.pinned
+            self.layout,
+            host_cfg.capacity.resolve(available_host_bytes()),
+            host_cfg.pinned,
+            None if prefix is None else f"{prefix}-host",
         )
         self.memory: list[SlotPool] = [self.gpu_pool, self.host_pool]
         self.pools: list[Tier] = [self.gpu_pool, self.host_pool]
@@ -167,6 +187,8 @@ class KVStore:
         )
         self.reader = DiskReader(self.index, self.pools, self.executor, self.ops)
         self.recovery = recover(self) if self.disk is not None else {}
+        self._reservations: dict[int, _Reserved] = {}
+        self._reservation_ids = 0
         self.mover = Mover(
             index=self.index,
             pools=self.pools,
@@ -277,6 +299,83 @@ class KVStore:
             self.ops["stored_tokens"] += new_blocks * bt
             self._enforce_watermarks()
             return StoreResult((match.num_blocks + new_blocks) * bt, new_blocks * bt, 0)
+
+    def reserve(
+        self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
+    ) -> Reservation:
+        """Slots for the new full blocks of `tokens`, for a zero-copy writer: write block i's
+        KV (`[num_layers, 2, block_tokens, kv_heads, head_dim]`) into slot `slots[i]` of tier
+        `tier`'s pool buffer, then `commit` (or `abort`). Placement is `store`'s; nothing is
+        visible before the commit. A reservation that cannot be placed (no room, or new blocks
+        below a disk-only prefix, which need `store`) reserves nothing (`num_tokens` 0).
+        Unclaimed reservations expire like leases."""
+        key = encode_tokens(tokens)
+        ttl = self._ttl(ttl_s)
+        with self._lock:
+            namespace = self._namespace(tenant)
+            self._expire()
+            bt = self.block_tokens
+            match = self.index.match(namespace, key)
+            new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
+            pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
+            slots = self._place(match, new_blocks) if new_blocks > 0 else None
+            if slots is None:
+                self.index.leases.release(pin.lease_id)
+                return Reservation(0, tenant, match.num_blocks * bt, 0, "gpu", (), 0.0)
+            self._reservation_ids += 1
+            rid = self._reservation_ids
+            tier = min(slots)
+            reservation = Reservation(
+                rid,
+                tenant,
+                match.num_blocks * bt,
+                new_blocks * bt,
+                self.tier_names[tier],
+                tuple(slots[tier]),
+                self._clock() + ttl,
+            )
+            self._reservations[rid] = (reservation, namespace, key, pin.lease_id, slots)
+            return reservation
+
+    def commit(self, reservation: Reservation | int) -> StoreResult:
+        """Make a reservation's blocks visible (after the caller wrote them): as `store` would
+        have. `LeaseError` if it is unknown, committed, aborted or expired."""
+        with self._lock:
+            self._ensure_open()
+            self._expire()
+            _, namespace, key, pin_id, slots = self._take_reservation(reservation)
+            self.index.leases.release(pin_id)
+            bt, kb = self.block_tokens, self.index.key_nbytes
+            tier = min(slots)
+            first_block = len(key) // kb - len(slots[tier])
+            for other, other_slots in slots.items():  # write_through: the host copy, now
+                if other != tier:
+                    self.executor.run(
+                        Transfer(
+                            self.pools[tier], tuple(slots[tier]), self.pools[other],
+                            tuple(other_slots),
+                        )
+                    )  # fmt: skip
+            match = self.index.match(namespace, key)
+            skip = max(0, match.num_blocks - first_block)  # stored meanwhile by someone else
+            for t, tier_slots in slots.items():
+                self.pools[t].free(tier_slots[:skip])
+            new = {t: tier_slots[skip:] for t, tier_slots in slots.items()}
+            count = len(new[tier])
+            if count:
+                self.index.insert(match, key, new)
+                self._mark_engine()
+            self.ops["stores"] += 1
+            self.ops["stored_tokens"] += count * bt
+            self._enforce_watermarks()
+            return StoreResult((match.num_blocks + count) * bt, count * bt, 0)
+
+    def abort(self, reservation: Reservation | int) -> None:
+        """Give a reservation's slots back unwritten. `LeaseError` if it is not live."""
+        with self._lock:
+            self._ensure_open()
+            self._expire()
+            self._drop_reservation(self._take_reservation(reservation))
 
     def load(
         self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
@@ -468,16 +567,19 @@ class KVStore:
             self.mover.check()
             for tier, pool in enumerate(self.pools):
                 pool.check()
-                in_index, reserved = self.index.resident(tier), self.mover.reserved(tier)
+                in_index = self.index.resident(tier)
+                reserved = self.mover.reserved(tier) + sum(
+                    len(entry[4].get(tier, ())) for entry in self._reservations.values()
+                )
                 if pool.num_used != in_index + reserved:
                     raise InvariantError(
                         f"{pool.name}: {pool.num_used} slots in use but {in_index} blocks "
-                        f"resident in the index and {reserved} held by flights "
+                        f"resident in the index and {reserved} held by flights and reservations "
                         f"({pool.used_bytes} bytes vs "
                         f"{(in_index + reserved) * self.layout.block_bytes})"
                     )
             leases = self.mover.leases
-            pins = self.mover.pin_ids()
+            pins = self.mover.pin_ids() | {entry[3] for entry in self._reservations.values()}
             indexed = {r.lease_id for r in self.index.leases}
             if set(leases) | pins != indexed:
                 raise InvariantError(
@@ -534,6 +636,37 @@ class KVStore:
 
     def _expire(self) -> None:
         self.ops["leases_expired"] += self.mover.expire()
+        if self._reservations:
+            now = self._clock()
+            for rid, entry in list(self._reservations.items()):
+                if entry[0].expires_at <= now:
+                    del self._reservations[rid]
+                    self._drop_reservation(entry)
+
+    def _ttl(self, ttl_s: float | None) -> float:
+        ttl = self.config.policy.lease_ttl_s if ttl_s is None else ttl_s
+        if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
+            raise InvalidArgumentError(
+                f"ttl_s: got {ttl_s!r}, expected a finite number of seconds > 0"
+            )
+        return float(ttl)
+
+    def _take_reservation(self, reservation: Reservation | int) -> _Reserved:
+        raw = reservation.reservation_id if isinstance(reservation, Reservation) else reservation
+        if type(raw) is not int:
+            raise InvalidArgumentError(
+                f"reservation: got {reservation!r}, expected a Reservation or its id (int)"
+            )
+        entry = self._reservations.pop(raw, None)
+        if entry is None:
+            raise LeaseError(f"reservation {raw}: unknown, committed, aborted or expired")
+        return entry
+
+    def _drop_reservation(self, entry: _Reserved) -> None:
+        _, _, _, pin_id, slots = entry
+        self.index.leases.release(pin_id)
+        for tier, tier_slots in slots.items():
+            self.pools[tier].free(tier_slots)
 
     def _place(self, match: Match, count: int) -> dict[int, list[int]] | None:
         """Slots for `count` new blocks after `match`: the fastest tier that closure allows and

@@ -625,3 +625,40 @@ def test_selective_copies_to_host_at_the_nth_hit(make_store: MakeStore) -> None:
     assert store.lookup(hot) == hit(host=8)
     assert torch.equal(store.load(hot).kv, hot_kv)
     store.check()
+
+
+def test_reserve_write_commit_is_store_without_the_copy_in(make_store: MakeStore) -> None:
+    store = make_store(gpu_blocks=8, host_blocks=16)
+    tokens, kv = seq(0, 10), kv_for(store, 10)  # 2 whole blocks and a partial one
+    store.store(tokens[:4], kv[:, :, :4])
+    reservation = store.reserve(tokens)
+    assert (reservation.cached_tokens, reservation.num_tokens, reservation.tier) == (4, 4, "gpu")
+    store.check()  # reserved slots are accounted for, and invisible
+    assert store.lookup(tokens) == hit(gpu=4)
+    pool = store.gpu_pool.buffer
+    pool[list(reservation.slots)] = (
+        kv[:, :, 4:8].reshape(2, 2, 1, 4, 2, 4).permute(2, 0, 1, 3, 4, 5)
+    )
+    assert store.commit(reservation) == StoreResult(8, 4, 0)
+    assert store.lookup(tokens) == hit(gpu=8)
+    assert torch.equal(store.load(tokens).kv, kv[:, :, :8])
+    assert tier(store, "host")["blocks"] == 2  # write_through copied the written block too
+    store.check()
+    with pytest.raises(LeaseError, match="reservation"):
+        store.commit(reservation)
+
+
+def test_an_aborted_or_expired_reservation_gives_its_slots_back(make_store: MakeStore) -> None:
+    now = [100.0]
+    store = make_store(gpu_blocks=8, host_blocks=16, clock=lambda: now[0])
+    first = store.reserve(seq(0, 8))
+    store.abort(first)
+    assert tier(store, "gpu")["free_slots"] == 8
+    second = store.reserve(seq(0, 8), ttl_s=5)
+    assert tier(store, "gpu")["free_slots"] == 6
+    now[0] += 5
+    store.check()  # expires here
+    assert tier(store, "gpu")["free_slots"] == 8 and store.lookup(seq(0, 8)) == hit()
+    with pytest.raises(LeaseError):
+        store.commit(second)
+    store.check()

@@ -47,6 +47,16 @@ class GpuPool(SlotPool):
     """The `gpu` tier: slots in CUDA memory, or in CPU memory on a machine without CUDA."""
 
     @classmethod
-    def create(cls, layout: KVLayout, capacity_bytes: int, device: str = "auto") -> GpuPool:
-        """A `gpu` pool of `capacity_bytes // layout.block_bytes` slots on the resolved device."""
-        return cls.with_capacity("gpu", layout, capacity_bytes, resolve_device(device))
+    def create(
+        cls,
+        layout: KVLayout,
+        capacity_bytes: int,
+        device: str = "auto",
+        shared_name: str | None = None,
+    ) -> GpuPool:
+        """A `gpu` pool of `capacity_bytes // layout.block_bytes` slots on the resolved device;
+        `shared_name` places a CPU pool in shared memory (ignored for a CUDA pool, which a
+        sidecar exports with a CUDA IPC handle instead)."""
+        resolved = resolve_device(device)
+        shared = shared_name if resolved.type == "cpu" else None
+        return cls.with_capacity("gpu", layout, capacity_bytes, resolved, False, shared)

@@ -6,9 +6,8 @@ Contract:
   streams), `False` never pins, `True` pins and is a `ConfigError` on a machine without CUDA.
   Anything else is a `ConfigError`. Nothing is allocated when the value is refused.
 - The buffer is always on the CPU; the pool's name is always `"host"`.
-- Seam: the memory comes from `_allocate_buffer` (see `SlotPool`). Placing the host pool in
-  POSIX shared memory, so that a sidecar's client can map it (DESIGN.md, engine contract), is a
-  subclass that overrides that one method; the slot bookkeeping does not change.
+- With `shared_name` the buffer lives in POSIX shared memory (`SlotPool`), so that a sidecar's
+  client maps it (DESIGN.md, engine contract); the slot bookkeeping does not change.
 """
 
 from __future__ import annotations
@@ -40,7 +39,16 @@ class HostPool(SlotPool):
     """The `host` tier: slots in (optionally pinned) CPU memory."""
 
     @classmethod
-    def create(cls, layout: KVLayout, capacity_bytes: int, pinned: str | bool = "auto") -> HostPool:
-        """A `host` pool of `capacity_bytes // layout.block_bytes` slots in CPU memory."""
+    def create(
+        cls,
+        layout: KVLayout,
+        capacity_bytes: int,
+        pinned: str | bool = "auto",
+        shared_name: str | None = None,
+    ) -> HostPool:
+        """A `host` pool of `capacity_bytes // layout.block_bytes` slots in CPU memory (in
+        POSIX shared memory under `shared_name`, when given)."""
         pin = resolve_pinned(pinned)
-        return cls.with_capacity("host", layout, capacity_bytes, torch.device("cpu"), pin)
+        return cls.with_capacity(
+            "host", layout, capacity_bytes, torch.device("cpu"), pin, shared_name
+        )

@@ -24,8 +24,11 @@ Subclasses choose the device and the memory behind the buffer (`_allocate_buffer
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -35,6 +38,33 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.slots import SlotAllocator
 
 _Pool = TypeVar("_Pool", bound="SlotPool")
+
+SHM_DIR = Path("/dev/shm")
+
+
+def create_shared(name: str, nbytes: int) -> mmap.mmap:
+    """A new shared mapping of `nbytes` at /dev/shm/`name` (mode 0600; it must not exist)."""
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def map_shared(name: str, layout: KVLayout, num_slots: int) -> torch.Tensor:
+    """Map another process's shared pool buffer (`SlotPool(shared_name=...)`) read/write, as
+    `layout.pool_shape(num_slots)`; `FileNotFoundError` if it is gone."""
+    nbytes = layout.block_bytes * num_slots
+    fd = os.open(SHM_DIR / name, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            raise ValueError(f"shared pool {name!r}: smaller than {nbytes} bytes")
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+    return flat.view(layout.dtype).view(layout.pool_shape(num_slots))
 
 
 class SlotPool:
@@ -47,7 +77,14 @@ class SlotPool:
         num_slots: int,
         device: torch.device,
         pin_memory: bool = False,
+        shared_name: str | None = None,
     ) -> None:
+        """`shared_name`: place a CPU buffer in POSIX shared memory under /dev/shm with this
+        name (created with mode 0600, unlinked at `close`), so that another process of the same
+        user can map it (`map_shared`): the sidecar's zero-copy data plane."""
+        if shared_name is not None and device.type != "cpu":
+            raise ConfigError(f"tiers.{name}.shared", shared_name, "a pool in CPU memory")
+        self.shared_name = shared_name
         if type(num_slots) is not int or num_slots < 1:
             raise ConfigError(f"tiers.{name}.num_slots", num_slots, "a positive integer")
         self.name = name
@@ -67,6 +104,7 @@ class SlotPool:
         capacity_bytes: int,
         device: torch.device,
         pin_memory: bool = False,
+        shared_name: str | None = None,
     ) -> _Pool:
         """A pool of `capacity_bytes // layout.block_bytes` slots; the remainder is not used."""
         num_slots = capacity_bytes // layout.block_bytes
@@ -76,7 +114,7 @@ class SlotPool:
                 capacity_bytes,
                 f"at least one block of {layout.block_bytes} bytes",
             )
-        return cls(name, layout, num_slots, device, pin_memory)
+        return cls(name, layout, num_slots, device, pin_memory, shared_name)
 
     def _allocate_buffer(self) -> torch.Tensor:
         """The pool's memory, `layout.pool_shape(num_slots)`, contiguous; override for other media.
@@ -87,8 +125,14 @@ class SlotPool:
         page-aligned and the disk tier can write it with O_DIRECT without a copy (torch's own
         CPU allocator aligns to 64 bytes only); CUDA and pinned memory are page-aligned already.
         """
+        nbytes = self.layout.block_bytes * self.num_slots
+        if self.shared_name is not None:
+            self._mapping = create_shared(self.shared_name, nbytes)
+            flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
+            if self.pin_memory:  # page-locked in place, for asynchronous copies to the GPU
+                torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]
+            return flat.view(self.layout.dtype).view(self.layout.pool_shape(self.num_slots))
         if self.device.type == "cpu" and not self.pin_memory:
-            nbytes = self.layout.block_bytes * self.num_slots
             self._mapping = mmap.mmap(-1, nbytes)
             flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
             return flat.view(self.layout.dtype).view(self.layout.pool_shape(self.num_slots))
@@ -204,8 +248,12 @@ class SlotPool:
             )
 
     def close(self) -> None:
-        """Drop the buffer; idempotent. Every other method then raises `ClosedError`."""
+        """Drop the buffer (and unlink its shared memory); idempotent. Every other method then
+        raises `ClosedError`. A process that mapped the shared memory keeps its mapping."""
         self._buffer = None
+        if self.shared_name is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SHM_DIR / self.shared_name)
 
     # -- helpers ----------------------------------------------------------------------------
 
