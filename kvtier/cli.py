@@ -1,12 +1,13 @@
 """The `kvtier` command line.
 
+    kvtier serve [--config FILE] [--host H] [--port P]   run the sidecar (service/server.py)
+    kvtier status [--url URL] [--key KEY] [--json]       a running sidecar's status, as a table
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
     kvtier validate FILE...                check config files; print each one's tier sizes
     kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems)
 
 A bad config stops the command with the message of its `ConfigError` (field, bad value, what
-was expected) and exit status 2; nothing is started. `kvtier serve` (the sidecar) comes with
-issue 6.
+was expected) and exit status 2; nothing is started.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvtier.config import KVTierConfig, format_size, load_config
 from kvtier.errors import KVTierError
@@ -27,6 +29,42 @@ def _config(path: str | None) -> KVTierConfig:
     return load_config(path) if path else KVTierConfig()
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvtier.service.server import serve
+
+    return serve(_config(args.config), args.host, args.port)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvtier.client import Client
+
+    with Client(args.url, api_key=args.key, shared_memory=False) as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    _print_status(status)
+    mover = status["mover"]
+    ready = mover["prefetch_to_ready_s"]
+    print(
+        f"ops: {status['ops']['lookups']} lookups (hit rate {status['hit_rate']:.1%}), "
+        f"{status['ops']['stores']} stores, {status['ops']['prefetches']} prefetches, "
+        f"{status['index']['leases']} leases live"
+    )
+    print(
+        f"mover: {mover['in_flight']} flights in flight, {mover['queued_transfers']} copies "
+        f"queued, {mover['failed_flights']} failed, {mover['backpressure_drops']} dropped "
+        f"(backpressure); prefetch to ready p50 {ready['p50'] * 1e3:.2f} ms, "
+        f"p99 {ready['p99'] * 1e3:.2f} ms"
+    )
+    for path, moved in status["paths"].items():
+        print(
+            f"  {path:<12}{format_size(moved['bytes']):>12} moved, "
+            f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s recently"
+        )
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with KVStore(_config(args.config)) as store:
         status = store.status()
@@ -34,6 +72,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
+    _print_status(status)
+    print(f"tenants: {status['index']['tenants']}; check passed")
+    return 0
+
+
+def _print_status(status: dict[str, Any]) -> None:
     layout = status["layout"]
     print(
         f"model {layout['model']}: {layout['dtype']}, {layout['block_tokens']} tokens "
@@ -47,8 +91,6 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"{name:<6}{tier['location']:<{width}}{format_size(tier['capacity_bytes']):>12}"
             f"{tier['slots']:>10}{format_size(tier['used_bytes']):>12}{tier['blocks']:>9}"
         )
-    print(f"tenants: {status['index']['tenants']}; check passed")
-    return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -79,6 +121,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
+    "serve": ("run the sidecar: REST status API, metrics, engine data plane", cmd_serve),
+    "status": ("print a running sidecar's status", cmd_status),
     "info": ("build the store from a config and print its status", cmd_info),
     "validate": ("check config files", cmd_validate),
     "check": ("check a disk tier directory offline (store stopped)", cmd_check),
@@ -90,7 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, _) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text)
-        if name == "info":
+        if name == "serve":
+            cmd.add_argument("--config", help="YAML config (default: the embedded default)")
+            cmd.add_argument("--host", help="bind address (default: service.host)")
+            cmd.add_argument("--port", type=int, help="port (default: service.port)")
+        elif name == "status":
+            cmd.add_argument("--url", default="http://127.0.0.1:8750", help="the sidecar")
+            cmd.add_argument("--key", help="API key (default: $KVTIER_API_KEY)")
+            cmd.add_argument("--json", action="store_true", help="print the status as JSON")
+        elif name == "info":
             cmd.add_argument("--config", help="YAML config (default: the embedded default)")
             cmd.add_argument("--json", action="store_true", help="print the status as JSON")
         elif name == "check":

@@ -265,15 +265,35 @@ class MoverConfig(_Section):
     lift_on_lookup: Annotated[bool, _one_of((True, False))] = False
 
 
+KeyRef = Annotated[
+    str,
+    _rule(
+        lambda v: isinstance(v, str) and (len(v) >= 16 or v.startswith("env:")),
+        "an API key of at least 16 characters, or 'env:NAME' to read it from $NAME",
+    ),
+]
+
+
 class ServiceConfig(_Section):
-    """Where the REST service listens."""
+    """The sidecar (`kvtier serve`): where it listens, where it keeps its state, its limits.
+    Auth is on when any tenant has an API key; without auth only a loopback address is served."""
 
     host: Name = "127.0.0.1"
     port: Annotated[int, _int_in(1, 65535)] = 8750
+    state_dir: Name = "./kvtier-state"  # the server secret that keys tenant salts (0600)
+    shared_memory: Annotated[bool, _one_of((True, False))] = True
+    max_tokens: Annotated[int, _int_in(1, 1 << 24)] = 1 << 20
+    max_body_bytes: Annotated[int, _int_in(1024)] = 1 << 30
+    prefetch_wait_s: Annotated[float, _number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
+    admin_key: KeyRef | None = None
 
 
 class TenantConfig(_Section):
-    """Per-tenant settings; none yet."""
+    """Per-tenant settings: the API keys that act as this tenant (literal, or 'env:NAME')."""
+
+    api_keys: Annotated[
+        tuple[KeyRef, ...], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)
+    ] = ()
 
 
 class KVTierConfig(_Section):

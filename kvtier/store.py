@@ -485,6 +485,49 @@ class KVStore:
             self.mover.release(lease_id)
             self._mark_engine()  # CUDA: a copy into these slots waits for the engine's reads
 
+    def lease(self, lease_id: int, *, tenant: str | None = None) -> Lease:
+        """The live lease `lease_id` (of `tenant`, when given); `LeaseError` otherwise, the
+        same for another tenant's lease as for none, so that ids reveal nothing."""
+        with self._lock:
+            self._ensure_open()
+            self._expire()
+            lease = self.mover.leases.get(LeaseId(lease_id)) if type(lease_id) is int else None
+            if lease is None or (tenant is not None and lease.tenant != tenant):
+                raise LeaseError(f"lease {lease_id!r}: unknown, released or expired")
+            return lease
+
+    def reservation(self, reservation_id: int, *, tenant: str | None = None) -> Reservation:
+        """The live reservation `reservation_id` (of `tenant`, when given), else `LeaseError`."""
+        with self._lock:
+            self._ensure_open()
+            self._expire()
+            entry = self._reservations.get(reservation_id)
+            if entry is None or (tenant is not None and entry[0].tenant != tenant):
+                raise LeaseError(f"reservation {reservation_id!r}: unknown, committed or expired")
+            return entry[0]
+
+    def clear(self, tenant: str | None = None) -> int:
+        """Drop every cached block (of `tenant`, when given) that no lease, pin or reservation
+        holds, in every tier; return how many blocks were dropped."""
+        with self._lock:
+            self._ensure_open()
+            self._expire()
+            self.mover.drain()
+            namespaces = (
+                list(self._namespaces.values()) if tenant is None else [self._namespace(tenant)]
+            )
+            dropped = 0
+            for namespace in namespaces:
+                root = self.index.root(namespace)
+                for child in list(root.children.values()) if root.children else []:
+                    if any(child.locked(t) for t in self._all_tiers) or _below_locked(child):
+                        continue
+                    before = self.index.num_blocks
+                    for tier, slot in self.index.drop_subtree(BlockRef(child, 0)):
+                        self.pools[tier].free([slot])
+                    dropped += before - self.index.num_blocks
+            return dropped
+
     def leased_slots(self) -> frozenset[int]:
         """The gpu slots that READY leases cover now: while one of them lives, each of these
         slots holds one fixed block (what kernels may read, `kernels/attention.py`)."""
@@ -776,3 +819,14 @@ class KVStore:
     def _slot(slot: int | None) -> int:
         assert slot is not None
         return slot
+
+
+def _below_locked(node: Node) -> bool:
+    """Whether anything below `node` is locked in some tier."""
+    stack = list(node.children.values()) if node.children else []
+    while stack:
+        child = stack.pop()
+        if child.locks is not None and any(child.locks):
+            return True
+        stack.extend(child.children.values() if child.children else ())
+    return False

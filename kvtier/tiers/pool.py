@@ -52,10 +52,14 @@ def create_shared(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def map_shared(name: str, layout: KVLayout, num_slots: int) -> torch.Tensor:
-    """Map another process's shared pool buffer (`SlotPool(shared_name=...)`) read/write, as
-    `layout.pool_shape(num_slots)`; `FileNotFoundError` if it is gone."""
-    nbytes = layout.block_bytes * num_slots
+def map_shared(name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """Map another process's shared pool buffer (`SlotPool(shared_name=...)`) read/write as a
+    tensor of `shape` (`[num_slots, *block_shape]`) and `dtype`; `FileNotFoundError` if it is
+    gone, `ValueError` if it is smaller than that."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     fd = os.open(SHM_DIR / name, os.O_RDWR)
     try:
         if os.fstat(fd).st_size < nbytes:
@@ -64,7 +68,7 @@ def map_shared(name: str, layout: KVLayout, num_slots: int) -> torch.Tensor:
     finally:
         os.close(fd)
     flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-    return flat.view(layout.dtype).view(layout.pool_shape(num_slots))
+    return flat.view(dtype).view(tuple(shape))
 
 
 class SlotPool:

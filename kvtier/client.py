@@ -1,0 +1,417 @@
+"""Clients of the sidecar (`kvtier serve`): `Client` (threads) and `AsyncClient` (asyncio).
+
+Same method names, arguments and result types as the embedded `KVStore`, so an engine moves
+between embedded and sidecar by configuration alone:
+
+    with Client("http://127.0.0.1:8750", api_key=...) as kv:     # or KVStore(config)
+        hit = kv.lookup(tokens)
+        lease = kv.prefetch(tokens)            # READY when it returns (waited on the server)
+        kv.release(lease)
+        kv.store(tokens, kv_tensor)
+        out = kv.load(tokens).kv
+
+On the same host (`shared_memory=True`, the default) the client maps the server's memory
+pools from /dev/shm: `store` reserves slots, writes the blocks straight into the mapped pool
+and commits; `load` leases the prefix, copies the pages out of the mapped gpu pool and releases
+it. No KV byte crosses the socket. Where the pools cannot be mapped (another host, a CUDA pool)
+or a call cannot go that way (new blocks below a disk-only prefix, a prefix larger than the gpu
+tier), the KV travels in the body instead. `pool_buffer(tier)` is the mapped buffer, for an
+engine that reads leased pages itself.
+
+Errors come back as the same `kvtier.errors` types the store raises (their message is the
+server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import torch
+
+from kvtier.errors import (
+    CapacityError,
+    ClosedError,
+    InvalidArgumentError,
+    InvalidKVError,
+    InvalidTokensError,
+    KVTierError,
+    LeaseError,
+    UnknownTenantError,
+)
+from kvtier.kvdata import from_blocks, to_blocks
+from kvtier.layout import DTYPES
+from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
+from kvtier.service import wire
+from kvtier.tiers.pool import map_shared
+from kvtier.tokens import Tokens
+
+_RAISES: dict[str, type[KVTierError]] = {
+    "invalid_tokens": InvalidTokensError,
+    "invalid_argument": InvalidArgumentError,
+    "invalid_kv": InvalidKVError,
+    "unknown_lease": LeaseError,
+    "unknown_tenant": UnknownTenantError,
+    "capacity": CapacityError,
+    "closed": ClosedError,
+}
+
+
+class ServiceError(KVTierError):
+    """A refusal of the service itself: `status` (401, 403, 413, 503, ...) and `kind`."""
+
+    def __init__(self, status: int, kind: str, detail: str) -> None:
+        super().__init__(f"{status} {kind}: {detail}")
+        self.status, self.kind, self.detail = status, kind, detail
+
+
+def _raise(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body = wire.decode(response.content, response.headers.get("content-type"))
+        kind, detail = str(body.get("error")), str(body.get("detail"))
+    except wire.WireError:
+        kind, detail = "http", response.text[:200]
+    cls = _RAISES.get(kind)
+    if cls is not None and response.status_code not in (401, 403, 413, 503):
+        raise cls(detail)
+    raise ServiceError(response.status_code, kind, detail)
+
+
+def _lease(body: dict[str, Any], canceller: Callable[[Lease], None] | None) -> Lease:
+    state = LeaseState(body["state"])
+    lease = Lease(
+        body["lease_id"],
+        body["tenant"],
+        body["num_tokens"],
+        tuple(body["block_table"]),
+        body["expires_at"],
+        pending=state is LeaseState.PENDING,
+        canceller=canceller,
+    )
+    if state not in (LeaseState.PENDING, LeaseState.READY):
+        lease._resolve(state, body.get("reason", ""))
+    return lease
+
+
+class _Calls:
+    """Request bodies and result parsing, shared by both clients (transport aside)."""
+
+    def __init__(self, api_key: str | None, tenant: str | None) -> None:
+        key = api_key if api_key is not None else os.environ.get("KVTIER_API_KEY")
+        self.headers = {"content-type": wire.MSGPACK, "accept": wire.MSGPACK}
+        if key:
+            self.headers["authorization"] = f"Bearer {key}"
+        if tenant:
+            self.headers["x-kvtier-tenant"] = tenant
+        self.pools: dict[str, torch.Tensor] = {}
+        self.block_tokens = 0
+
+    def headers_for(self, tenant: str) -> dict[str, str]:
+        if tenant == "default" or "authorization" in self.headers:
+            return self.headers
+        return {**self.headers, "x-kvtier-tenant": tenant}
+
+    def map_pools(self, body: dict[str, Any]) -> None:
+        """Map every shared pool the server offers; those that fail stay unmapped."""
+        layout = body["layout"]
+        dtype = DTYPES[layout["dtype"]]
+        self.block_tokens = layout["block_tokens"]
+        for pool in body["pools"]:
+            name = pool.get("shared_memory")
+            if not name:
+                continue
+            try:
+                shape = [pool["num_slots"], *layout["block_shape"]]
+                self.pools[pool["tier"]] = map_shared(name, dtype, shape)
+            except (OSError, ValueError):
+                continue
+
+    def write_blocks(self, reservation: Reservation, kv: torch.Tensor) -> None:
+        bt = self.block_tokens
+        start = reservation.cached_tokens
+        blocks = to_blocks(kv[:, :, start : start + reservation.num_tokens].cpu(), bt)
+        self.pools[reservation.tier][list(reservation.slots)] = blocks
+
+    def read_blocks(self, lease: Lease) -> torch.Tensor:
+        return from_blocks(self.pools["gpu"][list(lease.block_table)].clone())
+
+
+class Client:
+    """A blocking client (one keep-alive connection pool, safe to share between threads)."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8750",
+        *,
+        api_key: str | None = None,
+        tenant: str | None = None,
+        shared_memory: bool = True,
+        timeout_s: float = 120.0,
+    ) -> None:
+        """`api_key` (default `$KVTIER_API_KEY`) selects the tenant when the server has auth;
+        without auth `tenant` (or each call's `tenant=`) does. `shared_memory`: map the
+        server's pools when they are on this host."""
+        self._calls = _Calls(api_key, tenant)
+        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        if shared_memory:
+            self._calls.map_pools(self._get("/v1/pools"))
+
+    # ---- transport ---------------------------------------------------------------------
+
+    def _post(self, path: str, body: dict[str, Any], tenant: str = "default") -> dict[str, Any]:
+        response = self._http.post(
+            path, content=wire.encode(body, True), headers=self._calls.headers_for(tenant)
+        )
+        _raise(response)
+        return wire.decode(response.content, response.headers.get("content-type"))
+
+    def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = self._http.get(path, params=params, headers=self._calls.headers)
+        _raise(response)
+        return wire.decode(response.content, response.headers.get("content-type"))
+
+    # ---- the engine contract ------------------------------------------------------------
+
+    def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
+        body = self._post("/v1/lookup", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        return LookupResult(**body)
+
+    def prefetch(
+        self,
+        tokens: Tokens,
+        *,
+        tenant: str = "default",
+        ttl_s: float | None = None,
+        wait: bool = True,
+    ) -> Lease:
+        """Lease the cached prefix on the server's gpu tier. With `wait`, return it READY
+        (waiting on the server, which bounds each wait); else as it is (`wait_for`)."""
+        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens), "wait_s": 0.0}
+        if ttl_s is not None:
+            request["ttl_s"] = ttl_s
+        if wait:
+            del request["wait_s"]
+        lease = _lease(self._post("/v1/prefetch", request, tenant), self.release)
+        return self.wait_for(lease) if wait and not lease.ready() else lease
+
+    def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
+        """Wait for a pending lease on the server; the lease as it is then (READY, or ended:
+        `LeaseError` names the state; still pending after `timeout_s`: returned pending)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            body = self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": wait_s})
+            fresh = _lease(body, self.release)
+            if fresh.state is not LeaseState.PENDING:
+                fresh.wait(0)  # raises LeaseError for an ended lease
+                return fresh
+            if deadline is not None and time.monotonic() >= deadline:
+                return fresh
+
+    def release(self, lease: Lease | int) -> None:
+        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
+        tenant = lease.tenant if isinstance(lease, Lease) else "default"
+        self._post("/v1/release", {"lease_id": lease_id}, tenant)
+
+    def store(self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default") -> StoreResult:
+        if self._calls.pools:
+            reservation = self.reserve(tokens, tenant=tenant)
+            if reservation.num_tokens and reservation.tier in self._calls.pools:
+                try:
+                    self._calls.write_blocks(reservation, kv)
+                except Exception:
+                    self.abort(reservation)
+                    raise
+                return self.commit(reservation)
+            if reservation.num_tokens:
+                self.abort(reservation)
+        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv)}
+        return StoreResult(**self._post("/v1/store", body, tenant))
+
+    def load(
+        self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
+    ) -> LoadResult:
+        if "gpu" in self._calls.pools:
+            try:
+                lease = self.prefetch(tokens, tenant=tenant)
+            except CapacityError:
+                pass  # larger than the gpu tier can lease: through the body
+            else:
+                try:
+                    kv = self._calls.read_blocks(lease)
+                finally:
+                    self.release(lease)
+                return LoadResult(lease.num_tokens, kv.to(device or "cpu"))
+        body = self._post("/v1/load", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        return LoadResult(body["num_tokens"], wire.kv_from_wire(body).to(device or "cpu"))
+
+    def reserve(
+        self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
+    ) -> Reservation:
+        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        if ttl_s is not None:
+            request["ttl_s"] = ttl_s
+        body = self._post("/v1/reserve", request, tenant)
+        return Reservation(**{**body, "slots": tuple(body["slots"])})
+
+    def commit(self, reservation: Reservation) -> StoreResult:
+        body = {"reservation_id": reservation.reservation_id}
+        return StoreResult(**self._post("/v1/commit", body, reservation.tenant))
+
+    def abort(self, reservation: Reservation) -> None:
+        self._post("/v1/abort", {"reservation_id": reservation.reservation_id}, reservation.tenant)
+
+    def status(self) -> dict[str, Any]:
+        return self._get("/v1/status")
+
+    def pool_buffer(self, tier: str) -> torch.Tensor | None:
+        """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None."""
+        return self._calls.pools.get(tier)
+
+    def close(self) -> None:
+        self._http.close()
+        self._calls.pools.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio twin of `Client`: the same methods, as coroutines."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8750",
+        *,
+        api_key: str | None = None,
+        tenant: str | None = None,
+        shared_memory: bool = True,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self._calls = _Calls(api_key, tenant)
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+        self._shared_memory = shared_memory
+        self._mapped = False
+
+    async def _post(
+        self, path: str, body: dict[str, Any], tenant: str = "default"
+    ) -> dict[str, Any]:
+        await self._map()
+        response = await self._http.post(
+            path, content=wire.encode(body, True), headers=self._calls.headers_for(tenant)
+        )
+        _raise(response)
+        return wire.decode(response.content, response.headers.get("content-type"))
+
+    async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = await self._http.get(path, params=params, headers=self._calls.headers)
+        _raise(response)
+        return wire.decode(response.content, response.headers.get("content-type"))
+
+    async def _map(self) -> None:
+        if self._shared_memory and not self._mapped:
+            self._mapped = True
+            self._calls.map_pools(await self._get("/v1/pools"))
+
+    async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
+        body = await self._post("/v1/lookup", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        return LookupResult(**body)
+
+    async def prefetch(
+        self,
+        tokens: Tokens,
+        *,
+        tenant: str = "default",
+        ttl_s: float | None = None,
+        wait: bool = True,
+    ) -> Lease:
+        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        if ttl_s is not None:
+            request["ttl_s"] = ttl_s
+        if not wait:
+            request["wait_s"] = 0.0
+        lease = _lease(await self._post("/v1/prefetch", request, tenant), None)
+        while wait and lease.state is LeaseState.PENDING:
+            lease = _lease(await self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": 30}), None)
+        if wait:
+            lease.wait(0)  # raises LeaseError for an ended lease
+        return lease
+
+    async def release(self, lease: Lease | int) -> None:
+        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
+        tenant = lease.tenant if isinstance(lease, Lease) else "default"
+        await self._post("/v1/release", {"lease_id": lease_id}, tenant)
+
+    async def store(
+        self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default"
+    ) -> StoreResult:
+        await self._map()
+        if self._calls.pools:
+            reservation = await self.reserve(tokens, tenant=tenant)
+            if reservation.num_tokens and reservation.tier in self._calls.pools:
+                try:
+                    self._calls.write_blocks(reservation, kv)
+                except Exception:
+                    await self.abort(reservation)
+                    raise
+                return await self.commit(reservation)
+            if reservation.num_tokens:
+                await self.abort(reservation)
+        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv)}
+        return StoreResult(**await self._post("/v1/store", body, tenant))
+
+    async def load(
+        self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
+    ) -> LoadResult:
+        await self._map()
+        if "gpu" in self._calls.pools:
+            try:
+                lease = await self.prefetch(tokens, tenant=tenant)
+            except CapacityError:
+                pass
+            else:
+                try:
+                    kv = self._calls.read_blocks(lease)
+                finally:
+                    await self.release(lease)
+                return LoadResult(lease.num_tokens, kv.to(device or "cpu"))
+        body = await self._post("/v1/load", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        return LoadResult(body["num_tokens"], wire.kv_from_wire(body).to(device or "cpu"))
+
+    async def reserve(
+        self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
+    ) -> Reservation:
+        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        if ttl_s is not None:
+            request["ttl_s"] = ttl_s
+        body = await self._post("/v1/reserve", request, tenant)
+        return Reservation(**{**body, "slots": tuple(body["slots"])})
+
+    async def commit(self, reservation: Reservation) -> StoreResult:
+        body = {"reservation_id": reservation.reservation_id}
+        return StoreResult(**await self._post("/v1/commit", body, reservation.tenant))
+
+    async def abort(self, reservation: Reservation) -> None:
+        body = {"reservation_id": reservation.reservation_id}
+        await self._post("/v1/abort", body, reservation.tenant)
+
+    async def status(self) -> dict[str, Any]:
+        return await self._get("/v1/status")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        self._calls.pools.clear()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,373 @@
+"""The sidecar's HTTP API: a FastAPI app over one `KVStore` (DESIGN "Engine contract").
+
+    create_app(config) -> FastAPI; the store is built on a thread at start-up, so that
+    /healthz answers during recovery and /readyz turns 200 when it is done
+
+Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`):
+
+    GET  /healthz /readyz                     alive / recovered and serving
+    GET  /v1/status /v1/config /metrics       live figures; config with keys redacted
+    GET  /v1/pools                            what a same-host client maps (shared memory)
+    POST /v1/lookup /v1/prefetch /v1/release /v1/store /v1/load /v1/reserve /v1/commit
+         /v1/abort                            the data plane, as the tenant of the caller's key
+    GET  /v1/leases/{id}?wait_s=              a lease's state, waiting up to wait_s for it
+    POST /v1/admin/clear /v1/admin/check      admin key only
+
+No logic lives here beyond translation: every figure comes from the store, every decision is
+the store's. Store calls run on worker threads (the store's lock may be held for a while by a
+big store or the mover), never on the event loop; waiting for a lease awaits it without a
+thread. A request larger than `service.max_body_bytes` is refused (413) before it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import KVTierError, LeaseError
+from kvtier.results import Lease, LeaseState
+from kvtier.service import schemas, wire
+from kvtier.service.auth import Auth
+from kvtier.service.metrics import Metrics
+from kvtier.store import KVStore
+
+StoreFactory = Callable[[], KVStore]
+
+
+class Service:
+    """The app's state: the store once ready, auth, metrics, limits."""
+
+    def __init__(self, config: KVTierConfig, factory: StoreFactory) -> None:
+        self.config = config
+        self.auth = Auth(config)
+        self.metrics = Metrics(self)
+        self.factory = factory
+        self.store: KVStore | None = None
+        self.failure = ""
+        self.ready = threading.Event()
+
+    def start(self) -> None:
+        """Build the store (recovery included) on this thread; `ready` when it is done."""
+        try:
+            self.store = self.factory()
+        except Exception as exc:  # reported by /readyz; the process keeps answering /healthz
+            self.failure = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.ready.set()
+
+    def stop(self) -> None:
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()  # drains the mover, leaves the disk tier consistent
+
+
+def create_app(config: KVTierConfig, factory: StoreFactory) -> FastAPI:
+    service = Service(config, factory)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starter = threading.Thread(target=_start_quietly, args=(service,), name="kvtier-start")
+        starter.start()
+        yield
+        await run_in_threadpool(starter.join)
+        await run_in_threadpool(service.stop)
+
+    app = FastAPI(
+        title="kvtier",
+        version="0.1.0",
+        summary="Tiered KV-cache store for LLM inference: the sidecar API",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    _add_routes(app, service)
+    return app
+
+
+def _start_quietly(service: Service) -> None:
+    with contextlib.suppress(Exception):
+        service.start()
+
+
+def _error(status: int, kind: str, detail: str, msgpack_body: bool = False) -> Response:
+    body = wire.encode({"error": kind, "detail": detail}, msgpack_body)
+    return Response(body, status, media_type=wire.MSGPACK if msgpack_body else wire.JSON)
+
+
+def _lease_body(lease: Lease) -> dict[str, Any]:
+    return {
+        "lease_id": lease.lease_id,
+        "tenant": lease.tenant,
+        "num_tokens": lease.num_tokens,
+        "block_table": list(lease.block_table),
+        "expires_at": lease.expires_at,
+        "state": lease.state.value,
+        "layers_ready": lease.layers_ready,
+        "reason": lease.reason,
+    }
+
+
+async def _await_lease(lease: Lease, wait_s: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError, LeaseError):
+        await asyncio.wait_for(lease._wait_async(), wait_s)
+
+
+def _add_routes(app: FastAPI, service: Service) -> None:
+    config = service.config.service
+
+    async def call(
+        request: Request, handler: Callable[[KVStore, str, dict[str, Any]], Any]
+    ) -> Response:
+        """Admit, decode, run `handler(store, tenant, body)` (sync, on a worker thread, unless
+        it is a coroutine function), encode; every refusal as `{error, detail}`."""
+        msgpack_body = wire.is_msgpack(request.headers.get("content-type"))
+        started = time.perf_counter()
+        try:
+            store, tenant = _admit(request, service)
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
+                raise wire.WireError(
+                    413, "body_too_large",
+                    f"body of {length} bytes, more than service.max_body_bytes="
+                    f"{config.max_body_bytes}",
+                )  # fmt: skip
+            body = await request.body()
+            if len(body) > config.max_body_bytes:
+                raise wire.WireError(413, "body_too_large", f"body of {len(body)} bytes")
+            data = wire.decode(body, request.headers.get("content-type")) if body else {}
+            if asyncio.iscoroutinefunction(handler):
+                result = await handler(store, tenant, data)
+            else:
+                result = await run_in_threadpool(handler, store, tenant, data)
+        except wire.WireError as exc:
+            return _error(exc.status, exc.kind, exc.detail, msgpack_body)
+        except KVTierError as exc:
+            return _error(*wire.classify(exc), str(exc), msgpack_body)
+        finally:
+            service.metrics.observe(request.url.path, time.perf_counter() - started)
+        return Response(
+            wire.encode(result, msgpack_body),
+            media_type=wire.MSGPACK if msgpack_body else wire.JSON,
+        )
+
+    # ---- liveness, readiness, status ------------------------------------------------------
+
+    @app.get("/healthz", responses=schemas.responses(schemas.OK))
+    async def healthz() -> dict[str, Any]:
+        """The process is alive (also while it recovers)."""
+        return {"ok": True}
+
+    @app.get("/readyz", responses=schemas.responses(schemas.OK, 503))
+    async def readyz() -> Response:
+        """200 once the store is built and its disk tier recovered; 503 before (or if it
+        failed to start)."""
+        if service.store is None:
+            detail = service.failure or "recovering"
+            return JSONResponse({"error": "not_ready", "detail": detail}, 503)
+        return JSONResponse({"ok": True})
+
+    @app.get("/v1/status", responses=schemas.responses(schemas.ANY_OBJECT, 503))
+    async def status(request: Request) -> Response:
+        """Tiers, paths, index, mover, leases, ops and hit rate, read from the live store."""
+        return await call(request, lambda store, tenant, data: store.status())
+
+    @app.get("/v1/config", responses=schemas.responses(schemas.ANY_OBJECT))
+    async def effective_config() -> dict[str, Any]:
+        """The effective configuration, with every API key redacted."""
+        return _redacted(service.config)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        """Prometheus text format (`kvtier_*`, `tier` and `path` labels)."""
+        body, content_type = service.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/pools", responses=schemas.responses(schemas.POOLS, 503))
+    async def pools(request: Request) -> Response:
+        """The memory pools a client on this host can map: shared-memory name, slots, layout."""
+        return await call(request, lambda store, tenant, data: _pools(store))
+
+    # ---- data plane -----------------------------------------------------------------------
+
+    def lookup(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, config.max_tokens)
+        return store.lookup(tokens, tenant=tenant)._asdict()
+
+    async def prefetch(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, config.max_tokens)
+        ttl = wire.number_field(data, "ttl_s", None)
+        wait_s = min(wire.number_field(data, "wait_s", config.prefetch_wait_s) or 0.0,
+                     config.prefetch_wait_s)  # fmt: skip
+        lease = await run_in_threadpool(
+            lambda: store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
+        )
+        if wait_s > 0:
+            await _await_lease(lease, wait_s)
+        return _lease_body(lease)
+
+    def release(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        lease = store.lease(wire.int_field(data, "lease_id"), tenant=tenant)
+        store.release(lease)
+        return {}
+
+    def store_kv(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, config.max_tokens)
+        return store.store(tokens, wire.kv_from_wire(data), tenant=tenant)._asdict()
+
+    def load(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, config.max_tokens)
+        result = store.load(tokens, tenant=tenant, device="cpu")
+        return {"num_tokens": result.num_tokens, **wire.kv_to_wire(result.kv)}
+
+    def reserve(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, config.max_tokens)
+        ttl = wire.number_field(data, "ttl_s", None)
+        reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl)
+        return {**reservation._asdict(), "slots": list(reservation.slots)}
+
+    def commit(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        rid = wire.int_field(data, "reservation_id")
+        store.reservation(rid, tenant=tenant)
+        return store.commit(rid)._asdict()
+
+    def abort(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        rid = wire.int_field(data, "reservation_id")
+        store.reservation(rid, tenant=tenant)
+        store.abort(rid)
+        return {}
+
+    routes: list[tuple[str, Callable[..., Any], dict[str, Any], dict[str, Any], str]] = [
+        ("/v1/lookup", lookup, schemas.TOKENS, schemas.LOOKUP, "Cached prefix, by tier"),
+        ("/v1/prefetch", prefetch, schemas.PREFETCH, schemas.LEASE, "Lease the prefix on gpu"),
+        ("/v1/release", release, schemas.LEASE_ID, schemas.EMPTY, "Release a lease"),
+        ("/v1/store", store_kv, schemas.STORE, schemas.STORED, "Store KV (payload in body)"),
+        ("/v1/load", load, schemas.TOKENS, schemas.LOADED, "Load KV (payload in body)"),
+        ("/v1/reserve", reserve, schemas.RESERVE, schemas.RESERVATION, "Reserve slots"),
+        ("/v1/commit", commit, schemas.RESERVATION_ID, schemas.STORED, "Commit a reservation"),
+        ("/v1/abort", abort, schemas.RESERVATION_ID, schemas.EMPTY, "Abort a reservation"),
+    ]
+    for path, handler, request_schema, response_schema, summary in routes:
+        _post(app, path, handler, call, request_schema, response_schema, summary)
+
+    @app.get("/v1/leases/{lease_id}", responses=schemas.responses(schemas.LEASE, 400, 404))
+    async def get_lease(request: Request, lease_id: int, wait_s: float = 0.0) -> Response:
+        """A lease's state; with `wait_s`, wait up to that long (bounded by
+        service.prefetch_wait_s) for it to become ready."""
+
+        async def handler(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+            lease = await run_in_threadpool(store.lease, lease_id, tenant=tenant)
+            if wait_s > 0 and lease.state is LeaseState.PENDING:
+                await _await_lease(lease, min(wait_s, config.prefetch_wait_s))
+            return _lease_body(lease)
+
+        return await call(request, handler)
+
+    # ---- admin ----------------------------------------------------------------------------
+
+    @app.post("/v1/admin/clear", responses=schemas.responses(schemas.CLEARED, 403, 503))
+    async def admin_clear(request: Request, tenant: str | None = None) -> Response:
+        """Drop every unleased block (of `tenant`, when given)."""
+        if not service.auth.is_admin(request.headers.get("authorization")):
+            return _error(403, "forbidden", "admin endpoints need the admin key")
+        return await _admin(request, service, lambda store: {"dropped_blocks": store.clear(tenant)})
+
+    @app.post("/v1/admin/check", responses=schemas.responses(schemas.CHECKED, 403, 503))
+    async def admin_check(request: Request) -> Response:
+        """Run every invariant check of the store now."""
+        if not service.auth.is_admin(request.headers.get("authorization")):
+            return _error(403, "forbidden", "admin endpoints need the admin key")
+        return await _admin(request, service, _checked)
+
+
+def _checked(store: KVStore) -> dict[str, Any]:
+    try:
+        store.check()
+    except KVTierError as exc:
+        return {"ok": False, "detail": str(exc)}
+    return {"ok": True, "detail": ""}
+
+
+async def _admin(
+    request: Request, service: Service, run: Callable[[KVStore], dict[str, Any]]
+) -> Response:
+    store = service.store
+    if store is None:
+        return _error(503, "not_ready", service.failure or "recovering")
+    try:
+        result = await run_in_threadpool(run, store)
+    except KVTierError as exc:
+        return _error(*wire.classify(exc), str(exc))
+    return JSONResponse(result)
+
+
+def _post(
+    app: FastAPI,
+    path: str,
+    handler: Callable[..., Any],
+    call: Callable[..., Any],
+    request_schema: dict[str, Any],
+    response_schema: dict[str, Any],
+    summary: str,
+) -> None:
+    async def endpoint(request: Request) -> Response:
+        return await call(request, handler)  # type: ignore[no-any-return]
+
+    endpoint.__name__ = path.strip("/").replace("/", "_")
+    app.post(
+        path,
+        summary=summary,
+        responses=schemas.responses(response_schema, 400, 401, 403, 404, 413, 422, 503, 507),
+        openapi_extra=schemas.request_body(request_schema),
+    )(endpoint)
+
+
+def _admit(request: Request, service: Service) -> tuple[KVStore, str]:
+    store = service.store
+    if store is None:
+        raise wire.WireError(503, "not_ready", service.failure or "recovering")
+    authorization = request.headers.get("authorization")
+    tenant = service.auth.tenant(authorization, request.headers.get("x-kvtier-tenant"))
+    if tenant is None:
+        if authorization is None:
+            raise wire.WireError(401, "unauthorized", "missing 'Authorization: Bearer <key>'")
+        raise wire.WireError(403, "forbidden", "unknown API key")
+    return store, tenant
+
+
+def _pools(store: KVStore) -> dict[str, Any]:
+    layout = store.layout
+    return {
+        "layout": {
+            "dtype": layout.dtype_name,
+            "block_shape": list(layout.block_shape),
+            "block_bytes": layout.block_bytes,
+            "block_tokens": layout.block_tokens,
+        },
+        "pools": [
+            {
+                "tier": pool.name,
+                "device": str(pool.device),
+                "num_slots": pool.num_slots,
+                "shared_memory": pool.shared_name,
+            }
+            for pool in store.memory
+        ],
+    }
+
+
+def _redacted(config: KVTierConfig) -> dict[str, Any]:
+    data = config.to_dict()
+    if data["service"].get("admin_key") is not None:
+        data["service"]["admin_key"] = "<redacted>"
+    for tenant in data["tenants"].values():
+        tenant["api_keys"] = ["<redacted>"] * len(tenant.get("api_keys", ()))
+    return data

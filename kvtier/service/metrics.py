@@ -1,0 +1,161 @@
+"""Prometheus metrics of the sidecar (`GET /metrics`), read from the live store at each scrape.
+
+Store figures are not tallied here: a collector turns one `store.status()` into metric
+families when Prometheus scrapes, so they can never drift from `/v1/status`. Only request
+latency is the service's own (a histogram per route). Names:
+
+    kvtier_ready                                         1 once the store serves
+    kvtier_tier_{capacity,used}_bytes{tier}              gauges
+    kvtier_tier_{blocks,leased_blocks,free_slots}{tier}  gauges
+    kvtier_tier_{hits,promotions,demotions,evictions}_total{tier}
+    kvtier_tier_bytes_{in,out}_total{tier}               counters
+    kvtier_path_bytes_total{path}                        bytes copied per path (gpu->host, ...)
+    kvtier_path_bandwidth_bytes_per_second{path}         over the last minute of copies
+    kvtier_index_{blocks,nodes,namespaces} kvtier_leases gauges
+    kvtier_ops_total{op}                                 lookups, stores, loads, prefetches, ...
+    kvtier_hit_rate                                      hit tokens / looked-up tokens
+    kvtier_mover_{in_flight,queued_transfers,pending_leases}     gauges
+    kvtier_mover_flights_total{kind}                     prefetch, demote, insert
+    kvtier_mover_{failed_flights,backpressure_drops}_total       counters
+    kvtier_prefetch_to_ready_seconds{quantile}           p50 / p99 of recent prefetches
+    kvtier_request_seconds{route}                        histogram of request latency
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvtier.service.app import Service
+
+ROUTES = (
+    "/v1/lookup", "/v1/prefetch", "/v1/release", "/v1/store", "/v1/load", "/v1/reserve",
+    "/v1/commit", "/v1/abort", "/v1/status", "/v1/pools",
+)  # fmt: skip
+"""Routes with their own latency series; others are counted under `other`."""
+
+BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class Metrics:
+    def __init__(self, service: Service) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Histogram(
+            "kvtier_request_seconds",
+            "Time to answer a request, by route",
+            ["route"],
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_StoreCollector(service))
+
+    def observe(self, path: str, seconds: float) -> None:
+        route = path if path in ROUTES else "other"
+        self.requests.labels(route=route).observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _StoreCollector(Collector):
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Any]:
+        store = self.service.store
+        ready = GaugeMetricFamily("kvtier_ready", "1 once the store serves")
+        ready.add_metric([], 0.0 if store is None else 1.0)
+        yield ready
+        if store is None:
+            return
+        try:
+            status = store.status()
+        except Exception:  # closing between the check and the call: nothing to report
+            return
+        yield from _tiers(status["tiers"])
+        yield from _paths(status["paths"])
+        for name in ("blocks", "nodes", "namespaces"):
+            yield _gauge(f"kvtier_index_{name}", f"Index {name}", status["index"][name])
+        yield _gauge("kvtier_leases", "Live leases", status["index"]["leases"])
+        ops = CounterMetricFamily("kvtier_ops", "Store operations and tokens", labels=["op"])
+        for op, count in status["ops"].items():
+            ops.add_metric([op], count)
+        yield ops
+        yield _gauge("kvtier_hit_rate", "Hit tokens over looked-up tokens", status["hit_rate"])
+        yield from _mover(status["mover"])
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation)
+    family.add_metric([], value)
+    return family
+
+
+def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    gauges = {
+        "capacity_bytes": "Tier capacity in bytes",
+        "used_bytes": "Bytes of blocks held in the tier",
+        "blocks": "Blocks with a copy in the tier",
+        "leased_blocks": "Blocks of the tier that leases or pins hold",
+        "free_slots": "Free slots of the tier",
+    }
+    counters = {
+        "hits": "Blocks found by lookups with their fastest copy here",
+        "promotions": "Blocks copied up into the tier",
+        "demotions": "Copies freed here after a copy below existed",
+        "evictions": "Blocks dropped from the cache from this tier",
+        "bytes_in": "Bytes copied into the tier",
+        "bytes_out": "Bytes copied out of the tier",
+    }
+    for field, doc in gauges.items():
+        family = GaugeMetricFamily(f"kvtier_tier_{field}", doc, labels=["tier"])
+        for tier, figures in tiers.items():
+            family.add_metric([tier], figures[field])
+        yield family
+    for field, doc in counters.items():
+        counter = CounterMetricFamily(f"kvtier_tier_{field}", doc, labels=["tier"])
+        for tier, figures in tiers.items():
+            counter.add_metric([tier], figures[field])
+        yield counter
+
+
+def _paths(paths: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    moved = CounterMetricFamily("kvtier_path_bytes", "Bytes copied per path", labels=["path"])
+    bandwidth = GaugeMetricFamily(
+        "kvtier_path_bandwidth_bytes_per_second",
+        "Copy bandwidth per path over the last minute of copies",
+        labels=["path"],
+    )
+    for path, figures in paths.items():
+        moved.add_metric([path], figures["bytes"])
+        bandwidth.add_metric([path], figures["recent_bytes_per_s"])
+    yield moved
+    yield bandwidth
+
+
+def _mover(mover: dict[str, Any]) -> Iterator[Any]:
+    for field in ("in_flight", "queued_transfers", "pending_leases"):
+        yield _gauge(f"kvtier_mover_{field}", f"Mover: {field.replace('_', ' ')}", mover[field])
+    flights = CounterMetricFamily(
+        "kvtier_mover_flights", "Flights planned by the mover, by kind", labels=["kind"]
+    )
+    for kind in ("prefetch", "demote", "insert"):
+        flights.add_metric([kind], mover[f"{kind}_flights"])
+    yield flights
+    for field in ("failed_flights", "backpressure_drops"):
+        counter = CounterMetricFamily(f"kvtier_mover_{field}", f"Mover: {field}")
+        counter.add_metric([], mover[field])
+        yield counter
+    ready = GaugeMetricFamily(
+        "kvtier_prefetch_to_ready_seconds",
+        "Time from prefetch to ready lease over recent prefetches",
+        labels=["quantile"],
+    )
+    ready.add_metric(["0.5"], mover["prefetch_to_ready_s"]["p50"])
+    ready.add_metric(["0.99"], mover["prefetch_to_ready_s"]["p99"])
+    yield ready

@@ -1,0 +1,109 @@
+"""JSON schemas of the sidecar's bodies, for its OpenAPI document (`/docs`, `/openapi.json`).
+
+The data-plane routes read raw bodies (msgpack or JSON, `wire.py`) rather than pydantic
+models, to keep a lookup well under a millisecond; these schemas describe the JSON form, so
+that the document is exact and a schema-driven tester (schemathesis, in the tests) can exercise
+every route. Binary msgpack fields (packed tokens, KV bytes) have no JSON form; in JSON, tokens
+are a list of ints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_STR = {"type": "string"}
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
+
+
+def _obj(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(required)}
+
+
+TOKENS = _obj({"tokens": _TOKENS}, ("tokens",))
+PREFETCH = _obj({"tokens": _TOKENS, "ttl_s": _NUM, "wait_s": _NUM}, ("tokens",))
+RESERVE = _obj({"tokens": _TOKENS, "ttl_s": _NUM}, ("tokens",))
+LEASE_ID = _obj({"lease_id": _INT}, ("lease_id",))
+RESERVATION_ID = _obj({"reservation_id": _INT}, ("reservation_id",))
+STORE = _obj(
+    {"tokens": _TOKENS, "kv": _STR, "dtype": _STR, "shape": {"type": "array", "items": _INT}},
+    ("tokens", "kv", "dtype", "shape"),
+)
+EMPTY = _obj({})
+OK = _obj({"ok": {"type": "boolean"}}, ("ok",))
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+LOOKUP = _obj(
+    {k: _INT for k in ("num_tokens", "gpu_tokens", "host_tokens", "disk_tokens")},
+    ("num_tokens", "gpu_tokens", "host_tokens", "disk_tokens"),
+)
+LEASE = _obj(
+    {
+        "lease_id": _INT,
+        "tenant": _STR,
+        "num_tokens": _INT,
+        "block_table": {"type": "array", "items": _INT},
+        "expires_at": _NUM,
+        "state": {"enum": ["pending", "ready", "released", "cancelled", "expired", "failed"]},
+        "layers_ready": _INT,
+        "reason": _STR,
+    },
+    ("lease_id", "num_tokens", "block_table", "state"),
+)
+STORED = _obj(
+    {k: _INT for k in ("cached_tokens", "stored_tokens", "dropped_tokens", "pending_tokens")},
+    ("cached_tokens", "stored_tokens", "dropped_tokens"),
+)
+LOADED = _obj(
+    {"num_tokens": _INT, "kv": {}, "dtype": _STR, "shape": {"type": "array", "items": _INT}},
+    ("num_tokens", "dtype", "shape"),
+)
+RESERVATION = _obj(
+    {
+        "reservation_id": _INT,
+        "tenant": _STR,
+        "cached_tokens": _INT,
+        "num_tokens": _INT,
+        "tier": _STR,
+        "slots": {"type": "array", "items": _INT},
+        "expires_at": _NUM,
+    },
+    ("reservation_id", "num_tokens", "tier", "slots"),
+)
+POOLS = _obj({"layout": ANY_OBJECT, "pools": {"type": "array", "items": ANY_OBJECT}})
+CLEARED = _obj({"dropped_blocks": _INT}, ("dropped_blocks",))
+CHECKED = _obj({"ok": {"type": "boolean"}, "detail": _STR}, ("ok",))
+ERROR = _obj({"error": _STR, "detail": _STR}, ("error", "detail"))
+
+_REASONS = {
+    400: "malformed body or argument",
+    401: "no API key",
+    403: "unknown API key, or not the admin key",
+    404: "unknown lease or reservation (or another tenant's)",
+    413: "too many tokens, or too large a body",
+    422: "KV of the wrong dtype or shape",
+    503: "not ready (recovering), or closing",
+    507: "the gpu tier cannot hold the prefix beside what is leased",
+}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def responses(ok: dict[str, Any], *errors: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=`: the 200 body, and `{error, detail}` for each error status."""
+    out: dict[int | str, dict[str, Any]] = {200: {"description": "OK", "content": _json(ok)}}
+    for status in errors:
+        out[status] = {"description": _REASONS[status], "content": _json(ERROR)}
+    return out
+
+
+def request_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI `openapi_extra=` for a route that reads its body itself."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {**_json(schema), "application/msgpack": {"schema": schema}},
+        }
+    }

@@ -1,0 +1,53 @@
+"""`kvtier serve`: the sidecar process.
+
+Start-up: the config is validated (before anything starts), a non-loopback address without auth
+is refused, the server secret is read or created, the port is bound, and the store is built on
+a thread (disk recovery included) while /healthz already answers; /readyz turns 200 when it is
+done. SIGTERM or SIGINT: uvicorn stops accepting connections and finishes the requests in
+progress, then the store closes: pending leases end, flights in flight are waited for (at most
+30 s) and published, the disk tier is left consistent (every copy in the index is durable),
+and the process exits 0. The next start recovers everything durable.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from kvtier.config import KVTierConfig
+from kvtier.service.app import create_app
+from kvtier.service.auth import Auth, require_loopback, server_secret
+from kvtier.store import KVStore
+
+log = logging.getLogger("kvtier.serve")
+
+
+def build_app(config: KVTierConfig, host: str) -> object:
+    """The app for `config` served on `host`; `ConfigError` before anything starts."""
+    require_loopback(host, Auth(config))
+    secret = server_secret(config.service.state_dir)
+    shared = "kvtier" if config.service.shared_memory else None
+
+    def factory() -> KVStore:
+        return KVStore(config, secret=secret, shared_memory=shared)
+
+    return create_app(config, factory)
+
+
+def serve(config: KVTierConfig, host: str | None = None, port: int | None = None) -> int:
+    host = config.service.host if host is None else host
+    port = config.service.port if port is None else port
+    app = build_app(config, host)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,  # type: ignore[arg-type]
+            host=host,
+            port=port,
+            log_level="info",
+            access_log=False,  # headers (keys) never reach a log; /metrics has the traffic
+            timeout_graceful_shutdown=30,
+        )
+    )
+    server.run()
+    return 0

@@ -1,0 +1,171 @@
+"""The sidecar's wire format: request and response bodies, shared by server and client.
+
+Bodies are msgpack (`application/msgpack`) or JSON (`application/json`, for control calls and
+curl); a response comes in the request's format. Token ids travel as packed little-endian
+unsigned 32-bit ints (msgpack `bin`; the same bytes as int32 for ids below 2**31) or, in JSON,
+as a list of ints. A KV payload is `{"kv": bytes, "dtype": "bfloat16", "shape": [...]}`, the
+tensor's raw bytes in C order (msgpack only; JSON has no bytes).
+
+    POST /v1/lookup    {tokens}                       -> {num_tokens, gpu_tokens, host_tokens,
+                                                          disk_tokens}
+    POST /v1/prefetch  {tokens, ttl_s?, wait_s?}      -> lease
+    POST /v1/release   {lease_id}                     -> {}
+    POST /v1/store     {tokens, kv, dtype, shape}     -> {cached_tokens, stored_tokens, ...}
+    POST /v1/load      {tokens}                       -> {num_tokens, kv, dtype, shape}
+    POST /v1/reserve   {tokens, ttl_s?}               -> reservation
+    POST /v1/commit    {reservation_id}               -> store result
+    POST /v1/abort     {reservation_id}               -> {}
+
+Every failure is `{"error": <kind>, "detail": <message>}` with a status code (`ERRORS`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import numpy as np
+import torch
+
+from kvtier.errors import (
+    CapacityError,
+    ClosedError,
+    InvalidArgumentError,
+    InvalidKVError,
+    InvalidTokensError,
+    KVTierError,
+    LeaseError,
+    UnknownTenantError,
+)
+from kvtier.layout import DTYPES
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+
+ERRORS: dict[type[KVTierError], tuple[int, str]] = {
+    InvalidTokensError: (400, "invalid_tokens"),
+    InvalidArgumentError: (400, "invalid_argument"),
+    InvalidKVError: (422, "invalid_kv"),
+    LeaseError: (404, "unknown_lease"),
+    UnknownTenantError: (403, "unknown_tenant"),
+    CapacityError: (507, "capacity"),
+    ClosedError: (503, "closed"),
+}
+"""kvtier errors -> (HTTP status, error kind). Others are 500s, which tests forbid."""
+
+
+def classify(exc: KVTierError) -> tuple[int, str]:
+    """(status, kind) of a kvtier error: its class's, or its nearest base's in `ERRORS`."""
+    for cls, found in ERRORS.items():
+        if isinstance(exc, cls):
+            return found
+    return 400, "invalid_argument"
+
+
+class WireError(Exception):
+    """A request the service refuses before it reaches the store."""
+
+    def __init__(self, status: int, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.kind, self.detail = status, kind, detail
+
+
+def is_msgpack(content_type: str | None) -> bool:
+    return (content_type or "").split(";")[0].strip() == MSGPACK
+
+
+def decode(body: bytes, content_type: str | None) -> dict[str, Any]:
+    """A request body as a dict; `WireError(400)` if it is not one."""
+    try:
+        data = msgpack.unpackb(body, raw=False) if is_msgpack(content_type) else json.loads(body)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise WireError(
+            400, "malformed_body", f"body is not valid msgpack or JSON: {exc}"
+        ) from None
+    if not isinstance(data, dict):
+        raise WireError(400, "malformed_body", f"body: got {type(data).__name__}, expected a map")
+    return data
+
+
+def encode(data: dict[str, Any], msgpack_body: bool) -> bytes:
+    if msgpack_body:
+        return msgpack.packb(data, use_bin_type=True)  # type: ignore[no-any-return]
+    return json.dumps(data).encode()
+
+
+def tokens_field(data: dict[str, Any], max_tokens: int) -> np.ndarray | list[int]:
+    """The `tokens` of a request: packed uint32 bytes or a list of ints (validated later by the
+    store, which names bad ids); `WireError` 400 if missing or of the wrong kind, 413 if too
+    many."""
+    value = data.get("tokens")
+    if isinstance(value, bytes):
+        if len(value) % 4:
+            raise WireError(
+                400, "invalid_tokens", f"tokens: {len(value)} bytes, expected a multiple of 4"
+            )
+        count = len(value) // 4
+        tokens: np.ndarray | list[int] = np.frombuffer(value, dtype="<u4")
+    elif isinstance(value, list):
+        count, tokens = len(value), value
+    else:
+        raise WireError(
+            400,
+            "invalid_tokens",
+            f"tokens: got {type(value).__name__}, expected packed uint32 bytes or a list of ints",
+        )
+    if count > max_tokens:
+        raise WireError(
+            413, "too_many_tokens", f"tokens: {count}, more than service.max_tokens={max_tokens}"
+        )
+    return tokens
+
+
+def pack_tokens(tokens: Any) -> bytes:
+    """Token ids (list, array or tensor) as packed little-endian uint32 bytes."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.cpu().numpy()
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def number_field(data: dict[str, Any], name: str, default: float | None) -> float | None:
+    value = data.get(name, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise WireError(400, "invalid_argument", f"{name}: got {value!r}, expected a number")
+    return None if value is None else float(value)
+
+
+def int_field(data: dict[str, Any], name: str) -> int:
+    value = data.get(name)
+    if type(value) is not int:
+        raise WireError(400, "invalid_argument", f"{name}: got {value!r}, expected an integer")
+    return value
+
+
+def kv_to_wire(kv: torch.Tensor) -> dict[str, Any]:
+    kv = kv.detach().to("cpu").contiguous()
+    return {
+        "kv": kv.view(torch.uint8).numpy().tobytes(),
+        "dtype": str(kv.dtype).removeprefix("torch."),
+        "shape": list(kv.shape),
+    }
+
+
+def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
+    """The `kv` payload of a request; `WireError` 400 if malformed, 422 for an unknown dtype
+    (the store itself refuses a dtype or shape that is not its layout's, with InvalidKVError)."""
+    raw, dtype, shape = data.get("kv"), data.get("dtype"), data.get("shape")
+    if not isinstance(raw, bytes):
+        raise WireError(400, "invalid_kv", "kv: expected the tensor's raw bytes (msgpack bin)")
+    if dtype not in DTYPES:
+        raise WireError(422, "invalid_kv", f"dtype: got {dtype!r}, expected one of {list(DTYPES)}")
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+        raise WireError(400, "invalid_kv", f"shape: got {shape!r}, expected a list of sizes")
+    torch_dtype = DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    if len(raw) != int(np.prod(shape)) * itemsize:
+        raise WireError(
+            400, "invalid_kv", f"kv: {len(raw)} bytes, expected {int(np.prod(shape)) * itemsize}"
+        )
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
+    return flat.view(torch_dtype).view(shape)
