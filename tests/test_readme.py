@@ -27,7 +27,7 @@ def test_readme_starts_with_run_and_test_commands() -> None:
     assert first is not None
     commands = [line for line in first.group(1).splitlines() if not line.startswith("#")]
     assert len(commands) == 2
-    assert commands[0].endswith("kvtier info") and commands[1].endswith("pytest")
+    assert commands[0].endswith("kvtier serve") and commands[1].endswith("pytest")
     ci = (README.parent / ".ci" / "run").read_text()
     after_venv = commands[1].split(" && ", 2)[2]
     assert after_venv == "pip install torch==2.13.0 -e '.[test]' && pytest"
