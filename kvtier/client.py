@@ -15,8 +15,9 @@ pools from /dev/shm: `store` reserves slots, writes the blocks straight into the
 and commits; `load` leases the prefix, copies the pages out of the mapped gpu pool and releases
 it. No KV byte crosses the socket. Where the pools cannot be mapped (another host, a CUDA pool)
 or a call cannot go that way (new blocks below a disk-only prefix, a prefix larger than the gpu
-tier), the KV travels in the body instead. `pool_buffer(tier)` is the mapped buffer, for an
-engine that reads leased pages itself.
+tier), the KV travels in the body instead. A CUDA gpu pool is opened through its CUDA IPC
+handle (`service/cuda_ipc.py`; written, not yet run on a GPU). `pool_buffer(tier)` is the mapped
+buffer, for an engine that reads leased pages itself.
 
 Errors come back as the same `kvtier.errors` types the store raises (their message is the
 server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready).
@@ -46,6 +47,7 @@ from kvtier.kvdata import from_blocks, to_blocks
 from kvtier.layout import DTYPES
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import wire
+from kvtier.service.cuda_ipc import import_pool
 from kvtier.tiers.pool import map_shared
 from kvtier.tokens import Tokens
 
@@ -122,23 +124,24 @@ class _Calls:
         dtype = DTYPES[layout["dtype"]]
         self.block_tokens = layout["block_tokens"]
         for pool in body["pools"]:
-            name = pool.get("shared_memory")
-            if not name:
-                continue
+            shape = [pool["num_slots"], *layout["block_shape"]]
             try:
-                shape = [pool["num_slots"], *layout["block_shape"]]
-                self.pools[pool["tier"]] = map_shared(name, dtype, shape)
-            except (OSError, ValueError):
-                continue
+                if pool.get("shared_memory"):
+                    self.pools[pool["tier"]] = map_shared(pool["shared_memory"], dtype, shape)
+                elif pool.get("cuda_ipc") and torch.cuda.is_available():
+                    self.pools[pool["tier"]] = import_pool(pool["cuda_ipc"])
+            except (OSError, ValueError, RuntimeError):
+                continue  # another host (or another GPU): the body carries the KV
 
     def write_blocks(self, reservation: Reservation, kv: torch.Tensor) -> None:
         bt = self.block_tokens
         start = reservation.cached_tokens
-        blocks = to_blocks(kv[:, :, start : start + reservation.num_tokens].cpu(), bt)
-        self.pools[reservation.tier][list(reservation.slots)] = blocks
+        pool = self.pools[reservation.tier]
+        blocks = to_blocks(kv[:, :, start : start + reservation.num_tokens], bt)
+        pool[list(reservation.slots)] = blocks.to(pool.device)
 
     def read_blocks(self, lease: Lease) -> torch.Tensor:
-        return from_blocks(self.pools["gpu"][list(lease.block_table)].clone())
+        return from_blocks(self.pools["gpu"][list(lease.block_table)].cpu().clone())
 
 
 class Client:

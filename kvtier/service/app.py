@@ -37,6 +37,7 @@ from kvtier.errors import KVTierError, LeaseError
 from kvtier.results import Lease, LeaseState
 from kvtier.service import schemas, wire
 from kvtier.service.auth import Auth
+from kvtier.service.cuda_ipc import export_pool
 from kvtier.service.metrics import Metrics
 from kvtier.store import KVStore
 
@@ -358,6 +359,7 @@ def _pools(store: KVStore) -> dict[str, Any]:
                 "device": str(pool.device),
                 "num_slots": pool.num_slots,
                 "shared_memory": pool.shared_name,
+                "cuda_ipc": export_pool(pool.buffer),
             }
             for pool in store.memory
         ],
