@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +43,8 @@ from kvtier.service.metrics import Metrics
 from kvtier.store import KVStore
 
 StoreFactory = Callable[[], KVStore]
+
+log = logging.getLogger("kvtier.service")
 
 
 class Service:
@@ -95,8 +98,11 @@ def create_app(config: KVTierConfig, factory: StoreFactory) -> FastAPI:
 
 
 def _start_quietly(service: Service) -> None:
-    with contextlib.suppress(Exception):
+    """Start the store; a failure is logged and reported by /readyz (the process stays up)."""
+    try:
         service.start()
+    except Exception:
+        log.exception("kvtier: the store failed to start; /readyz reports why")
 
 
 def _error(status: int, kind: str, detail: str, msgpack_body: bool = False) -> Response:
