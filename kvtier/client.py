@@ -43,8 +43,8 @@ from kvtier.errors import (
     LeaseError,
     UnknownTenantError,
 )
-from kvtier.kvdata import from_blocks, to_blocks
-from kvtier.layout import DTYPES
+from kvtier.kvdata import check_kv, from_blocks, to_blocks
+from kvtier.layout import DTYPES, KVLayout
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import wire
 from kvtier.service.cuda_ipc import import_pool
@@ -112,6 +112,7 @@ class _Calls:
             self.headers["x-kvtier-tenant"] = tenant
         self.pools: dict[str, torch.Tensor] = {}
         self.block_tokens = 0
+        self.layout: KVLayout | None = None
 
     def headers_for(self, tenant: str) -> dict[str, str]:
         if tenant == "default" or "authorization" in self.headers:
@@ -123,6 +124,8 @@ class _Calls:
         layout = body["layout"]
         dtype = DTYPES[layout["dtype"]]
         self.block_tokens = layout["block_tokens"]
+        layers, _, _, heads, dim = layout["block_shape"]
+        self.layout = KVLayout("served", layers, heads, dim, layout["dtype"], self.block_tokens)
         for pool in body["pools"]:
             shape = [pool["num_slots"], *layout["block_shape"]]
             try:
@@ -133,6 +136,12 @@ class _Calls:
             except (OSError, ValueError, RuntimeError):
                 continue  # another host (or another GPU): the body carries the KV
 
+    def check_kv(self, tokens: Tokens, kv: torch.Tensor) -> None:
+        """`InvalidKVError` for a KV that the server would refuse: the shared-memory path
+        writes it into the pool before the server sees it, so it is checked here."""
+        assert self.layout is not None, "pools are mapped with their layout"
+        check_kv(self.layout, kv, len(wire.pack_tokens(tokens)) // 4)
+
     def write_blocks(self, reservation: Reservation, kv: torch.Tensor) -> None:
         bt = self.block_tokens
         start = reservation.cached_tokens
@@ -141,7 +150,7 @@ class _Calls:
         pool[list(reservation.slots)] = blocks.to(pool.device)
 
     def read_blocks(self, lease: Lease) -> torch.Tensor:
-        return from_blocks(self.pools["gpu"][list(lease.block_table)].cpu().clone())
+        return from_blocks(self.pools["gpu"][list(lease.block_table)].cpu())  # indexing copies
 
 
 class Client:
@@ -223,6 +232,7 @@ class Client:
 
     def store(self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default") -> StoreResult:
         if self._calls.pools:
+            self._calls.check_kv(tokens, kv)
             reservation = self.reserve(tokens, tenant=tenant)
             if reservation.num_tokens and reservation.tier in self._calls.pools:
                 try:
@@ -358,6 +368,7 @@ class AsyncClient:
     ) -> StoreResult:
         await self._map()
         if self._calls.pools:
+            self._calls.check_kv(tokens, kv)
             reservation = await self.reserve(tokens, tenant=tenant)
             if reservation.num_tokens and reservation.tier in self._calls.pools:
                 try:

@@ -11,7 +11,7 @@ Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`):
     POST /v1/lookup /v1/prefetch /v1/release /v1/store /v1/load /v1/reserve /v1/commit
          /v1/abort                            the data plane, as the tenant of the caller's key
     GET  /v1/leases/{id}?wait_s=              a lease's state, waiting up to wait_s for it
-    POST /v1/admin/clear /v1/admin/check      admin key only
+    POST /v1/admin/clear /v1/admin/check /v1/admin/persist    admin key only
 
 No logic lives here beyond translation: every figure comes from the store, every decision is
 the store's. Store calls run on worker threads (the store's lock may be held for a while by a
@@ -155,16 +155,14 @@ def _add_routes(app: FastAPI, service: Service) -> None:
                 result = await handler(store, tenant, data)
             else:
                 result = await run_in_threadpool(handler, store, tenant, data)
+            encoded = wire.encode(result, msgpack_body)
         except wire.WireError as exc:
             return _error(exc.status, exc.kind, exc.detail, msgpack_body)
         except KVTierError as exc:
             return _error(*wire.classify(exc), str(exc), msgpack_body)
         finally:
             service.metrics.observe(request.url.path, time.perf_counter() - started)
-        return Response(
-            wire.encode(result, msgpack_body),
-            media_type=wire.MSGPACK if msgpack_body else wire.JSON,
-        )
+        return Response(encoded, media_type=wire.MSGPACK if msgpack_body else wire.JSON)
 
     # ---- liveness, readiness, status ------------------------------------------------------
 
@@ -182,7 +180,10 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             return JSONResponse({"error": "not_ready", "detail": detail}, 503)
         return JSONResponse({"ok": True})
 
-    @app.get("/v1/status", responses=schemas.responses(schemas.ANY_OBJECT, 503))
+    @app.get(
+        "/v1/status",
+        responses=schemas.responses(schemas.ANY_OBJECT, 401, 403, 503, formats=schemas.EITHER),
+    )
     async def status(request: Request) -> Response:
         """Tiers, paths, index, mover, leases, ops and hit rate, read from the live store."""
         return await call(request, lambda store, tenant, data: store.status())
@@ -198,7 +199,10 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         body, content_type = service.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/pools", responses=schemas.responses(schemas.POOLS, 503))
+    @app.get(
+        "/v1/pools",
+        responses=schemas.responses(schemas.POOLS, 401, 403, 503, formats=schemas.EITHER),
+    )
     async def pools(request: Request) -> Response:
         """The memory pools a client on this host can map: shared-memory name, slots, layout."""
         return await call(request, lambda store, tenant, data: _pools(store))
@@ -265,7 +269,10 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     for path, handler, request_schema, response_schema, summary in routes:
         _post(app, path, handler, call, request_schema, response_schema, summary)
 
-    @app.get("/v1/leases/{lease_id}", responses=schemas.responses(schemas.LEASE, 400, 404))
+    @app.get(
+        "/v1/leases/{lease_id}",
+        responses=schemas.responses(schemas.LEASE, 400, 401, 403, 404, 503, formats=schemas.EITHER),
+    )
     async def get_lease(request: Request, lease_id: int, wait_s: float = 0.0) -> Response:
         """A lease's state; with `wait_s`, wait up to that long (bounded by
         service.prefetch_wait_s) for it to become ready."""
@@ -293,6 +300,14 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         if not service.auth.is_admin(request.headers.get("authorization")):
             return _error(403, "forbidden", "admin endpoints need the admin key")
         return await _admin(request, service, _checked)
+
+    @app.post("/v1/admin/persist", responses=schemas.responses(schemas.PERSISTED, 400, 403, 503))
+    async def admin_persist(request: Request) -> Response:
+        """Give every cached block a durable disk copy now (400 without a disk tier): a restart
+        recovers what was persisted. Stopping the server does not persist the memory tiers."""
+        if not service.auth.is_admin(request.headers.get("authorization")):
+            return _error(403, "forbidden", "admin endpoints need the admin key")
+        return await _admin(request, service, lambda store: {"persisted_blocks": store.persist()})
 
 
 def _checked(store: KVStore) -> dict[str, Any]:
@@ -332,7 +347,9 @@ def _post(
     app.post(
         path,
         summary=summary,
-        responses=schemas.responses(response_schema, 400, 401, 403, 404, 413, 422, 503, 507),
+        responses=schemas.responses(
+            response_schema, 400, 401, 403, 404, 413, 422, 503, 507, formats=schemas.EITHER
+        ),
         openapi_extra=schemas.request_body(request_schema),
     )(endpoint)
 

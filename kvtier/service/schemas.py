@@ -72,6 +72,7 @@ RESERVATION = _obj(
 )
 POOLS = _obj({"layout": ANY_OBJECT, "pools": {"type": "array", "items": ANY_OBJECT}})
 CLEARED = _obj({"dropped_blocks": _INT}, ("dropped_blocks",))
+PERSISTED = _obj({"persisted_blocks": _INT}, ("persisted_blocks",))
 CHECKED = _obj({"ok": {"type": "boolean"}, "detail": _STR}, ("ok",))
 ERROR = _obj({"error": _STR, "detail": _STR}, ("error", "detail"))
 
@@ -87,15 +88,26 @@ _REASONS = {
 }
 
 
+JSON_ONLY = ("application/json",)
+EITHER = ("application/json", "application/msgpack")
+"""Response formats: a route that reads its body answers in the request's format."""
+
+
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def responses(ok: dict[str, Any], *errors: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses=`: the 200 body, and `{error, detail}` for each error status."""
-    out: dict[int | str, dict[str, Any]] = {200: {"description": "OK", "content": _json(ok)}}
+def responses(
+    ok: dict[str, Any], *errors: int, formats: tuple[str, ...] = JSON_ONLY
+) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=`: the 200 body, and `{error, detail}` for each error status, in
+    each of `formats`."""
+    out: dict[int | str, dict[str, Any]] = {
+        200: {"description": "OK", "content": {f: {"schema": ok} for f in formats}}
+    }
     for status in errors:
-        out[status] = {"description": _REASONS[status], "content": _json(ERROR)}
+        content = {f: {"schema": ERROR} for f in formats}
+        out[status] = {"description": _REASONS[status], "content": content}
     return out
 
 

@@ -11,7 +11,9 @@ and the process exits 0. The next start recovers everything durable.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -35,11 +37,23 @@ def build_app(config: KVTierConfig, host: str) -> object:
     return create_app(config, factory)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises the signal that stopped it once it has shut down, so that the process
+    dies of it (status 143 for SIGTERM); here SIGTERM is the ordinary way to stop, and a clean
+    shutdown exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # handled: the graceful shutdown is done
+
+
 def serve(config: KVTierConfig, host: str | None = None, port: int | None = None) -> int:
     host = config.service.host if host is None else host
     port = config.service.port if port is None else port
     app = build_app(config, host)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,  # type: ignore[arg-type]
             host=host,

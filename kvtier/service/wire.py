@@ -89,9 +89,18 @@ def decode(body: bytes, content_type: str | None) -> dict[str, Any]:
 
 
 def encode(data: dict[str, Any], msgpack_body: bool) -> bytes:
+    """A response body; `WireError` 400 for bytes (a load's KV) in JSON, which has none."""
     if msgpack_body:
         return msgpack.packb(data, use_bin_type=True)  # type: ignore[no-any-return]
-    return json.dumps(data).encode()
+    try:
+        return json.dumps(data).encode()
+    except TypeError:
+        raise WireError(
+            400,
+            "invalid_argument",
+            "the response carries KV bytes, which JSON cannot: send the request as "
+            "application/msgpack",
+        ) from None
 
 
 def tokens_field(data: dict[str, Any], max_tokens: int) -> np.ndarray | list[int]:
