@@ -5,6 +5,8 @@
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
     kvtier validate FILE...                check config files; print each one's tier sizes
     kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems)
+    kvtier replay TRACE [--gpu F --host F --disk F] [--sweep] [--plot PNG] [--json]
+                                           replay a Mooncake trace against a real store
 
 A bad config stops the command with the message of its `ConfigError` (field, bad value, what
 was expected) and exit status 2; nothing is started.
@@ -107,6 +109,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvtier.replay.cli import run_replay
+
+    return run_replay(args)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     report = check_directory(Path(args.path), fix=args.fix)
     print(f"{args.path}: {report.slots} slots: {report.valid} valid, {report.empty} empty")
@@ -126,6 +134,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "info": ("build the store from a config and print its status", cmd_info),
     "validate": ("check config files", cmd_validate),
     "check": ("check a disk tier directory offline (store stopped)", cmd_check),
+    "replay": ("replay a request trace (Mooncake format) against a real store", cmd_replay),
 }
 
 
@@ -145,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "info":
             cmd.add_argument("--config", help="YAML config (default: the embedded default)")
             cmd.add_argument("--json", action="store_true", help="print the status as JSON")
+        elif name == "replay":
+            from kvtier.replay.cli import add_arguments
+
+            add_arguments(cmd)
         elif name == "check":
             cmd.add_argument("path", help="the disk tier's directory (tiers.disk.path)")
             cmd.add_argument("--fix", action="store_true", help="retire bad slots")

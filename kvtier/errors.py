@@ -67,3 +67,14 @@ class InvalidArgumentError(KVTierError, ValueError):
 class ResidencyError(KVTierError, LookupError):
     """A kernel was asked to read a gpu slot that no live lease covers (unleased, released,
     expired, freed or demoted): its memory may hold another block, or none."""
+
+
+class TraceError(KVTierError, ValueError):
+    """A request trace (`kvtier replay`) cannot be read: the message names the file and the
+    1-based line, the bad value and what was expected. `line` is 0 for the file as a whole."""
+
+    def __init__(self, path: str, line: int, problem: str) -> None:
+        self.path = path
+        self.line = line
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"trace {where}: {problem}")

@@ -1,0 +1,122 @@
+"""The `kvtier replay` subcommand: its arguments, the runs they ask for, and the output.
+
+    kvtier replay TRACE                  tiered (--gpu/--host/--disk) and a gpu-only baseline
+    kvtier replay TRACE --sweep          the tiered sizes scaled by SWEEP_SCALES, as a table
+    ... --plot out.png                   hit rate by tier against capacity (needs matplotlib)
+    ... --json                           every figure as JSON on stdout
+
+The last line printed is the tiered run's ratio to the infinite-cache ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kvtier.replay.report import ReplayResult, Sizing, format_result, format_table, plot
+from kvtier.replay.runner import ReplayOptions, replay
+from kvtier.replay.trace import ceiling, read_trace
+
+SWEEP_SCALES = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+"""`--sweep`: each run's tier sizes are the given ones times one of these."""
+
+
+def add_arguments(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "trace", help="JSONL trace: {timestamp, input_length, output_length, hash_ids}"
+    )
+    sizes = "fraction of the trace's unique blocks"
+    cmd.add_argument("--gpu", type=float, default=0.01, help=f"gpu tier, a {sizes} (0.01)")
+    cmd.add_argument("--host", type=float, default=0.10, help="host tier (0.10; 0: one block)")
+    cmd.add_argument("--disk", type=float, default=1.0, help="disk tier (1.0; 0: none)")
+    cmd.add_argument("--no-baseline", action="store_true", help="skip the gpu-only run")
+    cmd.add_argument("--sweep", action="store_true", help="run the sizes scaled, print a table")
+    cmd.add_argument("--plot", metavar="PNG", help="draw hit rate by tier against capacity")
+    cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
+    cmd.add_argument("--limit", type=int, help="replay only the first N requests")
+    cmd.add_argument("--speed", type=float, help="keep the trace's clock, x times faster")
+    cmd.add_argument("--block-tokens", type=int, default=512, help="store block (divides 512)")
+    cmd.add_argument(
+        "--block-bytes", type=int, default=4096, help="bytes of one 512-token block (4096)"
+    )
+    cmd.add_argument("--write", default="write_through", help="policy.write (write_through)")
+    cmd.add_argument(
+        "--background", action="store_true", help="run the mover on threads (default: inline)"
+    )
+    cmd.add_argument("--dir", help="where the disk tier's temporary directory goes")
+
+
+def _sizings(args: argparse.Namespace) -> list[Sizing]:
+    if args.sweep:
+        return [
+            Sizing(f"x{scale:g}", args.gpu * scale, args.host * scale, args.disk * scale)
+            for scale in SWEEP_SCALES
+        ]
+    runs = [Sizing("tiered", args.gpu, args.host, args.disk)]
+    if not args.no_baseline:
+        runs.append(Sizing("gpu-only", args.gpu, 0.0, 0.0))
+    return runs
+
+
+@contextmanager
+def _progress(total: int) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm bar on stderr when it is a terminal; nothing otherwise."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="req", file=sys.stderr) as bar:
+        yield bar.update
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        print(f"kvtier: --limit: got {args.limit}, expected >= 1", file=sys.stderr)
+        return 2
+    options = ReplayOptions(
+        block_tokens=args.block_tokens,
+        block_bytes=args.block_bytes,
+        background=args.background,
+        write=args.write,
+        speed=args.speed,
+        directory=args.dir,
+    )
+    sizings = _sizings(args)  # sizes are checked before the trace is read
+    requests = read_trace(args.trace, args.limit)
+    limit = ceiling(requests)
+    results: list[ReplayResult] = []
+    with _progress(len(requests) * len(sizings)) as progress:
+        for sizing in sizings:
+            results.append(replay(requests, limit, sizing, options, progress))
+    if args.plot:
+        plot(results, args.plot)
+    if args.json:
+        document = {
+            "trace": args.trace,
+            "ceiling": {**vars(limit), "hit_rate": limit.hit_rate},
+            "runs": [r.to_dict() for r in results],
+            "ratio_to_ceiling": results[0].ratio,
+        }
+        print(json.dumps(document, indent=2))
+        return 0
+    print(
+        f"trace {args.trace}: {limit.requests:,} requests, {limit.references:,} block "
+        f"references, {limit.unique_blocks:,} unique blocks; infinite-cache prefix hit rate "
+        f"{limit.hit_rate:.1%}"
+    )
+    for result in results:
+        print(format_result(result))
+    if len(results) > 1:
+        print(format_table(results))
+    if args.plot:
+        print(f"plot: {args.plot}")
+    others = ", ".join(f"{r.sizing.label} {r.ratio:.3f}" for r in results[1:])
+    print(
+        f"ratio to the infinite-cache ceiling ({results[0].sizing.label}): "
+        f"{results[0].ratio:.3f}" + (f" ({others})" if others else "")
+    )
+    return 0

@@ -1,0 +1,201 @@
+"""What a replay measured, and how it is shown: a text report, a sweep table, JSON, a plot.
+
+Hit rates are shares of the tokens the trace sends (every hash id a 512-token block); the
+ceiling is the infinite-cache prefix hit rate of the same requests (`trace.ceiling`), so
+`ratio = hit_rate / ceiling_rate` is the share of what any cache could serve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import InvalidArgumentError
+from kvtier.sizes import format_size
+
+TIERS = ("gpu", "host", "disk")
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Tier sizes as fractions of the trace's unique blocks; host 0 is one block, disk 0 none."""
+
+    label: str
+    gpu: float
+    host: float
+    disk: float
+
+    def __post_init__(self) -> None:
+        for name in TIERS:
+            value = getattr(self, name)
+            if not 0 <= value <= 100 or (name == "gpu" and value == 0):
+                expected = "> 0" if name == "gpu" else ">= 0 (0: minimal host, or no disk)"
+                raise InvalidArgumentError(
+                    f"--{name}: got {value!r}, expected a fraction {expected}"
+                )
+
+    @property
+    def total(self) -> float:
+        return self.gpu + self.host + self.disk
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Percentiles of a list of durations, in seconds (0.0 for an empty list)."""
+
+    count: int
+    p50: float
+    p99: float
+
+    @staticmethod
+    def of(samples: Sequence[float]) -> Latency:
+        if not samples:
+            return Latency(0, 0.0, 0.0)
+        ordered = sorted(samples)
+        return Latency(
+            len(ordered),
+            ordered[len(ordered) // 2],
+            ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        )
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """The figures of one replay. Token counts; `served` splits every token sent into the tier
+    the lookup found it in, or `recomputed`."""
+
+    sizing: Sizing
+    mover: str
+    write: str
+    block_tokens: int
+    capacity_bytes: dict[str, int]
+    requests: int
+    tokens: int
+    served: dict[str, int]
+    ceiling_tokens: int
+    dropped_tokens: int
+    prefetches: int
+    prefetch_refused: int
+    backpressure_drops: int
+    lookup: Latency
+    prefetch: Latency
+    path_bytes: dict[str, int]
+    evictions: dict[str, int]
+    demotions: dict[str, int]
+    wall_s: float
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.tokens - self.served["recomputed"]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.tokens
+
+    @property
+    def ceiling_rate(self) -> float:
+        return self.ceiling_tokens / self.tokens
+
+    @property
+    def ratio(self) -> float:
+        """The share of the infinite-cache ceiling this replay served (1.0 for a trace with
+        nothing to hit)."""
+        return self.hit_tokens / self.ceiling_tokens if self.ceiling_tokens else 1.0
+
+    def rate(self, tier: str) -> float:
+        return self.served.get(tier, 0) / self.tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_rate,
+            "ceiling_rate": self.ceiling_rate,
+            "ratio_to_ceiling": self.ratio,
+        }
+
+
+def _sizes(sizing: Sizing) -> str:
+    disk = f"{sizing.disk:.0%}" if sizing.disk else "none"
+    host = f"{sizing.host:.0%}" if sizing.host else "minimal"
+    return f"gpu {sizing.gpu:.0%}, host {host}, disk {disk}"
+
+
+def format_result(result: ReplayResult) -> str:
+    """A multi-line report of one replay."""
+    r = result
+    capacities = ", ".join(f"{t} {format_size(n)}" for t, n in r.capacity_bytes.items())
+    served = ", ".join(
+        f"{t} {r.served[t]:,} ({r.rate(t):.1%})" for t in (*TIERS, "recomputed") if t in r.served
+    )
+    paths = ", ".join(f"{p} {format_size(n)}" for p, n in r.path_bytes.items()) or "none"
+    evictions = ", ".join(f"{t} {n:,}" for t, n in r.evictions.items())
+    demotions = ", ".join(f"{t} {n:,}" for t, n in r.demotions.items())
+    return "\n".join(
+        [
+            f"== {r.sizing.label}: {_sizes(r.sizing)} of the unique blocks ({capacities}); "
+            f"mover {r.mover}, {r.write}, {r.block_tokens}-token store blocks",
+            f"  {r.requests:,} requests, {r.tokens:,} tokens in {r.wall_s:.1f} s",
+            f"  served (tokens): {served}",
+            f"  hit rate {r.hit_rate:.1%} vs ceiling {r.ceiling_rate:.1%} "
+            f"(ratio {r.ratio:.3f}); dropped on store {r.dropped_tokens:,} tokens, "
+            f"backpressure drops {r.backpressure_drops:,} blocks",
+            f"  bytes moved: {paths}",
+            f"  evictions (blocks): {evictions}; demotions: {demotions}",
+            f"  lookup p50 {r.lookup.p50 * 1e3:.3f} ms, p99 {r.lookup.p99 * 1e3:.3f} ms; "
+            f"{r.prefetches:,} prefetches to ready p50 {r.prefetch.p50 * 1e3:.3f} ms, "
+            f"p99 {r.prefetch.p99 * 1e3:.3f} ms ({r.prefetch_refused} refused: gpu too small)",
+        ]
+    )
+
+
+def format_table(results: Sequence[ReplayResult]) -> str:
+    """One line per replay: sizes, hit rate by tier, the ratio to the ceiling."""
+    header = (
+        f"{'run':<10}{'gpu':>7}{'host':>7}{'disk':>7}{'gpu hit':>9}{'host hit':>9}"
+        f"{'disk hit':>9}{'total':>8}{'ceiling':>9}{'ratio':>7}{'wall s':>8}"
+    )
+    lines = [header]
+    for r in results:
+        s = r.sizing
+        lines.append(
+            f"{s.label:<10}{s.gpu:>7.2%}{s.host:>7.1%}{s.disk:>7.0%}{r.rate('gpu'):>9.1%}"
+            f"{r.rate('host'):>9.1%}{r.rate('disk'):>9.1%}{r.hit_rate:>8.1%}"
+            f"{r.ceiling_rate:>9.1%}{r.ratio:>7.3f}{r.wall_s:>8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[ReplayResult], path: str) -> None:
+    """Hit rate by tier (stacked) against total capacity, with the ceiling, as an image at
+    `path`. `InvalidArgumentError` if matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidArgumentError(
+            "--plot: matplotlib is not installed; pip install 'kvtier[plot]'"
+        ) from None
+    ordered = sorted(results, key=lambda r: r.sizing.total)
+    x = [100 * r.sizing.total for r in ordered]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.stackplot(
+        x,
+        *([100 * r.rate(t) for r in ordered] for t in TIERS),
+        labels=[f"served from {t}" for t in TIERS],
+        alpha=0.8,
+    )
+    axes.plot(x, [100 * r.ceiling_rate for r in ordered], "k--", label="infinite-cache ceiling")
+    axes.set_xscale("log")
+    axes.set_xlabel("total capacity, % of the trace's unique blocks")
+    axes.set_ylabel("hit rate, % of tokens")
+    axes.set_title("kvtier replay: hit rate by tier")
+    axes.legend(loc="upper left")
+    axes.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,199 @@
+"""Replay a request trace against a real `KVStore`: real pools, a real disk tier, the mover.
+
+Per request, in trace order (sleeping to the trace's clock only when `speed` is given):
+
+    hit = store.lookup(tokens)                  timed: lookup latency
+    if hit.host_tokens or hit.disk_tokens:      the cached prefix is partly below gpu
+        lease = store.prefetch(tokens)          timed: prefetch-to-ready latency
+        store.release(lease)
+    store.store(tokens, kv)                     the request's blocks not cached yet
+
+Tokens served per tier are read from the lookup, before the prefetch moves anything; what the
+lookup does not cover is recomputed. The KV is one zero buffer of the longest request, sliced:
+its content does not matter for hit rates, but the store copies it like any other.
+
+Sizes. The model is scaled down to 1 layer, 1 KV head, float16 and `head_dim` chosen so that a
+512-token trace block is `block_bytes`; a store block is `block_tokens` (dividing 512) of those
+tokens. Tier sizes are fractions of the trace's unique blocks: a memory tier of fraction f holds
+round(f * unique) store blocks (at least one); the disk tier gets as many slots (each slot is a
+header region plus the payload, `tiers/disk/format.py`). Host 0 means one block (the store needs
+a host tier), disk 0 means no disk tier.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import KVTierConfig, parse_config
+from kvtier.errors import CapacityError, InvalidArgumentError
+from kvtier.hashing import BlockHasher
+from kvtier.replay.report import Latency, ReplayResult, Sizing
+from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
+from kvtier.store import KVStore
+from kvtier.tiers.disk.format import header_region_size, slot_size
+
+_BYTES_PER_HEAD_DIM = 2 * TRACE_BLOCK_TOKENS * 2  # K and V, 512 tokens, float16
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How a trace is replayed; the defaults replay fast and deterministically.
+
+    `background: False` runs the mover's copies in the calling thread (`mover.background`):
+    the same code as the background mover, without thread timing, so a replay as fast as
+    possible neither outruns nor waits for the disk and two runs give the same figures.
+    `speed`: None replays without sleeping; x > 0 keeps the trace's clock, x times faster.
+    `directory`: where the disk tier's temporary directory is made (the system's default when
+    None); it is removed after the run."""
+
+    block_tokens: int = TRACE_BLOCK_TOKENS
+    block_bytes: int = 4096
+    background: bool = False
+    write: str = "write_through"
+    speed: float | None = None
+    directory: str | None = None
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        bt = self.block_tokens
+        if type(bt) is not int or bt < 1 or TRACE_BLOCK_TOKENS % bt:
+            raise InvalidArgumentError(
+                f"block_tokens: got {bt!r}, expected a divisor of {TRACE_BLOCK_TOKENS}"
+            )
+        if (
+            type(self.block_bytes) is not int
+            or self.block_bytes < _BYTES_PER_HEAD_DIM
+            or self.block_bytes % _BYTES_PER_HEAD_DIM
+        ):
+            raise InvalidArgumentError(
+                f"block_bytes: got {self.block_bytes!r}, expected a positive multiple of "
+                f"{_BYTES_PER_HEAD_DIM} (K and V of 512 float16 tokens per unit of head_dim)"
+            )
+        if self.speed is not None and not self.speed > 0:
+            raise InvalidArgumentError(f"speed: got {self.speed!r}, expected a number > 0")
+
+    @property
+    def blocks_per_trace_block(self) -> int:
+        return TRACE_BLOCK_TOKENS // self.block_tokens
+
+
+def replay_config(
+    sizing: Sizing, unique_blocks: int, options: ReplayOptions, disk_path: str
+) -> KVTierConfig:
+    """The store config of one replay: `sizing` (fractions of `unique_blocks` trace blocks)
+    in bytes of the scaled blocks, the disk tier (if any) under `disk_path`."""
+    bt = options.block_tokens
+    head_dim = options.block_bytes // _BYTES_PER_HEAD_DIM
+    store_block_bytes = options.block_bytes // options.blocks_per_trace_block
+    unique = unique_blocks * options.blocks_per_trace_block
+
+    def blocks(fraction: float) -> int:
+        return max(1, round(fraction * unique))
+
+    tiers: dict[str, object] = {
+        "gpu": {"capacity": blocks(sizing.gpu) * store_block_bytes},
+        "host": {"capacity": blocks(sizing.host) * store_block_bytes},
+        "disk": None,
+    }
+    if sizing.disk > 0:
+        digest = BlockHasher(KVTierConfig().hashing.algorithm).digest_size
+        slot = slot_size(header_region_size(bt, digest), store_block_bytes)
+        tiers["disk"] = {"capacity": blocks(sizing.disk) * slot, "path": disk_path, "fsync": "none"}
+    return parse_config(
+        {
+            "model": {
+                "name": "replay",
+                "num_layers": 1,
+                "num_kv_heads": 1,
+                "head_dim": head_dim,
+                "dtype": "float16",
+            },
+            "block_tokens": bt,
+            "tiers": tiers,
+            "policy": {"write": options.write, "disk_admission_hits": 0},
+            "mover": {"background": options.background},
+        },
+        "<replay>",
+    )
+
+
+def replay(
+    requests: Sequence[TraceRequest],
+    ceiling: Ceiling,
+    sizing: Sizing,
+    options: ReplayOptions,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay `requests` against a fresh store sized by `sizing`; `progress(n)` is told after
+    every request. The store (and its disk directory) is gone when this returns."""
+    tiers = ("gpu", "host", "disk")
+    served = dict.fromkeys((*tiers, "recomputed"), 0)
+    lookup_s: list[float] = []
+    prefetch_s: list[float] = []
+    refused = dropped = 0
+    longest = max(r.num_tokens for r in requests)
+    with tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=options.directory) as tmp:
+        config = replay_config(sizing, ceiling.unique_blocks, options, tmp)
+        layout = config.layout
+        kv = torch.zeros(
+            (layout.num_layers, 2, longest, layout.num_kv_heads, layout.head_dim),
+            dtype=layout.dtype,
+        )
+        started = time.perf_counter()
+        with KVStore(config) as store:
+            first_ms = requests[0].timestamp_ms
+            for request in requests:
+                if options.speed is not None:
+                    due = (request.timestamp_ms - first_ms) / 1e3 / options.speed
+                    time.sleep(max(0.0, due - (time.perf_counter() - started)))
+                tokens = request.tokens()
+                t0 = time.perf_counter()
+                hit = store.lookup(tokens)
+                lookup_s.append(time.perf_counter() - t0)
+                served["gpu"] += hit.gpu_tokens
+                served["host"] += hit.host_tokens
+                served["disk"] += hit.disk_tokens
+                served["recomputed"] += len(tokens) - hit.num_tokens
+                if hit.host_tokens or hit.disk_tokens:
+                    t0 = time.perf_counter()
+                    try:
+                        lease = store.prefetch(tokens)
+                    except CapacityError:
+                        refused += 1
+                    else:
+                        prefetch_s.append(time.perf_counter() - t0)
+                        store.release(lease)
+                dropped += store.store(tokens, kv[:, :, : len(tokens)]).dropped_tokens
+                if progress is not None:
+                    progress(1)
+            store.drain()
+            if options.check:
+                store.check()
+            status = store.status()
+        wall_s = time.perf_counter() - started
+    return ReplayResult(
+        sizing=sizing,
+        mover="background" if options.background else "inline",
+        write=options.write,
+        block_tokens=options.block_tokens,
+        capacity_bytes={t: s["capacity_bytes"] for t, s in status["tiers"].items()},
+        requests=len(requests),
+        tokens=sum(served.values()),
+        served=served,
+        ceiling_tokens=ceiling.prefix_hits * TRACE_BLOCK_TOKENS,
+        dropped_tokens=dropped,
+        prefetches=len(prefetch_s),
+        prefetch_refused=refused,
+        backpressure_drops=status["mover"]["backpressure_drops"],
+        lookup=Latency.of(lookup_s),
+        prefetch=Latency.of(prefetch_s),
+        path_bytes={path: moved["bytes"] for path, moved in status["paths"].items()},
+        evictions={t: s["evictions"] for t, s in status["tiers"].items()},
+        demotions={t: s["demotions"] for t, s in status["tiers"].items()},
+        wall_s=wall_s,
+    )

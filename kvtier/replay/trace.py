@@ -1,0 +1,165 @@
+"""Request traces in the Mooncake format, read and validated, and their infinite-cache ceiling.
+
+One JSON object per line, sorted by time (FAST'25 Mooncake traces):
+
+    {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...]}
+
+`hash_ids` name the input in blocks of `TRACE_BLOCK_TOKENS` (512) tokens and are chained: an id
+names the whole prefix up to its block. The replay gives id `h` the synthetic tokens
+
+    h * 512 + 0, h * 512 + 1, ..., h * 512 + 511           (uint32: h < 2**32 / 512)
+
+so two requests share a run of store blocks exactly when they share trace ids, and every id of
+a request counts as one full block (the trace hashed its partial last block too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.errors import TraceError
+
+TRACE_BLOCK_TOKENS = 512
+"""Tokens per hash id in a Mooncake trace."""
+
+MAX_HASH_ID = 2**32 // TRACE_BLOCK_TOKENS - 1
+"""The largest id whose synthetic tokens stay below 2**32."""
+
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace; `hash_ids` is never empty."""
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens a replay sends: every id as a full block."""
+        return len(self.hash_ids) * TRACE_BLOCK_TOKENS
+
+    def tokens(self) -> np.ndarray[tuple[int], np.dtype[np.uint32]]:
+        """The synthetic token ids of this request (see the module docstring)."""
+        ids = np.asarray(self.hash_ids, dtype=np.uint32)[:, None] * TRACE_BLOCK_TOKENS
+        offsets = np.arange(TRACE_BLOCK_TOKENS, dtype=np.uint32)
+        return (ids + offsets).reshape(-1)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """Block references of a trace and how many of them any cache could serve.
+
+    `prefix_hits` counts, per request, the leading ids seen in earlier requests (what a prefix
+    cache with infinite capacity serves); `seen_hits` counts every id seen before. With
+    chained ids the two are equal; a difference means the trace breaks the chaining."""
+
+    requests: int
+    references: int
+    unique_blocks: int
+    prefix_hits: int
+    seen_hits: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.references if self.references else 0.0
+
+
+def _int_field(record: dict[str, object], name: str, error: _LineError) -> int:
+    value = record[name]
+    if type(value) is not int or value < 0:
+        raise error(f"{name}: got {value!r}, expected an integer >= 0")
+    return value
+
+
+class _LineError:
+    def __init__(self, path: str, line: int) -> None:
+        self.path, self.line = path, line
+
+    def __call__(self, problem: str) -> TraceError:
+        return TraceError(self.path, self.line, problem)
+
+
+def parse_line(text: str, path: str = "<trace>", line: int = 1) -> TraceRequest:
+    """One trace line as a request; `TraceError` naming `path:line` if it is not valid."""
+    error = _LineError(path, line)
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise error(f"got {type(record).__name__}, expected a JSON object")
+    missing = [name for name in _FIELDS if name not in record]
+    if missing:
+        raise error(f"missing {', '.join(missing)}; expected keys {', '.join(_FIELDS)}")
+    timestamp, input_length, output_length = (
+        _int_field(record, name, error) for name in _FIELDS[:3]
+    )
+    ids = record["hash_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise error(f"hash_ids: got {ids!r}, expected a non-empty list of ints")
+    for position, value in enumerate(ids):
+        if type(value) is not int or not 0 <= value <= MAX_HASH_ID:
+            raise error(
+                f"hash_ids[{position}]: got {value!r}, expected an int in [0, {MAX_HASH_ID}]"
+            )
+    if len(ids) != math.ceil(input_length / TRACE_BLOCK_TOKENS):
+        raise error(
+            f"hash_ids: got {len(ids)} ids for input_length {input_length}, expected "
+            f"ceil({input_length} / {TRACE_BLOCK_TOKENS}) = "
+            f"{math.ceil(input_length / TRACE_BLOCK_TOKENS)}"
+        )
+    return TraceRequest(timestamp, input_length, output_length, tuple(ids))
+
+
+def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
+    """The first `limit` requests (all when None) of the trace at `path`. Raises `TraceError`
+    naming the first bad line: unreadable, not a request, or earlier than the line before."""
+    source = os.fspath(path)
+    requests: list[TraceRequest] = []
+    try:
+        with open(source, encoding="utf-8") as file:
+            for number, text in enumerate(file, start=1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                if not text.strip():
+                    continue
+                request = parse_line(text, source, number)
+                if requests and request.timestamp_ms < requests[-1].timestamp_ms:
+                    raise TraceError(
+                        source,
+                        number,
+                        f"timestamp: got {request.timestamp_ms}, expected >= "
+                        f"{requests[-1].timestamp_ms} (the lines are sorted by time)",
+                    )
+                requests.append(request)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(source, 0, f"cannot be read ({exc})") from exc
+    if not requests:
+        raise TraceError(source, 0, "holds no request, expected one JSON object per line")
+    return requests
+
+
+def ceiling(requests: Sequence[TraceRequest]) -> Ceiling:
+    """The infinite-cache ceiling of `requests`, replayed in order."""
+    seen: set[int] = set()
+    references = prefix_hits = seen_hits = 0
+    for request in requests:
+        ids = request.hash_ids
+        references += len(ids)
+        leading = 0
+        while leading < len(ids) and ids[leading] in seen:
+            leading += 1
+        prefix_hits += leading
+        seen_hits += sum(1 for h in ids if h in seen)
+        seen.update(ids)
+    return Ceiling(len(requests), references, len(seen), prefix_hits, seen_hits)

@@ -1,0 +1,216 @@
+"""`kvtier replay`: trace parsing, the ceiling, exact scenarios on tiny traces, the real trace.
+
+Tiny traces use 512-token store blocks of 2 KiB (head_dim 1) and the inline mover, so every
+count below follows from the store's placement rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.errors import InvalidArgumentError, TraceError
+from kvtier.replay import (
+    ReplayOptions,
+    Sizing,
+    ceiling,
+    parse_line,
+    read_trace,
+    replay,
+    replay_config,
+)
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+needs_trace = pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
+B = 512  # tokens per trace block
+TINY = ReplayOptions(block_bytes=2048)
+
+# 4 requests, 6 unique blocks; hits: r2 (0, 1), r3 (0), r4 (0, 1, 2): 6 of 12 references
+SHARED = [[0, 1, 2], [0, 1, 3], [0, 4], [0, 1, 2, 5]]
+
+
+def write_trace(path: Path, hash_ids: list[list[int]]) -> Path:
+    lines = []
+    for i, ids in enumerate(hash_ids):
+        record = {"timestamp": 10 * i, "input_length": len(ids) * B - 7, "output_length": 3}
+        lines.append(json.dumps({**record, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_tokens_are_a_distinct_run_per_hash_id() -> None:
+    request = parse_line('{"timestamp": 0, "input_length": 600, "output_length": 1, '
+                         '"hash_ids": [7, 3]}')  # fmt: skip
+    tokens = request.tokens()
+    assert request.num_tokens == len(tokens) == 2 * B
+    assert tokens[0] == 7 * B and tokens[B - 1] == 7 * B + B - 1 and tokens[B] == 3 * B
+
+
+def test_ceiling_counts_leading_ids_seen_before(tmp_path: Path) -> None:
+    limit = ceiling(read_trace(write_trace(tmp_path / "t.jsonl", SHARED)))
+    assert (limit.requests, limit.references, limit.unique_blocks) == (4, 12, 6)
+    assert limit.prefix_hits == limit.seen_hits == 6
+    assert limit.hit_rate == 0.5
+
+
+def test_a_cache_larger_than_the_trace_serves_the_ceiling_from_gpu(tmp_path: Path) -> None:
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
+    result = replay(requests, ceiling(requests), Sizing("big", 2.0, 2.0, 0.0), TINY)
+    assert result.served == {"gpu": 6 * B, "host": 0, "disk": 0, "recomputed": 6 * B}
+    assert result.ceiling_tokens == 6 * B
+    assert result.ratio == 1.0
+    assert result.prefetches == 0 and result.dropped_tokens == 0
+
+
+def test_a_one_block_gpu_serves_from_host(tmp_path: Path) -> None:
+    # gpu holds 1 block and demotes it after every store (above 95 % of one slot): every hit
+    # is found on host; r3's one-block prefix is prefetched, r2's and r4's do not fit on gpu
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
+    result = replay(requests, ceiling(requests), Sizing("host", 0.1, 2.0, 0.0), TINY)
+    assert result.capacity_bytes["gpu"] == 2048
+    assert result.served == {"gpu": 0, "host": 6 * B, "disk": 0, "recomputed": 6 * B}
+    assert (result.prefetches, result.prefetch_refused) == (1, 2)
+    assert result.ratio == 1.0
+
+
+def test_a_disk_tier_keeps_what_memory_cannot(tmp_path: Path) -> None:
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
+    tiered = replay(requests, ceiling(requests), Sizing("disk", 0.1, 0.7, 2.0), TINY)
+    alone = replay(requests, ceiling(requests), Sizing("gpu-only", 0.1, 0.0, 0.0), TINY)
+    assert tiered.ratio == 1.0 and tiered.served["disk"] > 0
+    assert tiered.path_bytes["host->disk"] > 0
+    assert alone.hit_tokens < tiered.hit_tokens
+    assert alone.served["disk"] == 0
+
+
+def test_sizes_become_capacities_of_scaled_blocks(tmp_path: Path) -> None:
+    options = ReplayOptions(block_tokens=16, block_bytes=4096)
+    config = replay_config(Sizing("s", 0.01, 0.1, 0.0), 1000, options, str(tmp_path))
+    assert config.layout.block_bytes == 4096 // 32  # a 512-token block is 32 store blocks
+    assert config.tiers.gpu.capacity.nbytes == 320 * 128  # 1 % of 32,000 store blocks
+    assert config.tiers.host.capacity.nbytes == 3200 * 128
+    assert config.tiers.disk is None
+    assert config.policy.disk_admission_hits == 0 and config.mover.background is False
+
+
+def test_bad_options_and_sizes_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="block_tokens: got 100"):
+        ReplayOptions(block_tokens=100)
+    with pytest.raises(InvalidArgumentError, match="block_bytes: got 1000"):
+        ReplayOptions(block_bytes=1000)
+    with pytest.raises(InvalidArgumentError, match="--gpu: got 0"):
+        Sizing("s", 0.0, 0.1, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "got list, expected a JSON object"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1}', "missing hash_ids"),
+        ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+         "timestamp: got -1"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": []}',
+         "hash_ids: got \\[\\]"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, "a"]}',
+         "hash_ids\\[1\\]: got 'a'"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [8388608]}',
+         "hash_ids\\[0\\]: got 8388608"),
+        ('{"timestamp": 0, "input_length": 513, "output_length": 1, "hash_ids": [1]}',
+         "hash_ids: got 1 ids for input_length 513"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+         "timestamp: got 0, expected >= 10"),
+    ],
+)  # fmt: skip
+def test_a_bad_line_is_a_typed_error_naming_it(tmp_path: Path, line: str, problem: str) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [[0], [0, 1]])
+    path.write_text(path.read_text() + line + "\n")
+    with pytest.raises(TraceError, match=f"t.jsonl:3: {problem}") as info:
+        read_trace(path)
+    assert info.value.line == 3
+
+
+def test_a_missing_or_empty_trace_is_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="cannot be read"):
+        read_trace(tmp_path / "absent.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(TraceError, match="holds no request"):
+        read_trace(tmp_path / "empty.jsonl")
+
+
+def test_cli_prints_both_runs_and_the_ratio_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_trace(tmp_path / "t.jsonl", SHARED)
+    args = ["replay", str(path), "--gpu", "0.1", "--host", "0.7", "--disk", "2", "--block-bytes",
+            "2048", "--dir", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"trace {path}: 4 requests, 12 block references, 6 unique")
+    assert lines[-1].startswith("ratio to the infinite-cache ceiling (tiered): 1.000 (gpu-only")
+    assert list(tmp_path.iterdir()) == [path]  # the disk tier's directory is gone
+
+
+def test_cli_json_and_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_trace(tmp_path / "t.jsonl", SHARED)
+    assert (
+        main(
+            [
+                "replay",
+                str(path),
+                "--json",
+                "--no-baseline",
+                "--host",
+                "0.7",
+                "--block-bytes",
+                "2048",
+            ]
+        )
+        == 0
+    )
+    document = json.loads(capsys.readouterr().out)
+    assert document["ceiling"]["prefix_hits"] == 6
+    assert [run["sizing"]["label"] for run in document["runs"]] == ["tiered"]
+    assert document["ratio_to_ceiling"] == 1.0
+    path.write_text("{}\n")
+    assert main(["replay", str(path)]) == 2
+    assert "t.jsonl:1: missing timestamp" in capsys.readouterr().err
+
+
+def test_sweep_plots_hit_rate_by_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib", reason="the optional extra `plot` is not installed")
+    path = write_trace(tmp_path / "t.jsonl", SHARED)
+    image = tmp_path / "sweep.png"
+    args = ["replay", str(path), "--sweep", "--plot", str(image), "--block-bytes", "2048"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.count("\nx") == 6  # one table row per scale
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_trace
+def test_the_first_requests_of_the_real_trace() -> None:
+    requests = read_trace(TRACE, limit=400)
+    limit = ceiling(requests)
+    assert limit.prefix_hits == limit.seen_hits  # the ids are chained
+    tiered = replay(requests, limit, Sizing("tiered", 0.01, 0.10, 1.0), ReplayOptions())
+    alone = replay(requests, limit, Sizing("gpu-only", 0.01, 0.0, 0.0), ReplayOptions())
+    assert tiered.ceiling_tokens == limit.prefix_hits * B
+    assert tiered.ratio >= 0.95
+    assert alone.ratio < 0.5 * tiered.ratio
+
+
+@needs_trace
+@pytest.mark.slow
+def test_acceptance_on_the_whole_trace() -> None:
+    requests = read_trace(TRACE)
+    limit = ceiling(requests)
+    assert (limit.requests, limit.references, limit.unique_blocks) == (12031, 288500, 182790)
+    assert round(limit.hit_rate, 3) == 0.366
+    tiered = replay(requests, limit, Sizing("tiered", 0.01, 0.10, 1.0), ReplayOptions())
+    alone = replay(requests, limit, Sizing("gpu-only", 0.01, 0.0, 0.0), ReplayOptions())
+    assert tiered.ratio >= 0.95
+    assert alone.ratio < 0.5
+    assert tiered.wall_s + alone.wall_s < 600
