@@ -9,8 +9,10 @@ matmul + softmax. What it is for is the KV it returns, in the shape kvtier store
 Token t of `tokens` sits at position P + t and attends to every cached position and to the new
 positions up to its own (causal over past + new). The returned `kv` is the whole cache, past
 included, so `forward(rest, kv_of_prefix)` gives the same logits and KV as a full prefill of
-prefix + rest (up to fp32 rounding). Grouped-query attention repeats each KV head for the
-`num_heads // num_kv_heads` query heads it serves (head j serves j*r .. j*r + r - 1, as in HF).
+prefix + rest (up to fp32 rounding). `step(tokens, start, attend)` is the same pass with the
+attention handed to the caller (paged attention over cached pages, `engine.py`).
+Grouped-query attention repeats each KV head for the `num_heads // num_kv_heads` query heads
+it serves (head j serves j*r .. j*r + r - 1, as in HF).
 
 RoPE is HF's `rotate_half` form: dims (i, i + D/2) of a head are rotated together by angle
 `pos * base**(-2i/D)`. Weights converted by llama.cpp have their Q/K rows permuted for its
@@ -20,12 +22,15 @@ interleaved form; `gguf_loader` undoes that, so the K here is laid out as HF's m
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.layout import KVLayout
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""`attend(layer, q, k, v) -> [T, H * D]`: one layer's attention for new tokens (`Llama.step`)."""
 
 
 @dataclass(frozen=True)
@@ -107,17 +112,41 @@ class Llama:
         cache of the P tokens before them, or None for P = 0. Neither input is modified.
         """
         c = self.config
-        assert tokens.dim() == 1 and tokens.dtype == torch.int64, (tokens.dtype, tokens.shape)
         past = 0 if past_kv is None else past_kv.shape[2]
         if past_kv is not None:
             expected = (c.num_layers, 2, past, c.num_kv_heads, c.head_dim)
             assert tuple(past_kv.shape) == expected, (tuple(past_kv.shape), expected)
             past_kv = past_kv.to(self.dtype)
         num_new = tokens.shape[0]
-        cos, sin = self._rope(past, num_new)
         # query t (position past + t) may see key s (position s) iff s <= past + t
         allowed = torch.ones(num_new, past + num_new, dtype=torch.bool).tril(diagonal=past)
 
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if past_kv is not None:
+                k = torch.cat([past_kv[layer, 0], k])
+                v = torch.cat([past_kv[layer, 1], v])
+            return self._attention(q, k, v, allowed)
+
+        logits, new_kv = self.step(tokens, past, attend)
+        kv = new_kv if past_kv is None else torch.cat([past_kv, new_kv], dim=2)
+        return logits, kv
+
+    @torch.inference_mode()
+    def step(
+        self, tokens: torch.Tensor, start: int, attend: Attend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits `[T, vocab]` for `tokens` at positions start .. start + T - 1 and their own KV
+        `[L, 2, T, Hkv, D]` (not the past's), with attention left to the caller.
+
+        For each layer, `attend(layer, q, k, v)` gets the new tokens' q `[T, H, D]` and k, v
+        `[T, Hkv, D]` (K after RoPE) and returns `[T, H * D]`: softmax(q k^T / sqrt(D)) v over
+        whatever cache it holds for positions < start, plus the new tokens causally. This is
+        how an engine puts paged attention over cached pages under the model (`engine.py`).
+        """
+        c = self.config
+        assert tokens.dim() == 1 and tokens.dtype == torch.int64, (tokens.dtype, tokens.shape)
+        num_new = tokens.shape[0]
+        cos, sin = self._rope(start, num_new)
         x = self.embed[tokens]
         kv_layers = []
         for i, layer in enumerate(self.layers):
@@ -125,11 +154,8 @@ class Llama:
             q = _apply_rope((h @ layer.wq.T).view(num_new, c.num_heads, c.head_dim), cos, sin)
             k = _apply_rope((h @ layer.wk.T).view(num_new, c.num_kv_heads, c.head_dim), cos, sin)
             v = (h @ layer.wv.T).view(num_new, c.num_kv_heads, c.head_dim)
-            if past_kv is not None:
-                k = torch.cat([past_kv[i, 0], k])
-                v = torch.cat([past_kv[i, 1], v])
             kv_layers.append(torch.stack([k, v]))
-            x = x + self._attention(q, k, v, allowed) @ layer.wo.T
+            x = x + attend(i, q, k, v) @ layer.wo.T
             h = _rms_norm(x, layer.ffn_norm, c.rms_eps)
             gated = torch.nn.functional.silu(h @ layer.w_gate.T) * (h @ layer.w_up.T)
             x = x + gated @ layer.w_down.T

@@ -1,0 +1,127 @@
+"""A reference engine: prefill and greedy decoding of the reference Llama, reusing cached
+prefixes through kvtier (the embedded `KVStore` or the sidecar's `Client`).
+
+    engine = Engine(load_smollm2(), store)
+    out = engine.generate(prompt_ids, max_new_tokens=8)    # Generation: ids, logits, hit, ...
+
+One request, in order:
+
+    lookup(prompt[:-1])            how much is cached (and on which tier)
+    prefetch -> lease              the cached prefix of P tokens on the gpu tier, locked
+    step(prompt[P:], start=P)      per layer: the model's q/k/v of the new tokens; attention =
+                                   paged extend over the leased pages + the new tokens, causal
+    copy the prefix out, release   the lease is held only for the prefill's attention
+    store(prompt, kv)              the prompt's new full blocks (cached ones are not rewritten)
+    decode                         greedy, one token per step, on a local contiguous cache
+
+Decoding keeps a local contiguous KV (the prefix copied out of its pages, then the prompt's
+suffix and every generated token) and runs `Llama.forward` on it: what kvtier is for here is
+the prefill, and a local cache keeps the decode steps independent of leases and their expiry.
+The generated tokens' KV is not stored. A prompt with nothing cached is a plain
+`Llama.forward`; a prefetch refused for lack of gpu room (`CapacityError`) is one as well.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import CapacityError, InvalidArgumentError
+from kvtier.reference.llama import Llama
+from kvtier.reference.prefix import Cache, Prefix, open_prefix
+from kvtier.results import LookupResult, StoreResult
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prompt's prefill. `logits` `[len(prompt) - reused_tokens, vocab]` are those of the
+    positions computed (the reused ones have none); `kv` `[L, 2, len(prompt), Hkv, D]` is the
+    whole prompt's, in the model's dtype. `hit` is what `lookup` found (of `prompt[:-1]`),
+    `reused_tokens` what was attended over from cached pages, `stored` what `store` did;
+    `seconds` is the wall time of the whole prefill, store included."""
+
+    logits: torch.Tensor
+    kv: torch.Tensor
+    hit: LookupResult
+    reused_tokens: int
+    stored: StoreResult
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Greedy continuation: `tokens` (without the end-of-sequence id, if it came) and
+    `logits` `[steps, vocab]`, the last-position logits of each step, the prefill's first:
+    row i chose `tokens[i]`; a row past `tokens` is the one that chose the end-of-sequence id
+    (or, with `max_new_tokens` 0, the prefill's)."""
+
+    prefill: Prefill
+    tokens: list[int]
+    logits: torch.Tensor
+
+
+class Engine:
+    """Runs `model` over prompts, reusing and filling `cache`. One request at a time; the
+    cache may be shared with other engines (it is the store's job to keep them apart)."""
+
+    def __init__(self, model: Llama, cache: Cache, *, tenant: str = "default") -> None:
+        self.model = model
+        self.cache = cache
+        self.tenant = tenant
+        served = cache.status()["layout"]
+        self.layout = model.layout(served["block_tokens"], served["dtype"])
+        if self.layout.block_bytes != served["block_bytes"]:
+            raise InvalidArgumentError(
+                f"cache: its blocks are {served['block_bytes']} bytes, expected "
+                f"{self.layout.block_bytes} for {self.layout} (the model's geometry)"
+            )
+
+    def prefill(self, prompt: Sequence[int]) -> Prefill:
+        """Compute the prompt, reusing its cached prefix, and store its new full blocks."""
+        if len(prompt) == 0:
+            raise InvalidArgumentError("prompt: got no tokens, expected at least one")
+        started = time.perf_counter()
+        hit = self.cache.lookup(list(prompt[:-1]), tenant=self.tenant)
+        prefix = self._open(prompt) if hit.num_tokens else None
+        ids = torch.tensor(list(prompt), dtype=torch.int64)
+        if prefix is None:
+            logits, kv = self.model.forward(ids)
+            reused = 0
+        else:
+            try:
+                reused = prefix.num_tokens
+                logits, new_kv = self.model.step(ids[reused:], reused, prefix.attend)
+                kv = torch.cat([prefix.kv().to(new_kv.dtype), new_kv], dim=2)
+            finally:
+                prefix.release()
+        stored = self.cache.store(list(prompt), kv.to(self.layout.dtype), tenant=self.tenant)
+        return Prefill(logits, kv, hit, reused, stored, time.perf_counter() - started)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> Generation:
+        """`prefill`, then up to `max_new_tokens` greedy tokens, stopping before the model's
+        end-of-sequence id."""
+        if type(max_new_tokens) is not int or max_new_tokens < 0:
+            raise InvalidArgumentError(f"max_new_tokens: got {max_new_tokens!r}, expected >= 0")
+        done = self.prefill(prompt)
+        eos = self.model.config.eos_token_id
+        tokens: list[int] = []
+        rows = [done.logits[-1]]
+        kv = done.kv
+        while len(tokens) < max_new_tokens:
+            next_id = int(rows[-1].argmax())
+            if next_id == eos:
+                break
+            tokens.append(next_id)
+            if len(tokens) < max_new_tokens:
+                logits, kv = self.model.forward(torch.tensor([next_id], dtype=torch.int64), kv)
+                rows.append(logits[-1])
+        return Generation(done, tokens, torch.stack(rows))
+
+    def _open(self, prompt: Sequence[int]) -> Prefix | None:
+        try:
+            return open_prefix(self.cache, prompt, tenant=self.tenant)
+        except CapacityError:  # the gpu tier cannot lease it beside other leases: compute it
+            return None
