@@ -26,7 +26,8 @@ This is the synchronous part of the mover: the store calls it when an allocation
 (and, without a background mover, when a tier passes its high watermark). The background mover
 (`mover.py`) makes the same decisions in flights. With `sync_disk` off (background mode) a copy
 down to disk is never made here, in the caller's thread: a leaf that would need one is dropped
-instead and counted in `backpressure_drops`, so that `store()` never waits on the disk.
+instead and counted in `backpressure_drops`, so that `store()` never waits on the disk; and
+before any such drop, the tier's clean leaves (those with a disk copy already) are freed first.
 `reserved(tier)` is the number of slots of a tier that flights own (allocated, not yet in the
 index, never evictable); room-making leaves them out.
 """
@@ -93,11 +94,28 @@ class Demoter:
             return True
         if n > pool.num_slots:
             return False
+        if self._writes_back(tier):
+            # under backpressure, clean leaves first (their disk copy exists: freeing them
+            # loses nothing), then the LRU order drops what it must
+            for ref in self.index.victims(tier):
+                if ref.node.slots[tier + 1][ref.i] is not None:
+                    self._demote(ref, tier)
+                    if pool.num_free >= n:
+                        return True
         for ref in self.index.victims(tier):
             self._demote(ref, tier)
             if pool.num_free >= n:
                 return True
         return pool.num_free >= n
+
+    def _writes_back(self, tier: int) -> bool:
+        """Whether `tier`'s next tier is a disk that this synchronous path may not write."""
+        lower = tier + 1
+        return (
+            not self.sync_disk
+            and lower < len(self.pools)
+            and isinstance(self.pools[lower], DiskTier)
+        )
 
     def can_make_room(self, tier: int, n: int) -> bool:
         """Whether `make_room(tier, n)` can succeed at all: the free slots plus the copies in
