@@ -392,3 +392,24 @@ def test_a_background_demotion_is_invisible_until_its_disk_write_is_durable(
     headers = slab_headers(tmp_path / "disk")
     assert len(headers) == status["tiers"]["disk"]["blocks"]
     store.check()
+
+
+def test_under_backpressure_a_clean_leaf_is_freed_before_a_dirty_one_is_dropped(
+    tmp_path: Path, stores: list[KVStore]
+) -> None:
+    config = disk_config(
+        tmp_path / "disk", gpu_blocks=4, host_blocks=2, write="write_through", background=True
+    )
+    store = KVStore(config)
+    stores.append(store)
+    a, b, c = seq(0, 4), seq(100, 4), seq(200, 4)
+    store.store(a, kv_for(store, 4, seed=1))
+    store.persist()  # a: gpu, host, disk (clean)
+    store.store(b, kv_for(store, 4, seed=2))  # b: gpu, host (dirty)
+    assert store.evict("gpu", 2) == 2  # both host-only now (a keeps its disk copy)
+    store.lookup(a)  # b is the least recently used
+    store.store(c, kv_for(store, 4, seed=3))  # write_through: c needs a host slot now
+    assert store.lookup(b) == hit(host=4), "the dirty leaf was dropped while a clean one was there"
+    assert store.lookup(a) == hit(disk=4)
+    assert store.status()["mover"]["backpressure_drops"] == 0
+    store.check()
