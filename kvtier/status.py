@@ -16,7 +16,10 @@ if TYPE_CHECKING:
 
 def store_status(store: KVStore) -> dict[str, Any]:
     index = store.index
-    leased_blocks = [index.leases.locked_blocks(tier) for tier in range(len(store.pools))]
+    # leases of clients only: the mover's pins are its own business (mover.in_flight)
+    leased_blocks = [
+        index.leases.locked_blocks(tier, pins=False) for tier in range(len(store.pools))
+    ]
     tiers = {}
     for tier, (pool, counters) in enumerate(zip(store.pools, store.counters, strict=True)):
         moved_out = sum(n for (src, _), n in store.executor.bytes_moved.items() if src == pool.name)

@@ -418,7 +418,7 @@ def test_a_request_without_a_key_is_401_and_with_an_unknown_key_403(
     for headers, status, kind in [
         (JSON, 401, "unauthorized"),
         ({**JSON, "authorization": "Bearer not-a-key-of-anyone"}, 403, "forbidden"),
-        ({**JSON, "authorization": KEY_A}, 403, "forbidden"),  # not "Bearer <key>"
+        ({**JSON, "authorization": KEY_A}, 401, "unauthorized"),  # not "Bearer <key>"
         ({**JSON, "authorization": f"Bearer {ADMIN_KEY}"}, 403, "forbidden"),  # admin only
     ]:
         response = auth_server.post("/v1/lookup", content=lookup, headers=headers)

@@ -110,13 +110,13 @@ class LeaseTable:
                 expired.append(self.release(lease_id))
         return expired
 
-    def locked_blocks(self, tier: int) -> int:
-        """Blocks with a copy in `tier` that a lease (or pin) on `tier` holds, each counted once
-        however many leases cover it."""
+    def locked_blocks(self, tier: int, *, pins: bool = True) -> int:
+        """Blocks with a copy in `tier` that a lease (or, with `pins`, a pin: a record that
+        never expires) on `tier` holds, each counted once however many leases cover it."""
         seen: set[Node] = set()
         count = 0
         for record in self._records.values():
-            if tier not in record.tiers:
+            if tier not in record.tiers or (not pins and record.expires_at == math.inf):
                 continue
             node = record.end
             while node.parent is not None and node not in seen:

@@ -361,7 +361,7 @@ def _admit(request: Request, service: Service) -> tuple[KVStore, str]:
     authorization = request.headers.get("authorization")
     tenant = service.auth.tenant(authorization, request.headers.get("x-kvtier-tenant"))
     if tenant is None:
-        if authorization is None:
+        if authorization is None or not authorization.startswith("Bearer "):
             raise wire.WireError(401, "unauthorized", "missing 'Authorization: Bearer <key>'")
         raise wire.WireError(403, "forbidden", "unknown API key")
     return store, tenant
