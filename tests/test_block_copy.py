@@ -110,9 +110,10 @@ def test_strategies_agree_on_a_random_permutation_of_every_slot() -> None:
 # -- the kernel, without CUDA -------------------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    kernel_available(), reason="CUDA and CuPy are here: the GPU tests below cover the kernel"
+)
 def test_without_cuda_the_kernel_applies_nowhere_and_refuses_host_buffers() -> None:
-    if kernel_available():
-        pytest.skip("CUDA and CuPy are here: the GPU tests below cover the kernel")
     assert not kernel_applies("pinned", "cuda:0") and not kernel_applies("cuda:0", "cuda:0")
     assert [s.name for s in STRATEGIES if s.applies("cpu", "cpu")] == ["slices", "gather"]
     src, dst = random_pool(), poisoned_pool()
@@ -153,10 +154,13 @@ def _nvcc() -> str | None:
     return found
 
 
+@pytest.mark.skipif(
+    _nvcc() is None,
+    reason="nvcc is not on PATH nor at /usr/local/cuda/bin/nvcc: cannot compile CUDA C",
+)
 def test_the_cuda_source_compiles_for_hopper(tmp_path: Path) -> None:
     nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH nor at /usr/local/cuda/bin/nvcc: cannot compile CUDA C")
+    assert nvcc is not None
     source, ptx = tmp_path / "block_copy.cu", tmp_path / "block_copy.ptx"
     source.write_text(BLOCK_COPY_CUDA)
     done = subprocess.run(
