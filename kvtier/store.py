@@ -435,11 +435,7 @@ class KVStore:
         `lease.wait_layer(l)` wait for it (`results.Lease`); a prefix already in flight is
         joined, not copied twice."""
         key = encode_tokens(tokens)
-        ttl = self.config.policy.lease_ttl_s if ttl_s is None else ttl_s
-        if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
-            raise InvalidArgumentError(
-                f"ttl_s: got {ttl_s!r}, expected a finite number of seconds > 0"
-            )
+        ttl = self._ttl(ttl_s)
         if type(wait) is not bool:
             raise InvalidArgumentError(f"wait: got {wait!r}, expected True or False")
         for attempt in range(PREFETCH_ATTEMPTS):
