@@ -124,8 +124,12 @@ class Demoter:
         pool = self.pools[tier]
         if pool.num_free >= n:
             return True
-        evictable = pool.num_used - self.index.leases.locked_blocks(tier) - self.reserved(tier)
-        return n <= pool.num_free + evictable
+        return n <= pool.num_free + self.evictable(tier)
+
+    def evictable(self, tier: int) -> int:
+        """Copies in `tier` that no lease or pin holds and no flight owns."""
+        pool = self.pools[tier]
+        return pool.num_used - self.index.leases.locked_blocks(tier) - self.reserved(tier)
 
     def demote_to(self, tier: int, target_used: int) -> None:
         """Demote LRU leaves of `tier` until at most `target_used` slots are in use."""

@@ -26,7 +26,6 @@ lock) and the leases waiting on it (`Lease._progress`, under each lease's own lo
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,15 +63,10 @@ class Flight:
     failed: str = ""  # why, when a copy failed or raised
     bad_position: int | None = None  # a disk copy that failed verification
     published: bool = False  # the mover has told the index (or given up)
-    started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _outstanding: int = 0
     _launched: bool = False
     _finished: bool = False
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.positions)
 
     def reserved(self, tier: int) -> int:
         return len(self.dst.get(tier, ()))

@@ -243,9 +243,10 @@ class Mover:
     ) -> Flight:
         count = len(new)
         if not (self.demoter.can_make_room(GPU, count) and self.demoter.make_room(GPU, count)):
+            freeable = self.gpu.num_free + self.demoter.evictable(GPU)
             raise CapacityError(
                 f"prefetch: {count} blocks must come up to gpu, but only "
-                f"{self.gpu.num_free + self._evictable(GPU)} of {self.gpu.num_slots} gpu slots "
+                f"{freeable} of {self.gpu.num_slots} gpu slots "
                 "can be freed (the rest hold leased, pinned or in-flight blocks)"
             )
         from_disk = [(p, ref) for p, ref in new if ref.node.fastest(ref.i) == DISK]
@@ -304,10 +305,6 @@ class Mover:
         self.stats["prefetch_flights"] += 1
         self.runner.launch_prefetch(flight)
         return flight
-
-    def _evictable(self, tier: int) -> int:
-        pool = self.pools[tier]
-        return pool.num_used - self.index.leases.locked_blocks(tier) - self.reserved(tier)
 
     def _before_doomed(self, namespace: BlockId, key: bytes, match: Match) -> Match:
         """`match`, cut before the first block known to be corrupt (not yet droppable)."""
