@@ -241,7 +241,7 @@ class KVStore:
             by_tier = hit.tier_blocks
             for tier, count in enumerate(by_tier):
                 self.counters[tier].hits += count
-            if by_tier[0] < hit.num_blocks:
+            if self.mover.lift_on_lookup and by_tier[0] < hit.num_blocks:
                 self.mover.note_lookup(namespace, key[: hit.num_blocks * self.index.key_nbytes])
             disk = by_tier[2] if len(by_tier) > 2 else 0
             return LookupResult(hit.num_blocks * bt, by_tier[0] * bt, by_tier[1] * bt, disk * bt)

@@ -606,10 +606,9 @@ class Mover:
         self.runner.launch(flight, [Transfer(self.pools[tier], src, target, tuple(dst), metas)])
 
     def note_lookup(self, namespace: BlockId, key: bytes) -> None:
-        """A lookup hit blocks below gpu: remember the prefix for `lift_on_lookup`."""
-        if self.lift_on_lookup:
-            self._lifts.append((namespace, key))
-            self._wake.set()
+        """A lookup hit blocks below gpu: remember the prefix (with `lift_on_lookup` on)."""
+        self._lifts.append((namespace, key))
+        self._wake.set()
 
     def _lift(self) -> None:
         """Bring remembered prefixes up while the gpu tier is under its low watermark, without
