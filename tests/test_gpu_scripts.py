@@ -41,6 +41,7 @@ def test_the_mover_scripts_store_part_runs_and_verifies_on_a_cpu_pool() -> None:
     figures = script.measure_store(torch.device("cpu"), mismatches, prompts=3, tokens_each=64)
     assert mismatches == []
     assert figures["prompts"] == 3 and figures["ready_ms_p50"] > 0
+    assert figures["short_leases"] == 0
     assert figures["mover"]["step_errors"] == 0
 
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on a lent CUDA machine (the device tool): the CUDA tests, then each GPU benchmark,
+# every log and JSON under $OUT. Each step has its own time limit so that one hang cannot eat
+# the whole lease; a step that fails is reported and the next one still runs.
+#   run: bash benchmarks/gpu/run_all.sh        (carry .whl: the wheels the image lacks)
+set -uo pipefail
+OUT=${OUT:-/tmp/kvtier-gpu-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 3
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+
+status=0
+step() {  # step NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s)"
+    local started=$SECONDS
+    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - started)) s" | tee -a "$OUT/gpu.txt"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+# every test module that has CUDA-marked tests
+mapfile -t gpu_tests < <(grep -l "mark.gpu" tests/test_*.py)
+step tests_gpu "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -m gpu -q "${gpu_tests[@]}"
+step bench_kernels "${KERNELS_LIMIT:-200}" python3 benchmarks/gpu/bench_kernels.py
+step bench_mover_gpu "${MOVER_LIMIT:-200}" python3 benchmarks/gpu/bench_mover_gpu.py
+exit $status
