@@ -4,7 +4,8 @@
     kvtier status [--url URL] [--key KEY] [--json]       a running sidecar's status, as a table
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
     kvtier validate FILE...                check config files; print each one's tier sizes
-    kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems)
+    kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems,
+                                           a damaged superblock or slab file among them)
     kvtier replay TRACE [--gpu F --host F --disk F] [--sweep] [--plot PNG] [--json]
                                            replay a Mooncake trace against a real store
 
@@ -25,6 +26,7 @@ from kvtier.config import KVTierConfig, format_size, load_config
 from kvtier.errors import KVTierError
 from kvtier.store import KVStore
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
+from kvtier.tiers.disk.slabs import DamagedDiskError
 
 
 def _config(path: str | None) -> KVTierConfig:
@@ -116,7 +118,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    report = check_directory(Path(args.path), fix=args.fix)
+    try:
+        report = check_directory(Path(args.path), fix=args.fix)
+    except DamagedDiskError as exc:  # a problem found, like a corrupt slot: status 1
+        print(f"{args.path}: damaged: {exc}")
+        return 1
     print(f"{args.path}: {report.slots} slots: {report.valid} valid, {report.empty} empty")
     for name in PROBLEMS:
         print(f"  {name.replace('_', ' '):<18}{getattr(report, name):>8}")

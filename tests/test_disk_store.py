@@ -81,7 +81,7 @@ def test_disk_space_is_preallocated_and_stays_within_capacity(
     store = open_store(disk_config(tmp_path / "disk", capacity="1MiB"))
     fill(store, SEQS)
     names = sorted(os.listdir(tmp_path / "disk"))
-    assert names == ["kvtier-disk.json", "slab-00000.kvt"]
+    assert names == ["kvtier-disk.json", "kvtier.lock", "slab-00000.kvt"]
     assert os.path.getsize(tmp_path / "disk" / "slab-00000.kvt") == MIB
     assert allocated_bytes(tmp_path / "disk") <= MIB + 64 * 1024  # superblock + directory
 

@@ -2,7 +2,10 @@
 
 - Keys come from the config (`tenants.<id>.api_keys`, `service.admin_key`), literally or as
   `env:NAME` (read from the environment once, at start). Only their SHA-256 digests are kept;
-  a key never appears in a log, a status or an error.
+  a key never appears in a log, a status or an error: an error names the key's place
+  (`tenants.a.api_keys.0`) and what was expected, never its value.
+- A key acts as one tenant or as the admin, never two of them: the same key under two tenants,
+  or a tenant's key equal to the admin key, is a `ConfigError` at start naming both places.
 - Auth is on when any tenant has a key. Then every data-plane request carries
   `Authorization: Bearer <key>` and acts as that key's tenant (401 without a key, 403 with an
   unknown one); a request can never name another tenant. Without auth every request acts as
@@ -12,7 +15,10 @@
 - The server secret keys the tenant salts (`hashing.tenant_salt`): 32 random bytes generated at
   the first start in `service.state_dir/secret`, mode 0600, and read back on every later start,
   so that block ids (and a disk tier's contents) stay valid across restarts. A client never
-  supplies a salt.
+  supplies a salt. The state directory is made 0700 (refused if a group or other user can
+  write it); the secret is created whole (never half-written) and read without following a
+  link; one another user could read, a link, or anything but a regular file of 32 bytes is
+  refused with a `ConfigError` naming the path (`private_files.py`).
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ import hashlib
 import ipaddress
 import os
 import secrets
-from pathlib import Path
 
-from kvtier.config import KVTierConfig
+from kvtier.config import HiddenKey, KVTierConfig
 from kvtier.errors import ConfigError
+from kvtier.private_files import create_once, private_dir, read_regular
 
 SECRET_BYTES = 32
 
@@ -46,12 +52,31 @@ def resolve_key(ref: str, field: str) -> str:
 
 class Auth:
     def __init__(self, config: KVTierConfig) -> None:
+        """Resolve every key; `ConfigError` for an unset `env:` key and for one key in two
+        places (two tenants, or a tenant and the admin)."""
         self._tenants: dict[bytes, str] = {}
+        places: dict[bytes, str] = {}
         for tenant, tenant_cfg in config.tenants.items():
             for i, ref in enumerate(tenant_cfg.api_keys):
-                self._tenants[_digest(resolve_key(ref, f"tenants.{tenant}.api_keys.{i}"))] = tenant
+                place = f"tenants.{tenant}.api_keys.{i}"
+                digest = _digest(resolve_key(ref, place))
+                owner = self._tenants.setdefault(digest, tenant)
+                if owner != tenant:
+                    raise ConfigError(
+                        place,
+                        HiddenKey(),
+                        f"a key of one tenant only: tenant {tenant!r} and tenant {owner!r} "
+                        f"list the same key ({places[digest]})",
+                    )
+                places.setdefault(digest, place)
         admin = config.service.admin_key
         self._admin = None if admin is None else _digest(resolve_key(admin, "service.admin_key"))
+        if self._admin in places:
+            raise ConfigError(
+                "service.admin_key",
+                HiddenKey(),
+                f"a key no tenant uses: {places[self._admin]} is the same key",
+            )
         self.enabled = bool(self._tenants)
 
     def tenant(self, authorization: str | None, named: str | None) -> str | None:
@@ -89,21 +114,16 @@ def require_loopback(host: str, auth: Auth) -> None:
 
 
 def server_secret(state_dir: str | os.PathLike[str]) -> bytes:
-    """The persisted server secret; created (0600) at the first start."""
-    path = Path(state_dir) / "secret"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        secret = path.read_bytes()
-        if len(secret) != SECRET_BYTES:
-            raise ConfigError(
-                "service.state_dir", str(path), f"a secret file of {SECRET_BYTES} bytes"
-            ) from None
-        return secret
+    """The persisted server secret; created (0600, in a 0700 directory) at the first start."""
+    path = private_dir(state_dir, "service.state_dir") / "secret"
     secret = secrets.token_bytes(SECRET_BYTES)
-    with os.fdopen(fd, "wb") as out:
-        out.write(secret)
-        out.flush()
-        os.fsync(out.fileno())
+    if create_once(path, secret):
+        return secret
+    secret = read_regular(path, "service.state_dir", SECRET_BYTES, private=True)
+    if len(secret) != SECRET_BYTES:
+        raise ConfigError(
+            "service.state_dir",
+            str(path),
+            f"a secret file of {SECRET_BYTES} bytes, found {len(secret)}",
+        )
     return secret

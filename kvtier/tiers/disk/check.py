@@ -12,17 +12,22 @@ the slots into:
 
 A running store would discard or refuse every one of these anyway (at recovery or at read);
 `--fix` retires them now (zeroes their header region and syncs), so that the next start does
-not scan them again and `kvtier check` comes back clean. The store must not be running.
+not scan them again and `kvtier check` comes back clean. The store must not be running: the
+check takes the directory's lock (`lock.py`) and is refused, naming the holder's pid, while a
+store has it. The superblock is validated like any disk bytes (`slabs.read_superblock`): a
+damaged one, or a slab path that is not a regular file, is a `DamagedDiskError` naming the
+file, which `kvtier check` reports as a problem (exit status 1). A slab is read up to
+`slots_per_slab` slots, so a slab longer than its geometry never sends a retire elsewhere.
 Block ids are not re-hashed here (the hash algorithm is a store setting); recovery does that.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.disk.codec import CorruptPayload, get_codec
@@ -34,7 +39,13 @@ from kvtier.tiers.disk.format import (
     empty_header,
 )
 from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct, staging_buffer
-from kvtier.tiers.disk.slabs import SUPERBLOCK
+from kvtier.tiers.disk.lock import DirectoryLock
+from kvtier.tiers.disk.slabs import (
+    SUPERBLOCK,
+    DamagedDiskError,
+    read_superblock,
+    regular_file,
+)
 
 PROBLEMS = ("corrupt_headers", "corrupt_payloads", "foreign", "duplicates", "orphans")
 
@@ -59,18 +70,35 @@ class DiskCheckReport:
 
 def check_directory(path: Path, fix: bool = False, progress: bool | None = None) -> DiskCheckReport:
     """Check (and with `fix`, retire the bad slots of) the disk tier in `path`."""
-    superblock = path / SUPERBLOCK
-    if not superblock.exists():
+    geometry = read_superblock(path, "PATH")
+    if geometry is None:
         raise ConfigError("PATH", str(path), f"a disk tier directory (with {SUPERBLOCK})")
-    geometry = json.loads(superblock.read_text())
-    slot_bytes, region = int(geometry["slot_bytes"]), int(geometry["header_region"])
-    per_slab, layout = int(geometry["slots_per_slab"]), bytes.fromhex(geometry["layout"])
-    itemsize = int(geometry["itemsize"])
+    lock = DirectoryLock(path, "PATH")
+    try:
+        return _check(path, geometry, fix, progress)
+    finally:
+        lock.release()
+
+
+def _check(
+    path: Path, geometry: dict[str, Any], fix: bool, progress: bool | None
+) -> DiskCheckReport:
+    slot_bytes, region = geometry["slot_bytes"], geometry["header_region"]
+    per_slab, layout = geometry["slots_per_slab"], bytes.fromhex(geometry["layout"])
+    itemsize = geometry["itemsize"]
+    paths = [p for p in sorted(path.glob("slab-*.kvt")) if regular_file(p, "PATH")]
     direct = probe_direct(path)
-    slabs = [
-        SlabFile(p, p.stat().st_size // slot_bytes * slot_bytes, direct=direct, create=False)
-        for p in sorted(path.glob("slab-*.kvt"))
-    ]
+    slabs: list[SlabFile] = []
+    for slab_path in paths:
+        try:
+            slab = SlabFile(slab_path, 0, direct=direct, create=False)
+        except OSError as exc:
+            for opened in slabs:
+                opened.close()
+            expected = f"a slab file it can open ({exc.strerror})"
+            raise DamagedDiskError("PATH", str(slab_path), expected) from None
+        slab.size = min(slab.size // slot_bytes, per_slab) * slot_bytes
+        slabs.append(slab)
     report = DiskCheckReport()
     valid: dict[int, BlockHeader] = {}
     show = sys.stderr.isatty() if progress is None else progress

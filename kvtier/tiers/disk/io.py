@@ -126,12 +126,14 @@ class SlabFile:
     def __init__(self, path: Path, size: int, *, direct: bool, create: bool) -> None:
         """Open `path` read-write, with O_DIRECT when `direct`.
 
-        With `create`, the file must not exist (`FileExistsError` otherwise); it is created
-        with mode 0o600 and `size` bytes are allocated at once with `posix_fallocate`, so that
-        `du` counts them and a full disk fails here (OSError ENOSPC) rather than on a later
-        write. A file that fails to allocate is removed again. Without `create`, the file must
-        exist and keeps its current size, which `.size` reports (`size` is ignored)."""
-        flags = os.O_RDWR
+        The path is never followed if it is a symbolic link (ELOOP). With `create`, the file
+        must not exist (`FileExistsError` otherwise); it is created with mode 0o600 (set with
+        `fchmod`, whatever the umask) and `size` bytes are allocated at once with
+        `posix_fallocate`, so that `du` counts them and a full disk fails here (OSError
+        ENOSPC) rather than on a later write. A file that fails to allocate is removed again.
+        Without `create`, the file must exist and keeps its current size, which `.size`
+        reports (`size` is ignored)."""
+        flags = os.O_RDWR | os.O_NOFOLLOW
         if create:
             flags |= os.O_CREAT | os.O_EXCL
         if direct:
@@ -152,6 +154,7 @@ class SlabFile:
             raise
         if create:
             try:
+                os.fchmod(fd, 0o600)
                 os.posix_fallocate(fd, 0, size)
             except BaseException:
                 os.close(fd)

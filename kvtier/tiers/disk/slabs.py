@@ -5,9 +5,16 @@
     <path>/slab-00001.kvt        slots S .. 2S-1           the last slab may be shorter
 
 The superblock pins the geometry: a directory written with another one refuses to open rather
-than be misread. Slabs are `posix_fallocate`d when they are opened, so capacity is bytes
-allocated on disk, and a filesystem without room shows up at start (fewer slots, `enospc`)
-rather than as a failed write later. Slots per slab depend on the geometry alone, so a change
+than be misread. Its bytes are untrusted like any on disk: it is read without following a link,
+at most `SUPERBLOCK_MAX_BYTES`, and must be a JSON object of exactly the geometry's keys with
+values of their types and ranges; anything else is a `DamagedDiskError` naming the file and
+what is wrong. It is written whole (`private_files.write_atomically`: a fresh 0600 temporary
+file, never a planted one, synced and renamed over it). A slab path that is not a regular file
+(a link, a directory) is a `DamagedDiskError` too, never followed or written through.
+
+Slabs are `posix_fallocate`d when they are opened, so capacity is bytes allocated on disk, and
+a filesystem without room shows up at start (fewer slots, `enospc`) rather than as a failed
+write later. Slots per slab depend on the geometry alone, so a change
 of capacity moves no slot.
 """
 
@@ -15,33 +22,95 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.disk.io import SlabFile
+from kvtier.private_files import file_kind, read_regular, write_atomically
+from kvtier.tiers.disk.io import ALIGN, SlabFile
 
 SUPERBLOCK = "kvtier-disk.json"
+SUPERBLOCK_MAX_BYTES = 4096
 SLAB_TARGET_BYTES = 1 << 30
 """Slabs are about 1 GiB: few enough files to sync per batch, small enough to create fast."""
 
 
-def check_superblock(path: Path, geometry: dict[str, Any]) -> None:
-    """Write the superblock of a new directory; refuse a directory of another geometry."""
+class DamagedDiskError(ConfigError):
+    """A disk tier directory whose superblock or slab files are not what the tier wrote: the
+    message names the file and what is wrong. Nothing in the directory was changed."""
+
+
+def _is_int(low: int, high: int, step: int = 1) -> Callable[[object], bool]:
+    return lambda v: type(v) is int and low <= v <= high and v % step == 0
+
+
+GEOMETRY_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "format": (lambda v: type(v) is int and v == 1, "1"),
+    "slot_bytes": (_is_int(2 * ALIGN, 1 << 36, ALIGN), f"a multiple of {ALIGN} up to 2**36"),
+    "header_region": (_is_int(ALIGN, 1 << 36, ALIGN), f"a multiple of {ALIGN} up to 2**36"),
+    "slots_per_slab": (_is_int(1, 1 << 32), "an integer in [1, 2**32]"),
+    "layout": (
+        lambda v: isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v),
+        "32 lowercase hex digits",
+    ),
+    "itemsize": (lambda v: v in (1, 2, 4, 8) and type(v) is int, "1, 2, 4 or 8"),
+}
+
+
+def read_superblock(path: Path, field: str) -> dict[str, Any] | None:
+    """The validated geometry in `path`'s superblock; None when there is none."""
     superblock = path / SUPERBLOCK
-    if superblock.exists():
-        have = json.loads(superblock.read_text())
-        if have != geometry:
-            raise ConfigError(
-                "tiers.disk.path",
-                str(path),
-                f"a directory of this layout and geometry ({geometry}), found {have}; "
-                "use another path or delete this one",
-            )
+    if not os.path.lexists(superblock):
+        return None
+    try:
+        text = read_regular(superblock, field, SUPERBLOCK_MAX_BYTES)
+    except ConfigError as exc:
+        raise DamagedDiskError(field, str(superblock), exc.expected) from None
+    try:
+        geometry = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DamagedDiskError(field, str(superblock), _expected(f"not JSON: {exc}")) from None
+    if not isinstance(geometry, dict) or set(geometry) != set(GEOMETRY_RULES):
+        found = f"keys {sorted(map(str, geometry))}" if isinstance(geometry, dict) else "no object"
+        raise DamagedDiskError(field, str(superblock), _expected(f"found {found}"))
+    for key, (ok, expected) in GEOMETRY_RULES.items():
+        if not ok(geometry[key]):
+            shown = repr(geometry[key])
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            problem = f"{key} is {shown}, expected {expected}"
+            raise DamagedDiskError(field, str(superblock), _expected(problem))
+    if geometry["header_region"] >= geometry["slot_bytes"]:
+        raise DamagedDiskError(
+            field, str(superblock), _expected("header_region is not less than slot_bytes")
+        )
+    return geometry
+
+
+def _expected(problem: str) -> str:
+    keys = ", ".join(GEOMETRY_RULES)
+    problem = problem if len(problem) <= 200 else problem[:197] + "..."
+    return (
+        f"a superblock: a JSON object of {keys} as this tier writes it ({problem}); "
+        "restore it, or move the directory away to start empty"
+    )
+
+
+def check_superblock(path: Path, geometry: dict[str, Any]) -> None:
+    """Write the superblock of a new directory; refuse a directory of another geometry, or
+    one whose superblock is damaged (`DamagedDiskError`)."""
+    have = read_superblock(path, "tiers.disk.path")
+    if have is None:
+        write_atomically(path / SUPERBLOCK, json.dumps(geometry).encode())
         return
-    tmp = superblock.with_suffix(".tmp")
-    tmp.write_text(json.dumps(geometry))
-    os.replace(tmp, superblock)
+    if have != geometry:
+        raise ConfigError(
+            "tiers.disk.path",
+            str(path),
+            f"a directory of this layout and geometry ({geometry}), found {have}; "
+            "use another path or delete this one",
+        )
 
 
 def open_slabs(
@@ -62,7 +131,7 @@ def open_slabs(
     while remaining > 0:
         want = min(slots_per_slab, remaining)
         slab_path = path / f"slab-{len(found):05d}.kvt"
-        if slab_path.exists():
+        if regular_file(slab_path, "tiers.disk.path"):
             slots = _open_existing(slab_path, want, slot_bytes, faults)
         else:
             slots = _create(slab_path, want, slot_bytes, direct, faults)
@@ -75,8 +144,21 @@ def open_slabs(
         if slots < want:
             break
     for stale in sorted(path.glob("slab-*.kvt"))[len(found) :]:
-        stale.unlink()
+        if stale.is_symlink() or regular_file(stale, "tiers.disk.path"):
+            stale.unlink()
     return found
+
+
+def regular_file(path: Path, field: str) -> bool:
+    """Whether `path` exists; `DamagedDiskError` when it is anything but a regular file (a
+    link is never followed)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(mode):
+        raise DamagedDiskError(field, str(path), f"a regular slab file, found {file_kind(mode)}")
+    return True
 
 
 def _open_existing(path: Path, want: int, slot_bytes: int, faults: dict[str, int]) -> int:
@@ -109,7 +191,7 @@ def _create(path: Path, want: int, slot_bytes: int, direct: bool, faults: dict[s
 def _reallocate(path: Path, size: int) -> None:
     """Give a slab file that was cut short its `size` bytes again, allocated (`du` counts them,
     and a write to a slot past the cut neither fails nor lands outside the file)."""
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         os.posix_fallocate(fd, 0, size)
     finally:

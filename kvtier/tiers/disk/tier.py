@@ -28,6 +28,16 @@ Contract:
   checksum, codec); a copy that fails is reported so and counted, never returned.
 - `scan()` reads every header region and returns the valid copies; the store rebuilds its index
   from them (`index/restore.py`) and hands back the slots it keeps.
+- The directory is private and the tier's alone: created 0700 (one any group or other user can
+  write is refused, `private_files.private_dir`), locked for the tier's life (`lock.py`: a
+  second store on it is refused, naming the holder's pid), its files opened without following
+  links; a damaged superblock or slab path is a `DamagedDiskError` naming the file.
+- `free` retires copies as it frees their slots (a failed retire is counted: the copy is still
+  verified when read); `free_durably` also syncs them and says how many may still come back at
+  the next start (a clear needs to know).
+- A refused write (copy, sync or retire) starts a backoff (`backoff.py`): `accepting_writes()`
+  is False while it lasts, and the mover plans no background write to this tier meanwhile.
+  `write_status()` reports the refused writes, the current backoff and the last error.
 The tier does not decide what to evict; the index and the demoter do.
 """
 
@@ -38,14 +48,15 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.layout import KVLayout
+from kvtier.private_files import private_dir
 from kvtier.tiers.disk import slabs
+from kvtier.tiers.disk.backoff import WriteBackoff
 from kvtier.tiers.disk.codec import CorruptPayload, get_codec
 from kvtier.tiers.disk.format import (
     BlockHeader,
@@ -57,6 +68,7 @@ from kvtier.tiers.disk.format import (
     slot_size,
 )
 from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct, staging_buffer
+from kvtier.tiers.disk.lock import DirectoryLock
 from kvtier.tiers.disk.slabs import check_superblock, open_slabs
 from kvtier.tiers.slots import SlotAllocator
 
@@ -102,7 +114,6 @@ class DiskTier:
         workers: int = 8,  # I/O in flight; deeper queues keep NVMe (and this VM's disk) busy
     ) -> None:
         self.layout = layout
-        self.path = Path(path)
         self.codec = get_codec(compression)
         self.fsync = fsync
         self.header_region = header_region_size(layout.block_tokens, 32)
@@ -127,29 +138,36 @@ class DiskTier:
             ),
             0,
         )
-        self._io = IOPool(workers)
-        self._closed = False
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.direct = probe_direct(self.path)
-        geometry = {
-            "format": 1,
-            "slot_bytes": self.slot_bytes,
-            "header_region": self.header_region,
-            "slots_per_slab": self.slots_per_slab,
-            "layout": self.layout.fingerprint.hex(),
-            "itemsize": self.layout.itemsize,
-        }
-        check_superblock(self.path, geometry)
-        self._slabs = open_slabs(
-            self.path, fit, self.slot_bytes, self.slots_per_slab, self.direct, self.faults
-        )
-        self.num_slots = sum(slab.size // self.slot_bytes for slab in self._slabs)
-        if self.num_slots == 0:
-            raise ConfigError("tiers.disk.path", str(self.path), "room for at least one slab")
-        self._slots = SlotAllocator("disk", self.num_slots)
-        self._seq = 0
+        self.backoff = WriteBackoff()
         # copies run on mover threads beside the store's calls: `_seq` and `faults` are shared
         self._count_lock = threading.Lock()
+        self._seq = 0
+        self.path = private_dir(path, "tiers.disk.path")
+        self._lock = DirectoryLock(self.path, "tiers.disk.path")  # before anything is read
+        self._io = IOPool(workers)
+        self._closed = False
+        self._slabs: list[SlabFile] = []
+        try:
+            self.direct = probe_direct(self.path)
+            geometry = {
+                "format": 1,
+                "slot_bytes": self.slot_bytes,
+                "header_region": self.header_region,
+                "slots_per_slab": self.slots_per_slab,
+                "layout": self.layout.fingerprint.hex(),
+                "itemsize": self.layout.itemsize,
+            }
+            check_superblock(self.path, geometry)
+            self._slabs = open_slabs(
+                self.path, fit, self.slot_bytes, self.slots_per_slab, self.direct, self.faults
+            )
+            self.num_slots = sum(slab.size // self.slot_bytes for slab in self._slabs)
+            if self.num_slots == 0:
+                raise ConfigError("tiers.disk.path", str(self.path), "room for at least one slab")
+        except BaseException:
+            self.close()  # the lock too: a failed start leaves the directory to the next one
+            raise
+        self._slots = SlotAllocator("disk", self.num_slots)
 
     # ---- geometry and files ---------------------------------------------------------------
 
@@ -188,14 +206,68 @@ class DiskTier:
 
     def free(self, slots: Sequence[int]) -> None:
         """Free slots and retire their copies: the header region is zeroed, so that a restart
-        does not bring back a block the store dropped (evicted, or found corrupt)."""
+        does not bring back a block the store dropped (evicted, or found corrupt). Not synced:
+        a copy that comes back after a power loss is still a valid copy of its block."""
         self._slots.validate(slots, "free")
         if not self._closed:
-            blank = aligned_buffer(self.header_region)
-            retire = [self._retire_job(slot, blank) for slot in slots]
-            failed = sum(isinstance(r, OSError) for r in self._io.run(retire))
-            self._fault("retire_errors", failed)  # a copy left behind is verified when read
+            self._retire(slots)  # a copy left behind is verified when read
         self._slots.free(slots)
+
+    def free_durably(self, slots: Sequence[int]) -> int:
+        """Free slots, retire their copies and sync the retirement (`fsync: batch`); return
+        how many copies the disk refused to retire (or to sync): those blocks may come back at
+        the next start. 0 means that the drop is durable."""
+        self._slots.validate(slots, "free")
+        left = len(slots)
+        if not self._closed:
+            retired = [slot for slot, ok in zip(slots, self._retire(slots), strict=True) if ok]
+            left -= len(retired) - self._sync_slabs_of(retired)
+        self._slots.free(slots)
+        return left
+
+    def _retire(self, slots: Sequence[int]) -> list[bool]:
+        """Zero the header regions of `slots`; True where the write was done."""
+        blank = aligned_buffer(self.header_region)
+        results = self._io.run([self._retire_job(slot, blank) for slot in slots])
+        self._fault("retire_errors", sum(isinstance(r, OSError) for r in results))
+        self._note_writes(results)
+        return [not isinstance(r, OSError) for r in results]
+
+    def _sync_slabs_of(self, slots: Sequence[int]) -> int:
+        """Sync the slabs that hold `slots` (`fsync: batch`); how many of `slots` lie in a
+        slab whose sync failed."""
+        if self.fsync != "batch":
+            return 0
+        touched = sorted({slot // self.slots_per_slab for slot in slots})
+        synced = self._io.run([self._slabs[i].sync for i in touched])
+        failed = {i for i, r in zip(touched, synced, strict=True) if isinstance(r, OSError)}
+        self._fault("sync_errors", len(failed))
+        self._note_writes(synced)
+        return sum(slot // self.slots_per_slab in failed for slot in slots)
+
+    def _note_writes(self, results: Sequence[object]) -> None:
+        """Start (or lengthen) the backoff after a batch with a refused write (an `OSError`
+        among the I/O `results`); end it after a batch done whole; no batch, no news."""
+        error = next((r for r in results if isinstance(r, OSError)), None)
+        if error is not None:
+            self.backoff.refused(error)
+        elif results:
+            self.backoff.written()
+
+    def accepting_writes(self) -> bool:
+        """False while the tier backs off after refused writes: plan no background write."""
+        return not self.backoff.waiting()
+
+    def write_status(self) -> dict[str, object]:
+        """Refused writes (copies, syncs, retires) so far, the current backoff in seconds (0
+        while the disk takes writes) and the last refusal, for the tier's status."""
+        with self._count_lock:
+            refused = sum(self.faults[k] for k in ("write_errors", "sync_errors", "retire_errors"))
+        return {
+            "refused_writes": refused,
+            "backoff_s": self.backoff.delay_s,
+            "last_write_error": self.backoff.last_error,
+        }
 
     def _fault(self, kind: str, count: int) -> None:
         with self._count_lock:
@@ -233,7 +305,8 @@ class DiskTier:
             self._seq += len(slots)
         for seq, (slot, meta, data) in enumerate(zip(slots, metas, raw, strict=True), first):
             jobs.append(self._write_job(slot, meta, data, seq))
-        ok = [not isinstance(r, OSError) for r in self._io.run(jobs)]
+        results: list[object] = list(self._io.run(jobs))
+        ok = [not isinstance(r, OSError) for r in results]
         self._fault("write_errors", ok.count(False))
         if self.fsync == "batch":
             touched = sorted(
@@ -242,10 +315,12 @@ class DiskTier:
             synced = self._io.run([self._slabs[i].sync for i in touched])
             failed = {i for i, r in zip(touched, synced, strict=True) if isinstance(r, OSError)}
             self._fault("sync_errors", len(failed))
+            results += synced
             ok = [
                 good and slot // self.slots_per_slab not in failed
                 for slot, good in zip(slots, ok, strict=True)
             ]
+        self._note_writes(results)
         return ok
 
     def _write_job(
@@ -426,12 +501,14 @@ class DiskTier:
         self._slots.check()
 
     def close(self) -> None:
+        """Close the slabs and the I/O threads, then give the directory's lock up."""
         if self._closed:
             return
         self._closed = True
         for slab in self._slabs:
             slab.close()
         self._io.close()
+        self._lock.release()
 
     def _ensure_open(self) -> None:
         if self._closed:

@@ -1,0 +1,166 @@
+"""Files and directories that only this process's user may change: the server's state directory,
+its secret, a disk tier's directory and superblock.
+
+Contract (every path here is untrusted: another user, or a planted link, may have put
+something there first):
+- `private_dir(path, field)` returns a directory that no group or other user can write: one it
+  creates is mode 0700 (its missing parents 0755), whatever the umask; an existing one with a
+  group or other write bit, or anything that is not a directory, is refused with a
+  `ConfigError` naming the path and its mode. Refusing rather than fixing: a directory others
+  could write may already hold their files, so a chmod now would not make it ours.
+- `write_atomically(path, data)` replaces `path` with a file of exactly `data`, mode 0600: a
+  temporary file beside it is created with O_CREAT|O_EXCL|O_NOFOLLOW (a stale one, or a link
+  planted in its place, is unlinked first, never followed), synced, renamed over `path`, and
+  the directory synced. A reader sees the old file or the new one, never a part.
+- `create_once(path, data)` does the same but never replaces an existing `path` (link(2) of the
+  complete temporary file): False when `path` already existed.
+- `read_regular(path, field, max_bytes, private=...)` reads a regular file, never following a
+  link, of at most `max_bytes`; with `private`, a file that another user owns or that any
+  group or other user may read or write is refused. Every refusal is a `ConfigError` naming
+  the path and what was found.
+Modes are set with `fchmod`/`chmod` after creation, so the umask never widens or narrows them.
+`file_kind(st_mode)` names what was found instead of a file, for such messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_PARENT_MODE = 0o755
+_GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_GROUP_OTHER_ANY = 0o077
+
+
+def private_dir(path: str | os.PathLike[str], field: str) -> Path:
+    """`path` as a directory only its owner can write; created 0700 when missing."""
+    directory = Path(path)
+    missing = []
+    for candidate in (directory, *directory.parents):
+        if os.path.lexists(candidate):
+            break
+        missing.append(candidate)
+    for new in reversed(missing):
+        try:
+            os.mkdir(new, _PARENT_MODE)
+        except FileExistsError:
+            continue  # made meanwhile by another process: checked below like any other
+        except OSError as exc:
+            expected = f"a directory it can create ({exc.strerror})"
+            raise ConfigError(field, str(new), expected) from None
+        os.chmod(new, DIR_MODE if new == directory else _PARENT_MODE)
+    try:
+        info = os.stat(directory)
+    except OSError as exc:
+        raise ConfigError(field, str(directory), f"a directory ({exc.strerror})") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(field, str(directory), f"a directory, found {file_kind(info.st_mode)}")
+    if info.st_mode & _GROUP_OTHER_WRITE:
+        raise ConfigError(
+            field,
+            f"{directory} (mode {_mode(info.st_mode)})",
+            "a directory that no group or other user can write (chmod go-w it, or use another)",
+        )
+    return directory
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` by a 0600 file holding `data` (see the module's contract)."""
+    tmp = _write_temporary(path, data)
+    os.replace(tmp, path)
+    _sync_directory(path.parent)
+
+
+def create_once(path: Path, data: bytes) -> bool:
+    """Create `path` holding `data` unless it exists; True when this call created it."""
+    tmp = _write_temporary(path, data)
+    try:
+        os.link(tmp, path, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    _sync_directory(path.parent)
+    return True
+
+
+def read_regular(path: Path, field: str, max_bytes: int, *, private: bool = False) -> bytes:
+    """The bytes of the regular file `path` (see the module's contract)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        found = f"nothing it can open ({exc.strerror})"
+        if os.path.islink(path):
+            found = "a symbolic link" if os.path.exists(path) else "a dangling symbolic link"
+        raise ConfigError(field, str(path), f"a regular file, found {found}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(field, str(path), f"a regular file, found {file_kind(info.st_mode)}")
+        if private and (info.st_mode & _GROUP_OTHER_ANY or info.st_uid != os.geteuid()):
+            raise ConfigError(
+                field,
+                f"{path} (mode {_mode(info.st_mode)}, owner uid {info.st_uid})",
+                f"a file only its owner, uid {os.geteuid()}, can read or write (chmod 600 it)",
+            )
+        data = b""
+        while len(data) <= max_bytes and (chunk := os.read(fd, max_bytes + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ConfigError(field, str(path), f"a file of at most {max_bytes} bytes")
+    return data
+
+
+def _write_temporary(path: Path, data: bytes) -> Path:
+    """`<path>.tmp`, fresh (never a file or link someone left there), 0600, holding `data`,
+    synced."""
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a stale temporary file, or a planted link: removed, not followed
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
+    return tmp
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _mode(mode: int) -> str:
+    return f"0{stat.S_IMODE(mode):03o}"
+
+
+def file_kind(mode: int) -> str:
+    """What an `st_mode` is, in words: 'a directory', 'a symbolic link', ..."""
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISREG: "a regular file",
+        stat.S_ISLNK: "a symbolic link",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+    }
+    return next((name for test, name in kinds.items() if test(mode)), f"mode {_mode(mode)}")
