@@ -16,8 +16,17 @@ and commits; `load` leases the prefix, copies the pages out of the mapped gpu po
 it. No KV byte crosses the socket. Where the pools cannot be mapped (another host, a CUDA pool)
 or a call cannot go that way (new blocks below a disk-only prefix, a prefix larger than the gpu
 tier), the KV travels in the body instead. A CUDA gpu pool is opened through its CUDA IPC
-handle (`service/cuda_ipc.py`; written, not yet run on a GPU). `pool_buffer(tier)` is the mapped
-buffer, for an engine that reads leased pages itself.
+description (`service/cuda_ipc.py`). `pool_buffer(tier)` is the mapped buffer, for an engine
+that reads leased pages itself.
+
+The client trusts nothing its server says (`service/replies.py`): every reply is checked before
+it is used, and a malformed one is a `ReplyError` naming the field: a `/v1/pools` reply whose
+layout, slot counts, shared-memory names or CUDA IPC descriptions are not what a kvtier server
+sends fails `Client(url)` itself, and a lease or reservation whose slots fall outside the pools
+is refused before anything is read or written. A well-formed pool that is not there to map
+(another host, another user) or whose segment is not exactly the file its server made (a
+symlink, another owner or mode, another size: `tiers/shm.py`) stays unmapped, and its KV travels
+in the body.
 
 Errors come back as the same `kvtier.errors` types the store raises (their message is the
 server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready).
@@ -35,20 +44,22 @@ import torch
 
 from kvtier.errors import (
     CapacityError,
-    ClosedError,
     InvalidArgumentError,
     InvalidKVError,
     InvalidTokensError,
     KVTierError,
     LeaseError,
+    NotWrittenError,
+    QuotaError,
+    ReplyError,
+    StorageError,
     UnknownTenantError,
 )
 from kvtier.kvdata import check_kv, from_blocks, to_blocks
-from kvtier.layout import DTYPES, KVLayout
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
-from kvtier.service import wire
+from kvtier.service import replies, wire
 from kvtier.service.cuda_ipc import import_pool
-from kvtier.tiers.pool import map_shared
+from kvtier.tiers.shm import map_shared
 from kvtier.tokens import Tokens
 
 _RAISES: dict[str, type[KVTierError]] = {
@@ -58,8 +69,12 @@ _RAISES: dict[str, type[KVTierError]] = {
     "unknown_lease": LeaseError,
     "unknown_tenant": UnknownTenantError,
     "capacity": CapacityError,
-    "closed": ClosedError,
+    "quota": QuotaError,
+    "not_written": NotWrittenError,
+    "storage": StorageError,
 }
+"""Error kinds raised as the store's own error types; any other kind (and any kind refused by
+the service itself: 401, 403, 413) is a `ServiceError`, "closed" and "not_ready" (503) too."""
 
 
 class ServiceError(KVTierError):
@@ -70,34 +85,23 @@ class ServiceError(KVTierError):
         self.status, self.kind, self.detail = status, kind, detail
 
 
-def _raise(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
+def _reply(response: httpx.Response) -> dict[str, Any]:
+    """The body of a successful response; the error it reports raised (`_RAISES`), or
+    `ReplyError` if it is no map."""
+    if response.status_code >= 400:
+        try:
+            body = wire.decode(response.content, response.headers.get("content-type"))
+            kind, detail = str(body.get("error"))[:64], str(body.get("detail"))[:2000]
+        except wire.WireError:
+            kind, detail = "http", response.text[:200]
+        cls = _RAISES.get(kind)
+        if cls is not None and response.status_code not in (401, 403, 413):
+            raise cls(detail)
+        raise ServiceError(response.status_code, kind, detail)
     try:
-        body = wire.decode(response.content, response.headers.get("content-type"))
-        kind, detail = str(body.get("error")), str(body.get("detail"))
-    except wire.WireError:
-        kind, detail = "http", response.text[:200]
-    cls = _RAISES.get(kind)
-    if cls is not None and response.status_code not in (401, 403, 413, 503):
-        raise cls(detail)
-    raise ServiceError(response.status_code, kind, detail)
-
-
-def _lease(body: dict[str, Any], canceller: Callable[[Lease], None] | None) -> Lease:
-    state = LeaseState(body["state"])
-    lease = Lease(
-        body["lease_id"],
-        body["tenant"],
-        body["num_tokens"],
-        tuple(body["block_table"]),
-        body["expires_at"],
-        pending=state is LeaseState.PENDING,
-        canceller=canceller,
-    )
-    if state not in (LeaseState.PENDING, LeaseState.READY):
-        lease._resolve(state, body.get("reason", ""))
-    return lease
+        return wire.decode(response.content, response.headers.get("content-type"))
+    except wire.WireError as exc:
+        raise ReplyError(f"{response.request.url.path}: {exc.detail}") from None
 
 
 class _Calls:
@@ -111,8 +115,7 @@ class _Calls:
         if tenant:
             self.headers["x-kvtier-tenant"] = tenant
         self.pools: dict[str, torch.Tensor] = {}
-        self.block_tokens = 0
-        self.layout: KVLayout | None = None
+        self.served: replies.Pools | None = None
 
     def headers_for(self, tenant: str) -> dict[str, str]:
         if tenant == "default" or "authorization" in self.headers:
@@ -120,34 +123,47 @@ class _Calls:
         return {**self.headers, "x-kvtier-tenant": tenant}
 
     def map_pools(self, body: dict[str, Any]) -> None:
-        """Map every shared pool the server offers; those that fail stay unmapped."""
-        layout = body["layout"]
-        dtype = DTYPES[layout["dtype"]]
-        self.block_tokens = layout["block_tokens"]
-        layers, _, _, heads, dim = layout["block_shape"]
-        self.layout = KVLayout("served", layers, heads, dim, layout["dtype"], self.block_tokens)
-        for pool in body["pools"]:
-            shape = [pool["num_slots"], *layout["block_shape"]]
+        """Map every pool the server offers, once its whole reply is checked (`ReplyError`,
+        nothing mapped); a pool that is not here to map stays unmapped."""
+        served = replies.pools(body)
+        dtype = served.layout.dtype
+        for pool in served.pools:
+            shape = served.layout.pool_shape(pool.num_slots)
+            ipc = pool.cuda_ipc
             try:
-                if pool.get("shared_memory"):
-                    self.pools[pool["tier"]] = map_shared(pool["shared_memory"], dtype, shape)
-                elif pool.get("cuda_ipc") and torch.cuda.is_available():
-                    self.pools[pool["tier"]] = import_pool(pool["cuda_ipc"])
-            except (OSError, ValueError, RuntimeError):
-                continue  # another host (or another GPU): the body carries the KV
+                if pool.shared_memory is not None:
+                    self.pools[pool.tier] = map_shared(pool.shared_memory, dtype, shape)
+                elif ipc is not None and ipc.device < torch.cuda.device_count():
+                    self.pools[pool.tier] = import_pool(ipc)
+            except (OSError, RuntimeError):
+                continue  # another host, user or GPU, or not its server's file: the body path
+        self.served = served
+
+    def lease(self, body: dict[str, Any], canceller: Callable[[Lease], None] | None) -> Lease:
+        return replies.lease(body, self.served, canceller)
+
+    def reservation(self, body: dict[str, Any], tokens: bytes) -> Reservation:
+        return replies.reservation(body, self.served, len(tokens) // 4)
+
+    def loaded(self, body: dict[str, Any], device: torch.device | str | None) -> LoadResult:
+        num_tokens, kv = replies.loaded(body, None if self.served is None else self.served.layout)
+        return LoadResult(num_tokens, kv.to(device or "cpu"))
 
     def check_kv(self, tokens: Tokens, kv: torch.Tensor) -> None:
         """`InvalidKVError` for a KV that the server would refuse: the shared-memory path
         writes it into the pool before the server sees it, so it is checked here."""
-        assert self.layout is not None, "pools are mapped with their layout"
-        check_kv(self.layout, kv, len(wire.pack_tokens(tokens)) // 4)
+        assert self.served is not None, "pools are mapped with their layout"
+        check_kv(self.served.layout, kv, len(wire.pack_tokens(tokens)) // 4)
 
     def write_blocks(self, reservation: Reservation, kv: torch.Tensor) -> None:
-        bt = self.block_tokens
-        start = reservation.cached_tokens
+        """Write the reserved blocks of `kv` (checked by `check_kv`) into their mapped slots."""
+        assert self.served is not None, "pools are mapped with their layout"
+        start, end = reservation.cached_tokens, reservation.cached_tokens + reservation.num_tokens
         pool = self.pools[reservation.tier]
-        blocks = to_blocks(kv[:, :, start : start + reservation.num_tokens], bt)
+        blocks = to_blocks(kv[:, :, start:end], self.served.layout.block_tokens)
         pool[list(reservation.slots)] = blocks.to(pool.device)
+        if pool.is_cuda:  # complete before the commit lets the server read the slots
+            torch.cuda.synchronize(pool.device)
 
     def read_blocks(self, lease: Lease) -> torch.Tensor:
         return from_blocks(self.pools["gpu"][list(lease.block_table)].cpu())  # indexing copies
@@ -179,19 +195,17 @@ class Client:
         response = self._http.post(
             path, content=wire.encode(body, True), headers=self._calls.headers_for(tenant)
         )
-        _raise(response)
-        return wire.decode(response.content, response.headers.get("content-type"))
+        return _reply(response)
 
     def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         response = self._http.get(path, params=params, headers=self._calls.headers)
-        _raise(response)
-        return wire.decode(response.content, response.headers.get("content-type"))
+        return _reply(response)
 
     # ---- the engine contract ------------------------------------------------------------
 
     def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
         body = self._post("/v1/lookup", {"tokens": wire.pack_tokens(tokens)}, tenant)
-        return LookupResult(**body)
+        return replies.lookup(body)
 
     def prefetch(
         self,
@@ -208,7 +222,7 @@ class Client:
             request["ttl_s"] = ttl_s
         if wait:
             del request["wait_s"]
-        lease = _lease(self._post("/v1/prefetch", request, tenant), self.release)
+        lease = self._calls.lease(self._post("/v1/prefetch", request, tenant), self.release)
         return self.wait_for(lease) if wait and not lease.ready() else lease
 
     def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
@@ -218,7 +232,7 @@ class Client:
         while True:
             wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
             body = self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": wait_s})
-            fresh = _lease(body, self.release)
+            fresh = self._calls.lease(body, self.release)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
                 return fresh
@@ -244,7 +258,7 @@ class Client:
             if reservation.num_tokens:
                 self.abort(reservation)
         body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv)}
-        return StoreResult(**self._post("/v1/store", body, tenant))
+        return replies.stored(self._post("/v1/store", body, tenant))
 
     def load(
         self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
@@ -261,7 +275,7 @@ class Client:
                     self.release(lease)
                 return LoadResult(lease.num_tokens, kv.to(device or "cpu"))
         body = self._post("/v1/load", {"tokens": wire.pack_tokens(tokens)}, tenant)
-        return LoadResult(body["num_tokens"], wire.kv_from_wire(body).to(device or "cpu"))
+        return self._calls.loaded(body, device)
 
     def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
@@ -270,11 +284,11 @@ class Client:
         if ttl_s is not None:
             request["ttl_s"] = ttl_s
         body = self._post("/v1/reserve", request, tenant)
-        return Reservation(**{**body, "slots": tuple(body["slots"])})
+        return self._calls.reservation(body, request["tokens"])
 
     def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
-        return StoreResult(**self._post("/v1/commit", body, reservation.tenant))
+        return replies.stored(self._post("/v1/commit", body, reservation.tenant))
 
     def abort(self, reservation: Reservation) -> None:
         self._post("/v1/abort", {"reservation_id": reservation.reservation_id}, reservation.tenant)
@@ -321,13 +335,11 @@ class AsyncClient:
         response = await self._http.post(
             path, content=wire.encode(body, True), headers=self._calls.headers_for(tenant)
         )
-        _raise(response)
-        return wire.decode(response.content, response.headers.get("content-type"))
+        return _reply(response)
 
     async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         response = await self._http.get(path, params=params, headers=self._calls.headers)
-        _raise(response)
-        return wire.decode(response.content, response.headers.get("content-type"))
+        return _reply(response)
 
     async def _map(self) -> None:
         if self._shared_memory and not self._mapped:
@@ -336,7 +348,7 @@ class AsyncClient:
 
     async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
         body = await self._post("/v1/lookup", {"tokens": wire.pack_tokens(tokens)}, tenant)
-        return LookupResult(**body)
+        return replies.lookup(body)
 
     async def prefetch(
         self,
@@ -351,9 +363,10 @@ class AsyncClient:
             request["ttl_s"] = ttl_s
         if not wait:
             request["wait_s"] = 0.0
-        lease = _lease(await self._post("/v1/prefetch", request, tenant), None)
+        lease = self._calls.lease(await self._post("/v1/prefetch", request, tenant), None)
         while wait and lease.state is LeaseState.PENDING:
-            lease = _lease(await self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": 30}), None)
+            body = await self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": 30})
+            lease = self._calls.lease(body, None)
         if wait:
             lease.wait(0)  # raises LeaseError for an ended lease
         return lease
@@ -380,7 +393,7 @@ class AsyncClient:
             if reservation.num_tokens:
                 await self.abort(reservation)
         body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv)}
-        return StoreResult(**await self._post("/v1/store", body, tenant))
+        return replies.stored(await self._post("/v1/store", body, tenant))
 
     async def load(
         self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
@@ -398,7 +411,7 @@ class AsyncClient:
                     await self.release(lease)
                 return LoadResult(lease.num_tokens, kv.to(device or "cpu"))
         body = await self._post("/v1/load", {"tokens": wire.pack_tokens(tokens)}, tenant)
-        return LoadResult(body["num_tokens"], wire.kv_from_wire(body).to(device or "cpu"))
+        return self._calls.loaded(body, device)
 
     async def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
@@ -407,11 +420,11 @@ class AsyncClient:
         if ttl_s is not None:
             request["ttl_s"] = ttl_s
         body = await self._post("/v1/reserve", request, tenant)
-        return Reservation(**{**body, "slots": tuple(body["slots"])})
+        return self._calls.reservation(body, request["tokens"])
 
     async def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
-        return StoreResult(**await self._post("/v1/commit", body, reservation.tenant))
+        return replies.stored(await self._post("/v1/commit", body, reservation.tenant))
 
     async def abort(self, reservation: Reservation) -> None:
         body = {"reservation_id": reservation.reservation_id}

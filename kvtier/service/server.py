@@ -1,7 +1,8 @@
 """`kvtier serve`: the sidecar process.
 
 Start-up: the config is validated (before anything starts), a non-loopback address without auth
-is refused, the server secret is read or created, the port is bound, and the store is built on
+is refused, the server secret is read or created, the shared-memory segments that killed servers
+left in /dev/shm are removed (`tiers/shm.py`), the port is bound, and the store is built on
 a thread (disk recovery included) while /healthz already answers; /readyz turns 200 when it is
 done. SIGTERM or SIGINT: uvicorn stops accepting connections and finishes the requests in
 progress, then the store closes: pending leases end, flights in flight are waited for (at most
@@ -21,6 +22,7 @@ from kvtier.config import KVTierConfig
 from kvtier.service.app import create_app
 from kvtier.service.auth import Auth, require_loopback, server_secret
 from kvtier.store import KVStore
+from kvtier.tiers.shm import SERVE_BASE, sweep_stale
 
 log = logging.getLogger("kvtier.serve")
 
@@ -29,12 +31,18 @@ def build_app(config: KVTierConfig, host: str) -> object:
     """The app for `config` served on `host`; `ConfigError` before anything starts."""
     require_loopback(host, Auth(config))
     secret = server_secret(config.service.state_dir)
-    shared = "kvtier" if config.service.shared_memory else None
+    swept = sweep_stale()
+    if swept:
+        names = " ".join(swept)
+        log.warning(
+            "kvtier: swept %d shared-memory segments of dead servers: %s", len(swept), names
+        )
+    shared = SERVE_BASE if config.service.shared_memory else None
 
     def factory() -> KVStore:
         return KVStore(config, secret=secret, shared_memory=shared)
 
-    return create_app(config, factory)
+    return create_app(config, factory, host)
 
 
 class _Server(uvicorn.Server):

@@ -18,6 +18,9 @@ Contract:
   verifies it against the free list and the bitmap (DESIGN.md invariant 5).
 - The pool never decides what to evict; that is the index's business.
 - After `close()` the buffer is dropped and every method but `close` raises `ClosedError`.
+- A pool in POSIX shared memory (`shared_name`, `tiers/shm.py`) unlinks its segment at `close`,
+  or failing that when it is collected or the interpreter exits (a SIGKILL leaves it behind for
+  the next `kvtier serve` to sweep).
 
 Subclasses choose the device and the memory behind the buffer (`_allocate_buffer`).
 """
@@ -27,48 +30,23 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import weakref
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from kvtier.errors import ClosedError, ConfigError, InvalidKVError, InvariantError
 from kvtier.layout import KVLayout
+from kvtier.tiers.shm import SHM_DIR, create_shared
 from kvtier.tiers.slots import SlotAllocator
 
 _Pool = TypeVar("_Pool", bound="SlotPool")
 
-SHM_DIR = Path("/dev/shm")
 
-
-def create_shared(name: str, nbytes: int) -> mmap.mmap:
-    """A new shared mapping of `nbytes` at /dev/shm/`name` (mode 0600; it must not exist)."""
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-
-
-def map_shared(name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """Map another process's shared pool buffer (`SlotPool(shared_name=...)`) read/write as a
-    tensor of `shape` (`[num_slots, *block_shape]`) and `dtype`; `FileNotFoundError` if it is
-    gone, `ValueError` if it is smaller than that."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    fd = os.open(SHM_DIR / name, os.O_RDWR)
-    try:
-        if os.fstat(fd).st_size < nbytes:
-            raise ValueError(f"shared pool {name!r}: smaller than {nbytes} bytes")
-        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-    return flat.view(dtype).view(tuple(shape))
+def _unlink_segment(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SHM_DIR / name)
 
 
 class SlotPool:
@@ -132,6 +110,8 @@ class SlotPool:
         nbytes = self.layout.block_bytes * self.num_slots
         if self.shared_name is not None:
             self._mapping = create_shared(self.shared_name, nbytes)
+            # unlinked at close, or when the pool is collected or the interpreter exits
+            self._unlink = weakref.finalize(self, _unlink_segment, self.shared_name)
             flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
             if self.pin_memory:  # page-locked in place, for asynchronous copies to the GPU
                 torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]
@@ -256,8 +236,7 @@ class SlotPool:
         raises `ClosedError`. A process that mapped the shared memory keeps its mapping."""
         self._buffer = None
         if self.shared_name is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(SHM_DIR / self.shared_name)
+            self._unlink()
 
     # -- helpers ----------------------------------------------------------------------------
 
