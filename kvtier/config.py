@@ -26,6 +26,7 @@ the tier that owns it, through `Capacity.resolve`.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -51,6 +52,7 @@ from kvtier.sizes import FRACTION_EXPECTED, Capacity, format_size, parse_size
 __all__ = [
     "Capacity",
     "DiskTierConfig",
+    "FloorConfig",
     "GpuTierConfig",
     "HashingConfig",
     "HostTierConfig",
@@ -58,6 +60,7 @@ __all__ = [
     "ModelConfig",
     "MoverConfig",
     "PolicyConfig",
+    "QuotaConfig",
     "ServiceConfig",
     "TenantConfig",
     "TiersConfig",
@@ -89,6 +92,20 @@ class _Invalid(ValueError):
 class _Absent:
     def __repr__(self) -> str:
         return "nothing"
+
+
+class HiddenKey:
+    """Stands in an error for an API key's value: the error names the key's place
+    (`tenants.a.api_keys.0`) and what was expected, never the key."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HiddenKey)
+
+    def __hash__(self) -> int:
+        return hash(HiddenKey)
+
+    def __repr__(self) -> str:
+        return "<a key, not shown>"
 
 
 def _rule(ok: Callable[[Any], bool], expected: str) -> BeforeValidator:
@@ -249,6 +266,20 @@ class PolicyConfig(_Section):
     selective_hits: Annotated[int, _int_in(1)] = 2
     disk_admission_hits: Annotated[int, _int_in(0)] = 1
     lease_ttl_s: Annotated[float, _number_in(0.0, math.inf, "a finite number > 0")] = 60.0
+    # an expired reservation's slots stay allocated this long, so that a late writer writes
+    # into slots nobody reads (`reservations.py`); a few lease TTLs
+    reservation_quarantine_s: Annotated[
+        float, _number_in(0.0, 86400.0, "seconds in (0, 86400]")
+    ] = 300.0
+    # the longest `ttl_s` a prefetch or a reservation may ask for: no one pins a tier for long
+    max_ttl_s: Annotated[float, _number_in(0.0, 86400.0, "seconds in (0, 86400]")] = 600.0
+
+    @model_validator(mode="after")
+    def _default_ttl_allowed(self) -> PolicyConfig:
+        if self.max_ttl_s < self.lease_ttl_s:
+            expected = f"at least lease_ttl_s ({self.lease_ttl_s}): the default ttl must be allowed"
+            raise _Invalid(self.max_ttl_s, expected, key="max_ttl_s")
+        return self
 
 
 class MoverConfig(_Section):
@@ -274,6 +305,30 @@ KeyRef = Annotated[
 ]
 
 
+_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
+
+
+def _host_names(value: object) -> tuple[str, ...]:
+    """`service.allowed_hosts`: host names (or IP addresses) that a request's `Host` may name
+    besides the bound address and loopback, lower-cased; no ports, no wildcards."""
+    expected = "a list of host names or IP addresses (no port, no wildcard)"
+    if not isinstance(value, (list, tuple)):
+        raise _Invalid(value, expected)
+    for i, name in enumerate(value):
+        if not (isinstance(name, str) and len(name) <= 253 and _is_host_name(name.lower())):
+            raise _Invalid(name, "a host name or an IP address (no port, no wildcard)", key=str(i))
+    return tuple(name.lower() for name in value)
+
+
+def _is_host_name(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return _HOST_NAME.fullmatch(name) is not None
+    return True
+
+
 class ServiceConfig(_Section):
     """The sidecar (`kvtier serve`): where it listens, where it keeps its state, its limits.
     Auth is on when any tenant has an API key; without auth only a loopback address is served."""
@@ -285,15 +340,42 @@ class ServiceConfig(_Section):
     max_tokens: Annotated[int, _int_in(1, 1 << 24)] = 1 << 20
     max_body_bytes: Annotated[int, _int_in(1024)] = 1 << 30
     prefetch_wait_s: Annotated[float, _number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
+    body_timeout_s: Annotated[float, _number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
+    allowed_hosts: Annotated[tuple[str, ...], BeforeValidator(_host_names)] = ()
     admin_key: KeyRef | None = None
 
 
+class QuotaConfig(_Section):
+    """The most a tenant holds at once (`quotas.py`). `gpu`, `host`: blocks that its leases and
+    reservation pins lock (counted against gpu) plus the slots its reservations hold, per tier,
+    as a size ('64MiB') or a fraction of the tier (0.5); unset: its equal share of the tier when
+    several tenants are configured, the whole tier for a single one. `leases`: its live leases."""
+
+    gpu: MemoryCapacity | None = None
+    host: MemoryCapacity | None = None
+    leases: Annotated[int, _int_in(1, 1 << 20)] = 4096
+
+
+class FloorConfig(_Section):
+    """A tenant's fair-share eviction floor per tier (`index/eviction.py`): while it holds no
+    more than this in a tier, no other tenant's call takes its blocks there. A size or a
+    fraction of the tier; unset: its equal share when several tenants are configured, none
+    for a single one. The floors of a tier must fit in it."""
+
+    gpu: MemoryCapacity | None = None
+    host: MemoryCapacity | None = None
+    disk: MemoryCapacity | None = None
+
+
 class TenantConfig(_Section):
-    """Per-tenant settings: the API keys that act as this tenant (literal, or 'env:NAME')."""
+    """Per-tenant settings: the API keys that act as this tenant (literal, or 'env:NAME'), its
+    quota and its floors."""
 
     api_keys: Annotated[
         tuple[KeyRef, ...], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)
     ] = ()
+    quota: QuotaConfig = QuotaConfig()
+    floor: FloorConfig = FloorConfig()
 
 
 class KVTierConfig(_Section):
@@ -352,8 +434,10 @@ _PHRASES = {
 }
 
 
-def _config_error(exc: ValidationError, source: str) -> ConfigError:
-    """The first error of `exc`, with its dotted path, input and a phrase for what would do."""
+def _config_error(exc: ValidationError, source: str, keys: set[str]) -> ConfigError:
+    """The first error of `exc`, with its dotted path, input and a phrase for what would do.
+    The input is hidden when it is (or shows one of) the API keys `keys`, or sits in a key
+    field: an error names a key's place, never its value."""
     error = exc.errors()[0]
     path = [str(part) for part in error["loc"]]
     cause = error.get("ctx", {}).get("error")
@@ -363,7 +447,33 @@ def _config_error(exc: ValidationError, source: str) -> ConfigError:
     else:
         value = _Absent() if error["type"] == "missing" else error["input"]
         expected = _PHRASES.get(error["type"], error["msg"])
+    if _KEY_FIELDS.intersection(path) or any(key in repr(value) for key in keys):
+        value = HiddenKey()
     return ConfigError(".".join(path) or "<top level>", value, f"{expected} (in {source})")
+
+
+_KEY_FIELDS = frozenset({"api_keys", "admin_key"})
+
+
+def _key_values(data: object) -> set[str]:
+    """Every string (or other scalar, as text) given under a key field anywhere in `data`."""
+    found: set[str] = set()
+    seen: set[int] = set()  # YAML anchors can make a list contain itself
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Mapping):
+            for name, value in item.items():
+                if name in _KEY_FIELDS:
+                    values = value if isinstance(value, (list, tuple)) else [value]
+                    found.update(str(v) for v in values if not isinstance(v, (Mapping, list)))
+                stack.append(value)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return {key for key in found if key}
 
 
 def parse_config(mapping: object, source: str = "<dict>") -> KVTierConfig:
@@ -373,7 +483,14 @@ def parse_config(mapping: object, source: str = "<dict>") -> KVTierConfig:
     try:
         return KVTierConfig.model_validate(dict(mapping))
     except ValidationError as exc:
-        raise _config_error(exc, source) from None
+        raise _config_error(exc, source, _key_values(mapping)) from None
+
+
+_WORD = r"[^\s:,'\"\[\]{}#]"
+_LONG_WORD = re.compile(rf"(?<!{_WORD}){_WORD}{{16,}}(?!{_WORD})(?!\s*:)")
+"""A value as long as an API key (16 characters or more; a mapping key, followed by `:`, is
+not one): masked in the line a YAML error shows, since the file could not be read far enough
+to know whether it is a key."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -404,7 +521,7 @@ def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line if mark is not None else 0
         lines = text.splitlines()
-        shown = lines[line].strip() if line < len(lines) else ""
+        shown = _LONG_WORD.sub("<not shown>", lines[line].strip()) if line < len(lines) else ""
         expected = f"valid YAML: {exc.problem} at line {line + 1} of {source}"
         raise ConfigError("<yaml>", shown, expected) from exc
     except yaml.YAMLError as exc:

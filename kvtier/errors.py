@@ -52,6 +52,27 @@ class CapacityError(KVTierError, MemoryError):
     """A request cannot be satisfied within a tier's capacity; nothing was changed."""
 
 
+class QuotaError(CapacityError):
+    """A tenant's quota (leased or reserved blocks of a tier, `tenants.<id>.quota`) would be
+    exceeded; nothing was changed. The message names the tenant, the tier and the limit."""
+
+
+class NotWrittenError(KVTierError, ValueError):
+    """A reservation's slot was committed without being written (or its reservation ended
+    before the write): a slot publishes only bytes its reserver wrote (DESIGN invariant 8)."""
+
+
+class StorageError(KVTierError, OSError):
+    """The disk refused a write that an operation needs to be durable (a clear, a persist):
+    the operation did not take durable effect, and the message says what is left."""
+
+
+class ReplyError(KVTierError, ValueError):
+    """A sidecar's reply that the client refuses (`kvtier.client`): a field of the wrong type
+    or out of range, a shared-memory name that is not one of ours, a CUDA IPC description that
+    does not fit the layout. The message names the field; nothing was mapped or written."""
+
+
 class ClosedError(KVTierError, RuntimeError):
     """The store (or one of its parts) was closed."""
 

@@ -47,7 +47,10 @@ class StoreResult(NamedTuple):
 class Reservation(NamedTuple):
     """Slots reserved for the new blocks of a sequence (`KVStore.reserve`): block i of the
     `num_tokens` new tokens (after the `cached_tokens` already cached) goes into slot `slots[i]`
-    of tier `tier`'s pool. `reservation_id` 0 with no slots: nothing could be reserved."""
+    of tier `tier`'s pool, written whole before `commit` (a slot left unwritten holds a canary,
+    and the commit is refused). `reservation_id` is random (63 bits, never 0); 0 with no slots:
+    nothing could be reserved. `expires_at` is on the store's clock; past it the commit fails
+    and the slots are quarantined, never published."""
 
     reservation_id: int
     tenant: str

@@ -4,14 +4,51 @@ Every figure is read from the live objects when asked: capacity and use from the
 residency from the index, leases from the lease table, bytes moved from the executor; only
 event counts (hits, demotions, ...) are counters, because events leave no other trace.
 Field names are the API of `GET /v1/status` (issue 6): add fields, never rename them.
+
+Two views (`KVStore.status(tenant)`):
+- `store_status`: the global figures, for the admin;
+- `tenant_status`: one tenant's own figures and nothing else: its blocks per tier (its
+  namespace's copies), what it holds against its quota, its floors, its leases, and its own
+  operation counters (`TenantCounters`). Nothing in it moves with another tenant's activity
+  (no used bytes, free slots, mover or path figures, global hits), with one exception that
+  every shared cache has: its blocks above its floor may be evicted for another tenant, and
+  its block counts then fall, as its own lookups would show.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.store import KVStore
+
+TENANT_OPS = (
+    "lookups",
+    "lookup_tokens",
+    "hit_tokens",
+    "stores",
+    "stored_tokens",
+    "dropped_tokens",
+    "loads",
+    "loaded_tokens",
+    "prefetches",
+)
+"""The operation counters kept per tenant as well as in the global `ops`."""
+
+
+@dataclass
+class TenantCounters:
+    """One tenant's events since start: `ops` (TENANT_OPS) and `hits[t]`, the blocks its
+    lookups found whose fastest copy was in tier t. The store adds to these and to the global
+    counters in the same call."""
+
+    num_tiers: int
+    ops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TENANT_OPS, 0))
+    hits: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hits = [0] * self.num_tiers
 
 
 def store_status(store: KVStore) -> dict[str, Any]:
@@ -50,6 +87,7 @@ def store_status(store: KVStore) -> dict[str, Any]:
         tiers["disk"]["direct_io"] = store.disk.direct
         tiers["disk"]["compression"] = store.disk.codec.name
         tiers["disk"]["faults"] = dict(store.disk.faults)
+        tiers["disk"].update(store.disk.write_status())  # refused_writes, backoff_s, last error
     lookups = store.ops["lookup_tokens"]
     return {
         "layout": {
@@ -79,4 +117,42 @@ def store_status(store: KVStore) -> dict[str, Any]:
         "recovery": dict(store.recovery),
         "ops": dict(store.ops),
         "hit_rate": store.ops["hit_tokens"] / lookups if lookups else 0.0,
+    }
+
+
+def tenant_status(store: KVStore, tenant: str, namespace: bytes) -> dict[str, Any]:
+    """`tenant`'s own figures (module doc); `namespace` is its namespace. Store lock held."""
+    index = store.index
+    limits = store.shares.limits[tenant]
+    counters = store.tenant_counters[tenant]
+    held = index.leases.held_blocks(namespace)
+    tiers: dict[str, dict[str, Any]] = {}
+    for tier, pool in enumerate(store.pools):
+        reserved = store.reservations.held(tier, tenant) if tier < len(store.memory) else 0
+        quota = limits.quota[tier]
+        tiers[pool.name] = {
+            "capacity_bytes": pool.capacity_bytes,
+            "slots": pool.num_slots,
+            "blocks": index.resident_in(namespace, tier),
+            "reserved_blocks": reserved,
+            "held_blocks": reserved + (held if tier == 0 else 0),
+            "quota_blocks": quota,
+            "floor_blocks": limits.floor[tier],
+            "hits": counters.hits[tier],
+        }
+    ops = dict(counters.ops)
+    lookups = ops["lookup_tokens"]
+    return {
+        "tenant": tenant,
+        "layout": {
+            "model": store.layout.model_name,
+            "block_tokens": store.layout.block_tokens,
+            "block_bytes": store.layout.block_bytes,
+            "dtype": store.layout.dtype_name,
+        },
+        "tiers": tiers,
+        "leases": {"live": store.mover.leases_of(tenant), "quota": limits.leases},
+        "locked_blocks": held,  # what its leases and reservation pins lock (counted on gpu)
+        "ops": ops,
+        "hit_rate": ops["hit_tokens"] / lookups if lookups else 0.0,
     }

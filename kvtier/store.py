@@ -23,13 +23,23 @@ Contract:
   the disk (what cannot be placed is dropped and counted). With `background: false` every copy
   runs in the calling thread and every call returns with its copies done.
 - Thread-safe: one lock serialises calls; copies run outside it. Leases expire after
-  `policy.lease_ttl_s` seconds of the store's clock.
+  `policy.lease_ttl_s` seconds of the store's clock; no call may ask for more than
+  `policy.max_ttl_s`.
+- Fair shares (`quotas.py`, DESIGN invariant 9): what a tenant's leases and reservations hold
+  is bounded by its quota (`QuotaError` past it, nothing changed), and room made for a
+  tenant's call comes from blocks above other tenants' floors, or from its own, never from
+  another tenant at or under its floor. `status(tenant)` is that tenant's own figures.
+- Zero-copy writers (`reserve`, write the slots, `commit`) publish only what they wrote (DESIGN
+  invariant 8): `commit` refuses (`NotWrittenError`) a slot that still holds a canary planted at
+  `reserve`, and an expired reservation's slots stay allocated and unread in quarantine for
+  `policy.reservation_quarantine_s` before anyone else gets them (`reservations.py`).
+- Lease and reservation ids are random 63-bit numbers (`ids.py`): they count nothing and are
+  not guessable; another tenant's id is refused exactly like one never issued.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
 import threading
 import time
 import weakref
@@ -44,6 +54,8 @@ from kvtier.errors import (
     InvalidArgumentError,
     InvariantError,
     LeaseError,
+    QuotaError,
+    StorageError,
     UnknownTenantError,
 )
 from kvtier.hashing import BlockHasher, BlockId, tenant_salt
@@ -51,7 +63,9 @@ from kvtier.index import BlockRef, LeaseId, Match, RadixIndex
 from kvtier.index.node import Node
 from kvtier.kvdata import check_device, check_kv, from_blocks, to_blocks
 from kvtier.policy import write_policy
+from kvtier.quotas import TenantShares
 from kvtier.recovery import recover
+from kvtier.reservations import ReservationTable
 from kvtier.results import (
     Lease,
     LeaseState,
@@ -60,11 +74,12 @@ from kvtier.results import (
     Reservation,
     StoreResult,
 )
-from kvtier.status import store_status
+from kvtier.status import TenantCounters, store_status, tenant_status
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import DISK, GPU, HOST, Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.gpu import resolve_device
+from kvtier.tiers.shm import segment_prefix
 from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.transfer import InlineExecutor
 from kvtier.transfer.copy import Ledger, Transfer
@@ -74,9 +89,6 @@ from kvtier.transfer.mover import Mover
 from kvtier.transfer.persist import persist
 from kvtier.transfer.reads import DiskReader
 from kvtier.transfer.threads import ThreadExecutor
-
-_Reserved = tuple["Reservation", BlockId, bytes, LeaseId, dict[int, list[int]]]
-"""A live reservation: itself, its namespace and key, its pin, and its slots per tier."""
 
 PREFETCH_ATTEMPTS = 4
 """A waiting prefetch that meets a corrupt disk copy drops it and tries again, this often."""
@@ -96,8 +108,26 @@ class KVStore:
         `secret` keys the tenant salts (the sidecar persists one); `clock` drives leases.
         `executor` runs the background copies instead of the one the config implies (e.g. a
         throttled `ThreadExecutor`); the store closes it. Needs `mover.background: true`.
-        `shared_memory`: a name prefix; the host pool and a CPU gpu pool then live in POSIX
-        shared memory (/dev/shm/<prefix>-<random>-<tier>, mode 0600), which clients map."""
+        `shared_memory`: a name base; the host pool and a CPU gpu pool then live in POSIX
+        shared memory (/dev/shm/<base>-<pid>-<random>-<tier>, mode 0600), which clients map.
+        A construction that fails closes the tiers it made (their shared memory unlinked)."""
+        try:
+            self._construct(config, secret, clock, executor, shared_memory)
+        except BaseException:
+            for made in ("gpu_pool", "host_pool", "disk"):
+                tier = vars(self).get(made)
+                if tier is not None:
+                    tier.close()
+            raise
+
+    def _construct(
+        self,
+        config: KVTierConfig | None,
+        secret: bytes,
+        clock: Callable[[], float],
+        executor: Executor | None,
+        shared_memory: str | None,
+    ) -> None:
         self.config = config if config is not None else KVTierConfig()
         self.layout = self.config.layout
         self.block_tokens = self.layout.block_tokens
@@ -106,7 +136,7 @@ class KVStore:
         self._closed = False
         gpu_cfg, host_cfg = self.config.tiers.gpu, self.config.tiers.host
         device = resolve_device(gpu_cfg.device)
-        prefix = None if shared_memory is None else f"{shared_memory}-{secrets.token_hex(4)}"
+        prefix = None if shared_memory is None else segment_prefix(shared_memory)
         self.gpu_pool: SlotPool = GpuPool.create(
             self.layout,
             gpu_cfg.capacity.resolve(free_device_bytes(device)),
@@ -134,16 +164,18 @@ class KVStore:
             self.pools.append(self.disk)
         self.tier_names = self.config.tier_names
         hasher = BlockHasher(self.config.hashing.algorithm)
-        # lease ids start at a random point in each process: a client holding an id from
-        # before a restart cannot release (or read through) a lease of the new one by accident
-        self.index = RadixIndex(
-            self.tier_names, self.block_tokens, hasher, first_lease_id=secrets.randbits(40) << 20
-        )
+        self.index = RadixIndex(self.tier_names, self.block_tokens, hasher)
         self._namespaces: dict[str, BlockId] = {
             tenant: hasher.seed(self.layout.fingerprint, tenant_salt(tenant, secret))
             for tenant in self.config.tenants
         }
         self._tenant_of = {namespace: tenant for tenant, namespace in self._namespaces.items()}
+        # fair shares (quotas.py): floors steer eviction, quotas bound what a tenant holds
+        self.shares = TenantShares(self.config, [pool.num_slots for pool in self.pools])
+        self.index.set_floors(self.shares.floors(self._namespaces))
+        self.tenant_counters = {
+            tenant: TenantCounters(len(self.pools)) for tenant in self._namespaces
+        }
         self.policy = write_policy(self.config.policy.write, self.config.policy.selective_hits)
         mover_cfg = self.config.mover
         if executor is not None and not mover_cfg.background:
@@ -166,7 +198,7 @@ class KVStore:
             admission,
             self.counters,
             self._describe,
-            reserved=lambda tier: self.mover.reserved(tier),
+            reserved=lambda tier: self.mover.reserved(tier) + self.reservations.held(tier),
             sync_disk=not mover_cfg.background,
         )
         self.ops: dict[str, int] = dict.fromkeys(
@@ -187,8 +219,9 @@ class KVStore:
         )
         self.reader = DiskReader(self.index, self.pools, self.executor, self.ops)
         self.recovery = recover(self) if self.disk is not None else {}
-        self._reservations: dict[int, _Reserved] = {}
-        self._reservation_ids = 0
+        self.reservations = ReservationTable(
+            self.memory, self.index.leases, self._clock, self.config.policy.reservation_quarantine_s
+        )
         self.mover = Mover(
             index=self.index,
             pools=self.pools,
@@ -234,13 +267,16 @@ class KVStore:
         with self._lock:
             namespace = self._namespace(tenant)
             hit = self.index.lookup(namespace, key)
-            self.ops["lookups"] += 1
-            self.ops["lookup_tokens"] += len(key) // TOKEN_NBYTES
-            self.ops["hit_tokens"] += hit.num_blocks * self.block_tokens
+            own = self.tenant_counters[tenant]
+            for ops in (self.ops, own.ops):
+                ops["lookups"] += 1
+                ops["lookup_tokens"] += len(key) // TOKEN_NBYTES
+                ops["hit_tokens"] += hit.num_blocks * self.block_tokens
             bt = self.block_tokens
             by_tier = hit.tier_blocks
             for tier, count in enumerate(by_tier):
                 self.counters[tier].hits += count
+                own.hits[tier] += count
             if self.mover.lift_on_lookup and by_tier[0] < hit.num_blocks:
                 self.mover.note_lookup(namespace, key[: hit.num_blocks * self.index.key_nbytes])
             disk = by_tier[2] if len(by_tier) > 2 else 0
@@ -261,44 +297,45 @@ class KVStore:
         with self._lock:
             namespace = self._namespace(tenant)
             self._expire()
-            bt = self.block_tokens
-            match = self.index.match(namespace, key)
-            new_blocks = num_tokens // bt - match.num_blocks
-            self.ops["stores"] += 1
-            if new_blocks <= 0:
-                return StoreResult(match.num_blocks * bt, 0, 0)
-            pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
-            try:
-                slots = self._place(match, new_blocks)
-            finally:
-                # the pin guards the match while room is made; unpinned, a leaf grows in place
-                self.index.leases.release(pin.lease_id)
-            start = match.num_blocks * bt
-            blocks = to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
-            if slots is None and self._tail_on_disk(match) and self.mover.background:
-                tenant_name = self._tenant_of[namespace]
-                pending = self.mover.insert_on_disk(match, key, blocks, namespace, tenant_name)
-                self.ops["dropped_tokens"] += (new_blocks - pending) * bt
-                return StoreResult(
-                    match.num_blocks * bt, 0, (new_blocks - pending) * bt, pending * bt
-                )
-            if slots is None and self._tail_on_disk(match):
-                stored = self._store_to_disk(match, key, blocks, namespace)
-                self.ops["stored_tokens"] += stored * bt
-                self.ops["dropped_tokens"] += (new_blocks - stored) * bt
-                return StoreResult(
-                    (match.num_blocks + stored) * bt, stored * bt, (new_blocks - stored) * bt
-                )
-            if slots is None:
-                self.ops["dropped_tokens"] += new_blocks * bt
-                return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
-            for tier, tier_slots in slots.items():
-                self.memory[tier].write(tier_slots, blocks)
-            self._mark_engine()  # CUDA: background copies of these slots wait for the writes
-            self.index.insert(match, key, slots)
-            self.ops["stored_tokens"] += new_blocks * bt
-            self._enforce_watermarks()
-            return StoreResult((match.num_blocks + new_blocks) * bt, new_blocks * bt, 0)
+            result = self._store_new(namespace, key, kv)
+            for ops in (self.ops, self.tenant_counters[tenant].ops):
+                ops["stores"] += 1
+                ops["stored_tokens"] += result.stored_tokens
+                ops["dropped_tokens"] += result.dropped_tokens
+            return result
+
+    def _store_new(self, namespace: BlockId, key: bytes, kv: torch.Tensor) -> StoreResult:
+        """`store`'s work, lock held. Room is made for `namespace` (fair shares)."""
+        bt = self.block_tokens
+        match = self.index.match(namespace, key)
+        new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
+        if new_blocks <= 0:
+            return StoreResult(match.num_blocks * bt, 0, 0)
+        pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
+        try:
+            slots = self._place(match, new_blocks)
+        finally:
+            # the pin guards the match while room is made; unpinned, a leaf grows in place
+            self.index.leases.release(pin.lease_id)
+        start = match.num_blocks * bt
+        blocks = to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
+        if slots is None and self._tail_on_disk(match) and self.mover.background:
+            tenant_name = self._tenant_of[namespace]
+            pending = self.mover.insert_on_disk(match, key, blocks, namespace, tenant_name)
+            return StoreResult(match.num_blocks * bt, 0, (new_blocks - pending) * bt, pending * bt)
+        if slots is None and self._tail_on_disk(match):
+            stored = self._store_to_disk(match, key, blocks, namespace)
+            return StoreResult(
+                (match.num_blocks + stored) * bt, stored * bt, (new_blocks - stored) * bt
+            )
+        if slots is None:
+            return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
+        for tier, tier_slots in slots.items():
+            self.memory[tier].write(tier_slots, blocks)
+        self._mark_engine()  # CUDA: background copies of these slots wait for the writes
+        self.index.insert(match, key, slots)
+        self._enforce_watermarks()
+        return StoreResult((match.num_blocks + new_blocks) * bt, new_blocks * bt, 0)
 
     def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
@@ -307,8 +344,14 @@ class KVStore:
         KV (`[num_layers, 2, block_tokens, kv_heads, head_dim]`) into slot `slots[i]` of tier
         `tier`'s pool buffer, then `commit` (or `abort`). Placement is `store`'s; nothing is
         visible before the commit. A reservation that cannot be placed (no room, or new blocks
-        below a disk-only prefix, which need `store`) reserves nothing (`num_tokens` 0).
-        Unclaimed reservations expire like leases."""
+        below a disk-only prefix, which need `store`) reserves nothing (`num_tokens` 0, id 0).
+
+        The id is random (`ids.py`). Before returning, a random canary word is planted in every
+        4 KiB page of each slot to write (`canaries.py`): `commit` refuses slots that still hold
+        one, so a slot never publishes what an earlier user left there. Unclaimed reservations
+        expire like leases; their slots stay allocated in quarantine for
+        `policy.reservation_quarantine_s`, so that a late writer writes where no one reads
+        (`reservations.py`)."""
         key = encode_tokens(tokens)
         ttl = self._ttl(ttl_s)
         with self._lock:
@@ -317,16 +360,24 @@ class KVStore:
             bt = self.block_tokens
             match = self.index.match(namespace, key)
             new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
-            pin = self.index.leases.acquire(match.end, self._all_tiers, math.inf, 0, resident=False)
-            slots = self._place(match, new_blocks) if new_blocks > 0 else None
+            if new_blocks > 0:  # its pin locks the prefix for the tenant: within its quota
+                locking = self.index.leases.unheld_blocks(match.end)
+                holding = self._holding(tenant, namespace, GPU)
+                self.shares.admit(tenant, GPU, holding, locking, "a reservation's prefix")
+            pin = self.index.leases.acquire(
+                match.end, self._all_tiers, math.inf, 0, resident=False, held=True
+            )
+            try:
+                slots = self._place(match, new_blocks, tenant) if new_blocks > 0 else None
+            except QuotaError:
+                self.index.leases.release(pin.lease_id)
+                raise
             if slots is None:
                 self.index.leases.release(pin.lease_id)
                 return Reservation(0, tenant, match.num_blocks * bt, 0, "gpu", (), 0.0)
-            self._reservation_ids += 1
-            rid = self._reservation_ids
             tier = min(slots)
             reservation = Reservation(
-                rid,
+                0,  # the table draws the id
                 tenant,
                 match.num_blocks * bt,
                 new_blocks * bt,
@@ -334,17 +385,19 @@ class KVStore:
                 tuple(slots[tier]),
                 self._clock() + ttl,
             )
-            self._reservations[rid] = (reservation, namespace, key, pin.lease_id, slots)
-            return reservation
+            return self.reservations.open(reservation, namespace, key, pin.lease_id, slots)
 
     def commit(self, reservation: Reservation | int) -> StoreResult:
-        """Make a reservation's blocks visible (after the caller wrote them): as `store` would
-        have. `LeaseError` if it is unknown, committed, aborted or expired."""
+        """Make a reservation's blocks visible after the caller wrote them, as `store` would
+        have (under write_through, the host copy is made here, from the written slots).
+        `LeaseError` if it is unknown, committed, aborted or expired (commit after expiry always
+        fails). `NotWrittenError` if a slot still holds a canary (not written whole): nothing
+        is published and the reservation stays live, to be written and committed, or aborted."""
         with self._lock:
             self._ensure_open()
             self._expire()
-            _, namespace, key, pin_id, slots = self._take_reservation(reservation)
-            self.index.leases.release(pin_id)
+            entry = self.reservations.take_written(reservation)
+            namespace, key, slots = entry.namespace, entry.key, entry.slots
             bt, kb = self.block_tokens, self.index.key_nbytes
             tier = min(slots)
             first_block = len(key) // kb - len(slots[tier])
@@ -365,17 +418,19 @@ class KVStore:
             if count:
                 self.index.insert(match, key, new)
                 self._mark_engine()
-            self.ops["stores"] += 1
-            self.ops["stored_tokens"] += count * bt
+            for ops in (self.ops, self.tenant_counters[entry.reservation.tenant].ops):
+                ops["stores"] += 1
+                ops["stored_tokens"] += count * bt
             self._enforce_watermarks()
             return StoreResult((match.num_blocks + count) * bt, count * bt, 0)
 
     def abort(self, reservation: Reservation | int) -> None:
-        """Give a reservation's slots back unwritten. `LeaseError` if it is not live."""
+        """Give a reservation's slots back unwritten, free at once (its holder says it is
+        done with them). `LeaseError` if it is not live."""
         with self._lock:
             self._ensure_open()
             self._expire()
-            self._drop_reservation(self._take_reservation(reservation))
+            self.reservations.abort(reservation)
 
     def load(
         self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
@@ -411,8 +466,9 @@ class KVStore:
                     data = self.memory[tier].read(slots).to(target)
                     blocks[positions[0] : positions[-1] + 1] = data  # closure: one run per tier
             self._copy_hot_to_host(match.end)
-            self.ops["loads"] += 1
-            self.ops["loaded_tokens"] += count * self.block_tokens
+            for ops in (self.ops, self.tenant_counters[tenant].ops):
+                ops["loads"] += 1
+                ops["loaded_tokens"] += count * self.block_tokens
             return LoadResult(count * self.block_tokens, from_blocks(blocks[:count]))
 
     def prefetch(
@@ -442,12 +498,18 @@ class KVStore:
             with self._lock:
                 namespace = self._namespace(tenant)
                 self._expire()
-                lease = self.mover.prefetch(
-                    namespace, key, tenant, self._clock() + ttl, self.cancel
+                match = self.mover.match_prefix(namespace, key)
+                self.shares.admit_lease(
+                    tenant,
+                    self.mover.leases_of(tenant),
+                    self._holding(tenant, namespace, GPU),
+                    self.index.leases.unheld_blocks(match.end),
                 )
+                lease = self.mover.prefetch(match, tenant, self._clock() + ttl, self.cancel)
                 if lease.lease_id in self.index.leases:  # (an inline prefetch may have failed)
                     self._copy_hot_to_host(self.index.leases.get(LeaseId(lease.lease_id)).end)
                 self.ops["prefetches"] += 1
+                self.tenant_counters[tenant].ops["prefetches"] += 1
             if not wait:
                 return lease
             try:
@@ -493,18 +555,20 @@ class KVStore:
             return lease
 
     def reservation(self, reservation_id: int, *, tenant: str | None = None) -> Reservation:
-        """The live reservation `reservation_id` (of `tenant`, when given), else `LeaseError`."""
+        """The live reservation `reservation_id` (of `tenant`, when given), else `LeaseError`,
+        the same for another tenant's reservation as for none, so that ids reveal nothing."""
         with self._lock:
             self._ensure_open()
             self._expire()
-            entry = self._reservations.get(reservation_id)
-            if entry is None or (tenant is not None and entry[0].tenant != tenant):
-                raise LeaseError(f"reservation {reservation_id!r}: unknown, committed or expired")
-            return entry[0]
+            return self.reservations.get(reservation_id, tenant).reservation
 
     def clear(self, tenant: str | None = None) -> int:
         """Drop every cached block (of `tenant`, when given) that no lease, pin or reservation
-        holds, in every tier; return how many blocks were dropped."""
+        holds, in every tier; return how many blocks were dropped. The drop is durable: the
+        dropped blocks' disk copies are retired and synced before this returns. Where the disk
+        refuses that, the blocks are dropped all the same (nothing serves them) and
+        `StorageError` says how many, and how many disk copies may come back at the next start
+        (to be cleared again then)."""
         with self._lock:
             self._ensure_open()
             self._expire()
@@ -513,6 +577,7 @@ class KVStore:
                 list(self._namespaces.values()) if tenant is None else [self._namespace(tenant)]
             )
             dropped = 0
+            on_disk: list[int] = []
             for namespace in namespaces:
                 root = self.index.root(namespace)
                 for child in list(root.children.values()) if root.children else []:
@@ -520,8 +585,20 @@ class KVStore:
                         continue
                     before = self.index.num_blocks
                     for tier, slot in self.index.drop_subtree(BlockRef(child, 0)):
-                        self.pools[tier].free([slot])
+                        if tier == DISK:
+                            on_disk.append(slot)
+                        else:
+                            self.pools[tier].free([slot])
                     dropped += before - self.index.num_blocks
+            left = self.disk.free_durably(on_disk) if self.disk is not None and on_disk else 0
+            if left:
+                assert self.disk is not None
+                raise StorageError(
+                    f"clear: {dropped} blocks were dropped, but the disk refused to retire "
+                    f"{left} of their {len(on_disk)} disk copies "
+                    f"({self.disk.backoff.last_error}): up to {left} of these blocks may come "
+                    "back after a restart; clear again then"
+                )
             return dropped
 
     def leased_slots(self) -> frozenset[int]:
@@ -589,36 +666,44 @@ class KVStore:
             )
             return pool.num_free - before
 
-    def status(self) -> dict[str, Any]:
-        """A JSON-able snapshot of tiers, index, leases, mover and counters (`status.py`)."""
+    def status(self, tenant: str | None = None) -> dict[str, Any]:
+        """A JSON-able snapshot (`status.py`): with `tenant` None, the global one (tiers, index,
+        leases, mover, counters: for the admin); with a tenant, that tenant's own figures only
+        (its blocks, quota use and limits, floors, leases and counters)."""
         with self._lock:
             self._ensure_open()
+            if tenant is not None:
+                namespace = self._namespace(tenant)
+                self._expire()
+                return tenant_status(self, tenant, namespace)
             self.mover.reap()
             self._expire()
             return store_status(self)
 
     def check(self) -> None:
-        """Verify DESIGN invariants 2-5 across index, pools, mover and leases; raise
+        """Verify DESIGN invariants 2-5 across index, pools, mover, leases and reservations
+        (each live or quarantined reservation slot allocated and held once; a pool's used slots
+        equal to its resident blocks plus flights' and reservations' slots); raise
         `InvariantError`. Safe to call while the mover runs: it holds the store's lock."""
         with self._lock:
             self._ensure_open()
             self.index.check()
             self.mover.check()
+            self.reservations.check()  # its slots allocated, once each: then the sums below
             for tier, pool in enumerate(self.pools):
                 pool.check()
                 in_index = self.index.resident(tier)
-                reserved = self.mover.reserved(tier) + sum(
-                    len(entry[4].get(tier, ())) for entry in self._reservations.values()
-                )
+                reserved = self.mover.reserved(tier) + self.reservations.held(tier)
                 if pool.num_used != in_index + reserved:
                     raise InvariantError(
                         f"{pool.name}: {pool.num_used} slots in use but {in_index} blocks "
                         f"resident in the index and {reserved} held by flights and reservations "
+                        f"(live or quarantined) "
                         f"({pool.used_bytes} bytes vs "
                         f"{(in_index + reserved) * self.layout.block_bytes})"
                     )
             leases = self.mover.leases
-            pins = self.mover.pin_ids() | {entry[3] for entry in self._reservations.values()}
+            pins = self.mover.pin_ids() | self.reservations.pins()
             indexed = {r.lease_id for r in self.index.leases}
             if set(leases) | pins != indexed:
                 raise InvariantError(
@@ -675,49 +760,50 @@ class KVStore:
 
     def _expire(self) -> None:
         self.ops["leases_expired"] += self.mover.expire()
-        if self._reservations:
-            now = self._clock()
-            for rid, entry in list(self._reservations.items()):
-                if entry[0].expires_at <= now:
-                    del self._reservations[rid]
-                    self._drop_reservation(entry)
+        self.reservations.expire()
 
     def _ttl(self, ttl_s: float | None) -> float:
+        """The ttl of a lease or reservation: `ttl_s`, or the default; at most
+        `policy.max_ttl_s`, so that no one pins a tier for long (DESIGN invariant 9)."""
         ttl = self.config.policy.lease_ttl_s if ttl_s is None else ttl_s
-        if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
+        longest = self.config.policy.max_ttl_s
+        if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl <= longest):
             raise InvalidArgumentError(
-                f"ttl_s: got {ttl_s!r}, expected a finite number of seconds > 0"
+                f"ttl_s: got {ttl_s!r}, expected a number of seconds in (0, {longest}] "
+                f"(policy.max_ttl_s)"
             )
         return float(ttl)
 
-    def _take_reservation(self, reservation: Reservation | int) -> _Reserved:
-        raw = reservation.reservation_id if isinstance(reservation, Reservation) else reservation
-        if type(raw) is not int:
-            raise InvalidArgumentError(
-                f"reservation: got {reservation!r}, expected a Reservation or its id (int)"
-            )
-        entry = self._reservations.pop(raw, None)
-        if entry is None:
-            raise LeaseError(f"reservation {raw}: unknown, committed, aborted or expired")
-        return entry
+    def _holding(self, tenant: str, namespace: BlockId, tier: int) -> int:
+        """What `tenant` holds of `tier` against its quota (`quotas.py`): its reserved slots
+        (live or in quarantine) and, on gpu, the blocks its leases and reservation pins lock."""
+        reserved = self.reservations.held(tier, tenant)
+        return reserved + self.index.leases.held_blocks(namespace) if tier == GPU else reserved
 
-    def _drop_reservation(self, entry: _Reserved) -> None:
-        _, _, _, pin_id, slots = entry
-        self.index.leases.release(pin_id)
-        for tier, tier_slots in slots.items():
-            self.pools[tier].free(tier_slots)
-
-    def _place(self, match: Match, count: int) -> dict[int, list[int]] | None:
+    def _place(
+        self, match: Match, count: int, reserver: str | None = None
+    ) -> dict[int, list[int]] | None:
         """Slots for `count` new blocks after `match`: the fastest tier that closure allows and
-        that can make room, plus host under write_through. None when no tier can."""
+        that can make room, plus host under write_through. None when no tier can. Room is made
+        for the namespace of `match` (fair shares). For a reservation of `reserver`, the slots
+        count against its quota: `QuotaError` (nothing moved yet) if the tier it would take
+        is full to it; a write_through host copy over its host quota is left out."""
+        owner = match.end.root.ids
         first = 0 if match.end.parent is None else match.end.fastest(match.end.size - 1)
         for tier in range(first, min(len(self.pools), DISK)):
-            if not (
-                self.demoter.can_make_room(tier, count) and self.demoter.make_room(tier, count)
-            ):
+            if not self.demoter.can_make_room(tier, count, owner):
+                continue
+            if reserver is not None:
+                holding = self._holding(reserver, BlockId(owner), tier)
+                self.shares.admit(reserver, tier, holding, count, "a reservation")
+            if not self.demoter.make_room(tier, count, owner):
                 continue
             slots = {tier: self.pools[tier].allocate(count)}
-            if tier == GPU and self.policy.copy_on_store and self.demoter.make_room(HOST, count):
+            copy = tier == GPU and self.policy.copy_on_store
+            if copy and reserver is not None:
+                holding = self._holding(reserver, BlockId(owner), HOST)
+                copy = self.shares.fits(reserver, HOST, holding, count)
+            if copy and self.demoter.make_room(HOST, count, owner):
                 slots[HOST] = self.pools[HOST].allocate(count)
             return slots
         return None
@@ -735,7 +821,11 @@ class KVStore:
         group commit; the leading blocks that became durable enter the index. Returns them."""
         assert self.disk is not None
         count = blocks.shape[0]
-        if not (self.demoter.can_make_room(DISK, count) and self.demoter.make_room(DISK, count)):
+        owner = bytes(namespace)
+        if not (
+            self.demoter.can_make_room(DISK, count, owner)
+            and self.demoter.make_room(DISK, count, owner)
+        ):
             return 0
         kb, ds = self.index.key_nbytes, self.index.digest_size
         start = match.num_blocks * kb
@@ -772,7 +862,7 @@ class KVStore:
             and ref.node.slots[GPU][ref.i] is not None
             and ref.node.slots[HOST][ref.i] is None
         ]
-        if not wanted or not self.demoter.make_room(HOST, len(wanted)):
+        if not wanted or not self.demoter.make_room(HOST, len(wanted), end.root.ids):
             return
         dst = self.host_pool.allocate(len(wanted))
         src = tuple(self._slot(ref.node.slots[GPU][ref.i]) for ref in wanted)

@@ -248,7 +248,7 @@ BAD_FILES = [
     ("block_tokens true", "block_tokens: true", "block_tokens", True),
     ("bad tenant id", "tenants: {'bad id!': {}}", "tenants", "bad id!"),
     ("no tenants", "tenants: {}", "tenants", {}),
-    ("tenant with a key", "tenants: {a: {quota: 1}}", "tenants.a.quota", "quota"),
+    ("tenant with a key", "tenants: {a: {limits: 1}}", "tenants.a.limits", "limits"),
     ("port 70000", "service: {port: 70000}", "service.port", 70000),
     ("section not a mapping", "policy: write_back", "policy", "write_back"),
     ("non-mapping top level", "- model\n- tiers\n", "<top level>", ["model", "tiers"]),

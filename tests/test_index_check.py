@@ -89,10 +89,10 @@ def test_a_lock_without_a_lease_is_caught() -> None:
 
 def test_a_leased_copy_that_vanished_is_caught() -> None:
     ix = scenario()
-    ix.leases.acquire(ix.match(NS, key("ABC")).end, (GPU,), math.inf, 3)
+    record = ix.leases.acquire(ix.match(NS, key("ABC")).end, (GPU,), math.inf, 3)
     ix.check()
     ref(ix, "ABC").node.slots[GPU][0] = None
-    expect(ix, "lease 1: 1 blocks of a leased node lost their gpu copy")
+    expect(ix, f"lease {record.lease_id}: 1 blocks of a leased node lost their gpu copy")
 
 
 def test_a_missing_or_stale_eviction_candidate_is_caught() -> None:

@@ -184,7 +184,7 @@ def test_prefetch_refuses_a_bad_ttl_and_promotes_nothing(store: KVStore, ttl_s: 
     def call(s: KVStore) -> object:
         return s.prefetch(DEMOTED, ttl_s=ttl_s)  # type: ignore[arg-type]
 
-    message = r"ttl_s: got .*, expected a finite number of seconds > 0"
+    message = r"ttl_s: got .*, expected a number of seconds in \(0, 600.0\]"
     assert_refused(store, call, InvalidArgumentError, message)
 
 

@@ -9,6 +9,8 @@ Verifies DESIGN invariants 2-5 as far as the index holds them:
 4. every live lease still finds a copy of each of its blocks in each leased tier, and each
    node's lock counts equal the leases covering it;
 5. per-tier resident counts equal a recount, and no slot holds two blocks of one tier.
+9. (what the index keeps of it) each namespace's copies per tier and its held blocks (covered
+   by a tenant's leases and reservation pins) equal a recount.
 Also the derived fields (`depth`, `child_res`, eviction candidates, block and node counts).
 The store checks the pools' byte accounting against `resident()`.
 """
@@ -31,12 +33,14 @@ def check_index(index: RadixIndex) -> None:
     seen_slots: list[set[int]] = [set() for _ in range(num_tiers)]
     blocks = nodes = 0
     expected_locks: dict[Node, list[int]] = {}
+    expected_held: dict[Node, int] = {}
     for record in index.leases:
         node = record.end
         while node.parent is not None:
             counts = expected_locks.setdefault(node, [0] * num_tiers)
             for tier in record.tiers:
                 counts[tier] += 1
+            expected_held[node] = expected_held.get(node, 0) + record.held
             for tier in record.tiers if record.resident else ():
                 missing = sum(1 for slot in node.slots[tier] if slot is None)
                 _expect(
@@ -51,6 +55,8 @@ def check_index(index: RadixIndex) -> None:
             f"namespace root {namespace.hex()} is malformed",
         )
         _expect(root.children is not None, f"namespace {namespace.hex()} has an empty root")
+        ns_resident = [0] * num_tiers
+        ns_held = 0
         stack = [(root, -1)]
         while stack:
             node, parent_fastest = stack.pop()
@@ -81,6 +87,7 @@ def check_index(index: RadixIndex) -> None:
                     for slot in fields:
                         if slot is not None:
                             resident[tier] += 1
+                            ns_resident[tier] += 1
                             _expect(
                                 slot not in seen_slots[tier],
                                 f"{index.tiers[tier]} slot {slot} holds two blocks",
@@ -93,6 +100,10 @@ def check_index(index: RadixIndex) -> None:
                 locks = node.locks or [0] * num_tiers
                 want = expected_locks.get(node, [0] * num_tiers)
                 _expect(locks == want, f"{node!r}: locks {locks} != leases covering it {want}")
+                held = expected_held.get(node, 0)
+                _expect(node.held == held, f"{node!r}: held {node.held} != held locks {held}")
+                _expect(node.root is root, f"{node!r} names another namespace root")
+                ns_held += size if held else 0
                 parent_fastest = prev
             children = node.children or {}
             _expect(node.children is None or len(children) > 0, f"{node!r}: empty children dict")
@@ -103,6 +114,16 @@ def check_index(index: RadixIndex) -> None:
                 _expect(child.key[:kb] == first, f"{child!r} is filed under another key")
                 stack.append((child, parent_fastest))
             _check_candidacy(index, node)
+        kept = [index.resident_in(namespace, t) for t in range(num_tiers)]
+        _expect(
+            kept == ns_resident,
+            f"namespace {namespace.hex()}: copies per tier {kept} != recount {ns_resident}",
+        )
+        _expect(
+            index.leases.held_blocks(namespace) == ns_held,
+            f"namespace {namespace.hex()}: held blocks {index.leases.held_blocks(namespace)} "
+            f"!= recount {ns_held}",
+        )
     _expect(
         resident == [index.resident(t) for t in range(num_tiers)],
         f"resident blocks per tier {[index.resident(t) for t in range(num_tiers)]} "
@@ -110,6 +131,8 @@ def check_index(index: RadixIndex) -> None:
     )
     _expect(blocks == index.num_blocks, f"num_blocks {index.num_blocks} != recount {blocks}")
     _expect(nodes == index.num_nodes, f"num_nodes {index.num_nodes} != recount {nodes}")
+    extra = set(index.namespaces_resident()) - set(index._roots)
+    _expect(not extra, f"copies counted for {len(extra)} namespaces that hold no block")
     for tier in range(num_tiers):
         stale = [n for n in index.candidates(tier) if n.parent is None]
         _expect(not stale, f"{len(stale)} detached nodes are still {index.tiers[tier]} candidates")

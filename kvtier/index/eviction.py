@@ -1,4 +1,5 @@
-"""Choosing eviction victims: least-recently-used leaves of one tier, never locked.
+"""Choosing eviction victims: least-recently-used leaves of one tier, never locked, fair
+between namespaces (tenants).
 
 A tier-t candidate is a node whose run of blocks with fastest copy in t ends in a leaf of tier
 t: the last block of that run has no block after it, in the node or in a child, whose fastest
@@ -15,12 +16,25 @@ here costs O(candidates) to heapify and O(log candidates) per victim, never a tr
 
 Recency is per node: a lookup stamps every node it walks with one tick, so the ancestors of a
 used node are at least as recent as it, and a shared trunk outlives the branches below it.
+
+Fair shares (DESIGN invariant 9): with floors set (`RadixIndex.set_floors`), each candidate
+has a rank, read from its namespace's copies in the tier (`resident_in`, O(1)):
+
+    rank 0   its namespace holds more than its floor here         first, LRU among them
+    rank 1   it is `owner`'s own (the namespace the room is for)  then, LRU among them
+    none     another namespace at or under its floor              never offered
+
+so a tenant's call never takes another tenant below its floor, and the store's own work
+(`owner` None: watermark demotion) takes only what is above floors. During one pass a tier's
+copies only leave, so a rank only falls (0 to 1, or to none): a popped entry whose rank fell is
+pushed back once with its new rank, or dropped, which keeps O(log candidates) per victim.
+Without floors every rank is 0: plain LRU.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from kvtier.index.node import Node
@@ -30,26 +44,37 @@ if TYPE_CHECKING:
     from kvtier.index.radix import RadixIndex
 
 
-def victims(index: RadixIndex, tier: int, candidates: dict[Node, None]) -> Iterator[BlockRef]:
-    """Yield tier-`tier` victims, least recently used first, one block at a time.
+def victims(
+    index: RadixIndex, tier: int, candidates: dict[Node, None], owner: bytes | None = None
+) -> Iterator[BlockRef]:
+    """Yield tier-`tier` victims, by rank (module doc), least recently used first within a
+    rank, one block at a time.
 
     After each yield the caller either removes the block's `tier` copy (`clear_slot` or
     `drop`) or leaves it; a node whose victim was left is not offered again in this pass.
     The caller stops iterating when it has freed enough. Blocks that become victims during the
     pass (a parent whose last child left the tier) join the same pass.
     """
-    heap = [(node.tick, seq, node) for seq, node in enumerate(candidates)]
+    rank = _ranking(index, tier, owner)
+    heap = []
+    for seq, node in enumerate(candidates):
+        first = rank(node)
+        if first is not None:
+            heap.append((first, node.tick, seq, node))
     heapq.heapify(heap)
-    seq = len(heap)
-    queued = set(candidates)
+    seq = len(candidates)
+    queued = {entry[3] for entry in heap}
     skipped: set[Node] = set()
     while heap:
-        tick, _, node = heapq.heappop(heap)
+        was, tick, _, node = heapq.heappop(heap)
         queued.discard(node)
         if node not in candidates or node in skipped:
             continue
-        if node.tick != tick:  # used again since it was queued: take its place in line again
-            heapq.heappush(heap, (node.tick, seq, node))
+        now = rank(node)
+        if now is None:
+            continue
+        if node.tick != tick or now != was:  # used again, or its namespace fell to its floor
+            heapq.heappush(heap, (now, node.tick, seq, node))
             seq += 1
             queued.add(node)
             continue
@@ -61,6 +86,29 @@ def victims(index: RadixIndex, tier: int, candidates: dict[Node, None]) -> Itera
             continue
         for nxt in (node, parent):
             if nxt is not None and nxt in candidates and nxt not in queued and nxt not in skipped:
-                heapq.heappush(heap, (nxt.tick, seq, nxt))
-                seq += 1
-                queued.add(nxt)
+                nxt_rank = rank(nxt)
+                if nxt_rank is not None:
+                    heapq.heappush(heap, (nxt_rank, nxt.tick, seq, nxt))
+                    seq += 1
+                    queued.add(nxt)
+
+
+def _ranking(index: RadixIndex, tier: int, owner: bytes | None) -> Callable[[Node], int | None]:
+    """The rank of a candidate (module doc): 0, 1, or None for not to be offered."""
+    floors = index.floors
+    if not floors:
+        return _first
+    resident_in = index.resident_in
+
+    def rank(node: Node) -> int | None:
+        namespace = node.root.ids
+        floor = floors.get(namespace)
+        if floor is None or resident_in(namespace, tier) > floor[tier]:
+            return 0
+        return 1 if namespace == owner else None
+
+    return rank
+
+
+def _first(node: Node) -> int:
+    return 0

@@ -7,6 +7,16 @@ eviction candidate in that tier, so leased copies are never evicted (DESIGN inva
 Leases expire at `expires_at` (a caller-supplied clock reading), so a crashed client cannot pin
 memory forever; the store calls `expire(now)`. The store's own short pins are leases that
 never expire, released before the store call returns.
+
+Held blocks: a lock taken for a tenant (its lease, or the pin of its reservation: `held=True`)
+also counts in `node.held` along its path; `held_blocks(namespace)` is the number of blocks of
+a namespace that such locks cover, each counted once however many cover it, kept up to date
+as locks come and go (the tenant's quota, `quotas.py`). The store's own pins (room-making,
+the mover's flights) are not held.
+
+Lease ids are random 63-bit numbers, unique among live leases (`kvtier/ids.py`): an id tells a
+client nothing of other clients' leases, and one held across a restart names no lease of the
+new process but by a 2**-63 chance.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.errors import LeaseError
+from kvtier.ids import fresh_id
 from kvtier.index.node import Node
 from kvtier.index.results import LeaseId
 
@@ -33,16 +44,15 @@ class LeaseRecord:
     expires_at: float
     num_blocks: int
     resident: bool = True  # every block of the path has a copy in each of `tiers` (checked)
+    held: bool = False  # taken for a tenant: counts in `held_blocks` (the module doc)
 
 
 class LeaseTable:
-    def __init__(self, index: RadixIndex, first_id: int = 1) -> None:
-        """Lease ids count up from `first_id` (the store starts each process at a random one,
-        so that an id held across a restart never names another client's lease)."""
+    def __init__(self, index: RadixIndex) -> None:
         self._index = index
         self._records: dict[LeaseId, LeaseRecord] = {}
-        self._expiry: list[tuple[float, LeaseId]] = []
-        self._next = first_id
+        self._expiry: list[tuple[float, LeaseId]] = []  # stale entries are skipped
+        self._held: dict[bytes, int] = {}  # namespace -> blocks covered by held locks
 
     def __len__(self) -> int:
         return len(self._records)
@@ -67,17 +77,18 @@ class LeaseTable:
         num_blocks: int,
         *,
         resident: bool = True,
+        held: bool = False,
     ) -> LeaseRecord:
         """Lock the prefix ending at `end` in `tiers` until `expires_at` (math.inf: never).
         `resident`: the prefix has a copy in each of `tiers` and keeps it (`check()` verifies
         it); False for a pure lock (a pin, a prefetch whose copies are in flight), which only
-        stops copies in those tiers from leaving."""
-        record = LeaseRecord(LeaseId(self._next), end, tiers, expires_at, num_blocks, resident)
-        self._next += 1
+        stops copies in those tiers from leaving. `held`: taken for a tenant (module doc)."""
+        lease_id = LeaseId(fresh_id(self._records))
+        record = LeaseRecord(lease_id, end, tiers, expires_at, num_blocks, resident, held)
         self._records[record.lease_id] = record
         if expires_at != math.inf:
             heapq.heappush(self._expiry, (expires_at, record.lease_id))
-        self._lock(end, tiers, +1)
+        self._lock(end, tiers, +1, held)
         return record
 
     def release(self, lease_id: LeaseId) -> LeaseRecord:
@@ -85,7 +96,7 @@ class LeaseTable:
         record = self._records.pop(lease_id, None)
         if record is None:
             raise LeaseError(f"lease {lease_id}: unknown, released or expired")
-        self._lock(record.end, record.tiers, -1)
+        self._lock(record.end, record.tiers, -1, record.held)
         return record
 
     def narrow(self, lease_id: LeaseId, tiers: tuple[int, ...]) -> LeaseRecord:
@@ -93,10 +104,16 @@ class LeaseTable:
         now hold the whole prefix: a prefetch locks its path in every tier while copies run,
         then holds it resident on gpu."""
         record = self.get(lease_id)
-        self._lock(record.end, tiers, +1)
-        self._lock(record.end, record.tiers, -1)
+        self._lock(record.end, tiers, +1, False)  # held counts stay: the same lease holds
+        self._lock(record.end, record.tiers, -1, False)
         narrowed = LeaseRecord(
-            lease_id, record.end, tiers, record.expires_at, record.num_blocks, resident=True
+            lease_id,
+            record.end,
+            tiers,
+            record.expires_at,
+            record.num_blocks,
+            resident=True,
+            held=record.held,
         )
         self._records[lease_id] = narrowed
         return narrowed
@@ -105,8 +122,9 @@ class LeaseTable:
         """Release every lease whose expiry is at or before `now`; return them."""
         expired = []
         while self._expiry and self._expiry[0][0] <= now:
-            _, lease_id = heapq.heappop(self._expiry)
-            if lease_id in self._records:
+            expires_at, lease_id = heapq.heappop(self._expiry)
+            record = self._records.get(lease_id)
+            if record is not None and record.expires_at == expires_at:  # not an id reused
                 expired.append(self.release(lease_id))
         return expired
 
@@ -125,14 +143,43 @@ class LeaseTable:
                 node = node.parent
         return count
 
-    def _lock(self, end: Node, tiers: tuple[int, ...], delta: int) -> None:
+    def held_blocks(self, namespace: bytes) -> int:
+        """Blocks of `namespace` that held locks (a tenant's leases and reservation pins)
+        cover, each counted once. O(1)."""
+        return self._held.get(namespace, 0)
+
+    def unheld_blocks(self, end: Node) -> int:
+        """Blocks on the path to `end` that no held lock covers yet: what a new held lock on
+        `end` would add to `held_blocks`. Held locks cover whole paths from the root, so these
+        are the blocks below the deepest held node: O(their nodes)."""
+        count = 0
+        node = end
+        while node.parent is not None and node.held == 0:
+            count += node.size
+            node = node.parent
+        return count
+
+    def _lock(self, end: Node, tiers: tuple[int, ...], delta: int, held: bool) -> None:
         num_tiers = len(self._index.tiers)
         node = end
+        covered = 0  # blocks that held locks start (or stop) covering
         while node.parent is not None:
             if node.locks is None:
                 node.locks = [0] * num_tiers
             for tier in tiers:
                 node.locks[tier] += delta
                 assert node.locks[tier] >= 0, "lock count below zero"
+            if held:
+                node.held += delta
+                assert node.held >= 0, "held count below zero"
+                if node.held == (1 if delta > 0 else 0):
+                    covered += node.size
             self._index._refresh(node)
             node = node.parent
+        if covered:
+            namespace = node.ids  # the walk ends at the namespace root
+            total = self._held.get(namespace, 0) + covered * delta
+            if total:
+                self._held[namespace] = total
+            else:
+                del self._held[namespace]

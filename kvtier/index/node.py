@@ -22,7 +22,11 @@ depth[t] > 0); with it, "is the tail of this node's tier-t run a leaf of tier t?
 `tick` is the index's clock reading at the node's last use (recency); `hits` counts the lookups
 and matches that walked through it (for the `selective` write policy).
 `locks[t]` counts the leases (and the store's short pins) on tier t whose prefix covers this
-node; None until the node is first locked, to keep unleased nodes small.
+node; None until the node is first locked, to keep unleased nodes small. `held` counts the locks
+taken for a tenant (its leases and reservations, not the store's own pins) that cover it: the
+tenant's quota counts the blocks of the nodes where it is > 0 (`quotas.py`).
+`root` is the namespace root the node hangs from (itself for a root), so the per-namespace
+counts that fair shares need cost O(1) per change.
 
 The root of each namespace is a node with no blocks whose `ids` holds the namespace seed, so the
 parent id of any block is `parent.ids[-digest_size:]` without a special case.
@@ -40,11 +44,13 @@ class Node:
         "child_res",
         "children",
         "depth",
+        "held",
         "hits",
         "ids",
         "key",
         "locks",
         "parent",
+        "root",
         "slots",
         "tick",
     )
@@ -66,6 +72,8 @@ class Node:
         self.depth = depth
         self.child_res = [0] * len(slots)
         self.locks: list[int] | None = None
+        self.held = 0
+        self.root: Node = self if parent is None else parent.root
         self.tick = tick
         self.hits = 0
 

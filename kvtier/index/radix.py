@@ -14,7 +14,10 @@ What the index does, and what it leaves to its caller (the store):
 - `set_slot`/`clear_slot`/`drop` record copies that the caller has made or freed. The caller
   makes a copy complete before `set_slot` (DESIGN invariant 1) and frees the pool slot that
   `clear_slot`/`drop` return. Each asserts that prefix closure (invariant 3) still holds.
-- `victims(tier)` (see `eviction.py`) proposes least-recently-used leaves of a tier.
+- `victims(tier, owner)` (see `eviction.py`) proposes least-recently-used leaves of a tier,
+  with fair shares: a namespace at or under its floor (`set_floors`) gives blocks last.
+- `resident_in(namespace, tier)` counts a namespace's copies per tier, kept up to date by
+  every change, O(1): what fair shares and a tenant's status read.
 - Leases (`leases.py`) lock prefixes so their copies are never proposed as victims.
 
 Pure Python, no I/O, no threads, no clocks: time arrives as arguments. Not thread-safe; the
@@ -39,7 +42,6 @@ class RadixIndex:
         tiers: Sequence[str],
         block_tokens: int,
         hasher: BlockHasher,
-        first_lease_id: int = 1,
     ) -> None:
         assert len(tiers) >= 1 and block_tokens >= 1
         self.tiers = tuple(tiers)
@@ -50,10 +52,12 @@ class RadixIndex:
         self._roots: dict[bytes, Node] = {}
         self._candidates: list[dict[Node, None]] = [{} for _ in self.tiers]
         self._resident = [0] * len(self.tiers)
+        self._ns_resident: dict[bytes, list[int]] = {}  # namespace -> copies per tier
+        self.floors: dict[bytes, tuple[int, ...]] = {}  # namespace -> floor per tier
         self._num_blocks = 0
         self._num_nodes = 0
         self._tick = 0
-        self.leases = LeaseTable(self, first_lease_id)
+        self.leases = LeaseTable(self)
 
     # ---- sizes --------------------------------------------------------------------------
 
@@ -73,6 +77,24 @@ class RadixIndex:
     def resident(self, tier: int) -> int:
         """Number of blocks with a copy in `tier`."""
         return self._resident[tier]
+
+    def resident_in(self, namespace: bytes, tier: int) -> int:
+        """Number of blocks of `namespace` with a copy in `tier`."""
+        counts = self._ns_resident.get(namespace)
+        return counts[tier] if counts is not None else 0
+
+    def namespaces_resident(self) -> dict[bytes, tuple[int, ...]]:
+        """Copies per tier of every namespace that holds blocks."""
+        return {namespace: tuple(counts) for namespace, counts in self._ns_resident.items()}
+
+    def _count(self, node: Node, tier: int, delta: int) -> None:
+        """`delta` copies in `tier` of blocks of `node`'s namespace."""
+        self._resident[tier] += delta
+        namespace = node.root.ids
+        counts = self._ns_resident.get(namespace)
+        if counts is None:
+            counts = self._ns_resident[namespace] = [0] * len(self.tiers)
+        counts[tier] += delta
 
     def roots(self) -> Iterator[Node]:
         return iter(self._roots.values())
@@ -241,7 +263,7 @@ class RadixIndex:
                     parent.child_res[tier] += 1
             self._refresh(parent)
         for tier in slots:
-            self._resident[tier] += count
+            self._count(node, tier, count)
         self._num_blocks += count
         self._refresh(node)
         return InsertResult(count, new_ids, node)
@@ -268,6 +290,7 @@ class RadixIndex:
         node.parent.children[head.key[:kb]] = head  # type: ignore[index]
         head.children = {node.key[at * kb : (at + 1) * kb]: node}
         head.locks = list(node.locks) if node.locks is not None else None
+        head.held = node.held
         node.parent = head
         node.key = node.key[at * kb :]
         node.ids = node.ids[at * ds :]
@@ -289,7 +312,7 @@ class RadixIndex:
             prev_ok = node.fastest(i - 1) <= tier if i else self._fastest_last_or_root(node, tier)
             assert prev_ok, "promotion must bring whole prefixes: parent block is slower"
         node.slots[tier][i] = slot
-        self._resident[tier] += 1
+        self._count(node, tier, +1)
         if tier < old:
             self._shift_depth(node, i, tier, old, +1)
 
@@ -322,7 +345,7 @@ class RadixIndex:
         slot = node.slots[tier][i]
         assert slot is not None
         node.slots[tier][i] = None
-        self._resident[tier] -= 1
+        self._count(node, tier, -1)
         new = node.fastest(i)
         if new != old:
             self._shift_depth(node, i, old, new, -1)
@@ -351,7 +374,7 @@ class RadixIndex:
         assert not any(node.locked(t) for t in range(len(self.tiers))), "dropping a leased block"
         freed = [(t, f[i]) for t, f in enumerate(node.slots) if f[i] is not None]
         for tier, _ in freed:
-            self._resident[tier] -= 1
+            self._count(node, tier, -1)
         self._num_blocks -= 1
         if node.size == 1:
             self._detach(node, parent)
@@ -413,6 +436,8 @@ class RadixIndex:
         node.parent = None
         if parent.parent is None and parent.children is None:
             del self._roots[parent.ids]
+            counts = self._ns_resident.pop(parent.ids, None)
+            assert counts is None or not any(counts), f"an empty namespace holds {counts}"
         else:
             self._refresh(parent)
 
@@ -436,9 +461,29 @@ class RadixIndex:
                 candidates.pop(node, None)
             lo = hi
 
-    def victims(self, tier: int) -> Iterator[BlockRef]:
-        """Least-recently-used leaves of `tier`, never locked (see `eviction.victims`)."""
-        return victims(self, tier, self._candidates[tier])
+    def set_floors(self, floors: dict[bytes, tuple[int, ...]]) -> None:
+        """Fair shares: each namespace's floor per tier, in blocks (absent: 0). Empty: plain
+        LRU, as with a single tenant. A namespace holding no more than its floor in a tier is
+        protected there (see `eviction.victims`)."""
+        self.floors = dict(floors)
+
+    def victims(self, tier: int, owner: bytes | None = None) -> Iterator[BlockRef]:
+        """Least-recently-used leaves of `tier`, never locked; with floors set, first those of
+        namespaces above their floor, then `owner`'s own (see `eviction.victims`)."""
+        return victims(self, tier, self._candidates[tier], owner)
+
+    def evictable_share(self, tier: int, owner: bytes | None) -> int | None:
+        """With floors set: the most copies of `tier` that `victims(tier, owner)` may offer
+        (every namespace's copies above its floor, and all of `owner`'s); None without floors.
+        O(namespaces). Locks are not subtracted: the caller bounds by them."""
+        if not self.floors:
+            return None
+        total = 0
+        for namespace, counts in self._ns_resident.items():
+            floor = self.floors.get(namespace)
+            above = counts[tier] - (floor[tier] if floor is not None else 0)
+            total += counts[tier] if namespace == owner else max(0, above)
+        return total
 
     def candidates(self, tier: int) -> dict[Node, None]:
         return self._candidates[tier]

@@ -124,4 +124,4 @@ def _account(
     index._num_blocks += len(restored)
     for entry in restored:
         for tier in entry.slots:
-            index._resident[tier] += 1
+            index._count(root, tier, +1)

@@ -30,6 +30,11 @@ instead and counted in `backpressure_drops`, so that `store()` never waits on th
 before any such drop, the tier's clean leaves (those with a disk copy already) are freed first.
 `reserved(tier)` is the number of slots of a tier that flights own (allocated, not yet in the
 index, never evictable); room-making leaves them out.
+
+Fair shares: room is made for an `owner` (the namespace of the tenant whose call needs it; None
+for the store's own work). Victims come from namespaces above their floor, then from the
+owner's own blocks, never from another namespace at or under its floor (`index/eviction.py`);
+room made below for a block being demoted is made for the same owner.
 """
 
 from __future__ import annotations
@@ -87,8 +92,9 @@ class Demoter:
         self.sync_disk = sync_disk
         self.backpressure_drops = 0  # leaves dropped because a disk copy was not made inline
 
-    def make_room(self, tier: int, n: int) -> bool:
-        """Demote LRU leaves of `tier` until its pool has `n` free slots; False if it cannot."""
+    def make_room(self, tier: int, n: int, owner: bytes | None = None) -> bool:
+        """Demote LRU leaves of `tier` (fair shares for `owner`, module doc) until its pool has
+        `n` free slots; False if it cannot."""
         pool = self.pools[tier]
         if pool.num_free >= n:
             return True
@@ -97,13 +103,13 @@ class Demoter:
         if self._writes_back(tier):
             # under backpressure, clean leaves first (their disk copy exists: freeing them
             # loses nothing), then the LRU order drops what it must
-            for ref in self.index.victims(tier):
+            for ref in self.index.victims(tier, owner):
                 if ref.node.slots[tier + 1][ref.i] is not None:
-                    self._demote(ref, tier)
+                    self._demote(ref, tier, owner)
                     if pool.num_free >= n:
                         return True
-        for ref in self.index.victims(tier):
-            self._demote(ref, tier)
+        for ref in self.index.victims(tier, owner):
+            self._demote(ref, tier, owner)
             if pool.num_free >= n:
                 return True
         return pool.num_free >= n
@@ -117,26 +123,31 @@ class Demoter:
             and isinstance(self.pools[lower], DiskTier)
         )
 
-    def can_make_room(self, tier: int, n: int) -> bool:
-        """Whether `make_room(tier, n)` can succeed at all: the free slots plus the copies in
-        `tier` that no lease or pin holds reach `n`. Checked before anything moves, so that a
-        request that cannot fit demotes (or drops) nothing."""
+    def can_make_room(self, tier: int, n: int, owner: bytes | None = None) -> bool:
+        """Whether `make_room(tier, n, owner)` can succeed at all: the free slots plus the
+        copies in `tier` that no lease or pin holds (and that fair shares let `owner` take)
+        reach `n`. Checked before anything moves, so that a request that cannot fit demotes
+        (or drops) nothing."""
         pool = self.pools[tier]
         if pool.num_free >= n:
             return True
-        return n <= pool.num_free + self.evictable(tier)
+        return n <= pool.num_free + self.evictable(tier, owner)
 
-    def evictable(self, tier: int) -> int:
-        """Copies in `tier` that no lease or pin holds and no flight owns."""
+    def evictable(self, tier: int, owner: bytes | None = None) -> int:
+        """Copies in `tier` that no lease or pin holds and no flight owns, and, with fair
+        shares, at most those that `owner` may take (above floors, or its own)."""
         pool = self.pools[tier]
-        return pool.num_used - self.index.leases.locked_blocks(tier) - self.reserved(tier)
+        free = pool.num_used - self.index.leases.locked_blocks(tier) - self.reserved(tier)
+        share = self.index.evictable_share(tier, owner)
+        return free if share is None else min(free, share)
 
     def demote_to(self, tier: int, target_used: int) -> None:
-        """Demote LRU leaves of `tier` until at most `target_used` slots are in use."""
+        """Demote LRU leaves of `tier` until at most `target_used` slots are in use (the
+        store's own work: only what fair shares leave above floors)."""
         pool = self.pools[tier]
         self.make_room(tier, pool.num_slots - max(target_used, 0))
 
-    def _demote(self, ref: BlockRef, tier: int) -> None:
+    def _demote(self, ref: BlockRef, tier: int, owner: bytes | None) -> None:
         index = self.index
         node, i = ref
         slower = [t for t in range(tier + 1, len(self.pools)) if node.slots[t][i] is not None]
@@ -149,7 +160,7 @@ class Demoter:
         if lower < len(self.pools):
             keep = node.hits >= self.admission[lower] or not is_leaf(ref)
             refused = keep and not self.sync_disk and isinstance(self.pools[lower], DiskTier)
-            if keep and not refused and self._copy_down(ref, tier, lower):
+            if keep and not refused and self._copy_down(ref, tier, lower, owner):
                 self.pools[tier].free([index.clear_slot(ref, tier)])
                 self.counters[tier].demotions += 1
                 return
@@ -160,7 +171,7 @@ class Demoter:
             self.counters[tier].evictions += 1
             self.backpressure_drops += refused
 
-    def _copy_down(self, ref: BlockRef, tier: int, lower: int) -> bool:
+    def _copy_down(self, ref: BlockRef, tier: int, lower: int, owner: bytes | None) -> bool:
         """Give the victim (and, for disk, its next-to-go neighbours) a copy in `lower`;
         whether the victim has one now."""
         node, i = ref
@@ -169,9 +180,9 @@ class Demoter:
             first = node.depth[tier - 1] if tier else 0  # where this node's tier-run starts
             start = max(first, i - DISK_BATCH + 1)
             batch = [BlockRef(node, j) for j in range(start, i + 1) if node.slots[lower][j] is None]
-        if not self.make_room(lower, len(batch)):
+        if not self.make_room(lower, len(batch), owner):
             batch = [ref]
-            if not self.make_room(lower, 1):
+            if not self.make_room(lower, 1, owner):
                 return False
         if node.slots[tier][i] is None:  # making room below changed this node: give up on it
             return False

@@ -31,6 +31,10 @@ Contract:
 - With an `InlineExecutor` (`mover.background: false`), every flight runs inside the call that
   plans it and is published before the call returns, through the same code.
 - `reserved(tier)` counts the slots flights own: the store's `check()` adds it to residency.
+- Fair shares: a prefetch makes room for its own namespace (`Demoter.make_room(..., owner)`);
+  watermark demotion, the mover's own work, takes only blocks above floors. A lease is held for
+  its tenant (`LeaseTable`, `held=True`): its blocks count in the tenant's quota, which the
+  store checks between `match_prefix` and `prefetch`; `leases_of(tenant)` counts its leases.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ class Mover:
         self.lift_on_lookup = lift_on_lookup
         self.runner = FlightRunner(executor, self._on_finished)
         self.leases: dict[LeaseId, Lease] = {}
+        self._per_tenant: dict[str, int] = {}  # live leases per tenant
         self._waits: dict[LeaseId, list[Flight]] = {}  # pending lease -> flights it waits on
         self._flights: set[Flight] = set()  # planned, not yet published
         self._finished: deque[Flight] = deque()  # copies done, to publish (any thread appends)
@@ -163,19 +168,24 @@ class Mover:
 
     # ---- prefetch leases ------------------------------------------------------------------
 
+    def match_prefix(self, namespace: BlockId, key: bytes) -> Match:
+        """What a prefetch of `key` would lease: its cached prefix, cut before a block known to
+        be corrupt (finished flights are published first). Changes only recency (and splits a
+        node where the prefix ends), so the caller can check it before `prefetch`."""
+        self.reap()
+        return self._before_doomed(namespace, key, self.index.match(namespace, key))
+
     def prefetch(
         self,
-        namespace: BlockId,
-        key: bytes,
+        match: Match,
         tenant: str,
         expires_at: float,
         canceller: Callable[[Lease], None] | None,
     ) -> Lease:
-        """Plan the promotion of the cached prefix of `key` and lease it (see the module doc)."""
-        self.reap()
-        match = self._before_doomed(namespace, key, self.index.match(namespace, key))
+        """Plan the promotion of `match` (from `match_prefix`, with the store's lock held since)
+        and lease it for `tenant` (see the module doc)."""
         record = self.index.leases.acquire(
-            match.end, self._all_tiers, expires_at, match.num_blocks, resident=False
+            match.end, self._all_tiers, expires_at, match.num_blocks, resident=False, held=True
         )
         try:
             table, flights = self._plan_promotion(match.end)
@@ -193,6 +203,7 @@ class Mover:
             canceller=canceller,
         )
         self.leases[record.lease_id] = lease
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         self._waits[record.lease_id] = flights
         for flight in flights:  # all of them before any flight's callback can see the lease
             lease._wait_on(flight, self._layers_of_groups)
@@ -242,20 +253,25 @@ class Mover:
         self, end: Node, new: list[tuple[int, BlockRef]], after: list[Flight]
     ) -> Flight:
         count = len(new)
-        if not (self.demoter.can_make_room(GPU, count) and self.demoter.make_room(GPU, count)):
-            freeable = self.gpu.num_free + self.demoter.evictable(GPU)
+        owner = end.root.ids  # room is made for the namespace of the prefix (fair shares)
+        if not (
+            self.demoter.can_make_room(GPU, count, owner)
+            and self.demoter.make_room(GPU, count, owner)
+        ):
+            freeable = self.gpu.num_free + self.demoter.evictable(GPU, owner)
             raise CapacityError(
                 f"prefetch: {count} blocks must come up to gpu, but only "
                 f"{freeable} of {self.gpu.num_slots} gpu slots "
-                "can be freed (the rest hold leased, pinned or in-flight blocks)"
+                "can be freed (the rest hold leased, pinned or in-flight blocks, or other "
+                "tenants' blocks within their floors)"
             )
         from_disk = [(p, ref) for p, ref in new if ref.node.fastest(ref.i) == DISK]
         host = self.pools[HOST]
         # through host when the policy keeps host copies, or when it must (a CUDA pool)
         stage = bool(from_disk) and (self.keep_host_copy or self.gpu.device.type != "cpu")
-        stage = stage and self.demoter.can_make_room(HOST, len(from_disk))
+        stage = stage and self.demoter.can_make_room(HOST, len(from_disk), owner)
         if stage:
-            stage = self.demoter.make_room(HOST, len(from_disk))
+            stage = self.demoter.make_room(HOST, len(from_disk), owner)
         if from_disk and not stage and self.gpu.device.type != "cpu":
             raise CapacityError(
                 f"prefetch: {len(from_disk)} disk blocks need host staging slots, but the host "
@@ -344,9 +360,18 @@ class Mover:
                 self._end(lease, LeaseState.EXPIRED, "expired before it was released")
         return len(expired)
 
+    def leases_of(self, tenant: str) -> int:
+        """Live leases of `tenant` (pending or ready)."""
+        return self._per_tenant.get(tenant, 0)
+
     def _end(self, lease: Lease, state: LeaseState, reason: str = "") -> None:
         """The index record is gone already: forget the lease and wake its waiters."""
-        self.leases.pop(LeaseId(lease.lease_id), None)
+        if self.leases.pop(LeaseId(lease.lease_id), None) is not None:
+            left = self._per_tenant[lease.tenant] - 1
+            if left:
+                self._per_tenant[lease.tenant] = left
+            else:
+                del self._per_tenant[lease.tenant]
         for flight in self._waits.pop(LeaseId(lease.lease_id), ()):
             if lease in flight.leases:
                 flight.leases.remove(lease)
@@ -575,6 +600,9 @@ class Mover:
                         self.pools[t].free([slot])
                     self.counters[tier].evictions += 1
                 continue
+            target = self.pools[lower]
+            if isinstance(target, DiskTier) and not target.accepting_writes():
+                return  # the disk refused writes: try again when its backoff ends (backoff.py)
             self._plan_demotion(ref, tier, lower)
 
     def _plan_demotion(self, ref: BlockRef, tier: int, lower: int) -> None:
@@ -639,11 +667,12 @@ class Mover:
         host, disk = self.pools[HOST], self.pools[DISK]
         assert isinstance(host, SlotPool) and isinstance(disk, DiskTier)
         pin = self.index.leases.acquire(match.end, (DISK,), math.inf, 0, resident=False)
+        owner = bytes(namespace)
         room = (
-            self.demoter.can_make_room(HOST, count)
-            and self.demoter.make_room(HOST, count)
-            and self.demoter.can_make_room(DISK, count)
-            and self.demoter.make_room(DISK, count)
+            self.demoter.can_make_room(HOST, count, owner)
+            and self.demoter.make_room(HOST, count, owner)
+            and self.demoter.can_make_room(DISK, count, owner)
+            and self.demoter.make_room(DISK, count, owner)
         )
         if not room:
             self.index.leases.release(pin.lease_id)
@@ -756,7 +785,8 @@ class Mover:
         }
 
     def check(self) -> None:
-        """Flights own their slots alone, every pin is live, the in-flight map is current."""
+        """Flights own their slots alone, every pin is live, the in-flight map is current, the
+        leases per tenant are counted right."""
         owned: set[tuple[int, int]] = set()
         for flight in self._flights:
             if flight.pin.lease_id not in self.index.leases:
@@ -778,6 +808,11 @@ class Mover:
         for lease_id, lease in self.leases.items():
             if lease.state not in (LeaseState.PENDING, LeaseState.READY):
                 raise InvariantError(f"lease {lease_id}: {lease.state.value} but still live")
+        per_tenant: dict[str, int] = {}
+        for lease in self.leases.values():
+            per_tenant[lease.tenant] = per_tenant.get(lease.tenant, 0) + 1
+        if per_tenant != self._per_tenant:
+            raise InvariantError(f"leases per tenant {self._per_tenant} != recount {per_tenant}")
 
 
 def _run(ref: weakref.ref[Mover], wake: threading.Event) -> None:
