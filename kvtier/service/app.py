@@ -1,22 +1,31 @@
 """The sidecar's HTTP API: a FastAPI app over one `KVStore` (DESIGN "Engine contract").
 
-    create_app(config) -> FastAPI; the store is built on a thread at start-up, so that
-    /healthz answers during recovery and /readyz turns 200 when it is done
+    create_app(config, factory, host=None) -> FastAPI; the store is built on a thread at
+    start-up, so that /healthz answers during recovery and /readyz turns 200 when it is done
 
-Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`):
+Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `guard.py`):
 
     GET  /healthz /readyz                     alive / recovered and serving
-    GET  /v1/status /v1/config /metrics       live figures; config with keys redacted
+    GET  /v1/status                           live figures: a tenant key sees its tenant's
+    GET  /v1/config /metrics                  config with keys redacted; Prometheus text
     GET  /v1/pools                            what a same-host client maps (shared memory)
     POST /v1/lookup /v1/prefetch /v1/release /v1/store /v1/load /v1/reserve /v1/commit
          /v1/abort                            the data plane, as the tenant of the caller's key
     GET  /v1/leases/{id}?wait_s=              a lease's state, waiting up to wait_s for it
     POST /v1/admin/clear /v1/admin/check /v1/admin/persist    admin key only
 
+Who sees what, with auth on (any tenant has a key): data-plane routes and /v1/pools act as the
+key's tenant; /v1/status with a tenant key reports that tenant's figures only, with the admin
+key the global ones; /v1/config and /metrics (global by nature) need the admin key. 401 without
+a key, 403 with a key that does not qualify; a rejected key is never echoed. Without auth
+(keyless, loopback only) every route answers as before: global status, open config and metrics.
+
 No logic lives here beyond translation: every figure comes from the store, every decision is
 the store's. Store calls run on worker threads (the store's lock may be held for a while by a
 big store or the mover), never on the event loop; waiting for a lease awaits it without a
-thread. A request larger than `service.max_body_bytes` is refused (413) before it is read.
+thread. Bodies are read by `body.py` (bounded in size and time). Every answer that is not a 200
+is `{error, detail}` with a status its route documents (`schemas.py`): the routes' own, the
+edge's (415, 421), and FastAPI's 404/405 for unknown paths and methods.
 """
 
 from __future__ import annotations
@@ -30,19 +39,26 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError, LeaseError
 from kvtier.results import Lease, LeaseState
 from kvtier.service import schemas, wire
 from kvtier.service.auth import Auth
+from kvtier.service.body import Disconnected, read_body
 from kvtier.service.cuda_ipc import export_pool
+from kvtier.service.guard import Guard, HostCheck
 from kvtier.service.metrics import Metrics
-from kvtier.store import KVStore
+from kvtier.store import PREFETCH_ATTEMPTS, KVStore
 
 StoreFactory = Callable[[], KVStore]
+Admit = Callable[[Request, "Service"], tuple[KVStore, str | None]]
+"""Who a request acts as: the store and a tenant (None: global figures, for the admin)."""
+
+MAX_LEASE_ID = 2**64 - 1
 
 log = logging.getLogger("kvtier.service")
 
@@ -75,7 +91,9 @@ class Service:
             store.close()  # drains the mover, leaves the disk tier consistent
 
 
-def create_app(config: KVTierConfig, factory: StoreFactory) -> FastAPI:
+def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = None) -> FastAPI:
+    """The app over the store `factory` builds; `host`: the address it is served on (default
+    `service.host`), which a request's `Host` must name (`guard.py`)."""
     service = Service(config, factory)
 
     @contextlib.asynccontextmanager
@@ -93,8 +111,19 @@ def create_app(config: KVTierConfig, factory: StoreFactory) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = service
+    bound = config.service.host if host is None else host
+    app.add_middleware(Guard, hosts=HostCheck(bound, config.service.allowed_hosts))
+    app.add_exception_handler(HTTPException, _http_error)
     _add_routes(app, service)
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's own refusals (404 unknown path, 405 wrong method: a CORS preflight is one)
+    as `{error, detail}`."""
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "refused")
+    return _error(exc.status_code, kind, str(exc.detail))
 
 
 def _start_quietly(service: Service) -> None:
@@ -106,8 +135,12 @@ def _start_quietly(service: Service) -> None:
 
 
 def _error(status: int, kind: str, detail: str, msgpack_body: bool = False) -> Response:
+    """`{error, detail}`; a 408 or 413 may leave the body unread, so it closes the connection."""
     body = wire.encode({"error": kind, "detail": detail}, msgpack_body)
-    return Response(body, status, media_type=wire.MSGPACK if msgpack_body else wire.JSON)
+    headers = {"connection": "close"} if status in (408, 413) else None
+    return Response(
+        body, status, headers=headers, media_type=wire.MSGPACK if msgpack_body else wire.JSON
+    )
 
 
 def _lease_body(lease: Lease) -> dict[str, Any]:
@@ -132,25 +165,22 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     config = service.config.service
 
     async def call(
-        request: Request, handler: Callable[[KVStore, str, dict[str, Any]], Any]
+        request: Request,
+        handler: Callable[[KVStore, Any, dict[str, Any]], Any],
+        admit: Admit = _admit,
+        reads_body: bool = True,
     ) -> Response:
-        """Admit, decode, run `handler(store, tenant, body)` (sync, on a worker thread, unless
-        it is a coroutine function), encode; every refusal as `{error, detail}`."""
+        """Admit (auth first, before the body), read and decode the body (`reads_body`), run
+        `handler(store, tenant, body)` (sync, on a worker thread, unless it is a coroutine
+        function), encode; every refusal as `{error, detail}`."""
         msgpack_body = wire.is_msgpack(request.headers.get("content-type"))
         started = time.perf_counter()
         try:
-            store, tenant = _admit(request, service)
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-                raise wire.WireError(
-                    413, "body_too_large",
-                    f"body of {length} bytes, more than service.max_body_bytes="
-                    f"{config.max_body_bytes}",
-                )  # fmt: skip
-            body = await request.body()
-            if len(body) > config.max_body_bytes:
-                raise wire.WireError(413, "body_too_large", f"body of {len(body)} bytes")
-            data = wire.decode(body, request.headers.get("content-type")) if body else {}
+            store, tenant = admit(request, service)
+            data: dict[str, Any] = {}
+            if reads_body:
+                body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+                data = wire.decode(body, request.headers.get("content-type")) if body else {}
             if asyncio.iscoroutinefunction(handler):
                 result = await handler(store, tenant, data)
             else:
@@ -160,18 +190,21 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             return _error(exc.status, exc.kind, exc.detail, msgpack_body)
         except KVTierError as exc:
             return _error(*wire.classify(exc), str(exc), msgpack_body)
+        except Disconnected:
+            service.metrics.disconnected()
+            return _error(400, "disconnected", "the client hung up mid-body")  # reaches no one
         finally:
             service.metrics.observe(request.url.path, time.perf_counter() - started)
         return Response(encoded, media_type=wire.MSGPACK if msgpack_body else wire.JSON)
 
     # ---- liveness, readiness, status ------------------------------------------------------
 
-    @app.get("/healthz", responses=schemas.responses(schemas.OK))
+    @app.get("/healthz", responses=schemas.responses(schemas.OK, *schemas.EDGE))
     async def healthz() -> dict[str, Any]:
         """The process is alive (also while it recovers)."""
         return {"ok": True}
 
-    @app.get("/readyz", responses=schemas.responses(schemas.OK, 503))
+    @app.get("/readyz", responses=schemas.responses(schemas.OK, 503, *schemas.EDGE))
     async def readyz() -> Response:
         """200 once the store is built and its disk tier recovered; 503 before (or if it
         failed to start)."""
@@ -180,32 +213,42 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             return JSONResponse({"error": "not_ready", "detail": detail}, 503)
         return JSONResponse({"ok": True})
 
-    @app.get(
-        "/v1/status",
-        responses=schemas.responses(schemas.ANY_OBJECT, 401, 403, 503, formats=schemas.EITHER),
-    )
+    @app.get("/v1/status", responses=schemas.responses(schemas.ANY_OBJECT, *schemas.GET_STATUSES))
     async def status(request: Request) -> Response:
-        """Tiers, paths, index, mover, leases, ops and hit rate, read from the live store."""
-        return await call(request, lambda store, tenant, data: store.status())
+        """Tiers, paths, index, mover, leases, ops and hit rate, read from the live store: with
+        a tenant key, that tenant's figures; with the admin key (or without auth), global."""
+        return await call(
+            request,
+            lambda store, tenant, data: store.status(tenant=tenant),
+            admit=_admit_viewer,
+            reads_body=False,
+        )
 
-    @app.get("/v1/config", responses=schemas.responses(schemas.ANY_OBJECT))
-    async def effective_config() -> dict[str, Any]:
-        """The effective configuration, with every API key redacted."""
-        return _redacted(service.config)
+    @app.get("/v1/config", responses=schemas.responses(schemas.ANY_OBJECT, *schemas.ADMIN_GET))
+    async def effective_config(request: Request) -> Response:
+        """The effective configuration, with every API key redacted (admin key, with auth)."""
+        refusal = _viewer_refusal(request, service)
+        if refusal is not None:
+            return refusal
+        return JSONResponse(_redacted(service.config))
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:
-        """Prometheus text format (`kvtier_*`, `tier` and `path` labels)."""
+    @app.get("/metrics", responses=schemas.metrics_responses())
+    async def metrics(request: Request) -> Response:
+        """Prometheus text format (`kvtier_*`, `tier` and `path` labels); admin key, with
+        auth: the figures are global."""
+        refusal = _viewer_refusal(request, service)
+        if refusal is not None:
+            return refusal
         body, content_type = service.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get(
-        "/v1/pools",
-        responses=schemas.responses(schemas.POOLS, 401, 403, 503, formats=schemas.EITHER),
-    )
+    @app.get("/v1/pools", responses=schemas.responses(schemas.POOLS, *schemas.GET_STATUSES))
     async def pools(request: Request) -> Response:
         """The memory pools a client on this host can map: shared-memory name, slots, layout."""
-        return await call(request, lambda store, tenant, data: _pools(store))
+        share = config.shared_memory
+        return await call(
+            request, lambda store, tenant, data: _pools(store, share), reads_body=False
+        )
 
     # ---- data plane -----------------------------------------------------------------------
 
@@ -214,15 +257,21 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         return store.lookup(tokens, tenant=tenant)._asdict()
 
     async def prefetch(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        """As `store.prefetch(wait=True)` does, within `wait_s`: a lease that FAILED (a corrupt
+        disk copy, dropped by the failure) is tried again, up to PREFETCH_ATTEMPTS times, so
+        that the intact leading part comes back leased."""
         tokens = wire.tokens_field(data, config.max_tokens)
         ttl = wire.number_field(data, "ttl_s", None)
-        wait_s = min(wire.number_field(data, "wait_s", config.prefetch_wait_s) or 0.0,
-                     config.prefetch_wait_s)  # fmt: skip
-        lease = await run_in_threadpool(
-            lambda: store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
-        )
-        if wait_s > 0:
-            await _await_lease(lease, wait_s)
+        deadline = time.monotonic() + wire.wait_field(data, config.prefetch_wait_s)
+        for _ in range(PREFETCH_ATTEMPTS):
+            lease = await run_in_threadpool(
+                lambda: store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
+            )
+            left = deadline - time.monotonic()
+            if left > 0:
+                await _await_lease(lease, left)
+            if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
+                break
         return _lease_body(lease)
 
     def release(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -271,37 +320,44 @@ def _add_routes(app: FastAPI, service: Service) -> None:
 
     @app.get(
         "/v1/leases/{lease_id}",
-        responses=schemas.responses(schemas.LEASE, 400, 401, 403, 404, 503, formats=schemas.EITHER),
+        responses=schemas.responses(schemas.LEASE, *schemas.LEASE_STATUSES),
+        openapi_extra=schemas.LEASE_PARAMETERS,
     )
-    async def get_lease(request: Request, lease_id: int, wait_s: float = 0.0) -> Response:
+    async def get_lease(request: Request) -> Response:
         """A lease's state; with `wait_s`, wait up to that long (bounded by
-        service.prefetch_wait_s) for it to become ready."""
+        service.prefetch_wait_s) for it to become ready. The id and `wait_s` are parsed here,
+        after auth: a bad one is 400, an unknown (or another tenant's) lease 404."""
 
         async def handler(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+            lease_id = _lease_id(request.path_params["lease_id"])
+            wait = {"wait_s": _number(request.query_params.get("wait_s", "0"))}
+            wait_s = wire.wait_field(wait, config.prefetch_wait_s)
             lease = await run_in_threadpool(store.lease, lease_id, tenant=tenant)
             if wait_s > 0 and lease.state is LeaseState.PENDING:
-                await _await_lease(lease, min(wait_s, config.prefetch_wait_s))
+                await _await_lease(lease, wait_s)
             return _lease_body(lease)
 
-        return await call(request, handler)
+        return await call(request, handler, reads_body=False)
 
     # ---- admin ----------------------------------------------------------------------------
 
-    @app.post("/v1/admin/clear", responses=schemas.responses(schemas.CLEARED, 403, 503))
+    @app.post("/v1/admin/clear", responses=schemas.responses(schemas.CLEARED, *schemas.ADMIN))
     async def admin_clear(request: Request, tenant: str | None = None) -> Response:
         """Drop every unleased block (of `tenant`, when given)."""
         if not service.auth.is_admin(request.headers.get("authorization")):
             return _error(403, "forbidden", "admin endpoints need the admin key")
         return await _admin(request, service, lambda store: {"dropped_blocks": store.clear(tenant)})
 
-    @app.post("/v1/admin/check", responses=schemas.responses(schemas.CHECKED, 403, 503))
+    @app.post("/v1/admin/check", responses=schemas.responses(schemas.CHECKED, *schemas.ADMIN))
     async def admin_check(request: Request) -> Response:
         """Run every invariant check of the store now."""
         if not service.auth.is_admin(request.headers.get("authorization")):
             return _error(403, "forbidden", "admin endpoints need the admin key")
         return await _admin(request, service, _checked)
 
-    @app.post("/v1/admin/persist", responses=schemas.responses(schemas.PERSISTED, 400, 403, 503))
+    @app.post(
+        "/v1/admin/persist", responses=schemas.responses(schemas.PERSISTED, 400, *schemas.ADMIN)
+    )
     async def admin_persist(request: Request) -> Response:
         """Give every cached block a durable disk copy now (400 without a disk tier): a restart
         recovers what was persisted. Stopping the server does not persist the memory tiers."""
@@ -348,26 +404,72 @@ def _post(
         path,
         summary=summary,
         responses=schemas.responses(
-            response_schema, 400, 401, 403, 404, 413, 422, 503, 507, formats=schemas.EITHER
+            response_schema, *schemas.POST_STATUSES, formats=schemas.EITHER
         ),
         openapi_extra=schemas.request_body(request_schema),
     )(endpoint)
 
 
 def _admit(request: Request, service: Service) -> tuple[KVStore, str]:
+    """The store and the tenant of the caller's key (or the named tenant, without auth)."""
     store = service.store
     if store is None:
         raise wire.WireError(503, "not_ready", service.failure or "recovering")
     authorization = request.headers.get("authorization")
     tenant = service.auth.tenant(authorization, request.headers.get("x-kvtier-tenant"))
     if tenant is None:
-        if authorization is None or not authorization.startswith("Bearer "):
-            raise wire.WireError(401, "unauthorized", "missing 'Authorization: Bearer <key>'")
-        raise wire.WireError(403, "forbidden", "unknown API key")
+        raise _unauthorized(authorization, "unknown API key")
     return store, tenant
 
 
-def _pools(store: KVStore) -> dict[str, Any]:
+def _admit_viewer(request: Request, service: Service) -> tuple[KVStore, str | None]:
+    """For figures: global (None) for the admin key or without auth, else the key's tenant."""
+    authorization = request.headers.get("authorization")
+    if not service.auth.enabled or service.auth.is_admin(authorization):
+        store = service.store
+        if store is None:
+            raise wire.WireError(503, "not_ready", service.failure or "recovering")
+        return store, None
+    return _admit(request, service)
+
+
+def _viewer_refusal(request: Request, service: Service) -> Response | None:
+    """Global-only routes (/v1/config, /metrics): with auth on, the admin key or a refusal."""
+    authorization = request.headers.get("authorization")
+    if not service.auth.enabled or service.auth.is_admin(authorization):
+        return None
+    exc = _unauthorized(authorization, "this route needs the admin key")
+    return _error(exc.status, exc.kind, exc.detail)
+
+
+def _unauthorized(authorization: str | None, forbidden: str) -> wire.WireError:
+    """401 without a well-formed key, else 403 `forbidden`; the key itself is never echoed."""
+    if authorization is None or not authorization.startswith("Bearer "):
+        return wire.WireError(401, "unauthorized", "missing 'Authorization: Bearer <key>'")
+    return wire.WireError(403, "forbidden", forbidden)
+
+
+def _lease_id(text: str) -> int:
+    """A lease id of the path: decimal digits of an unsigned 64-bit int; `WireError` 400."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 20 and int(text) <= MAX_LEASE_ID):
+        raise wire.WireError(
+            400, "invalid_argument", f"lease id: got {text!r:.40}, expected an unsigned 64-bit int"
+        )
+    return int(text)
+
+
+def _number(text: str) -> float | str:
+    """A query parameter as a number, or left a string for `wire` to refuse by name."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _pools(store: KVStore, share: bool) -> dict[str, Any]:
+    """What a same-host client may map. With `service.shared_memory` off nothing is offered,
+    a CUDA pool's IPC handle included: whoever opens that handle reads and writes every
+    tenant's gpu pages, so it follows the same switch as the /dev/shm pools."""
     layout = store.layout
     return {
         "layout": {
@@ -382,7 +484,7 @@ def _pools(store: KVStore) -> dict[str, Any]:
                 "device": str(pool.device),
                 "num_slots": pool.num_slots,
                 "shared_memory": pool.shared_name,
-                "cuda_ipc": export_pool(pool.buffer),
+                "cuda_ipc": export_pool(pool.buffer) if share else None,
             }
             for pool in store.memory
         ],

@@ -19,6 +19,7 @@ latency is the service's own (a histogram per route). Names:
     kvtier_mover_{failed_flights,backpressure_drops}_total       counters
     kvtier_prefetch_to_ready_seconds{quantile}           p50 / p99 of recent prefetches
     kvtier_request_seconds{route}                        histogram of request latency
+    kvtier_client_disconnects_total                      clients that hung up mid-body
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -52,7 +59,15 @@ class Metrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        self.disconnects = Counter(
+            "kvtier_client_disconnects",
+            "Clients that hung up before their request body was complete",
+            registry=self.registry,
+        )
         self.registry.register(_StoreCollector(service))
+
+    def disconnected(self) -> None:
+        self.disconnects.inc()
 
     def observe(self, path: str, seconds: float) -> None:
         route = path if path in ROUTES else "other"

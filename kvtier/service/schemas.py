@@ -81,11 +81,41 @@ _REASONS = {
     401: "no API key",
     403: "unknown API key, or not the admin key",
     404: "unknown lease or reservation (or another tenant's)",
+    408: "the body did not arrive within service.body_timeout_s",
+    409: "a reservation committed with slots its writer did not write",
     413: "too many tokens, or too large a body",
+    415: "a body that is neither application/json nor application/msgpack",
+    421: "a Host header that does not name this server",
     422: "KV of the wrong dtype or shape",
-    503: "not ready (recovering), or closing",
+    429: "the tenant's quota of leased or reserved blocks",
+    503: "not ready (recovering), closing, or the disk refused a durable write",
     507: "the gpu tier cannot hold the prefix beside what is leased",
 }
+
+EDGE = (415, 421)
+"""What every route can answer before it runs (`guard.py`)."""
+POST_STATUSES = (400, 401, 403, 404, 408, 409, 413, 422, 429, 503, 507, *EDGE)
+"""The data-plane routes: a body read (400, 408, 413), auth, and any store error."""
+GET_STATUSES = (401, 403, 503, *EDGE)
+"""/v1/status and /v1/pools: auth and readiness; no body is read."""
+LEASE_STATUSES = (400, 401, 403, 404, 503, *EDGE)
+ADMIN_GET = (401, 403, *EDGE)
+"""/v1/config and /metrics: the admin key, with auth on."""
+ADMIN = (403, 503, *EDGE)
+"""/v1/admin/*: the admin key; not ready, or (clear, persist) the disk refused."""
+
+LEASE_PARAMETERS: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": "lease_id",
+            "in": "path",
+            "required": True,
+            "schema": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
+        },
+        {"name": "wait_s", "in": "query", "required": False, "schema": {"type": "number"}},
+    ]
+}
+"""`GET /v1/leases/{lease_id}`: parsed by the route itself, after auth (a bad id is 400)."""
 
 
 JSON_ONLY = ("application/json",)
@@ -108,6 +138,13 @@ def responses(
     for status in errors:
         content = {f: {"schema": ERROR} for f in formats}
         out[status] = {"description": _REASONS[status], "content": content}
+    return out
+
+
+def metrics_responses() -> dict[int | str, dict[str, Any]]:
+    """`/metrics`: Prometheus text, or `{error, detail}` in JSON."""
+    out = responses(ANY_OBJECT, *ADMIN_GET)
+    out[200] = {"description": "OK", "content": {"text/plain": {"schema": _STR}}}
     return out
 
 

@@ -17,11 +17,16 @@ tensor's raw bytes in C order (msgpack only; JSON has no bytes).
     POST /v1/abort     {reservation_id}               -> {}
 
 Every failure is `{"error": <kind>, "detail": <message>}` with a status code (`ERRORS`).
+Every byte of a request is untrusted: each field is checked for its type, range and size here
+(or by the store) and refused with `WireError` or a kvtier error naming the bad value; nothing
+a client sends reaches a `hash()`, a recursion without a bound, or an arithmetic that overflows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -36,14 +41,25 @@ from kvtier.errors import (
     InvalidTokensError,
     KVTierError,
     LeaseError,
+    NotWrittenError,
+    QuotaError,
+    StorageError,
     UnknownTenantError,
 )
 from kvtier.layout import DTYPES
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
+MEDIA_TYPES = (JSON, MSGPACK)
+"""The request bodies the service reads; any other is refused (415) before the body is read."""
+
+MAX_KV_DIMS = 8
+"""A KV `shape` of more dimensions is refused before its size is computed."""
 
 ERRORS: dict[type[KVTierError], tuple[int, str]] = {
+    QuotaError: (429, "quota"),  # before CapacityError, its base: the first match wins
+    NotWrittenError: (409, "not_written"),
+    StorageError: (503, "storage"),
     InvalidTokensError: (400, "invalid_tokens"),
     InvalidArgumentError: (400, "invalid_argument"),
     InvalidKVError: (422, "invalid_kv"),
@@ -71,17 +87,25 @@ class WireError(Exception):
         self.status, self.kind, self.detail = status, kind, detail
 
 
+def media_type(content_type: str | None) -> str:
+    """The bare, lower-case media type of a `Content-Type` header ('' for none)."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
 def is_msgpack(content_type: str | None) -> bool:
-    return (content_type or "").split(";")[0].strip() == MSGPACK
+    return media_type(content_type) == MSGPACK
 
 
 def decode(body: bytes, content_type: str | None) -> dict[str, Any]:
-    """A request body as a dict; `WireError(400)` if it is not one."""
+    """A request body as a dict; `WireError(400)` if it is not one (nesting too deep for
+    either decoder included: msgpack stops at its own stack limit, JSON at the recursion
+    limit)."""
     try:
         data = msgpack.unpackb(body, raw=False) if is_msgpack(content_type) else json.loads(body)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except (ValueError, RecursionError) as exc:  # msgpack's errors are ValueErrors
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise WireError(
-            400, "malformed_body", f"body is not valid msgpack or JSON: {exc}"
+            400, "malformed_body", f"body is not valid msgpack or JSON: {detail}"
         ) from None
     if not isinstance(data, dict):
         raise WireError(400, "malformed_body", f"body: got {type(data).__name__}, expected a map")
@@ -117,6 +141,11 @@ def tokens_field(data: dict[str, Any], max_tokens: int) -> np.ndarray | list[int
         tokens: np.ndarray | list[int] = np.frombuffer(value, dtype="<u4")
     elif isinstance(value, list):
         count, tokens = len(value), value
+        if count <= max_tokens and bool in set(map(type, value)):
+            at = next(i for i, v in enumerate(value) if type(v) is bool)
+            raise WireError(
+                400, "invalid_tokens", f"tokens[{at}]: got {value[at]!r}, expected an int"
+            )
     else:
         raise WireError(
             400,
@@ -138,16 +167,34 @@ def pack_tokens(tokens: Any) -> bytes:
 
 
 def number_field(data: dict[str, Any], name: str, default: float | None) -> float | None:
+    """`data[name]` as a finite float (`default` when absent); `WireError` 400 for anything
+    else: a bool, a string, nan, inf, an int too large for a float."""
     value = data.get(name, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise WireError(400, "invalid_argument", f"{name}: got {value!r}, expected a number")
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    if type(value) in (int, float):
+        with contextlib.suppress(OverflowError):
+            number = float(value)
+            if math.isfinite(number):
+                return number
+    raise WireError(400, "invalid_argument", f"{name}: got {value!r:.80}, expected a finite number")
+
+
+def wait_field(data: dict[str, Any], bound: float) -> float:
+    """The `wait_s` of a request: a finite number of seconds >= 0, cut to `bound` (absent or
+    null: `bound`); `WireError` 400 otherwise."""
+    wait_s = number_field(data, "wait_s", bound)
+    if wait_s is None:
+        return bound
+    if wait_s < 0:
+        raise WireError(400, "invalid_argument", f"wait_s: got {wait_s}, expected seconds >= 0")
+    return min(wait_s, bound)
 
 
 def int_field(data: dict[str, Any], name: str) -> int:
     value = data.get(name)
     if type(value) is not int:
-        raise WireError(400, "invalid_argument", f"{name}: got {value!r}, expected an integer")
+        raise WireError(400, "invalid_argument", f"{name}: got {value!r:.80}, expected an integer")
     return value
 
 
@@ -166,15 +213,23 @@ def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
     raw, dtype, shape = data.get("kv"), data.get("dtype"), data.get("shape")
     if not isinstance(raw, bytes):
         raise WireError(400, "invalid_kv", "kv: expected the tensor's raw bytes (msgpack bin)")
-    if dtype not in DTYPES:
-        raise WireError(422, "invalid_kv", f"dtype: got {dtype!r}, expected one of {list(DTYPES)}")
-    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
-        raise WireError(400, "invalid_kv", f"shape: got {shape!r}, expected a list of sizes")
-    torch_dtype = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    if len(raw) != int(np.prod(shape)) * itemsize:
+    if not (isinstance(dtype, str) and dtype in DTYPES):
         raise WireError(
-            400, "invalid_kv", f"kv: {len(raw)} bytes, expected {int(np.prod(shape)) * itemsize}"
+            422, "invalid_kv", f"dtype: got {dtype!r:.80}, expected one of {list(DTYPES)}"
         )
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_KV_DIMS
+        and all(type(n) is int and n >= 0 for n in shape)
+    ):
+        raise WireError(
+            400,
+            "invalid_kv",
+            f"shape: got {shape!r:.80}, expected a list of at most {MAX_KV_DIMS} sizes",
+        )
+    torch_dtype = DTYPES[dtype]
+    expected = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
+    if len(raw) != expected:  # exact integers: a product too large for int64 is just unequal
+        raise WireError(400, "invalid_kv", f"kv: {len(raw)} bytes, expected {expected}")
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
     return flat.view(torch_dtype).view(shape)

@@ -1,0 +1,136 @@
+"""The sidecar's edge: what a request must be before any route sees it, and what an unexpected
+failure looks like (ASGI middleware, outermost of the app's own).
+
+A keyless sidecar on loopback (the default) trusts the network it listens on, so it must not be
+reachable from a web page the user happens to visit. A browser sends a cross-site request
+without asking first (no CORS preflight) only with a "simple" body type (`text/plain`, forms),
+and it sends whatever `Host` the page's URL names (a DNS-rebinding page names its own domain,
+resolved to 127.0.0.1). So, on every route:
+
+- `Host` must name this server: the address it is bound to, `localhost`, `127.0.0.1`, `::1`, or
+  a name of `service.allowed_hosts`; behind a wildcard bind (`0.0.0.0`, `::`), also any IP
+  address literal (a rebinding needs a name: an IP literal cannot be re-pointed). The port is
+  not compared: the connection already reached this one. Otherwise 421 `bad_host`.
+- A request body must be `application/json` or `application/msgpack` (415 `unsupported_media`
+  otherwise): a declared `Content-Type` must be one of them, and a request without one may carry
+  no body (a bodiless POST, as the admin routes take, needs none). Neither type is "simple",
+  so a page cannot send one without a preflight, and no route grants CORS (no
+  `Access-Control-Allow-Origin`; a preflight `OPTIONS` is 405).
+- An exception that escapes a route is logged once, with its traceback, and answered
+  `500 {"error": "internal", "detail"}` (when no response has begun); the tests forbid it, so
+  this is the last line, not a path.
+
+Refusals here happen before the body is read and change nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvtier.service import wire
+
+log = logging.getLogger("kvtier.service")
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+class HostCheck:
+    """Which `Host` headers name this server (see the module docstring)."""
+
+    def __init__(self, bound: str, allowed: Iterable[str]) -> None:
+        self.names = frozenset(name.lower() for name in (bound, *LOOPBACK_NAMES, *allowed))
+        self.any_address = bound in WILDCARDS
+
+    def refusal(self, header: str | None) -> str | None:
+        """Why `header` does not name this server, or None when it does."""
+        if header is None:
+            return "no Host header"
+        host = _hostname(header.lower())
+        if host in self.names or (self.any_address and _is_address(host)):
+            return None
+        return (
+            f"Host {header!r:.100} does not name this server: expected one of "
+            f"{sorted(self.names)} (service.allowed_hosts adds names)"
+        )
+
+
+def _hostname(header: str) -> str:
+    """The host part of a Host header: `[::1]:8750` -> `::1`, `a.b:80` -> `a.b`."""
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def body_refusal(content_type: str | None, content_length: str | None, chunked: bool) -> str | None:
+    """Why a request's body may not be read, or None when it may."""
+    if content_type is not None:
+        if wire.media_type(content_type) in wire.MEDIA_TYPES:
+            return None
+        return f"Content-Type {content_type!r:.100}: expected one of {list(wire.MEDIA_TYPES)}"
+    if chunked or content_length not in (None, "0"):
+        return f"a body without a Content-Type: expected one of {list(wire.MEDIA_TYPES)}"
+    return None
+
+
+class Guard:
+    """The ASGI middleware: the Host and body checks, then the app, with the last line of
+    defence around it."""
+
+    def __init__(self, app: ASGIApp, hosts: HostCheck) -> None:
+        self.app = app
+        self.hosts = hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in scope["headers"]}  # fmt: skip
+        bad_host = self.hosts.refusal(headers.get("host"))
+        if bad_host is not None:
+            await _answer(send, 421, "bad_host", bad_host)
+            return
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        bad_body = body_refusal(headers.get("content-type"), headers.get("content-length"), chunked)
+        if bad_body is not None:
+            await _answer(send, 415, "unsupported_media", bad_body, close=True)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            log.exception("kvtier: unexpected error in %s %s", scope["method"], scope["path"])
+            if not started:
+                detail = f"an unexpected {type(exc).__name__}; the server's log has the traceback"
+                await _answer(send, 500, "internal", detail, close=True)
+
+
+async def _answer(send: Send, status: int, kind: str, detail: str, close: bool = False) -> None:
+    """A JSON `{error, detail}` response; `close`: the connection ends after it, since the
+    request's body may be left unread."""
+    body = json.dumps({"error": kind, "detail": detail}).encode()
+    headers = [(b"content-type", wire.JSON.encode()), (b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
