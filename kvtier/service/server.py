@@ -21,10 +21,14 @@ import uvicorn
 from kvtier.config import KVTierConfig
 from kvtier.service.app import create_app
 from kvtier.service.auth import Auth, require_loopback, server_secret
+from kvtier.service.protocol import protocol_class
 from kvtier.store import KVStore
 from kvtier.tiers.shm import SERVE_BASE, sweep_stale
 
 log = logging.getLogger("kvtier.serve")
+
+MAX_HEAD_BYTES = 64 * 1024
+"""The most bytes of request line and headers a request may carry (431 past it)."""
 
 
 def build_app(config: KVTierConfig, host: str) -> object:
@@ -69,6 +73,8 @@ def serve(config: KVTierConfig, host: str | None = None, port: int | None = None
             log_level="info",
             access_log=False,  # headers (keys) never reach a log; /metrics has the traffic
             timeout_graceful_shutdown=30,
+            # a request's head: at most MAX_HEAD_BYTES, complete within body_timeout_s
+            http=protocol_class(MAX_HEAD_BYTES, config.service.body_timeout_s),
         )
     )
     server.run()
