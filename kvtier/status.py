@@ -90,12 +90,7 @@ def store_status(store: KVStore) -> dict[str, Any]:
         tiers["disk"].update(store.disk.write_status())  # refused_writes, backoff_s, last error
     lookups = store.ops["lookup_tokens"]
     return {
-        "layout": {
-            "model": store.layout.model_name,
-            "block_tokens": store.layout.block_tokens,
-            "block_bytes": store.layout.block_bytes,
-            "dtype": store.layout.dtype_name,
-        },
+        "layout": _layout(store),
         "tiers": tiers,
         "paths": paths,
         "index": {
@@ -144,15 +139,20 @@ def tenant_status(store: KVStore, tenant: str, namespace: bytes) -> dict[str, An
     lookups = ops["lookup_tokens"]
     return {
         "tenant": tenant,
-        "layout": {
-            "model": store.layout.model_name,
-            "block_tokens": store.layout.block_tokens,
-            "block_bytes": store.layout.block_bytes,
-            "dtype": store.layout.dtype_name,
-        },
+        "layout": _layout(store),
         "tiers": tiers,
         "leases": {"live": store.mover.leases_of(tenant), "quota": limits.leases},
         "locked_blocks": held,  # what its leases and reservation pins lock (counted on gpu)
         "ops": ops,
         "hit_rate": ops["hit_tokens"] / lookups if lookups else 0.0,
+    }
+
+
+def _layout(store: KVStore) -> dict[str, Any]:
+    layout = store.layout
+    return {
+        "model": layout.model_name,
+        "block_tokens": layout.block_tokens,
+        "block_bytes": layout.block_bytes,
+        "dtype": layout.dtype_name,
     }

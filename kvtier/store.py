@@ -74,7 +74,7 @@ from kvtier.results import (
     Reservation,
     StoreResult,
 )
-from kvtier.status import TenantCounters, store_status, tenant_status
+from kvtier.status import TENANT_OPS, TenantCounters, store_status, tenant_status
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import DISK, GPU, HOST, Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
@@ -202,20 +202,7 @@ class KVStore:
             sync_disk=not mover_cfg.background,
         )
         self.ops: dict[str, int] = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_tokens",
-                "hit_tokens",
-                "stores",
-                "stored_tokens",
-                "dropped_tokens",
-                "loads",
-                "loaded_tokens",
-                "prefetches",
-                "leases_expired",
-                "corrupt_dropped",
-            ),
-            0,
+            (*TENANT_OPS, "leases_expired", "corrupt_dropped"), 0
         )
         self.reader = DiskReader(self.index, self.pools, self.executor, self.ops)
         self.recovery = recover(self) if self.disk is not None else {}
