@@ -3,6 +3,13 @@
 # every log and JSON under $OUT. Each step has its own time limit so that one hang cannot eat
 # the whole lease; a step that fails is reported and the next one still runs.
 #   run: bash benchmarks/gpu/run_all.sh        (carry .whl: the wheels the image lacks)
+# The H200 image (Python 3.12) lacks these of kvtier's dependencies; fetch them here, once, into
+# .whl (ignored through .git/info/exclude) with pip download --no-deps --only-binary=:all:
+# --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 (and _2_17, _2_28):
+#   pydantic pydantic_core annotated-types typing-inspection typing_extensions lz4
+#   fastapi starlette uvicorn opentelemetry-api   (fastapi >= 0.16x imports opentelemetry)
+# at the versions of this machine's venv (`pip list`). Without httptools there, the sidecar
+# runs uvicorn's h11 protocol (kvtier/service/protocol.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu-out}
 mkdir -p "$OUT"
