@@ -188,13 +188,13 @@ class KVStore:
         self.executor = InlineExecutor(self.ledger)  # copies made inside a call
         background = self._background_executor() if executor is None else executor
         # room made inside a call: on CUDA through the copy streams, which see the engine's marks
-        runner = background if hasattr(background, "mark_engine") else self.executor
+        runner = background.in_call_runner(self.executor)
         self.counters = [TierCounters() for _ in self.pools]
         admission = [0, self.policy.min_hits_to_keep, self.config.policy.disk_admission_hits]
         self.demoter = Demoter(
             self.index,
             self.pools,
-            runner,  # type: ignore[arg-type]
+            runner,
             admission,
             self.counters,
             self._describe,
@@ -873,9 +873,7 @@ class KVStore:
         return tuple(range(len(self.pools)))
 
     def _mark_engine(self) -> None:
-        mark = getattr(self.mover.executor, "mark_engine", None)
-        if mark is not None:
-            mark()
+        self.mover.executor.mark_engine()
 
     def _enforce_watermarks(self) -> None:
         if self.mover.background:  # the mover thread demotes, outside this call

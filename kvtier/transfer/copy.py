@@ -41,7 +41,7 @@ from kvtier.kernels.block_copy import contiguous_runs
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
-from kvtier.transfer.handles import TransferHandle
+from kvtier.transfer.handles import Runner, TransferHandle
 from kvtier.transfer.planner import BlockCopier
 
 RECENT_TRANSFERS = 256
@@ -145,10 +145,22 @@ class InlineExecutor:
         handle._run_callbacks()
         return handle
 
+    polled = False  # every handle is done when `submit` returns
+
     def poll(self) -> list[TransferHandle]:
         """The handles submitted since the last poll, each once, in submission order."""
         completed, self._completed = self._completed, []
         return completed
+
+    def queued(self) -> int:
+        """Nothing is ever in flight: a transfer is complete when `submit` returns."""
+        return 0
+
+    def mark_engine(self) -> None:
+        """Nothing to order: copies run in the calling thread, after what it wrote."""
+
+    def in_call_runner(self, inline: Runner) -> Runner:
+        return inline
 
     def close(self) -> None:
         """Refuse later `submit`s (nothing is ever in flight). `run` is not affected."""

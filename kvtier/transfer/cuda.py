@@ -58,7 +58,7 @@ from kvtier.kernels.block_copy import (
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.transfer.copy import Ledger, Transfer
-from kvtier.transfer.handles import POLL_MAX_S, TransferHandle
+from kvtier.transfer.handles import POLL_MAX_S, Runner, TransferHandle
 from kvtier.transfer.planner import CopyKey, CopyPlanner, copy_key
 from kvtier.transfer.threads import ThreadExecutor
 
@@ -164,6 +164,10 @@ class CudaExecutor:
     def bytes_moved(self) -> dict[tuple[str, str], int]:
         """Bytes of completed copies per path, streams and threads together (a snapshot)."""
         return self.ledger.bytes_moved
+
+    def in_call_runner(self, inline: Runner) -> Runner:
+        """Itself: a copy made inside a store call must wait for the engine's marks too."""
+        return self
 
     def queued(self) -> int:
         """Transfers submitted and not yet complete (queue depth), streams and threads."""

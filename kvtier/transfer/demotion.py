@@ -41,21 +41,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvtier.index import BlockRef, RadixIndex
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.transfer.copy import Transfer
+from kvtier.transfer.handles import Runner
 
 DISK_BATCH = 32
-
-
-class Runner(Protocol):
-    """Runs one transfer to completion in the calling thread: `InlineExecutor`, or, for a CUDA
-    gpu pool with a background mover, `CudaExecutor` (its streams see the engine's marks)."""
-
-    def run(self, transfer: Transfer) -> list[bool]: ...
 
 
 @dataclass

@@ -152,8 +152,23 @@ class TransferHandle:
         return f"TransferHandle({path}, {len(self.transfer.src_slots)} blocks, {state})"
 
 
+class Runner(Protocol):
+    """Runs one transfer to completion in the calling thread (`InlineExecutor.run`, or
+    `CudaExecutor.run`, whose streams see the engine's marks)."""
+
+    def run(self, transfer: Transfer) -> list[bool]:
+        """Copy every block now; per block, whether its copy is complete."""
+        ...
+
+
 class Executor(Protocol):
-    """What the mover needs of an executor; see the module doc for the contract."""
+    """What the mover and the store need of an executor; see the module doc for the contract.
+    Capabilities are declared here, never probed: an executor without CUDA streams still says
+    `polled = False`, does nothing in `mark_engine` and hands back the inline runner."""
+
+    polled: bool
+    """True when completion is seen only by `poll()` (CUDA events: the mover polls while copies
+    run); False when a done callback announces each completion (worker threads, inline)."""
 
     @property
     def ledger(self) -> Ledger:
@@ -171,6 +186,22 @@ class Executor(Protocol):
 
     def poll(self) -> list[TransferHandle]:
         """Handles completed since the last poll, in completion order; never blocks."""
+        ...
+
+    def queued(self) -> int:
+        """Transfers submitted and not complete yet (the status's queue depth)."""
+        ...
+
+    def mark_engine(self) -> None:
+        """Order every copy submitted from now on after the work the engine has enqueued so far
+        (CUDA: an event on the engine's stream). Nothing to do where the engine's writes are
+        complete when its call returns (CPU pools)."""
+        ...
+
+    def in_call_runner(self, inline: Runner) -> Runner:
+        """What runs the copies a store call makes itself (room made now): this executor where
+        they must be ordered with the engine's stream like its own copies (CUDA), else
+        `inline`."""
         ...
 
     def close(self) -> None:

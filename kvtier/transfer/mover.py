@@ -407,7 +407,7 @@ class Mover:
         """Wait until every flight is published (store lock held: copies need no lock, and the
         thread that would publish waits for it); True if none is left within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        polled = getattr(self.executor, "polled", False)
+        polled = self.executor.polled
         while True:
             self._drained.clear()
             self.reap()
@@ -713,7 +713,7 @@ class Mover:
     def _wait_s(self) -> float:
         # a CUDA handle completes only when its event is queried: poll while copies run;
         # thread executors wake the thread from their done callbacks
-        polled = getattr(self.executor, "polled", False)
+        polled = self.executor.polled
         return POLL_S if polled and self._flights else IDLE_WAKE_S
 
     def _round(self) -> bool:
@@ -768,11 +768,10 @@ class Mover:
 
     def status(self) -> dict[str, Any]:
         ready = sorted(self._ready_s)
-        queued = getattr(self.executor, "queued", None)
         return {
             "background": self.background,
             "in_flight": len(self._flights),
-            "queued_transfers": queued() if callable(queued) else 0,
+            "queued_transfers": self.executor.queued(),
             "pending_leases": sum(1 for lease in self.leases.values() if not lease.ready()),
             "corrupt_pending_drop": len(self._doomed),
             **self.stats,

@@ -32,7 +32,7 @@ import time
 
 from kvtier.errors import ClosedError, InvalidArgumentError
 from kvtier.transfer.copy import InlineExecutor, Ledger, Transfer
-from kvtier.transfer.handles import TransferHandle
+from kvtier.transfer.handles import Runner, TransferHandle
 
 _Outcome = tuple[TransferHandle, list[bool] | None, Exception | None]
 
@@ -159,6 +159,15 @@ class ThreadExecutor:
     def bytes_moved(self) -> dict[tuple[str, str], int]:
         """Bytes of completed, ok block copies per path (a snapshot of the ledger)."""
         return self.ledger.bytes_moved
+
+    polled = False  # each worker completes its handles and runs their done callbacks
+
+    def mark_engine(self) -> None:
+        """Nothing to order: the engine's writes into CPU pools are complete when its call
+        returns, before any copy of them is submitted."""
+
+    def in_call_runner(self, inline: Runner) -> Runner:
+        return inline
 
     def queued(self) -> int:
         """Transfers submitted and not yet complete, all paths together (queue depth)."""
