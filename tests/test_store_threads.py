@@ -4,7 +4,8 @@ demote to disk. Whatever any thread loads is bit-exact, `check()` holds througho
 end, every lease is released or expires, and no thread hangs (every join is bounded).
 
 The first test runs the mover inline (every copy inside the call that needs it); the second
-runs it in the background for twenty seconds (`KVTIER_SOAK_S` to change it).
+runs it in the background, five seconds in the default suite and twenty under the `slow`
+marker (`KVTIER_SOAK_S` to change the long one).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import DISK_BLOCK_BYTES, disk_config, kv_for, same
 
@@ -119,6 +121,7 @@ def test_threads_store_lookup_prefetch_and_release_with_demotion_to_disk(tmp_pat
 # ---- the same load with the background mover -----------------------------------------------------
 
 SOAK_SECONDS = float(os.environ.get("KVTIER_SOAK_S", "20"))
+SHORT_SOAK_SECONDS = 5.0
 SOAK_SEQS = 30  # 70 distinct blocks for 40 slots in all: blocks keep moving and leaving
 
 
@@ -126,7 +129,12 @@ def leased_pages(kv: torch.Tensor, n: int) -> torch.Tensor:
     return kv[:, :, :n].reshape(2, 2, n // 4, 4, 2, 64).permute(2, 0, 1, 3, 4, 5)
 
 
-def test_background_mover_under_threads_for_twenty_seconds(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "seconds",
+    [SHORT_SOAK_SECONDS, pytest.param(SOAK_SECONDS, marks=pytest.mark.slow, id="soak")],
+    ids=str,
+)
+def test_background_mover_under_threads(tmp_path: Path, seconds: float) -> None:
     """Four threads store, load, prefetch (waiting, not waiting, cancelling, abandoning to
     expiry) and release while the mover demotes by watermark to a real disk tier, an asyncio
     loop awaits leases, and a checker runs `check()` every 50 ms. Every lease resolves."""
@@ -143,7 +151,7 @@ def test_background_mover_under_threads_for_twenty_seconds(tmp_path: Path) -> No
     reference = {seq: kv_for(store, 12, seed=seq) for seq in range(SOAK_SEQS)}
     for seq in range(SOAK_SEQS):
         reference[seq][:, :, :4] = reference[seq - seq % 3][:, :, :4]
-    stop = time.monotonic() + SOAK_SECONDS
+    stop = time.monotonic() + seconds
     errors: list[BaseException] = []
     leases: list[Lease] = []
     counts = dict.fromkeys(
