@@ -52,7 +52,7 @@ def recover(store: KVStore) -> dict[str, float]:
     by_namespace: dict[bytes, list[RestoreEntry]] = defaultdict(list)
     for copy in newest.values():
         header = copy.header
-        if header.namespace not in store._tenant_of:
+        if store.namespaces.tenant_of(header.namespace) is None:
             counts["unknown_namespace"] += 1
             continue
         by_namespace[header.namespace].append(

@@ -56,12 +56,12 @@ from kvtier.errors import (
     LeaseError,
     QuotaError,
     StorageError,
-    UnknownTenantError,
 )
-from kvtier.hashing import BlockHasher, BlockId, tenant_salt
+from kvtier.hashing import BlockHasher, BlockId
 from kvtier.index import BlockRef, LeaseId, Match, RadixIndex
 from kvtier.index.node import Node
 from kvtier.kvdata import check_device, check_kv, from_blocks, to_blocks
+from kvtier.namespaces import Namespaces
 from kvtier.policy import write_policy
 from kvtier.quotas import TenantShares
 from kvtier.recovery import recover
@@ -165,16 +165,12 @@ class KVStore:
         self.tier_names = self.config.tier_names
         hasher = BlockHasher(self.config.hashing.algorithm)
         self.index = RadixIndex(self.tier_names, self.block_tokens, hasher)
-        self._namespaces: dict[str, BlockId] = {
-            tenant: hasher.seed(self.layout.fingerprint, tenant_salt(tenant, secret))
-            for tenant in self.config.tenants
-        }
-        self._tenant_of = {namespace: tenant for tenant, namespace in self._namespaces.items()}
+        self.namespaces = Namespaces(self.config.tenants, hasher, self.layout.fingerprint, secret)
         # fair shares (quotas.py): floors steer eviction, quotas bound what a tenant holds
         self.shares = TenantShares(self.config, [pool.num_slots for pool in self.pools])
-        self.index.set_floors(self.shares.floors(self._namespaces))
+        self.index.set_floors(self.shares.floors(self.namespaces.seeds))
         self.tenant_counters = {
-            tenant: TenantCounters(len(self.pools)) for tenant in self._namespaces
+            tenant: TenantCounters(len(self.pools)) for tenant in self.namespaces.seeds
         }
         self.policy = write_policy(self.config.policy.write, self.config.policy.selective_hits)
         mover_cfg = self.config.mover
@@ -197,7 +193,7 @@ class KVStore:
             runner,
             admission,
             self.counters,
-            self._describe,
+            self.namespaces,
             reserved=lambda tier: self.mover.reserved(tier) + self.reservations.held(tier),
             sync_disk=not mover_cfg.background,
         )
@@ -215,7 +211,6 @@ class KVStore:
             demoter=self.demoter,
             counters=self.counters,
             ops=self.ops,
-            describe=self._describe,
             clock=self._clock,
             lock=self._lock,
             executor=background,
@@ -307,7 +302,7 @@ class KVStore:
         start = match.num_blocks * bt
         blocks = to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
         if slots is None and self._tail_on_disk(match) and self.mover.background:
-            tenant_name = self._tenant_of[namespace]
+            tenant_name = self._tenant_name(namespace)
             pending = self.mover.insert_on_disk(match, key, blocks, namespace, tenant_name)
             return StoreResult(match.num_blocks * bt, 0, (new_blocks - pending) * bt, pending * bt)
         if slots is None and self._tail_on_disk(match):
@@ -561,7 +556,9 @@ class KVStore:
             self._expire()
             self.mover.drain()
             namespaces = (
-                list(self._namespaces.values()) if tenant is None else [self._namespace(tenant)]
+                list(self.namespaces.seeds.values())
+                if tenant is None
+                else [self._namespace(tenant)]
             )
             dropped = 0
             on_disk: list[int] = []
@@ -620,7 +617,7 @@ class KVStore:
                 raise InvalidArgumentError("persist: this store has no disk tier (tiers.disk)")
             self.mover.drain()  # what was stored before this call is in the index
             self._expire()
-            return persist(self.index, self.pools, self.executor, self.demoter, self._describe)
+            return persist(self.index, self.pools, self.executor, self.demoter)
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Do the mover's pending work now and wait for every copy in flight: watermark
@@ -734,12 +731,7 @@ class KVStore:
 
     def _namespace(self, tenant: str) -> BlockId:
         self._ensure_open()
-        namespace = self._namespaces.get(tenant)
-        if namespace is None:
-            raise UnknownTenantError(
-                f"tenant {tenant!r}: unknown, expected one of {sorted(self._namespaces)}"
-            )
-        return namespace
+        return self.namespaces.seed(tenant)
 
     def _ensure_open(self) -> None:
         if self._closed:
@@ -818,7 +810,7 @@ class KVStore:
         start = match.num_blocks * kb
         new_key = key[start : start + count * kb]
         ids = self.index.hasher.chain(match.end.ids[-ds:], new_key, kb)
-        tenant = self._tenant_of[namespace]
+        tenant = self._tenant_name(namespace)
         metas = [
             BlockMeta(
                 ids[i * ds : (i + 1) * ds],
@@ -857,16 +849,10 @@ class KVStore:
         for ref, slot in zip(wanted, dst, strict=True):
             self.index.set_slot(ref, HOST, slot)
 
-    def _describe(self, ref: BlockRef) -> BlockMeta:
-        kb = self.index.key_nbytes
-        namespace = self.index.namespace_of(ref.node)
-        return BlockMeta(
-            block_id=self.index.block_id(ref),
-            parent_id=self.index.parent_id(ref),
-            namespace=namespace,
-            tenant=self._tenant_of.get(namespace, ""),
-            tokens=ref.node.key[ref.i * kb : (ref.i + 1) * kb],
-        )
+    def _tenant_name(self, namespace: BlockId) -> str:
+        tenant = self.namespaces.tenant_of(namespace)
+        assert tenant is not None, "the index holds only configured tenants' namespaces"
+        return tenant
 
     @property
     def _all_tiers(self) -> tuple[int, ...]:

@@ -70,7 +70,7 @@ class DiskStoreMachine(StoreMachine):
     def _disk_prefix(self, tokens: list[int]) -> int:
         """Leading tokens of `tokens` whose blocks all have a disk copy (they survive)."""
         index = self.s.index
-        match = index.match(self.s._namespaces["default"], encode_tokens(tokens))
+        match = index.match(self.s.namespaces.seed("default"), encode_tokens(tokens))
         count = 0
         for ref in index.blocks(match.end):
             if ref.node.slots[DISK][ref.i] is None:

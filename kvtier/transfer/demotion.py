@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.index import BlockRef, RadixIndex
+from kvtier.namespaces import Namespaces
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.transfer.copy import Transfer
@@ -69,21 +70,25 @@ class Demoter:
         executor: Runner,
         admission: Sequence[int],
         counters: Sequence[TierCounters],
-        describe: Callable[[BlockRef], BlockMeta],
+        namespaces: Namespaces,
         reserved: Callable[[int], int] = lambda tier: 0,
         sync_disk: bool = True,
     ) -> None:
         """`admission[t]`: hits a block needs to be copied into tier t at demotion.
-        `describe(ref)`: what a disk copy records about a block."""
+        `namespaces`: whose blocks they are, for what a disk copy records (`describe`)."""
         self.index = index
         self.pools = list(pools)
         self.executor = executor
         self.admission = list(admission)
         self.counters = list(counters)
-        self.describe = describe
+        self.namespaces = namespaces
         self.reserved = reserved
         self.sync_disk = sync_disk
         self.backpressure_drops = 0  # leaves dropped because a disk copy was not made inline
+
+    def describe(self, ref: BlockRef) -> BlockMeta:
+        """What a disk copy of block `ref` records about it (demotion, the mover, persist)."""
+        return self.namespaces.describe(self.index, ref)
 
     def make_room(self, tier: int, n: int, owner: bytes | None = None) -> bool:
         """Demote LRU leaves of `tier` (fair shares for `owner`, module doc) until its pool has

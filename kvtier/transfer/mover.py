@@ -90,7 +90,6 @@ class Mover:
         demoter: Demoter,
         counters: Sequence[TierCounters],
         ops: dict[str, int],
-        describe: Callable[[BlockRef], BlockMeta],
         clock: Callable[[], float],
         lock: threading.RLock,
         executor: Executor,
@@ -112,7 +111,6 @@ class Mover:
         self.demoter = demoter
         self.counters = list(counters)
         self.ops = ops
-        self.describe = describe
         self.clock = clock
         self.lock = lock
         self.executor = executor
@@ -297,7 +295,7 @@ class Mover:
                 tuple(_slot(ref.node.slots[DISK][ref.i]) for _, ref in from_disk),
                 host if stage else self.gpu,
                 tuple(read_dst),
-                tuple(self.describe(ref) for _, ref in from_disk),
+                tuple(self.demoter.describe(ref) for _, ref in from_disk),
             )
         for position, ref in new:
             if ref.node.fastest(ref.i) == HOST:
@@ -625,7 +623,9 @@ class Mover:
         dst = target.allocate(len(batch))
         flight.dst[lower] = dst
         blocks = [BlockRef(node, j) for j in batch]
-        metas = tuple(self.describe(b) for b in blocks) if isinstance(target, DiskTier) else ()
+        metas = (
+            tuple(self.demoter.describe(b) for b in blocks) if isinstance(target, DiskTier) else ()
+        )
         src = tuple(_slot(node.slots[tier][j]) for j in batch)
         self._pending_free[tier] += len(batch)
         self._demoting[tier] += 1

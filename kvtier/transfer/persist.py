@@ -11,11 +11,9 @@ fit is left in memory and not counted as persisted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from kvtier.index import BlockRef, RadixIndex
 from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import BlockMeta, DiskTier
+from kvtier.tiers.disk import DiskTier
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter
 
@@ -27,7 +25,6 @@ def persist(
     pools: list[Tier],
     executor: InlineExecutor,
     demoter: Demoter,
-    describe: Callable[[BlockRef], BlockMeta],
 ) -> int:
     """Copy every block without a disk copy to disk; return how many became durable."""
     disk_tier = len(pools) - 1
@@ -45,13 +42,11 @@ def persist(
                     tier = node.fastest(i)
                     pending.setdefault(tier, []).append(BlockRef(node, i))
                     if len(pending[tier]) >= BATCH:
-                        durable += _flush(
-                            index, pools, executor, demoter, describe, tier, pending.pop(tier)
-                        )
+                        durable += _flush(index, pools, executor, demoter, tier, pending.pop(tier))
             if node.children:
                 stack.extend(reversed(list(node.children.values())))
     for tier, refs in pending.items():
-        durable += _flush(index, pools, executor, demoter, describe, tier, refs)
+        durable += _flush(index, pools, executor, demoter, tier, refs)
     return durable
 
 
@@ -60,7 +55,6 @@ def _flush(
     pools: list[Tier],
     executor: InlineExecutor,
     demoter: Demoter,
-    describe: Callable[[BlockRef], BlockMeta],
     tier: int,
     refs: list[BlockRef],
 ) -> int:
@@ -72,7 +66,7 @@ def _flush(
         return 0
     dst = pools[disk_tier].allocate(len(refs))
     src = tuple(_slot(ref.node.slots[tier][ref.i]) for ref in refs)
-    metas = tuple(describe(ref) for ref in refs)
+    metas = tuple(demoter.describe(ref) for ref in refs)
     done = executor.run(Transfer(pools[tier], src, pools[disk_tier], tuple(dst), metas))
     for ref, slot, ok in zip(refs, dst, done, strict=True):
         if ok:
