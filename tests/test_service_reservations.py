@@ -105,13 +105,16 @@ def post(server: Server, path: str, body: dict[str, Any], key: str) -> httpx.Res
     return server.post(path, content=json.dumps(body).encode(), headers=headers)
 
 
+AS_ANOTHER_USER = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("runuser") is None or shutil.which("useradd") is None,
+    reason="running a client as another Unix user needs root, runuser and useradd",
+)
+
+
 def other_user_python() -> list[str]:
     """A command prefix that runs a python of this version as `OTHER_USER` (created here if
-    missing) with this environment's site-packages; skips with the reason where it cannot."""
-    if os.geteuid() != 0:
-        pytest.skip("running a client as another Unix user needs root (runuser, useradd)")
-    if shutil.which("runuser") is None or shutil.which("useradd") is None:
-        pytest.skip("runuser or useradd is not installed")
+    missing) with this environment's site-packages (root, runuser and useradd: the caller is
+    marked `AS_ANOTHER_USER`); skips with the reason if useradd refuses."""
     try:
         pwd.getpwnam(OTHER_USER)
     except KeyError:
@@ -138,7 +141,7 @@ def blocks_of(num_tokens: int, kv_hex: str) -> torch.Tensor:
     return to_blocks(kv.view(LAYERS, 2, num_tokens, HEADS, DIM), BT)
 
 
-@pytest.mark.parametrize("user", ["same", "other"])
+@pytest.mark.parametrize("user", ["same", pytest.param("other", marks=AS_ANOTHER_USER)])
 def test_a_body_only_tenant_cannot_commit_unwritten_slots_nor_read_what_they_held(
     server: Server, user: str
 ) -> None:
