@@ -46,49 +46,20 @@ from starlette.exceptions import HTTPException
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError, LeaseError
 from kvtier.results import Lease, LeaseState
-from kvtier.service import schemas, wire
-from kvtier.service.auth import Auth
+from kvtier.service import bodies, schemas, wire
+from kvtier.service.admission import (
+    Admit,
+    Service,
+    StoreFactory,
+    admit_viewer,
+    viewer_refusal,
+)
+from kvtier.service.admission import admit as _admit
 from kvtier.service.body import Disconnected, read_body
-from kvtier.service.cuda_ipc import export_pool
 from kvtier.service.guard import Guard, HostCheck
-from kvtier.service.metrics import Metrics
 from kvtier.store import PREFETCH_ATTEMPTS, KVStore
 
-StoreFactory = Callable[[], KVStore]
-Admit = Callable[[Request, "Service"], tuple[KVStore, str | None]]
-"""Who a request acts as: the store and a tenant (None: global figures, for the admin)."""
-
-MAX_LEASE_ID = 2**64 - 1
-
 log = logging.getLogger("kvtier.service")
-
-
-class Service:
-    """The app's state: the store once ready, auth, metrics, limits."""
-
-    def __init__(self, config: KVTierConfig, factory: StoreFactory) -> None:
-        self.config = config
-        self.auth = Auth(config)
-        self.metrics = Metrics(self)
-        self.factory = factory
-        self.store: KVStore | None = None
-        self.failure = ""
-        self.ready = threading.Event()
-
-    def start(self) -> None:
-        """Build the store (recovery included) on this thread; `ready` when it is done."""
-        try:
-            self.store = self.factory()
-        except Exception as exc:  # reported by /readyz; the process keeps answering /healthz
-            self.failure = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            self.ready.set()
-
-    def stop(self) -> None:
-        store, self.store = self.store, None
-        if store is not None:
-            store.close()  # drains the mover, leaves the disk tier consistent
 
 
 def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = None) -> FastAPI:
@@ -141,19 +112,6 @@ def _error(status: int, kind: str, detail: str, msgpack_body: bool = False) -> R
     return Response(
         body, status, headers=headers, media_type=wire.MSGPACK if msgpack_body else wire.JSON
     )
-
-
-def _lease_body(lease: Lease) -> dict[str, Any]:
-    return {
-        "lease_id": lease.lease_id,
-        "tenant": lease.tenant,
-        "num_tokens": lease.num_tokens,
-        "block_table": list(lease.block_table),
-        "expires_at": lease.expires_at,
-        "state": lease.state.value,
-        "layers_ready": lease.layers_ready,
-        "reason": lease.reason,
-    }
 
 
 async def _await_lease(lease: Lease, wait_s: float) -> None:
@@ -220,25 +178,25 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         return await call(
             request,
             lambda store, tenant, data: store.status(tenant=tenant),
-            admit=_admit_viewer,
+            admit=admit_viewer,
             reads_body=False,
         )
 
     @app.get("/v1/config", responses=schemas.responses(schemas.ANY_OBJECT, *schemas.ADMIN_GET))
     async def effective_config(request: Request) -> Response:
         """The effective configuration, with every API key redacted (admin key, with auth)."""
-        refusal = _viewer_refusal(request, service)
+        refusal = viewer_refusal(request, service)
         if refusal is not None:
-            return refusal
-        return JSONResponse(_redacted(service.config))
+            return _error(refusal.status, refusal.kind, refusal.detail)
+        return JSONResponse(bodies.redacted(service.config))
 
     @app.get("/metrics", responses=schemas.metrics_responses())
     async def metrics(request: Request) -> Response:
         """Prometheus text format (`kvtier_*`, `tier` and `path` labels); admin key, with
         auth: the figures are global."""
-        refusal = _viewer_refusal(request, service)
+        refusal = viewer_refusal(request, service)
         if refusal is not None:
-            return refusal
+            return _error(refusal.status, refusal.kind, refusal.detail)
         body, content_type = service.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -247,7 +205,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         """The memory pools a client on this host can map: shared-memory name, slots, layout."""
         share = config.shared_memory
         return await call(
-            request, lambda store, tenant, data: _pools(store, share), reads_body=False
+            request, lambda store, tenant, data: bodies.pools(store, share), reads_body=False
         )
 
     # ---- data plane -----------------------------------------------------------------------
@@ -272,7 +230,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
                 await _await_lease(lease, left)
             if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
                 break
-        return _lease_body(lease)
+        return bodies.lease(lease)
 
     def release(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         lease = store.lease(wire.int_field(data, "lease_id"), tenant=tenant)
@@ -329,13 +287,13 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         after auth: a bad one is 400, an unknown (or another tenant's) lease 404."""
 
         async def handler(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-            lease_id = _lease_id(request.path_params["lease_id"])
-            wait = {"wait_s": _number(request.query_params.get("wait_s", "0"))}
+            lease_id = wire.lease_id_text(request.path_params["lease_id"])
+            wait = {"wait_s": wire.query_number(request.query_params.get("wait_s", "0"))}
             wait_s = wire.wait_field(wait, config.prefetch_wait_s)
             lease = await run_in_threadpool(store.lease, lease_id, tenant=tenant)
             if wait_s > 0 and lease.state is LeaseState.PENDING:
                 await _await_lease(lease, wait_s)
-            return _lease_body(lease)
+            return bodies.lease(lease)
 
         return await call(request, handler, reads_body=False)
 
@@ -377,11 +335,10 @@ def _checked(store: KVStore) -> dict[str, Any]:
 async def _admin(
     request: Request, service: Service, run: Callable[[KVStore], dict[str, Any]]
 ) -> Response:
-    store = service.store
-    if store is None:
-        return _error(503, "not_ready", service.failure or "recovering")
     try:
-        result = await run_in_threadpool(run, store)
+        result = await run_in_threadpool(run, service.ready_store())
+    except wire.WireError as exc:
+        return _error(exc.status, exc.kind, exc.detail)
     except KVTierError as exc:
         return _error(*wire.classify(exc), str(exc))
     return JSONResponse(result)
@@ -408,93 +365,3 @@ def _post(
         ),
         openapi_extra=schemas.request_body(request_schema),
     )(endpoint)
-
-
-def _admit(request: Request, service: Service) -> tuple[KVStore, str]:
-    """The store and the tenant of the caller's key (or the named tenant, without auth)."""
-    store = service.store
-    if store is None:
-        raise wire.WireError(503, "not_ready", service.failure or "recovering")
-    authorization = request.headers.get("authorization")
-    tenant = service.auth.tenant(authorization, request.headers.get("x-kvtier-tenant"))
-    if tenant is None:
-        raise _unauthorized(authorization, "unknown API key")
-    return store, tenant
-
-
-def _admit_viewer(request: Request, service: Service) -> tuple[KVStore, str | None]:
-    """For figures: global (None) for the admin key or without auth, else the key's tenant."""
-    authorization = request.headers.get("authorization")
-    if not service.auth.enabled or service.auth.is_admin(authorization):
-        store = service.store
-        if store is None:
-            raise wire.WireError(503, "not_ready", service.failure or "recovering")
-        return store, None
-    return _admit(request, service)
-
-
-def _viewer_refusal(request: Request, service: Service) -> Response | None:
-    """Global-only routes (/v1/config, /metrics): with auth on, the admin key or a refusal."""
-    authorization = request.headers.get("authorization")
-    if not service.auth.enabled or service.auth.is_admin(authorization):
-        return None
-    exc = _unauthorized(authorization, "this route needs the admin key")
-    return _error(exc.status, exc.kind, exc.detail)
-
-
-def _unauthorized(authorization: str | None, forbidden: str) -> wire.WireError:
-    """401 without a well-formed key, else 403 `forbidden`; the key itself is never echoed."""
-    if authorization is None or not authorization.startswith("Bearer "):
-        return wire.WireError(401, "unauthorized", "missing 'Authorization: Bearer <key>'")
-    return wire.WireError(403, "forbidden", forbidden)
-
-
-def _lease_id(text: str) -> int:
-    """A lease id of the path: decimal digits of an unsigned 64-bit int; `WireError` 400."""
-    if not (text.isascii() and text.isdigit() and len(text) <= 20 and int(text) <= MAX_LEASE_ID):
-        raise wire.WireError(
-            400, "invalid_argument", f"lease id: got {text!r:.40}, expected an unsigned 64-bit int"
-        )
-    return int(text)
-
-
-def _number(text: str) -> float | str:
-    """A query parameter as a number, or left a string for `wire` to refuse by name."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _pools(store: KVStore, share: bool) -> dict[str, Any]:
-    """What a same-host client may map. With `service.shared_memory` off nothing is offered,
-    a CUDA pool's IPC handle included: whoever opens that handle reads and writes every
-    tenant's gpu pages, so it follows the same switch as the /dev/shm pools."""
-    layout = store.layout
-    return {
-        "layout": {
-            "dtype": layout.dtype_name,
-            "block_shape": list(layout.block_shape),
-            "block_bytes": layout.block_bytes,
-            "block_tokens": layout.block_tokens,
-        },
-        "pools": [
-            {
-                "tier": pool.name,
-                "device": str(pool.device),
-                "num_slots": pool.num_slots,
-                "shared_memory": pool.shared_name,
-                "cuda_ipc": export_pool(pool.buffer) if share else None,
-            }
-            for pool in store.memory
-        ],
-    }
-
-
-def _redacted(config: KVTierConfig) -> dict[str, Any]:
-    data = config.to_dict()
-    if data["service"].get("admin_key") is not None:
-        data["service"]["admin_key"] = "<redacted>"
-    for tenant in data["tenants"].values():
-        tenant["api_keys"] = ["<redacted>"] * len(tenant.get("api_keys", ()))
-    return data

@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvtier.service.app import Service
+    from kvtier.service.admission import Service
 
 ROUTES = (
     "/v1/lookup", "/v1/prefetch", "/v1/release", "/v1/store", "/v1/load", "/v1/reserve",

@@ -233,3 +233,24 @@ def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
         raise WireError(400, "invalid_kv", f"kv: {len(raw)} bytes, expected {expected}")
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
     return flat.view(torch_dtype).view(shape)
+
+
+MAX_LEASE_ID = 2**64 - 1
+
+
+def lease_id_text(text: str) -> int:
+    """A lease id of a URL path: decimal digits of an unsigned 64-bit int; `WireError` 400."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 20 and int(text) <= MAX_LEASE_ID):
+        raise WireError(
+            400, "invalid_argument", f"lease id: got {text!r:.40}, expected an unsigned 64-bit int"
+        )
+    return int(text)
+
+
+def query_number(text: str) -> float | str:
+    """A query parameter as a number, or left a string for `number_field` and the like to
+    refuse by name."""
+    try:
+        return float(text)
+    except ValueError:
+        return text

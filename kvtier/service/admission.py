@@ -1,0 +1,97 @@
+"""The sidecar's state (`Service`: the store once ready, auth, metrics) and who a request acts as.
+
+    service.ready_store()              the store, or `WireError` 503 not_ready (with the reason)
+    admit(request, service)            the store and the tenant of the caller's key (or the
+                                       tenant it names, without auth); 401/403 otherwise
+    admit_viewer(request, service)     for figures: None (global) for the admin key or without
+                                       auth, else the key's tenant
+    viewer_refusal(request, service)   for global-only routes (/v1/config, /metrics): None for
+                                       the admin key or without auth, else the 401/403 to answer
+
+A refusal never echoes the key it refused (`unauthorized`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from fastapi import Request
+
+from kvtier.config import KVTierConfig
+from kvtier.service import wire
+from kvtier.service.auth import Auth
+from kvtier.service.metrics import Metrics
+from kvtier.store import KVStore
+
+StoreFactory = Callable[[], KVStore]
+Admit = Callable[[Request, "Service"], tuple[KVStore, str | None]]
+"""Who a request acts as: the store and a tenant (None: global figures, for the admin)."""
+
+
+class Service:
+    """The app's state: the store once ready, auth, metrics, limits."""
+
+    def __init__(self, config: KVTierConfig, factory: StoreFactory) -> None:
+        self.config = config
+        self.auth = Auth(config)
+        self.metrics = Metrics(self)
+        self.factory = factory
+        self.store: KVStore | None = None
+        self.failure = ""
+        self.ready = threading.Event()
+
+    def start(self) -> None:
+        """Build the store (recovery included) on this thread; `ready` when it is done."""
+        try:
+            self.store = self.factory()
+        except Exception as exc:  # reported by /readyz; the process keeps answering /healthz
+            self.failure = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.ready.set()
+
+    def stop(self) -> None:
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()  # drains the mover, leaves the disk tier consistent
+
+    def ready_store(self) -> KVStore:
+        """The store, or `WireError` 503 saying why there is none (recovering, or the start's
+        failure)."""
+        if self.store is None:
+            raise wire.WireError(503, "not_ready", self.failure or "recovering")
+        return self.store
+
+
+def admit(request: Request, service: Service) -> tuple[KVStore, str]:
+    """The store and the tenant of the caller's key (or the named tenant, without auth)."""
+    store = service.ready_store()
+    authorization = request.headers.get("authorization")
+    tenant = service.auth.tenant(authorization, request.headers.get("x-kvtier-tenant"))
+    if tenant is None:
+        raise unauthorized(authorization, "unknown API key")
+    return store, tenant
+
+
+def admit_viewer(request: Request, service: Service) -> tuple[KVStore, str | None]:
+    """For figures: global (None) for the admin key or without auth, else the key's tenant."""
+    if viewer_refusal(request, service) is None:
+        return service.ready_store(), None
+    return admit(request, service)
+
+
+def viewer_refusal(request: Request, service: Service) -> wire.WireError | None:
+    """Global-only routes (/v1/config, /metrics): None for the admin key (or without auth),
+    else the refusal to answer."""
+    authorization = request.headers.get("authorization")
+    if not service.auth.enabled or service.auth.is_admin(authorization):
+        return None
+    return unauthorized(authorization, "this route needs the admin key")
+
+
+def unauthorized(authorization: str | None, forbidden: str) -> wire.WireError:
+    """401 without a well-formed key, else 403 `forbidden`; the key itself is never echoed."""
+    if authorization is None or not authorization.startswith("Bearer "):
+        return wire.WireError(401, "unauthorized", "missing 'Authorization: Bearer <key>'")
+    return wire.WireError(403, "forbidden", forbidden)

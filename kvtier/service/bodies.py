@@ -1,0 +1,60 @@
+"""Response bodies built from the store's objects: a lease, the pools a same-host client may
+map, the effective configuration with its keys redacted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.config import KVTierConfig
+from kvtier.results import Lease
+from kvtier.service.cuda_ipc import export_pool
+from kvtier.store import KVStore
+
+
+def lease(lease: Lease) -> dict[str, Any]:
+    """A lease as `/v1/prefetch` and `/v1/leases/{id}` answer it."""
+    return {
+        "lease_id": lease.lease_id,
+        "tenant": lease.tenant,
+        "num_tokens": lease.num_tokens,
+        "block_table": list(lease.block_table),
+        "expires_at": lease.expires_at,
+        "state": lease.state.value,
+        "layers_ready": lease.layers_ready,
+        "reason": lease.reason,
+    }
+
+
+def pools(store: KVStore, share: bool) -> dict[str, Any]:
+    """What a same-host client may map. With `service.shared_memory` off nothing is offered,
+    a CUDA pool's IPC handle included: whoever opens that handle reads and writes every
+    tenant's gpu pages, so it follows the same switch as the /dev/shm pools."""
+    layout = store.layout
+    return {
+        "layout": {
+            "dtype": layout.dtype_name,
+            "block_shape": list(layout.block_shape),
+            "block_bytes": layout.block_bytes,
+            "block_tokens": layout.block_tokens,
+        },
+        "pools": [
+            {
+                "tier": pool.name,
+                "device": str(pool.device),
+                "num_slots": pool.num_slots,
+                "shared_memory": pool.shared_name,
+                "cuda_ipc": export_pool(pool.buffer) if share else None,
+            }
+            for pool in store.memory
+        ],
+    }
+
+
+def redacted(config: KVTierConfig) -> dict[str, Any]:
+    """The effective configuration, every API key replaced by a placeholder."""
+    data = config.to_dict()
+    if data["service"].get("admin_key") is not None:
+        data["service"]["admin_key"] = "<redacted>"
+    for tenant in data["tenants"].values():
+        tenant["api_keys"] = ["<redacted>"] * len(tenant.get("api_keys", ()))
+    return data
