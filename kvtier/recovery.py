@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 from kvtier.hashing import BlockId
+from kvtier.index import RadixIndex
 from kvtier.index.restore import RestoreEntry, restore_namespace
+from kvtier.namespaces import Namespaces
 from kvtier.tiers.base import DISK
-from kvtier.tiers.disk import ScannedCopy
-
-if TYPE_CHECKING:
-    from kvtier.store import KVStore
+from kvtier.tiers.disk import DiskTier, ScannedCopy
 
 
-def recover(store: KVStore) -> dict[str, float]:
-    """Restore the store's index from its disk tier; return what was found, by kind."""
-    disk = store.disk
-    assert disk is not None and store.index.num_blocks == 0
+def recover(disk: DiskTier, index: RadixIndex, namespaces: Namespaces) -> dict[str, float]:
+    """Restore the empty `index` from `disk`, keeping the namespaces of known tenants only;
+    return what was found, by kind."""
+    assert index.num_blocks == 0
     start = time.perf_counter()
     report = disk.scan()
     newest: dict[bytes, ScannedCopy] = {}
@@ -52,7 +50,7 @@ def recover(store: KVStore) -> dict[str, float]:
     by_namespace: dict[bytes, list[RestoreEntry]] = defaultdict(list)
     for copy in newest.values():
         header = copy.header
-        if store.namespaces.tenant_of(header.namespace) is None:
+        if namespaces.tenant_of(header.namespace) is None:
             counts["unknown_namespace"] += 1
             continue
         by_namespace[header.namespace].append(
@@ -60,7 +58,7 @@ def recover(store: KVStore) -> dict[str, float]:
         )
     claimed: list[int] = []
     for namespace, entries in by_namespace.items():
-        restored = restore_namespace(store.index, BlockId(namespace), entries)
+        restored = restore_namespace(index, BlockId(namespace), entries)
         claimed.extend(entry.slots[DISK] for entry in restored.restored)
         counts["orphans"] += len(restored.orphans)
         counts["bad_ids"] += len(restored.bad_ids)

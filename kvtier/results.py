@@ -178,9 +178,11 @@ class Lease:
             return self._outcome()
 
     def __await__(self) -> Generator[Any, None, Lease]:
-        return self._wait_async().__await__()
+        return self.wait_async().__await__()
 
-    async def _wait_async(self) -> Lease:
+    async def wait_async(self) -> Lease:
+        """`await lease` as a coroutine (for `asyncio.wait_for` and tasks): the lease once
+        READY; `LeaseError` if it ended without becoming ready."""
         future: asyncio.Future[None] | None = None
         with self._cond:
             if self._state is LeaseState.PENDING:
@@ -208,42 +210,54 @@ class Lease:
             raise LeaseError(f"lease {self.lease_id}: not made by a store, nothing to cancel")
         self._canceller(self)
 
-    # ---- the store's side ------------------------------------------------------------------
-
-    def _wait_on(self, flight: _Progress, layer_groups: Callable[[int], int]) -> None:
-        """Depend on `flight` (before the lease is handed out, under the store's lock)."""
-        self._flights.append(flight)
-        self._layer_groups = layer_groups
-
-    def _progress(self) -> None:
-        """A flight finished a layer group: recompute `layers_ready` and wake waiters."""
-        if self._layer_groups is None or not self._flights:
-            return
-        groups = min(flight.layers_done for flight in self._flights)
-        with self._cond:
-            if self._state is LeaseState.PENDING:
-                self._layers = max(self._layers, self._layer_groups(groups))
-                self._cond.notify_all()
-
-    def _resolve(self, state: LeaseState, reason: str = "") -> None:
-        """Move to `state` and wake every waiter (threads and event loops)."""
-        with self._cond:
-            if self._state is LeaseState.PENDING and state is LeaseState.READY:
-                self._layers = self.num_layers
-                self.ready_after_s = time.monotonic() - self.created
-            self._state, self._reason = state, reason
-            self._flights = []
-            waiters, self._async = self._async, []
-            self._cond.notify_all()
-        for loop, future in waiters:
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
-                loop.call_soon_threadsafe(_wake, future)
-
     def __repr__(self) -> str:
         return (
             f"Lease(id={self.lease_id}, tenant={self.tenant!r}, tokens={self.num_tokens}, "
             f"{self._state.value}, layers_ready={self._layers}/{self.num_layers})"
         )
+
+
+class LeaseOwner:
+    """The owner's side of a `Lease`: whoever made it (the store's lease book,
+    `transfer/leasing.py`, or a client mirroring a server's lease) moves it through its states
+    here; holders of the lease only read and wait. Every call is thread-safe (the lease's own
+    condition); none takes a lock of the store."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+
+    def wait_on(self, flight: _Progress, layer_groups: Callable[[int], int]) -> None:
+        """Depend on `flight` (before the lease is handed out, under the store's lock);
+        `layer_groups(g)` is the number of leading layers complete once g groups are."""
+        lease = self.lease
+        lease._flights.append(flight)
+        lease._layer_groups = layer_groups
+
+    def progress(self) -> None:
+        """A flight finished a layer group: recompute `layers_ready` and wake waiters."""
+        lease = self.lease
+        if lease._layer_groups is None or not lease._flights:
+            return
+        groups = min(flight.layers_done for flight in lease._flights)
+        with lease._cond:
+            if lease._state is LeaseState.PENDING:
+                lease._layers = max(lease._layers, lease._layer_groups(groups))
+                lease._cond.notify_all()
+
+    def resolve(self, state: LeaseState, reason: str = "") -> None:
+        """Move to `state` and wake every waiter (threads and event loops)."""
+        lease = self.lease
+        with lease._cond:
+            if lease._state is LeaseState.PENDING and state is LeaseState.READY:
+                lease._layers = lease.num_layers
+                lease.ready_after_s = time.monotonic() - lease.created
+            lease._state, lease._reason = state, reason
+            lease._flights = []
+            waiters, lease._async = lease._async, []
+            lease._cond.notify_all()
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(_wake, future)
 
 
 def _wake(future: asyncio.Future[None]) -> None:

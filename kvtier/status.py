@@ -20,21 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from kvtier.store import KVStore
+from kvtier.transfer.state import TENANT_OPS
 
-TENANT_OPS = (
-    "lookups",
-    "lookup_tokens",
-    "hit_tokens",
-    "stores",
-    "stored_tokens",
-    "dropped_tokens",
-    "loads",
-    "loaded_tokens",
-    "prefetches",
-)
-"""The operation counters kept per tenant as well as in the global `ops`."""
+if TYPE_CHECKING:
+    from kvtier.assembly import Parts
 
 
 @dataclass
@@ -51,16 +40,16 @@ class TenantCounters:
         self.hits = [0] * self.num_tiers
 
 
-def store_status(store: KVStore) -> dict[str, Any]:
-    index = store.index
+def store_status(parts: Parts) -> dict[str, Any]:
+    index = parts.state.index
     # leases of clients only: the mover's pins are its own business (mover.in_flight)
     leased_blocks = [
-        index.leases.locked_blocks(tier, pins=False) for tier in range(len(store.pools))
+        index.leases.locked_blocks(tier, pins=False) for tier in range(len(parts.pools))
     ]
     tiers = {}
-    for tier, (pool, counters) in enumerate(zip(store.pools, store.counters, strict=True)):
-        moved_out = sum(n for (src, _), n in store.executor.bytes_moved.items() if src == pool.name)
-        moved_in = sum(n for (_, dst), n in store.executor.bytes_moved.items() if dst == pool.name)
+    for tier, (pool, counters) in enumerate(zip(parts.pools, parts.state.counters, strict=True)):
+        moved_out = sum(n for (src, _), n in parts.executor.bytes_moved.items() if src == pool.name)
+        moved_in = sum(n for (_, dst), n in parts.executor.bytes_moved.items() if dst == pool.name)
         tiers[pool.name] = {
             "location": pool.location,
             "capacity_bytes": pool.capacity_bytes,
@@ -79,51 +68,53 @@ def store_status(store: KVStore) -> dict[str, Any]:
     paths = {
         f"{src}->{dst}": {
             "bytes": nbytes,
-            "recent_bytes_per_s": round(store.executor.recent_bandwidth((src, dst))),
+            "recent_bytes_per_s": round(parts.executor.recent_bandwidth((src, dst))),
         }
-        for (src, dst), nbytes in sorted(store.executor.bytes_moved.items())
+        for (src, dst), nbytes in sorted(parts.executor.bytes_moved.items())
     }
-    if store.disk is not None:
-        tiers["disk"]["direct_io"] = store.disk.direct
-        tiers["disk"]["compression"] = store.disk.codec.name
-        tiers["disk"]["faults"] = dict(store.disk.faults)
-        tiers["disk"].update(store.disk.write_status())  # refused_writes, backoff_s, last error
-    lookups = store.ops["lookup_tokens"]
+    if parts.state.disk is not None:
+        tiers["disk"]["direct_io"] = parts.state.disk.direct
+        tiers["disk"]["compression"] = parts.state.disk.codec.name
+        tiers["disk"]["faults"] = dict(parts.state.disk.faults)
+        tiers["disk"].update(
+            parts.state.disk.write_status()
+        )  # refused_writes, backoff_s, last error
+    lookups = parts.state.ops["lookup_tokens"]
     return {
-        "layout": _layout(store),
+        "layout": _layout(parts),
         "tiers": tiers,
         "paths": paths,
         "index": {
             "blocks": index.num_blocks,
             "nodes": index.num_nodes,
             "namespaces": index.num_namespaces,
-            "tenants": len(store.config.tenants),
+            "tenants": len(parts.config.tenants),
             "leases": len(index.leases),
         },
-        "policy": {"write": store.policy.name},
+        "policy": {"write": parts.policy.name},
         "mover": {
-            **store.mover.status(),
-            "backpressure_drops": store.demoter.backpressure_drops,
+            **parts.mover.status(),
+            "backpressure_drops": parts.demoter.backpressure_drops,
             # how the store's in-call memory copies move, per kind of copy (transfer/planner.py)
             "copy_choices": {
-                str(key): name for key, name in store.executor.copier.planner.choices.items()
+                str(key): name for key, name in parts.executor.copier.planner.choices.items()
             },
         },
-        "recovery": dict(store.recovery),
-        "ops": dict(store.ops),
-        "hit_rate": store.ops["hit_tokens"] / lookups if lookups else 0.0,
+        "recovery": dict(parts.recovery),
+        "ops": dict(parts.state.ops),
+        "hit_rate": parts.state.ops["hit_tokens"] / lookups if lookups else 0.0,
     }
 
 
-def tenant_status(store: KVStore, tenant: str, namespace: bytes) -> dict[str, Any]:
+def tenant_status(parts: Parts, tenant: str, namespace: bytes) -> dict[str, Any]:
     """`tenant`'s own figures (module doc); `namespace` is its namespace. Store lock held."""
-    index = store.index
-    limits = store.shares.limits[tenant]
-    counters = store.tenant_counters[tenant]
+    index = parts.state.index
+    limits = parts.shares.limits[tenant]
+    counters = parts.tenant_counters[tenant]
     held = index.leases.held_blocks(namespace)
     tiers: dict[str, dict[str, Any]] = {}
-    for tier, pool in enumerate(store.pools):
-        reserved = store.reservations.held(tier, tenant) if tier < len(store.memory) else 0
+    for tier, pool in enumerate(parts.pools):
+        reserved = parts.reservations.held(tier, tenant) if tier < len(parts.memory) else 0
         quota = limits.quota[tier]
         tiers[pool.name] = {
             "capacity_bytes": pool.capacity_bytes,
@@ -139,17 +130,17 @@ def tenant_status(store: KVStore, tenant: str, namespace: bytes) -> dict[str, An
     lookups = ops["lookup_tokens"]
     return {
         "tenant": tenant,
-        "layout": _layout(store),
+        "layout": _layout(parts),
         "tiers": tiers,
-        "leases": {"live": store.mover.leases_of(tenant), "quota": limits.leases},
+        "leases": {"live": parts.mover.book.leases_of(tenant), "quota": limits.leases},
         "locked_blocks": held,  # what its leases and reservation pins lock (counted on gpu)
         "ops": ops,
         "hit_rate": ops["hit_tokens"] / lookups if lookups else 0.0,
     }
 
 
-def _layout(store: KVStore) -> dict[str, Any]:
-    layout = store.layout
+def _layout(parts: Parts) -> dict[str, Any]:
+    layout = parts.config.layout
     return {
         "model": layout.model_name,
         "block_tokens": layout.block_tokens,

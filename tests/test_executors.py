@@ -1,7 +1,8 @@
 """Executors: copies land bit-exact, and a handle is done only after its copies completed.
 
 Two real CPU pools of a 1 KiB-block layout; the slow path is a `ThreadExecutor` throttled to
-4 KiB/s, so a transfer of two blocks takes half a second and can be watched in flight.
+4 KiB/s, so a transfer of two blocks takes half a second and can be watched in flight. The
+`SteppedExecutor` copies only when stepped: its order is the test's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvtier.transfer import (
     Transfer,
     TransferHandle,
 )
+from kvtier.transfer.stepped import SteppedExecutor
 
 CPU = torch.device("cpu")
 CUDA = torch.cuda.is_available()
@@ -67,7 +69,7 @@ def fast() -> Iterator[ThreadExecutor]:
 
 
 def test_every_executor_satisfies_the_protocol() -> None:
-    executors: list[Executor] = [InlineExecutor(), ThreadExecutor()]
+    executors: list[Executor] = [InlineExecutor(), ThreadExecutor(), SteppedExecutor()]
     for executor in executors:
         executor.close()
 
@@ -293,6 +295,102 @@ def test_inline_submit_is_done_at_once_and_polled_once() -> None:
     with pytest.raises(ClosedError):
         inline.submit(Transfer(gpu, (0,), host, (0,)))
     assert inline.run(Transfer(gpu, (4,), host, (4,))) == [True]  # run is unchanged
+
+
+def test_stepped_copies_nothing_until_stepped_then_runs_the_oldest_first() -> None:
+    gpu, host = pools()
+    stepped = SteppedExecutor()
+    first, second, third = (stepped.submit(Transfer(gpu, (i,), host, (i,))) for i in range(3))
+    assert stepped.queued() == 3 and stepped.poll() == []
+    assert not any(h.done() for h in (first, second, third)) and first.wait(0.01) is False
+    assert bool((host.buffer == SENTINEL).all())  # nothing has landed
+    assert stepped.step() == 1
+    assert first.done() and first.result() == [True] and not second.done()
+    assert same_bits(host.buffer[0], gpu.buffer[0]) and bool((host.buffer[1:] == SENTINEL).all())
+    assert stepped.queued() == 2 and stepped.poll() == [first]
+    assert stepped.step(5) == 2  # the queue runs out after two
+    assert stepped.queued() == 0 and stepped.poll() == [second, third] and stepped.poll() == []
+    assert same_bits(host.buffer[:3], gpu.buffer[:3])
+    assert stepped.step() == 0 and stepped.run_all() == 0  # nothing queued: nothing runs
+    assert stepped.bytes_moved == {("gpu", "host"): 3 * LAYOUT.block_bytes}
+    with pytest.raises(InvalidArgumentError, match="n: got -1"):
+        stepped.step(-1)
+
+
+def test_stepped_callbacks_run_on_the_stepping_thread_and_their_submits_queue_last() -> None:
+    gpu, host = pools()
+    stepped = SteppedExecutor()
+    seen: list[tuple[str, int]] = []  # (thread, queued() inside the callback)
+    later: list[TransferHandle] = []
+
+    def then_submit(handle: TransferHandle) -> None:
+        seen.append((threading.current_thread().name, stepped.queued()))
+        later.append(stepped.submit(Transfer(gpu, (7,), host, (7,))))
+
+    head = stepped.submit(Transfer(gpu, (0,), host, (0,)))
+    head.add_done_callback(then_submit)
+    queued = stepped.submit(Transfer(gpu, (1,), host, (1,)))
+    assert stepped.step() == 1
+    assert seen == [(threading.current_thread().name, 1)]  # `queued` was still waiting
+    assert stepped.queued() == 2 and not queued.done() and not later[0].done()
+    assert stepped.step() == 1 and queued.done() and not later[0].done()  # oldest first
+    assert stepped.run_all() == 1 and later[0].result() == [True]
+    assert stepped.poll() == [head, queued, later[0]]
+
+
+def test_stepped_a_waiting_thread_wakes_when_another_steps() -> None:
+    gpu, host = pools()
+    stepped = SteppedExecutor()
+    handle = stepped.submit(Transfer(gpu, (2,), host, (3,)))
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(handle.wait(10)))
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive() and not woke  # pending until someone steps
+    stepped.step()
+    waiter.join(10)
+    assert woke == [True] and same_bits(host.buffer[3], gpu.buffer[2])
+
+
+def test_stepped_a_failing_copy_is_kept_and_a_failing_callback_stops_the_step() -> None:
+    gpu, host = pools()
+    stepped = SteppedExecutor()
+    bad = stepped.submit(Transfer(gpu, (99,), host, (0,)))  # slot 99 of 8
+    failing = stepped.submit(Transfer(gpu, (1,), host, (1,)))
+    failing.add_done_callback(lambda _: 1 / 0)
+    after = stepped.submit(Transfer(gpu, (2,), host, (2,)))
+    assert stepped.step() == 1
+    with pytest.raises(RuntimeError) as raised:
+        bad.result()
+    assert "in flight" not in str(raised.value)
+    assert bool((host.buffer[0] == SENTINEL).all())
+    with pytest.raises(ZeroDivisionError):
+        stepped.step(2)
+    assert failing.result() == [True] and not after.done() and stepped.queued() == 1
+    assert stepped.step() == 1 and after.result() == [True]
+
+
+def test_stepped_close_completes_what_is_queued_then_submit_raises() -> None:
+    gpu, host = pools()
+    stepped = SteppedExecutor()
+    refused: list[Exception] = []
+
+    def submit_more(_: TransferHandle) -> None:
+        try:
+            stepped.submit(Transfer(gpu, (5,), host, (5,)))
+        except ClosedError as exc:
+            refused.append(exc)
+
+    handles = [stepped.submit(Transfer(gpu, (i,), host, (i,))) for i in range(2)]
+    handles[0].add_done_callback(submit_more)
+    stepped.close()
+    assert [h.result() for h in handles] == [[True], [True]] and stepped.queued() == 0
+    assert same_bits(host.buffer[:2], gpu.buffer[:2])
+    assert len(refused) == 1 and bool((host.buffer[5] == SENTINEL).all())
+    with pytest.raises(ClosedError, match="closed"):
+        stepped.submit(Transfer(gpu, (3,), host, (3,)))
+    stepped.close()  # idempotent
+    assert stepped.poll() == handles
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")

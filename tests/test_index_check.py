@@ -64,20 +64,20 @@ def test_broken_prefix_closure_is_caught() -> None:
     trunk.slots[GPU][1] = None  # B leaves the gpu behind C's back...
     trunk.depth = [1, 2, 2]  # ...and the derived fields are "fixed up" to match
     ix.candidates(GPU)[trunk] = None
-    ix._resident[GPU] -= 1
+    ix.residency._resident[GPU] -= 1  # fault injection into the index's counts
     expect(ix, "prefix closure broken: block 0 of Node(size=1, depth=[1, 1, 1]")
     expect(ix, "is on tier 0 below a parent block on tier 1")
 
 
 def test_wrong_counts_are_caught() -> None:
     ix = scenario()
-    ix._resident[DISK] = 1
+    ix.residency._resident[DISK] = 1
     expect(ix, "resident blocks per tier [3, 4, 1] != recount [3, 4, 0]")
     ix = scenario()
-    ix._num_blocks = 6
+    ix.forest.num_blocks = 6
     expect(ix, "num_blocks 6 != recount 4")
     ix = scenario()
-    ix._num_nodes = 2
+    ix.forest.num_nodes = 2
     expect(ix, "num_nodes 2 != recount 3")
 
 

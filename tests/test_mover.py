@@ -1,5 +1,7 @@
-"""The background mover (`transfer/mover.py`) through the store, with a real slow path: a
-`ThreadExecutor` throttled to a few KB/s, so copies take long enough to be seen in flight.
+"""The background mover (`transfer/mover.py`) through the store. Where a test needs copies in
+flight, the store's executor is a `SteppedExecutor`: a copy runs only when the test steps it, so
+the test submits, observes the in-flight state, steps, and observes the result (the mover's
+thread publishes what a step completed: wait for the lease, or `drain_stepping`).
 
 Ordering: a lease is never READY before its copies completed, `layers_ready` never runs ahead of
 the bytes in the slots, and the index learns of a copy only when it is complete. Joins, cancel,
@@ -13,6 +15,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,7 +37,7 @@ from conftest import (
 from kvtier.errors import CapacityError, LeaseError
 from kvtier.results import LeaseState
 from kvtier.store import KVStore
-from kvtier.transfer.threads import ThreadExecutor
+from kvtier.transfer.stepped import SteppedExecutor
 
 BLOCK = 512  # bytes of a tiny float32 block (conftest.build_store)
 
@@ -43,23 +46,67 @@ def seq(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def slow_store(rate: float, **kwargs: object) -> KVStore:
-    """A tiny store whose background copies run at `rate` bytes/s on every path."""
+Stepped = list[tuple[KVStore, SteppedExecutor]]
+"""Stores whose background copies wait for the test to step them, closed after the test."""
+
+
+def stepped_store(made: Stepped, **kwargs: object) -> tuple[KVStore, SteppedExecutor]:
+    """A tiny store (closed after the test) whose background copies run only when stepped."""
     store = build_store(**kwargs)  # type: ignore[arg-type]
     config = store.config
     store.close()
-    return KVStore(config, executor=ThreadExecutor(throttle_bytes_per_s=rate))
+    executor = SteppedExecutor()
+    store = KVStore(config, executor=executor)
+    made.append((store, executor))
+    return store, executor
 
 
 def hosted(
-    stores: list[KVStore], n_tokens: int, rate: float, **kwargs: object
-) -> tuple[KVStore, list[int], torch.Tensor]:
-    """A `slow_store` (closed after the test) holding tokens 0..n_tokens-1 on host only."""
-    store = slow_store(rate, **kwargs)
-    stores.append(store)
+    made: Stepped, n_tokens: int, **kwargs: object
+) -> tuple[KVStore, SteppedExecutor, list[int], torch.Tensor]:
+    """A `stepped_store` holding tokens 0..n_tokens-1 on host only."""
+    store, executor = stepped_store(made, **kwargs)
     tokens, kv = seq(0, n_tokens), kv_for(store, n_tokens)
     on_host(store, tokens, kv)
-    return store, tokens, kv
+    return store, executor, tokens, kv
+
+
+def drain_stepping(store: KVStore, executor: SteppedExecutor) -> None:
+    """Step every queued copy and publish it (`store.drain`), in turn until the store is idle:
+    a drain may plan more copies (demotions over a watermark)."""
+    for _ in range(100):
+        executor.run_all()
+        if store.drain(0):
+            return
+    pytest.fail("the store was not idle after 100 rounds of stepping and draining")
+
+
+@contextmanager
+def stepping(executor: SteppedExecutor) -> Iterator[None]:
+    """Step `executor` on another thread while the block runs: for a call that waits on copies
+    (a prefetch that waits), when the test has nothing to observe in flight."""
+    stop = threading.Event()
+
+    def step_until_stopped() -> None:
+        while not stop.wait(0.001):
+            executor.run_all()
+
+    stepper = threading.Thread(target=step_until_stopped)
+    stepper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        stepper.join()
+
+
+def close_stepping(store: KVStore, executor: SteppedExecutor) -> None:
+    """Close `store` on another thread while stepping its copies: close waits for them."""
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    while closer.is_alive():
+        executor.run_all()
+        closer.join(0.001)
 
 
 def on_host(store: KVStore, tokens: list[int], kv: torch.Tensor) -> None:
@@ -87,14 +134,20 @@ def stores() -> Iterator[list[KVStore]]:
         store.close()
 
 
+@pytest.fixture
+def stepped() -> Iterator[Stepped]:
+    made: Stepped = []
+    yield made
+    for store, executor in made:
+        close_stepping(store, executor)
+
+
 def test_a_pending_lease_is_ready_only_after_its_copies_and_layers_never_run_ahead(
-    stores: list[KVStore],
+    stepped: Stepped,
 ) -> None:
-    store = slow_store(8 * BLOCK, gpu_blocks=8, host_blocks=16, layer_groups=2)
-    stores.append(store)
-    tokens, kv = seq(0, 32), kv_for(store, 32)  # 8 blocks: 4 KiB, two layer groups of 0.25 s
+    store, executor = stepped_store(stepped, gpu_blocks=8, host_blocks=16, layer_groups=2)
+    tokens, kv = seq(0, 32), kv_for(store, 32)  # 8 blocks, two layer groups: two copies
     on_host(store, tokens, kv)
-    started = time.monotonic()
     lease = store.prefetch(tokens, wait=False)
     assert lease.state is LeaseState.PENDING and not lease.ready()
     assert len(lease.block_table) == 8 and lease.layers_ready == 0
@@ -102,16 +155,17 @@ def test_a_pending_lease_is_ready_only_after_its_copies_and_layers_never_run_ahe
     store.check()
     want = kv.reshape(2, 2, 8, 4, 2, 4).permute(2, 0, 1, 3, 4, 5)  # [block, layer, kv, ...]
     seen = []
-    while not lease.ready():
+    assert executor.queued() == 2
+    while executor.queued():
         layers = lease.layers_ready  # read first: the slots must already hold these layers
         slots = store.gpu_pool.buffer[list(lease.block_table)]
         assert same(slots[:, :layers], want[:, :layers]), f"layer < {layers} read before copied"
         seen.append(layers)
-        time.sleep(0.01)
-    elapsed = time.monotonic() - started
-    assert elapsed >= 0.4, f"ready after {elapsed:.3f} s, before 4 KiB at 8 KiB/s could land"
-    assert 1 in seen, f"layer 0 was never ready alone: {sorted(set(seen))}"
-    assert lease.wait(0) and lease.layers_ready == 2
+        assert not lease.ready(), f"ready with {executor.queued()} of its copies not run"
+        assert executor.step() == 1
+        assert lease.wait_layer(len(seen) - 1, timeout=10)
+    assert seen == [0, 1], f"layer 0 was never ready alone: {seen}"
+    assert lease.wait(10) and lease.layers_ready == 2
     assert same(leased_kv(store, lease), kv)
     assert store.lookup(tokens) == hit(gpu=32)
     store.check()
@@ -120,26 +174,30 @@ def test_a_pending_lease_is_ready_only_after_its_copies_and_layers_never_run_ahe
     store.check()
 
 
-def test_wait_layer_returns_as_soon_as_that_layer_is_in(stores: list[KVStore]) -> None:
-    store, tokens, kv = hosted(stores, 32, 4 * BLOCK, gpu_blocks=8, host_blocks=16, layer_groups=2)
+def test_wait_layer_returns_as_soon_as_that_layer_is_in(stepped: Stepped) -> None:
+    store, executor, tokens, kv = hosted(stepped, 32, gpu_blocks=8, host_blocks=16, layer_groups=2)
     lease = store.prefetch(tokens, wait=False)
+    assert not lease.wait_layer(0, timeout=0.01)  # nothing copied yet
+    assert executor.step() == 1  # layer group 0
     assert lease.wait_layer(0, timeout=10)
     assert not lease.ready(), "layer 0 came with the whole lease: no layer-by-layer progress"
     first = store.gpu_pool.buffer[list(lease.block_table), 0]
     assert same(first, kv[0].reshape(2, 8, 4, 2, 4).permute(1, 0, 2, 3, 4))
+    assert executor.step() == 1
     assert lease.wait(10) and lease.wait_layer(1, timeout=0)
     with pytest.raises(Exception, match="layer"):
         lease.wait_layer(2)
     store.release(lease)
 
 
-def test_a_second_prefetch_joins_the_copies_in_flight(stores: list[KVStore]) -> None:
-    store, tokens, kv = hosted(stores, 32, 16 * BLOCK, gpu_blocks=8, host_blocks=16)
+def test_a_second_prefetch_joins_the_copies_in_flight(stepped: Stepped) -> None:
+    store, executor, tokens, kv = hosted(stepped, 32, gpu_blocks=8, host_blocks=16)
     short = store.prefetch(tokens[:16], wait=False)
     full = store.prefetch(tokens, wait=False)  # joins blocks 0-3, copies 4-7 itself
     again = store.prefetch(tokens, wait=False)  # joins everything
     assert full.block_table[:4] == short.block_table and again.block_table == full.block_table
     store.check()
+    executor.run_all()
     for lease in (short, full, again):
         assert lease.wait(10)
     assert same(leased_kv(store, full), kv)
@@ -150,9 +208,10 @@ def test_a_second_prefetch_joins_the_copies_in_flight(stores: list[KVStore]) -> 
     store.check()
 
 
-def test_cancel_ends_the_lease_and_the_copies_still_land(stores: list[KVStore]) -> None:
-    store, tokens, _ = hosted(stores, 16, 8 * BLOCK, gpu_blocks=8, host_blocks=16)
+def test_cancel_ends_the_lease_and_the_copies_still_land(stepped: Stepped) -> None:
+    store, executor, tokens, _ = hosted(stepped, 16, gpu_blocks=8, host_blocks=16)
     lease = store.prefetch(tokens, wait=False)
+    assert executor.queued() > 0  # the copies are still to run
     lease.cancel()
     assert lease.state is LeaseState.CANCELLED
     with pytest.raises(LeaseError, match="cancelled"):
@@ -160,18 +219,15 @@ def test_cancel_ends_the_lease_and_the_copies_still_land(stores: list[KVStore]) 
     with pytest.raises(LeaseError):
         store.release(lease)
     assert store.leases() == []
-    assert store.drain(10)
+    drain_stepping(store, executor)
     assert store.lookup(tokens) == hit(gpu=16)  # promoted, unleased: ordinary gpu copies
     assert tier(store, "gpu")["leased_blocks"] == 0
     store.check()
 
 
-def test_a_pending_lease_expires_and_its_waiters_wake(stores: list[KVStore]) -> None:
-    store = slow_store(2 * BLOCK, gpu_blocks=8, host_blocks=16)  # 8 blocks: 4 s
-    stores.append(store)
-    tokens, kv = seq(0, 32), kv_for(store, 32)
-    on_host(store, tokens, kv)
-    lease = store.prefetch(tokens, wait=False, ttl_s=0.2)
+def test_a_pending_lease_expires_and_its_waiters_wake(stepped: Stepped) -> None:
+    store, _, tokens, _ = hosted(stepped, 32, gpu_blocks=8, host_blocks=16)
+    lease = store.prefetch(tokens, wait=False, ttl_s=0.2)  # its copies are never stepped
     started = time.monotonic()
     with pytest.raises(LeaseError, match="expired"):
         lease.wait(10)  # nobody calls the store: the mover thread expires it
@@ -180,11 +236,13 @@ def test_a_pending_lease_expires_and_its_waiters_wake(stores: list[KVStore]) -> 
     store.check()
 
 
-def test_await_a_lease_from_asyncio(stores: list[KVStore]) -> None:
-    store, tokens, kv = hosted(stores, 16, 16 * BLOCK, gpu_blocks=8, host_blocks=16)
+def test_await_a_lease_from_asyncio(stepped: Stepped) -> None:
+    store, executor, tokens, kv = hosted(stepped, 16, gpu_blocks=8, host_blocks=16)
 
     async def main() -> tuple[bool, bool]:
         lease = store.prefetch(tokens, wait=False)
+        stepper = threading.Timer(0.1, executor.run_all)  # the copies land 0.1 s from now
+        stepper.start()
         ticks = 0
 
         async def ticker() -> None:  # the loop keeps running while the lease is awaited
@@ -196,9 +254,10 @@ def test_await_a_lease_from_asyncio(stores: list[KVStore]) -> None:
         task = asyncio.create_task(ticker())
         assert (await lease) is lease
         task.cancel()
+        stepper.join()
         # a cancelled awaiter leaves nothing behind
         other = store.prefetch(seq(100, 4), wait=False)
-        waiter = asyncio.create_task(asyncio.wait_for(other._wait_async(), 0))
+        waiter = asyncio.create_task(asyncio.wait_for(other.wait_async(), 0))
         with pytest.raises(asyncio.TimeoutError):
             await waiter
         store.release(other)
@@ -209,22 +268,23 @@ def test_await_a_lease_from_asyncio(stores: list[KVStore]) -> None:
     store.check()
 
 
-def test_prefetch_refuses_at_once_when_gpu_cannot_hold_the_prefix(stores: list[KVStore]) -> None:
-    store = slow_store(64 * BLOCK, gpu_blocks=4, host_blocks=16)
-    stores.append(store)
+def test_prefetch_refuses_at_once_when_gpu_cannot_hold_the_prefix(stepped: Stepped) -> None:
+    store, executor = stepped_store(stepped, gpu_blocks=4, host_blocks=16)
     tokens, kv = seq(0, 32), kv_for(store, 32)
     store.store(tokens, kv)  # 8 blocks: 4 on gpu at most, the rest on host
-    held = store.prefetch(seq(0, 16))
-    with pytest.raises(CapacityError, match="prefetch"):
+    with stepping(executor):
+        held = store.prefetch(seq(0, 16))
+    with pytest.raises(CapacityError, match="prefetch"):  # nothing steps: no wait on copies
         store.prefetch(tokens, wait=False)
     store.check()
     assert [lease.lease_id for lease in store.leases()] == [held.lease_id]
     store.release(held)
 
 
-def test_store_never_waits_on_a_slow_disk(tmp_path: Path, stores: list[KVStore]) -> None:
-    """Host over its watermark with a disk path at 16 KiB/s: store() returns at memory speed;
-    what the tiers cannot take is dropped and counted, and everything that stays is intact."""
+def test_store_never_waits_on_a_slow_disk(tmp_path: Path, stepped: Stepped) -> None:
+    """Host over its watermark with a disk path that copies nothing until stepped: store()
+    returns at memory speed; what the tiers cannot take is dropped and counted, and everything
+    that stays is intact."""
     config = disk_config(
         tmp_path / "disk",
         gpu_blocks=4,
@@ -232,11 +292,12 @@ def test_store_never_waits_on_a_slow_disk(tmp_path: Path, stores: list[KVStore])
         background=True,
         host_watermarks=(0.5, 0.25),
     )
-    store = KVStore(config, executor=ThreadExecutor(throttle_bytes_per_s=4 * DISK_BLOCK_BYTES))
-    stores.append(store)
+    executor = SteppedExecutor()
+    store = KVStore(config, executor=executor)
+    stepped.append((store, executor))
     kvs = {}
     started = time.monotonic()
-    for s in range(12):  # 24 blocks into 12 memory slots; the disk takes 4 blocks a second
+    for s in range(12):  # 24 blocks into 12 memory slots; the disk takes none until stepped
         tokens = seq(1000 * s, 8)
         kvs[s] = kv_for(store, 8, seed=s)
         store.store(tokens, kvs[s])
@@ -245,7 +306,7 @@ def test_store_never_waits_on_a_slow_disk(tmp_path: Path, stores: list[KVStore])
     assert elapsed < 1.0, f"12 stores took {elapsed:.2f} s: store() waited on the disk"
     status = store.status()
     assert status["mover"]["backpressure_drops"] + status["tiers"]["host"]["evictions"] > 0
-    assert store.drain(30)
+    drain_stepping(store, executor)
     store.check()
     on_disk = 0
     for s, kv in kvs.items():
@@ -344,10 +405,8 @@ def test_lift_on_lookup_brings_a_host_prefix_up_while_gpu_has_room(stores: list[
 
 
 def test_close_ends_pending_leases_and_wakes_their_waiters() -> None:
-    store = slow_store(BLOCK, gpu_blocks=8, host_blocks=16)
-    tokens, kv = seq(0, 16), kv_for(store, 16)
-    on_host(store, tokens, kv)
-    lease = store.prefetch(tokens, wait=False)
+    store, executor, tokens, _ = hosted([], 16, gpu_blocks=8, host_blocks=16)
+    lease = store.prefetch(tokens, wait=False)  # its copies are stepped only after close began
     outcome: list[BaseException] = []
 
     def waiter() -> None:
@@ -358,20 +417,25 @@ def test_close_ends_pending_leases_and_wakes_their_waiters() -> None:
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    store.close()
+    closer = threading.Thread(target=store.close)
+    closer.start()
     thread.join(30)
     assert not thread.is_alive() and outcome, "a waiter outlived the store"
     assert lease.state is LeaseState.CANCELLED and "closed" in str(outcome[0])
+    while closer.is_alive():  # close waits for the copies in flight: let them run
+        executor.run_all()
+        closer.join(0.001)
 
 
 def test_a_background_demotion_is_invisible_until_its_disk_write_is_durable(
-    tmp_path: Path, stores: list[KVStore]
+    tmp_path: Path, stepped: Stepped
 ) -> None:
     config = disk_config(
         tmp_path / "disk", gpu_blocks=4, host_blocks=8, background=True, host_watermarks=(0.5, 0.25)
     )
-    store = KVStore(config, executor=ThreadExecutor(throttle_bytes_per_s=2 * DISK_BLOCK_BYTES))
-    stores.append(store)
+    executor = SteppedExecutor()
+    store = KVStore(config, executor=executor)
+    stepped.append((store, executor))
     kvs = [kv_for(store, 8, seed=s) for s in range(5)]
     for s, kv in enumerate(kvs):  # 10 blocks, gpu holds 4: host passes its high watermark (4)
         store.store(seq(1000 * s, 8), kv)
@@ -385,7 +449,8 @@ def test_a_background_demotion_is_invisible_until_its_disk_write_is_durable(
     store.check()
     for s, kv in enumerate(kvs):  # readers meanwhile get the host copies, whole
         assert same(store.load(seq(1000 * s, 8)).kv, kv)
-    assert store.drain(30)
+    assert executor.queued() > 0  # the disk writes have not run
+    drain_stepping(store, executor)
     status = store.status()
     assert status["tiers"]["disk"]["blocks"] > 0 and status["mover"]["in_flight"] == 0
     assert status["tiers"]["host"]["used_bytes"] <= 4 * DISK_BLOCK_BYTES

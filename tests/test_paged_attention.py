@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -171,12 +172,13 @@ def test_released_freed_and_demoted_slots_are_refused(store: KVStore) -> None:
 
 
 def test_a_pending_lease_is_refused_until_it_is_ready() -> None:
-    from kvtier.transfer.threads import ThreadExecutor
+    from kvtier.transfer.stepped import SteppedExecutor
 
     config = build_store(gpu_blocks=8, host_blocks=16)
     cfg = config.config
     config.close()
-    store = KVStore(cfg, executor=ThreadExecutor(throttle_bytes_per_s=4096))
+    executor = SteppedExecutor()  # the prefetch's copies run when stepped
+    store = KVStore(cfg, executor=executor)
     try:
         tokens = list(range(16))
         store.store(tokens, kv_for(store, 16))
@@ -185,6 +187,7 @@ def test_a_pending_lease_is_refused_until_it_is_ready() -> None:
         attn = PagedAttention(store)
         with pytest.raises(ResidencyError, match="pending"):
             attn.decode(query(store, 1), 0, [lease])
+        executor.run_all()
         assert lease.wait(10)
         assert attn.decode(query(store, 1), 0, [lease]).shape[0] == 1
         store.release(lease)
@@ -257,3 +260,41 @@ def test_decode_and_extend_on_cuda_match_the_reference(dtype: torch.dtype) -> No
     args = (qe, kn, vn, buffer, 1, table, lens, new_lens)
     got = kernels.paged_extend(*args)
     assert rel_error(got, kernels.paged_extend_reference(*args)) <= TOLERANCE[dtype], f"seed {seed}"
+
+
+def test_residency_is_read_without_the_store_lock_and_ends_at_expiry() -> None:
+    """The kernel's check reads the residency view (`transfer/residency.py`): it answers while
+    another thread holds the store's lock, and a lease past its expiry on the store's clock no
+    longer covers its slots, before any store call has expired it."""
+    now = [0.0]
+    store = build_store(gpu_blocks=8, host_blocks=16, clock=lambda: now[0], lease_ttl_s=10.0)
+    try:
+        attn = PagedAttention(store)
+        tokens = list(range(8))
+        store.store(tokens, kv_for(store, 8))
+        lease = store.prefetch(tokens)
+        table = torch.tensor([list(lease.block_table)])
+        assert store.residency.slots() == frozenset(lease.block_table) == store.leased_slots()
+        held, done = threading.Event(), threading.Event()
+
+        def hold_the_lock() -> None:
+            with store.parts.state.lock:
+                held.set()
+                done.wait(30)
+
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        try:
+            assert held.wait(10)
+            out = attn.decode_table(query(store, 1), 0, table, torch.tensor([8]))
+            assert out.shape == (1, 4, store.layout.head_dim)
+            now[0] = 10.0  # expired on the store's clock; nobody has called the store since
+            with pytest.raises(ResidencyError, match="not covered"):
+                attn.decode_table(query(store, 1), 0, table, torch.tensor([8]))
+        finally:
+            done.set()
+            holder.join()
+        assert store.leases() == [] and store.residency.slots() == frozenset()
+        store.check()
+    finally:
+        store.close()

@@ -272,7 +272,7 @@ def test_check_catches_a_namespace_count_that_drifted(make_shared: MakeShared) -
     store = make_shared()
     store.store(seq(0, 2), kv_for(store, 2 * BT), tenant="a")
     store.check()
-    store.index._ns_resident[bytes(store.namespaces.seed("a"))][0] += 1
+    store.index.residency._ns_resident[bytes(store.namespaces.seed("a"))][0] += 1
     with pytest.raises(InvariantError, match=r"copies per tier \[3, 2\] != recount \[2, 2\]"):
         store.check()
 

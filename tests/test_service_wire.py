@@ -331,7 +331,9 @@ def test_a_half_sent_body_times_out_with_408(server: Server) -> None:
     with raw_request(server, HALF_SENT) as sock:
         sock.settimeout(10 * BODY_TIMEOUT_S)
         answer = sock.recv(65536)
-    waited = time.monotonic() - started
+        waited = time.monotonic() - started
+        while chunk := sock.recv(65536):  # the head and the body may come in two segments
+            answer += chunk
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
     assert b'"error": "body_timeout"' in answer and b"connection: close" in answer.lower()
     assert BODY_TIMEOUT_S * 0.9 <= waited < BODY_TIMEOUT_S + 5

@@ -49,7 +49,7 @@ def check_index(index: RadixIndex) -> None:
                     f"node lost their {index.tiers[tier]} copy",
                 )
             node = node.parent
-    for namespace, root in index._roots.items():
+    for namespace, root in index.forest.roots.items():
         _expect(
             root.parent is None and root.key == b"" and root.ids == namespace,
             f"namespace root {namespace.hex()} is malformed",
@@ -131,7 +131,7 @@ def check_index(index: RadixIndex) -> None:
     )
     _expect(blocks == index.num_blocks, f"num_blocks {index.num_blocks} != recount {blocks}")
     _expect(nodes == index.num_nodes, f"num_nodes {index.num_nodes} != recount {nodes}")
-    extra = set(index.namespaces_resident()) - set(index._roots)
+    extra = set(index.namespaces_resident()) - set(index.forest.roots)
     _expect(not extra, f"copies counted for {len(extra)} namespaces that hold no block")
     for tier in range(num_tiers):
         stale = [n for n in index.candidates(tier) if n.parent is None]

@@ -5,8 +5,9 @@ A tier-t candidate is a node whose run of blocks with fastest copy in t ends in 
 t: the last block of that run has no block after it, in the node or in a child, whose fastest
 copy is in t or a faster tier. Removing that block's t copy (after copying it down, or
 dropping it when t is the lowest tier) keeps prefix closure. The index keeps the candidates of
-each tier in a set, refreshed whenever a node's residency, children or locks change, so a call
-here costs O(candidates) to heapify and O(log candidates) per victim, never a tree scan.
+each tier in a set (`CandidateSets`), refreshed whenever a node's residency, children or locks
+change, so a call here costs O(candidates) to heapify and O(log candidates) per victim, never a
+tree scan.
 
     root - A[g g g] - B[g g h]        g: fastest copy on gpu, h: on host
              \\
@@ -18,7 +19,7 @@ Recency is per node: a lookup stamps every node it walks with one tick, so the a
 used node are at least as recent as it, and a shared trunk outlives the branches below it.
 
 Fair shares (DESIGN invariant 9): with floors set (`RadixIndex.set_floors`), each candidate
-has a rank, read from its namespace's copies in the tier (`resident_in`, O(1)):
+has a rank, read from its namespace's copies in the tier (`Residency.resident_in`, O(1)):
 
     rank 0   its namespace holds more than its floor here         first, LRU among them
     rank 1   it is `owner`'s own (the namespace the room is for)  then, LRU among them
@@ -41,11 +42,49 @@ from kvtier.index.node import Node
 from kvtier.index.results import BlockRef
 
 if TYPE_CHECKING:
-    from kvtier.index.radix import RadixIndex
+    from kvtier.index.residency import Residency
+
+
+class CandidateSets:
+    """Per tier, the nodes that offer a candidate (module doc), in insertion order.
+
+    Kept by the index: whoever changes a node's `depth`, size, `child_res` or `locks` calls
+    `refresh(node)` (O(tiers)), and a node leaving the tree is `discard`ed, so that
+    `of(tier)` is exactly the set the module doc defines (`check.py` recomputes it)."""
+
+    def __init__(self, num_tiers: int) -> None:
+        self._sets: list[dict[Node, None]] = [{} for _ in range(num_tiers)]
+
+    def of(self, tier: int) -> dict[Node, None]:
+        """The candidates of `tier`; the live set, not a copy."""
+        return self._sets[tier]
+
+    def refresh(self, node: Node) -> None:
+        """Re-decide, per tier, whether `node` offers a candidate. A root never does."""
+        if node.parent is None:
+            return
+        size = node.size
+        lo = 0
+        for tier, hi in enumerate(node.depth):
+            candidates = self._sets[tier]
+            if (
+                hi > lo
+                and (hi < size or node.child_res[tier] == 0)
+                and not (node.locks is not None and node.locks[tier])
+            ):
+                candidates[node] = None
+            else:
+                candidates.pop(node, None)
+            lo = hi
+
+    def discard(self, node: Node) -> None:
+        """`node` left the tree: it offers no candidate any more."""
+        for candidates in self._sets:
+            candidates.pop(node, None)
 
 
 def victims(
-    index: RadixIndex, tier: int, candidates: dict[Node, None], owner: bytes | None = None
+    candidates: dict[Node, None], residency: Residency, tier: int, owner: bytes | None = None
 ) -> Iterator[BlockRef]:
     """Yield tier-`tier` victims, by rank (module doc), least recently used first within a
     rank, one block at a time.
@@ -55,7 +94,7 @@ def victims(
     The caller stops iterating when it has freed enough. Blocks that become victims during the
     pass (a parent whose last child left the tier) join the same pass.
     """
-    rank = _ranking(index, tier, owner)
+    rank = _ranking(residency, tier, owner)
     heap = []
     for seq, node in enumerate(candidates):
         first = rank(node)
@@ -93,12 +132,12 @@ def victims(
                     queued.add(nxt)
 
 
-def _ranking(index: RadixIndex, tier: int, owner: bytes | None) -> Callable[[Node], int | None]:
+def _ranking(residency: Residency, tier: int, owner: bytes | None) -> Callable[[Node], int | None]:
     """The rank of a candidate (module doc): 0, 1, or None for not to be offered."""
-    floors = index.floors
+    floors = residency.floors
     if not floors:
         return _first
-    resident_in = index.resident_in
+    resident_in = residency.resident_in
 
     def rank(node: Node) -> int | None:
         namespace = node.root.ids

@@ -25,15 +25,12 @@ import heapq
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvtier.errors import LeaseError
 from kvtier.ids import fresh_id
+from kvtier.index.eviction import CandidateSets
 from kvtier.index.node import Node
 from kvtier.index.results import LeaseId
-
-if TYPE_CHECKING:
-    from kvtier.index.radix import RadixIndex
 
 
 @dataclass(frozen=True)
@@ -48,8 +45,12 @@ class LeaseRecord:
 
 
 class LeaseTable:
-    def __init__(self, index: RadixIndex) -> None:
-        self._index = index
+    """The live leases of one index. A lock changes a node's candidacy, so the table refreshes
+    the index's `candidates` for every node whose lock counts it changes."""
+
+    def __init__(self, num_tiers: int, candidates: CandidateSets) -> None:
+        self._num_tiers = num_tiers
+        self._candidates = candidates
         self._records: dict[LeaseId, LeaseRecord] = {}
         self._expiry: list[tuple[float, LeaseId]] = []  # stale entries are skipped
         self._held: dict[bytes, int] = {}  # namespace -> blocks covered by held locks
@@ -160,7 +161,8 @@ class LeaseTable:
         return count
 
     def _lock(self, end: Node, tiers: tuple[int, ...], delta: int, held: bool) -> None:
-        num_tiers = len(self._index.tiers)
+        num_tiers = self._num_tiers
+        refresh = self._candidates.refresh
         node = end
         covered = 0  # blocks that held locks start (or stop) covering
         while node.parent is not None:
@@ -174,7 +176,7 @@ class LeaseTable:
                 assert node.held >= 0, "held count below zero"
                 if node.held == (1 if delta > 0 else 0):
                     covered += node.size
-            self._index._refresh(node)
+            refresh(node)
             node = node.parent
         if covered:
             namespace = node.ids  # the walk ends at the namespace root

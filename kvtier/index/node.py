@@ -31,7 +31,8 @@ counts that fair shares need cost O(1) per change.
 The root of each namespace is a node with no blocks whose `ids` holds the namespace seed, so the
 parent id of any block is `parent.ids[-digest_size:]` without a special case.
 
-Only `RadixIndex` writes these fields; `index/check.py` recomputes every derived one.
+Only the index writes these fields (`radix.py`, `forest.py`, `leases.py`; `restore.py` builds
+nodes); `index/check.py` recomputes every derived one.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ class Node:
             if fields[i] is not None:
                 return tier
         return len(self.slots)
+
+    def fastest_last(self) -> int:
+        """`fastest` of the last block; 0 for a namespace root, below which any tier may hang."""
+        return self.fastest(self.size - 1) if self.parent is not None else 0
 
     def __repr__(self) -> str:
         return f"Node(size={self.size}, depth={self.depth}, tick={self.tick})"

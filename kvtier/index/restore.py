@@ -82,7 +82,7 @@ def restore_namespace(
             restored.extend(chain)
             if len(chain) == good:  # the whole chain verified: its last block may branch
                 stack.append((node, ids[-ds:]))
-    _account(index, root, created, restored)
+    index.forest.adopt(root, created)
     seen = {id(e) for e in restored} | {id(e) for e in bad}
     orphans = [e for e in everything if id(e) not in seen]
     return RestoreReport(restored, orphans, bad)
@@ -102,26 +102,3 @@ def _verified_prefix(index: RadixIndex, parent_id: bytes, chain: list[RestoreEnt
         if ids[i * ds : (i + 1) * ds] != chain[i].block_id:
             return i
     return count
-
-
-def _account(
-    index: RadixIndex, root: Node, created: list[Node], restored: list[RestoreEntry]
-) -> None:
-    """Register the root and bring the index's derived fields and counts up to date."""
-    if not created:
-        return
-    index._roots.setdefault(root.ids, root)
-    num_tiers = len(index.tiers)
-    for node in created:
-        parent = node.parent
-        assert parent is not None
-        for tier in range(num_tiers):
-            if node.depth[tier]:
-                parent.child_res[tier] += 1
-    for node in created:
-        index._refresh(node)
-    index._num_nodes += len(created)
-    index._num_blocks += len(restored)
-    for entry in restored:
-        for tier in entry.slots:
-            index._count(root, tier, +1)

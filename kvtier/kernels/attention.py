@@ -9,11 +9,12 @@
 
 Contract:
 - Residency: every slot a launch will read (the first ceil(len / block_tokens) entries of each
-  row) must be covered by a READY lease that is live now (`KVStore.leased_slots`); else
-  `ResidencyError` names the sequence, the position and the slot, and nothing is launched. A slot
-  that was never leased, was released, expired, was freed or demoted, fails. Checked under the
-  store's lock just before the launch; the caller keeps its leases until the kernel is done
-  (on CUDA the launch returns before it is).
+  row) must be covered by a READY lease that is live now; else `ResidencyError` names the
+  sequence, the position and the slot, and nothing is launched. A slot that was never leased,
+  was released, expired, was freed or demoted, fails. Checked just before the launch in the
+  store's residency view (`transfer/residency.py`: a lookup per slot, without the store's
+  lock); the caller keeps its leases until the kernel is done (on CUDA the launch returns
+  before it is).
 - Arguments: shapes, dtypes (q, k and v in the pool's dtype), devices, head counts (query heads
   a multiple of kv heads), lengths (>= 1, within the block table) are checked first, each
   failure an `InvalidArgumentError` naming the value and what was expected.
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 class PagedAttention:
     def __init__(self, store: KVStore) -> None:
-        self.store = store
+        self.residency = store.residency  # read without the store's lock
         self.buffer = store.gpu_pool.buffer
         self.layout = store.layout
 
@@ -206,17 +207,18 @@ class PagedAttention:
         return block_table.to("cpu", torch.int32).contiguous(), lens
 
     def _check_resident(self, table: torch.Tensor, lens: torch.Tensor) -> None:
-        covered = self.store.leased_slots()
         bt = self.layout.block_tokens
         for b in range(table.shape[0]):
             used = -(-int(lens[b]) // bt)
-            for position, slot in enumerate(table[b, :used].tolist()):
-                if slot not in covered:
-                    raise ResidencyError(
-                        f"sequence {b}, block {position}: gpu slot {slot} is not covered by a "
-                        "live ready lease (never leased, released, expired, freed or demoted); "
-                        "prefetch the prefix and wait for its lease"
-                    )
+            slots = table[b, :used].tolist()
+            slot = self.residency.uncovered(slots)
+            if slot is not None:
+                position = slots.index(slot)
+                raise ResidencyError(
+                    f"sequence {b}, block {position}: gpu slot {slot} is not covered by a "
+                    "live ready lease (never leased, released, expired, freed or demoted); "
+                    "prefetch the prefix and wait for its lease"
+                )
 
 
 def _lengths(values: Sequence[int] | torch.Tensor, name: str, batch: int) -> torch.Tensor:

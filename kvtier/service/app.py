@@ -116,7 +116,7 @@ def _error(status: int, kind: str, detail: str, msgpack_body: bool = False) -> R
 
 async def _await_lease(lease: Lease, wait_s: float) -> None:
     with contextlib.suppress(asyncio.TimeoutError, LeaseError):
-        await asyncio.wait_for(lease._wait_async(), wait_s)
+        await asyncio.wait_for(lease.wait_async(), wait_s)
 
 
 def _add_routes(app: FastAPI, service: Service) -> None:

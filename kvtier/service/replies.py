@@ -28,7 +28,14 @@ import torch
 
 from kvtier.errors import ReplyError
 from kvtier.layout import DTYPES, KVLayout
-from kvtier.results import Lease, LeaseState, LookupResult, Reservation, StoreResult
+from kvtier.results import (
+    Lease,
+    LeaseOwner,
+    LeaseState,
+    LookupResult,
+    Reservation,
+    StoreResult,
+)
 from kvtier.service import wire
 from kvtier.service.cuda_ipc import CudaIpcDescription, parse_description
 from kvtier.tiers.shm import NAME
@@ -117,7 +124,7 @@ def lease(
         canceller=canceller,
     )
     if state not in (LeaseState.PENDING.value, LeaseState.READY.value):
-        result._resolve(LeaseState(state), reason)
+        LeaseOwner(result).resolve(LeaseState(state), reason)
     return result
 
 

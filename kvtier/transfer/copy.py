@@ -140,9 +140,9 @@ class InlineExecutor:
             ok = self.run(transfer)
         except Exception as exc:
             error = exc
-        handle._settle(ok, error)
+        handle.settle(ok, error)
         self._completed.append(handle)
-        handle._run_callbacks()
+        handle.run_callbacks()
         return handle
 
     polled = False  # every handle is done when `submit` returns

@@ -285,20 +285,20 @@ class CudaExecutor:
                     item = queue.popleft()
                     transfer = item.handle.transfer
                     if item.error is None:
-                        item.handle._settle([True] * len(transfer.src_slots), None)
+                        item.handle.settle([True] * len(transfer.src_slots), None)
                         self.ledger.record(transfer.path, transfer.nbytes, item.started)
                         if item.sample is not None:
                             sample = item.sample
                             seconds = sample.start.elapsed_time(item.done) / 1e3
                             self.planner.record(sample.key, sample.strategy, seconds, sample.blocks)
                     else:
-                        item.handle._settle(None, item.error)
+                        item.handle.settle(None, item.error)
                     self._completed.append(item.handle)
                     settled.append(item.handle)
         first: Exception | None = None
         for handle in settled:  # every handle's callbacks run, even if one of them raises
             try:
-                handle._run_callbacks()
+                handle.run_callbacks()
             except Exception as exc:
                 first = first or exc
         if first is not None:

@@ -1,26 +1,27 @@
 """Flights: the copies of one mover decision, from submit to the moment the index learns of them.
 
-A flight is planned under the store's lock (`mover.py`): it pins the path of its blocks (a
-never-expiring lease, so no source copy is evicted or dropped while it is read: a prefetch in
-every tier, a demotion in its source tier, a disk insert on disk), owns the
-destination slots it allocated (`dst`, reserved: allocated in a pool, not yet in the index), and
-names its blocks by position along the pinned path (positions survive node splits). Its copies
-then run without the lock, on the executor's threads or streams; the done callbacks here count
-them off. When the last one is done the flight goes on the mover's finished queue, and the mover
-publishes it to the index under the lock (DESIGN invariant 1: a copy is visible only once
-complete).
+A flight is planned under the cache's lock: it pins the path of its blocks (a never-expiring
+lease, so no source copy is evicted or dropped while it is read: a prefetch in every tier, a
+demotion in its source tier, a disk insert on disk), owns the destination slots it allocated
+(`dst`: allocated in a pool, not yet in the index), and names its blocks by position along the
+pinned path (positions survive node splits). Each kind is its own type, built complete by its
+planner; its copies then run without the lock, on the executor's threads or streams, and the
+`FlightRunner` here counts them off. When the last one is done the flight goes to the mover's
+finished queue, and the mover has its planner publish it under the lock (DESIGN invariant 1: a
+copy is visible only once complete).
 
-    kinds      copies                                           published as
-    prefetch   [disk -> host staging], then host -> gpu in      gpu (and host) copies; the
-               `groups` layer-range transfers                   leases waiting on it turn READY
-    demote     tier -> lower tier, whole blocks                  the lower copy, then the faster
-                                                                copy freed (unless leased)
-    insert     host staging -> disk (new blocks below a         new index blocks on disk
-               disk-only prefix)
+    type             planned by        copies                              published as
+    PrefetchFlight   prefetch.py       [disk -> host staging], then host   gpu (and host) copies;
+                                       -> gpu in `groups` layer ranges     its leases turn READY
+    DemotionFlight   background.py     tier -> next tier (`copydown.py`)   the lower copies, then
+                                                                           the faster ones freed
+    InsertFlight     background.py     host staging -> disk (new blocks    new index blocks on
+                                       below a disk-only prefix)           disk
 
 Callbacks run on whatever thread completes a handle (a worker, or the thread polling CUDA
-events). They never take the store's lock: they touch only this flight's counters (under its own
-lock) and the leases waiting on it (`Lease._progress`, under each lease's own lock).
+events). They never take the cache's lock: they touch only their flight's outcome fields (under
+the flight's own lock) and the leases waiting on it (`LeaseOwner.progress`, under each lease's
+own lock). `Flights` is the set of flights planned and not yet published, and what they hold.
 """
 
 from __future__ import annotations
@@ -28,74 +29,145 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from kvtier.errors import ClosedError
+from kvtier.errors import ClosedError, InvariantError
+from kvtier.index import LeaseId
 from kvtier.index.leases import LeaseRecord
-from kvtier.results import Lease
+from kvtier.results import LeaseOwner
+from kvtier.tiers.base import HOST
 from kvtier.transfer.copy import Transfer
+from kvtier.transfer.copydown import CopyDown
 from kvtier.transfer.handles import Executor, TransferHandle
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Flight:
-    kind: str  # "prefetch" | "demote" | "insert"
     pin: LeaseRecord  # locks the path to pin.end (in the tiers it reads) until published
     positions: list[int]  # the flight's blocks, as positions from the namespace root
-    dst: dict[int, list[int]] = field(default_factory=dict)  # tier -> slots it allocated
-    groups: int = 1  # layer groups of the final copy (prefetch)
-    # prefetch: the transfers, and where each block's data comes from
-    read: Transfer | None = None  # disk -> host staging (or -> gpu), before the groups
-    group_transfers: list[Transfer] = field(default_factory=list)
-    read_positions: list[int] = field(default_factory=list)  # the blocks `read` carries
-    staged: dict[int, int] = field(default_factory=dict)  # position -> host staging slot
-    after: list[Flight] = field(default_factory=list)  # joined flights: published first
-    leases: list[Lease] = field(default_factory=list)  # waiting on this flight
-    # demote: source tier, whether its copies are freed once the lower copy is in
-    src_tier: int = 0
-    free_src: bool = False
-    # insert: what to index when the write is durable
-    namespace: bytes = b""
-    key: bytes = b""
-    first_block: int = 0
+    dst: dict[int, list[int]]  # tier -> slots it allocated, not in the index before publishing
+    after: list[Flight] = field(default_factory=list)  # flights to publish before this one
     # outcome, written by callbacks under `lock`
-    layers_done: int = 0  # layer groups complete in every block
-    ok: list[bool] = field(default_factory=list)  # per block, for demote and insert
-    failed: str = ""  # why, when a copy failed or raised
-    bad_position: int | None = None  # a disk copy that failed verification
-    published: bool = False  # the mover has told the index (or given up)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    _outstanding: int = 0
-    _launched: bool = False
-    _finished: bool = False
+    failed: str = field(default="", init=False)  # why, when a copy failed or raised
+    published: bool = field(default=False, init=False)  # the index knows (or the mover gave up)
+    lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    outstanding: int = field(default=0, init=False)  # the runner's: copies not done
+    launched: bool = field(default=False, init=False)  # the runner's: first copies submitted
+    finished: bool = field(default=False, init=False)  # the runner's: on_finished was called
 
     def reserved(self, tier: int) -> int:
         return len(self.dst.get(tier, ()))
 
 
+@dataclass(eq=False, kw_only=True)
+class PrefetchFlight(Flight):
+    """Brings blocks up to gpu: `read` (disk -> host staging, or straight to gpu) first, then
+    `group_transfers` (host -> gpu, one per layer group). Joined flights are in `after`."""
+
+    groups: int  # layer groups of the final copy
+    read: Transfer | None  # disk -> host staging (dst[HOST]) or -> gpu, before the groups
+    read_positions: list[int]  # the blocks `read` carries
+    group_transfers: list[Transfer]
+    leases: list[LeaseOwner] = field(default_factory=list, init=False)  # waiting on it
+    layers_done: int = field(default=0, init=False)  # layer groups complete in every block
+    bad_position: int | None = field(default=None, init=False)  # failed verification
+
+    def staged(self) -> dict[int, int]:
+        """Position -> host staging slot of each block read from disk through host."""
+        stage = self.dst.get(HOST)
+        return {} if stage is None else dict(zip(self.read_positions, stage, strict=True))
+
+
+@dataclass(eq=False, kw_only=True)
+class BlockFlight(Flight):
+    """A flight of whole-block copies whose outcome is per block (`ok`)."""
+
+    ok: list[bool] = field(default_factory=list, init=False)
+
+
+@dataclass(eq=False, kw_only=True)
+class DemotionFlight(BlockFlight):
+    """Copies a batch of blocks of one node down one tier; once they are in, the faster copies
+    are freed (unless leased)."""
+
+    copy: CopyDown
+
+
+@dataclass(eq=False, kw_only=True)
+class InsertFlight(BlockFlight):
+    """Writes new blocks that extend a disk-only prefix from host staging slots to disk; they
+    enter the index (blocks `first_block` on of `key` in `namespace`) once durable."""
+
+    namespace: bytes
+    key: bytes
+    first_block: int
+    write: Transfer
+    kept: int = field(default=0, init=False)  # blocks that entered the index when published
+
+
+_F = TypeVar("_F", bound=Flight)
+
+
+class Flights:
+    """The flights planned and not yet published: what slots they own (`reserved`), which
+    pins are theirs, and `check()` that no two own a slot and every pin is live."""
+
+    def __init__(self) -> None:
+        self.live: set[Flight] = set()
+
+    def add(self, flight: Flight) -> None:
+        self.live.add(flight)
+
+    def discard(self, flight: Flight) -> None:
+        self.live.discard(flight)
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def reserved(self, tier: int) -> int:
+        """Slots of `tier` that flights have allocated and the index does not know yet."""
+        return sum(flight.reserved(tier) for flight in self.live)
+
+    def pin_ids(self) -> set[LeaseId]:
+        """The lease ids of the flights' pins (they are leases of the index, not of clients)."""
+        return {flight.pin.lease_id for flight in self.live}
+
+    def check(self, live_pins: Callable[[LeaseId], bool], tier_name: Callable[[int], str]) -> None:
+        owned: set[tuple[int, int]] = set()
+        for flight in self.live:
+            if not live_pins(flight.pin.lease_id):
+                raise InvariantError(f"{type(flight).__name__}: pin {flight.pin.lease_id} is gone")
+            for tier, slots in flight.dst.items():
+                for slot in slots:
+                    if (tier, slot) in owned:
+                        raise InvariantError(f"{tier_name(tier)} slot {slot}: two flights")
+                    owned.add((tier, slot))
+
+
 class FlightRunner:
     """Submits a flight's transfers and calls `on_finished(flight)` once, when every copy of it
-    is done (successfully or not). Thread-safe; holds no lock of the store."""
+    is done (successfully or not). Thread-safe; holds no lock of the cache."""
 
     def __init__(self, executor: Executor, on_finished: Callable[[Flight], None]) -> None:
         self.executor = executor
         self.on_finished = on_finished
 
-    def launch(self, flight: Flight, transfers: list[Transfer]) -> None:
-        """Start a demote or insert flight: its transfers, whose per-block outcomes are kept."""
-        self._submit(flight, transfers, self._blocks_done)
+    def launch(self, flight: BlockFlight, transfer: Transfer) -> None:
+        """Start a demotion or insert flight: its transfer, whose per-block outcomes are kept."""
+        self._submit(flight, [transfer], self._blocks_done)
         self._launched(flight)
 
-    def launch_prefetch(self, flight: Flight) -> None:
+    def launch_prefetch(self, flight: PrefetchFlight) -> None:
         """Start a prefetch: the disk read first if any, then the layer groups."""
         if flight.read is not None:
             self._submit(flight, [flight.read], self._read_done)
         else:
-            self._submit(flight, flight.group_transfers, self._group_done)
+            self._submit_groups(flight)
         self._launched(flight)
 
     # ---- callbacks (any thread) -----------------------------------------------------------
 
-    def _read_done(self, flight: Flight, handle: TransferHandle) -> None:
+    def _read_done(self, flight: PrefetchFlight, handle: TransferHandle) -> None:
         try:
             ok = handle.result()
         except Exception as exc:
@@ -104,7 +176,7 @@ class FlightRunner:
             if all(ok):
                 # the groups are submitted before this read counts as done: the flight stays
                 # open until they are
-                self._submit(flight, flight.group_transfers, self._group_done)
+                self._submit_groups(flight)
             else:
                 bad = ok.index(False)
                 with flight.lock:
@@ -112,7 +184,7 @@ class FlightRunner:
                 self._fail(flight, "a disk copy failed verification")
         self._one_done(flight)
 
-    def _group_done(self, flight: Flight, handle: TransferHandle) -> None:
+    def _group_done(self, flight: PrefetchFlight, handle: TransferHandle) -> None:
         try:
             handle.result()
         except Exception as exc:
@@ -121,10 +193,10 @@ class FlightRunner:
             with flight.lock:
                 flight.layers_done += 1
             for lease in list(flight.leases):
-                lease._progress()
+                lease.progress()
         self._one_done(flight)
 
-    def _blocks_done(self, flight: Flight, handle: TransferHandle) -> None:
+    def _blocks_done(self, flight: BlockFlight, handle: TransferHandle) -> None:
         try:
             ok = handle.result()
         except Exception as exc:
@@ -136,31 +208,31 @@ class FlightRunner:
 
     # ---- bookkeeping ----------------------------------------------------------------------
 
-    def _submit(
-        self,
-        flight: Flight,
-        transfers: list[Transfer],
-        done: Callable[[Flight, TransferHandle], None],
-    ) -> None:
-        if not transfers and done is self._group_done:  # nothing to copy: every layer is in
+    def _submit_groups(self, flight: PrefetchFlight) -> None:
+        if not flight.group_transfers:  # nothing to copy up: every layer is in
             with flight.lock:
                 flight.layers_done = flight.groups
+        self._submit(flight, flight.group_transfers, self._group_done)
+
+    def _submit(
+        self, flight: _F, transfers: list[Transfer], done: Callable[[_F, TransferHandle], None]
+    ) -> None:
         for transfer in transfers:
             with flight.lock:
                 if flight.failed:
                     return
-                flight._outstanding += 1
+                flight.outstanding += 1
             try:
                 handle = self.executor.submit(transfer)
             except ClosedError as exc:
                 self._fail(flight, f"mover closed: {exc}")
                 self._one_done(flight)
                 return
-            handle.add_done_callback(lambda h, done=done: done(flight, h))  # type: ignore[misc]
+            handle.add_done_callback(lambda h: done(flight, h))
 
     def _launched(self, flight: Flight) -> None:
         with flight.lock:
-            flight._launched = True
+            flight.launched = True
         self._one_done(flight, count=False)
 
     def _fail(self, flight: Flight, why: str) -> None:
@@ -171,9 +243,9 @@ class FlightRunner:
     def _one_done(self, flight: Flight, count: bool = True) -> None:
         with flight.lock:
             if count:
-                flight._outstanding -= 1
-            last = flight._launched and flight._outstanding == 0 and not flight._finished
+                flight.outstanding -= 1
+            last = flight.launched and flight.outstanding == 0 and not flight.finished
             if last:
-                flight._finished = True
+                flight.finished = True
         if last:
             self.on_finished(flight)

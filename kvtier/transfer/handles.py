@@ -5,7 +5,8 @@ once; the mover later learns of completion by `poll()`, by `handle.wait()` from 
 `await handle` from asyncio, or by a done callback. Only then does it tell the index (DESIGN
 invariant 1: a copy becomes visible only when it is complete).
 
-Contract, for every executor (`InlineExecutor`, `ThreadExecutor`, `CudaExecutor`):
+Contract, for every executor (`InlineExecutor`, `ThreadExecutor`, `CudaExecutor`,
+`SteppedExecutor`):
 - A handle reports done only after every copy of its transfer completed: on a worker thread,
   after the copy returned (a disk write after its sync); on CUDA, after the event recorded
   behind the last copy has completed. A reader that sees `done()` true then sees every byte.
@@ -49,10 +50,14 @@ POLL_MAX_S = 0.002
 class TransferHandle:
     """The completion of one submitted `Transfer`; created by an executor, never by callers.
 
+    Two sides. Holders (the mover, the store, tests) read and wait: `done`, `wait`, `result`,
+    `add_done_callback`, `await`. The executor that created the handle completes it, and only
+    it: `settle(ok, error)` once (under the executor's own lock, so that its `poll()` and
+    `done()` agree), then `run_callbacks()` once (outside every lock, as callbacks may submit).
+
     `probe`, when given, is called by `done()` on a handle not yet done, to look for completion
     (a CUDA executor queries its events there); without it, the executor completes the handle
-    from its own thread. Executors complete a handle in two steps: `_settle` (under their own
-    lock, so that `poll()` and `done()` agree) and then `_run_callbacks` (outside any lock).
+    from its own thread.
     """
 
     def __init__(self, transfer: Transfer, probe: Callable[[], None] | None = None) -> None:
@@ -122,18 +127,21 @@ class TransferHandle:
             delay = min(delay * 2, POLL_MAX_S)
         return self.result()
 
-    # -- executor side ----------------------------------------------------------------------
+    # -- executor side: the executor that created the handle, and nobody else ---------------
 
-    def _settle(self, ok: list[bool] | None, error: Exception | None) -> None:
-        """Record the outcome (per-block `ok`, or the copy's `error`) and make the handle done."""
+    def settle(self, ok: list[bool] | None, error: Exception | None) -> None:
+        """Record the outcome, per-block `ok` or the copy's `error` (exactly one of them), and
+        make the handle done: `done()` is true and `wait()` returns from now on. Once per
+        handle, after every copy of its transfer completed (the module doc's contract)."""
         assert (ok is None) != (error is None), "an outcome is a result or an error"
         with self._lock:
             assert not self._event.is_set(), "a transfer completes once"
             self._ok, self._error = ok, error
             self._event.set()
 
-    def _run_callbacks(self) -> None:
-        """Run the callbacks registered so far, once; later ones run as they are added."""
+    def run_callbacks(self) -> None:
+        """Run the callbacks registered so far, once, after `settle`; later ones run as they
+        are added. Every callback runs; the first exception of one is raised afterwards."""
         with self._lock:
             callbacks, self._callbacks = self._callbacks, None
         assert callbacks is not None and self._event.is_set(), "settled once, then callbacks"

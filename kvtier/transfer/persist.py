@@ -11,28 +11,22 @@ fit is left in memory and not counted as persisted.
 
 from __future__ import annotations
 
-from kvtier.index import BlockRef, RadixIndex
-from kvtier.tiers.base import Tier
-from kvtier.tiers.disk import DiskTier
-from kvtier.transfer.copy import InlineExecutor, Transfer
+from kvtier.index import BlockRef
+from kvtier.transfer.copydown import plan_copy_down, record_copies
 from kvtier.transfer.demotion import Demoter
+from kvtier.transfer.handles import Runner
 
 BATCH = 64
 
 
-def persist(
-    index: RadixIndex,
-    pools: list[Tier],
-    executor: InlineExecutor,
-    demoter: Demoter,
-) -> int:
+def persist(demoter: Demoter, runner: Runner) -> int:
     """Copy every block without a disk copy to disk; return how many became durable."""
-    disk_tier = len(pools) - 1
-    disk = pools[disk_tier]
-    assert isinstance(disk, DiskTier)
+    state = demoter.state
+    disk_tier = len(state.pools) - 1
+    assert state.disk is not None
     pending: dict[int, list[BlockRef]] = {}
     durable = 0
-    for root in list(index.roots()):
+    for root in list(state.index.roots()):
         stack = list(root.children.values()) if root.children else []
         stack.reverse()
         while stack:
@@ -42,40 +36,21 @@ def persist(
                     tier = node.fastest(i)
                     pending.setdefault(tier, []).append(BlockRef(node, i))
                     if len(pending[tier]) >= BATCH:
-                        durable += _flush(index, pools, executor, demoter, tier, pending.pop(tier))
+                        durable += _flush(demoter, runner, tier, pending.pop(tier))
             if node.children:
                 stack.extend(reversed(list(node.children.values())))
     for tier, refs in pending.items():
-        durable += _flush(index, pools, executor, demoter, tier, refs)
+        durable += _flush(demoter, runner, tier, refs)
     return durable
 
 
-def _flush(
-    index: RadixIndex,
-    pools: list[Tier],
-    executor: InlineExecutor,
-    demoter: Demoter,
-    tier: int,
-    refs: list[BlockRef],
-) -> int:
-    disk_tier = len(pools) - 1
+def _flush(demoter: Demoter, runner: Runner, tier: int, refs: list[BlockRef]) -> int:
+    state = demoter.state
+    disk_tier = len(state.pools) - 1
     if not demoter.make_room(disk_tier, len(refs)):
-        refs = refs[: pools[disk_tier].num_free]
+        refs = refs[: state.pools[disk_tier].num_free]
     refs = [ref for ref in refs if ref.node.slots[tier][ref.i] is not None]
     if not refs:
         return 0
-    dst = pools[disk_tier].allocate(len(refs))
-    src = tuple(_slot(ref.node.slots[tier][ref.i]) for ref in refs)
-    metas = tuple(demoter.describe(ref) for ref in refs)
-    done = executor.run(Transfer(pools[tier], src, pools[disk_tier], tuple(dst), metas))
-    for ref, slot, ok in zip(refs, dst, done, strict=True):
-        if ok:
-            index.set_slot(ref, disk_tier, slot)
-        else:
-            pools[disk_tier].free([slot])
-    return done.count(True)
-
-
-def _slot(slot: int | None) -> int:
-    assert slot is not None
-    return slot
+    copy = plan_copy_down(state, refs, tier, disk_tier)
+    return record_copies(state, copy, refs, runner.run(copy.transfer))

@@ -1,9 +1,11 @@
-"""Reading verified disk copies in the caller's thread, for `KVStore.load`.
+"""Reading a cached prefix in the caller's thread, for `KVStore.load`.
 
-`read_disk(refs)` reads and verifies the disk copies of consecutive blocks of one path; the
-first that fails verification is dropped with everything below it (`drop_corrupt`: the blocks
-below would be orphans), counted, and never served. Promotion to gpu (prefetch) is the mover's
-(`mover.py`), which reads through the executor and drops corrupt copies the same way.
+`read_prefix(end, device)` copies the blocks of the path to `end` out of their fastest copies
+(prefix closure: one run per tier) into a new tensor; it stops before a disk copy that fails
+verification. `read_disk(refs)` reads and verifies the disk copies of consecutive blocks of one
+path; the first that fails verification is dropped with everything below it (`drop_corrupt`:
+the blocks below would be orphans), counted, and never served. Promotion to gpu (prefetch) is
+the mover's (`prefetch.py`), which reads through the executor and drops corrupt copies the same way.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.index import BlockRef, RadixIndex
-from kvtier.tiers.base import DISK, Tier
+from kvtier.index.node import Node
+from kvtier.tiers.base import DISK, GPU, Tier
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.pool import SlotPool
 from kvtier.transfer.copy import InlineExecutor
 
 
@@ -33,6 +37,30 @@ class DiskReader:
         self.disk = self.pools[DISK] if len(self.pools) > DISK else None
         self.executor = executor
         self.ops = ops
+
+    def read_prefix(self, end: Node, device: torch.device) -> torch.Tensor:
+        """The blocks of the path to `end`, `[blocks, *block_shape]` on `device`, up to the
+        first corrupt disk copy (dropped, module doc)."""
+        refs = list(self.index.blocks(end))
+        layout = self.pools[GPU].layout
+        blocks = torch.empty((len(refs), *layout.block_shape), dtype=layout.dtype, device=device)
+        by_tier: dict[int, tuple[list[int], list[int]]] = {}
+        for position, ref in enumerate(refs):
+            tier = ref.node.fastest(ref.i)
+            positions, slots = by_tier.setdefault(tier, ([], []))
+            positions.append(position)
+            slots.append(_slot(ref.node.slots[tier][ref.i]))
+        count = len(refs)
+        for tier, (positions, slots) in sorted(by_tier.items()):
+            if tier == DISK:
+                data, good = self.read_disk(refs[positions[0] :])
+                blocks[positions[0] : positions[0] + good] = data[:good].to(device)
+                count = positions[0] + good
+            else:
+                pool = self.pools[tier]
+                assert isinstance(pool, SlotPool)
+                blocks[positions[0] : positions[-1] + 1] = pool.read(slots).to(device)
+        return blocks[:count]
 
     def read_disk(self, refs: list[BlockRef], drop: bool = True) -> tuple[torch.Tensor, int]:
         """Read and verify the disk copies of `refs` (consecutive blocks of one path): the data

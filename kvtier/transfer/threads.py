@@ -122,7 +122,7 @@ class _PathQueue:
             self._executor._publish(batch)
         for handle, _, _ in batch:
             try:
-                handle._run_callbacks()
+                handle.run_callbacks()
             except Exception as exc:
                 self._executor._callback_failed(exc)
 
@@ -218,7 +218,7 @@ class ThreadExecutor:
         `done()` true and then polls finds the handle."""
         with self._lock:
             for handle, ok, error in batch:
-                handle._settle(ok, error)
+                handle.settle(ok, error)
                 self._completed.append(handle)
 
     def _callback_failed(self, error: Exception) -> None:

@@ -39,68 +39,45 @@ Contract:
   is False while it lasts, and the mover plans no background write to this tier meanwhile.
   `write_status()` reports the refused writes, the current backoff and the last error.
 The tier does not decide what to evict; the index and the demoter do.
+
+`DiskTier` is the face of the tier: it owns the directory's lock, the slab files, the I/O
+threads and the slot allocator, and hands each path to its own part over one `SlabSet`
+(`slab_set.py`: slot -> slab and offset, batch syncs): `writes.py` (group commit),
+`verified_reads.py` (checked reads), `retire.py` (zeroing freed slots' headers), `scan.py`
+(the recovery scan); `health.py` counts the faults and keeps the write backoff.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.layout import KVLayout
 from kvtier.private_files import private_dir
 from kvtier.tiers.disk import slabs
-from kvtier.tiers.disk.backoff import WriteBackoff
-from kvtier.tiers.disk.codec import CorruptPayload, get_codec
-from kvtier.tiers.disk.format import (
-    BlockHeader,
-    CorruptHeader,
-    checksum,
-    decode_header,
-    encode_header,
-    header_region_size,
-    slot_size,
-)
-from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct, staging_buffer
+from kvtier.tiers.disk.codec import get_codec
+from kvtier.tiers.disk.format import header_region_size, slot_size
+from kvtier.tiers.disk.health import DiskHealth
+from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct
 from kvtier.tiers.disk.lock import DirectoryLock
+from kvtier.tiers.disk.retire import CopyRetirer
+from kvtier.tiers.disk.scan import ScannedCopy, ScanReport, scan_slots
+from kvtier.tiers.disk.slab_set import SlabSet
 from kvtier.tiers.disk.slabs import check_superblock, open_slabs
+from kvtier.tiers.disk.verified_reads import VerifiedReader
+from kvtier.tiers.disk.writes import BlockMeta, BlockWriter
 from kvtier.tiers.slots import SlotAllocator
 
-ALIGN = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """What a disk copy records about its block besides the payload."""
-
-    block_id: bytes
-    parent_id: bytes
-    namespace: bytes
-    tenant: str
-    tokens: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ScannedCopy:
-    slot: int
-    header: BlockHeader
-
-
-@dataclass
-class ScanReport:
-    copies: list[ScannedCopy] = field(default_factory=list)
-    empty: int = 0
-    corrupt: int = 0  # torn or damaged headers
-    foreign: int = 0  # another layout's copies
+__all__ = ["BlockMeta", "DiskTier", "ScanReport", "ScannedCopy"]
 
 
 class DiskTier:
+    """Slots over slab files (the `Tier` contract), group commits, verified reads, the scan."""
+
     name = "disk"
 
     def __init__(
@@ -127,26 +104,14 @@ class DiskTier:
             )
         # fixed by the geometry alone, so a change of capacity never changes where slots are
         self.slots_per_slab = max(1, slabs.SLAB_TARGET_BYTES // self.slot_bytes)
-        self.faults: dict[str, int] = dict.fromkeys(
-            (
-                "enospc",
-                "write_errors",
-                "sync_errors",
-                "retire_errors",
-                "read_errors",
-                "corrupt_reads",
-            ),
-            0,
-        )
-        self.backoff = WriteBackoff()
-        # copies run on mover threads beside the store's calls: `_seq` and `faults` are shared
-        self._count_lock = threading.Lock()
-        self._seq = 0
+        self._health = DiskHealth()  # shared with the copies that run on mover threads
+        self.faults = self._health.counts
+        self.backoff = self._health.backoff
         self.path = private_dir(path, "tiers.disk.path")
         self._lock = DirectoryLock(self.path, "tiers.disk.path")  # before anything is read
         self._io = IOPool(workers)
         self._closed = False
-        self._slabs: list[SlabFile] = []
+        self._slab_files: list[SlabFile] = []
         try:
             self.direct = probe_direct(self.path)
             geometry = {
@@ -158,22 +123,23 @@ class DiskTier:
                 "itemsize": self.layout.itemsize,
             }
             check_superblock(self.path, geometry)
-            self._slabs = open_slabs(
+            self._slab_files = open_slabs(
                 self.path, fit, self.slot_bytes, self.slots_per_slab, self.direct, self.faults
             )
-            self.num_slots = sum(slab.size // self.slot_bytes for slab in self._slabs)
+            slab_set = SlabSet(
+                self._slab_files, self.slot_bytes, self.slots_per_slab, fsync, self._io
+            )
+            self.num_slots = slab_set.num_slots
             if self.num_slots == 0:
                 raise ConfigError("tiers.disk.path", str(self.path), "room for at least one slab")
         except BaseException:
             self.close()  # the lock too: a failed start leaves the directory to the next one
             raise
         self._slots = SlotAllocator("disk", self.num_slots)
-
-    # ---- geometry and files ---------------------------------------------------------------
-
-    def _where(self, slot: int) -> tuple[SlabFile, int]:
-        slab, index = divmod(slot, self.slots_per_slab)
-        return self._slabs[slab], index * self.slot_bytes
+        self._slabs = slab_set  # a view: the tier opened the files and the pool, and closes them
+        self._writer = BlockWriter(layout, self.codec, self.header_region, slab_set, self._health)
+        self._reader = VerifiedReader(layout, self.header_region, slab_set, self._health)
+        self._retirer = CopyRetirer(self.header_region, slab_set, self._health)
 
     # ---- slots (the same contract as SlotPool) ---------------------------------------------
 
@@ -210,7 +176,7 @@ class DiskTier:
         a copy that comes back after a power loss is still a valid copy of its block."""
         self._slots.validate(slots, "free")
         if not self._closed:
-            self._retire(slots)  # a copy left behind is verified when read
+            self._retirer.retire(slots)  # a copy left behind is verified when read
         self._slots.free(slots)
 
     def free_durably(self, slots: Sequence[int]) -> int:
@@ -218,64 +184,18 @@ class DiskTier:
         how many copies the disk refused to retire (or to sync): those blocks may come back at
         the next start. 0 means that the drop is durable."""
         self._slots.validate(slots, "free")
-        left = len(slots)
-        if not self._closed:
-            retired = [slot for slot, ok in zip(slots, self._retire(slots), strict=True) if ok]
-            left -= len(retired) - self._sync_slabs_of(retired)
+        left = len(slots) if self._closed else self._retirer.retire_durably(slots)
         self._slots.free(slots)
         return left
 
-    def _retire(self, slots: Sequence[int]) -> list[bool]:
-        """Zero the header regions of `slots`; True where the write was done."""
-        blank = aligned_buffer(self.header_region)
-        results = self._io.run([self._retire_job(slot, blank) for slot in slots])
-        self._fault("retire_errors", sum(isinstance(r, OSError) for r in results))
-        self._note_writes(results)
-        return [not isinstance(r, OSError) for r in results]
-
-    def _sync_slabs_of(self, slots: Sequence[int]) -> int:
-        """Sync the slabs that hold `slots` (`fsync: batch`); how many of `slots` lie in a
-        slab whose sync failed."""
-        if self.fsync != "batch":
-            return 0
-        touched = sorted({slot // self.slots_per_slab for slot in slots})
-        synced = self._io.run([self._slabs[i].sync for i in touched])
-        failed = {i for i, r in zip(touched, synced, strict=True) if isinstance(r, OSError)}
-        self._fault("sync_errors", len(failed))
-        self._note_writes(synced)
-        return sum(slot // self.slots_per_slab in failed for slot in slots)
-
-    def _note_writes(self, results: Sequence[object]) -> None:
-        """Start (or lengthen) the backoff after a batch with a refused write (an `OSError`
-        among the I/O `results`); end it after a batch done whole; no batch, no news."""
-        error = next((r for r in results if isinstance(r, OSError)), None)
-        if error is not None:
-            self.backoff.refused(error)
-        elif results:
-            self.backoff.written()
-
     def accepting_writes(self) -> bool:
         """False while the tier backs off after refused writes: plan no background write."""
-        return not self.backoff.waiting()
+        return self._health.accepting_writes()
 
     def write_status(self) -> dict[str, object]:
         """Refused writes (copies, syncs, retires) so far, the current backoff in seconds (0
         while the disk takes writes) and the last refusal, for the tier's status."""
-        with self._count_lock:
-            refused = sum(self.faults[k] for k in ("write_errors", "sync_errors", "retire_errors"))
-        return {
-            "refused_writes": refused,
-            "backoff_s": self.backoff.delay_s,
-            "last_write_error": self.backoff.last_error,
-        }
-
-    def _fault(self, kind: str, count: int) -> None:
-        with self._count_lock:
-            self.faults[kind] += count
-
-    def _retire_job(self, slot: int, blank: memoryview) -> Callable[[], None]:
-        slab, offset = self._where(slot)
-        return lambda: slab.write(offset, [blank])
+        return self._health.write_status()
 
     def is_allocated(self, slot: int) -> bool:
         return self._slots.is_allocated(slot)
@@ -295,76 +215,9 @@ class DiskTier:
     ) -> list[bool]:
         """Write one copy per slot and make the batch durable; True where it is. `blocks` is a
         `[n, *block_shape]` tensor or n block tensors (e.g. views of pool slots, written in
-        place when they are page-aligned)."""
+        place when they are page-aligned). See `writes.py`."""
         self._ensure_open()
-        assert len(slots) == len(metas) == len(blocks)
-        raw = [block.contiguous().view(torch.uint8).reshape(-1) for block in blocks]
-        jobs: list[Callable[[], None]] = []
-        with self._count_lock:
-            first = self._seq + 1
-            self._seq += len(slots)
-        for seq, (slot, meta, data) in enumerate(zip(slots, metas, raw, strict=True), first):
-            jobs.append(self._write_job(slot, meta, data, seq))
-        results: list[object] = list(self._io.run(jobs))
-        ok = [not isinstance(r, OSError) for r in results]
-        self._fault("write_errors", ok.count(False))
-        if self.fsync == "batch":
-            touched = sorted(
-                {slot // self.slots_per_slab for slot, good in zip(slots, ok, strict=True) if good}
-            )
-            synced = self._io.run([self._slabs[i].sync for i in touched])
-            failed = {i for i, r in zip(touched, synced, strict=True) if isinstance(r, OSError)}
-            self._fault("sync_errors", len(failed))
-            results += synced
-            ok = [
-                good and slot // self.slots_per_slab not in failed
-                for slot, good in zip(slots, ok, strict=True)
-            ]
-        self._note_writes(results)
-        return ok
-
-    def _write_job(
-        self, slot: int, meta: BlockMeta, data: torch.Tensor, seq: int
-    ) -> Callable[[], None]:
-        """One slot's write, run on an I/O thread: encode, checksum, header, one `pwritev`.
-        A plain payload whose memory is sector-aligned (a pool slot or a gathered batch of
-        whole blocks of 4 KiB multiples) is written in place; anything else is first copied
-        into an aligned buffer, as O_DIRECT requires."""
-        slab, offset = self._where(slot)
-        region = self.header_region
-
-        def job() -> None:
-            raw = data.numpy().data
-            encoded = self.codec.encode(raw, self.layout.itemsize)
-            codec_name = self.codec.name
-            if len(encoded) >= len(raw):  # incompressible: store it plain
-                encoded, codec_name = raw, "none"
-            header = BlockHeader(
-                block_id=meta.block_id,
-                parent_id=meta.parent_id,
-                namespace=meta.namespace,
-                tenant=meta.tenant,
-                layout=self.layout.fingerprint,
-                tokens=meta.tokens,
-                codec=codec_name,
-                raw_nbytes=len(raw),
-                payload_nbytes=len(encoded),
-                payload_checksum=checksum(encoded),
-                seq=seq,
-            )
-            if encoded is raw and _aligned(data):
-                head = staging_buffer(region)
-                head[:] = encode_header(header, region)
-                slab.write(offset, [head, raw])
-                return
-            image = staging_buffer(region + len(encoded))
-            image[:region] = encode_header(header, region)
-            np.frombuffer(image, dtype=np.uint8)[region : region + len(encoded)] = np.frombuffer(
-                encoded, dtype=np.uint8
-            )
-            slab.write(offset, [image])
-
-        return job
+        return self._writer.write_blocks(slots, blocks, metas)
 
     def read_blocks(
         self,
@@ -373,126 +226,22 @@ class DiskTier:
         out: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | Sequence[torch.Tensor], list[bool]]:
         """Read and verify copies into `out` (n block tensors, e.g. pool slots; a new
-        `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. Plain
-        payloads land in place when the destination is page-aligned; others go through an
-        aligned staging buffer. A destination whose copy failed holds garbage."""
+        `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. A
+        destination whose copy failed holds garbage. See `verified_reads.py`."""
         self._ensure_open()
-        dest: torch.Tensor | Sequence[torch.Tensor] = (
-            out
-            if out is not None
-            else torch.empty((len(slots), *self.layout.block_shape), dtype=self.layout.dtype)
-        )
-        flat = [block.view(torch.uint8).reshape(-1) for block in dest]
-        jobs = [self._read_job(slot, flat[i], block_ids[i]) for i, slot in enumerate(slots)]
-        ok = []
-        for result in self._io.run(jobs):
-            if isinstance(result, OSError):
-                self._fault("read_errors", 1)
-                ok.append(False)
-            elif not result:
-                self._fault("corrupt_reads", 1)
-                ok.append(False)
-            else:
-                ok.append(True)
-        return dest, ok
-
-    def _read_job(self, slot: int, dest: torch.Tensor, block_id: bytes) -> Callable[[], bool]:
-        slab, offset = self._where(slot)
-        region, payload_region = self.header_region, self.slot_bytes - self.header_region
-
-        def job() -> bool:
-            target = dest.numpy().data
-            if _aligned(dest) and len(target) == payload_region:
-                head = staging_buffer(region)
-                slab.readv(offset, [head, target])
-                payload = target
-            else:
-                image = staging_buffer(region + payload_region)
-                slab.readv(offset, [image])
-                head, payload = image[:region], image[region:]
-            decoded = self._verify(head, payload, block_id)
-            if decoded is None:
-                return False
-            if decoded is not target:
-                np.frombuffer(target, dtype=np.uint8)[:] = np.frombuffer(decoded, dtype=np.uint8)
-            return True
-
-        return job
-
-    def _verify(
-        self, head: memoryview, payload: memoryview, block_id: bytes
-    ) -> bytes | memoryview | None:
-        """The decoded payload of a slot if every check passes, else None."""
-        try:
-            header = decode_header(head)
-        except CorruptHeader:
-            return None
-        if (
-            header is None
-            or header.block_id != block_id
-            or header.layout != self.layout.fingerprint
-            or header.raw_nbytes != self.layout.block_bytes
-            or header.payload_nbytes > len(payload)
-        ):
-            return None
-        stored = payload[: header.payload_nbytes]
-        if checksum(stored) != header.payload_checksum:
-            return None
-        if header.codec == "none":
-            return stored if len(stored) == self.layout.block_bytes else None
-        try:
-            decoded = get_codec(header.codec).decode(
-                stored, header.raw_nbytes, self.layout.itemsize
-            )
-        except (CorruptPayload, ValueError):
-            return None
-        return bytes(decoded) if len(decoded) == self.layout.block_bytes else None
+        return self._reader.read_blocks(slots, block_ids, out)
 
     def scan(self, progress: bool | None = None) -> ScanReport:
-        """Read every header region; the valid copies of this layout, and what was not valid."""
+        """Read every header region; the valid copies of this layout, and what was not valid.
+        The progress goes to stderr when `progress`, or when None and stderr is a terminal.
+        New copies are numbered above every copy found. See `scan.py`."""
         self._ensure_open()
-        report = ScanReport()
         show = sys.stderr.isatty() if progress is None else progress
-        batch = 1024
-        for start in range(0, self.num_slots, batch):
-            slots = range(start, min(start + batch, self.num_slots))
-            for slot, result in zip(
-                slots, self._io.run([self._header_job(s) for s in slots]), strict=True
-            ):
-                if isinstance(result, OSError):
-                    self._fault("read_errors", 1)
-                    report.corrupt += 1
-                    continue
-                try:
-                    header = decode_header(result)
-                except CorruptHeader:
-                    report.corrupt += 1
-                    continue
-                if header is None:
-                    report.empty += 1
-                elif header.layout != self.layout.fingerprint:
-                    report.foreign += 1
-                else:
-                    report.copies.append(ScannedCopy(slot, header))
-                    self._seq = max(self._seq, header.seq)
-            if show:
-                done = min(start + batch, self.num_slots)
-                print(
-                    f"\rkvtier: recovering disk tier {done}/{self.num_slots} slots",
-                    end="" if done < self.num_slots else "\n",
-                    file=sys.stderr,
-                )
+        report = scan_slots(
+            self._slabs, self.header_region, self.layout.fingerprint, self._health, show
+        )
+        self._writer.resume_after(max((copy.header.seq for copy in report.copies), default=0))
         return report
-
-    def _header_job(self, slot: int) -> Callable[[], memoryview]:
-        slab, offset = self._where(slot)
-
-        def job() -> memoryview:
-            buf = aligned_buffer(self.header_region)
-            slab.read_into(offset, buf)
-            return buf
-
-        return job
 
     # ---- consistency and shutdown ----------------------------------------------------------
 
@@ -505,7 +254,7 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
-        for slab in self._slabs:
+        for slab in self._slab_files:
             slab.close()
         self._io.close()
         self._lock.release()
@@ -522,8 +271,3 @@ class DiskTier:
         return (
             f"DiskTier({self.path}, {self.num_used}/{self.num_slots} slots, direct={self.direct})"
         )
-
-
-def _aligned(tensor: torch.Tensor) -> bool:
-    """Whether a tensor's memory can be handed to O_DIRECT as it is."""
-    return tensor.data_ptr() % ALIGN == 0 and tensor.numel() * tensor.element_size() % ALIGN == 0

@@ -1,0 +1,179 @@
+"""Assembly: a store's parts, built from its config (the composition root).
+
+`Parts(config, ...)` makes, in dependency order: the pools (gpu, host[, disk]; in POSIX
+shared memory for a sidecar), the index, the namespaces (tenant <-> seed), the cache's shared
+state (`transfer/state.py`), fair shares, the executors (the inline one for copies made inside
+a call; a thread or CUDA executor for the background), the demoter, the disk reader, the
+recovered index (when there is a disk tier), the reservation table, the mover and the write
+path. Every part takes the parts it uses, never the store; `KVStore` (`store.py`) holds the
+result and calls into it. A failed assembly closes the tiers it made (their shared memory
+unlinked) before the error propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import InvalidArgumentError
+from kvtier.hashing import BlockHasher
+from kvtier.index import RadixIndex
+from kvtier.namespaces import Namespaces
+from kvtier.policy import write_policy
+from kvtier.quotas import TenantShares
+from kvtier.recovery import recover
+from kvtier.reservations import ReservationTable
+from kvtier.status import TenantCounters
+from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
+from kvtier.tiers.base import Tier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.gpu import resolve_device
+from kvtier.tiers.shm import segment_prefix
+from kvtier.transfer import InlineExecutor
+from kvtier.transfer.background import BackgroundSettings
+from kvtier.transfer.copy import Ledger
+from kvtier.transfer.demotion import Demoter
+from kvtier.transfer.handles import Executor
+from kvtier.transfer.mover import Mover, MoverSettings
+from kvtier.transfer.prefetch import PrefetchSettings
+from kvtier.transfer.reads import DiskReader
+from kvtier.transfer.state import CacheState
+from kvtier.transfer.threads import ThreadExecutor
+from kvtier.writes import Writes
+
+
+class Parts:
+    """Everything a store is made of (module doc). `executor` runs copies made inside a call;
+    the mover's executor runs the background ones. Built in dependency order; a construction
+    that fails closes the tiers it made."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        secret: bytes = b"",
+        clock: Callable[[], float] = time.monotonic,
+        executor: Executor | None = None,
+        shared_memory: str | None = None,
+    ) -> None:
+        if executor is not None and not config.mover.background:
+            raise InvalidArgumentError(
+                "executor: given, but mover.background is false (copies run in the caller)"
+            )
+        made: list[Tier] = []
+        try:
+            self._build(config, secret, clock, executor, _pools(config, shared_memory, made))
+        except BaseException:
+            for tier in made:
+                tier.close()
+            raise
+
+    def _build(
+        self,
+        config: KVTierConfig,
+        secret: bytes,
+        clock: Callable[[], float],
+        executor: Executor | None,
+        pools: list[Tier],
+    ) -> None:
+        self.config = config
+        hasher = BlockHasher(config.hashing.algorithm)
+        index = RadixIndex(config.tier_names, config.layout.block_tokens, hasher)
+        self.namespaces = Namespaces(config.tenants, hasher, config.layout.fingerprint, secret)
+        self.state = state = CacheState(index, pools, self.namespaces)
+        # fair shares (quotas.py): floors steer eviction, quotas bound what a tenant holds
+        self.shares = TenantShares(config, [pool.num_slots for pool in pools])
+        index.set_floors(self.shares.floors(self.namespaces.seeds))
+        self.policy = policy = write_policy(config.policy.write, config.policy.selective_hits)
+        ledger = Ledger() if executor is None else executor.ledger  # one count of every copy
+        self.executor = inline = InlineExecutor(ledger)  # copies made inside a call
+        background = executor or _background_executor(config, state, inline)
+        admission = [0, policy.min_hits_to_keep, config.policy.disk_admission_hits]
+        holds: list[Callable[[int], int]] = []  # flights' and reservations' slots, set below
+        self.demoter = Demoter(
+            state,
+            # room made inside a call: on CUDA through the copy streams (the engine's marks)
+            background.in_call_runner(inline),
+            admission,
+            reserved=lambda tier: sum(held(tier) for held in holds),
+            sync_disk=not config.mover.background,
+        )
+        self.reader = DiskReader(index, pools, inline, state.ops)
+        self.recovery = (
+            recover(state.disk, index, self.namespaces) if state.disk is not None else {}
+        )
+        self.reservations = ReservationTable(
+            [state.gpu, state.host], index.leases, clock, config.policy.reservation_quarantine_s
+        )
+        tiers = (config.tiers.gpu, config.tiers.host)
+        settings = MoverSettings(
+            background=config.mover.background,
+            prefetch=PrefetchSettings(
+                config.mover.layer_groups, policy.copy_on_store, config.mover.lift_on_lookup
+            ),
+            work=BackgroundSettings(
+                [(t.high_watermark, t.low_watermark) for t in tiers],
+                admission,
+                background=config.mover.background,
+            ),
+        )
+        self.mover = Mover(self.demoter, background, clock, settings)
+        holds.extend((self.mover.reserved, self.reservations.held))
+        self.writes = Writes(
+            state, self.demoter, self.mover, self.shares, self.reservations, policy, inline
+        )
+        self.tenant_counters = {
+            tenant: TenantCounters(len(pools)) for tenant in self.namespaces.seeds
+        }
+
+    @property
+    def pools(self) -> list[Tier]:
+        return list(self.state.pools)
+
+    @property
+    def memory(self) -> list[SlotPool]:
+        return [self.state.gpu, self.state.host]
+
+
+def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) -> list[Tier]:
+    layout = config.layout
+    gpu_cfg, host_cfg = config.tiers.gpu, config.tiers.host
+    device = resolve_device(gpu_cfg.device)
+    prefix = None if shared_memory is None else segment_prefix(shared_memory)
+    gpu = GpuPool.create(
+        layout,
+        gpu_cfg.capacity.resolve(free_device_bytes(device)),
+        gpu_cfg.device,
+        None if prefix is None else f"{prefix}-gpu",
+    )
+    made.append(gpu)
+    host = HostPool.create(
+        layout,
+        host_cfg.capacity.resolve(available_host_bytes()),
+        host_cfg.pinned,
+        None if prefix is None else f"{prefix}-host",
+    )
+    made.append(host)
+    disk_cfg = config.tiers.disk
+    if disk_cfg is not None:
+        disk = DiskTier(
+            layout,
+            disk_cfg.path,
+            disk_cfg.capacity.resolve(0),
+            compression=disk_cfg.compression,
+            fsync=disk_cfg.fsync,
+        )
+        made.append(disk)
+    return list(made)
+
+
+def _background_executor(
+    config: KVTierConfig, state: CacheState, inline: InlineExecutor
+) -> Executor:
+    if not config.mover.background:
+        return inline
+    if state.gpu.device.type == "cuda":
+        from kvtier.transfer.cuda import CudaExecutor
+
+        return CudaExecutor(state.gpu.device, ledger=inline.ledger)
+    return ThreadExecutor(config.mover.workers_per_path, ledger=inline.ledger)

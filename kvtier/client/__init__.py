@@ -1,0 +1,44 @@
+"""Clients of the sidecar (`kvtier serve`): `Client` (threads) and `AsyncClient` (asyncio).
+
+Same method names, arguments and result types as the embedded `KVStore`, so an engine moves
+between embedded and sidecar by configuration alone:
+
+    with Client("http://127.0.0.1:8750", api_key=...) as kv:     # or KVStore(config)
+        hit = kv.lookup(tokens)
+        lease = kv.prefetch(tokens)            # READY when it returns (waited on the server)
+        kv.release(lease)
+        kv.store(tokens, kv_tensor)
+        out = kv.load(tokens).kv
+
+On the same host (`shared_memory=True`, the default) the client maps the server's memory
+pools from /dev/shm: `store` reserves slots, writes the blocks straight into the mapped pool
+and commits; `load` leases the prefix, copies the pages out of the mapped gpu pool and releases
+it. No KV byte crosses the socket. Where the pools cannot be mapped (another host, a CUDA pool)
+or a call cannot go that way (new blocks below a disk-only prefix, a prefix larger than the gpu
+tier), the KV travels in the body instead. A CUDA gpu pool is opened through its CUDA IPC
+description (`service/cuda_ipc.py`). `pool_buffer(tier)` is the mapped buffer, for an engine
+that reads leased pages itself.
+
+The client trusts nothing its server says (`service/replies.py`): every reply is checked before
+it is used, and a malformed one is a `ReplyError` naming the field: a `/v1/pools` reply whose
+layout, slot counts, shared-memory names or CUDA IPC descriptions are not what a kvtier server
+sends fails `Client(url)` itself, and a lease or reservation whose slots fall outside the pools
+is refused before anything is read or written. A well-formed pool that is not there to map
+(another host, another user) or whose segment is not exactly the file its server made (a
+symlink, another owner or mode, another size: `tiers/shm.py`) stays unmapped, and its KV travels
+in the body.
+
+Errors come back as the same `kvtier.errors` types the store raises (their message is the
+server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready).
+
+    blocking.py      `Client`: the calls over one keep-alive connection pool, from threads
+    asynchronous.py  `AsyncClient`: the same calls as coroutines
+    pools.py         `MappedPools`: the server's pools mapped here, blocks written and read
+    transport.py     request headers, and a response read as its body or the error it reports
+"""
+
+from kvtier.client.asynchronous import AsyncClient
+from kvtier.client.blocking import Client
+from kvtier.client.transport import ServiceError
+
+__all__ = ["AsyncClient", "Client", "ServiceError"]

@@ -1,0 +1,153 @@
+"""`AsyncClient`: the asyncio twin of `Client` (`blocking.py`), the same methods as coroutines.
+
+It maps the server's pools at its first request rather than at construction (a constructor
+cannot await); the shared-memory path and its fallback to the body are `Client`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import torch
+
+from kvtier.client.pools import MappedPools
+from kvtier.client.transport import RequestHeaders, reply_body
+from kvtier.errors import CapacityError
+from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
+from kvtier.service import replies, wire
+from kvtier.tokens import Tokens
+
+
+class AsyncClient:
+    """The asyncio twin of `Client`: the same methods, as coroutines."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8750",
+        *,
+        api_key: str | None = None,
+        tenant: str | None = None,
+        shared_memory: bool = True,
+        timeout_s: float = 120.0,
+    ) -> None:
+        self._headers = RequestHeaders(api_key, tenant)
+        self._pools = MappedPools()
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+        self._shared_memory = shared_memory
+        self._mapped = False
+
+    async def _post(
+        self, path: str, body: dict[str, Any], tenant: str = "default"
+    ) -> dict[str, Any]:
+        await self._map()
+        response = await self._http.post(
+            path, content=wire.encode(body, True), headers=self._headers.for_tenant(tenant)
+        )
+        return reply_body(response)
+
+    async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = await self._http.get(path, params=params, headers=self._headers.common)
+        return reply_body(response)
+
+    async def _map(self) -> None:
+        if self._shared_memory and not self._mapped:
+            self._mapped = True
+            self._pools.map(await self._get("/v1/pools"))
+
+    async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
+        body = await self._post("/v1/lookup", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        return replies.lookup(body)
+
+    async def prefetch(
+        self,
+        tokens: Tokens,
+        *,
+        tenant: str = "default",
+        ttl_s: float | None = None,
+        wait: bool = True,
+    ) -> Lease:
+        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        if ttl_s is not None:
+            request["ttl_s"] = ttl_s
+        if not wait:
+            request["wait_s"] = 0.0
+        lease = self._pools.lease(await self._post("/v1/prefetch", request, tenant), None)
+        while wait and lease.state is LeaseState.PENDING:
+            body = await self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": 30})
+            lease = self._pools.lease(body, None)
+        if wait:
+            lease.wait(0)  # raises LeaseError for an ended lease
+        return lease
+
+    async def release(self, lease: Lease | int) -> None:
+        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
+        tenant = lease.tenant if isinstance(lease, Lease) else "default"
+        await self._post("/v1/release", {"lease_id": lease_id}, tenant)
+
+    async def store(
+        self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default"
+    ) -> StoreResult:
+        await self._map()
+        if self._pools.buffers:
+            self._pools.check_kv(tokens, kv)
+            reservation = await self.reserve(tokens, tenant=tenant)
+            if reservation.num_tokens and reservation.tier in self._pools.buffers:
+                try:
+                    self._pools.write_blocks(reservation, kv)
+                except Exception:
+                    await self.abort(reservation)
+                    raise
+                return await self.commit(reservation)
+            if reservation.num_tokens:
+                await self.abort(reservation)
+        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv)}
+        return replies.stored(await self._post("/v1/store", body, tenant))
+
+    async def load(
+        self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
+    ) -> LoadResult:
+        await self._map()
+        if "gpu" in self._pools.buffers:
+            try:
+                lease = await self.prefetch(tokens, tenant=tenant)
+            except CapacityError:
+                pass
+            else:
+                try:
+                    kv = self._pools.read_blocks(lease)
+                finally:
+                    await self.release(lease)
+                return LoadResult(lease.num_tokens, kv.to(device or "cpu"))
+        body = await self._post("/v1/load", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        return self._pools.loaded(body, device)
+
+    async def reserve(
+        self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
+    ) -> Reservation:
+        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        if ttl_s is not None:
+            request["ttl_s"] = ttl_s
+        body = await self._post("/v1/reserve", request, tenant)
+        return self._pools.reservation(body, request["tokens"])
+
+    async def commit(self, reservation: Reservation) -> StoreResult:
+        body = {"reservation_id": reservation.reservation_id}
+        return replies.stored(await self._post("/v1/commit", body, reservation.tenant))
+
+    async def abort(self, reservation: Reservation) -> None:
+        body = {"reservation_id": reservation.reservation_id}
+        await self._post("/v1/abort", body, reservation.tenant)
+
+    async def status(self) -> dict[str, Any]:
+        return await self._get("/v1/status")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        self._pools.clear()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,165 @@
+"""`Client`: the store's methods over HTTP from threads (see the package doc for the contract).
+
+Each method is one request, or on the shared-memory path (`pools.py`) a few: `store` is
+reserve + write into the mapped pool + commit (abort if the write fails), `load` is lease +
+copy out of the mapped gpu pool + release. Where a call cannot go that way, its KV travels in
+the body.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import torch
+
+from kvtier.client.pools import MappedPools
+from kvtier.client.transport import RequestHeaders, reply_body
+from kvtier.errors import CapacityError
+from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
+from kvtier.service import replies, wire
+from kvtier.tokens import Tokens
+
+
+class Client:
+    """A blocking client (one keep-alive connection pool, safe to share between threads)."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8750",
+        *,
+        api_key: str | None = None,
+        tenant: str | None = None,
+        shared_memory: bool = True,
+        timeout_s: float = 120.0,
+    ) -> None:
+        """`api_key` (default `$KVTIER_API_KEY`) selects the tenant when the server has auth;
+        without auth `tenant` (or each call's `tenant=`) does. `shared_memory`: map the
+        server's pools when they are on this host."""
+        self._headers = RequestHeaders(api_key, tenant)
+        self._pools = MappedPools()
+        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        if shared_memory:
+            self._pools.map(self._get("/v1/pools"))
+
+    # ---- transport ---------------------------------------------------------------------
+
+    def _post(self, path: str, body: dict[str, Any], tenant: str = "default") -> dict[str, Any]:
+        response = self._http.post(
+            path, content=wire.encode(body, True), headers=self._headers.for_tenant(tenant)
+        )
+        return reply_body(response)
+
+    def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = self._http.get(path, params=params, headers=self._headers.common)
+        return reply_body(response)
+
+    # ---- the engine contract ------------------------------------------------------------
+
+    def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
+        body = self._post("/v1/lookup", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        return replies.lookup(body)
+
+    def prefetch(
+        self,
+        tokens: Tokens,
+        *,
+        tenant: str = "default",
+        ttl_s: float | None = None,
+        wait: bool = True,
+    ) -> Lease:
+        """Lease the cached prefix on the server's gpu tier. With `wait`, return it READY
+        (waiting on the server, which bounds each wait); else as it is (`wait_for`)."""
+        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens), "wait_s": 0.0}
+        if ttl_s is not None:
+            request["ttl_s"] = ttl_s
+        if wait:
+            del request["wait_s"]
+        lease = self._pools.lease(self._post("/v1/prefetch", request, tenant), self.release)
+        return self.wait_for(lease) if wait and not lease.ready() else lease
+
+    def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
+        """Wait for a pending lease on the server; the lease as it is then (READY, or ended:
+        `LeaseError` names the state; still pending after `timeout_s`: returned pending)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            body = self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": wait_s})
+            fresh = self._pools.lease(body, self.release)
+            if fresh.state is not LeaseState.PENDING:
+                fresh.wait(0)  # raises LeaseError for an ended lease
+                return fresh
+            if deadline is not None and time.monotonic() >= deadline:
+                return fresh
+
+    def release(self, lease: Lease | int) -> None:
+        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
+        tenant = lease.tenant if isinstance(lease, Lease) else "default"
+        self._post("/v1/release", {"lease_id": lease_id}, tenant)
+
+    def store(self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default") -> StoreResult:
+        if self._pools.buffers:
+            self._pools.check_kv(tokens, kv)
+            reservation = self.reserve(tokens, tenant=tenant)
+            if reservation.num_tokens and reservation.tier in self._pools.buffers:
+                try:
+                    self._pools.write_blocks(reservation, kv)
+                except Exception:
+                    self.abort(reservation)
+                    raise
+                return self.commit(reservation)
+            if reservation.num_tokens:
+                self.abort(reservation)
+        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv)}
+        return replies.stored(self._post("/v1/store", body, tenant))
+
+    def load(
+        self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
+    ) -> LoadResult:
+        if "gpu" in self._pools.buffers:
+            try:
+                lease = self.prefetch(tokens, tenant=tenant)
+            except CapacityError:
+                pass  # larger than the gpu tier can lease: through the body
+            else:
+                try:
+                    kv = self._pools.read_blocks(lease)
+                finally:
+                    self.release(lease)
+                return LoadResult(lease.num_tokens, kv.to(device or "cpu"))
+        body = self._post("/v1/load", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        return self._pools.loaded(body, device)
+
+    def reserve(
+        self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
+    ) -> Reservation:
+        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        if ttl_s is not None:
+            request["ttl_s"] = ttl_s
+        body = self._post("/v1/reserve", request, tenant)
+        return self._pools.reservation(body, request["tokens"])
+
+    def commit(self, reservation: Reservation) -> StoreResult:
+        body = {"reservation_id": reservation.reservation_id}
+        return replies.stored(self._post("/v1/commit", body, reservation.tenant))
+
+    def abort(self, reservation: Reservation) -> None:
+        self._post("/v1/abort", {"reservation_id": reservation.reservation_id}, reservation.tenant)
+
+    def status(self) -> dict[str, Any]:
+        return self._get("/v1/status")
+
+    def pool_buffer(self, tier: str) -> torch.Tensor | None:
+        """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None."""
+        return self._pools.buffers.get(tier)
+
+    def close(self) -> None:
+        self._http.close()
+        self._pools.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

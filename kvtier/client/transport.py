@@ -1,0 +1,92 @@
+"""What both clients put on the wire and read back from it, their transport aside.
+
+Requests: `RequestHeaders`, the headers of every request (msgpack bodies both ways, the API
+key as a bearer token, the tenant where no key names it). Replies: `reply_body(response)`, a
+success's decoded body, or the error the server reported raised as the store's own error type
+(`ERROR_TYPES`), else as a `ServiceError`; a body that does not decode is a `ReplyError`. What a
+body holds is checked later, field by field (`service/replies.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from kvtier.errors import (
+    CapacityError,
+    InvalidArgumentError,
+    InvalidKVError,
+    InvalidTokensError,
+    KVTierError,
+    LeaseError,
+    NotWrittenError,
+    QuotaError,
+    ReplyError,
+    StorageError,
+    UnknownTenantError,
+)
+from kvtier.service import wire
+
+ERROR_TYPES: dict[str, type[KVTierError]] = {
+    "invalid_tokens": InvalidTokensError,
+    "invalid_argument": InvalidArgumentError,
+    "invalid_kv": InvalidKVError,
+    "unknown_lease": LeaseError,
+    "unknown_tenant": UnknownTenantError,
+    "capacity": CapacityError,
+    "quota": QuotaError,
+    "not_written": NotWrittenError,
+    "storage": StorageError,
+}
+"""Error kinds raised as the store's own error types; any other kind (and any kind refused by
+the service itself: 401, 403, 413) is a `ServiceError`, "closed" and "not_ready" (503) too."""
+
+
+class ServiceError(KVTierError):
+    """A refusal of the service itself: `status` (401, 403, 413, 503, ...) and `kind`."""
+
+    def __init__(self, status: int, kind: str, detail: str) -> None:
+        super().__init__(f"{status} {kind}: {detail}")
+        self.status, self.kind, self.detail = status, kind, detail
+
+
+class RequestHeaders:
+    """The headers of a client's requests; fixed at construction."""
+
+    def __init__(self, api_key: str | None, tenant: str | None) -> None:
+        """`api_key` (None: `$KVTIER_API_KEY`) selects the tenant when the server has auth;
+        without a key, `tenant` names the tenant of every request that names none itself."""
+        key = api_key if api_key is not None else os.environ.get("KVTIER_API_KEY")
+        self.common = {"content-type": wire.MSGPACK, "accept": wire.MSGPACK}
+        if key:
+            self.common["authorization"] = f"Bearer {key}"
+        if tenant:
+            self.common["x-kvtier-tenant"] = tenant
+
+    def for_tenant(self, tenant: str) -> dict[str, str]:
+        """The headers of a call made for `tenant` ("default": the client's own); a key, when
+        there is one, decides the tenant on the server, so it is sent as is."""
+        if tenant == "default" or "authorization" in self.common:
+            return self.common
+        return {**self.common, "x-kvtier-tenant": tenant}
+
+
+def reply_body(response: httpx.Response) -> dict[str, Any]:
+    """The body of a successful response; the error it reports raised (`ERROR_TYPES`, else
+    `ServiceError`), or `ReplyError` if it is no map."""
+    if response.status_code >= 400:
+        try:
+            body = wire.decode(response.content, response.headers.get("content-type"))
+            kind, detail = str(body.get("error"))[:64], str(body.get("detail"))[:2000]
+        except wire.WireError:
+            kind, detail = "http", response.text[:200]
+        cls = ERROR_TYPES.get(kind)
+        if cls is not None and response.status_code not in (401, 403, 413):
+            raise cls(detail)
+        raise ServiceError(response.status_code, kind, detail)
+    try:
+        return wire.decode(response.content, response.headers.get("content-type"))
+    except wire.WireError as exc:
+        raise ReplyError(f"{response.request.url.path}: {exc.detail}") from None

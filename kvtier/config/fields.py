@@ -1,0 +1,125 @@
+"""The vocabulary the config sections are written in: validated field types and `Section`.
+
+Contract:
+- Every check here runs before (or instead of) pydantic's own and, on a bad value, raises
+  `InvalidValue(value, expected, key)`: the bad input as given, a phrase for what would do (it
+  becomes `ConfigError.expected`), and optionally the key below pydantic's location where the
+  fault lies. The sections' own validators raise it too; `loading.py` turns it into a
+  `ConfigError`, and nothing else reads it.
+- Types are exact: `True` is not an int and `1` is not `True`; a float is accepted only where
+  the field says number.
+- `Section` is the base of every section: frozen, strict, and closed to unknown keys (the
+  error lists the allowed ones).
+- Capacities: `MemoryCapacity` is a size or a fraction in (0, 1] (gpu, host and the per-tier
+  tenant settings); `DiskCapacity` is a size only. Both serialise back through
+  `Capacity.to_config`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PlainSerializer,
+    PlainValidator,
+    model_validator,
+)
+
+from kvtier.errors import ConfigError
+from kvtier.sizes import FRACTION_EXPECTED, Capacity
+
+_DISK_EXPECTED = "a size like '1TiB' (a fraction of free memory is for gpu and host only)"
+
+
+class InvalidValue(ValueError):
+    """Raised by validators; `key`, if set, extends pydantic's location down to the bad key."""
+
+    def __init__(self, value: object, expected: str, key: str | None = None) -> None:
+        super().__init__(expected)
+        self.value, self.expected, self.key = value, expected, key
+
+
+def rule(ok: Callable[[Any], bool], expected: str) -> BeforeValidator:
+    """A check that refuses any value for which `ok` is false, saying `expected`."""
+
+    def check(value: object) -> object:
+        if not ok(value):
+            raise InvalidValue(value, expected)
+        return value
+
+    return BeforeValidator(check)
+
+
+def int_in(low: int, high: float = math.inf) -> BeforeValidator:
+    """An int (not a bool) in [low, high]."""
+    expected = f"an integer in [{low}, {high}]" if high < math.inf else f"an integer >= {low}"
+    if low == 1 and high == math.inf:
+        expected = "a positive integer"
+    return rule(lambda v: type(v) is int and low <= v <= high, expected)
+
+
+def number_in(low: float, high: float, expected: str) -> BeforeValidator:
+    """A finite int or float in (low, high]."""
+    return rule(lambda v: type(v) in (int, float) and low < v <= high and v < math.inf, expected)
+
+
+def one_of(choices: tuple[object, ...]) -> BeforeValidator:
+    """One of `choices`, compared with its type, so that 1 is not taken for True."""
+    shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+    typed = {(type(c), c) for c in choices}
+    return rule(lambda v: (type(v), v) in typed, f"one of {shown}")
+
+
+def _capacity(value: object, expected: str) -> Capacity:
+    try:
+        return Capacity.parse(value)
+    except ConfigError:
+        raise InvalidValue(value, expected) from None
+
+
+def _disk_capacity(value: object) -> Capacity:
+    capacity = _capacity(value, _DISK_EXPECTED)
+    if capacity.fraction is not None:
+        raise InvalidValue(value, _DISK_EXPECTED)
+    return capacity
+
+
+PositiveInt = Annotated[int, int_in(1)]
+Name = Annotated[str, rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")]
+Fraction01 = Annotated[float, number_in(0.0, 1.0, "a fraction in (0, 1]")]
+MemoryCapacity = Annotated[
+    Capacity,
+    PlainValidator(lambda v: _capacity(v, FRACTION_EXPECTED)),
+    PlainSerializer(Capacity.to_config),
+]
+DiskCapacity = Annotated[
+    Capacity, PlainValidator(_disk_capacity), PlainSerializer(Capacity.to_config)
+]
+KeyRef = Annotated[
+    str,
+    rule(
+        lambda v: isinstance(v, str) and (len(v) >= 16 or v.startswith("env:")),
+        "an API key of at least 16 characters, or 'env:NAME' to read it from $NAME",
+    ),
+]
+
+
+class Section(BaseModel):
+    """Frozen and closed to unknown keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: object) -> object:
+        if isinstance(data, Mapping):
+            for key in data:
+                if key not in cls.model_fields:
+                    allowed = ", ".join(cls.model_fields) or "none"
+                    raise InvalidValue(key, f"a known key; allowed: {allowed}", key=str(key))
+        return data

@@ -1,0 +1,148 @@
+"""Input from outside (a YAML file, a mapping) to a `KVTierConfig`, or a `ConfigError`.
+
+Contract:
+- `load_config(path)` and `parse_config(mapping)` return a `KVTierConfig` or raise `ConfigError`
+  whose `field` is the dotted path of the bad value (`tiers.gpu.capacity`), whose `value` is the
+  bad input and whose `expected` says what would do, naming the source. No pydantic, YAML or OS
+  exception escapes; only the first fault is reported.
+- YAML is read safely, and a key repeated in one mapping is an error rather than last-wins.
+- An error never shows an API key: a value under `api_keys` or `admin_key`, or one that shows
+  any of the keys given there, is replaced by `HiddenKey()`; in a YAML error, which comes
+  before the keys are known, every word as long as a key is masked in the line shown.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from kvtier.config.fields import InvalidValue
+from kvtier.config.root import KVTierConfig
+from kvtier.errors import ConfigError
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+class HiddenKey:
+    """Stands in an error for an API key's value: the error names the key's place
+    (`tenants.a.api_keys.0`) and what was expected, never the key."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HiddenKey)
+
+    def __hash__(self) -> int:
+        return hash(HiddenKey)
+
+    def __repr__(self) -> str:
+        return "<a key, not shown>"
+
+
+_PHRASES = {
+    "missing": "a value (this key is required)",
+    "model_type": "a mapping of keys",
+    "dict_type": "a mapping",
+    "string_type": "a string",
+}
+
+
+def _config_error(exc: ValidationError, source: str, keys: set[str]) -> ConfigError:
+    """The first error of `exc`, with its dotted path, input and a phrase for what would do.
+    The input is hidden when it is (or shows one of) the API keys `keys`, or sits in a key
+    field: an error names a key's place, never its value."""
+    error = exc.errors()[0]
+    path = [str(part) for part in error["loc"]]
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, InvalidValue):
+        path += [cause.key] if cause.key else []
+        value, expected = cause.value, cause.expected
+    else:
+        value = _Absent() if error["type"] == "missing" else error["input"]
+        expected = _PHRASES.get(error["type"], error["msg"])
+    if _KEY_FIELDS.intersection(path) or any(key in repr(value) for key in keys):
+        value = HiddenKey()
+    return ConfigError(".".join(path) or "<top level>", value, f"{expected} (in {source})")
+
+
+_KEY_FIELDS = frozenset({"api_keys", "admin_key"})
+
+
+def _key_values(data: object) -> set[str]:
+    """Every string (or other scalar, as text) given under a key field anywhere in `data`."""
+    found: set[str] = set()
+    seen: set[int] = set()  # YAML anchors can make a list contain itself
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Mapping):
+            for name, value in item.items():
+                if name in _KEY_FIELDS:
+                    values = value if isinstance(value, (list, tuple)) else [value]
+                    found.update(str(v) for v in values if not isinstance(v, (Mapping, list)))
+                stack.append(value)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return {key for key in found if key}
+
+
+def parse_config(mapping: object, source: str = "<dict>") -> KVTierConfig:
+    """Validate a mapping (as read from YAML or JSON). Raises `ConfigError`."""
+    if not isinstance(mapping, Mapping):
+        raise ConfigError("<top level>", mapping, f"a mapping of config sections (in {source})")
+    try:
+        return KVTierConfig.model_validate(dict(mapping))
+    except ValidationError as exc:
+        raise _config_error(exc, source, _key_values(mapping)) from None
+
+
+_WORD = r"[^\s:,'\"\[\]{}#]"
+_LONG_WORD = re.compile(rf"(?<!{_WORD}){_WORD}{{16,}}(?!{_WORD})(?!\s*:)")
+"""A value as long as an API key (16 characters or more; a mapping key, followed by `:`, is
+not one): masked in the line a YAML error shows, since the file could not be read far enough
+to know whether it is a key."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Safe YAML that refuses a key repeated in one mapping instead of keeping the last."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                problem = f"repeated key {key!r} (each key once per mapping)"
+                raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
+    """Read and validate a YAML config file. Raises `ConfigError`, never a YAML or OS error."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("<file>", source, "a readable YAML file") from exc
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line if mark is not None else 0
+        lines = text.splitlines()
+        shown = _LONG_WORD.sub("<not shown>", lines[line].strip()) if line < len(lines) else ""
+        expected = f"valid YAML: {exc.problem} at line {line + 1} of {source}"
+        raise ConfigError("<yaml>", shown, expected) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError("<yaml>", source, f"valid YAML: {exc}") from exc
+    return parse_config(data, source)

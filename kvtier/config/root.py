@@ -1,0 +1,90 @@
+"""`KVTierConfig`, the whole configuration, and the two sections that fix what a block is: the
+model whose KV is stored and the hash of the block-id chain.
+
+Contract:
+- `KVTierConfig()` is the embedded default and equals `configs/default.yaml`.
+- `model` is all-or-nothing: once given, each of its keys is required, so a new model never
+  inherits the default model's geometry. Its sizes are positive ints and
+  `1 <= block_tokens <= 4096`, so `layout` is a valid `KVLayout`.
+- The rule that spans sections lives here: a capacity in bytes holds at least one block of
+  `layout` (error at `tiers.<name>.capacity`).
+- `to_dict()` gives plain values (YAML/JSON-safe) that `parse_config` reads back equal.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Field, model_validator
+
+from kvtier.config.fields import InvalidValue, Name, PositiveInt, Section, int_in, one_of
+from kvtier.config.movement import MoverConfig, PolicyConfig
+from kvtier.config.service import ServiceConfig
+from kvtier.config.tenants import TenantConfig, Tenants
+from kvtier.config.tiers import TiersConfig
+from kvtier.layout import DTYPES, KVLayout
+from kvtier.sizes import Capacity, format_size
+
+HashAlgorithm = Literal["blake2b-128", "blake2b-256", "sha256"]
+
+
+class ModelConfig(Section):
+    """The model whose KV is stored; every key feeds `KVLayout` and is required."""
+
+    name: Name
+    num_layers: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    dtype: Annotated[str, one_of(tuple(DTYPES))]
+
+
+class HashingConfig(Section):
+    """The hash `H` of the block-id chain."""
+
+    algorithm: Annotated[HashAlgorithm, one_of(get_args(HashAlgorithm))] = "blake2b-128"
+
+
+class KVTierConfig(Section):
+    """The whole configuration; `KVTierConfig()` is `configs/default.yaml`."""
+
+    model: ModelConfig = ModelConfig(
+        name="SmolLM2-135M-Instruct", num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16"
+    )
+    block_tokens: Annotated[int, int_in(1, 4096)] = 16
+    hashing: HashingConfig = HashingConfig()
+    tiers: TiersConfig = TiersConfig()
+    policy: PolicyConfig = PolicyConfig()
+    mover: MoverConfig = MoverConfig()
+    service: ServiceConfig = ServiceConfig()
+    tenants: Tenants = Field(default_factory=lambda: {"default": TenantConfig()})
+
+    @model_validator(mode="after")
+    def _capacities_hold_a_block(self) -> KVTierConfig:
+        block_bytes = self.layout.block_bytes
+        for name in self.tier_names:
+            capacity: Capacity = getattr(self.tiers, name).capacity
+            if capacity.nbytes is not None and capacity.nbytes < block_bytes:
+                expected = f"at least one block ({format_size(block_bytes)})"
+                raise InvalidValue(capacity.to_config(), expected, key=f"tiers.{name}.capacity")
+        return self
+
+    @property
+    def layout(self) -> KVLayout:
+        m = self.model
+        return KVLayout(
+            model_name=m.name,
+            num_layers=m.num_layers,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            dtype_name=m.dtype,
+            block_tokens=self.block_tokens,
+        )
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """Configured tiers, fastest first: `("gpu", "host")` or `("gpu", "host", "disk")`."""
+        return ("gpu", "host", "disk") if self.tiers.disk is not None else ("gpu", "host")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values that `parse_config` reads back as an equal config."""
+        return self.model_dump(mode="python")

@@ -1,0 +1,60 @@
+"""The `service` section: the sidecar (`kvtier serve`) — where it listens, where it keeps its
+state, its limits, and the host names a request may use.
+
+Contract:
+- `allowed_hosts` is a tuple of lower-cased host names or IP addresses, no ports, no
+  wildcards; the bound address and loopback names are always allowed besides them.
+- `admin_key` is a literal key of at least 16 characters or `env:NAME`; errors never show it
+  (`loading.py`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated
+
+from pydantic import BeforeValidator
+
+from kvtier.config.fields import InvalidValue, KeyRef, Name, Section, int_in, number_in, one_of
+
+_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
+
+
+def _host_names(value: object) -> tuple[str, ...]:
+    """`service.allowed_hosts`: host names (or IP addresses) that a request's `Host` may name
+    besides the bound address and loopback, lower-cased; no ports, no wildcards."""
+    expected = "a list of host names or IP addresses (no port, no wildcard)"
+    if not isinstance(value, (list, tuple)):
+        raise InvalidValue(value, expected)
+    for i, name in enumerate(value):
+        if not (isinstance(name, str) and len(name) <= 253 and _is_host_name(name.lower())):
+            raise InvalidValue(
+                name, "a host name or an IP address (no port, no wildcard)", key=str(i)
+            )
+    return tuple(name.lower() for name in value)
+
+
+def _is_host_name(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return _HOST_NAME.fullmatch(name) is not None
+    return True
+
+
+class ServiceConfig(Section):
+    """The sidecar (`kvtier serve`): where it listens, where it keeps its state, its limits.
+    Auth is on when any tenant has an API key; without auth only a loopback address is served."""
+
+    host: Name = "127.0.0.1"
+    port: Annotated[int, int_in(1, 65535)] = 8750
+    state_dir: Name = "./kvtier-state"  # the server secret that keys tenant salts (0600)
+    shared_memory: Annotated[bool, one_of((True, False))] = True
+    max_tokens: Annotated[int, int_in(1, 1 << 24)] = 1 << 20
+    max_body_bytes: Annotated[int, int_in(1024)] = 1 << 30
+    prefetch_wait_s: Annotated[float, number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
+    body_timeout_s: Annotated[float, number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
+    allowed_hosts: Annotated[tuple[str, ...], BeforeValidator(_host_names)] = ()
+    admin_key: KeyRef | None = None

@@ -1,0 +1,251 @@
+"""The operator's side of a store: status, check, clear, persist, drain, evict, close, and
+looking leases and reservations up by id.
+
+`Operations` works on a store's `Parts` (`assembly.py`) under the cache's lock; `KVStore`
+forwards its operator methods here, so that the store class itself is the engine contract.
+It also owns the store's life: `close()` ends it, and every later call of either raises
+`ClosedError` (`ensure_open`). `expire()` ends the leases and reservations past their expiry,
+which every call does first.
+
+`check()` verifies DESIGN invariants 2-5 across the parts: the index's own (`RadixIndex.check`),
+the mover's and the reservation table's, each pool's, and that a pool's used slots are exactly
+its resident blocks plus the slots flights and reservations hold; that the index's lease
+records are exactly the clients' leases and the pins of flights and reservations; and that every
+live lease's block table names the gpu slots (or, pending, the slots in flight) of its blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.assembly import Parts
+from kvtier.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    InvariantError,
+    LeaseError,
+    StorageError,
+)
+from kvtier.hashing import BlockId
+from kvtier.index import BlockRef, LeaseId
+from kvtier.index.node import Node
+from kvtier.results import Lease, Reservation
+from kvtier.status import store_status, tenant_status
+from kvtier.tiers.base import DISK, GPU
+from kvtier.transfer.persist import persist
+
+
+class Operations:
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        self.lock = parts.state.lock
+        self.mover = parts.mover
+        self.closed = False
+
+    def ensure_open(self) -> None:
+        if self.closed:
+            raise ClosedError("the store is closed")
+
+    def namespace(self, tenant: str) -> BlockId:
+        """The namespace of configured `tenant` (`InvalidArgumentError` for another name)."""
+        self.ensure_open()
+        return self.parts.namespaces.seed(tenant)
+
+    def count(self, tenant: str, **events: int) -> None:
+        """Add `events` (operation counters, `TENANT_OPS`) to the global and `tenant`'s own."""
+        own = self.parts.tenant_counters[tenant].ops
+        ops = self.parts.state.ops
+        for name, n in events.items():
+            ops[name] += n
+            own[name] += n
+
+    def count_hits(self, tenant: str, blocks_by_tier: Sequence[int]) -> None:
+        """A lookup found `blocks_by_tier[t]` blocks whose fastest copy is in tier t."""
+        own = self.parts.tenant_counters[tenant].hits
+        for tier, count in enumerate(blocks_by_tier):
+            self.parts.state.counters[tier].hits += count
+            own[tier] += count
+
+    def expire(self) -> None:
+        self.parts.state.ops["leases_expired"] += self.mover.expire()
+        self.parts.reservations.expire()
+
+    # ---- leases and reservations by id -----------------------------------------------------
+
+    def lease(self, lease_id: int, tenant: str | None) -> Lease:
+        with self.lock:
+            self.ensure_open()
+            self.expire()
+            lease = self.mover.book.get(LeaseId(lease_id)) if type(lease_id) is int else None
+            if lease is None or (tenant is not None and lease.tenant != tenant):
+                raise LeaseError(f"lease {lease_id!r}: unknown, released or expired")
+            return lease
+
+    def reservation(self, reservation_id: int, tenant: str | None) -> Reservation:
+        with self.lock:
+            self.ensure_open()
+            self.expire()
+            return self.parts.reservations.get(reservation_id, tenant).reservation
+
+    def leases(self) -> list[Lease]:
+        with self.lock:
+            self.ensure_open()
+            self.expire()
+            return self.mover.book.leases()
+
+    # ---- operations ------------------------------------------------------------------------
+
+    def clear(self, tenant: str | None) -> int:
+        with self.lock:
+            self.ensure_open()
+            self.expire()
+            self.mover.drain()
+            seeds = self.parts.namespaces.seeds
+            namespaces = list(seeds.values()) if tenant is None else [self.namespace(tenant)]
+            return _clear(self.parts, namespaces)
+
+    def persist(self) -> int:
+        with self.lock:
+            self.ensure_open()
+            if self.parts.state.disk is None:
+                raise InvalidArgumentError("persist: this store has no disk tier (tiers.disk)")
+            self.mover.drain()  # what was stored before this call is in the index
+            self.expire()
+            return persist(self.parts.demoter, self.parts.executor)
+
+    def drain(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            self.ensure_open()
+            while True:
+                self.mover.step()
+                if not self.mover.drain(max(0.0, deadline - time.monotonic())):
+                    return False
+                self.mover.step()
+                if self.mover.idle():
+                    return True
+
+    def evict(self, tier: str, num_blocks: int) -> int:
+        names = self.parts.config.tier_names
+        if tier not in names:
+            raise InvalidArgumentError(f"tier: got {tier!r}, expected one of {names}")
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise InvalidArgumentError(f"num_blocks: got {num_blocks!r}, expected an int >= 0")
+        with self.lock:
+            self.ensure_open()
+            self.expire()
+            number = names.index(tier)
+            pool = self.parts.state.pools[number]
+            before = pool.num_free
+            self.parts.demoter.make_room(number, min(pool.num_slots, before + num_blocks))
+            return pool.num_free - before
+
+    def status(self, tenant: str | None) -> dict[str, Any]:
+        with self.lock:
+            self.ensure_open()
+            if tenant is not None:
+                namespace = self.namespace(tenant)
+                self.expire()
+                return tenant_status(self.parts, tenant, namespace)
+            self.mover.reap()
+            self.expire()
+            return store_status(self.parts)
+
+    def check(self) -> None:
+        with self.lock:
+            self.ensure_open()
+            _check(self.parts)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.mover.close()  # without the lock: the mover thread takes it to stop
+        with self.lock:
+            for pool in self.parts.state.pools:
+                pool.close()
+
+
+def _clear(parts: Parts, namespaces: Sequence[BlockId]) -> int:
+    """Drop every unheld subtree of `namespaces`; retire their disk copies durably."""
+    index, pools = parts.state.index, parts.state.pools
+    all_tiers = parts.state.all_tiers
+    dropped = 0
+    on_disk: list[int] = []
+    for namespace in namespaces:
+        root = index.root(namespace)
+        for child in list(root.children.values()) if root.children else []:
+            if any(child.locked(t) for t in all_tiers) or _below_locked(child):
+                continue
+            before = index.num_blocks
+            for tier, slot in index.drop_subtree(BlockRef(child, 0)):
+                if tier == DISK:
+                    on_disk.append(slot)
+                else:
+                    pools[tier].free([slot])
+            dropped += before - index.num_blocks
+    disk = parts.state.disk
+    left = disk.free_durably(on_disk) if disk is not None and on_disk else 0
+    if left:
+        assert disk is not None
+        raise StorageError(
+            f"clear: {dropped} blocks were dropped, but the disk refused to retire "
+            f"{left} of their {len(on_disk)} disk copies "
+            f"({disk.backoff.last_error}): up to {left} of these blocks may come "
+            "back after a restart; clear again then"
+        )
+    return dropped
+
+
+def _below_locked(node: Node) -> bool:
+    """Whether anything below `node` is locked in some tier."""
+    stack = list(node.children.values()) if node.children else []
+    while stack:
+        child = stack.pop()
+        if child.locks is not None and any(child.locks):
+            return True
+        stack.extend(child.children.values() if child.children else ())
+    return False
+
+
+def _check(parts: Parts) -> None:
+    """The module doc's invariants; `InvariantError` naming the first that fails."""
+    index, mover, reservations = parts.state.index, parts.mover, parts.reservations
+    index.check()
+    mover.check()
+    reservations.check()  # its slots allocated, once each: then the sums below
+    for tier, pool in enumerate(parts.state.pools):
+        pool.check()
+        in_index = index.resident(tier)
+        reserved = mover.reserved(tier) + reservations.held(tier)
+        if pool.num_used != in_index + reserved:
+            raise InvariantError(
+                f"{pool.name}: {pool.num_used} slots in use but {in_index} blocks "
+                f"resident in the index and {reserved} held by flights and reservations "
+                f"(live or quarantined) "
+                f"({pool.used_bytes} bytes vs "
+                f"{(in_index + reserved) * pool.layout.block_bytes})"
+            )
+    leases = mover.book.ids()
+    pins = mover.flights.pin_ids() | reservations.pins()
+    indexed = {r.lease_id for r in index.leases}
+    if leases | pins != indexed:
+        raise InvariantError(
+            f"leases: store has {sorted(leases)} and pins {sorted(pins)}, index {sorted(indexed)}"
+        )
+    for lease in mover.book.leases():
+        record = index.leases.get(LeaseId(lease.lease_id))
+        now = tuple(
+            ref.node.slots[GPU][ref.i]
+            if ref.node.slots[GPU][ref.i] is not None or lease.ready()
+            else mover.prefetcher.gpu_slot_in_flight(index.block_id(ref))
+            for ref in index.blocks(record.end)
+        )
+        if now != lease.block_table:
+            raise InvariantError(
+                f"lease {lease.lease_id} ({lease.state.value}): block table "
+                f"{lease.block_table} but gpu slots (or slots in flight) are now {now}"
+            )

@@ -1,0 +1,237 @@
+"""Background work: watermark demotion and disk inserts, as flights.
+
+Contract:
+- **Watermark demotion** (`keep_watermarks`): when a memory tier's use, less what its flights
+  will free (`pressure`), passes its high watermark, its least-recently-used leaves are acted on
+  as `copydown.decide` says, the copies down going in `DemotionFlight`s of up to `BATCH` blocks
+  of one node, freed once the copy is in, down to the low watermark. Only where a lower tier
+  exists: the lowest memory tier drops leaves only on demand. At most `MAX_DEMOTIONS` demotion
+  flights per tier are in flight. A disk that refuses writes (`backoff.py`) pauses it. This is
+  the mover's own work: fair shares leave it only blocks above floors.
+- **Disk inserts** (`insert_on_disk`): new blocks below a prefix that lives only on disk are
+  written in an `InsertFlight` (room for them checked in every tier before anything moves);
+  they enter the index once durable. This is the one route for such blocks: in the background
+  they are staged in host slots first (the caller may reuse its tensor), inline the flight runs
+  in the call and reads the caller's blocks where they are (`tiers/staging.py`).
+Thread: every method runs under the cache's lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.hashing import BlockId
+from kvtier.index import BlockRef, Match
+from kvtier.tiers.base import DISK, HOST
+from kvtier.tiers.disk import BlockMeta, DiskTier
+from kvtier.tiers.pool import SlotPool
+from kvtier.tiers.staging import StagedBlocks
+from kvtier.transfer.copy import Transfer
+from kvtier.transfer.copydown import Action, decide, plan_copy_down, record_copies
+from kvtier.transfer.demotion import Demoter
+from kvtier.transfer.flights import DemotionFlight, FlightRunner, Flights, InsertFlight
+
+BATCH = 32
+"""Blocks per demotion flight (one group commit when the lower tier is disk)."""
+
+MAX_DEMOTIONS = 8
+"""Demotion flights in flight per tier: enough to keep a path busy, few enough that the cache's
+lock is never held long to plan them."""
+
+
+@dataclass(frozen=True)
+class BackgroundSettings:
+    watermarks: Sequence[tuple[float, float]]  # (high, low) of each memory tier
+    admission: Sequence[int]  # hits a block needs to be copied into tier t
+    background: bool  # inserts are staged in host slots, land after their call returned, and
+    # are counted as stored then
+
+
+class Background:
+    def __init__(
+        self, demoter: Demoter, flights: Flights, runner: FlightRunner, settings: BackgroundSettings
+    ) -> None:
+        self.state = demoter.state
+        self.index = demoter.state.index
+        self.pools = demoter.state.pools
+        self.demoter = demoter
+        self.flights = flights
+        self.runner = runner
+        self.watermarks = list(settings.watermarks)
+        self.admission = list(settings.admission)
+        self.stage_inserts = self.count_inserts = settings.background
+        self._pending_free = [0] * len(self.pools)  # slots demotion flights will free
+        self._demoting = [0] * len(self.pools)  # demotion flights in flight per source tier
+        self.stats = dict.fromkeys(("demote_flights", "insert_flights", "failed_blocks"), 0)
+
+    # ---- watermark demotion ----------------------------------------------------------------
+
+    def pressure(self, tier: int) -> int:
+        """Slots of `tier` in use, less those that demotion flights will free."""
+        return self.pools[tier].num_used - self._pending_free[tier]
+
+    def keep_watermarks(self) -> None:
+        for tier in range(len(self.watermarks)):
+            if tier + 1 < len(self.pools):
+                self._demote_over_watermark(tier)
+
+    def _demote_over_watermark(self, tier: int) -> None:
+        pool = self.pools[tier]
+        high, low = self.watermarks[tier]
+        if self.pressure(tier) <= high * pool.num_slots:
+            return
+        goal = int(low * pool.num_slots)
+        lower = tier + 1
+        for ref in self.index.victims(tier):
+            if self.pressure(tier) <= goal or self._demoting[tier] >= MAX_DEMOTIONS:
+                return
+            action = decide(self.state, ref, tier, self.admission)
+            if action is Action.CLEAR:
+                self.pools[tier].free([self.index.clear_slot(ref, tier)])
+                self.state.counters[tier].demotions += 1
+            elif action is Action.DROP:
+                for t, slot in self.index.drop(ref):
+                    self.pools[t].free([slot])
+                self.state.counters[tier].evictions += 1
+            elif action is Action.COPY:
+                target = self.pools[lower]
+                if isinstance(target, DiskTier) and not target.accepting_writes():
+                    return  # the disk refused writes: try again when its backoff ends
+                self._plan_demotion(ref, tier, lower)
+
+    def _plan_demotion(self, ref: BlockRef, tier: int, lower: int) -> None:
+        node, i = ref
+        first = node.depth[tier - 1] if tier else 0  # where this node's tier-run starts
+        batch = [
+            j
+            for j in range(max(first, i - BATCH + 1), i + 1)
+            if node.slots[lower][j] is None and node.slots[tier][j] is not None
+        ]
+        target = self.pools[lower]
+        if target.num_free < len(batch) and not self.demoter.make_room(lower, len(batch)):
+            batch = batch[len(batch) - target.num_free :] if target.num_free else []
+        if not batch:
+            return
+        offset = sum(n.size for n in self.index.path(node)[:-1])
+        copy = plan_copy_down(self.state, [BlockRef(node, j) for j in batch], tier, lower)
+        flight = DemotionFlight(
+            pin=self.index.leases.acquire(node, (tier,), math.inf, 0, resident=False),
+            positions=[offset + j for j in batch],
+            dst={lower: copy.dst},
+            copy=copy,
+        )
+        self._pending_free[tier] += len(batch)
+        self._demoting[tier] += 1
+        self.flights.add(flight)
+        self.stats["demote_flights"] += 1
+        self.runner.launch(flight, copy.transfer)
+
+    def publish_demotion(self, flight: DemotionFlight) -> None:
+        """The lower copies that landed enter the index; then the source copies are freed
+        (last block first, each then a leaf of its tier) unless leased or needed by closure."""
+        refs = self.index.refs_at(flight.pin.end, flight.positions)
+        src, lower = flight.copy.tier, flight.copy.lower
+        flight.dst.pop(lower)
+        ok = flight.ok if len(flight.ok) == len(refs) else [False] * len(refs)
+        record_copies(self.state, flight.copy, refs, ok)
+        lost = ok.count(False)
+        self.stats["failed_blocks"] += lost
+        if lost and not flight.failed:
+            flight.failed = f"{lost} of {len(ok)} copies to {self.pools[lower].name} failed"
+        self.index.leases.release(flight.pin.lease_id)
+        self._pending_free[src] -= len(refs)
+        self._demoting[src] -= 1
+        for ref in reversed(refs):
+            node, i = ref
+            if (
+                node.slots[src][i] is not None
+                and not node.locked(src)
+                and self.index.can_clear(ref, src)
+            ):
+                self.pools[src].free([self.index.clear_slot(ref, src)])
+                self.state.counters[src].demotions += 1
+
+    # ---- inserts below a disk-only prefix --------------------------------------------------
+
+    def insert_on_disk(
+        self, match: Match, key: bytes, blocks: torch.Tensor, namespace: BlockId, tenant: str
+    ) -> InsertFlight | None:
+        """Stage new blocks that extend a disk-only prefix in host slots and write them to disk
+        in an insert flight, and return it; None (and nothing moved) when host or disk has no
+        room for them."""
+        count = len(blocks)
+        host, disk = self.state.host, self.state.disk
+        assert disk is not None
+        # the pin keeps room-making off the prefix these blocks extend
+        pin = self.index.leases.acquire(match.end, (DISK,), math.inf, 0, resident=False)
+        needs = {HOST: count, DISK: count} if self.stage_inserts else {DISK: count}
+        if not self.demoter.room(needs, bytes(namespace)):
+            self.index.leases.release(pin.lease_id)
+            return None
+        kb, ds = self.index.key_nbytes, self.index.digest_size
+        start = match.num_blocks
+        new_key = key[start * kb : (start + count) * kb]
+        parent = match.end.ids[-ds:]
+        ids = self.index.hasher.chain(parent, new_key, kb)
+        metas = tuple(
+            BlockMeta(
+                ids[i * ds : (i + 1) * ds],
+                ids[(i - 1) * ds : i * ds] if i else parent,
+                namespace,
+                tenant,
+                new_key[i * kb : (i + 1) * kb],
+            )
+            for i in range(count)
+        )
+        source: SlotPool = host
+        if self.stage_inserts:  # the caller may reuse `blocks` once its call returns
+            stage = host.allocate(count)
+            host.write(stage, blocks)
+        else:  # the call waits for the write: read the caller's blocks where they are
+            source, stage = StagedBlocks(host.layout, blocks), list(range(count))
+        dst = disk.allocate(count)
+        flight = InsertFlight(
+            pin=pin,
+            positions=[],
+            dst={HOST: stage, DISK: dst} if self.stage_inserts else {DISK: dst},
+            namespace=bytes(namespace),
+            key=key[: (start + count) * kb],
+            first_block=start,
+            write=Transfer(source, tuple(stage), disk, tuple(dst), metas),
+        )
+        self.flights.add(flight)
+        self.stats["insert_flights"] += 1
+        self.runner.launch(flight, flight.write)
+        return flight
+
+    def publish_insert(self, flight: InsertFlight) -> None:
+        """The leading blocks that became durable enter the index (those someone stored
+        meanwhile excepted); every other disk slot and the staging slots are freed."""
+        slots = flight.dst.pop(DISK)
+        self.state.free(HOST, flight.dst.pop(HOST, []))
+        self.index.leases.release(flight.pin.lease_id)
+        ok = flight.ok if len(flight.ok) == len(slots) else [False] * len(slots)
+        good = ok.index(False) if False in ok else len(ok)
+        kb = self.index.key_nbytes
+        start = flight.first_block
+        match = self.index.match(BlockId(flight.namespace), flight.key[: (start + good) * kb])
+        keep = 0
+        if start <= match.num_blocks < start + good:
+            keep = start + good - match.num_blocks
+            first = match.num_blocks - start
+            self.index.insert(
+                match, flight.key[: (start + good) * kb], {DISK: slots[first : first + keep]}
+            )
+            slots = slots[:first] + slots[first + keep :]
+        self.state.free(DISK, slots)
+        flight.kept = keep
+        if self.count_inserts:
+            self.state.ops["stored_tokens"] += keep * self.index.block_tokens
+        lost = len(ok) - good
+        if lost:
+            self.stats["failed_blocks"] += lost
+            flight.failed = flight.failed or f"{lost} of {len(ok)} disk writes failed"

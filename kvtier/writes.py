@@ -1,0 +1,241 @@
+"""The write path: where new blocks go, and how they enter the index.
+
+Contract:
+- Placement (`place`): new blocks go to the fastest tier that prefix closure allows (gpu,
+  unless the cached prefix before them has left the gpu) and that can make room for all of them
+  (`Demoter.room`: checked before anything moves), plus host under `write_through`. None when
+  no tier can: nothing moved. Room is made for the namespace of the prefix (fair shares). For a
+  reservation, the slots count against the reserver's quota (`QuotaError`, nothing moved, when
+  the tier it would take is full to it; a write_through host copy over its host quota is left
+  out).
+- `store_new`: the new full blocks of a call, written into their slots and inserted (DESIGN
+  invariant 1: the index learns of them once written). Below a prefix that lives only on disk
+  they take the one disk route, an insert flight (`transfer/background.py`): landed before the
+  call returns with an inline mover, pending behind it with a background one.
+- `publish_reserved`: a committed reservation's blocks enter the index (under write_through
+  the host copy is made first, from the written slots); blocks someone stored meanwhile are
+  skipped and their slots freed.
+- `copy_hot_to_host`: under the `selective` policy, a gpu block hit often enough gets its host
+  copy now, so that its demotion later costs no copy and no drop.
+- `after_write`: the watermarks are kept (the mover's thread in the background; inline, now).
+Thread: every method runs under the cache's lock.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtier.errors import QuotaError
+from kvtier.hashing import BlockId
+from kvtier.index import Match
+from kvtier.index.node import Node
+from kvtier.kvdata import to_blocks
+from kvtier.policy import WritePolicy
+from kvtier.quotas import TenantShares
+from kvtier.reservations import ReservationTable, Reserved
+from kvtier.results import Reservation, StoreResult
+from kvtier.tiers.base import DISK, GPU, HOST
+from kvtier.transfer.copy import InlineExecutor, Transfer
+from kvtier.transfer.demotion import Demoter
+from kvtier.transfer.mover import Mover
+from kvtier.transfer.state import CacheState
+
+
+class Writes:
+    def __init__(
+        self,
+        state: CacheState,
+        demoter: Demoter,
+        mover: Mover,
+        shares: TenantShares,
+        reservations: ReservationTable,
+        policy: WritePolicy,
+        inline: InlineExecutor,
+    ) -> None:
+        self.state = state
+        self.index = state.index
+        self.demoter = demoter
+        self.mover = mover
+        self.shares = shares
+        self.reservations = reservations
+        self.policy = policy
+        self.inline = inline
+
+    def holding(self, tenant: str, namespace: BlockId, tier: int) -> int:
+        """What `tenant` holds of `tier` against its quota (`quotas.py`): its reserved slots
+        (live or in quarantine) and, on gpu, the blocks its leases and reservation pins lock."""
+        reserved = self.reservations.held(tier, tenant)
+        return reserved + self.index.leases.held_blocks(namespace) if tier == GPU else reserved
+
+    def place(
+        self, match: Match, count: int, reserver: str | None = None
+    ) -> dict[int, list[int]] | None:
+        """Slots for `count` new blocks after `match` (module doc); None when no tier can."""
+        owner = match.end.root.ids
+        first = 0 if match.end.parent is None else match.end.fastest(match.end.size - 1)
+        for tier in range(first, min(len(self.state.pools), DISK)):
+            if not self.demoter.can_make_room(tier, count, owner):
+                continue
+            if reserver is not None:
+                holding = self.holding(reserver, BlockId(owner), tier)
+                self.shares.admit(reserver, tier, holding, count, "a reservation")
+            if not self.demoter.room({tier: count}, owner):
+                continue
+            slots = {tier: self.state.pools[tier].allocate(count)}
+            copy = tier == GPU and self.policy.copy_on_store
+            if copy and reserver is not None:
+                holding = self.holding(reserver, BlockId(owner), HOST)
+                copy = self.shares.fits(reserver, HOST, holding, count)
+            if copy and self.demoter.room({HOST: count}, owner):
+                slots[HOST] = self.state.pools[HOST].allocate(count)
+            return slots
+        return None
+
+    def store_new(
+        self, namespace: BlockId, tenant: str, key: bytes, kv: torch.Tensor
+    ) -> StoreResult:
+        """`KVStore.store`'s work (module doc)."""
+        bt = self.index.block_tokens
+        match = self.index.match(namespace, key)
+        new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
+        if new_blocks <= 0:
+            return StoreResult(match.num_blocks * bt, 0, 0)
+        pin = self.index.leases.acquire(
+            match.end, self.state.all_tiers, math.inf, 0, resident=False
+        )
+        try:
+            slots = self.place(match, new_blocks)
+        finally:
+            # the pin guards the match while room is made; unpinned, a leaf grows in place
+            self.index.leases.release(pin.lease_id)
+        start = match.num_blocks * bt
+        blocks = to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
+        if slots is None and self._tail_on_disk(match):
+            taken, landed = self.mover.insert_on_disk(match, key, blocks, namespace, tenant)
+            pending = taken - landed if self.mover.background else 0
+            return StoreResult(
+                (match.num_blocks + landed) * bt,
+                landed * bt,
+                (new_blocks - landed - pending) * bt,
+                pending * bt,
+            )
+        if slots is None:
+            return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
+        memory = (self.state.gpu, self.state.host)
+        for tier, tier_slots in slots.items():
+            memory[tier].write(tier_slots, blocks)
+        self.mover.executor.mark_engine()  # CUDA: background copies of these slots wait
+        self.index.insert(match, key, slots)
+        self.after_write()
+        return StoreResult((match.num_blocks + new_blocks) * bt, new_blocks * bt, 0)
+
+    def reserve(
+        self, namespace: BlockId, tenant: str, key: bytes, expires_at: float
+    ) -> Reservation:
+        """`KVStore.reserve`'s work: a pin on the prefix (within the tenant's quota), slots
+        placed as `store` would place them, and the reservation opened in the table (canaries
+        planted); an empty reservation, nothing held, when the blocks cannot be placed."""
+        bt = self.index.block_tokens
+        match = self.index.match(namespace, key)
+        new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
+        if new_blocks > 0:  # its pin locks the prefix for the tenant: within its quota
+            locking = self.index.leases.unheld_blocks(match.end)
+            holding = self.holding(tenant, namespace, GPU)
+            self.shares.admit(tenant, GPU, holding, locking, "a reservation's prefix")
+        pin = self.index.leases.acquire(
+            match.end, self.state.all_tiers, math.inf, 0, resident=False, held=True
+        )
+        try:
+            slots = self.place(match, new_blocks, tenant) if new_blocks > 0 else None
+        except QuotaError:
+            self.index.leases.release(pin.lease_id)
+            raise
+        if slots is None:
+            self.index.leases.release(pin.lease_id)
+            return Reservation(0, tenant, match.num_blocks * bt, 0, "gpu", (), 0.0)
+        tier = min(slots)
+        reservation = Reservation(
+            0,  # the table draws the id
+            tenant,
+            match.num_blocks * bt,
+            new_blocks * bt,
+            self.state.pools[tier].name,
+            tuple(slots[tier]),
+            expires_at,
+        )
+        return self.reservations.open(reservation, namespace, key, pin.lease_id, slots)
+
+    def publish_reserved(self, entry: Reserved) -> StoreResult:
+        """A committed reservation's blocks enter the index (module doc)."""
+        namespace, key, slots = entry.namespace, entry.key, entry.slots
+        bt, kb = self.index.block_tokens, self.index.key_nbytes
+        pools = self.state.pools
+        tier = min(slots)
+        first_block = len(key) // kb - len(slots[tier])
+        for other, other_slots in slots.items():  # write_through: the host copy, now
+            if other != tier:
+                self.inline.run(
+                    Transfer(pools[tier], tuple(slots[tier]), pools[other], tuple(other_slots))
+                )
+        match = self.index.match(namespace, key)
+        skip = max(0, match.num_blocks - first_block)  # stored meanwhile by someone else
+        for t, tier_slots in slots.items():
+            self.state.free(t, tier_slots[:skip])
+        new = {t: tier_slots[skip:] for t, tier_slots in slots.items()}
+        count = len(new[tier])
+        if count:
+            self.index.insert(match, key, new)
+            self.mover.executor.mark_engine()
+        self.after_write()
+        return StoreResult((match.num_blocks + count) * bt, count * bt, 0)
+
+    def copy_hot_to_host(self, end: Node) -> None:
+        """`selective` write policy: a gpu block hit `selective_hits` times gets its host copy
+        now (one batched copy), so that its demotion later costs no copy and no drop."""
+        if self.policy.copy_on_hits is None:
+            return
+        wanted = [
+            ref
+            for ref in self.index.blocks(end)
+            if ref.node.hits >= self.policy.copy_on_hits
+            and ref.node.slots[GPU][ref.i] is not None
+            and ref.node.slots[HOST][ref.i] is None
+        ]
+        if not wanted or not self.demoter.room({HOST: len(wanted)}, end.root.ids):
+            return
+        gpu, host = self.state.gpu, self.state.host
+        dst = host.allocate(len(wanted))
+        src = tuple(_slot(ref.node.slots[GPU][ref.i]) for ref in wanted)
+        self.inline.run(Transfer(gpu, src, host, tuple(dst)))
+        for ref, slot in zip(wanted, dst, strict=True):
+            self.index.set_slot(ref, HOST, slot)
+
+    def after_write(self) -> None:
+        """Keep the memory tiers under their high watermarks: the mover's thread does it in
+        the background; inline, the demoter does it now (not the lowest tier: it drops on
+        demand only)."""
+        if self.mover.background:
+            self.mover.kick()
+            return
+        pools = self.state.pools
+        for tier, (high, low) in enumerate(self.mover.work.watermarks):
+            if tier + 1 == len(pools):
+                break
+            pool = pools[tier]
+            if pool.num_used > high * pool.num_slots:
+                self.demoter.demote_to(tier, int(low * pool.num_slots))
+
+    def _tail_on_disk(self, match: Match) -> bool:
+        end = match.end
+        return (
+            self.state.disk is not None
+            and end.parent is not None
+            and end.fastest(end.size - 1) == DISK
+        )
+
+
+def _slot(slot: int | None) -> int:
+    assert slot is not None
+    return slot
