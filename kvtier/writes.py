@@ -81,7 +81,7 @@ class Writes:
             if reserver is not None:
                 holding = self.holding(reserver, BlockId(owner), tier)
                 self.shares.admit(reserver, tier, holding, count, "a reservation")
-            if not self.demoter.room({tier: count}, owner):
+            if not self.demoter.make_room(tier, count, owner):  # checked above
                 continue
             slots = {tier: self.state.pools[tier].allocate(count)}
             copy = tier == GPU and self.policy.copy_on_store

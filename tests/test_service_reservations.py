@@ -122,7 +122,8 @@ def other_user_python() -> list[str]:
             ["useradd", "--system", "--no-create-home", OTHER_USER], capture_output=True
         )
         if made.returncode != 0:
-            pytest.skip(reason=f"useradd {OTHER_USER} failed: {made.stderr.decode(errors='replace')}")
+            why = made.stderr.decode(errors="replace")
+            pytest.skip(reason=f"useradd {OTHER_USER} failed: {why}")
     site = sysconfig.get_paths()["purelib"]
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     for python in (os.path.realpath(sys.executable), f"/usr/bin/python{version}"):
@@ -130,7 +131,7 @@ def other_user_python() -> list[str]:
         probe = subprocess.run([*prefix, "-c", "import httpx, msgpack"], capture_output=True)
         if probe.returncode == 0:
             return prefix
-    pytest.skip(reason=f"no python {version} that {OTHER_USER} may run can import httpx from {site}")
+    pytest.skip(reason=f"no python {version} that {OTHER_USER} may run can import httpx ({site})")
 
 
 def blocks_of(num_tokens: int, kv_hex: str) -> torch.Tensor:

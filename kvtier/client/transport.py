@@ -14,34 +14,15 @@ from typing import Any
 
 import httpx
 
-from kvtier.errors import (
-    CapacityError,
-    InvalidArgumentError,
-    InvalidKVError,
-    InvalidTokensError,
-    KVTierError,
-    LeaseError,
-    NotWrittenError,
-    QuotaError,
-    ReplyError,
-    StorageError,
-    UnknownTenantError,
-)
+from kvtier.errors import ClosedError, KVTierError, ReplyError
 from kvtier.service import wire
 
 ERROR_TYPES: dict[str, type[KVTierError]] = {
-    "invalid_tokens": InvalidTokensError,
-    "invalid_argument": InvalidArgumentError,
-    "invalid_kv": InvalidKVError,
-    "unknown_lease": LeaseError,
-    "unknown_tenant": UnknownTenantError,
-    "capacity": CapacityError,
-    "quota": QuotaError,
-    "not_written": NotWrittenError,
-    "storage": StorageError,
+    kind: cls for cls, (_, kind) in wire.ERRORS.items() if cls is not ClosedError
 }
-"""Error kinds raised as the store's own error types; any other kind (and any kind refused by
-the service itself: 401, 403, 413) is a `ServiceError`, "closed" and "not_ready" (503) too."""
+"""Error kinds raised as the store's own error types (the server's table, `wire.ERRORS`); any
+other kind (and any kind refused by the service itself: 401, 403, 413) is a `ServiceError`,
+"closed" and "not_ready" (503) too."""
 
 
 class ServiceError(KVTierError):

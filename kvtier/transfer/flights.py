@@ -39,6 +39,7 @@ from kvtier.tiers.base import HOST
 from kvtier.transfer.copy import Transfer
 from kvtier.transfer.copydown import CopyDown
 from kvtier.transfer.handles import Executor, TransferHandle
+from kvtier.transfer.state import CacheState
 
 
 @dataclass(eq=False, kw_only=True)
@@ -132,15 +133,15 @@ class Flights:
         """The lease ids of the flights' pins (they are leases of the index, not of clients)."""
         return {flight.pin.lease_id for flight in self.live}
 
-    def check(self, live_pins: Callable[[LeaseId], bool], tier_name: Callable[[int], str]) -> None:
+    def check(self, state: CacheState) -> None:
         owned: set[tuple[int, int]] = set()
         for flight in self.live:
-            if not live_pins(flight.pin.lease_id):
+            if flight.pin.lease_id not in state.index.leases:
                 raise InvariantError(f"{type(flight).__name__}: pin {flight.pin.lease_id} is gone")
             for tier, slots in flight.dst.items():
                 for slot in slots:
                     if (tier, slot) in owned:
-                        raise InvariantError(f"{tier_name(tier)} slot {slot}: two flights")
+                        raise InvariantError(f"{state.pools[tier].name} slot {slot}: two flights")
                     owned.add((tier, slot))
 
 

@@ -280,10 +280,7 @@ class Mover:
     def check(self) -> None:
         """Flights own their slots alone and their pins are live; the in-flight map is current;
         the lease book is consistent."""
-        self.flights.check(
-            lambda lease_id: lease_id in self.index.leases,
-            lambda tier: self.state.pools[tier].name,
-        )
+        self.flights.check(self.state)
         self.prefetcher.check()
         self.book.check()
 
