@@ -50,12 +50,13 @@ class Parts:
 
     def __init__(
         self,
-        config: KVTierConfig,
+        config: KVTierConfig | None = None,
         secret: bytes = b"",
         clock: Callable[[], float] = time.monotonic,
         executor: Executor | None = None,
         shared_memory: str | None = None,
     ) -> None:
+        config = config if config is not None else KVTierConfig()  # the embedded defaults
         if executor is not None and not config.mover.background:
             raise InvalidArgumentError(
                 "executor: given, but mover.background is false (copies run in the caller)"

@@ -79,7 +79,7 @@ class KVStore:
         shared memory (/dev/shm/<base>-<pid>-<random>-<tier>, mode 0600), which clients map.
         A construction that fails closes the tiers it made (their shared memory unlinked).
         The parts are built by `assembly.Parts`; their public names are this store's too."""
-        parts = Parts(config or KVTierConfig(), secret, clock, executor, shared_memory)
+        parts = Parts(config, secret, clock, executor, shared_memory)
         self.parts = parts
         self.config, self.layout = parts.config, parts.config.layout
         self.block_tokens, self.tier_names = self.layout.block_tokens, self.config.tier_names

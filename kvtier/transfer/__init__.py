@@ -5,6 +5,7 @@ from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.cuda import CudaExecutor
 from kvtier.transfer.handles import Executor, TransferHandle
 from kvtier.transfer.planner import BlockCopier, CopyKey, CopyPlanner
+from kvtier.transfer.stepped import SteppedExecutor
 from kvtier.transfer.threads import ThreadExecutor
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "CudaExecutor",
     "Executor",
     "InlineExecutor",
+    "SteppedExecutor",
     "ThreadExecutor",
     "Transfer",
     "TransferHandle",
