@@ -61,12 +61,18 @@ class Operations:
             ops[name] += n
             own[name] += n
 
-    def count_hits(self, tenant: str, blocks_by_tier: Sequence[int]) -> None:
-        """A lookup found `blocks_by_tier[t]` blocks whose fastest copy is in tier t."""
-        own = self.parts.tenant_counters[tenant].hits
-        for tier, count in enumerate(blocks_by_tier):
-            self.parts.state.counters[tier].hits += count
-            own[tier] += count
+    def count_lookup(self, tenant: str, tokens: int, hit: int, by_tier: Sequence[int]) -> None:
+        """A lookup of `tokens` tokens hit `hit` tokens, `by_tier[t]` blocks whose fastest copy
+        is in tier t (global and `tenant`'s counters; on every lookup, so written out)."""
+        own = self.parts.tenant_counters[tenant]
+        for ops in (self.parts.state.ops, own.ops):
+            ops["lookups"] += 1
+            ops["lookup_tokens"] += tokens
+            ops["hit_tokens"] += hit
+        counters, hits = self.parts.state.counters, own.hits
+        for tier, count in enumerate(by_tier):
+            counters[tier].hits += count
+            hits[tier] += count
 
     def expire(self) -> None:
         self.parts.state.ops["leases_expired"] += self.mover.expire()

@@ -108,13 +108,9 @@ class KVStore:
             namespace = self.operations.namespace(tenant)
             hit = self.index.lookup(namespace, key)
             bt, by_tier = self.block_tokens, hit.tier_blocks
-            self.operations.count(
-                tenant,
-                lookups=1,
-                lookup_tokens=len(key) // TOKEN_NBYTES,
-                hit_tokens=hit.num_blocks * bt,
+            self.operations.count_lookup(
+                tenant, len(key) // TOKEN_NBYTES, hit.num_blocks * bt, by_tier
             )
-            self.operations.count_hits(tenant, by_tier)
             if self.mover.lift_on_lookup and by_tier[0] < hit.num_blocks:
                 self.mover.note_lookup(namespace, key[: hit.num_blocks * self.index.key_nbytes])
             disk = by_tier[2] if len(by_tier) > 2 else 0
