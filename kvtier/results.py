@@ -82,7 +82,7 @@ class LeaseState(str, enum.Enum):
 
 
 class _Progress(Protocol):
-    """What a lease reads of a copy it waits on (a prefetch in flight, `transfer/mover.py`)."""
+    """What a lease reads of a copy it waits on (a `PrefetchFlight`, `transfer/flights.py`)."""
 
     layers_done: int
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvtier.errors import ClosedError
 from kvtier.hashing import BlockId
 from kvtier.index import Match
@@ -133,7 +135,7 @@ class Mover:
         return lease
 
     def insert_on_disk(
-        self, match: Match, key: bytes, blocks: Any, namespace: BlockId, tenant: str
+        self, match: Match, key: bytes, blocks: torch.Tensor, namespace: BlockId, tenant: str
     ) -> tuple[int, int]:
         """Write new blocks below a disk-only prefix (`background.py`): how many were taken,
         and how many of them are in the index already (all that landed, inline)."""
