@@ -35,7 +35,7 @@ from pathlib import Path
 import lz4.block  # type: ignore[import-untyped]
 import torch
 
-from kvtier.layout import KVLayout
+from kvtier.blocks import KVLayout
 from kvtier.reference import Llama, find_smollm2_gguf, load_smollm2, load_smollm2_tokenizer
 from kvtier.tiers.disk.codec import get_codec
 

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.layout import KVLayout
+from kvtier.blocks import KVLayout
 from kvtier.tiers import SlotPool
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct

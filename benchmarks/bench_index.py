@@ -30,11 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.blocks import BlockHasher, BlockId, encode_tokens
 from kvtier.config import parse_config
-from kvtier.hashing import BlockHasher, BlockId
 from kvtier.index import RadixIndex
 from kvtier.store import KVStore
-from kvtier.tokens import encode_tokens
 
 BT = 16
 PROMPT, SHARED, NUM_PREFIXES, NUM_REQUESTS = 2000, 1000, 20, 1000

@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 
 from kvtier import KVStore, parse_config
+from kvtier.blocks import KVLayout
 from kvtier.errors import CapacityError
-from kvtier.layout import KVLayout
 from kvtier.tiers import SlotPool
 from kvtier.transfer import InlineExecutor, ThreadExecutor, Transfer
 

@@ -2,7 +2,7 @@
 
 `Parts(config, ...)` makes, in dependency order: the pools (gpu, host[, disk]; in POSIX
 shared memory for a sidecar), the index, the namespaces (tenant <-> seed), the cache's shared
-state (`transfer/state.py`), fair shares, the executors (the inline one for copies made inside
+state (`transfer/shared.py`), fair shares, the executors (the inline one for copies made inside
 a call; a thread or CUDA executor for the background), the demoter, the disk reader, the
 recovered index (when there is a disk tier), the reservation table, the mover and the write
 path. Every part takes the parts it uses, never the store; `KVStore` (`store.py`) holds the
@@ -15,16 +15,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig
 from kvtier.errors import InvalidArgumentError
-from kvtier.hashing import BlockHasher
 from kvtier.index import RadixIndex
-from kvtier.namespaces import Namespaces
 from kvtier.policy import write_policy
-from kvtier.quotas import TenantShares
 from kvtier.recovery import recover
 from kvtier.reservations import ReservationTable
 from kvtier.status import TenantCounters
+from kvtier.tenancy import Namespaces, TenantShares
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
@@ -34,11 +33,10 @@ from kvtier.transfer import InlineExecutor
 from kvtier.transfer.background import BackgroundSettings
 from kvtier.transfer.copy import Ledger
 from kvtier.transfer.demotion import Demoter
-from kvtier.transfer.handles import Executor
 from kvtier.transfer.mover import Mover, MoverSettings
 from kvtier.transfer.prefetch import PrefetchSettings
 from kvtier.transfer.reads import DiskReader
-from kvtier.transfer.state import CacheState
+from kvtier.transfer.shared import CacheState, Executor
 from kvtier.transfer.threads import ThreadExecutor
 from kvtier.writes import Writes
 
@@ -82,7 +80,7 @@ class Parts:
         index = RadixIndex(config.tier_names, config.layout.block_tokens, hasher)
         self.namespaces = Namespaces(config.tenants, hasher, config.layout.fingerprint, secret)
         self.state = state = CacheState(index, pools, self.namespaces)
-        # fair shares (quotas.py): floors steer eviction, quotas bound what a tenant holds
+        # fair shares (tenancy.py): floors steer eviction, quotas bound what a tenant holds
         self.shares = TenantShares(config, [pool.num_slots for pool in pools])
         index.set_floors(self.shares.floors(self.namespaces.seeds))
         self.policy = policy = write_policy(config.policy.write, config.policy.selective_hits)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.assembly import Parts
+from kvtier.blocks import BlockId
 from kvtier.errors import (
     ClosedError,
     InvalidArgumentError,
@@ -28,7 +29,6 @@ from kvtier.errors import (
     LeaseError,
     StorageError,
 )
-from kvtier.hashing import BlockId
 from kvtier.index import BlockRef, LeaseId
 from kvtier.index.node import Node
 from kvtier.results import Lease, Reservation
@@ -134,7 +134,7 @@ class Operations:
                     return True
 
     def evict(self, tier: str, num_blocks: int) -> int:
-        names = self.parts.config.tier_names
+        names = self.parts.state.index.tiers
         if tier not in names:
             raise InvalidArgumentError(f"tier: got {tier!r}, expected one of {names}")
         if type(num_blocks) is not int or num_blocks < 0:

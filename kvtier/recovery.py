@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from kvtier.hashing import BlockId
+from kvtier.blocks import BlockId
 from kvtier.index import RadixIndex
 from kvtier.index.restore import RestoreEntry, restore_namespace
-from kvtier.namespaces import Namespaces
+from kvtier.tenancy import Namespaces
 from kvtier.tiers.base import DISK
 from kvtier.tiers.disk import DiskTier, ScannedCopy
 

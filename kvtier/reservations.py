@@ -23,7 +23,7 @@ It ends in one of three ways, and only these:
   overwrite, or to a stored block). Only a client that maps the pools (the server's Unix user)
   can do that, and `quarantine_s` (`policy.reservation_quarantine_s`) is a few lease TTLs.
 
-Ids are random (`ids.py`): a reservation id tells nothing of other callers' reservations, and
+Ids are random (`blocks.py`): a reservation id tells nothing of other callers' reservations, and
 another tenant's id is refused exactly like an id that was never issued.
 
 Accounting: `held(tier)` is the slots of `tier` that live and quarantined reservations hold;
@@ -38,10 +38,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvtier.blocks import BlockId, fresh_id
 from kvtier.canaries import Canaries
 from kvtier.errors import InvalidArgumentError, InvariantError, LeaseError, NotWrittenError
-from kvtier.hashing import BlockId
-from kvtier.ids import fresh_id
 from kvtier.index import LeaseId, LeaseTable
 from kvtier.results import Reservation
 from kvtier.tiers.pool import SlotPool

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtier.transfer.state import TENANT_OPS
+from kvtier.transfer.shared import TENANT_OPS
 
 if TYPE_CHECKING:
     from kvtier.assembly import Parts

@@ -25,7 +25,7 @@ Contract:
 - Thread-safe: one lock serialises calls; copies run outside it. Leases expire after
   `policy.lease_ttl_s` seconds of the store's clock; no call may ask for more than
   `policy.max_ttl_s`.
-- Fair shares (`quotas.py`, DESIGN invariant 9): what a tenant's leases and reservations hold
+- Fair shares (`tenancy.py`, DESIGN invariant 9): what a tenant's leases and reservations hold
   is bounded by its quota (`QuotaError` past it, nothing changed), and room made for a
   tenant's call comes from blocks above other tenants' floors, or from its own, never from
   another tenant at or under its floor. `status(tenant)` is that tenant's own figures.
@@ -33,7 +33,7 @@ Contract:
   invariant 8): `commit` refuses (`NotWrittenError`) a slot that still holds a canary planted at
   `reserve`, and an expired reservation's slots stay allocated and unread in quarantine for
   `policy.reservation_quarantine_s` before anyone else gets them (`reservations.py`).
-- Lease and reservation ids are random 63-bit numbers (`ids.py`): they count nothing and are
+- Lease and reservation ids are random 63-bit numbers (`blocks.py`): they count nothing and are
   not guessable; another tenant's id is refused exactly like one never issued.
 """
 
@@ -47,15 +47,14 @@ from typing import Any
 import torch
 
 from kvtier.assembly import Parts
+from kvtier.blocks import TOKEN_NBYTES, Tokens, check_device, check_kv, encode_tokens, from_blocks
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import InvalidArgumentError, LeaseError
 from kvtier.index import LeaseId
-from kvtier.kvdata import check_device, check_kv, from_blocks
 from kvtier.operations import Operations
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.tiers.base import GPU
-from kvtier.tokens import TOKEN_NBYTES, Tokens, encode_tokens
-from kvtier.transfer.handles import Executor
+from kvtier.transfer.shared import Executor
 
 PREFETCH_ATTEMPTS = 4
 """A waiting prefetch that meets a corrupt disk copy drops it and tries again, this often."""
@@ -148,7 +147,7 @@ class KVStore:
         visible before the commit. A reservation that cannot be placed (no room, or new blocks
         below a disk-only prefix, which need `store`) reserves nothing (`num_tokens` 0, id 0).
 
-        The id is random (`ids.py`). Before returning, a random canary word is planted in every
+        The id is random (`blocks.py`). Before returning, a random canary word is planted in every
         4 KiB page of each slot to write (`canaries.py`): `commit` refuses slots that still hold
         one, so a slot never publishes what an earlier user left there. Unclaimed reservations
         expire like leases; their slots stay allocated in quarantine for

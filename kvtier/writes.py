@@ -27,20 +27,19 @@ import math
 
 import torch
 
+from kvtier.blocks import BlockId, to_blocks
 from kvtier.errors import QuotaError
-from kvtier.hashing import BlockId
 from kvtier.index import Match
 from kvtier.index.node import Node
-from kvtier.kvdata import to_blocks
 from kvtier.policy import WritePolicy
-from kvtier.quotas import TenantShares
 from kvtier.reservations import ReservationTable, Reserved
 from kvtier.results import Reservation, StoreResult
+from kvtier.tenancy import TenantShares
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter
 from kvtier.transfer.mover import Mover
-from kvtier.transfer.state import CacheState
+from kvtier.transfer.shared import CacheState
 
 
 class Writes:
@@ -64,7 +63,7 @@ class Writes:
         self.inline = inline
 
     def holding(self, tenant: str, namespace: BlockId, tier: int) -> int:
-        """What `tenant` holds of `tier` against its quota (`quotas.py`): its reserved slots
+        """What `tenant` holds of `tier` against its quota (`tenancy.py`): its reserved slots
         (live or in quarantine) and, on gpu, the blocks its leases and reservation pins lock."""
         reserved = self.reservations.held(tier, tenant)
         return reserved + self.index.leases.held_blocks(namespace) if tier == GPU else reserved

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from kvtier.blocks import KVLayout
 from kvtier.config import KVTierConfig, parse_config
-from kvtier.layout import KVLayout
 from kvtier.results import Lease, LookupResult, StoreResult
 from kvtier.store import KVStore
 from kvtier.tiers.disk.format import BlockHeader, CorruptHeader, decode_header

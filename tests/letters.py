@@ -6,9 +6,8 @@ the blocks A and B and diverge at the third. Tiers: 0 gpu, 1 host, 2 disk.
 
 from __future__ import annotations
 
-from kvtier.hashing import BlockHasher, BlockId, tenant_salt
+from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId, encode_tokens, tenant_salt
 from kvtier.index import BlockRef, InsertResult, RadixIndex
-from kvtier.tokens import TOKEN_NBYTES, encode_tokens
 
 BT = 4
 KB = BT * TOKEN_NBYTES

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError
 from kvtier.kernels import block_copy
 from kvtier.kernels.block_copy import (
@@ -30,7 +31,6 @@ from kvtier.kernels.block_copy import (
     kernel_applies,
     kernel_available,
 )
-from kvtier.layout import KVLayout
 from kvtier.tiers import SlotPool
 from kvtier.transfer import CopyKey, CopyPlanner, InlineExecutor, Transfer
 from kvtier.transfer.planner import BlockCopier, bucket

@@ -35,8 +35,8 @@ from conftest import (
     tier,
 )
 
+from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig
-from kvtier.hashing import BlockHasher
 from kvtier.results import StoreResult
 from kvtier.store import KVStore
 from kvtier.tiers.disk import slabs as disk_slabs

@@ -28,7 +28,7 @@ from kvtier.client import Client
 from kvtier.errors import ConfigError
 from kvtier.results import LookupResult
 from kvtier.store import KVStore
-from kvtier.tiers.disk.backoff import WriteBackoff
+from kvtier.tiers.disk.slab_set import WriteBackoff
 from kvtier.tiers.disk.slabs import SUPERBLOCK
 
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}

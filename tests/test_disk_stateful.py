@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 from test_store_stateful import BT, StoreMachine, letters, tails, tokens_of
 
+from kvtier.blocks import encode_tokens
 from kvtier.store import KVStore
-from kvtier.tokens import encode_tokens
 
 DISK = 2
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.blocks import KVLayout
 from kvtier.errors import ClosedError, ConfigError, InvalidArgumentError
-from kvtier.layout import KVLayout
 from kvtier.tiers import SlotPool
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.transfer import (

@@ -9,10 +9,8 @@ import sys
 
 import pytest
 
+from kvtier.blocks import ALGORITHMS, BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.errors import ConfigError
-from kvtier.hashing import ALGORITHMS, BlockHasher, tenant_salt
-from kvtier.layout import KVLayout
-from kvtier.tokens import encode_tokens
 
 BT = 4
 BLOCK_NBYTES = BT * 4
@@ -27,9 +25,9 @@ EXPECTED_SEED = "a4f212b131ca9efb7f358010af34e5fa"
 EXPECTED_IDS = "dd98f00439700d079376766ddfb99b6cced744603f6b4970f6d12d5778dbe863"
 
 CHILD = """
-from kvtier.hashing import BlockHasher, tenant_salt
-from kvtier.layout import KVLayout
-from kvtier.tokens import encode_tokens
+from kvtier.blocks import BlockHasher, tenant_salt
+from kvtier.blocks import KVLayout
+from kvtier.blocks import encode_tokens
 layout = KVLayout("tiny", num_layers=2, num_kv_heads=2, head_dim=4, dtype_name="bfloat16",
                   block_tokens=4)
 hasher = BlockHasher()

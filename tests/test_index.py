@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from letters import DISK, GPU, HASHER, HOST, KB, NS, NS_BOB, key, new_index, put, ref
 
-from kvtier.hashing import BlockId, tenant_salt
+from kvtier.blocks import BlockId, tenant_salt
 from kvtier.index import InsertResult, PrefixHit, RadixIndex
 
 

@@ -12,10 +12,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId, encode_tokens, tenant_salt
 from kvtier.errors import LeaseError
-from kvtier.hashing import BlockHasher, BlockId, tenant_salt
 from kvtier.index import BlockRef, LeaseId, Node, PrefixHit, RadixIndex
-from kvtier.tokens import TOKEN_NBYTES, encode_tokens
 
 BT = 2
 KB = BT * TOKEN_NBYTES

@@ -263,7 +263,7 @@ def test_decode_and_extend_on_cuda_match_the_reference(dtype: torch.dtype) -> No
 
 
 def test_residency_is_read_without_the_store_lock_and_ends_at_expiry() -> None:
-    """The kernel's check reads the residency view (`transfer/residency.py`): it answers while
+    """The kernel's check reads the residency view (`transfer/leasing.py`): it answers while
     another thread holds the store's lock, and a lease past its expiry on the store's clock no
     longer covers its slots, before any store call has expired it."""
     now = [0.0]

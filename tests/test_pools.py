@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.blocks import KVLayout
 from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError
-from kvtier.layout import KVLayout
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.memory import parse_mem_available
 

@@ -14,12 +14,10 @@ import pytest
 import torch
 from conftest import hit, kv_for, same, tier
 
+from kvtier.blocks import KVLayout, fresh_id, to_blocks
 from kvtier.canaries import PAGE_BYTES, Canaries
 from kvtier.config import parse_config
 from kvtier.errors import InvariantError, LeaseError, NotWrittenError
-from kvtier.ids import fresh_id
-from kvtier.kvdata import to_blocks
-from kvtier.layout import KVLayout
 from kvtier.results import Reservation, StoreResult
 from kvtier.store import KVStore
 from kvtier.tiers.base import GPU

@@ -39,9 +39,9 @@ from service_server import (
     write_config,
 )
 
+from kvtier.blocks import from_blocks, to_blocks
 from kvtier.client import AsyncClient, Client, ServiceError
 from kvtier.errors import InvalidKVError, LeaseError
-from kvtier.kvdata import from_blocks, to_blocks
 from kvtier.results import Lease, LeaseState, LookupResult, StoreResult
 
 MAX_TOKENS = 64

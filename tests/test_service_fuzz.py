@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_server import ADMIN_KEY, Server, running, write_config
 
-from kvtier.layout import DTYPES
+from kvtier.blocks import DTYPES
 
 EXAMPLES = 40
 MAX_BODY = 64 * 1024

@@ -39,10 +39,9 @@ from service_server import (
     write_config,
 )
 
+from kvtier.blocks import fresh_id, to_blocks
 from kvtier.client import Client
 from kvtier.errors import LeaseError
-from kvtier.ids import fresh_id
-from kvtier.kvdata import to_blocks
 from kvtier.results import StoreResult
 
 KEY_A = "tenant-a-key-0123456789"

@@ -8,7 +8,7 @@ in any answer B got, and no trace of A's activity in B's status.
 
 Assertions that rest on other parts of issue 11: a blind commit answers 409 `not_written`
 (canaries, `reservations.py`); `/metrics` and `/v1/config` answer 403 to a tenant key
-(`service/app.py`). The rest is this suite's own (`quotas.py`, `index/eviction.py`,
+(`service/app.py`). The rest is this suite's own (`tenancy.py`, `index/eviction.py`,
 `status.py`).
 """
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.blocks import TOKEN_NBYTES, encode_tokens
 from kvtier.errors import InvalidTokensError
-from kvtier.tokens import TOKEN_NBYTES, encode_tokens
 
 VALUES = [0, 1, 100, 127]
 """Token ids that every integer dtype (int8 included) can hold."""

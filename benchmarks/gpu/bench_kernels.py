@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
+from kvtier.blocks import KVLayout
 from kvtier.kernels.block_copy import copy_blocks_kernel, kernel_available
-from kvtier.layout import KVLayout
 from kvtier.tiers import SlotPool
 
 MIB = 1 << 20

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from kvtier import KVStore, parse_config
-from kvtier.layout import KVLayout
+from kvtier.blocks import KVLayout
 from kvtier.tiers import SlotPool
 from kvtier.transfer import CudaExecutor, Transfer, TransferHandle, contiguous_runs
 

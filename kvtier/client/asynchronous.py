@@ -11,12 +11,12 @@ from typing import Any
 import httpx
 import torch
 
+from kvtier.blocks import Tokens
 from kvtier.client.pools import MappedPools
 from kvtier.client.transport import RequestHeaders, reply_body
 from kvtier.errors import CapacityError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies, wire
-from kvtier.tokens import Tokens
 
 
 class AsyncClient:

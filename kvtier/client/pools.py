@@ -25,12 +25,11 @@ from typing import Any
 
 import torch
 
-from kvtier.kvdata import check_kv, from_blocks, to_blocks
+from kvtier.blocks import Tokens, check_kv, from_blocks, to_blocks
 from kvtier.results import Lease, LoadResult, Reservation
 from kvtier.service import replies, wire
 from kvtier.service.cuda_ipc import import_pool
 from kvtier.tiers.shm import map_shared
-from kvtier.tokens import Tokens
 
 
 class MappedPools:

@@ -17,12 +17,12 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
+from kvtier.blocks import DTYPES, KVLayout
 from kvtier.config.fields import InvalidValue, Name, PositiveInt, Section, int_in, one_of
 from kvtier.config.movement import MoverConfig, PolicyConfig
 from kvtier.config.service import ServiceConfig
 from kvtier.config.tenants import TenantConfig, Tenants
 from kvtier.config.tiers import TiersConfig
-from kvtier.layout import DTYPES, KVLayout
 from kvtier.sizes import Capacity, format_size
 
 HashAlgorithm = Literal["blake2b-128", "blake2b-256", "sha256"]

@@ -1,4 +1,6 @@
-"""One node of the radix index: a run of consecutive blocks with no branch inside it.
+"""One node of the radix index, the references to its blocks, and reading along a path.
+
+One node of the radix index: a run of consecutive blocks with no branch inside it.
 
 A node holds `n` blocks (path compression): their token bytes `key` (n * key_nbytes), their
 ids `ids` (n * digest_size) and, per tier, a list of n slot fields. A block has a copy in tier t
@@ -24,18 +26,37 @@ and matches that walked through it (for the `selective` write policy).
 `locks[t]` counts the leases (and the store's short pins) on tier t whose prefix covers this
 node; None until the node is first locked, to keep unleased nodes small. `held` counts the locks
 taken for a tenant (its leases and reservations, not the store's own pins) that cover it: the
-tenant's quota counts the blocks of the nodes where it is > 0 (`quotas.py`).
+tenant's quota counts the blocks of the nodes where it is > 0 (`tenancy.py`).
 `root` is the namespace root the node hangs from (itself for a root), so the per-namespace
 counts that fair shares need cost O(1) per change.
 
 The root of each namespace is a node with no blocks whose `ids` holds the namespace seed, so the
 parent id of any block is `parent.ids[-digest_size:]` without a special case.
 
-Only the index writes these fields (`radix.py`, `forest.py`, `leases.py`; `restore.py` builds
+Only the index writes these fields (`radix.py`, `forest.py`; `restore.py` builds
 nodes); `index/check.py` recomputes every derived one.
+
+Small named results passed between the index and the store.
+
+Reading along a path: the nodes and blocks from a namespace root down to one node.
+
+A path is named by its last node `end` (a `Match.end`, a lease's end). Blocks on it are
+addressed by `BlockRef(node, i)` or by position, counted from the namespace root:
+
+    root - A[0 1 2] - B[3 4] - C[5 6 7]        path(C) == [A, B, C]
+                                               refs_at(C, [1, 3]) == [(A, 1), (B, 0)]
+
+Positions survive splits (a split changes nodes, never the path's blocks), which is why a
+caller that lets go of the index between two steps keeps positions rather than refs.
+Read-only, no index state: each function follows `parent` links, O(nodes on the path).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, NewType
+
+from kvtier.blocks import BlockId
 
 Slot = int | None
 
@@ -110,3 +131,79 @@ def depth_of(slots: list[list[Slot]]) -> list[int]:
         for tier in range(fastest, num_tiers):
             depth[tier] += 1
     return depth
+
+
+LeaseId = NewType("LeaseId", int)
+
+
+class PrefixHit(NamedTuple):
+    """What `RadixIndex.lookup` found: `num_blocks` cached leading blocks, split by the fastest
+    tier holding each (`tier_blocks[t]`, tiers fastest first; they sum to `num_blocks`)."""
+
+    num_blocks: int
+    tier_blocks: tuple[int, ...]
+
+
+class Match(NamedTuple):
+    """A cached prefix that ends on a node boundary: the first `num_blocks` blocks of the key,
+    held by the nodes from the namespace root down to `end` (`end` is the root when nothing
+    matched). Valid until the next change to the index; a lease on `end` keeps it."""
+
+    end: Node
+    num_blocks: int
+
+
+class BlockRef(NamedTuple):
+    """Block `i` of `node`. Valid until the next change to the index."""
+
+    node: Node
+    i: int
+
+
+class InsertResult(NamedTuple):
+    """`new_blocks` blocks were added after the match, with ids `new_ids` (concatenated)."""
+
+    new_blocks: int
+    new_ids: bytes
+    end: Node
+
+
+def path(end: Node) -> list[Node]:
+    """The nodes from the namespace root's child down to `end`, in order."""
+    nodes = []
+    node: Node | None = end
+    while node is not None and node.parent is not None:
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    return nodes
+
+
+def blocks(end: Node) -> Iterator[BlockRef]:
+    """Every block from the root down to the end of `end`, in order."""
+    for node in path(end):
+        for i in range(node.size):
+            yield BlockRef(node, i)
+
+
+def refs_at(end: Node, positions: Sequence[int]) -> list[BlockRef]:
+    """The blocks at `positions` (ascending, counted from the namespace root) along the
+    path to `end`. Positions survive splits, which change nodes but not the path."""
+    refs: list[BlockRef] = []
+    wanted = iter(positions)
+    nxt = next(wanted, None)
+    start = 0
+    for node in path(end):
+        while nxt is not None and nxt < start + node.size:
+            refs.append(BlockRef(node, nxt - start))
+            nxt = next(wanted, None)
+        start += node.size
+    assert nxt is None, f"position {nxt} is past the end of the path ({start} blocks)"
+    return refs
+
+
+def namespace_of(node: Node) -> BlockId:
+    """The namespace (seed) of the tree `node` hangs in."""
+    while node.parent is not None:
+        node = node.parent
+    return BlockId(node.ids)

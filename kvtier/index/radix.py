@@ -1,6 +1,6 @@
 """The radix index: which token prefixes are cached, as which blocks, in which tiers.
 
-Token-keyed (canonical uint32 bytes, `tokens.py`), block-granular (a key is cut into blocks of
+Token-keyed (canonical uint32 bytes, `blocks.py`), block-granular (a key is cut into blocks of
 `block_tokens`; a partial last block is never indexed), path-compressed (`node.py`). One tree
 per namespace (model geometry + tenant): tenants share no node, so no lookup can see another
 tenant's blocks (DESIGN invariant 6).
@@ -18,14 +18,14 @@ What the index does, and what it leaves to its caller (the store):
   with fair shares: a namespace at or under its floor (`set_floors`) gives blocks last.
 - `resident_in(namespace, tier)` counts a namespace's copies per tier, kept up to date by
   every change, O(1): what fair shares and a tenant's status read.
-- Leases (`leases.py`) lock prefixes so their copies are never proposed as victims.
+- Leases (`forest.py`) lock prefixes so their copies are never proposed as victims.
 
 How it is built: `RadixIndex` walks keys (`lookup`, `match`) and records copies (`set_slot`,
 `clear_slot`, `drop`) itself, since those are the hot paths, per call and per block. The rest
 lives in named parts, public for `check.py` and `restore.py`: `forest` (`forest.py`: the roots,
-node and block counts, the structural edits: grow, split, detach), `residency` (`residency.py`:
-copies per tier and per namespace, floors) and `leases` (`leases.py`); the eviction candidates
-(`eviction.CandidateSets`) are refreshed by all of them. Reading along a path is `paths.py`.
+node and block counts, the structural edits: grow, split, detach), `residency` (`eviction.py`:
+copies per tier and per namespace, floors) and `leases` (`forest.py`); the eviction candidates
+(`eviction.CandidateSets`) are refreshed by all of them. Reading along a path is `node.py`.
 
 Pure Python, no I/O, no threads, no clocks: time arrives as arguments. Not thread-safe; the
 store serialises calls.
@@ -35,15 +35,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from kvtier.hashing import BlockHasher, BlockId
-from kvtier.index import paths
-from kvtier.index.eviction import CandidateSets, victims
-from kvtier.index.forest import Forest
-from kvtier.index.leases import LeaseTable
-from kvtier.index.node import Node
-from kvtier.index.residency import Residency
-from kvtier.index.results import BlockRef, InsertResult, Match, PrefixHit
-from kvtier.tokens import TOKEN_NBYTES
+from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId
+from kvtier.index import node
+from kvtier.index.eviction import CandidateSets, Residency, victims
+from kvtier.index.forest import Forest, LeaseTable
+from kvtier.index.node import BlockRef, InsertResult, Match, Node, PrefixHit
 
 
 class RadixIndex:
@@ -170,10 +166,10 @@ class RadixIndex:
                 hi = mid - 1
         return lo
 
-    path = staticmethod(paths.path)
-    blocks = staticmethod(paths.blocks)
-    refs_at = staticmethod(paths.refs_at)
-    namespace_of = staticmethod(paths.namespace_of)
+    path = staticmethod(node.path)
+    blocks = staticmethod(node.blocks)
+    refs_at = staticmethod(node.refs_at)
+    namespace_of = staticmethod(node.namespace_of)
 
     def block_id(self, ref: BlockRef) -> BlockId:
         ds = self.digest_size

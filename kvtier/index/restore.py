@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.hashing import BlockId
+from kvtier.blocks import BlockId
 from kvtier.index.node import Node, Slot, depth_of
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ Contract:
   row) must be covered by a READY lease that is live now; else `ResidencyError` names the
   sequence, the position and the slot, and nothing is launched. A slot that was never leased,
   was released, expired, was freed or demoted, fails. Checked just before the launch in the
-  store's residency view (`transfer/residency.py`: a lookup per slot, without the store's
+  store's residency view (`transfer/leasing.py`: a lookup per slot, without the store's
   lock); the caller keeps its leases until the kernel is done (on CUDA the launch returns
   before it is).
 - Arguments: shapes, dtypes (q, k and v in the pool's dtype), devices, head counts (query heads

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.layout import KVLayout
+from kvtier.blocks import KVLayout
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """`attend(layer, q, k, v) -> [T, H * D]`: one layer's attention for new tokens (`Llama.step`)."""

@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtier.blocks import from_blocks
 from kvtier.client import Client
 from kvtier.kernels.attention import PagedAttention
 from kvtier.kernels.reference import paged_extend_reference
-from kvtier.kvdata import from_blocks
 from kvtier.results import Lease
 from kvtier.store import KVStore
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError, InvalidArgumentError
-from kvtier.hashing import BlockHasher
 from kvtier.replay.report import Latency, ReplayResult, Sizing
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
 from kvtier.store import KVStore

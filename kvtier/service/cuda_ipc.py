@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from kvtier.blocks import DTYPES
 from kvtier.errors import ReplyError
-from kvtier.layout import DTYPES
 
 IPC_HANDLE_BYTES = 64
 """sizeof(cudaIpcMemHandle_t) == sizeof(cudaIpcEventHandle_t)."""

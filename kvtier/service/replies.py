@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from kvtier.blocks import DTYPES, KVLayout
 from kvtier.errors import ReplyError
-from kvtier.layout import DTYPES, KVLayout
 from kvtier.results import (
     Lease,
     LeaseOwner,

@@ -33,6 +33,7 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 import torch
 
+from kvtier.blocks import DTYPES
 from kvtier.errors import (
     CapacityError,
     ClosedError,
@@ -46,7 +47,6 @@ from kvtier.errors import (
     StorageError,
     UnknownTenantError,
 )
-from kvtier.layout import DTYPES
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvtier.layout import KVLayout
+from kvtier.blocks import KVLayout
 
 GPU, HOST, DISK = 0, 1, 2
 """Tier indices, fastest first (DESIGN "Tier"): the index's slot fields and the store's list of

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.blocks import KVLayout
 from kvtier.errors import ConfigError
-from kvtier.layout import KVLayout
 from kvtier.tiers.pool import SlotPool
 
 _FIELD = "tiers.gpu.device"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.layout import KVLayout
+from kvtier.blocks import KVLayout
 from kvtier.tiers.pool import SlotPool
 
 

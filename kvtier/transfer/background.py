@@ -6,7 +6,7 @@ Contract:
   as `copydown.decide` says, the copies down going in `DemotionFlight`s of up to `BATCH` blocks
   of one node, freed once the copy is in, down to the low watermark. Only where a lower tier
   exists: the lowest memory tier drops leaves only on demand. At most `MAX_DEMOTIONS` demotion
-  flights per tier are in flight. A disk that refuses writes (`backoff.py`) pauses it. This is
+  flights per tier are in flight. A disk that refuses writes (`slab_set.py`) pauses it. This is
   the mover's own work: fair shares leave it only blocks above floors.
 - **Disk inserts** (`insert_on_disk`): new blocks below a prefix that lives only on disk are
   written in an `InsertFlight` (room for them checked in every tier before anything moves);
@@ -24,15 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.hashing import BlockId
+from kvtier.blocks import BlockId
 from kvtier.index import BlockRef, Match
 from kvtier.tiers.base import DISK, HOST
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.pool import SlotPool
 from kvtier.tiers.staging import StagedBlocks
 from kvtier.transfer.copy import Transfer
-from kvtier.transfer.copydown import Action, decide, plan_copy_down, record_copies
-from kvtier.transfer.demotion import Demoter
+from kvtier.transfer.demotion import Action, Demoter, decide, plan_copy_down, record_copies
 from kvtier.transfer.flights import DemotionFlight, FlightRunner, Flights, InsertFlight
 
 BATCH = 32

@@ -6,7 +6,7 @@ invariant 1: a copy becomes visible when it is complete). `run` returns, per blo
 copy is complete: memory copies always are; a disk write is complete once durable, and a disk
 read once its checksum verified. `InlineExecutor` runs a transfer to completion in the caller's
 thread, which is what the synchronous store needs. It also satisfies the `Executor` protocol
-(`handles.py`): `submit` runs the transfer at once and returns a handle that is already done.
+(`shared.py`): `submit` runs the transfer at once and returns a handle that is already done.
 `ThreadExecutor` (`threads.py`) runs the same `run` on worker threads, and `CudaExecutor`
 (`cuda.py`) runs memory copies on CUDA streams.
 
@@ -41,8 +41,8 @@ from kvtier.kernels.block_copy import contiguous_runs
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
-from kvtier.transfer.handles import Runner, TransferHandle
 from kvtier.transfer.planner import BlockCopier
+from kvtier.transfer.shared import Runner, TransferHandle
 
 RECENT_TRANSFERS = 256
 """Copies remembered per path for `recent_bandwidth`."""

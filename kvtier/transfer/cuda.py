@@ -29,7 +29,7 @@ stage disk blocks through host memory, and a thread's copy into device memory wo
 before the device has the data.
 
 Pool buffers are owned by their pools, so no `record_stream` is needed; the executor does not
-keep slots allocated (handles.py: that is the caller's part). An exception raised while the
+keep slots allocated (shared.py: that is the caller's part). An exception raised while the
 copies are enqueued is kept and reported by `result()` once the copies already enqueued have
 completed, so that a failed transfer is never done while a copy of it can still land. An
 asynchronous CUDA error (a sticky, fatal one) is raised by the `event.query()` that meets it.
@@ -58,8 +58,8 @@ from kvtier.kernels.block_copy import (
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.transfer.copy import Ledger, Transfer
-from kvtier.transfer.handles import POLL_MAX_S, Runner, TransferHandle
 from kvtier.transfer.planner import CopyKey, CopyPlanner, copy_key
+from kvtier.transfer.shared import POLL_MAX_S, Runner, TransferHandle
 from kvtier.transfer.threads import ThreadExecutor
 
 _ROUTES: dict[tuple[str, str], str] = {

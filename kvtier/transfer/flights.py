@@ -13,7 +13,7 @@ copy is visible only once complete).
     type             planned by        copies                              published as
     PrefetchFlight   prefetch.py       [disk -> host staging], then host   gpu (and host) copies;
                                        -> gpu in `groups` layer ranges     its leases turn READY
-    DemotionFlight   background.py     tier -> next tier (`copydown.py`)   the lower copies, then
+    DemotionFlight   background.py     tier -> next tier (`demotion.py`)   the lower copies, then
                                                                            the faster ones freed
     InsertFlight     background.py     host staging -> disk (new blocks    new index blocks on
                                        below a disk-only prefix)           disk
@@ -33,13 +33,12 @@ from typing import TypeVar
 
 from kvtier.errors import ClosedError, InvariantError
 from kvtier.index import LeaseId
-from kvtier.index.leases import LeaseRecord
+from kvtier.index.forest import LeaseRecord
 from kvtier.results import LeaseOwner
 from kvtier.tiers.base import HOST
 from kvtier.transfer.copy import Transfer
-from kvtier.transfer.copydown import CopyDown
-from kvtier.transfer.handles import Executor, TransferHandle
-from kvtier.transfer.state import CacheState
+from kvtier.transfer.demotion import CopyDown
+from kvtier.transfer.shared import CacheState, Executor, TransferHandle
 
 
 @dataclass(eq=False, kw_only=True)

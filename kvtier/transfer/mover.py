@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from kvtier.blocks import BlockId
 from kvtier.errors import ClosedError
-from kvtier.hashing import BlockId
 from kvtier.index import Match
 from kvtier.results import Lease
 from kvtier.tiers.base import GPU
@@ -48,10 +48,9 @@ from kvtier.transfer.flights import (
     InsertFlight,
     PrefetchFlight,
 )
-from kvtier.transfer.handles import Executor
-from kvtier.transfer.leasing import LeaseBook
+from kvtier.transfer.leasing import LeaseBook, Residency
 from kvtier.transfer.prefetch import Prefetcher, PrefetchSettings
-from kvtier.transfer.residency import Residency
+from kvtier.transfer.shared import Executor
 
 log = logging.getLogger("kvtier.mover")
 

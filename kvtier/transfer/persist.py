@@ -12,9 +12,8 @@ fit is left in memory and not counted as persisted.
 from __future__ import annotations
 
 from kvtier.index import BlockRef
-from kvtier.transfer.copydown import plan_copy_down, record_copies
-from kvtier.transfer.demotion import Demoter
-from kvtier.transfer.handles import Runner
+from kvtier.transfer.demotion import Demoter, plan_copy_down, record_copies
+from kvtier.transfer.shared import Runner
 
 BATCH = 64
 

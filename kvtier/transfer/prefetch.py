@@ -27,8 +27,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.blocks import BlockId
 from kvtier.errors import CapacityError, InvariantError
-from kvtier.hashing import BlockId
 from kvtier.index import BlockRef, Match
 from kvtier.index.node import Node
 from kvtier.results import Lease

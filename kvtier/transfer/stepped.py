@@ -12,7 +12,7 @@ is published to the index by the mover's thread, woken by the done callbacks: af
 for the lease or call `store.drain()` (which may plan more copies, such as demotions: step and
 drain in turn until it returns True; a drain with copies still queued waits for someone to step).
 
-Contract, besides that of `handles.py`:
+Contract, besides that of `shared.py`:
 - Nothing copies until `step` or `run_all` (or `close`); a handle stays pending until then, and
   `wait()` on it blocks until another thread steps.
 - `step(n)` is `step()` called n times, stopping when nothing is queued: each transfer runs and
@@ -34,7 +34,7 @@ from collections import deque
 
 from kvtier.errors import ClosedError, InvalidArgumentError
 from kvtier.transfer.copy import InlineExecutor, Ledger, Transfer
-from kvtier.transfer.handles import Runner, TransferHandle
+from kvtier.transfer.shared import Runner, TransferHandle
 
 
 class SteppedExecutor:

@@ -11,7 +11,7 @@ never wait behind each other; a path's workers start with its first transfer. Th
 be shared with the store's inline executor), so threads and the synchronous store move bytes
 with the same code.
 
-Contract, besides that of `handles.py`:
+Contract, besides that of `shared.py`:
 - FIFO per path: the transfers of one path complete in submission order, with any number of
   workers per path (a transfer that finishes early is published after those before it).
 - `throttle_bytes_per_s` paces every path on its own: a transfer of n bytes reserves the next
@@ -32,7 +32,7 @@ import time
 
 from kvtier.errors import ClosedError, InvalidArgumentError
 from kvtier.transfer.copy import InlineExecutor, Ledger, Transfer
-from kvtier.transfer.handles import Runner, TransferHandle
+from kvtier.transfer.shared import Runner, TransferHandle
 
 _Outcome = tuple[TransferHandle, list[bool] | None, Exception | None]
 

@@ -52,8 +52,8 @@ from dataclasses import dataclass, fields
 import msgpack  # type: ignore[import-untyped]
 import xxhash
 
+from kvtier.blocks import ALGORITHMS
 from kvtier.errors import InvalidArgumentError, KVTierError
-from kvtier.hashing import ALGORITHMS
 
 SECTOR = 4096
 MAGIC = b"KVTB"
@@ -61,7 +61,7 @@ FORMAT_VERSION = 1
 
 CHECKSUM_BYTES = 16
 LAYOUT_FINGERPRINT_BYTES = 16
-TOKEN_BYTES = 4  # uint32 little-endian, as in `tokens.py`
+TOKEN_BYTES = 4  # uint32 little-endian, as in `blocks.py`
 MAX_TENANT_CHARS = 64
 MAX_CODEC_CHARS = 8
 DIGEST_SIZES = frozenset(size for size, _ in ALGORITHMS.values())

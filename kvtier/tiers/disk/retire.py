@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvtier.tiers.disk.health import DiskHealth
 from kvtier.tiers.disk.io import aligned_buffer
-from kvtier.tiers.disk.slab_set import SlabSet
+from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
 
 
 class CopyRetirer:

@@ -10,7 +10,7 @@ Contract:
   slots, in parallel, in slot order, and changes nothing on disk; a failed read counts as
   corrupt (and in the tier's `read_errors`).
 - The copies it returns are valid headers of this layout; their payloads are checked when read
-  (`verified_reads.py`). The store rebuilds its index from them (`index/restore.py`) and hands
+  (`copies.py`). The store rebuilds its index from them (`index/restore.py`) and hands
   back the slots it keeps (`DiskTier.claim`).
 """
 
@@ -21,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.tiers.disk.format import BlockHeader, CorruptHeader, decode_header
-from kvtier.tiers.disk.health import DiskHealth
 from kvtier.tiers.disk.io import aligned_buffer
-from kvtier.tiers.disk.slab_set import SlabSet
+from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
 
 SCAN_BATCH = 1024
 

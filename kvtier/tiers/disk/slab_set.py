@@ -1,4 +1,6 @@
-"""The slab files of one disk tier seen as a single array of fixed slots, and the I/O run on them.
+"""The slab files of one disk tier seen as one array of fixed slots, and the tier's health.
+
+The slab files of one disk tier seen as a single array of fixed slots, and the I/O run on them.
 
     slot s  ->  slab s // S, byte offset (s % S) * slot_bytes        (S = slots_per_slab)
 
@@ -16,10 +18,34 @@ Contract:
 - The set neither opens nor closes anything: the tier opens the slabs and the pool and closes
   them (`DiskTier.close`).
 `direct_ready(tensor)` says whether a tensor's memory can go to O_DIRECT as it is (`io.py`).
+
+What went wrong on a disk tier so far, and whether it takes background writes now.
+
+Contract:
+- `counts` holds one counter per kind of fault (`FAULT_KINDS`): slabs cut short for lack of
+  space (`enospc`), refused copy writes, slab syncs and retires, failed reads and copies found
+  corrupt when read. `count` adds to them from any thread (copies run on mover threads beside
+  the store's calls); a counter never goes down.
+- `note_writes(results)` turns the outcome of one batch of writes into the backoff
+  (`WriteBackoff`): a refused write starts or lengthens it, a batch written whole ends it, an empty
+  batch says nothing. `accepting_writes()` is False while the backoff lasts.
+- `write_status()` reports the refused writes, the current backoff and the last refusal.
+
+Backing off a disk that refuses writes (full, read-only, failing).
+
+A refused write leaves its block where it was (in host memory), so the mover's watermark loop
+would plan the same write again at once: an idle server spun a core at ~7k refused writes a
+second. `WriteBackoff` turns refusals into waits: after a batch with a refused write (or sync,
+or retire) no background write is planned for `delay_s`, which starts at `FIRST_S` and doubles
+with every further refused batch up to `MAX_S`; the first batch that is written whole resets
+it. Callers that need a write now (a persist, a store below a disk-only prefix) still try; the
+disk tier reports the figures in its status (`backoff_s`, `last_write_error`).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -89,3 +115,85 @@ class SlabSet:
 def direct_ready(tensor: torch.Tensor) -> bool:
     """Whether a tensor's memory can be handed to O_DIRECT as it is."""
     return tensor.data_ptr() % ALIGN == 0 and tensor.numel() * tensor.element_size() % ALIGN == 0
+
+
+FIRST_S = 0.05
+MAX_S = 5.0
+
+
+class WriteBackoff:
+    """How long background writes wait after refused ones; safe to use from any thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.delay_s = 0.0  # 0 while the disk takes writes
+        self.last_error: str | None = None
+        self._until = 0.0
+
+    def refused(self, error: OSError) -> None:
+        """A batch had a refused write: wait `delay_s` (doubled, capped) before the next."""
+        with self._lock:
+            self.delay_s = min(MAX_S, self.delay_s * 2) if self.delay_s else FIRST_S
+            self._until = self._clock() + self.delay_s
+            self.last_error = f"{type(error).__name__}: {error}"
+
+    def written(self) -> None:
+        """A batch was written whole: writes go ahead at once again."""
+        with self._lock:
+            self.delay_s = 0.0
+            self._until = 0.0
+
+    def waiting(self) -> bool:
+        """Whether background writes should wait now."""
+        with self._lock:
+            return self._clock() < self._until
+
+
+FAULT_KINDS = (
+    "enospc",
+    "write_errors",
+    "sync_errors",
+    "retire_errors",
+    "read_errors",
+    "corrupt_reads",
+)
+REFUSED_WRITES = ("write_errors", "sync_errors", "retire_errors")
+
+
+class DiskHealth:
+    """The fault counters and the write backoff of one disk tier; safe from any thread."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+        self.backoff = WriteBackoff()
+        self._lock = threading.Lock()
+
+    def count(self, kind: str, n: int) -> None:
+        """Add `n` faults of `kind` (one of `FAULT_KINDS`)."""
+        with self._lock:
+            self.counts[kind] += n
+
+    def note_writes(self, results: Sequence[object]) -> None:
+        """Start (or lengthen) the backoff after a batch with a refused write (an `OSError`
+        among the I/O `results`); end it after a batch done whole; no batch, no news."""
+        error = next((r for r in results if isinstance(r, OSError)), None)
+        if error is not None:
+            self.backoff.refused(error)
+        elif results:
+            self.backoff.written()
+
+    def accepting_writes(self) -> bool:
+        """False while the tier backs off after refused writes: plan no background write."""
+        return not self.backoff.waiting()
+
+    def write_status(self) -> dict[str, object]:
+        """Refused writes (copies, syncs, retires) so far, the current backoff in seconds (0
+        while the disk takes writes) and the last refusal, for the tier's status."""
+        with self._lock:
+            refused = sum(self.counts[k] for k in REFUSED_WRITES)
+        return {
+            "refused_writes": refused,
+            "backoff_s": self.backoff.delay_s,
+            "last_write_error": self.backoff.last_error,
+        }

@@ -35,16 +35,17 @@ Contract:
 - `free` retires copies as it frees their slots (a failed retire is counted: the copy is still
   verified when read); `free_durably` also syncs them and says how many may still come back at
   the next start (a clear needs to know).
-- A refused write (copy, sync or retire) starts a backoff (`backoff.py`): `accepting_writes()`
-  is False while it lasts, and the mover plans no background write to this tier meanwhile.
+- A refused write (copy, sync or retire) starts a backoff (`slab_set.WriteBackoff`):
+  `accepting_writes()` is False while it lasts, and the mover plans no background write to this
+  tier meanwhile.
   `write_status()` reports the refused writes, the current backoff and the last error.
 The tier does not decide what to evict; the index and the demoter do.
 
 `DiskTier` is the face of the tier: it owns the directory's lock, the slab files, the I/O
 threads and the slot allocator, and hands each path to its own part over one `SlabSet`
-(`slab_set.py`: slot -> slab and offset, batch syncs): `writes.py` (group commit),
-`verified_reads.py` (checked reads), `retire.py` (zeroing freed slots' headers), `scan.py`
-(the recovery scan); `health.py` counts the faults and keeps the write backoff.
+(`slab_set.py`: slot -> slab and offset, batch syncs; `DiskHealth` there counts the faults and
+keeps the write backoff): `copies.py` (group-commit writes and checked reads), `retire.py`
+(zeroing freed slots' headers), `scan.py` (the recovery scan).
 """
 
 from __future__ import annotations
@@ -55,22 +56,20 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.blocks import KVLayout
 from kvtier.errors import ClosedError, ConfigError
-from kvtier.layout import KVLayout
 from kvtier.private_files import private_dir
 from kvtier.tiers.disk import slabs
 from kvtier.tiers.disk.codec import get_codec
+from kvtier.tiers.disk.copies import BlockMeta, BlockWriter, VerifiedReader
 from kvtier.tiers.disk.format import header_region_size, slot_size
-from kvtier.tiers.disk.health import DiskHealth
 from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct
 from kvtier.tiers.disk.lock import DirectoryLock
 from kvtier.tiers.disk.retire import CopyRetirer
 from kvtier.tiers.disk.scan import ScannedCopy, ScanReport, scan_slots
-from kvtier.tiers.disk.slab_set import SlabSet
+from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
 from kvtier.tiers.disk.slabs import check_superblock, open_slabs
-from kvtier.tiers.disk.verified_reads import VerifiedReader
-from kvtier.tiers.disk.writes import BlockMeta, BlockWriter
-from kvtier.tiers.slots import SlotAllocator
+from kvtier.tiers.pool import SlotAllocator
 
 __all__ = ["BlockMeta", "DiskTier", "ScanReport", "ScannedCopy"]
 
@@ -215,7 +214,7 @@ class DiskTier:
     ) -> list[bool]:
         """Write one copy per slot and make the batch durable; True where it is. `blocks` is a
         `[n, *block_shape]` tensor or n block tensors (e.g. views of pool slots, written in
-        place when they are page-aligned). See `writes.py`."""
+        place when they are page-aligned). See `copies.py`."""
         self._ensure_open()
         return self._writer.write_blocks(slots, blocks, metas)
 
@@ -227,7 +226,7 @@ class DiskTier:
     ) -> tuple[torch.Tensor | Sequence[torch.Tensor], list[bool]]:
         """Read and verify copies into `out` (n block tensors, e.g. pool slots; a new
         `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. A
-        destination whose copy failed holds garbage. See `verified_reads.py`."""
+        destination whose copy failed holds garbage. See `copies.py`."""
         self._ensure_open()
         return self._reader.read_blocks(slots, block_ids, out)
 
