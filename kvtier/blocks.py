@@ -164,9 +164,21 @@ def check_device(device: torch.device | str | None) -> torch.device | None:
 
 def to_blocks(kv: torch.Tensor, block_tokens: int) -> torch.Tensor:
     """`[L, 2, n*bt, H, D]` -> a `[n, L, 2, bt, H, D]` view (no copy)."""
+    return blocks_of(kv, block_tokens, 0, kv.shape[2] // block_tokens)
+
+
+def blocks_of(kv: torch.Tensor, block_tokens: int, first: int, count: int) -> torch.Tensor:
+    """Blocks `first .. first + count - 1` of `kv` `[L, 2, tokens, H, D]`, as a
+    `[count, L, 2, bt, H, D]` view (no copy), whatever `kv`'s strides: one `as_strided`, where
+    a slice, a reshape and a permute cost three torch calls on the store's path."""
     layers, two, tokens, heads, dim = kv.shape
-    n = tokens // block_tokens
-    return kv.reshape(layers, two, n, block_tokens, heads, dim).permute(2, 0, 1, 3, 4, 5)
+    assert first >= 0 and (first + count) * block_tokens <= tokens, "blocks past the end of kv"
+    s_layer, s_kv, s_token, s_head, s_dim = kv.stride()
+    return kv.as_strided(
+        (count, layers, two, block_tokens, heads, dim),
+        (s_token * block_tokens, s_layer, s_kv, s_token, s_head, s_dim),
+        kv.storage_offset() + first * block_tokens * s_token,
+    )
 
 
 def from_blocks(blocks: torch.Tensor) -> torch.Tensor:
@@ -200,7 +212,10 @@ def encode_tokens(tokens: Tokens) -> bytes:
             raise InvalidTokensError(
                 f"tokens: got a tensor of shape {tuple(tokens.shape)}, expected a 1-D tensor"
             )
-        return _encode_array(tokens.detach().cpu().numpy())
+        # an integer tensor never requires grad, so a CPU one goes to NumPy without a copy
+        return _encode_array(
+            tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()
+        )
     if isinstance(tokens, np.ndarray):
         return _encode_array(tokens)
     raise InvalidTokensError(
@@ -216,10 +231,13 @@ def _encode_array(array: np.ndarray[Any, Any]) -> bytes:
         raise InvalidTokensError(f"tokens: got an array of {array.dtype}, expected integers")
     if len(array) == 0:
         raise InvalidTokensError("tokens: got an empty array, expected at least one token")
-    if (array.dtype.itemsize > TOKEN_NBYTES and (array >> 32).any()) or (
-        kind == "i" and array.dtype.itemsize <= TOKEN_NBYTES and (array < 0).any()
-    ):
-        _raise_out_of_range(array.tolist())
+    size = array.dtype.itemsize
+    if kind == "i" or size > TOKEN_NBYTES:
+        # Read as unsigned of the same size and byte order, a negative id is at least
+        # 2**(8 * size - 1): one max() checks both ends without a temporary array.
+        limit = 2**32 if size > TOKEN_NBYTES else 2 ** (8 * size - 1)
+        if int(array.view(array.dtype.str.replace("i", "u")).max()) >= limit:
+            _raise_out_of_range(array.tolist())
     return array.astype(_LE_U32, copy=False).tobytes()
 
 
@@ -300,15 +318,19 @@ class BlockHasher:
         `len(token_bytes) // block_nbytes` ids of `digest_size` bytes each.
         """
         assert len(token_bytes) % block_nbytes == 0, "chain() takes whole blocks"
-        fresh = ALGORITHMS[self.algorithm][1]()
-        out = []
+        # The loop is inherently one hash per block; around it, NumPy cuts the blocks in one
+        # C call (a void dtype keeps every byte) and the methods are looked up once.
+        blocks = np.frombuffer(token_bytes, np.dtype((np.void, block_nbytes))).tolist()
+        fresh = ALGORITHMS[self.algorithm][1]().copy
+        out: list[bytes] = []
+        append = out.append
         prev = parent
-        for start in range(0, len(token_bytes), block_nbytes):
-            h = fresh.copy()
+        for block in blocks:
+            h = fresh()
             h.update(prev)
-            h.update(token_bytes[start : start + block_nbytes])
+            h.update(block)
             prev = h.digest()
-            out.append(prev)
+            append(prev)
         return b"".join(out)
 
     def split(self, ids: bytes) -> list[BlockId]:

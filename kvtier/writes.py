@@ -7,9 +7,11 @@ Contract:
   no tier can: nothing moved. Room is made for the namespace of the prefix (fair shares). For a
   reservation, the slots count against the reserver's quota (`QuotaError`, nothing moved, when
   the tier it would take is full to it; a write_through host copy over its host quota is left
-  out).
+  out). `take_free` is the same placement when it needs only free slots: taken at once, no
+  demoter asked, nothing moved (None when room must be made).
 - `store_new`: the new full blocks of a call, written into their slots and inserted (DESIGN
-  invariant 1: the index learns of them once written). Below a prefix that lives only on disk
+  invariant 1: the index learns of them once written). The match is pinned only while room is
+  made (`take_free` moves nothing, so it needs no pin). Below a prefix that lives only on disk
   they take the one disk route, an insert flight (`transfer/background.py`): landed before the
   call returns with an inline mover, pending behind it with a background one.
 - `publish_reserved`: a committed reservation's blocks enter the index (under write_through
@@ -27,7 +29,7 @@ import math
 
 import torch
 
-from kvtier.blocks import BlockId, to_blocks
+from kvtier.blocks import BlockId, blocks_of
 from kvtier.errors import QuotaError
 from kvtier.index import Match
 from kvtier.index.node import Node
@@ -73,8 +75,7 @@ class Writes:
     ) -> dict[int, list[int]] | None:
         """Slots for `count` new blocks after `match` (module doc); None when no tier can."""
         owner = match.end.root.ids
-        first = 0 if match.end.parent is None else match.end.fastest(match.end.size - 1)
-        for tier in range(first, min(len(self.state.pools), DISK)):
+        for tier in range(match.end.fastest_last(), min(len(self.state.pools), DISK)):
             if not self.demoter.can_make_room(tier, count, owner):
                 continue
             if reserver is not None:
@@ -101,16 +102,17 @@ class Writes:
         new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
         if new_blocks <= 0:
             return StoreResult(match.num_blocks * bt, 0, 0)
-        pin = self.index.leases.acquire(
-            match.end, self.state.all_tiers, math.inf, 0, resident=False
-        )
-        try:
-            slots = self.place(match, new_blocks)
-        finally:
-            # the pin guards the match while room is made; unpinned, a leaf grows in place
-            self.index.leases.release(pin.lease_id)
-        start = match.num_blocks * bt
-        blocks = to_blocks(kv[:, :, start : start + new_blocks * bt], bt)
+        slots = self.take_free(match, new_blocks)
+        if slots is None:  # room must be made: pin the match while blocks move
+            pin = self.index.leases.acquire(
+                match.end, self.state.all_tiers, math.inf, 0, resident=False
+            )
+            try:
+                slots = self.place(match, new_blocks)
+            finally:
+                # the pin guards the match while room is made; unpinned, a leaf grows in place
+                self.index.leases.release(pin.lease_id)
+        blocks = blocks_of(kv, bt, match.num_blocks, new_blocks)
         if slots is None and self._tail_on_disk(match):
             taken, landed = self.mover.insert_on_disk(match, key, blocks, namespace, tenant)
             pending = taken - landed if self.mover.background else 0
@@ -225,6 +227,20 @@ class Writes:
             pool = pools[tier]
             if pool.num_used > high * pool.num_slots:
                 self.demoter.demote_to(tier, int(low * pool.num_slots))
+
+    def take_free(self, match: Match, count: int) -> dict[int, list[int]] | None:
+        """`place(match, count)` when it needs only free slots (the first tier closure allows
+        has `count` free, and so has host when a store copies there): those slots, taken
+        without asking the demoter, nothing moved. None when room must be made first."""
+        pools = self.state.pools
+        tier = match.end.fastest_last()
+        if tier >= min(len(pools), DISK) or pools[tier].num_free < count:
+            return None
+        if tier != GPU or not self.policy.copy_on_store:
+            return {tier: pools[tier].allocate(count)}
+        if pools[HOST].num_free < count:
+            return None
+        return {GPU: pools[GPU].allocate(count), HOST: pools[HOST].allocate(count)}
 
     def _tail_on_disk(self, match: Match) -> bool:
         end = match.end

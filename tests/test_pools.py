@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.blocks import KVLayout
+from kvtier.blocks import KVLayout, blocks_of, to_blocks
 from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.memory import parse_mem_available
@@ -159,16 +159,26 @@ def test_with_capacity_rounds_down_to_whole_blocks() -> None:
 def test_check_detects_tampered_free_list() -> None:
     p = pool(4)
     p.allocate(2)
-    p._slots._free.append(3)
-    with pytest.raises(InvariantError, match=r"slot 3 is 2 times in the free list of 3"):
+    p.free([0])
+    p.check()
+    p._slots._freed.append(0)
+    with pytest.raises(InvariantError, match=r"slot 0 is 2 times in the free list of 4"):
         p.check()
-    p._slots._free.pop()
-    p._slots._free.append(1)  # allocated slot also in the free list
+    p._slots._freed[-1] = 1  # allocated slot also in the free list
     with pytest.raises(InvariantError, match=r"slot 1 is in the free list and marked allocated"):
         p.check()
-    p._slots._free.pop()
-    p._slots._num_used = 3
-    with pytest.raises(InvariantError, match=r"2 free \+ 2 allocated.*4 slots.*num_used 3"):
+    p._slots._freed[-1] = 3  # a fresh slot also in the freed stack
+    with pytest.raises(
+        InvariantError, match=r"holds slot 3, outside \[0, 2\).*from 2 on are fresh"
+    ):
+        p.check()
+    p._slots._freed.pop()
+    p._slots._allocated[3] = 1  # a fresh slot marked allocated
+    with pytest.raises(InvariantError, match=r"slot 3 is fresh \(never handed out\) and marked"):
+        p.check()
+    p._slots._allocated[3] = 0
+    p._slots._num_used = 2
+    with pytest.raises(InvariantError, match=r"3 free \+ 1 allocated.*4 slots.*num_used 2"):
         p.check()
 
 
@@ -230,25 +240,53 @@ def test_memory_probes_return_positive_ints() -> None:
         free_device_bytes("meta")
 
 
+class FreeList:
+    """The allocator's order, written the plain way: one free list used as a stack, filled in
+    reverse so that a fresh pool hands out 0, 1, 2, ...; `SlotAllocator` must match it."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def allocate(self, n: int) -> list[int]:
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, slots: list[int]) -> None:
+        self.free.extend(slots)
+
+    def claim(self, slots: set[int]) -> None:
+        self.free = [slot for slot in self.free if slot not in slots]
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
-def test_random_allocate_free_matches_reference_set(data: st.DataObject) -> None:
+def test_random_allocate_free_claim_matches_a_plain_free_list(data: st.DataObject) -> None:
     p = pool(8)
     reference: set[int] = set()
+    order = FreeList(8)
     for _ in range(data.draw(st.integers(0, 30), label="steps")):
-        if data.draw(st.booleans(), label="allocate?"):
+        action = data.draw(st.sampled_from(["allocate", "free", "claim"]), label="action")
+        if action == "allocate":
             n = data.draw(st.integers(0, 10), label="n")
             if n > 8 - len(reference):
                 with pytest.raises(CapacityError):
                     p.allocate(n)
             else:
                 got = p.allocate(n)
-                assert len(got) == n and len(set(got)) == n and not set(got) & reference
+                assert got == order.allocate(n)  # the same slots, in the same order
+                assert len(set(got)) == n and not set(got) & reference
                 reference |= set(got)
-        elif reference:
-            chosen = data.draw(st.sets(st.sampled_from(sorted(reference))), label="free")
-            p.free(sorted(chosen))
-            reference -= chosen
+        elif action == "free" and reference:
+            chosen = data.draw(st.permutations(sorted(reference)), label="free")
+            chosen = chosen[: data.draw(st.integers(0, len(chosen)), label="how many")]
+            p.free(chosen)
+            order.release(chosen)
+            reference -= set(chosen)
+        elif action == "claim":
+            free = sorted(set(range(8)) - reference)
+            claimed = data.draw(st.sets(st.sampled_from(free)) if free else st.just(set()))
+            p._slots.claim(claimed)  # what the disk tier's recovery calls
+            order.claim(claimed)
+            reference |= claimed
         assert {s for s in range(8) if p.is_allocated(s)} == reference
         assert (p.num_used, p.num_free, p.used_bytes) == (
             len(reference),
@@ -256,6 +294,57 @@ def test_random_allocate_free_matches_reference_set(data: st.DataObject) -> None
             len(reference) * p.layout.block_bytes,
         )
         p.check()
+
+
+def test_claim_refuses_a_taken_or_outside_slot_and_changes_nothing() -> None:
+    p = pool(4)
+    p.allocate(1)
+    for bad in ([2, 0], [2, 4]):
+        with pytest.raises(InvariantError, match=f"cannot claim slot {bad[1]}"):
+            p._slots.claim(bad)
+        assert (p.num_used, p.num_free) == (1, 3) and not p.is_allocated(2)
+    p._slots.claim([2])
+    assert p.allocate(2) == [1, 3]  # 1 was passed over by the claim, then the fresh 3
+    p.check()
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        [0, 1, 2, 3, 4],  # one run up: one slice copy
+        [4, 3, 2, 1, 0],  # down: the indexed copy
+        [2, 3, 4, 0, 1],  # two runs
+        [0, 1, 3, 2, 4],  # first and last would make a run, the middle does not
+    ],
+)
+def test_write_is_bit_exact_whatever_the_order_of_slots(order: list[int]) -> None:
+    p = pool(6)
+    assert p.allocate(5) == [0, 1, 2, 3, 4]
+    blocks = random_blocks(p.layout, 5, seed=7)
+    p.write(order, blocks)
+    for i, slot in enumerate(order):
+        assert torch.equal(bits(p.block(slot)), bits(blocks[i]))
+    p.write(tuple(order[1:4]), blocks[:3])  # a tuple, and a part of the slots
+    assert torch.equal(bits(p.read(order[1:4])), bits(blocks[:3]))
+    p.write([], blocks[:0])
+    p.check()
+
+
+def test_write_of_a_run_with_a_free_slot_raises_and_writes_nothing() -> None:
+    p = pool(6)
+    p.allocate(6)
+    before = random_blocks(p.layout, 2, seed=8)
+    p.write([1, 2], before)
+    p.free([2])
+    for run, message in (
+        ([1, 2, 3], "slot 2, it is not allocated"),
+        ([4, 5, 6], r"slot 6, outside \[0, 6\)"),
+        ([-1, 0], r"slot -1, outside \[0, 6\)"),
+    ):
+        with pytest.raises(InvariantError, match=message):
+            p.write(run, random_blocks(p.layout, len(run), seed=9))
+    assert torch.equal(bits(p.read([1])), bits(before[:1]))
+    p.check()
 
 
 @pytest.mark.gpu
@@ -275,3 +364,22 @@ def test_cuda_pool_round_trips_and_host_pool_is_pinned() -> None:
     assert free_device_bytes("cuda:0") > 0
     gpu.check()
     host.check()
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_blocks_of_kv_are_the_blocks_a_reshape_would_cut(contiguous: bool) -> None:
+    layout = tiny()
+    gen = torch.Generator().manual_seed(3)
+    # [L, 2, tokens, H, D]; the non-contiguous one is a transposed view, as engines hand over
+    base = torch.randn((2, 2, 2, 5 * 4, 4), generator=gen).to(layout.dtype)
+    kv = base.transpose(2, 3) if not contiguous else base.transpose(2, 3).contiguous()
+    whole = kv.contiguous().reshape(2, 2, 5, 4, 2, 4).permute(2, 0, 1, 3, 4, 5)
+    for first, count in ((0, 5), (1, 3), (4, 1), (2, 0)):
+        got = blocks_of(kv, 4, first, count)
+        assert got.shape == (count, *layout.block_shape)
+        assert torch.equal(bits(got), bits(whole[first : first + count]))
+    assert torch.equal(bits(to_blocks(kv, 4)), bits(whole))
+    p = pool(6)
+    slots = p.allocate(3)
+    p.write(slots, blocks_of(kv, 4, 2, 3))  # one run: the slice copy from a strided view
+    assert torch.equal(bits(p.read(slots)), bits(whole[2:5]))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -150,3 +150,26 @@ def test_other_types_are_refused_by_name(tokens: Any, kind: str) -> None:
 def test_invalid_tokens_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         encode_tokens([-1])
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64])
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_signed_arrays_are_checked_at_both_ends_in_either_byte_order(
+    dtype: Any, order: str
+) -> None:
+    kind = np.dtype(dtype).newbyteorder(order)
+    top = min(int(np.iinfo(dtype).max), 2**32 - 1)
+    assert encode_tokens(np.array([0, top], dtype=kind)) == encode_tokens([0, top])
+    lowest = int(np.iinfo(dtype).min)
+    with pytest.raises(InvalidTokensError, match=re.escape(f"tokens[1]: got {lowest}, expected")):
+        encode_tokens(np.array([0, lowest], dtype=kind))
+    with pytest.raises(InvalidTokensError, match=re.escape("tokens[0]: got -1, expected")):
+        encode_tokens(torch.from_numpy(np.array([-1, 5], dtype=dtype)))
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_wide_unsigned_arrays_stop_at_2_to_the_32(order: Literal["<", ">"]) -> None:
+    kind = np.dtype(np.uint64).newbyteorder(order)
+    assert encode_tokens(np.array([2**32 - 1], dtype=kind)) == b"\xff\xff\xff\xff"
+    with pytest.raises(InvalidTokensError, match=re.escape("tokens[1]: got 4294967296")):
+        encode_tokens(np.array([7, 2**32], dtype=kind))

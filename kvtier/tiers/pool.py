@@ -1,18 +1,4 @@
-"""Slots: the bookkeeping every tier shares, and a memory tier's pool of equal slots.
-
-`SlotAllocator`: the slot bookkeeping every tier shares (memory pools and the disk tier).
-
-Slot ids are `0 .. num_slots - 1`. A free list used as a stack plus an `allocated` bitmap:
-
-    free     = [3, 2, 1, 0]      top of the stack is the end; a fresh tier hands out 0, 1, 2, ...
-    allocate(2) -> [0, 1]        free = [3, 2]
-    free([1])                    free = [3, 2, 1]        (freed slots are reused last-in first-out)
-    allocate(1) -> [1]
-
-Contract: `allocate` and `free` are O(1) per slot and check everything before they change
-anything: an allocation beyond `num_free` raises `CapacityError`, a bad `free` (out of range,
-not allocated, repeated) raises `InvariantError` naming the slot, and in both cases nothing
-changed. `check()` verifies free list, bitmap and count against each other.
+"""Slots: a memory tier's pool of equal slots (the bookkeeping is `slots.SlotAllocator`).
 
 `SlotPool`: a tier's memory as `num_slots` equal slots of one block each.
 
@@ -21,8 +7,9 @@ The buffer is block-major and contiguous, so one slot is one block and moves as 
     buffer = [num_slots, num_layers, 2, block_tokens, num_kv_heads, head_dim]   (layout.dtype)
               ^ slot id
 
-Bookkeeping is a `SlotAllocator` (below): a free-list stack and an allocated bitmap; a fresh
-pool hands out 0, 1, 2, ... and freed slots are reused last-in first-out.
+Bookkeeping is a `SlotAllocator` (`slots.py`): a stack of freed slots over the fresh ones,
+and an allocated bitmap; a fresh pool hands out 0, 1, 2, ... and freed slots are reused
+last-in first-out.
 
 Contract:
 - `allocate` and `free` are O(1) per slot and check everything before they change anything: an
@@ -43,122 +30,20 @@ Subclasses choose the device and the memory behind the buffer (`_allocate_buffer
 
 from __future__ import annotations
 
+import array
 import contextlib
 import mmap
 import os
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError
+from kvtier.errors import ClosedError, ConfigError, InvalidKVError, InvariantError
 from kvtier.tiers.shm import SHM_DIR, create_shared
-
-
-class SlotAllocator:
-    def __init__(self, name: str, num_slots: int) -> None:
-        self.name = name
-        self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pops 0, 1, 2, ...
-        self._allocated = bytearray(num_slots)
-        self._num_used = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self._num_used
-
-    def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` free slots and return their ids; `CapacityError` (no change) if short."""
-        if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate {n} slots, expected n >= 0")
-        if n > len(self._free):
-            raise CapacityError(
-                f"{self.name}: cannot allocate {n} slots, "
-                f"only {len(self._free)} of {self.num_slots} free"
-            )
-        if n == 0:
-            return []
-        slots = self._free[-n:]
-        del self._free[-n:]
-        slots.reverse()  # the order in which popping one at a time would return them
-        for slot in slots:
-            self._allocated[slot] = 1
-        self._num_used += n
-        return slots
-
-    def free(self, slots: Sequence[int]) -> None:
-        """Return `slots`; all are validated first, so a bad call frees nothing."""
-        self.validate(slots, "free")
-        for slot in slots:
-            self._allocated[slot] = 0
-            self._free.append(slot)
-        self._num_used -= len(slots)
-
-    def claim(self, slots: Iterable[int]) -> None:
-        """Mark free slots as allocated (recovery hands back the slots it keeps)."""
-        keep = set(slots)
-        for slot in keep:
-            if not 0 <= slot < self.num_slots or self._allocated[slot]:
-                raise InvariantError(f"{self.name}: cannot claim slot {slot}")
-            self._allocated[slot] = 1
-        self._free = [slot for slot in self._free if slot not in keep]
-        self._num_used += len(keep)
-
-    def is_allocated(self, slot: int) -> bool:
-        return 0 <= slot < self.num_slots and self._allocated[slot] == 1
-
-    def validate(self, slots: Sequence[int], action: str) -> None:
-        """`InvariantError` naming the first slot that is out of range, free or repeated."""
-        seen: set[int] = set()
-        for slot in slots:
-            if not 0 <= slot < self.num_slots:
-                raise InvariantError(
-                    f"{self.name}: cannot {action} slot {slot}, outside [0, {self.num_slots})"
-                )
-            if not self._allocated[slot]:
-                raise InvariantError(
-                    f"{self.name}: cannot {action} slot {slot}, it is not allocated"
-                )
-            if slot in seen:
-                raise InvariantError(
-                    f"{self.name}: cannot {action} slot {slot}, it is repeated in the call"
-                )
-            seen.add(slot)
-
-    def check(self) -> None:
-        """Free list, bitmap and count agree; `InvariantError` with the numbers if not."""
-        seen = bytearray(self.num_slots)
-        for slot in self._free:
-            if not 0 <= slot < self.num_slots:
-                raise InvariantError(
-                    f"{self.name}: free list holds slot {slot}, outside [0, {self.num_slots})"
-                )
-            if seen[slot]:
-                raise InvariantError(
-                    f"{self.name}: slot {slot} is {self._free.count(slot)} times "
-                    f"in the free list of {len(self._free)}"
-                )
-            seen[slot] = 1
-            if self._allocated[slot]:
-                raise InvariantError(
-                    f"{self.name}: slot {slot} is in the free list and marked allocated"
-                )
-        allocated = self._allocated.count(1)
-        if len(self._free) + allocated != self.num_slots or allocated != self._num_used:
-            raise InvariantError(
-                f"{self.name}: {len(self._free)} free + {allocated} allocated in bitmap "
-                f"!= {self.num_slots} slots, or bitmap {allocated} != num_used {self._num_used}"
-            )
-
+from kvtier.tiers.slots import SlotAllocator
 
 _Pool = TypeVar("_Pool", bound="SlotPool")
 
@@ -194,7 +79,7 @@ class SlotPool:
         self.device = torch.device(device)
         self.pin_memory = pin_memory
         self._buffer: torch.Tensor | None = self._allocate_buffer()
-        # Pushed in reverse so that the stack pops 0, 1, 2, ...
+        self._block_shape, self._dtype = layout.block_shape, layout.dtype  # read by every write
         self._slots = SlotAllocator(f"pool {name!r}", num_slots)
 
     @classmethod
@@ -303,11 +188,13 @@ class SlotPool:
     def write(self, slots: Sequence[int], blocks: torch.Tensor) -> None:
         """Copy `blocks[i]` into slot `slots[i]`, in one copy; checks everything before writing.
 
-        `blocks` may live on another device; it is moved to the pool's device first.
+        `blocks` may live on another device; it is moved to the pool's device first. Slots that
+        run up one by one (what a fresh pool hands out) take one slice copy, checked in C; any
+        others one indexed copy, checked slot by slot.
         """
         self._ensure_open()
-        expected_shape = (len(slots), *self.layout.block_shape)
-        if blocks.dtype != self.layout.dtype:
+        expected_shape = (len(slots), *self._block_shape)
+        if blocks.dtype != self._dtype:
             raise InvalidKVError(
                 f"pool {self.name!r}: blocks have dtype {blocks.dtype}, "
                 f"expected {self.layout.dtype}"
@@ -317,6 +204,15 @@ class SlotPool:
                 f"pool {self.name!r}: blocks have shape {list(blocks.shape)}, "
                 f"expected {list(expected_shape)}"
             )
+        if slots:
+            start, stop = slots[0], slots[0] + len(slots)
+            if (
+                slots[-1] == stop - 1
+                and self._slots.is_allocated_run(start, stop)
+                and list(slots) == list(range(start, stop))
+            ):
+                self.buffer[start:stop].copy_(blocks)
+                return
         index = self._index(slots, "write to")
         self.buffer.index_copy_(0, index, blocks.to(self.device))
 
@@ -370,7 +266,10 @@ class SlotPool:
 
     def _index(self, slots: Sequence[int], action: str) -> torch.Tensor:
         self._validate_allocated(slots, action)
-        return torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        if not slots:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        # through an int64 array: a third of the time torch.tensor takes for a list of ints
+        return torch.frombuffer(array.array("q", slots), dtype=torch.long).to(self.device)
 
     def __repr__(self) -> str:
         return (

@@ -69,7 +69,7 @@ from kvtier.tiers.disk.retire import CopyRetirer
 from kvtier.tiers.disk.scan import ScannedCopy, ScanReport, scan_slots
 from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
 from kvtier.tiers.disk.slabs import check_superblock, open_slabs
-from kvtier.tiers.pool import SlotAllocator
+from kvtier.tiers.slots import SlotAllocator
 
 __all__ = ["BlockMeta", "DiskTier", "ScanReport", "ScannedCopy"]
 
