@@ -63,7 +63,7 @@ def test_broken_prefix_closure_is_caught() -> None:
     trunk = ref(ix, "AB").node
     trunk.slots[GPU][1] = None  # B leaves the gpu behind C's back...
     trunk.depth = [1, 2, 2]  # ...and the derived fields are "fixed up" to match
-    ix.candidates(GPU)[trunk] = None
+    ix.candidates(GPU)[trunk] = 0
     ix.residency._resident[GPU] -= 1  # fault injection into the index's counts
     expect(ix, "prefix closure broken: block 0 of Node(size=1, depth=[1, 1, 1]")
     expect(ix, "is on tier 0 below a parent block on tier 1")
@@ -100,7 +100,7 @@ def test_a_missing_or_stale_eviction_candidate_is_caught() -> None:
     ix.candidates(GPU).pop(ref(ix, "ABC").node)
     expect(ix, "gpu candidate is False, expected True")
     ix = scenario()
-    ix.candidates(GPU)[ref(ix, "AB").node] = None  # C still hangs below B on gpu
+    ix.candidates(GPU)[ref(ix, "AB").node] = 0  # C still hangs below B on gpu
     expect(ix, "gpu candidate is True, expected False")
 
 

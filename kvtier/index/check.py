@@ -11,7 +11,8 @@ Verifies DESIGN invariants 2-5 as far as the index holds them:
 5. per-tier resident counts equal a recount, and no slot holds two blocks of one tier.
 9. (what the index keeps of it) each namespace's copies per tier and its held blocks (covered
    by a tenant's leases and reservation pins) equal a recount.
-Also the derived fields (`depth`, `child_res`, eviction candidates, block and node counts).
+Also the derived fields (`depth`, `child_res`, eviction candidates and their recency queues,
+block and node counts).
 The store checks the pools' byte accounting against `resident()`.
 """
 
@@ -136,6 +137,8 @@ def check_index(index: RadixIndex) -> None:
     for tier in range(num_tiers):
         stale = [n for n in index.candidates(tier) if n.parent is None]
         _expect(not stale, f"{len(stale)} detached nodes are still {index.tiers[tier]} candidates")
+        lost = index.unqueued(tier)
+        _expect(not lost, f"{lost} {index.tiers[tier]} candidates are missing from its LRU queue")
 
 
 def _check_candidacy(index: RadixIndex, node: Node) -> None:

@@ -23,8 +23,8 @@ t: the last block of that run has no block after it, in the node or in a child, 
 copy is in t or a faster tier. Removing that block's t copy (after copying it down, or
 dropping it when t is the lowest tier) keeps prefix closure. The index keeps the candidates of
 each tier in a set (`CandidateSets`), refreshed whenever a node's residency, children or locks
-change, so a call here costs O(candidates) to heapify and O(log candidates) per victim, never a
-tree scan.
+change, and in a recency queue (`recency.py`) that keeps them in LRU order across calls, so a
+pass costs O(log candidates) per victim it offers, never O(candidates) and never a tree scan.
 
     root - A[g g g] - B[g g h]        g: fastest copy on gpu, h: on host
              \
@@ -34,6 +34,15 @@ tree scan.
 
 Recency is per node: a lookup stamps every node it walks with one tick, so the ancestors of a
 used node are at least as recent as it, and a shared trunk outlives the branches below it.
+The tier's candidates form an antichain (none hangs below another), and one tick stamps one
+path, so two candidates of a tier share a tick only when neither was used since recovery
+(`restore.py` stamps 0); those go in the order they became candidates, as `victims` always did.
+
+A pass offers a candidate's blocks as runs (`victim_runs`): `VictimRun(node, lo, hi)` says that
+the next victims are blocks hi-1, ..., lo of one node, exactly the blocks that one-at-a-time
+`victims` would offer in a row if the caller took each (the run stops where the node's rank
+would fall, or where another candidate ties with it), so a caller can free k blocks of one
+node in one edit (`RadixIndex.drop_tail`) and one copy.
 
 Fair shares (DESIGN invariant 9): with floors set (`RadixIndex.set_floors`), each candidate
 has a rank, read from its namespace's copies in the tier (`Residency.resident_in`, O(1)):
@@ -54,7 +63,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator
 
-from kvtier.index.node import BlockRef, Node
+from kvtier.index.node import BlockRef, Node, VictimRun
+from kvtier.index.recency import RecencyQueue
 
 
 class Residency:
@@ -109,18 +119,24 @@ class Residency:
 
 
 class CandidateSets:
-    """Per tier, the nodes that offer a candidate (module doc), in insertion order.
+    """Per tier, the nodes that offer a candidate (module doc), each with the stamp of its entry
+    (a counter over all tiers: a later entry has a larger stamp), and the tier's recency queue.
 
     Kept by the index: whoever changes a node's `depth`, size, `child_res` or `locks` calls
     `refresh(node)` (O(tiers)), and a node leaving the tree is `discard`ed, so that
     `of(tier)` is exactly the set the module doc defines (`check.py` recomputes it)."""
 
     def __init__(self, num_tiers: int) -> None:
-        self._sets: list[dict[Node, None]] = [{} for _ in range(num_tiers)]
+        self._sets: list[dict[Node, int]] = [{} for _ in range(num_tiers)]
+        self._queues = [RecencyQueue(members) for members in self._sets]
+        self.stamp = 0  # the last stamp given
 
-    def of(self, tier: int) -> dict[Node, None]:
-        """The candidates of `tier`; the live set, not a copy."""
+    def of(self, tier: int) -> dict[Node, int]:
+        """The candidates of `tier` and their stamps; the live set, not a copy."""
         return self._sets[tier]
+
+    def queue(self, tier: int) -> RecencyQueue:
+        return self._queues[tier]
 
     def refresh(self, node: Node) -> None:
         """Re-decide, per tier, whether `node` offers a candidate. A root never does."""
@@ -135,7 +151,10 @@ class CandidateSets:
                 and (hi < size or node.child_res[tier] == 0)
                 and not (node.locks is not None and node.locks[tier])
             ):
-                candidates[node] = None
+                if node not in candidates:
+                    self.stamp += 1
+                    candidates[node] = self.stamp
+                    self._queues[tier].add(node, self.stamp)
             else:
                 candidates.pop(node, None)
             lo = hi
@@ -147,7 +166,7 @@ class CandidateSets:
 
 
 def victims(
-    candidates: dict[Node, None], residency: Residency, tier: int, owner: bytes | None = None
+    sets: CandidateSets, residency: Residency, tier: int, owner: bytes | None = None
 ) -> Iterator[BlockRef]:
     """Yield tier-`tier` victims, by rank (module doc), least recently used first within a
     rank, one block at a time.
@@ -155,24 +174,71 @@ def victims(
     After each yield the caller either removes the block's `tier` copy (`clear_slot` or
     `drop`) or leaves it; a node whose victim was left is not offered again in this pass.
     The caller stops iterating when it has freed enough. Blocks that become victims during the
-    pass (a parent whose last child left the tier) join the same pass.
+    pass (a parent whose last child left the tier) join the same pass; other nodes that become
+    candidates during it wait for the next. A pass ends when the next pass of the tier begins:
+    it must not be resumed after that.
     """
+    for run in victim_runs(sets, residency, tier, owner, longest=1):
+        yield BlockRef(run.node, run.lo)
+
+
+def victim_runs(
+    sets: CandidateSets,
+    residency: Residency,
+    tier: int,
+    owner: bytes | None = None,
+    longest: int = 2**62,
+) -> Iterator[VictimRun]:
+    """The victims of `victims`, in the same order, as runs of at most `longest` blocks of one
+    node (module doc). After each run the caller removes the `tier` copies of a suffix of it
+    (the last k blocks, from the end, 0 <= k <= its length) and resumes, or stops iterating;
+    if it took fewer than the run offered, the node is not offered again in this pass.
+
+    Cost: O(log candidates) per run offered, plus the lazy upkeep of the queue (`recency.py`).
+    It reproduces the heap pass that `victims` ran before the queue existed, entry for entry:
+    the pass heap holds, for each namespace that may give blocks, its least recent candidate
+    not yet offered (taken from the queue as the previous one leaves the heap), plus the nodes
+    pushed back during the pass, which go after every candidate of the same rank and tick.
+    """
+    queue = sets.queue(tier)
+    members = sets.of(tier)
+    token = queue.begin()
+    start = sets.stamp + 1  # stamps of the candidates the queue holds are below it
     rank = _ranking(residency, tier, owner)
-    heap = []
-    for seq, node in enumerate(candidates):
-        first = rank(node)
-        if first is not None:
-            heap.append((first, node.tick, seq, node))
-    heapq.heapify(heap)
-    seq = len(candidates)
-    queued = {entry[3] for entry in heap}
+    first: dict[bytes, int | None] = {}  # each namespace's rank when the pass began
+    heap: list[tuple[int, int, int, Node]] = []  # (rank, tick, seq, node)
+    queued: set[Node] = set()
+
+    def feed(namespace: bytes) -> None:
+        entry = queue.take(namespace)
+        if entry is not None:
+            level = first[namespace]
+            assert level is not None
+            heapq.heappush(heap, (level, entry[0], entry[1], entry[2]))
+            queued.add(entry[2])
+
+    def waiting(node: Node) -> bool:
+        """Whether `node` has an entry in the pass: in the heap, or still in the queue."""
+        if node in queued:
+            return True
+        return (
+            first.get(node.root.ids) is not None and members[node] < start and not queue.lent(node)
+        )
+
+    for namespace in queue.namespaces():
+        first[namespace] = level = rank(namespace)
+        if level is not None:
+            feed(namespace)
+    seq = start
     skipped: set[Node] = set()
     while heap:
-        was, tick, _, node = heapq.heappop(heap)
+        was, tick, order, node = heapq.heappop(heap)
         queued.discard(node)
-        if node not in candidates or node in skipped:
+        if order < start:  # a queue entry left the heap: its namespace's next one joins
+            feed(node.root.ids)
+        if node not in members or node in skipped:
             continue
-        now = rank(node)
+        now = rank(node.root.ids)
         if now is None:
             continue
         if node.tick != tick or now != was:  # used again, or its namespace fell to its floor
@@ -180,30 +246,46 @@ def victims(
             seq += 1
             queued.add(node)
             continue
-        before = (node.size, node.depth[tier])
-        parent = node.parent
-        yield BlockRef(node, node.depth[tier] - 1)
-        if node.parent is not None and (node.size, node.depth[tier]) == before:
-            skipped.add(node)
-            continue
+        hi = node.depth[tier]
+        count = min(longest, hi - (node.depth[tier - 1] if tier else 0))
+        if count > 1:
+            count = min(count, _above_floor(residency, node.root.ids, tier, was))
+            if heap and (heap[0][0], heap[0][1]) <= (was, tick):  # a tie, or one to re-key
+                count = 1
+        size, parent = node.size, node.parent
+        yield VictimRun(node, hi - count, hi)
+        assert queue.passes == token, "a victims pass resumed after another began"
+        if node.parent is not None:
+            taken = hi - node.depth[tier]
+            if taken < count and (taken > 0 or node.size == size):  # it left a victim
+                skipped.add(node)
+                continue
         for nxt in (node, parent):
-            if nxt is not None and nxt in candidates and nxt not in queued and nxt not in skipped:
-                nxt_rank = rank(nxt)
-                if nxt_rank is not None:
-                    heapq.heappush(heap, (nxt_rank, nxt.tick, seq, nxt))
+            if nxt is not None and nxt in members and nxt not in skipped and not waiting(nxt):
+                level = rank(nxt.root.ids)
+                if level is not None:
+                    heapq.heappush(heap, (level, nxt.tick, seq, nxt))
                     seq += 1
                     queued.add(nxt)
 
 
-def _ranking(residency: Residency, tier: int, owner: bytes | None) -> Callable[[Node], int | None]:
-    """The rank of a candidate (module doc): 0, 1, or None for not to be offered."""
+def _above_floor(residency: Residency, namespace: bytes, tier: int, rank: int) -> int:
+    """How many blocks a rank-0 namespace gives before it reaches its floor (it then ranks 1
+    or none); unbounded for rank 1 or without a floor."""
+    floor = residency.floors.get(namespace)
+    if rank != 0 or floor is None:
+        return 2**62
+    return residency.resident_in(namespace, tier) - floor[tier]
+
+
+def _ranking(residency: Residency, tier: int, owner: bytes | None) -> Callable[[bytes], int | None]:
+    """The rank of a namespace's candidates (module doc): 0, 1, or None for not offered."""
     floors = residency.floors
     if not floors:
         return _first
     resident_in = residency.resident_in
 
-    def rank(node: Node) -> int | None:
-        namespace = node.root.ids
+    def rank(namespace: bytes) -> int | None:
         floor = floors.get(namespace)
         if floor is None or resident_in(namespace, tier) > floor[tier]:
             return 0
@@ -212,5 +294,5 @@ def _ranking(residency: Residency, tier: int, owner: bytes | None) -> Callable[[
     return rank
 
 
-def _first(node: Node) -> int:
+def _first(namespace: bytes) -> int:
     return 0

@@ -7,12 +7,10 @@ block) and the counts of nodes and blocks, and makes the edits that add or remov
 
 - `grow` adds blocks after a match: it extends a leaf, or hangs a new child;
 - `split` cuts a node in two where a matched prefix ends inside it;
-- `detach` unhooks a leaf whose last block `RadixIndex.drop` removed, and the namespace root
-  when that was its last node;
+- `cut` removes the last k blocks of a leaf in one edit (`RadixIndex.drop_tail`, `drop`);
+- `detach` unhooks a leaf that `cut` emptied, and the namespace root when that was its last
+  node;
 - `adopt` takes in nodes that a builder outside hung already (`restore.py`).
-
-One edit stays in `RadixIndex.drop`, on its per-block hot path: trimming the last block off a
-leaf that keeps others, and uncounting it from `num_blocks`.
 
 Invariants each edit keeps (`check.py` recomputes them): a node hangs from its parent under the
 key of its first block; `parent.child_res[t]` counts the children with a block in tier <= t; a
@@ -169,8 +167,8 @@ class Forest:
         return head
 
     def detach(self, node: Node, parent: Node) -> None:
-        """Unhook `node` from `parent`: a leaf whose last block `RadixIndex.drop` has just
-        removed and uncounted. Forget the namespace when that was its last node."""
+        """Unhook `node` from `parent`: a leaf whose last blocks `cut` has just removed and
+        uncounted. Forget the namespace when that was its last node."""
         assert parent.children is not None
         del parent.children[node.key[: self.key_nbytes]]
         if not parent.children:
@@ -186,6 +184,28 @@ class Forest:
             self.residency.forget(parent.ids)
         else:
             self.candidates.refresh(parent)
+
+    def cut(self, node: Node, count: int) -> list[list[int]]:
+        """Remove the last `count` blocks of `node`, a leaf (`RadixIndex.drop_tail`), uncounted
+        and the node detached when that is all of it; return the freed slots per tier."""
+        keep = node.size - count
+        freed = [[s for s in fields[keep:] if s is not None] for fields in node.slots]
+        namespace = node.root.ids
+        for tier, slots in enumerate(freed):
+            if slots:
+                self.residency.add(namespace, tier, -len(slots))
+        self.num_blocks -= count
+        if keep == 0:
+            assert node.parent is not None
+            self.detach(node, node.parent)
+            return freed
+        for fields in node.slots:
+            del fields[keep:]
+        node.key = node.key[: keep * self.key_nbytes]
+        node.ids = node.ids[: keep * self.digest_size]
+        node.depth = [min(d, keep) for d in node.depth]  # closure: the first depth[t] are <= t
+        self.candidates.refresh(node)
+        return freed
 
     def adopt(self, root: Node, nodes: list[Node]) -> None:
         """Take in `nodes`, built and hung below `root` by a caller outside the index (each in

@@ -160,6 +160,16 @@ class BlockRef(NamedTuple):
     i: int
 
 
+class VictimRun(NamedTuple):
+    """The next victims of a tier, all from one node: blocks `hi - 1`, `hi - 2`, ..., `lo`, in
+    that order (each the tail of the node's run in the tier when its turn comes). Valid until
+    the next change to the index."""
+
+    node: Node
+    lo: int
+    hi: int
+
+
 class InsertResult(NamedTuple):
     """`new_blocks` blocks were added after the match, with ids `new_ids` (concatenated)."""
 

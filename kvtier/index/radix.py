@@ -11,11 +11,14 @@ What the index does, and what it leaves to its caller (the store):
 - `match` does the same walk but splits the last node so the prefix ends on a node boundary,
   which `lock` (leases and pins), `insert` and `path` need.
 - `insert` adds the blocks of a key after a match, with ids chained from the last matched one.
-- `set_slot`/`clear_slot`/`drop` record copies that the caller has made or freed. The caller
-  makes a copy complete before `set_slot` (DESIGN invariant 1) and frees the pool slot that
-  `clear_slot`/`drop` return. Each asserts that prefix closure (invariant 3) still holds.
+- `set_slot`/`clear_slot`/`drop`/`drop_tail` record copies that the caller has made or freed.
+  The caller makes a copy complete before `set_slot` (DESIGN invariant 1) and frees the pool
+  slots that `clear_slot`/`drop`/`drop_tail` return. Each asserts that prefix closure
+  (invariant 3) still holds. `drop_tail` removes a leaf node's last k blocks in one edit.
 - `victims(tier, owner)` (see `eviction.py`) proposes least-recently-used leaves of a tier,
-  with fair shares: a namespace at or under its floor (`set_floors`) gives blocks last.
+  with fair shares: a namespace at or under its floor (`set_floors`) gives blocks last;
+  `victim_runs` proposes the same blocks as runs of one node, for callers that free in bulk.
+  A pass costs O(log candidates) per victim, never O(size of the cache).
 - `resident_in(namespace, tier)` counts a namespace's copies per tier, kept up to date by
   every change, O(1): what fair shares and a tenant's status read.
 - Leases (`forest.py`) lock prefixes so their copies are never proposed as victims.
@@ -37,9 +40,9 @@ from collections.abc import Iterator, Sequence
 
 from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId
 from kvtier.index import node
-from kvtier.index.eviction import CandidateSets, Residency, victims
+from kvtier.index.eviction import CandidateSets, Residency, victim_runs, victims
 from kvtier.index.forest import Forest, LeaseTable
-from kvtier.index.node import BlockRef, InsertResult, Match, Node, PrefixHit
+from kvtier.index.node import BlockRef, InsertResult, Match, Node, PrefixHit, VictimRun
 
 
 class RadixIndex:
@@ -258,26 +261,19 @@ class RadixIndex:
         """Remove a leaf block (the last block of a node without children, not locked) from
         the index; return its copies as (tier, slot) pairs for the caller to free."""
         node, i = ref
-        parent = node.parent
-        assert parent is not None and node.children is None and i == node.size - 1
+        assert i == node.size - 1, "only the last block of a node is a leaf"
+        return [(t, slots[0]) for t, slots in enumerate(self.drop_tail(node, 1)) if slots]
+
+    def drop_tail(self, node: Node, count: int) -> list[list[int]]:
+        """Remove the last `count` blocks of a leaf node (no children, not locked) in one edit,
+        the node itself when that is all of it; return the freed slots per tier (index: tier),
+        for the caller to free. O(count + tiers), whatever the node's size.
+
+            node[b0 b1 b2 b3 b4]   drop_tail(node, 2)   node[b0 b1 b2]
+        """
+        assert node.parent is not None and node.children is None and 0 < count <= node.size
         assert not any(node.locked(t) for t in range(len(self.tiers))), "dropping a leased block"
-        freed = [(t, f[i]) for t, f in enumerate(node.slots) if f[i] is not None]
-        namespace = node.root.ids
-        for tier, _ in freed:
-            self.residency.add(namespace, tier, -1)
-        self.forest.num_blocks -= 1
-        if node.size == 1:
-            self.forest.detach(node, parent)
-        else:
-            fastest = node.fastest(i)
-            for fields in node.slots:
-                fields.pop()
-            node.key = node.key[: -self.key_nbytes]
-            node.ids = node.ids[: -self.digest_size]
-            for tier in range(fastest, len(self.tiers)):
-                node.depth[tier] -= 1
-            self._candidates.refresh(node)
-        return [(t, s) for t, s in freed if s is not None]
+        return self.forest.cut(node, count)
 
     def drop_subtree(self, ref: BlockRef) -> list[tuple[int, int]]:
         """Remove a block and everything cached below it, leaf-first (e.g. a copy found corrupt
@@ -290,12 +286,12 @@ class RadixIndex:
             child = stack.pop()
             below.append(child)
             stack.extend(child.children.values() if child.children else ())
+        tails = [(child, child.size) for child in reversed(below)]
+        tails.append((node, node.size - i))
         freed: list[tuple[int, int]] = []
-        for child in reversed(below):
-            while child.parent is not None:
-                freed += self.drop(BlockRef(child, child.size - 1))
-        while node.parent is not None and node.size > i:
-            freed += self.drop(BlockRef(node, node.size - 1))
+        for tail, count in tails:
+            for tier, slots in enumerate(self.drop_tail(tail, count)):
+                freed += [(tier, slot) for slot in slots]
         return freed
 
     # ---- eviction -----------------------------------------------------------------------
@@ -314,16 +310,26 @@ class RadixIndex:
     def victims(self, tier: int, owner: bytes | None = None) -> Iterator[BlockRef]:
         """Least-recently-used leaves of `tier`, never locked; with floors set, first those of
         namespaces above their floor, then `owner`'s own (see `eviction.victims`)."""
-        return victims(self._candidates.of(tier), self.residency, tier, owner)
+        return victims(self._candidates, self.residency, tier, owner)
+
+    def victim_runs(self, tier: int, owner: bytes | None = None) -> Iterator[VictimRun]:
+        """The victims of `victims(tier, owner)`, in the same order, as runs of blocks of one
+        node; after a run the caller frees a suffix of it (`eviction.victim_runs`)."""
+        return victim_runs(self._candidates, self.residency, tier, owner)
 
     def evictable_share(self, tier: int, owner: bytes | None) -> int | None:
         """`Residency.evictable_share`: with floors set, the most copies of `tier` that
         `victims(tier, owner)` may offer; None without floors."""
         return self.residency.evictable_share(tier, owner)
 
-    def candidates(self, tier: int) -> dict[Node, None]:
-        """The nodes offering a `tier` victim (`eviction.CandidateSets`); the live set."""
+    def candidates(self, tier: int) -> dict[Node, int]:
+        """The nodes offering a `tier` victim, with their entry stamps
+        (`eviction.CandidateSets`); the live set."""
         return self._candidates.of(tier)
+
+    def unqueued(self, tier: int) -> int:
+        """Candidates of `tier` missing from its recency queue (none, when consistent)."""
+        return self._candidates.queue(tier).unqueued()
 
     # ---- consistency --------------------------------------------------------------------
 

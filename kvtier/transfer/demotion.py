@@ -21,11 +21,16 @@ a flight (`flights.py`). DESIGN invariant 1: the index learns of a copy only onc
 
 Demotion: freeing slots of a tier now, for a call that needs them (the synchronous half).
 
-`Demoter.make_room(tier, n)` takes victims from `RadixIndex.victims(tier)` (LRU leaves of the
-tier, never leased or pinned) until the tier's pool has `n` free slots, and acts on each as
-`copydown.decide` says (clear / copy down / drop / skip). A copy to disk takes the victim's
-neighbours along: the blocks of the same node that will be evicted next and lack a disk copy go
-in the same group commit (up to `DISK_BATCH`), so a node's demotion costs one sync, not one per
+`Demoter.make_room(tier, n)` takes victims from `RadixIndex.victim_runs(tier)` (LRU leaves of
+the tier, never leased or pinned, as runs of one node's tail) until the tier's pool has `n` free
+slots, and acts on each as `decide` says (clear / copy down / drop / skip), a run at a time
+where the whole run takes one action: a run dropped is one `drop_tail`, a run copied down is
+one `Transfer` of its blocks after one `make_room` below for all of them; anything else (a
+mixed run, a copy that cannot get its room below) goes block by block. So freeing k blocks
+costs O(k) plus O(log candidates) per run, whatever the size of the cache. A copy to disk
+takes the victim's neighbours along: the blocks of the same node that will be evicted next and
+lack a disk copy go in the same group commit (up to `DISK_BATCH`), so a node's demotion costs
+one sync, not one per
 block. Making room in the next tier recurses into `make_room(tier + 1, ...)`, so a full host
 tier drops (or, with a disk tier, demotes) its own leaves to take a block from the GPU. The copy
 is complete before the index learns of it (DESIGN invariant 1); the slot of the faster copy is
@@ -57,7 +62,8 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtier.index import BlockRef
+from kvtier.index import BlockRef, Node
+from kvtier.index.node import VictimRun
 from kvtier.tiers.disk import DiskTier
 from kvtier.transfer.copy import Transfer
 from kvtier.transfer.shared import CacheState, Runner, TierCounters
@@ -187,11 +193,89 @@ class Demoter:
                     self._demote(ref, tier, owner)
                     if pool.num_free >= n:
                         return True
-        for ref in self.index.victims(tier, owner):
-            self._demote(ref, tier, owner)
+        for run in self.index.victim_runs(tier, owner):
+            self._demote_run(run, tier, n - pool.num_free, owner)
             if pool.num_free >= n:
                 return True
         return pool.num_free >= n
+
+    def _demote_run(self, run: VictimRun, tier: int, want: int, owner: bytes | None) -> None:
+        """Demote the last `want` blocks of `run` (at most), from the end: in one edit or one
+        copy where they all take one action, else block by block until one is left."""
+        node, hi = run.node, run.hi
+        lo = max(run.lo, hi - want)
+        action = self._run_action(node, lo, hi, tier)
+        if action is Action.DROP:
+            for t, slots in enumerate(self.index.drop_tail(node, hi - lo)):
+                if slots:
+                    self.pools[t].free(slots)
+            self.counters[tier].evictions += hi - lo
+            return
+        tried = False  # a copy of these blocks failed just now: not tried again, block by block
+        if action is Action.COPY:
+            tried = self._copy_run(node, lo, hi, tier, owner)
+        elif action is Action.CLEAR:
+            self._clear_run(node, lo, hi, tier)
+        while node.parent is not None and node.depth[tier] > lo:
+            i = node.depth[tier] - 1
+            self._demote(BlockRef(node, i), tier, owner, may_copy=not tried)
+            if node.parent is not None and node.depth[tier] == i + 1:
+                return  # left: the pass moves on
+
+    def _run_action(self, node: Node, lo: int, hi: int, tier: int) -> Action | None:
+        """The action `decide` gives each of blocks hi-1, ..., lo of `node` in turn, the later
+        ones gone when its turn comes, if it is one for all (COPY: one that this path may make);
+        None when they differ (CLEAR: each has a slower copy; `can_clear` decides in turn)."""
+        num_tiers, lower = len(self.pools), tier + 1
+        slower = [any(f[i] is not None for f in node.slots[lower:]) for i in range(lo, hi)]
+        if any(slower):
+            return Action.CLEAR if all(slower) else None
+        leaf_tail = node.children is None and hi == node.size
+        if lower < num_tiers and (node.hits >= self.admission[lower] or not leaf_tail):
+            return None if self._refuses(lower) else Action.COPY
+        unlocked = not any(node.locked(t) for t in range(num_tiers))
+        return Action.DROP if leaf_tail and unlocked else None
+
+    def _copy_run(self, node: Node, lo: int, hi: int, tier: int, owner: bytes | None) -> bool:
+        """Copy blocks lo..hi-1 of `node` down in one transfer (a disk copy takes neighbours
+        along, as `_copy_down` does) after making room below for all of them, then free their
+        `tier` copies from the end; stops where a block has no copy below (no room below, a
+        failed copy, or this node changed while room was made). Whether the copy was made
+        (whatever its outcome)."""
+        lower = tier + 1
+        start = lo
+        if isinstance(self.pools[lower], DiskTier):
+            start = max(node.depth[tier - 1] if tier else 0, min(lo, hi - DISK_BATCH))
+        batch = [BlockRef(node, j) for j in range(start, hi) if node.slots[lower][j] is None]
+        if not self.make_room(lower, len(batch), owner):
+            return False
+        if node.parent is None or node.depth[tier] != hi:
+            return False
+        copy = plan_copy_down(self.state, batch, tier, lower)
+        record_copies(self.state, copy, batch, self.runner.run(copy.transfer))
+        freed = []
+        i = hi - 1
+        while i >= lo and node.slots[lower][i] is not None:
+            freed.append(self.index.clear_slot(BlockRef(node, i), tier))
+            i -= 1
+        self.pools[tier].free(freed)
+        self.counters[tier].demotions += len(freed)
+        return True
+
+    def _clear_run(self, node: Node, lo: int, hi: int, tier: int) -> None:
+        """Forget the `tier` copies of blocks hi-1, ..., lo of `node` (each has a slower one),
+        from the end while closure allows, and free their slots in one call."""
+        freed = []
+        i = hi - 1
+        while i >= lo and self.index.can_clear(BlockRef(node, i), tier):
+            freed.append(self.index.clear_slot(BlockRef(node, i), tier))
+            i -= 1
+        self.pools[tier].free(freed)
+        self.counters[tier].demotions += len(freed)
+
+    def _refuses(self, lower: int) -> bool:
+        """Whether a copy into `lower` is a disk write this synchronous path may not make."""
+        return not self.sync_disk and isinstance(self.pools[lower], DiskTier)
 
     def _writes_back(self, tier: int) -> bool:
         """Whether `tier`'s next tier is a disk that this synchronous path may not write."""
@@ -226,7 +310,9 @@ class Demoter:
         pool = self.pools[tier]
         self.make_room(tier, pool.num_slots - max(target_used, 0))
 
-    def _demote(self, ref: BlockRef, tier: int, owner: bytes | None) -> None:
+    def _demote(self, ref: BlockRef, tier: int, owner: bytes | None, may_copy: bool = True) -> None:
+        """Act on one victim as `decide` says; without `may_copy` (its copy down failed just
+        now), a block to copy is dropped where it may be, else left."""
         action = decide(self.state, ref, tier, self.admission)
         if action is Action.CLEAR:
             self.pools[tier].free([self.index.clear_slot(ref, tier)])
@@ -234,8 +320,8 @@ class Demoter:
             return
         refused = False  # admitted below, but the copy is a disk write we may not make here
         if action is Action.COPY:
-            refused = not self.sync_disk and isinstance(self.pools[tier + 1], DiskTier)
-            if not refused and self._copy_down(ref, tier, tier + 1, owner):
+            refused = self._refuses(tier + 1)
+            if may_copy and not refused and self._copy_down(ref, tier, tier + 1, owner):
                 self.pools[tier].free([self.index.clear_slot(ref, tier)])
                 self.counters[tier].demotions += 1
                 return
