@@ -6,15 +6,18 @@ count below follows from the store's placement rules."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.cli import main
 from kvtier.errors import InvalidArgumentError, TraceError
 from kvtier.replay import (
     ReplayOptions,
     Sizing,
+    capacity_blocks,
     ceiling,
     parse_line,
     read_trace,
@@ -65,12 +68,13 @@ def test_a_cache_larger_than_the_trace_serves_the_ceiling_from_gpu(tmp_path: Pat
 
 
 def test_a_one_block_gpu_serves_from_host(tmp_path: Path) -> None:
-    # gpu holds 1 block and demotes it after every store (above 95 % of one slot): every hit
-    # is found on host; r3's one-block prefix is prefetched, r2's and r4's do not fit on gpu
+    # gpu holds 1 block, which leaves it only when its slot is needed (the replay's mover is
+    # inline): one hit finds its block still on gpu, the others on host; r3's one-block prefix
+    # is prefetched, r2's and r4's do not fit on gpu
     requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
     result = replay(requests, ceiling(requests), Sizing("host", 0.1, 2.0, 0.0), TINY)
     assert result.capacity_bytes["gpu"] == 2048
-    assert result.served == {"gpu": 0, "host": 6 * B, "disk": 0, "recomputed": 6 * B}
+    assert result.served == {"gpu": B, "host": 5 * B, "disk": 0, "recomputed": 6 * B}
     assert (result.prefetches, result.prefetch_refused) == (1, 2)
     assert result.ratio == 1.0
 
@@ -93,6 +97,54 @@ def test_sizes_become_capacities_of_scaled_blocks(tmp_path: Path) -> None:
     assert config.tiers.host.capacity.nbytes == 3200 * 128
     assert config.tiers.disk is None
     assert config.policy.disk_admission_hits == 0 and config.mover.background is False
+
+
+def test_a_run_is_compared_with_one_cache_of_its_blocks() -> None:
+    big = ReplayOptions(block_tokens=16)  # a 512-token block is 32 store blocks
+    assert capacity_blocks(Sizing("g", 0.5, 0.0, 0.0), 6, TINY) == 3
+    assert capacity_blocks(Sizing("t", 0.1, 0.7, 2.0), 6, TINY) == 1 + 4 + 12
+    assert capacity_blocks(Sizing("g", 0.5, 0.0, 0.0), 6, big) == 96
+
+
+def test_a_paced_replay_keeps_its_clock(tmp_path: Path) -> None:
+    # 10 ms apart at speed 0.1: 100 ms between requests, far more than a tiny store needs
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
+    paced = ReplayOptions(block_bytes=2048, speed=0.1)
+    result = replay(requests, ceiling(requests), Sizing("g", 2.0, 0.0, 0.0), paced)
+    assert result.pacing is not None and not result.pacing.fell_behind
+    assert (result.pacing.requests, result.pacing.late) == (4, 0)
+    assert result.pacing.schedule_s == pytest.approx(0.3)
+    assert result.pacing.ran_s >= 0.3
+    assert replay(requests, ceiling(requests), Sizing("g", 2.0, 0.0, 0.0), TINY).pacing is None
+
+
+def test_a_paced_replay_says_when_it_fell_behind(tmp_path: Path) -> None:
+    # each request takes over 30 ms (the progress callback sleeps) but is due 10 ms after the
+    # one before: request k starts at least 20 k ms late
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
+    paced = ReplayOptions(block_bytes=2048, speed=1.0)
+    result = replay(
+        requests, ceiling(requests), Sizing("g", 2.0, 0.0, 0.0), paced, lambda _: time.sleep(0.03)
+    )
+    pacing = result.pacing
+    assert pacing is not None and pacing.fell_behind
+    assert (pacing.requests, pacing.late) == (4, 3)
+    assert pacing.max_lag_s >= 0.06 and pacing.ran_s >= pacing.schedule_s + 0.06
+
+
+def test_the_replay_runs_on_one_torch_thread_and_restores_it(tmp_path: Path) -> None:
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
+    threads = torch.get_num_threads()
+    seen: list[int] = []
+    replay(
+        requests,
+        ceiling(requests),
+        Sizing("g", 2.0, 0.0, 0.0),
+        TINY,
+        lambda _: seen.append(torch.get_num_threads()),
+    )
+    assert seen == [1, 1, 1, 1]
+    assert torch.get_num_threads() == threads
 
 
 def test_bad_options_and_sizes_are_refused() -> None:
@@ -150,6 +202,11 @@ def test_cli_prints_both_runs_and_the_ratio_last(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"trace {path}: 4 requests, 12 block references, 6 unique")
     assert lines[-1].startswith("ratio to the infinite-cache ceiling (tiered): 1.000 (gpu-only")
+    # gpu-only holds 1 block: a one-block cache keeps block 0, the first of every request
+    sims = [line for line in lines if "simulated: LRU of leaves" in line]
+    assert sims[0].startswith("  one cache of the same 17 blocks, simulated: LRU of leaves 50.0%")
+    assert sims[1].startswith("  one cache of the same 1 blocks, simulated: LRU of leaves 25.0%")
+    assert not any("paced" in line for line in lines)
     assert list(tmp_path.iterdir()) == [path]  # the disk tier's directory is gone
 
 
@@ -174,9 +231,30 @@ def test_cli_json_and_a_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert document["ceiling"]["prefix_hits"] == 6
     assert [run["sizing"]["label"] for run in document["runs"]] == ["tiered"]
     assert document["ratio_to_ceiling"] == 1.0
+    # gpu 1 %, host 70 %, disk 100 % of 6 blocks: 1 + 4 + 6 blocks hold the whole trace
+    run = document["runs"][0]
+    assert run["yardsticks"]["lru"] == {"capacity": 11, "requests": 4, "references": 12,
+                                        "hits": 6}  # fmt: skip
+    assert run["simulated_hit_rates"] == {"lru": 0.5, "furthest": 0.5}
+    assert run["ratio_to_lru"] == 1.0 and run["pacing"] is None
     path.write_text("{}\n")
     assert main(["replay", str(path)]) == 2
     assert "t.jsonl:1: missing timestamp" in capsys.readouterr().err
+
+
+def test_sweep_table_compares_each_size_with_its_simulations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_trace(tmp_path / "t.jsonl", SHARED)
+    args = ["replay", str(path), "--sweep", "--gpu", "0.5", "--host", "0", "--disk", "0",
+            "--block-bytes", "2048"]  # fmt: skip
+    assert main(args) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("x")}  # fmt: skip
+    # gpu-only of 3 blocks (x1): LRU of leaves serves 5 of 12 blocks (test_simulate's rules),
+    # 1 block (x0.02 ... x0.2): 3 of 12, block 0 of every request after the first
+    assert rows["x1"][10:12] == ["41.7%", "41.7%"]
+    assert rows["x0.02"][10:12] == ["25.0%", "25.0%"]
 
 
 def test_sweep_plots_hit_rate_by_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,6 +265,7 @@ def test_sweep_plots_hit_rate_by_tier(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.count("\nx") == 6  # one table row per scale
+    assert "LRU sim furthest  st/LRU" in out
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

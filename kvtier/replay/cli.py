@@ -5,20 +5,32 @@
     ... --plot out.png                   hit rate by tier against capacity (needs matplotlib)
     ... --json                           every figure as JSON on stdout
 
-The last line printed is the tiered run's ratio to the infinite-cache ceiling.
+Each run is compared with exact simulations of one cache of its capacity in blocks (LRU of
+leaves, and the offline furthest-next-use leaf; `simulate.py`), and a paced run (`--speed`)
+says whether it kept the trace's clock. The last line printed is the tiered run's ratio to the
+infinite-cache ceiling.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from kvtier.replay.report import ReplayResult, Sizing, format_result, format_table, plot
-from kvtier.replay.runner import ReplayOptions, replay
-from kvtier.replay.trace import ceiling, read_trace
+from kvtier.replay.report import (
+    ReplayResult,
+    Sizing,
+    Yardsticks,
+    format_result,
+    format_table,
+    plot,
+)
+from kvtier.replay.runner import ReplayOptions, capacity_blocks, replay
+from kvtier.replay.simulate import LRU, Chain, Furthest, chains, simulate
+from kvtier.replay.trace import TraceRequest, ceiling, read_trace
 
 SWEEP_SCALES = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """`--sweep`: each run's tier sizes are the given ones times one of these."""
@@ -61,6 +73,24 @@ def _sizings(args: argparse.Namespace) -> list[Sizing]:
     return runs
 
 
+def _with_yardsticks(
+    results: list[ReplayResult], requests: list[TraceRequest], options: ReplayOptions
+) -> list[ReplayResult]:
+    """`results`, each with the simulations of one cache of its capacity (one per size)."""
+    keys: list[Chain] = chains(requests, options.block_tokens)
+    unique = ceiling(requests).unique_blocks
+    by_capacity: dict[int, Yardsticks] = {}
+    out = []
+    for result in results:
+        capacity = capacity_blocks(result.sizing, unique, options)
+        if capacity not in by_capacity:
+            by_capacity[capacity] = Yardsticks(
+                simulate(keys, capacity, LRU()), simulate(keys, capacity, Furthest(keys))
+            )
+        out.append(dataclasses.replace(result, yardsticks=by_capacity[capacity]))
+    return out
+
+
 @contextmanager
 def _progress(total: int) -> Iterator[Callable[[int], None] | None]:
     """A tqdm bar on stderr when it is a terminal; nothing otherwise."""
@@ -92,6 +122,7 @@ def run_replay(args: argparse.Namespace) -> int:
     with _progress(len(requests) * len(sizings)) as progress:
         for sizing in sizings:
             results.append(replay(requests, limit, sizing, options, progress))
+    results = _with_yardsticks(results, requests, options)
     if args.plot:
         plot(results, args.plot)
     if args.json:

@@ -2,7 +2,11 @@
 
 Hit rates are shares of the tokens the trace sends (every hash id a 512-token block); the
 ceiling is the infinite-cache prefix hit rate of the same requests (`trace.ceiling`), so
-`ratio = hit_rate / ceiling_rate` is the share of what any cache could serve.
+`ratio = hit_rate / ceiling_rate` is the share of what any cache could serve. The yardsticks
+(`Yardsticks`, `simulate.py`) are exact simulations of one cache of the run's capacity in
+blocks: LRU of leaves (`ratio_to_lru` = the store's hits over its hits) and the offline
+furthest-next-use leaf (a planner's headroom). A paced run (`--speed`) says whether it kept
+the trace's clock (`Pacing`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import InvalidArgumentError
+from kvtier.replay.simulate import SimResult
 from kvtier.sizes import format_size
 
 TIERS = ("gpu", "host", "disk")
@@ -62,6 +67,34 @@ class Latency:
 
 
 @dataclass(frozen=True)
+class Pacing:
+    """How a paced replay kept the trace's clock: the last of `requests` was due `schedule_s`
+    after the first and they took `ran_s`; `late` of them started more than `late_s` after
+    they were due, the latest by `max_lag_s`."""
+
+    speed: float
+    requests: int
+    schedule_s: float
+    ran_s: float
+    max_lag_s: float
+    late: int
+    late_s: float
+
+    @property
+    def fell_behind(self) -> bool:
+        return self.late > 0
+
+
+@dataclass(frozen=True)
+class Yardsticks:
+    """One cache of the run's `capacity` blocks, simulated exactly on the same requests: LRU
+    of leaves and the offline furthest-next-use leaf."""
+
+    lru: SimResult
+    furthest: SimResult
+
+
+@dataclass(frozen=True)
 class ReplayResult:
     """The figures of one replay. Token counts; `served` splits every token sent into the tier
     the lookup found it in, or `recomputed`."""
@@ -85,6 +118,8 @@ class ReplayResult:
     evictions: dict[str, int]
     demotions: dict[str, int]
     wall_s: float
+    pacing: Pacing | None = None
+    yardsticks: Yardsticks | None = None
 
     @property
     def hit_tokens(self) -> int:
@@ -104,6 +139,14 @@ class ReplayResult:
         nothing to hit)."""
         return self.hit_tokens / self.ceiling_tokens if self.ceiling_tokens else 1.0
 
+    @property
+    def ratio_to_lru(self) -> float | None:
+        """The store's hits over the LRU-of-leaves simulation's (None without yardsticks)."""
+        if self.yardsticks is None:
+            return None
+        lru_tokens = self.yardsticks.lru.hits * self.block_tokens
+        return self.hit_tokens / lru_tokens if lru_tokens else 1.0
+
     def rate(self, tier: str) -> float:
         return self.served.get(tier, 0) / self.tokens
 
@@ -114,6 +157,12 @@ class ReplayResult:
             "hit_rate": self.hit_rate,
             "ceiling_rate": self.ceiling_rate,
             "ratio_to_ceiling": self.ratio,
+            "ratio_to_lru": self.ratio_to_lru,
+            "simulated_hit_rates": (
+                {name: sim.hit_rate for name, sim in vars(self.yardsticks).items()}
+                if self.yardsticks is not None
+                else None
+            ),
         }
 
 
@@ -147,23 +196,58 @@ def format_result(result: ReplayResult) -> str:
             f"  lookup p50 {r.lookup.p50 * 1e3:.3f} ms, p99 {r.lookup.p99 * 1e3:.3f} ms; "
             f"{r.prefetches:,} prefetches to ready p50 {r.prefetch.p50 * 1e3:.3f} ms, "
             f"p99 {r.prefetch.p99 * 1e3:.3f} ms ({r.prefetch_refused} refused: gpu too small)",
+            *_yardsticks(r),
+            *_pacing(r.pacing),
         ]
     )
 
 
+def _yardsticks(r: ReplayResult) -> list[str]:
+    if r.yardsticks is None:
+        return []
+    lru, furthest = r.yardsticks.lru, r.yardsticks.furthest
+    return [
+        f"  one cache of the same {lru.capacity:,} blocks, simulated: LRU of leaves "
+        f"{lru.hit_rate:.1%} (store/LRU {r.ratio_to_lru:.3f}), furthest next use "
+        f"(offline) {furthest.hit_rate:.1%}"
+    ]
+
+
+def _pacing(p: Pacing | None) -> list[str]:
+    if p is None:
+        return []
+    verdict = (
+        f"FELL BEHIND its clock: {p.late:,} of {p.requests:,} requests started over "
+        f"{p.late_s * 1e3:.0f} ms late"
+        if p.fell_behind
+        else "kept its clock"
+    )
+    return [
+        f"  paced x{p.speed:g}: {verdict}; the requests took {p.ran_s:.1f} s for a "
+        f"{p.schedule_s:.1f} s schedule, the latest started {p.max_lag_s * 1e3:,.0f} ms late"
+    ]
+
+
 def format_table(results: Sequence[ReplayResult]) -> str:
-    """One line per replay: sizes, hit rate by tier, the ratio to the ceiling."""
+    """One line per replay: sizes, hit rate by tier, the ratio to the ceiling, and (with
+    yardsticks) the LRU-of-leaves and furthest-leaf simulations and store/LRU."""
     header = (
         f"{'run':<10}{'gpu':>7}{'host':>7}{'disk':>7}{'gpu hit':>9}{'host hit':>9}"
-        f"{'disk hit':>9}{'total':>8}{'ceiling':>9}{'ratio':>7}{'wall s':>8}"
+        f"{'disk hit':>9}{'total':>8}{'ceiling':>9}{'ratio':>7}{'LRU sim':>9}"
+        f"{'furthest':>9}{'st/LRU':>8}{'wall s':>8}"
     )
     lines = [header]
     for r in results:
-        s = r.sizing
+        s, y = r.sizing, r.yardsticks
+        sims = (
+            f"{y.lru.hit_rate:>9.1%}{y.furthest.hit_rate:>9.1%}{r.ratio_to_lru:>8.3f}"
+            if y is not None
+            else f"{'-':>9}{'-':>9}{'-':>8}"
+        )
         lines.append(
             f"{s.label:<10}{s.gpu:>7.2%}{s.host:>7.1%}{s.disk:>7.0%}{r.rate('gpu'):>9.1%}"
             f"{r.rate('host'):>9.1%}{r.rate('disk'):>9.1%}{r.hit_rate:>8.1%}"
-            f"{r.ceiling_rate:>9.1%}{r.ratio:>7.3f}{r.wall_s:>8.1f}"
+            f"{r.ceiling_rate:>9.1%}{r.ratio:>7.3f}{sims}{r.wall_s:>8.1f}"
         )
     return "\n".join(lines)
 

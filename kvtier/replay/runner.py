@@ -17,14 +17,23 @@ Sizes. The model is scaled down to 1 layer, 1 KV head, float16 and `head_dim` ch
 tokens. Tier sizes are fractions of the trace's unique blocks: a memory tier of fraction f holds
 round(f * unique) store blocks (at least one); the disk tier gets as many slots (each slot is a
 header region plus the payload, `tiers/disk/format.py`). Host 0 means one block (the store needs
-a host tier), disk 0 means no disk tier.
+a host tier), disk 0 means no disk tier. `capacity_blocks` is the sum of the tiers a sizing asks
+for (gpu alone for a gpu-only run): the size of the one-cache simulations it is compared with.
+
+Pacing. With `speed`, request i is due `(t_i - t_0) / speed` seconds after the first request
+starts (the store is open by then); the replay sleeps until it is due, or starts it late when
+the previous requests ran past it, and reports how far behind it fell (`Pacing`).
+
+Threads. The replay runs with one torch intra-op thread (restored afterwards): its copies are
+of a few KiB, and on 2 cores the default pool doubled the replay's time for the same figures.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +41,15 @@ import torch
 from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError, InvalidArgumentError
-from kvtier.replay.report import Latency, ReplayResult, Sizing
+from kvtier.replay.report import Latency, Pacing, ReplayResult, Sizing
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
 from kvtier.store import KVStore
 from kvtier.tiers.disk.format import header_region_size, slot_size
 
 _BYTES_PER_HEAD_DIM = 2 * TRACE_BLOCK_TOKENS * 2  # K and V, 512 tokens, float16
+
+LATE_S = 0.01
+"""A paced request that starts more than this after it was due counts as late."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,17 @@ class ReplayOptions:
         return TRACE_BLOCK_TOKENS // self.block_tokens
 
 
+def tier_blocks(fraction: float, unique_blocks: int, options: ReplayOptions) -> int:
+    """The store blocks of a tier of `fraction` of `unique_blocks` trace blocks (at least one)."""
+    return max(1, round(fraction * unique_blocks * options.blocks_per_trace_block))
+
+
+def capacity_blocks(sizing: Sizing, unique_blocks: int, options: ReplayOptions) -> int:
+    """The store blocks of the tiers `sizing` asks for: gpu, and host and disk unless 0."""
+    asked = [f for f in (sizing.gpu, sizing.host, sizing.disk) if f > 0]
+    return sum(tier_blocks(f, unique_blocks, options) for f in asked)
+
+
 def replay_config(
     sizing: Sizing, unique_blocks: int, options: ReplayOptions, disk_path: str
 ) -> KVTierConfig:
@@ -90,10 +113,9 @@ def replay_config(
     bt = options.block_tokens
     head_dim = options.block_bytes // _BYTES_PER_HEAD_DIM
     store_block_bytes = options.block_bytes // options.blocks_per_trace_block
-    unique = unique_blocks * options.blocks_per_trace_block
 
     def blocks(fraction: float) -> int:
-        return max(1, round(fraction * unique))
+        return tier_blocks(fraction, unique_blocks, options)
 
     tiers: dict[str, object] = {
         "gpu": {"capacity": blocks(sizing.gpu) * store_block_bytes},
@@ -122,6 +144,52 @@ def replay_config(
     )
 
 
+class _Clock:
+    """The trace's clock `speed` times faster, from the first request's start (module doc);
+    without a speed it never waits and measures nothing."""
+
+    def __init__(self, speed: float | None, first_ms: int) -> None:
+        self.speed, self.first_ms = speed, first_ms
+        self.origin: float | None = None
+        self.due_s = self.max_lag_s = 0.0
+        self.late = self.requests = 0
+
+    def wait(self, request: TraceRequest) -> None:
+        """Sleep until `request` is due, or note how late it starts."""
+        if self.speed is None:
+            return
+        now = time.perf_counter()
+        if self.origin is None:
+            self.origin = now
+        self.due_s = (request.timestamp_ms - self.first_ms) / 1e3 / self.speed
+        lag = now - self.origin - self.due_s
+        if lag < 0:
+            time.sleep(-lag)
+        self.requests += 1
+        self.max_lag_s = max(self.max_lag_s, lag)
+        if lag > LATE_S:
+            self.late += 1
+
+    def pacing(self) -> Pacing | None:
+        """How the requests kept to the clock, read when the last one is done."""
+        if self.speed is None or self.origin is None:
+            return None
+        ran_s = time.perf_counter() - self.origin
+        return Pacing(
+            self.speed, self.requests, self.due_s, ran_s, self.max_lag_s, self.late, LATE_S
+        )
+
+
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def replay(
     requests: Sequence[TraceRequest],
     ceiling: Ceiling,
@@ -137,7 +205,11 @@ def replay(
     prefetch_s: list[float] = []
     refused = dropped = 0
     longest = max(r.num_tokens for r in requests)
-    with tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=options.directory) as tmp:
+    clock = _Clock(options.speed, requests[0].timestamp_ms)
+    with (
+        _one_torch_thread(),
+        tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=options.directory) as tmp,
+    ):
         config = replay_config(sizing, ceiling.unique_blocks, options, tmp)
         layout = config.layout
         kv = torch.zeros(
@@ -146,11 +218,8 @@ def replay(
         )
         started = time.perf_counter()
         with KVStore(config) as store:
-            first_ms = requests[0].timestamp_ms
             for request in requests:
-                if options.speed is not None:
-                    due = (request.timestamp_ms - first_ms) / 1e3 / options.speed
-                    time.sleep(max(0.0, due - (time.perf_counter() - started)))
+                clock.wait(request)
                 tokens = request.tokens()
                 t0 = time.perf_counter()
                 hit = store.lookup(tokens)
@@ -171,6 +240,7 @@ def replay(
                 dropped += store.store(tokens, kv[:, :, : len(tokens)]).dropped_tokens
                 if progress is not None:
                     progress(1)
+            pacing = clock.pacing()
             store.drain()
             if options.check:
                 store.check()
@@ -196,4 +266,5 @@ def replay(
         evictions={t: s["evictions"] for t, s in status["tiers"].items()},
         demotions={t: s["demotions"] for t, s in status["tiers"].items()},
         wall_s=wall_s,
+        pacing=pacing,
     )
