@@ -57,6 +57,7 @@ def store_status(parts: Parts) -> dict[str, Any]:
             "slots": pool.num_slots,
             "free_slots": pool.num_free,
             "blocks": index.resident(tier),
+            "dirty_blocks": index.residency.only_in(tier),
             "leased_blocks": leased_blocks[tier],
             "hits": counters.hits,
             "promotions": counters.promotions,

@@ -101,7 +101,8 @@ class KVStore:
     # ---- the engine contract -------------------------------------------------------------
 
     def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        """Cached leading tokens of `tokens`, split by tier. Changes only recency."""
+        """Cached leading tokens of `tokens`, split by tier. Changes only recency (the blocks it
+        matched are used now; a node matched in part is split so that its tail is not)."""
         key = encode_tokens(tokens)
         with self._lock:
             namespace = self.operations.namespace(tenant)

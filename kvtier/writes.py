@@ -19,7 +19,7 @@ Contract:
   skipped and their slots freed.
 - `copy_hot_to_host`: under the `selective` policy, a gpu block hit often enough gets its host
   copy now, so that its demotion later costs no copy and no drop.
-- `after_write`: the watermarks are kept (the mover's thread in the background; inline, now).
+- `after_write`: wakes the background mover, which keeps dirty data under the watermarks.
 Thread: every method runs under the cache's lock.
 """
 
@@ -214,19 +214,10 @@ class Writes:
             self.index.set_slot(ref, HOST, slot)
 
     def after_write(self) -> None:
-        """Keep the memory tiers under their high watermarks: the mover's thread does it in
-        the background; inline, the demoter does it now (not the lowest tier: it drops on
-        demand only)."""
+        """Wake the background mover, which keeps dirty data under the watermarks. Inline
+        there is nothing to do: blocks are copied down when their slots are needed."""
         if self.mover.background:
             self.mover.kick()
-            return
-        pools = self.state.pools
-        for tier, (high, low) in enumerate(self.mover.work.watermarks):
-            if tier + 1 == len(pools):
-                break
-            pool = pools[tier]
-            if pool.num_used > high * pool.num_slots:
-                self.demoter.demote_to(tier, int(low * pool.num_slots))
 
     def take_free(self, match: Match, count: int) -> dict[int, list[int]] | None:
         """`place(match, count)` when it needs only free slots (the first tier closure allows

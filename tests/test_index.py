@@ -37,7 +37,8 @@ def test_three_blocks_on_gpu_are_found_on_gpu_and_partial_blocks_are_ignored() -
     assert hit(ix, "AB", extra=2) == PrefixHit(2, (2, 0, 0))
     assert hit(ix, "", extra=3) == PrefixHit(0, (0, 0, 0))
     assert hit(ix, "BAC") == PrefixHit(0, (0, 0, 0))
-    assert (ix.num_blocks, ix.num_nodes, [ix.resident(t) for t in range(3)]) == (3, 1, [3, 0, 0])
+    # the lookup of "AB" split ABC so that C keeps its own recency
+    assert (ix.num_blocks, ix.num_nodes, [ix.resident(t) for t in range(3)]) == (3, 2, [3, 0, 0])
 
 
 def test_insert_indexes_whole_blocks_only() -> None:
@@ -65,21 +66,24 @@ def test_divergence_splits_the_shared_node() -> None:
     assert hit(ix, "ABDX") == PrefixHit(3, (3, 0, 0))
 
 
-def test_lookup_never_splits_but_match_does() -> None:
+def test_lookup_and_match_split_a_node_matched_in_part() -> None:
     ix = new_index()
     put(ix, "ABCD", {GPU: [0, 1, 2, 3]})
+    assert hit(ix, "ABCD") == PrefixHit(4, (4, 0, 0))
+    assert ix.num_nodes == 1  # a whole match splits nothing
     assert hit(ix, "AB") == PrefixHit(2, (2, 0, 0))
-    assert hit(ix, "ABX") == PrefixHit(2, (2, 0, 0))
-    assert ix.num_nodes == 1
-    match = ix.match(NS, key("ABX"))
     ix.check()
-    assert ix.num_nodes == 2
-    assert (match.num_blocks, match.end.key) == (2, key("AB"))
+    assert [n.key for n in ix.path(ref(ix, "ABCD").node)] == [key("AB"), key("CD")]
+    assert hit(ix, "ABX") == PrefixHit(2, (2, 0, 0))
+    assert ix.num_nodes == 2  # ends on the boundary now
+    match = ix.match(NS, key("ABCX"))
+    ix.check()
+    assert (match.num_blocks, match.end.key, ix.num_nodes) == (3, key("C"), 3)
     assert match.end.children is not None
-    assert [child.key for child in match.end.children.values()] == [key("CD")]
+    assert [child.key for child in match.end.children.values()] == [key("D")]
     assert hit(ix, "ABCD") == PrefixHit(4, (4, 0, 0))
     whole = ix.match(NS, key("ABCDE"))
-    assert (whole.num_blocks, whole.end.key, ix.num_nodes) == (4, key("CD"), 2)
+    assert (whole.num_blocks, whole.end.key, ix.num_nodes) == (4, key("D"), 3)
 
 
 def test_lookups_and_matches_count_hits_and_stamp_recency() -> None:
@@ -87,12 +91,15 @@ def test_lookups_and_matches_count_hits_and_stamp_recency() -> None:
     put(ix, "ABCD", {GPU: [0, 1, 2, 3]})
     node = ref(ix, "A").node
     hits, tick = node.hits, node.tick
-    hit(ix, "AB")
     hit(ix, "ABCDE")
     hit(ix, "X")  # a miss walks no node
-    assert (node.hits, node.tick) == (hits + 2, tick + 2)
-    head = ix.match(NS, key("AB")).end  # splits; the head keeps the count and the stamp
-    assert (head.hits, node.hits, head.tick, node.tick) == (hits + 3, hits + 3, tick + 4, tick + 4)
+    assert (node.hits, node.tick) == (hits + 1, tick + 1)
+    hit(ix, "AB")  # splits: only the head is used, the tail keeps its count and stamp
+    head = ref(ix, "AB").node
+    assert head is not node and ref(ix, "ABCD").node is node
+    assert (head.hits, node.hits, head.tick, node.tick) == (hits + 2, hits + 1, tick + 3, tick + 1)
+    assert ix.match(NS, key("A")).end.key == key("A")  # splits again: A is used, B is not
+    assert (ref(ix, "A").node.tick, ref(ix, "AB").node.tick) == (tick + 4, tick + 3)
 
 
 def test_insert_extends_a_leaf_but_hangs_a_child_under_an_interior_node() -> None:

@@ -38,7 +38,7 @@ def hit(gpu: int = 0, host: int = 0) -> LookupResult:
 @pytest.fixture
 def make_shared() -> Iterator[MakeShared]:
     """`make_shared(gpu_blocks=8, host_blocks=16, tenants={"a": {}, "b": {}}, policy={})`: a
-    tiny store with an inline mover; closed after the test."""
+    tiny store with an inline mover (`background=True`: on a thread); closed after the test."""
     stores: list[KVStore] = []
 
     def factory(
@@ -47,6 +47,7 @@ def make_shared() -> Iterator[MakeShared]:
         tenants: Mapping[str, Any] | None = None,
         policy: Mapping[str, Any] | None = None,
         gpu_watermarks: tuple[float, float] = (1.0, 1.0),
+        background: bool = False,
     ) -> KVStore:
         block_bytes = tiny_block_bytes()
         config = parse_config(
@@ -63,7 +64,7 @@ def make_shared() -> Iterator[MakeShared]:
                     "host": {"capacity": host_blocks * block_bytes, "pinned": False},
                 },
                 "policy": {"write": "write_through", **(policy or {})},
-                "mover": {"background": False},
+                "mover": {"background": background},
                 "tenants": dict(tenants if tenants is not None else {"a": {}, "b": {}}),
             }
         )
@@ -260,9 +261,10 @@ def test_a_prefetch_does_not_demote_another_tenant_below_its_floor(
 
 
 def test_watermark_demotion_takes_only_what_is_above_floors(make_shared: MakeShared) -> None:
-    store = make_shared(gpu_watermarks=(0.5, 0.25))
+    store = make_shared(gpu_watermarks=(0.5, 0.25), background=True)
     store.store(seq(0, 2), kv_for(store, 2 * BT), tenant="a")
     store.store(seq(100, 6), kv_for(store, 6 * BT), tenant="b")  # b: 2 above its floor
+    assert store.drain(timeout_s=10)  # the mover's thread demotes
     assert store.lookup(seq(0, 2), tenant="a") == hit(gpu=2)
     assert store.lookup(seq(100, 6), tenant="b") == hit(gpu=4, host=2)
     store.check()

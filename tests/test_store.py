@@ -230,19 +230,40 @@ def test_a_store_that_drops_all_else_of_its_namespace_stays_reachable(
     store.check()
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_passing_the_high_watermark_demotes_down_to_the_low_one(
-    make_store: MakeStore, background: bool
+def test_passing_the_high_watermark_demotes_down_to_the_low_one_in_the_background(
+    make_store: MakeStore,
 ) -> None:
-    store = make_store(
-        gpu_blocks=4, host_blocks=8, gpu_watermarks=(0.5, 0.25), background=background
-    )
+    store = make_store(gpu_blocks=4, host_blocks=8, gpu_watermarks=(0.5, 0.25), background=True)
     kv = kv_for(store, 12)
     store.store(seq(0, 12), kv)  # 3 of 4 slots > 0.5: demote to 1 slot in use
     store.check()
-    assert store.drain(timeout_s=10)  # in the background, the mover's thread does it
+    assert store.drain(timeout_s=10)  # the mover's thread does it
     assert store.lookup(seq(0, 12)) == hit(gpu=4, host=8)
     assert tier(store, "gpu")["used_bytes"] == BLOCK_BYTES
+    assert torch.equal(store.load(seq(0, 12)).kv, kv)
+    store.check()
+
+
+def test_inline_a_block_leaves_a_tier_only_when_its_slot_is_needed(make_store: MakeStore) -> None:
+    store = make_store(
+        gpu_blocks=4,
+        host_blocks=8,
+        gpu_watermarks=(0.5, 0.25),
+        background=False,
+        write="write_back",
+    )
+    kv = kv_for(store, 12)
+    store.store(seq(0, 12), kv)  # 3 of 4 slots, over 0.5: nothing moves
+    assert store.drain(timeout_s=10)
+    store.check()
+    assert store.lookup(seq(0, 12)) == hit(gpu=12)
+    gpu, host = tier(store, "gpu"), tier(store, "host")
+    assert (gpu["used_bytes"], gpu["dirty_blocks"], host["blocks"]) == (3 * BLOCK_BYTES, 3, 0)
+    store.store(seq(100, 8), kv_for(store, 8, seed=1))  # needs 2 slots, 1 free: the LRU leaves
+    store.check()
+    assert store.lookup(seq(0, 12)) == hit(gpu=8, host=4)
+    gpu, host = tier(store, "gpu"), tier(store, "host")
+    assert (gpu["dirty_blocks"], host["dirty_blocks"], gpu["demotions"]) == (4, 1, 1)
     assert torch.equal(store.load(seq(0, 12)).kv, kv)
     store.check()
 

@@ -8,7 +8,8 @@ Verifies DESIGN invariants 2-5 as far as the index holds them:
    every block has at least one copy;
 4. every live lease still finds a copy of each of its blocks in each leased tier, and each
    node's lock counts equal the leases covering it;
-5. per-tier resident counts equal a recount, and no slot holds two blocks of one tier.
+5. per-tier resident counts (and counts of blocks by their slowest copy) equal a recount, and
+   no slot holds two blocks of one tier.
 9. (what the index keeps of it) each namespace's copies per tier and its held blocks (covered
    by a tenant's leases and reservation pins) equal a recount.
 Also the derived fields (`depth`, `child_res`, eviction candidates and their recency queues,
@@ -31,6 +32,7 @@ def check_index(index: RadixIndex) -> None:
     num_tiers = len(index.tiers)
     kb, ds = index.key_nbytes, index.digest_size
     resident = [0] * num_tiers
+    only = [0] * num_tiers  # blocks by the tier of their slowest copy
     seen_slots: list[set[int]] = [set() for _ in range(num_tiers)]
     blocks = nodes = 0
     expected_locks: dict[Node, list[int]] = {}
@@ -84,6 +86,8 @@ def check_index(index: RadixIndex) -> None:
                         f"tier {fastest} below a parent block on tier {prev}",
                     )
                     prev = fastest
+                for i in range(node.size):
+                    only[node.slowest(i)] += 1
                 for tier, fields in enumerate(node.slots):
                     for slot in fields:
                         if slot is not None:
@@ -130,6 +134,8 @@ def check_index(index: RadixIndex) -> None:
         f"resident blocks per tier {[index.resident(t) for t in range(num_tiers)]} "
         f"!= recount {resident}",
     )
+    kept_only = [index.residency.only_in(t) for t in range(num_tiers)]
+    _expect(kept_only == only, f"blocks by slowest copy {kept_only} != recount {only}")
     _expect(blocks == index.num_blocks, f"num_blocks {index.num_blocks} != recount {blocks}")
     _expect(nodes == index.num_nodes, f"num_nodes {index.num_nodes} != recount {nodes}")
     extra = set(index.namespaces_resident()) - set(index.forest.roots)

@@ -8,8 +8,14 @@ every edit of the index that sets or clears a slot field calls `add(namespace, t
     resident(t)           == number of set `slots[t]` fields in the whole index
     resident_in(ns, t)    == the same, counted below the root of namespace `ns` only
 
-(`check.py` recounts both). A namespace appears in the per-namespace table from its first copy
-until the index removes its last node (`forget`), when every count must be back at zero.
+    only_in(t)            == number of blocks whose slowest copy is in `t`
+
+(`check.py` recounts them). `only_in(t)` of a memory tier is its dirty data: the copies that
+must be written down before their slots can be freed without losing the block (a block whose
+slowest copy is in `t` has no copy below it). Every edit that adds or removes a block's slowest
+copy moves it with `slowest_moved(old, new)` (-1: no copy). A namespace appears in the
+per-namespace table from its first copy until the index removes its last node (`forget`), when
+every count must be back at zero.
 
 Floors are the fair shares of DESIGN invariant 9 (`RadixIndex.set_floors`): a namespace holding
 no more than its floor in a tier is protected there. `eviction.victims` ranks candidates by
@@ -72,6 +78,7 @@ class Residency:
         self._num_tiers = num_tiers
         self._resident = [0] * num_tiers
         self._ns_resident: dict[bytes, list[int]] = {}  # namespace -> copies per tier
+        self._only = [0] * num_tiers  # blocks by the tier of their slowest copy
         self.floors: dict[bytes, tuple[int, ...]] = {}  # namespace -> floor per tier
 
     def add(self, namespace: bytes, tier: int, delta: int) -> None:
@@ -81,6 +88,17 @@ class Residency:
         if counts is None:
             counts = self._ns_resident[namespace] = [0] * self._num_tiers
         counts[tier] += delta
+
+    def slowest_moved(self, old: int, new: int, count: int = 1) -> None:
+        """`count` blocks' slowest copy went from tier `old` to `new` (-1: no copy)."""
+        if old >= 0:
+            self._only[old] -= count
+        if new >= 0:
+            self._only[new] += count
+
+    def only_in(self, tier: int) -> int:
+        """Blocks whose slowest copy is in `tier`: its copies with nothing below them."""
+        return self._only[tier]
 
     def forget(self, namespace: bytes) -> None:
         """`namespace` holds no block any more: drop its (zero) counts."""

@@ -128,6 +128,7 @@ class Forest:
         namespace = node.root.ids
         for tier in slots:
             self.residency.add(namespace, tier, count)
+        self.residency.slowest_moved(-1, max(slots), count)
         self.num_blocks += count
         self.candidates.refresh(node)
         return InsertResult(count, new_ids, node)
@@ -194,6 +195,8 @@ class Forest:
         for tier, slots in enumerate(freed):
             if slots:
                 self.residency.add(namespace, tier, -len(slots))
+        for i in range(keep, node.size):
+            self.residency.slowest_moved(node.slowest(i), -1)
         self.num_blocks -= count
         if keep == 0:
             assert node.parent is not None
@@ -228,6 +231,8 @@ class Forest:
                 copies = sum(1 for slot in fields if slot is not None)
                 if copies:
                     self.residency.add(namespace, tier, copies)
+            for i in range(node.size):
+                self.residency.slowest_moved(-1, node.slowest(i))
         self.num_nodes += len(nodes)
 
 

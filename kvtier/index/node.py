@@ -114,6 +114,13 @@ class Node:
                 return tier
         return len(self.slots)
 
+    def slowest(self, i: int) -> int:
+        """Index of the slowest tier holding block i; -1 when none does."""
+        for tier in range(len(self.slots) - 1, -1, -1):
+            if self.slots[tier][i] is not None:
+                return tier
+        return -1
+
     def fastest_last(self) -> int:
         """`fastest` of the last block; 0 for a namespace root, below which any tier may hang."""
         return self.fastest(self.size - 1) if self.parent is not None else 0

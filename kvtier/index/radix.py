@@ -99,7 +99,8 @@ class RadixIndex:
         return self.forest.root(namespace)
 
     def lookup(self, namespace: BlockId, key: bytes) -> PrefixHit:
-        """Longest cached prefix of `key`, split by tier. Marks the matched nodes as used."""
+        """Longest cached prefix of `key`, split by tier. Marks the matched blocks as used: a
+        node matched in part is split first, so that its unused tail keeps its recency."""
         root = self.forest.roots.get(namespace)
         num_tiers = len(self.tiers)
         if root is None or root.children is None:
@@ -115,10 +116,12 @@ class RadixIndex:
             node = children.get(key[pos : pos + kb])
             if node is None:
                 break
-            node.tick = tick
-            node.hits += 1
             size = len(node.key) // kb
             matched = size if key.startswith(node.key, pos) else self._common_blocks(node, key, pos)
+            if matched < size:
+                node = self.forest.split(node, matched)
+            node.tick = tick
+            node.hits += 1
             prev = 0
             for tier, depth in enumerate(node.depth):
                 upto = depth if depth < matched else matched
@@ -132,7 +135,7 @@ class RadixIndex:
 
     def match(self, namespace: BlockId, key: bytes) -> Match:
         """Longest cached prefix of `key`, ending on a node boundary (the last node is split if
-        the prefix ends inside it). Marks the matched nodes as used."""
+        the prefix ends inside it). Marks the matched blocks as used (not a split tail)."""
         root = self.forest.root(namespace)
         self._tick += 1
         kb = self.key_nbytes
@@ -143,14 +146,14 @@ class RadixIndex:
             child = node.children.get(key[pos : pos + kb])
             if child is None:
                 break
-            child.tick = self._tick
-            child.hits += 1
             size = len(child.key) // kb
             matched = (
                 size if key.startswith(child.key, pos) else self._common_blocks(child, key, pos)
             )
             if matched < size:
                 child = self.forest.split(child, matched)
+            child.tick = self._tick
+            child.hits += 1
             node = child
             pos += matched * kb
             if matched < size:
@@ -208,8 +211,11 @@ class RadixIndex:
             assert parent is not None
             before = node.fastest(i - 1) if i else parent.fastest_last()
             assert before <= tier, "promotion must bring whole prefixes: parent block is slower"
+        slowest = node.slowest(i)
         node.slots[tier][i] = slot
         self.residency.add(node.root.ids, tier, +1)
+        if tier > slowest:
+            self.residency.slowest_moved(slowest, tier)
         if tier < old:
             self._shift_depth(node, i, tier, old, +1)
 
@@ -238,6 +244,9 @@ class RadixIndex:
         assert slot is not None
         node.slots[tier][i] = None
         self.residency.add(node.root.ids, tier, -1)
+        slowest = node.slowest(i)
+        if tier > slowest:
+            self.residency.slowest_moved(tier, slowest)
         new = node.fastest(i)
         if new != old:
             self._shift_depth(node, i, old, new, -1)
@@ -318,13 +327,11 @@ class RadixIndex:
         return victim_runs(self._candidates, self.residency, tier, owner)
 
     def evictable_share(self, tier: int, owner: bytes | None) -> int | None:
-        """`Residency.evictable_share`: with floors set, the most copies of `tier` that
-        `victims(tier, owner)` may offer; None without floors."""
+        """With floors, the most copies of `tier` that `victims(tier, owner)` may offer."""
         return self.residency.evictable_share(tier, owner)
 
     def candidates(self, tier: int) -> dict[Node, int]:
-        """The nodes offering a `tier` victim, with their entry stamps
-        (`eviction.CandidateSets`); the live set."""
+        """The nodes offering a `tier` victim, with their entry stamps; the live set."""
         return self._candidates.of(tier)
 
     def unqueued(self, tier: int) -> int:
@@ -334,8 +341,7 @@ class RadixIndex:
     # ---- consistency --------------------------------------------------------------------
 
     def check(self) -> None:
-        """Verify DESIGN invariants 2-5 over the whole index; raise InvariantError with the
-        numbers that disagree (see `check.py`)."""
+        """DESIGN invariants 2-5 over the whole index (`check.py`), or InvariantError."""
         from kvtier.index.check import check_index
 
         check_index(self)

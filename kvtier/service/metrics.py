@@ -6,7 +6,7 @@ latency is the service's own (a histogram per route). Names:
 
     kvtier_ready                                         1 once the store serves
     kvtier_tier_{capacity,used}_bytes{tier}              gauges
-    kvtier_tier_{blocks,leased_blocks,free_slots}{tier}  gauges
+    kvtier_tier_{blocks,dirty_blocks,leased_blocks,free_slots}{tier}  gauges
     kvtier_tier_{hits,promotions,demotions,evictions}_total{tier}
     kvtier_tier_bytes_{in,out}_total{tier}               counters
     kvtier_path_bytes_total{path}                        bytes copied per path (gpu->host, ...)
@@ -116,6 +116,7 @@ def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
         "capacity_bytes": "Tier capacity in bytes",
         "used_bytes": "Bytes of blocks held in the tier",
         "blocks": "Blocks with a copy in the tier",
+        "dirty_blocks": "Blocks whose slowest copy is in the tier (nothing below them)",
         "leased_blocks": "Blocks of the tier that leases or pins hold",
         "free_slots": "Free slots of the tier",
     }

@@ -7,7 +7,9 @@ Contract:
   of one node, freed once the copy is in, down to the low watermark. Only where a lower tier
   exists: the lowest memory tier drops leaves only on demand. At most `MAX_DEMOTIONS` demotion
   flights per tier are in flight. A disk that refuses writes (`slab_set.py`) pauses it. This is
-  the mover's own work: fair shares leave it only blocks above floors.
+  the mover's own work: fair shares leave it only blocks above floors. Only with a background
+  mover: inline, a block leaves a tier when its slot is needed (`Demoter.make_room`), so that
+  a tier holds what LRU of leaves would hold (issue 13).
 - **Disk inserts** (`insert_on_disk`): new blocks below a prefix that lives only on disk are
   written in an `InsertFlight` (room for them checked in every tier before anything moves);
   they enter the index once durable. This is the one route for such blocks: in the background
@@ -74,6 +76,8 @@ class Background:
         return self.pools[tier].num_used - self._pending_free[tier]
 
     def keep_watermarks(self) -> None:
+        if not self.stage_inserts:  # inline: room is made on demand only
+            return
         for tier in range(len(self.watermarks)):
             if tier + 1 < len(self.pools):
                 self._demote_over_watermark(tier)

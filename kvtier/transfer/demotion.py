@@ -304,12 +304,6 @@ class Demoter:
         share = self.index.evictable_share(tier, owner)
         return free if share is None else min(free, share)
 
-    def demote_to(self, tier: int, target_used: int) -> None:
-        """Demote LRU leaves of `tier` until at most `target_used` slots are in use (the
-        store's own work: only what fair shares leave above floors)."""
-        pool = self.pools[tier]
-        self.make_room(tier, pool.num_slots - max(target_used, 0))
-
     def _demote(self, ref: BlockRef, tier: int, owner: bytes | None, may_copy: bool = True) -> None:
         """Act on one victim as `decide` says; without `may_copy` (its copy down failed just
         now), a block to copy is dropped where it may be, else left."""
