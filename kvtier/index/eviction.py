@@ -1,25 +1,4 @@
-"""Eviction in the index: the copies counted per tier, the floors, and choosing victims.
-
-Copies counted per tier, in all and per namespace, and the fair-share floors they are held to.
-
-`Residency` is the index's tally of where blocks live, kept incrementally, O(1) per change:
-every edit of the index that sets or clears a slot field calls `add(namespace, tier, ±n)`, so
-
-    resident(t)           == number of set `slots[t]` fields in the whole index
-    resident_in(ns, t)    == the same, counted below the root of namespace `ns` only
-
-    only_in(t)            == number of blocks whose slowest copy is in `t`
-
-(`check.py` recounts them). `only_in(t)` of a memory tier is its dirty data: the copies that
-must be written down before their slots can be freed without losing the block (a block whose
-slowest copy is in `t` has no copy below it). Every edit that adds or removes a block's slowest
-copy moves it with `slowest_moved(old, new)` (-1: no copy). A namespace appears in the
-per-namespace table from its first copy until the index removes its last node (`forget`), when
-every count must be back at zero.
-
-Floors are the fair shares of DESIGN invariant 9 (`RadixIndex.set_floors`): a namespace holding
-no more than its floor in a tier is protected there. `eviction.victims` ranks candidates by
-them; `evictable_share` bounds, with the same rule, what one call may take.
+"""Eviction in the index: choosing victims, fair between namespaces, in recency order.
 
 Choosing eviction victims: least-recently-used leaves of one tier, never locked, fair
 between namespaces (tenants).
@@ -29,17 +8,18 @@ t: the last block of that run has no block after it, in the node or in a child, 
 copy is in t or a faster tier. Removing that block's t copy (after copying it down, or
 dropping it when t is the lowest tier) keeps prefix closure. The index keeps the candidates of
 each tier in a set (`CandidateSets`), refreshed whenever a node's residency, children or locks
-change, and in a recency queue (`recency.py`) that keeps them in LRU order across calls, so a
-pass costs O(log candidates) per victim it offers, never O(candidates) and never a tree scan.
+change, and in a recency queue (`RecencyQueue`, below) that keeps them in LRU order across
+calls, so a pass costs O(log candidates) per victim it offers, never O(candidates) and never a
+tree scan.
 
     root - A[g g g] - B[g g h]        g: fastest copy on gpu, h: on host
-             \
-              C[g h h]
+                           C[g h h]
     gpu candidates:  B (block 1), C (block 0)      A is not: B and C hang below it on gpu
     host candidates: B (block 2), C (block 2)
 
-Recency is per node: a lookup stamps every node it walks with one tick, so the ancestors of a
-used node are at least as recent as it, and a shared trunk outlives the branches below it.
+Recency is per node: a lookup stamps every node it walks with one tick (a node matched in part
+is split first, so a stamp covers exactly the blocks used), so the ancestors of a used node are
+at least as recent as it, and a shared trunk outlives the branches below it.
 The tier's candidates form an antichain (none hangs below another), and one tick stamps one
 path, so two candidates of a tier share a tick only when neither was used since recovery
 (`restore.py` stamps 0); those go in the order they became candidates, as `victims` always did.
@@ -62,78 +42,38 @@ so a tenant's call never takes another tenant below its floor, and the store's o
 copies only leave, so a rank only falls (0 to 1, or to none): a popped entry whose rank fell is
 pushed back once with its new rank, or dropped, which keeps O(log candidates) per victim.
 Without floors every rank is 0: plain LRU.
+
+The recency queue (`RecencyQueue`): one tier's eviction candidates in recency order, kept
+across passes and repaired lazily.
+
+The index stamps recency on its hot paths (a lookup sets `node.tick` on every node it walks)
+and must not pay for ordering there, so the order is kept lazily: per namespace, a heap of
+entries `(tick, stamp, node)`, least recent first, where `stamp` is the node's entry stamp in
+the candidate set (`CandidateSets`: a later entry, a larger stamp; equal ticks go by it). An
+entry may be out of date; `take` repairs what it meets at the top:
+
+    node no longer a candidate           -> dropped
+    node used since (tick moved on), or
+    left and came back (stamp moved on)  -> pushed back with its tick and stamp now
+    node already taken in this pass      -> dropped (a duplicate)
+
+Invariant between calls: every candidate of the tier has an entry in the heaps or in
+`pending` (nodes that became candidates since the last pass), or was lent to the last pass.
+`begin` (the start of a pass) returns what the last pass took to `pending` and moves
+`pending` into the heaps. So a pass costs O(log n) per entry it takes, each stale entry is
+repaired once per change that made it stale, and nothing is ever O(candidates) except
+`rebuild`, which runs at the start of a pass when dead entries outnumber the candidates, and
+the sweep of `pending`'s dead entries when it outgrows them (both amortised over the changes
+that made the dead entries). Nothing reorders the heaps during a pass.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 
-from kvtier.index.node import BlockRef, Node, VictimRun
-from kvtier.index.recency import RecencyQueue
-
-
-class Residency:
-    def __init__(self, num_tiers: int) -> None:
-        self._num_tiers = num_tiers
-        self._resident = [0] * num_tiers
-        self._ns_resident: dict[bytes, list[int]] = {}  # namespace -> copies per tier
-        self._only = [0] * num_tiers  # blocks by the tier of their slowest copy
-        self.floors: dict[bytes, tuple[int, ...]] = {}  # namespace -> floor per tier
-
-    def add(self, namespace: bytes, tier: int, delta: int) -> None:
-        """`delta` copies in `tier` of blocks of `namespace` (negative: copies gone)."""
-        self._resident[tier] += delta
-        counts = self._ns_resident.get(namespace)
-        if counts is None:
-            counts = self._ns_resident[namespace] = [0] * self._num_tiers
-        counts[tier] += delta
-
-    def slowest_moved(self, old: int, new: int, count: int = 1) -> None:
-        """`count` blocks' slowest copy went from tier `old` to `new` (-1: no copy)."""
-        if old >= 0:
-            self._only[old] -= count
-        if new >= 0:
-            self._only[new] += count
-
-    def only_in(self, tier: int) -> int:
-        """Blocks whose slowest copy is in `tier`: its copies with nothing below them."""
-        return self._only[tier]
-
-    def forget(self, namespace: bytes) -> None:
-        """`namespace` holds no block any more: drop its (zero) counts."""
-        counts = self._ns_resident.pop(namespace, None)
-        assert counts is None or not any(counts), f"an empty namespace holds {counts}"
-
-    def resident(self, tier: int) -> int:
-        """Number of blocks with a copy in `tier`."""
-        return self._resident[tier]
-
-    def resident_in(self, namespace: bytes, tier: int) -> int:
-        """Number of blocks of `namespace` with a copy in `tier`."""
-        counts = self._ns_resident.get(namespace)
-        return counts[tier] if counts is not None else 0
-
-    def namespaces_resident(self) -> dict[bytes, tuple[int, ...]]:
-        """Copies per tier of every namespace that holds blocks."""
-        return {namespace: tuple(counts) for namespace, counts in self._ns_resident.items()}
-
-    def set_floors(self, floors: dict[bytes, tuple[int, ...]]) -> None:
-        """Each namespace's floor per tier, in blocks (absent: 0). Empty: plain LRU."""
-        self.floors = dict(floors)
-
-    def evictable_share(self, tier: int, owner: bytes | None) -> int | None:
-        """With floors set: the most copies of `tier` that `victims(tier, owner)` may offer
-        (every namespace's copies above its floor, and all of `owner`'s); None without floors.
-        O(namespaces). Locks are not subtracted: the caller bounds by them."""
-        if not self.floors:
-            return None
-        total = 0
-        for namespace, counts in self._ns_resident.items():
-            floor = self.floors.get(namespace)
-            above = counts[tier] - (floor[tier] if floor is not None else 0)
-            total += counts[tier] if namespace == owner else max(0, above)
-        return total
+from kvtier.index.node import BlockRef, Node, Residency, VictimRun
 
 
 class CandidateSets:
@@ -212,7 +152,7 @@ def victim_runs(
     (the last k blocks, from the end, 0 <= k <= its length) and resumes, or stops iterating;
     if it took fewer than the run offered, the node is not offered again in this pass.
 
-    Cost: O(log candidates) per run offered, plus the lazy upkeep of the queue (`recency.py`).
+    Cost: O(log candidates) per run offered, plus the lazy upkeep of the queue (`RecencyQueue`).
     It reproduces the heap pass that `victims` ran before the queue existed, entry for entry:
     the pass heap holds, for each namespace that may give blocks, its least recent candidate
     not yet offered (taken from the queue as the previous one leaves the heap), plus the nodes
@@ -314,3 +254,100 @@ def _ranking(residency: Residency, tier: int, owner: bytes | None) -> Callable[[
 
 def _first(namespace: bytes) -> int:
     return 0
+
+
+Entry = tuple[int, int, Node]  # (tick, stamp, node)
+
+SLACK = 1024  # dead entries tolerated beyond twice the candidates before a rebuild
+
+
+class RecencyQueue:
+    def __init__(self, members: dict[Node, int]) -> None:
+        self._members = members  # the tier's candidate set: node -> stamp
+        self._heaps: dict[bytes, list[Entry]] = {}  # namespace -> entries, least recent first
+        self._pending: list[Entry] = []
+        self._lent: set[Node] = set()  # nodes taken out by the current (or last) pass
+        self.passes = 0
+
+    def add(self, node: Node, stamp: int) -> None:
+        """`node` became a candidate with `stamp`. O(1), amortised."""
+        self._pending.append((node.tick, stamp, node))
+        if len(self._pending) > 2 * len(self._members) + SLACK:
+            members = self._members  # keep the live entries: at most one per candidate
+            self._pending = [e for e in self._pending if members.get(e[2]) == e[1]]
+
+    def begin(self) -> int:
+        """Start a pass: what the last one took and `pending` join the heaps. Returns the
+        pass's number; a pass ends when the next begins."""
+        members = self._members
+        pending = self._pending
+        for node in self._lent:
+            stamp = members.get(node)
+            if stamp is not None:
+                pending.append((node.tick, stamp, node))
+        self._lent = set()
+        if sum(map(len, self._heaps.values())) + len(pending) > 2 * len(members) + SLACK:
+            self.rebuild()
+        else:
+            by_namespace: dict[bytes, list[Entry]] = defaultdict(list)
+            for entry in pending:
+                by_namespace[entry[2].root.ids].append(entry)
+            self._pending = []
+            for namespace, entries in by_namespace.items():
+                heap = self._heaps.setdefault(namespace, [])
+                if len(entries) * 8 > len(heap):
+                    heap.extend(entries)
+                    heapq.heapify(heap)
+                else:
+                    for entry in entries:
+                        heapq.heappush(heap, entry)
+        self.passes += 1
+        return self.passes
+
+    def rebuild(self) -> None:
+        """Heaps made afresh from the candidate set, dead entries gone. O(candidates)."""
+        heaps: dict[bytes, list[Entry]] = defaultdict(list)
+        for node, stamp in self._members.items():
+            heaps[node.root.ids].append((node.tick, stamp, node))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps = dict(heaps)
+        self._pending = []
+        self._lent = set()
+
+    def namespaces(self) -> list[bytes]:
+        """The namespaces whose heaps may hold candidates."""
+        return list(self._heaps)
+
+    def take(self, namespace: bytes) -> Entry | None:
+        """Remove and return the least recent candidate of `namespace` (its entry up to date),
+        lent to the current pass; None when it has none left."""
+        heap = self._heaps.get(namespace)
+        if heap is None:
+            return None
+        members, lent = self._members, self._lent
+        while heap:
+            tick, stamp, node = heap[0]
+            now = members.get(node)
+            if now is None or node in lent:
+                heapq.heappop(heap)
+            elif tick != node.tick or stamp != now:
+                heapq.heapreplace(heap, (node.tick, now, node))
+            else:
+                heapq.heappop(heap)
+                lent.add(node)
+                return tick, stamp, node
+        del self._heaps[namespace]
+        return None
+
+    def lent(self, node: Node) -> bool:
+        """Whether the current pass took `node` out of the queue."""
+        return node in self._lent
+
+    def unqueued(self) -> int:
+        """Candidates with no entry anywhere (the invariant says none). O(entries)."""
+        held = set(self._lent)
+        held.update(entry[2] for entry in self._pending)
+        for heap in self._heaps.values():
+            held.update(entry[2] for entry in heap)
+        return sum(1 for node in self._members if node not in held)

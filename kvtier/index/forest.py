@@ -51,8 +51,8 @@ from dataclasses import dataclass
 
 from kvtier.blocks import BlockHasher, BlockId, fresh_id
 from kvtier.errors import LeaseError
-from kvtier.index.eviction import CandidateSets, Residency
-from kvtier.index.node import InsertResult, LeaseId, Match, Node, Slot
+from kvtier.index.eviction import CandidateSets
+from kvtier.index.node import InsertResult, LeaseId, Match, Node, Residency, Slot
 
 
 class Forest:

@@ -26,7 +26,7 @@ What the index does, and what it leaves to its caller (the store):
 How it is built: `RadixIndex` walks keys (`lookup`, `match`) and records copies (`set_slot`,
 `clear_slot`, `drop`) itself, since those are the hot paths, per call and per block. The rest
 lives in named parts, public for `check.py` and `restore.py`: `forest` (`forest.py`: the roots,
-node and block counts, the structural edits: grow, split, detach), `residency` (`eviction.py`:
+node and block counts, the structural edits: grow, split, detach), `residency` (`node.py`:
 copies per tier and per namespace, floors) and `leases` (`forest.py`); the eviction candidates
 (`eviction.CandidateSets`) are refreshed by all of them. Reading along a path is `node.py`.
 
@@ -40,9 +40,9 @@ from collections.abc import Iterator, Sequence
 
 from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId
 from kvtier.index import node
-from kvtier.index.eviction import CandidateSets, Residency, victim_runs, victims
+from kvtier.index.eviction import CandidateSets, victim_runs, victims
 from kvtier.index.forest import Forest, LeaseTable
-from kvtier.index.node import BlockRef, InsertResult, Match, Node, PrefixHit, VictimRun
+from kvtier.index.node import BlockRef, InsertResult, Match, Node, PrefixHit, Residency, VictimRun
 
 
 class RadixIndex:
