@@ -21,9 +21,8 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.index import RadixIndex
 from kvtier.policy import write_policy
 from kvtier.recovery import recover
-from kvtier.reservations import ReservationTable
 from kvtier.status import TenantCounters
-from kvtier.tenancy import Namespaces, TenantShares
+from kvtier.tenancy import Namespaces, ReservationTable, TenantShares
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier

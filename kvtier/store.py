@@ -32,7 +32,7 @@ Contract:
 - Zero-copy writers (`reserve`, write the slots, `commit`) publish only what they wrote (DESIGN
   invariant 8): `commit` refuses (`NotWrittenError`) a slot that still holds a canary planted at
   `reserve`, and an expired reservation's slots stay allocated and unread in quarantine for
-  `policy.reservation_quarantine_s` before anyone else gets them (`reservations.py`).
+  `policy.reservation_quarantine_s` before anyone else gets them (`tenancy.py`).
 - Lease and reservation ids are random 63-bit numbers (`blocks.py`): they count nothing and are
   not guessable; another tenant's id is refused exactly like one never issued.
 """
@@ -153,7 +153,7 @@ class KVStore:
         one, so a slot never publishes what an earlier user left there. Unclaimed reservations
         expire like leases; their slots stay allocated in quarantine for
         `policy.reservation_quarantine_s`, so that a late writer writes where no one reads
-        (`reservations.py`)."""
+        (`tenancy.py`)."""
         key = encode_tokens(tokens)
         ttl = self._ttl(ttl_s)
         with self._lock:

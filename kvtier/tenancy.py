@@ -1,9 +1,9 @@
-"""What a tenant is to the store: its namespace seed, its quotas and its fair-share floors.
+"""What a tenant is to the store: its namespace seed, its quotas and floors, and its reservations.
 
 `Namespaces`: each tenant's namespace seed, and what a disk copy records about a block.
 
 A tenant's blocks hang from its own root in the index, keyed by a seed derived from the model's
-fingerprint and the tenant's salt (`hashing.tenant_salt`, keyed by the server secret): the same
+fingerprint and the tenant's salt (`blocks.tenant_salt`, keyed by the server secret): the same
 tokens give other block ids in another namespace (DESIGN invariant 6). The seeds are fixed when
 the store is built; nothing here changes afterwards.
 
@@ -12,13 +12,11 @@ its parent's id, its namespace seed, its tenant's identifier (never a secret) an
 The demoter, the mover and `persist` take this object rather than a callback into the store, so
 calls run down the floors (STYLE 14).
 
-Per-tenant quotas and fair-share floors (DESIGN invariant 9: no tenant pins a tier or
-evicts another below its floor).
-
-`TenantShares` is resolved once, when the store is built, from `tenants.<id>.quota` and
-`tenants.<id>.floor` and the slots of each tier (a size is whole blocks of it, rounded down; a
-fraction is of the tier's slots, rounded down). Unset values default to an equal split among
-the configured tenants: with n >= 2 tenants, each one's quota and floor in a tier are
+Quotas and fair-share floors (DESIGN invariant 9: no tenant pins a tier or evicts another
+below its floor). `TenantShares` is resolved once, when the store is built, from
+`tenants.<id>.quota`, `tenants.<id>.floor` and the slots of each tier (a size is whole blocks,
+a fraction is of the tier's slots, both rounded down). Unset values default to an equal split
+among the configured tenants: with n >= 2 tenants, each one's quota and floor in a tier are
 `slots // n`; a single tenant has no quota but the tiers themselves and no floor, so nothing
 changes for it. The floors of one tier must fit in it (`ConfigError` otherwise).
 
@@ -33,21 +31,66 @@ call raises `QuotaError` naming the tenant, the tier, what it asked and the limi
 Blocks it merely has cached are bounded by the tiers, not by its quota; the floor of each
 other tenant decides what its stores and prefetches may evict (`index/eviction.py`).
 
-Pure data and arithmetic: the store hands in the figures it reads from the index, the mover
-and the reservation table, under its lock.
+Pure data and arithmetic: the store hands in what it reads from the index, the mover and the
+reservations, under its lock.
+
+`ReservationTable`: the store's live reservations, and the quarantine of expired ones.
+
+A reservation (`KVStore.reserve`) holds, while it lives:
+- a pin: a lease that never expires (the index's `LeaseTable`) on the prefix it extends;
+- slots per tier, allocated in the pools but in no index node; the writer writes the slots of
+  its fastest tier (`Reservation.tier`), and under `write_through` the commit copies them to
+  host itself;
+- canaries in the writer's slots (`canaries.py`), planted before the reservation is returned.
+
+It ends in one of three ways, and only these:
+- commit (`take_written`): refused with `NotWrittenError` while a canary is left, and then
+  nothing changes: the reservation stays live, so its writer can still write and commit, or
+  abort (else it expires). Once every slot is written, the pin is released and the slots pass
+  to the caller, which publishes them (DESIGN invariant 8: a slot publishes only what its writer
+  wrote).
+- abort: the holder says it is done: pin released, slots freed at once.
+- expiry (`expire`, at `expires_at` of the store's clock): pin released; the slots go into
+  quarantine, still allocated (so no one else gets them, and `held` counts them), and are freed
+  `quarantine_s` later. A writer that lost the race with its deadline and still writes through
+  its mapped pool writes into slots that nobody reads; nothing it writes is ever published.
+  Residual risk, not fenced: a writer still writing `quarantine_s` after its reservation ended
+  writes into slots that may have been handed on (to a reservation, whose canaries it may
+  overwrite, or to a stored block). Only a client that maps the pools (the server's Unix user)
+  can do that, and `quarantine_s` (`policy.reservation_quarantine_s`) is a few lease TTLs.
+
+Ids are random (`blocks.py`): a reservation id tells nothing of other callers' reservations, and
+another tenant's id is refused exactly like an id that was never issued.
+
+Accounting: `held(tier)` is the slots of `tier` that live and quarantined reservations hold;
+the store's `check()` adds it to the index's residency and the mover's flights and compares the
+sum with each pool's used slots (DESIGN invariant 5); `check()` here verifies the table itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import heapq
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtier.blocks import BlockHasher, BlockId, tenant_salt
+from kvtier.blocks import BlockHasher, BlockId, fresh_id, tenant_salt
+from kvtier.canaries import Canaries
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError, QuotaError, UnknownTenantError
-from kvtier.index import BlockRef, RadixIndex
+from kvtier.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvariantError,
+    LeaseError,
+    NotWrittenError,
+    QuotaError,
+    UnknownTenantError,
+)
+from kvtier.index import BlockRef, LeaseId, LeaseTable, RadixIndex
+from kvtier.results import Reservation
 from kvtier.sizes import Capacity
 from kvtier.tiers.disk import BlockMeta
+from kvtier.tiers.pool import SlotPool
 
 QUOTA_TIERS = ("gpu", "host")
 """The tiers a tenant can hold slots in: leases and reservations never hold disk slots."""
@@ -181,3 +224,176 @@ class Namespaces:
             tenant=self._tenants.get(namespace, ""),
             tokens=ref.node.key[ref.i * kb : (ref.i + 1) * kb],
         )
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A live reservation: what its client was told, the namespace and key it extends (for the
+    commit), its pin, its slots per tier, and the canaries in the slots its writer writes."""
+
+    reservation: Reservation
+    namespace: BlockId
+    key: bytes
+    pin: LeaseId
+    slots: dict[int, list[int]]
+    canaries: Canaries
+
+
+@dataclass(frozen=True)
+class _Quarantined:
+    """Slots of an expired reservation, freed at `free_at` of the store's clock."""
+
+    free_at: float
+    tenant: str
+    slots: dict[int, list[int]]
+
+
+class ReservationTable:
+    def __init__(
+        self,
+        memory: Sequence[SlotPool],
+        leases: LeaseTable,
+        clock: Callable[[], float],
+        quarantine_s: float,
+    ) -> None:
+        """Reservations over the memory tiers `memory` (gpu, host), pinned in `leases`, timed
+        by `clock`; expired slots stay quarantined `quarantine_s` seconds. Not thread-safe: the
+        store's lock serialises calls."""
+        self._memory = memory
+        self._leases = leases
+        self._clock = clock
+        self.quarantine_s = quarantine_s
+        self._live: dict[int, Reserved] = {}
+        self._expiry: list[tuple[float, int]] = []  # (expires_at, id), stale entries skipped
+        self._quarantine: deque[_Quarantined] = deque()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def open(
+        self,
+        reservation: Reservation,
+        namespace: BlockId,
+        key: bytes,
+        pin: LeaseId,
+        slots: dict[int, list[int]],
+    ) -> Reservation:
+        """Start a reservation like `reservation` (its id is ignored) over `slots` per tier and
+        `pin`, which the table now owns: it plants canaries in the slots of the fastest tier
+        and returns the reservation with a fresh random id."""
+        tier = min(slots)
+        assert reservation.slots == tuple(slots[tier]), "the writer writes the fastest tier"
+        reservation = reservation._replace(reservation_id=fresh_id(self._live))
+        canaries = Canaries(self._memory[tier], slots[tier])
+        rid = reservation.reservation_id
+        self._live[rid] = Reserved(reservation, namespace, key, pin, slots, canaries)
+        heapq.heappush(self._expiry, (reservation.expires_at, rid))
+        return reservation
+
+    def get(self, reservation: Reservation | int, tenant: str | None = None) -> Reserved:
+        """The live reservation (of `tenant`, when given); `LeaseError` otherwise, the same
+        for another tenant's id as for one never issued. `InvalidArgumentError` for a non-id."""
+        rid = reservation.reservation_id if isinstance(reservation, Reservation) else reservation
+        if type(rid) is not int:
+            raise InvalidArgumentError(
+                f"reservation: got {reservation!r}, expected a Reservation or its id (int)"
+            )
+        entry = self._live.get(rid)
+        if entry is None or (tenant is not None and entry.reservation.tenant != tenant):
+            raise LeaseError(f"reservation {rid}: unknown, committed, aborted or expired")
+        return entry
+
+    def take_written(self, reservation: Reservation | int) -> Reserved:
+        """End a live reservation for its commit once its writer wrote every slot: release its
+        pin and hand its slots to the caller (who publishes or frees each). `NotWrittenError`,
+        and nothing changes, while a slot still holds a canary."""
+        entry = self.get(reservation)
+        unwritten = entry.canaries.unwritten()
+        if unwritten:
+            rid, tier = entry.reservation.reservation_id, entry.reservation.tier
+            raise NotWrittenError(
+                f"reservation {rid}: slots {unwritten} of tier {tier!r} were not written "
+                f"(of {list(entry.canaries.slots)}); write every block whole into its slot of "
+                f"the mapped pool, then commit (or abort); a client that does not map the pools "
+                f"sends its KV in the body (store)"
+            )
+        del self._live[entry.reservation.reservation_id]
+        self._leases.release(entry.pin)
+        return entry
+
+    def abort(self, reservation: Reservation | int) -> None:
+        """End a live reservation unwritten: release its pin, free its slots now."""
+        entry = self.get(reservation)
+        del self._live[entry.reservation.reservation_id]
+        self._leases.release(entry.pin)
+        self._free(entry.slots)
+
+    def expire(self) -> int:
+        """Quarantine the reservations whose time is up (pins released, slots kept) and free
+        the quarantined slots whose grace has passed; return how many reservations expired."""
+        if not self._expiry and not self._quarantine:
+            return 0
+        now = self._clock()
+        while self._quarantine and self._quarantine[0].free_at <= now:
+            self._free(self._quarantine.popleft().slots)
+        expired = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, rid = heapq.heappop(self._expiry)
+            entry = self._live.get(rid)
+            if entry is None or entry.reservation.expires_at != expires_at:
+                continue  # committed or aborted before its time
+            del self._live[rid]
+            self._leases.release(entry.pin)
+            self._quarantine.append(
+                _Quarantined(now + self.quarantine_s, entry.reservation.tenant, entry.slots)
+            )
+            expired += 1
+        return expired
+
+    def held(self, tier: int, tenant: str | None = None) -> int:
+        """Slots of `tier` that live and quarantined reservations (of `tenant`) hold."""
+        return self.live(tier, tenant) + self.quarantined(tier, tenant)
+
+    def live(self, tier: int, tenant: str | None = None) -> int:
+        """Slots of `tier` that live reservations (of `tenant`) hold."""
+        return sum(
+            len(entry.slots.get(tier, ()))
+            for entry in self._live.values()
+            if tenant is None or entry.reservation.tenant == tenant
+        )
+
+    def quarantined(self, tier: int, tenant: str | None = None) -> int:
+        """Slots of `tier` that expired reservations (of `tenant`) hold in quarantine."""
+        return sum(
+            len(held.slots.get(tier, ()))
+            for held in self._quarantine
+            if tenant is None or held.tenant == tenant
+        )
+
+    def pins(self) -> set[LeaseId]:
+        """The pins of the live reservations."""
+        return {entry.pin for entry in self._live.values()}
+
+    def check(self) -> None:
+        """Every pin is in the lease table; every held slot is allocated in its pool and held
+        once; `InvariantError` naming the first that is not."""
+        seen: set[tuple[int, int]] = set()
+        holders = [(f"reservation {rid}", e.slots) for rid, e in self._live.items()]
+        holders += [(f"quarantine until {q.free_at}", q.slots) for q in self._quarantine]
+        for name, slots in holders:
+            for tier, tier_slots in slots.items():
+                pool = self._memory[tier]
+                for slot in tier_slots:
+                    if (tier, slot) in seen or not pool.is_allocated(slot):
+                        raise InvariantError(
+                            f"{name}: {pool.name} slot {slot} is "
+                            f"{'held twice' if (tier, slot) in seen else 'free in the pool'}"
+                        )
+                    seen.add((tier, slot))
+        for rid, entry in self._live.items():
+            if entry.pin not in self._leases:
+                raise InvariantError(f"reservation {rid}: its pin {entry.pin} is not a lease")
+
+    def _free(self, slots: dict[int, list[int]]) -> None:
+        for tier, tier_slots in slots.items():
+            self._memory[tier].free(tier_slots)

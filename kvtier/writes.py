@@ -34,9 +34,8 @@ from kvtier.errors import QuotaError
 from kvtier.index import Match
 from kvtier.index.node import Node
 from kvtier.policy import WritePolicy
-from kvtier.reservations import ReservationTable, Reserved
 from kvtier.results import Reservation, StoreResult
-from kvtier.tenancy import TenantShares
+from kvtier.tenancy import ReservationTable, Reserved, TenantShares
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter

@@ -7,7 +7,7 @@ everything bit-exact, A keeps its floor on the gpu, and B learned nothing: no by
 in any answer B got, and no trace of A's activity in B's status.
 
 Assertions that rest on other parts of issue 11: a blind commit answers 409 `not_written`
-(canaries, `reservations.py`); `/metrics` and `/v1/config` answer 403 to a tenant key
+(canaries, `tenancy.py`); `/metrics` and `/v1/config` answer 403 to a tenant key
 (`service/app.py`). The rest is this suite's own (`tenancy.py`, `index/eviction.py`,
 `status.py`).
 """

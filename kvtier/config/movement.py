@@ -28,7 +28,7 @@ class PolicyConfig(Section):
     disk_admission_hits: Annotated[int, int_in(0)] = 1
     lease_ttl_s: Annotated[float, number_in(0.0, math.inf, "a finite number > 0")] = 60.0
     # an expired reservation's slots stay allocated this long, so that a late writer writes
-    # into slots nobody reads (`reservations.py`); a few lease TTLs
+    # into slots nobody reads (`tenancy.py`); a few lease TTLs
     reservation_quarantine_s: Annotated[float, number_in(0.0, 86400.0, "seconds in (0, 86400]")] = (
         300.0
     )
