@@ -114,6 +114,7 @@ class Parts:
                 admission,
                 background=config.mover.background,
             ),
+            store_wait_s=config.mover.store_wait_s,
         )
         self.mover = Mover(self.demoter, background, clock, settings)
         holds.extend((self.mover.reserved, self.reservations.held))

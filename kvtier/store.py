@@ -124,9 +124,12 @@ class KVStore:
         left the gpu) and, under `write_through`, to host as well. If no tier can make room for
         all of them (everything evictable is leased), nothing is stored and they are counted as
         dropped. Below a prefix that lives only on disk they go to disk: written in the
-        background (`pending_tokens`) with a background mover, in this call without one."""
+        background (`pending_tokens`) with a background mover, in this call without one. With
+        a background mover whose disk writes are behind, it first waits for them, at most
+        `mover.store_wait_s`, without holding the store's lock."""
         key = encode_tokens(tokens)
         check_kv(self.layout, kv, len(key) // TOKEN_NBYTES)
+        self.mover.throttle()  # a disk behind: wait for it (bounded, without the lock)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()

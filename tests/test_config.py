@@ -319,3 +319,13 @@ def test_parse_config_refuses_non_mappings_and_names_the_source() -> None:
         parse_config(["not", "a", "mapping"], source="request body")
     assert info.value.field == "<top level>"
     assert "request body" in str(info.value)
+
+
+def test_mover_store_wait_s_defaults_to_a_tenth_of_a_second_and_is_bounded() -> None:
+    assert parse_config({}).mover.store_wait_s == 0.1
+    for good in (0, 0.0, 2.5, 60):
+        assert parse_config({"mover": {"store_wait_s": good}}).mover.store_wait_s == good
+    for bad in (-0.1, 61, "1", True, float("nan"), None):
+        with pytest.raises(ConfigError) as info:
+            parse_config({"mover": {"store_wait_s": bad}})
+        assert "store_wait_s" in str(info.value) and "seconds in [0, 60]" in str(info.value)

@@ -34,9 +34,11 @@ from conftest import (
     tier,
 )
 
+from kvtier.config import KVTierConfig
 from kvtier.errors import CapacityError, LeaseError
 from kvtier.results import LeaseState
 from kvtier.store import KVStore
+from kvtier.transfer.copy import Ledger
 from kvtier.transfer.stepped import SteppedExecutor
 
 BLOCK = 512  # bytes of a tiny float32 block (conftest.build_store)
@@ -281,17 +283,24 @@ def test_prefetch_refuses_at_once_when_gpu_cannot_hold_the_prefix(stepped: Stepp
     store.release(held)
 
 
-def test_store_never_waits_on_a_slow_disk(tmp_path: Path, stepped: Stepped) -> None:
-    """Host over its watermark with a disk path that copies nothing until stepped: store()
-    returns at memory speed; what the tiers cannot take is dropped and counted, and everything
-    that stays is intact."""
-    config = disk_config(
-        tmp_path / "disk",
-        gpu_blocks=4,
-        host_blocks=8,
-        background=True,
-        host_watermarks=(0.5, 0.25),
+def store_wait(config: KVTierConfig, seconds: float) -> KVTierConfig:
+    """`config` with `mover.store_wait_s` set."""
+    mover = config.mover.model_copy(update={"store_wait_s": seconds})
+    return config.model_copy(update={"mover": mover})
+
+
+def slow_disk_config(path: Path) -> KVTierConfig:
+    """gpu 4 and host 8 blocks, host's watermarks (0.5, 0.25), a background mover."""
+    return disk_config(
+        path, gpu_blocks=4, host_blocks=8, background=True, host_watermarks=(0.5, 0.25)
     )
+
+
+def test_store_never_waits_on_a_slow_disk(tmp_path: Path, stepped: Stepped) -> None:
+    """Host over its watermark with a disk path that copies nothing until stepped, and
+    `store_wait_s: 0`: store() returns at memory speed; what the tiers cannot take is dropped
+    and counted, and everything that stays is intact."""
+    config = store_wait(slow_disk_config(tmp_path / "disk"), 0.0)
     executor = SteppedExecutor()
     store = KVStore(config, executor=executor)
     stepped.append((store, executor))
@@ -314,6 +323,59 @@ def test_store_never_waits_on_a_slow_disk(tmp_path: Path, stepped: Stepped) -> N
         assert same(loaded.kv, kv[:, :, : loaded.num_tokens])
         on_disk += store.lookup(seq(1000 * s, 8)).disk_tokens
     assert on_disk > 0, "the background mover wrote nothing to disk"
+
+
+def test_a_store_waits_for_a_disk_that_is_behind_at_most_store_wait_s(
+    tmp_path: Path, stepped: Stepped
+) -> None:
+    """The disk copies nothing until stepped: once host holds more unwritten blocks than its
+    high watermark while flights write them, a store waits `store_wait_s` (no longer), then
+    goes ahead as before."""
+    executor = SteppedExecutor()
+    store = KVStore(store_wait(slow_disk_config(tmp_path / "disk"), 0.3), executor=executor)
+    stepped.append((store, executor))
+    waited = []
+    for s in range(6):
+        started = time.monotonic()
+        store.store(seq(1000 * s, 8), kv_for(store, 8, seed=s))
+        waited.append(time.monotonic() - started)
+        store.check()
+    throttled = store.status()["mover"]["throttled_stores"]
+    assert throttled >= 1
+    assert sorted(waited)[-throttled] >= 0.3, f"stores took {waited}: none waited"
+    assert max(waited) < 0.3 + 2.0, f"stores took {waited}: a wait was not bounded"
+    drain_stepping(store, executor)
+    store.check()
+
+
+def test_a_store_that_waits_for_the_disk_drops_nothing(tmp_path: Path, stepped: Stepped) -> None:
+    """The same 24 blocks into 12 memory slots as above, the disk stepped on another thread
+    and stores allowed to wait: nothing is dropped, and every prompt comes back intact."""
+    executor = SteppedExecutor()
+    store = KVStore(store_wait(slow_disk_config(tmp_path / "disk"), 10.0), executor=executor)
+    stepped.append((store, executor))
+    kvs = {s: kv_for(store, 8, seed=s) for s in range(12)}
+    with stepping(executor):
+        for s, kv in kvs.items():
+            assert store.store(seq(1000 * s, 8), kv).dropped_tokens == 0
+            store.check()
+        assert store.drain(10)
+    status = store.status()
+    assert status["mover"]["backpressure_drops"] == 0
+    assert status["ops"]["dropped_tokens"] == 0
+    for s, kv in kvs.items():
+        loaded = store.load(seq(1000 * s, 8))
+        assert loaded.num_tokens == 8 and same(loaded.kv, kv)
+
+
+def test_recent_bandwidth_counts_overlapping_copies_time_once() -> None:
+    ledger = Ledger()
+    now = time.monotonic()
+    path = ("host", "disk")
+    ledger.record(path, 100, now - 4.0)  # [now-4, now] and, on another worker, [now-3, now]
+    ledger.record(path, 300, now - 3.0)
+    assert ledger.recent_bandwidth(path) == pytest.approx(400 / 4.0, rel=0.01)
+    assert ledger.recent_bandwidth(("gpu", "host")) == 0.0
 
 
 def test_background_demotion_keeps_host_under_its_watermark_through_a_real_disk(

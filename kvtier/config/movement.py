@@ -15,7 +15,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import model_validator
 
-from kvtier.config.fields import InvalidValue, Section, int_in, number_in, one_of
+from kvtier.config.fields import InvalidValue, Section, int_in, number_in, one_of, rule
 
 WriteMode = Literal["write_through", "write_back", "selective"]
 
@@ -48,10 +48,22 @@ class MoverConfig(Section):
 
     `background: true` copies on worker threads (CUDA streams for a CUDA gpu tier): prefetches
     return pending leases, watermark demotion and disk writes run behind the caller, and
-    `store()` never waits on the disk. `false` runs every copy in the calling thread, which is
-    deterministic (tests, replay)."""
+    `store()` does not wait on a disk that keeps up. `false` runs every copy in the calling
+    thread, which is deterministic (tests, replay).
+
+    `store_wait_s`: with a background mover and a disk tier, how long one `store()` may wait
+    (without the cache's lock, before it changes anything) while host holds more unwritten
+    blocks than its high watermark and the mover is writing them down; past it the store goes
+    ahead and what host cannot keep is dropped (`backpressure_drops`). 0 never waits. The
+    default, 0.1 s, lets a producer that outruns the disk be slowed to the disk's pace (the
+    writes of one host watermark's worth of blocks) instead of losing most of what it stores,
+    and bounds what a store can add to an engine's step."""
 
     background: Annotated[bool, one_of((True, False))] = True
     workers_per_path: Annotated[int, int_in(1, 64)] = 1
     layer_groups: Annotated[int, int_in(1, 1024)] = 4
     lift_on_lookup: Annotated[bool, one_of((True, False))] = False
+    store_wait_s: Annotated[
+        float,
+        rule(lambda v: type(v) in (int, float) and 0 <= v <= 60, "seconds in [0, 60]"),
+    ] = 0.1

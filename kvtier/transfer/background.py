@@ -15,6 +15,10 @@ Contract:
   they enter the index once durable. This is the one route for such blocks: in the background
   they are staged in host slots first (the caller may reuse its tensor), inline the flight runs
   in the call and reads the caller's blocks where they are (`tiers/staging.py`).
+- **Behind** (`behind`): host holds more unwritten blocks (their slowest copy there, or staged
+  for an insert) than its high watermark allows while they can be written down (flights in
+  the air, or a disk that takes writes); a store then waits for them, bounded
+  (`Mover.throttle`), rather than have host drop them.
 Thread: every method runs under the cache's lock.
 """
 
@@ -67,6 +71,7 @@ class Background:
         self.stage_inserts = self.count_inserts = settings.background
         self._pending_free = [0] * len(self.pools)  # slots demotion flights will free
         self._demoting = [0] * len(self.pools)  # demotion flights in flight per source tier
+        self._inserting = 0  # insert flights in flight
         self.stats = dict.fromkeys(("demote_flights", "insert_flights", "failed_blocks"), 0)
 
     # ---- watermark demotion ----------------------------------------------------------------
@@ -74,6 +79,20 @@ class Background:
     def pressure(self, tier: int) -> int:
         """Slots of `tier` in use, less those that demotion flights will free."""
         return self.pools[tier].num_used - self._pending_free[tier]
+
+    def behind(self) -> bool:
+        """Whether the tier above disk holds more unwritten blocks than its high watermark
+        allows while they are written down (module doc); False without a background mover or
+        a disk tier, and while no flight is in the air and the disk backs off after refused
+        writes (waiting would not help)."""
+        disk = self.state.disk
+        if not self.stage_inserts or disk is None:
+            return False
+        tier = DISK - 1
+        if not self._demoting[tier] and not self._inserting and not disk.accepting_writes():
+            return False
+        unwritten = self.index.residency.only_in(tier) + self.flights.reserved(tier)
+        return unwritten > self.watermarks[tier][0] * self.pools[tier].num_slots
 
     def keep_watermarks(self) -> None:
         if not self.stage_inserts:  # inline: room is made on demand only
@@ -208,12 +227,14 @@ class Background:
         )
         self.flights.add(flight)
         self.stats["insert_flights"] += 1
+        self._inserting += 1
         self.runner.launch(flight, flight.write)
         return flight
 
     def publish_insert(self, flight: InsertFlight) -> None:
         """The leading blocks that became durable enter the index (those someone stored
         meanwhile excepted); every other disk slot and the staging slots are freed."""
+        self._inserting -= 1
         slots = flight.dst.pop(DISK)
         self.state.free(HOST, flight.dst.pop(HOST, []))
         self.index.leases.release(flight.pin.lease_id)

@@ -28,6 +28,7 @@ Disk copies go through the disk tier's parallel, group-committed I/O path.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import defaultdict, deque
@@ -108,12 +109,17 @@ class Ledger:
 
     def recent_bandwidth(self, path: tuple[str, str], window_s: float = 60.0) -> float:
         """Bytes per second of copying on `path`, over the copies that ended in the last
-        `window_s` seconds (time spent copying, not wall time): 0.0 when there were none."""
+        `window_s` seconds: their bytes over the time at least one of them ran (copies that
+        overlap, on several workers, count their common time once; idle time not at all). 0.0
+        when there were none."""
         horizon = time.monotonic() - window_s
         with self._lock:
-            recent = [(n, s) for end, n, s in self._recent.get(path, ()) if end >= horizon]
-        seconds = sum(s for _, s in recent)
-        return sum(n for n, _ in recent) / seconds if seconds > 0 else 0.0
+            recent = [(e - s, e, n) for e, n, s in self._recent.get(path, ()) if e >= horizon]
+        busy, reach = 0.0, -math.inf  # time covered so far, and where the covered time ends
+        for start, end, _ in sorted(recent):
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        return sum(n for _, _, n in recent) / busy if busy > 0 else 0.0
 
 
 class InlineExecutor:

@@ -15,6 +15,10 @@ Contract:
 - With an `InlineExecutor` (`mover.background: false`), every flight runs inside the call that
   plans it and is published before the call returns, through the same code.
 - `reserved(tier)` counts the slots flights own: the store's `check()` adds it to residency.
+- `throttle()` (a store calls it before taking the cache's lock) waits, at most
+  `store_wait_s` and without the lock, while the work is behind (`Background.behind`): each
+  published flight wakes it to look again. Before each look it publishes finished flights and
+  plans demotions over watermarks, as the thread would; it stores nothing.
 - The thread wakes on every completion (a done callback, or a CUDA event it polls while copies
   run) and at least every `IDLE_WAKE_S`; it holds the mover only while it works, so a store
   dropped without `close()` is collected and its thread ends.
@@ -66,6 +70,7 @@ class MoverSettings:
     background: bool  # a thread publishes; copies run on `executor` behind the caller
     prefetch: PrefetchSettings
     work: BackgroundSettings
+    store_wait_s: float = 0.0  # the longest a store waits in `throttle` (`mover.store_wait_s`)
 
 
 class Mover:
@@ -101,10 +106,12 @@ class Mover:
         }
         self._finished: deque[Flight] = deque()  # copies done, to publish (any thread appends)
         self._unpublished: list[Flight] = []  # finished, waiting for flights they joined
-        self.stats = dict.fromkeys(("failed_flights", "step_errors"), 0)
+        self.stats = dict.fromkeys(("failed_flights", "step_errors", "throttled_stores"), 0)
+        self.store_wait_s = settings.store_wait_s if settings.background else 0.0
         self.last_error = ""
         self._wake = threading.Event()
         self._drained = threading.Event()  # set whenever a flight finishes (for `drain`)
+        self._published = threading.Event()  # set whenever a flight is published (`throttle`)
         self._stop = False
         self._thread: threading.Thread | None = None
         if settings.background:
@@ -144,6 +151,27 @@ class Mover:
         self.reap()
         return len(flight.write.src_slots), flight.kept if flight.published else 0
 
+    def throttle(self) -> None:
+        """Wait, at most `store_wait_s` and without the cache's lock (the caller must not hold
+        it), while the work is behind (module doc). Any thread; nothing changes."""
+        if self.store_wait_s <= 0:
+            return
+        deadline = 0.0
+        while True:
+            self._published.clear()  # before looking: a flight published after it wakes us
+            with self.lock:
+                self.reap()  # flights done: publish them, and plan the next ones down now
+                self.work.keep_watermarks()
+                if not self.work.behind():
+                    return
+                now = time.monotonic()
+                if not deadline:
+                    deadline = now + self.store_wait_s
+                    self.stats["throttled_stores"] += 1
+            if now >= deadline:
+                return
+            self._published.wait(deadline - now)
+
     def note_lookup(self, namespace: BlockId, key: bytes) -> None:
         self.prefetcher.note_lookup(namespace, key)
         self._wake.set()
@@ -180,6 +208,7 @@ class Mover:
         flight.published = True
         self.flights.discard(flight)
         self._publishers[type(flight)](flight)
+        self._published.set()
         if flight.failed:
             self.stats["failed_flights"] += 1
             self.last_error = flight.failed

@@ -97,13 +97,15 @@ def _expected(problem: str) -> str:
     )
 
 
-def check_superblock(path: Path, geometry: dict[str, Any]) -> None:
+def check_superblock(path: Path, geometry: dict[str, Any]) -> bool:
     """Write the superblock of a new directory; refuse a directory of another geometry, or
-    one whose superblock is damaged (`DamagedDiskError`)."""
+    one whose superblock is damaged (`DamagedDiskError`). Whether the directory was new: it
+    had neither a superblock nor any slab file (nor a link named like one) before."""
     have = read_superblock(path, "tiers.disk.path")
     if have is None:
+        new = not any(os.path.lexists(found) for found in path.glob("slab-*.kvt"))
         write_atomically(path / SUPERBLOCK, json.dumps(geometry).encode())
-        return
+        return new
     if have != geometry:
         raise ConfigError(
             "tiers.disk.path",
@@ -111,6 +113,7 @@ def check_superblock(path: Path, geometry: dict[str, Any]) -> None:
             f"a directory of this layout and geometry ({geometry}), found {have}; "
             "use another path or delete this one",
         )
+    return False
 
 
 def open_slabs(

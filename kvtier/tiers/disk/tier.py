@@ -27,7 +27,9 @@ Contract:
 - `read_blocks` verifies each copy (header checksum, expected block id, layout, payload
   checksum, codec); a copy that fails is reported so and counted, never returned.
 - `scan()` reads every header region and returns the valid copies; the store rebuilds its index
-  from them (`index/restore.py`) and hands back the slots it keeps.
+  from them (`index/restore.py`) and hands back the slots it keeps. A tier whose directory had
+  no superblock and no slab when it opened (its slabs were just created, zero-filled) and that
+  has written no copy since skips the reads: every slot is empty.
 - The directory is private and the tier's alone: created 0700 (one any group or other user can
   write is refused, `private_files.private_dir`), locked for the tier's life (`lock.py`: a
   second store on it is refused, naming the holder's pid), its files opened without following
@@ -121,7 +123,8 @@ class DiskTier:
                 "layout": self.layout.fingerprint.hex(),
                 "itemsize": self.layout.itemsize,
             }
-            check_superblock(self.path, geometry)
+            # a new directory: its slabs are created now, zero-filled, and hold no copy
+            self._unwritten = check_superblock(self.path, geometry)
             self._slab_files = open_slabs(
                 self.path, fit, self.slot_bytes, self.slots_per_slab, self.direct, self.faults
             )
@@ -216,6 +219,7 @@ class DiskTier:
         `[n, *block_shape]` tensor or n block tensors (e.g. views of pool slots, written in
         place when they are page-aligned). See `copies.py`."""
         self._ensure_open()
+        self._unwritten = False
         return self._writer.write_blocks(slots, blocks, metas)
 
     def read_blocks(
@@ -233,8 +237,12 @@ class DiskTier:
     def scan(self, progress: bool | None = None) -> ScanReport:
         """Read every header region; the valid copies of this layout, and what was not valid.
         The progress goes to stderr when `progress`, or when None and stderr is a terminal.
-        New copies are numbered above every copy found. See `scan.py`."""
+        New copies are numbered above every copy found. See `scan.py`. A tier whose
+        directory was new when it opened, and that has written nothing since, holds no copy:
+        every slot is reported empty without a read."""
         self._ensure_open()
+        if self._unwritten:
+            return ScanReport(empty=self.num_slots)
         show = sys.stderr.isatty() if progress is None else progress
         report = scan_slots(
             self._slabs, self.header_region, self.layout.fingerprint, self._health, show
