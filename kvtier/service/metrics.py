@@ -16,7 +16,7 @@ latency is the service's own (a histogram per route). Names:
     kvtier_hit_rate                                      hit tokens / looked-up tokens
     kvtier_mover_{in_flight,queued_transfers,pending_leases}     gauges
     kvtier_mover_flights_total{kind}                     prefetch, demote, insert
-    kvtier_mover_{failed_flights,backpressure_drops}_total       counters
+    kvtier_mover_{failed_flights,backpressure_drops,throttled_stores}_total  counters
     kvtier_prefetch_to_ready_seconds{quantile}           p50 / p99 of recent prefetches
     kvtier_request_seconds{route}                        histogram of request latency
     kvtier_client_disconnects_total                      clients that hung up mid-body
@@ -163,7 +163,7 @@ def _mover(mover: dict[str, Any]) -> Iterator[Any]:
     for kind in ("prefetch", "demote", "insert"):
         flights.add_metric([kind], mover[f"{kind}_flights"])
     yield flights
-    for field in ("failed_flights", "backpressure_drops"):
+    for field in ("failed_flights", "backpressure_drops", "throttled_stores"):
         counter = CounterMetricFamily(f"kvtier_mover_{field}", f"Mover: {field}")
         counter.add_metric([], mover[field])
         yield counter
