@@ -23,7 +23,9 @@ one `pool.free` per block) over the same store's index and pools, under the stor
 Each repetition builds the cache afresh for each side, sides alternating; it first times
 `CALLS` calls that free 63 blocks each, then one call that frees half of what is left. Prints
 medians over the repetitions: ms per bulk call, ns per block freed, us per 63-block call, and
-old / new. Run: `python benchmarks/bench_evict.py [--quick] [--reps N]`.
+old / new. Times are CPU time of the process (`time.process_time`), the same clock for both
+sides, so that other processes sharing the machine do not blur the ratio.
+Run: `python benchmarks/bench_evict.py [--quick] [--reps N]`.
 """
 
 from __future__ import annotations
@@ -159,14 +161,14 @@ def measure(free: Callable[[int], int], total: int) -> tuple[float, float]:
     """(median s per 63-block call over CALLS calls, s for one call freeing half the rest)."""
     calls = []
     for _ in range(CALLS):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         assert free(63) == 63
-        calls.append(time.perf_counter() - t0)
+        calls.append(time.process_time() - t0)
     half = (total - 63 * CALLS) // 2
     gc.collect()
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     assert free(half) == half
-    return statistics.median(calls), time.perf_counter() - t0
+    return statistics.median(calls), time.process_time() - t0
 
 
 def report(

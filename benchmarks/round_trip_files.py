@@ -42,11 +42,7 @@ def main() -> None:
     recording = threading.Event()
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if (
-            event == "call"
-            and recording.is_set()
-            and frame.f_code.co_filename.startswith(package)
-        ):
+        if event == "call" and recording.is_set() and frame.f_code.co_filename.startswith(package):
             seen.add(str(Path(frame.f_code.co_filename).relative_to(package)))
 
     sys.setprofile(profile)

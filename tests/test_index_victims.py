@@ -164,7 +164,8 @@ class World:
     def take(self, ref: BlockRef, tier: int) -> None:
         node, i = ref
         if tier == LOWEST or not any(node.slots[t][i] is not None for t in range(tier, 3)):
-            self.ix.drop(ref)
+            if not any(node.locks or ()):  # as `decide`: a leaf locked in any tier is skipped
+                self.ix.drop(ref)
             return
         if all(node.slots[t][i] is None for t in range(tier + 1, 3)):
             self.ix.set_slot(ref, tier + 1, self.fresh())
@@ -291,3 +292,26 @@ def test_a_pass_stopped_early_leaves_every_candidate_queued() -> None:
         ix.block_id(BlockRef(ix.root(NS).children[key(p)], 0))  # type: ignore[index]
         for p in ("B", "C", "D")
     ]
+
+
+def test_clear_tail_is_clear_slot_from_the_end_and_stops_where_closure_would() -> None:
+    """Blocks A..E on gpu, each with a host copy but D, which has a disk one: clearing gpu
+    copies from the end takes E, then stops at D (it would sit on disk above E on host), in
+    one edit as one at a time: the same slots, depth and counts."""
+    one, bulk = new_index(), new_index()
+    for ix in (one, bulk):
+        ix.insert(ix.match(NS, key("ABCDE")), key("ABCDE"), {GPU: [0, 1, 2, 3, 4]})
+        for i, tier in enumerate((HOST, HOST, HOST, DISK, HOST)):
+            ix.set_slot(BlockRef(ix.root(NS).children[key("A")], i), tier, 10 + i)  # type: ignore[index]
+    node = one.root(NS).children[key("A")]  # type: ignore[index]
+    freed = []
+    for i in (4, 3, 2):
+        if not one.can_clear(BlockRef(node, i), GPU):
+            break
+        freed.append(one.clear_slot(BlockRef(node, i), GPU))
+    assert freed == [4]
+    assert bulk.clear_tail(bulk.root(NS).children[key("A")], GPU, 3) == freed  # type: ignore[index]
+    bulk.check()
+    assert [bulk.resident(t) for t in (GPU, HOST, DISK)] == [4, 4, 1]
+    assert bulk.root(NS).children[key("A")].depth == node.depth == [4, 5, 5]  # type: ignore[index]
+    assert bulk.clear_tail(bulk.root(NS).children[key("A")], GPU, 1) == []  # type: ignore[index]

@@ -163,6 +163,7 @@ def victim_runs(
     token = queue.begin()
     start = sets.stamp + 1  # stamps of the candidates the queue holds are below it
     rank = _ranking(residency, tier, owner)
+    floors = bool(residency.floors)
     first: dict[bytes, int | None] = {}  # each namespace's rank when the pass began
     heap: list[tuple[int, int, int, Node]] = []  # (rank, tick, seq, node)
     queued: set[Node] = set()
@@ -196,7 +197,7 @@ def victim_runs(
             feed(node.root.ids)
         if node not in members or node in skipped:
             continue
-        now = rank(node.root.ids)
+        now = rank(node.root.ids) if floors else 0
         if now is None:
             continue
         if node.tick != tick or now != was:  # used again, or its namespace fell to its floor
@@ -207,7 +208,8 @@ def victim_runs(
         hi = node.depth[tier]
         count = min(longest, hi - (node.depth[tier - 1] if tier else 0))
         if count > 1:
-            count = min(count, _above_floor(residency, node.root.ids, tier, was))
+            if floors:
+                count = min(count, _above_floor(residency, node.root.ids, tier, was))
             if heap and (heap[0][0], heap[0][1]) <= (was, tick):  # a tie, or one to re-key
                 count = 1
         size, parent = node.size, node.parent

@@ -9,8 +9,8 @@ block) and the counts of nodes and blocks, and makes the edits that add or remov
 - `split` cuts a node in two where a matched prefix ends inside it;
 - `cut` removes the last k blocks of a leaf in one edit (`RadixIndex.drop_tail`, `drop`);
 - `detach` unhooks a leaf that `cut` emptied, and the namespace root when that was its last
-  node;
-- `adopt` takes in nodes that a builder outside hung already (`restore.py`).
+  node.
+(`restore.adopt` takes in nodes that recovery hung already.)
 
 Invariants each edit keeps (`check.py` recomputes them): a node hangs from its parent under the
 key of its first block; `parent.child_res[t]` counts the children with a block in tier <= t; a
@@ -48,11 +48,12 @@ import heapq
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 from kvtier.blocks import BlockHasher, BlockId, fresh_id
 from kvtier.errors import LeaseError
 from kvtier.index.eviction import CandidateSets
-from kvtier.index.node import InsertResult, LeaseId, Match, Node, Residency, Slot
+from kvtier.index.node import InsertResult, LeaseId, Match, Node, Residency, Slot, slowest_counts
 
 
 class Forest:
@@ -190,50 +191,28 @@ class Forest:
         """Remove the last `count` blocks of `node`, a leaf (`RadixIndex.drop_tail`), uncounted
         and the node detached when that is all of it; return the freed slots per tier."""
         keep = node.size - count
-        freed = [[s for s in fields[keep:] if s is not None] for fields in node.slots]
-        namespace = node.root.ids
-        for tier, slots in enumerate(freed):
+        freed: list[list[Slot]] = []  # no None in them: a list with one is filtered
+        namespace, residency = node.root.ids, self.residency
+        for tier, fields in enumerate(node.slots):
+            slots = fields[keep:] if keep else fields  # all of it: the node leaves the tree
+            if None in slots:
+                slots = [s for s in slots if s is not None]
             if slots:
-                self.residency.add(namespace, tier, -len(slots))
-        for i in range(keep, node.size):
-            self.residency.slowest_moved(node.slowest(i), -1)
+                residency.add(namespace, tier, -len(slots))
+            freed.append(slots)
+        residency.slowest_counted(slowest_counts(node.slots, keep, keep + count), -1)
         self.num_blocks -= count
         if keep == 0:
             assert node.parent is not None
             self.detach(node, node.parent)
-            return freed
+            return cast("list[list[int]]", freed)
         for fields in node.slots:
             del fields[keep:]
         node.key = node.key[: keep * self.key_nbytes]
         node.ids = node.ids[: keep * self.digest_size]
         node.depth = [min(d, keep) for d in node.depth]  # closure: the first depth[t] are <= t
         self.candidates.refresh(node)
-        return freed
-
-    def adopt(self, root: Node, nodes: list[Node]) -> None:
-        """Take in `nodes`, built and hung below `root` by a caller outside the index (each in
-        its parent's `children`, its slots and `depth` set): register the namespace, count the
-        nodes, blocks and copies, and set the parents' `child_res` and every candidacy."""
-        if not nodes:
-            return
-        self.roots.setdefault(root.ids, root)
-        for node in nodes:
-            parent = node.parent
-            assert parent is not None
-            for tier, depth in enumerate(node.depth):
-                if depth:
-                    parent.child_res[tier] += 1
-        namespace = root.ids
-        for node in nodes:
-            self.candidates.refresh(node)
-            self.num_blocks += node.size
-            for tier, fields in enumerate(node.slots):
-                copies = sum(1 for slot in fields if slot is not None)
-                if copies:
-                    self.residency.add(namespace, tier, copies)
-            for i in range(node.size):
-                self.residency.slowest_moved(-1, node.slowest(i))
-        self.num_nodes += len(nodes)
+        return cast("list[list[int]]", freed)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,5 @@
-"""One node of the radix index, the references to its blocks, reading along a path, and the
-tally of the copies that nodes hold.
-
-One node of the radix index: a run of consecutive blocks with no branch inside it.
+"""One node of the radix index (a run of consecutive blocks with no branch inside it), the
+references to its blocks, reading along a path, and the tally of the copies that nodes hold.
 
 A node holds `n` blocks (path compression): their token bytes `key` (n * key_nbytes), their
 ids `ids` (n * digest_size) and, per tier, a list of n slot fields. A block has a copy in tier t
@@ -151,6 +149,31 @@ class Node:
         return f"Node(size={self.size}, depth={self.depth}, tick={self.tick})"
 
 
+def slowest_counts(slots: list[list[Slot]], lo: int, hi: int) -> list[int]:
+    """Blocks lo..hi-1 counted by the tier of their slowest copy (index: tier; a block with no
+    copy is not counted). O(tiers) list scans in C when the slowest tier holding any of them
+    holds all, else O((hi - lo) * tiers)."""
+    counts = [0] * len(slots)
+    left: list[int] | None = None  # positions whose slowest copy is not found yet; None: all
+    for tier in range(len(slots) - 1, -1, -1):
+        tail = slots[tier][lo:hi]
+        if left is None:
+            missing = tail.count(None)
+            counts[tier] = len(tail) - missing
+            if missing == len(tail):
+                continue
+            if not missing:
+                break
+            left = [j for j, slot in enumerate(tail) if slot is None]
+        else:
+            still = [j for j in left if tail[j] is None]
+            counts[tier] = len(left) - len(still)
+            left = still
+            if not left:
+                break
+    return counts
+
+
 def depth_of(slots: list[list[Slot]]) -> list[int]:
     """`depth` computed from slot fields (see the module docstring). O(n * tiers)."""
     num_tiers = len(slots)
@@ -160,6 +183,61 @@ def depth_of(slots: list[list[Slot]]) -> list[int]:
         for tier in range(fastest, num_tiers):
             depth[tier] += 1
     return depth
+
+
+def can_clear(ref: BlockRef, tier: int) -> bool:
+    """Whether removing the `tier` copy of a block keeps prefix closure: the block keeps
+    another copy, and if `tier` was its fastest, no child block depends on it being there."""
+    node, i = ref
+    if node.slots[tier][i] is None:
+        return False
+    others = [t for t, fields in enumerate(node.slots) if t != tier and fields[i] is not None]
+    if not others:
+        return False
+    new_fastest = others[0]
+    if tier > new_fastest or node.fastest(i) != tier:
+        return True
+    if i + 1 < node.size:
+        return node.fastest(i + 1) >= new_fastest
+    return all(node.child_res[t] == 0 for t in range(tier, new_fastest))
+
+
+def next_fastest(slots: list[list[Slot]], tier: int, lo: int, hi: int) -> list[int]:
+    """For each of blocks lo..hi-1, the fastest tier after `tier` holding a copy of it (the
+    number of tiers: none). O(tiers) list scans when one tier holds a copy of each."""
+    news = [len(slots)] * (hi - lo)
+    left: Sequence[int] = range(hi - lo)  # positions whose next copy is not found yet
+    for lower in range(tier + 1, len(slots)):
+        fields = slots[lower][lo:hi]
+        if len(left) == len(news) and None not in fields:
+            return [lower] * len(news)
+        for j in left:
+            if fields[j] is not None:
+                news[j] = lower
+        left = [j for j in left if fields[j] is None]
+    return news
+
+
+def clearable_tail(node: Node, tier: int, news: list[int]) -> int:
+    """How many of the last `len(news)` blocks of `node`'s run in `tier` (the blocks whose
+    fastest copy is there), from the end, `can_clear` allows in a row, each once the ones
+    after it are gone; `news`: their `next_fastest`. E.g. news [disk, host, host] and no
+    child: 2 (block 0 may not sit on disk below block 1 on host)."""
+    hi, count, num_tiers = node.depth[tier], len(news), len(node.slots)
+    assert count <= hi - (node.depth[tier - 1] if tier else 0)
+    if hi < node.size:
+        bound = node.fastest(hi)  # each cleared block's new fastest must not pass the next's
+    else:
+        bound = next((t for t in range(tier, num_tiers) if node.child_res[t]), num_tiers)
+    if news and news.count(news[0]) == count:
+        return count if news[0] <= bound and news[0] < num_tiers else 0
+    taken = 0
+    for new in reversed(news):
+        if new > bound or new == num_tiers:
+            break
+        bound = new
+        taken += 1
+    return taken
 
 
 LeaseId = NewType("LeaseId", int)
@@ -270,6 +348,13 @@ class Residency:
             self._only[old] -= count
         if new >= 0:
             self._only[new] += count
+
+    def slowest_counted(self, counts: Sequence[int], sign: int) -> None:
+        """Blocks counted by the tier of their slowest copy (`slowest_counts`) gained (sign
+        +1) or lost (-1) that copy as their slowest."""
+        only = self._only
+        for tier, count in enumerate(counts):
+            only[tier] += sign * count
 
     def only_in(self, tier: int) -> int:
         """Blocks whose slowest copy is in `tier`: its copies with nothing below them."""

@@ -14,7 +14,8 @@ What the index does, and what it leaves to its caller (the store):
 - `set_slot`/`clear_slot`/`drop`/`drop_tail` record copies that the caller has made or freed.
   The caller makes a copy complete before `set_slot` (DESIGN invariant 1) and frees the pool
   slots that `clear_slot`/`drop`/`drop_tail` return. Each asserts that prefix closure
-  (invariant 3) still holds. `drop_tail` removes a leaf node's last k blocks in one edit.
+  (invariant 3) still holds. `drop_tail` removes a leaf node's last k blocks in one edit;
+  `clear_tail` and `add_copies` forget or record one tier's copies of a run in one edit.
 - `victims(tier, owner)` (see `eviction.py`) proposes least-recently-used leaves of a tier,
   with fair shares: a namespace at or under its floor (`set_floors`) gives blocks last;
   `victim_runs` proposes the same blocks as runs of one node, for callers that free in bulk.
@@ -37,12 +38,25 @@ store serialises calls.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId
 from kvtier.index import node
 from kvtier.index.eviction import CandidateSets, victim_runs, victims
 from kvtier.index.forest import Forest, LeaseTable
-from kvtier.index.node import BlockRef, InsertResult, Match, Node, PrefixHit, Residency, VictimRun
+from kvtier.index.node import (
+    BlockRef,
+    InsertResult,
+    Match,
+    Node,
+    PrefixHit,
+    Residency,
+    VictimRun,
+    can_clear,
+    clearable_tail,
+    next_fastest,
+    slowest_counts,
+)
 
 
 class RadixIndex:
@@ -117,7 +131,7 @@ class RadixIndex:
             if node is None:
                 break
             size = len(node.key) // kb
-            matched = size if key.startswith(node.key, pos) else self._common_blocks(node, key, pos)
+            matched = size if key.startswith(node.key, pos) else common_blocks(node, key, pos, kb)
             if matched < size:
                 node = self.forest.split(node, matched)
             node.tick = tick
@@ -147,9 +161,7 @@ class RadixIndex:
             if child is None:
                 break
             size = len(child.key) // kb
-            matched = (
-                size if key.startswith(child.key, pos) else self._common_blocks(child, key, pos)
-            )
+            matched = size if key.startswith(child.key, pos) else common_blocks(child, key, pos, kb)
             if matched < size:
                 child = self.forest.split(child, matched)
             child.tick = self._tick
@@ -159,18 +171,6 @@ class RadixIndex:
             if matched < size:
                 break
         return Match(node, pos // kb)
-
-    def _common_blocks(self, node: Node, key: bytes, pos: int) -> int:
-        """Whole blocks of `node.key` equal to `key[pos:]`; the first is known to match."""
-        kb = self.key_nbytes
-        lo, hi = 1, min(len(node.key), len(key) - pos) // kb  # lo blocks match; > hi cannot
-        while lo < hi:  # binary search on the length of the common prefix, in blocks
-            mid = (lo + hi + 1) // 2
-            if key.startswith(node.key[: mid * kb], pos):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     path = staticmethod(node.path)
     blocks = staticmethod(node.blocks)
@@ -217,27 +217,13 @@ class RadixIndex:
         if tier > slowest:
             self.residency.slowest_moved(slowest, tier)
         if tier < old:
-            self._shift_depth(node, i, tier, old, +1)
+            shift_depth(self._candidates, node, i, tier, old, +1)
 
-    def can_clear(self, ref: BlockRef, tier: int) -> bool:
-        """Whether removing the `tier` copy of a block keeps prefix closure: the block keeps
-        another copy, and if `tier` was its fastest, no child block depends on it being there."""
-        node, i = ref
-        if node.slots[tier][i] is None:
-            return False
-        others = [t for t, fields in enumerate(node.slots) if t != tier and fields[i] is not None]
-        if not others:
-            return False
-        new_fastest = others[0]
-        if tier > new_fastest or node.fastest(i) != tier:
-            return True
-        if i + 1 < node.size:
-            return node.fastest(i + 1) >= new_fastest
-        return all(node.child_res[t] == 0 for t in range(tier, new_fastest))
+    can_clear = staticmethod(can_clear)
 
     def clear_slot(self, ref: BlockRef, tier: int) -> int:
         """Forget the `tier` copy of a block (see `can_clear`); return its slot to free."""
-        assert self.can_clear(ref, tier), "clearing this copy would break prefix closure"
+        assert can_clear(ref, tier), "clearing this copy would break prefix closure"
         node, i = ref
         old = node.fastest(i)
         slot = node.slots[tier][i]
@@ -249,22 +235,59 @@ class RadixIndex:
             self.residency.slowest_moved(tier, slowest)
         new = node.fastest(i)
         if new != old:
-            self._shift_depth(node, i, old, new, -1)
+            shift_depth(self._candidates, node, i, old, new, -1)
         else:
             self._candidates.refresh(node)
         return slot
 
-    def _shift_depth(self, node: Node, i: int, lo: int, hi: int, delta: int) -> None:
-        """Block i's fastest tier moved between `lo` and `hi`: depth[lo:hi] changes by delta."""
-        for tier in range(lo, hi):
-            node.depth[tier] += delta
-            if i == 0 and node.depth[tier] == (1 if delta > 0 else 0):
-                parent = node.parent
-                assert parent is not None
-                parent.child_res[tier] += delta
-        if i == 0:
-            self._candidates.refresh(node.parent)  # type: ignore[arg-type]
+    def clear_tail(self, node: Node, tier: int, count: int) -> list[int]:
+        """Forget the `tier` copies of the last blocks of `node`'s run in `tier`, at most
+        `count`, from the end while `can_clear` allows (`node.clearable_tail`), in one edit, as
+        `clear_slot` would one at a time; return their slots, the last block's first, to free
+        (none: nothing changed). O(count + tiers) when the next tier holds a copy of each.
+
+            gpu  [3 4 5 6]   depth [4, 4]   clear_tail(node, gpu, 2)   gpu  [3 4 - -]
+            host [7 8 9 10]                 -> [6, 5]                  depth [2, 4]
+        """
+        hi = node.depth[tier]
+        news = next_fastest(node.slots, tier, hi - count, hi)
+        count = clearable_tail(node, tier, news)
+        if not count:
+            return []
+        news, lo = news[len(news) - count :], hi - count
+        fields = node.slots[tier]
+        freed = fields[lo:hi]
+        freed.reverse()
+        fields[lo:hi] = [None] * count
+        self.residency.add(node.root.ids, tier, -count)  # each keeps its slowest copy
+        depth = node.depth
+        had = [d > 0 for d in depth]
+        for new in set(news):  # each block's fastest copy moves from `tier` to `new`
+            moved = news.count(new)
+            for t in range(tier, new):
+                depth[t] -= moved
+        if lo == 0:
+            parent = node.parent
+            assert parent is not None
+            for t in range(tier, len(depth)):
+                parent.child_res[t] -= had[t] and not depth[t]
+            self._candidates.refresh(parent)
         self._candidates.refresh(node)
+        return cast("list[int]", freed)  # the run had a copy of each in `tier`
+
+    def add_copies(self, node: Node, tier: int, lo: int, slots: list[int]) -> None:
+        """Record complete copies in `tier` of blocks lo, lo + 1, ... of `node` (one slot each),
+        none of which has one there yet and each of which has a faster copy (copies made
+        down: no depth moves): `set_slot` for each, in one edit. O(count + tiers) usually."""
+        hi = lo + len(slots)
+        fields = node.slots[tier]
+        assert tier and node.depth[tier - 1] >= hi, "a copy down: each block has a faster one"
+        assert fields[lo:hi].count(None) == len(slots), f"a block has a {self.tiers[tier]} copy"
+        residency = self.residency
+        residency.slowest_counted(slowest_counts(node.slots, lo, hi), -1)
+        fields[lo:hi] = slots
+        residency.slowest_counted(slowest_counts(node.slots, lo, hi), +1)
+        residency.add(node.root.ids, tier, len(slots))
 
     def drop(self, ref: BlockRef) -> list[tuple[int, int]]:
         """Remove a leaf block (the last block of a node without children, not locked) from
@@ -281,24 +304,15 @@ class RadixIndex:
             node[b0 b1 b2 b3 b4]   drop_tail(node, 2)   node[b0 b1 b2]
         """
         assert node.parent is not None and node.children is None and 0 < count <= node.size
-        assert not any(node.locked(t) for t in range(len(self.tiers))), "dropping a leased block"
+        assert not any(node.locks or ()), "dropping a leased block"
         return self.forest.cut(node, count)
 
     def drop_subtree(self, ref: BlockRef) -> list[tuple[int, int]]:
         """Remove a block and everything cached below it, leaf-first (e.g. a copy found corrupt
         takes its descendants with it: they would be orphans). Nothing in it may be locked.
         Returns the freed copies as (tier, slot) pairs."""
-        node, i = ref
-        below: list[Node] = []  # pre-order: every node before its descendants
-        stack = list(node.children.values()) if node.children else []
-        while stack:
-            child = stack.pop()
-            below.append(child)
-            stack.extend(child.children.values() if child.children else ())
-        tails = [(child, child.size) for child in reversed(below)]
-        tails.append((node, node.size - i))
         freed: list[tuple[int, int]] = []
-        for tail, count in tails:
+        for tail, count in subtree_tails(ref):
             for tier, slots in enumerate(self.drop_tail(tail, count)):
                 freed += [(tier, slot) for slot in slots]
         return freed
@@ -326,10 +340,6 @@ class RadixIndex:
         node; after a run the caller frees a suffix of it (`eviction.victim_runs`)."""
         return victim_runs(self._candidates, self.residency, tier, owner)
 
-    def evictable_share(self, tier: int, owner: bytes | None) -> int | None:
-        """With floors, the most copies of `tier` that `victims(tier, owner)` may offer."""
-        return self.residency.evictable_share(tier, owner)
-
     def candidates(self, tier: int) -> dict[Node, int]:
         """The nodes offering a `tier` victim, with their entry stamps; the live set."""
         return self._candidates.of(tier)
@@ -345,3 +355,43 @@ class RadixIndex:
         from kvtier.index.check import check_index
 
         check_index(self)
+
+
+def common_blocks(node: Node, key: bytes, pos: int, kb: int) -> int:
+    """Whole blocks (`kb` bytes each) of `node.key` equal to `key[pos:]`; the first matches."""
+    lo, hi = 1, min(len(node.key), len(key) - pos) // kb  # lo blocks match; > hi cannot
+    while lo < hi:  # binary search on the length of the common prefix, in blocks
+        mid = (lo + hi + 1) // 2
+        if key.startswith(node.key[: mid * kb], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def shift_depth(
+    candidates: CandidateSets, node: Node, i: int, lo: int, hi: int, delta: int
+) -> None:
+    """Block i's fastest tier moved between `lo` and `hi`: depth[lo:hi] changes by delta (and
+    the parent's `child_res` with it, when i is the first block); candidacy refreshed."""
+    for tier in range(lo, hi):
+        node.depth[tier] += delta
+        if i == 0 and node.depth[tier] == (1 if delta > 0 else 0):
+            parent = node.parent
+            assert parent is not None
+            parent.child_res[tier] += delta
+    if i == 0:
+        candidates.refresh(node.parent)  # type: ignore[arg-type]
+    candidates.refresh(node)
+
+
+def subtree_tails(ref: BlockRef) -> list[tuple[Node, int]]:
+    """What `drop_subtree(ref)` removes, leaf-first: (node, its last k blocks to drop)."""
+    node, i = ref
+    below: list[Node] = []  # pre-order: every node before its descendants
+    stack = list(node.children.values()) if node.children else []
+    while stack:
+        child = stack.pop()
+        below.append(child)
+        stack.extend(child.children.values() if child.children else ())
+    return [(child, child.size) for child in reversed(below)] + [(node, node.size - i)]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.blocks import BlockId
-from kvtier.index.node import Node, Slot, depth_of
+from kvtier.index.forest import Forest
+from kvtier.index.node import Node, Slot, depth_of, slowest_counts
 
 if TYPE_CHECKING:
     from kvtier.index.radix import RadixIndex
@@ -82,10 +83,36 @@ def restore_namespace(
             restored.extend(chain)
             if len(chain) == good:  # the whole chain verified: its last block may branch
                 stack.append((node, ids[-ds:]))
-    index.forest.adopt(root, created)
+    adopt(index.forest, root, created)
     seen = {id(e) for e in restored} | {id(e) for e in bad}
     orphans = [e for e in everything if id(e) not in seen]
     return RestoreReport(restored, orphans, bad)
+
+
+def adopt(forest: Forest, root: Node, nodes: list[Node]) -> None:
+    """Have `forest` take in `nodes`, built and hung below `root` here (each in its parent's
+    `children`, its slots and `depth` set): register the namespace, count the nodes, blocks
+    and copies, and set the parents' `child_res` and every candidacy (`forest.py`'s
+    invariants)."""
+    if not nodes:
+        return
+    forest.roots.setdefault(root.ids, root)
+    for node in nodes:
+        parent = node.parent
+        assert parent is not None
+        for tier, depth in enumerate(node.depth):
+            if depth:
+                parent.child_res[tier] += 1
+    namespace, residency = root.ids, forest.residency
+    for node in nodes:
+        forest.candidates.refresh(node)
+        forest.num_blocks += node.size
+        for tier, fields in enumerate(node.slots):
+            copies = len(fields) - fields.count(None)
+            if copies:
+                residency.add(namespace, tier, copies)
+        residency.slowest_counted(slowest_counts(node.slots, 0, node.size), +1)
+    forest.num_nodes += len(nodes)
 
 
 def _verified_prefix(index: RadixIndex, parent_id: bytes, chain: list[RestoreEntry]) -> int:

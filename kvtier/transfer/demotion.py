@@ -25,7 +25,9 @@ Demotion: freeing slots of a tier now, for a call that needs them (the synchrono
 the tier, never leased or pinned, as runs of one node's tail) until the tier's pool has `n` free
 slots, and acts on each as `decide` says (clear / copy down / drop / skip), a run at a time
 where the whole run takes one action: a run dropped is one `drop_tail`, a run copied down is
-one `Transfer` of its blocks after one `make_room` below for all of them; anything else (a
+one `Transfer` of its blocks after one `make_room` below for all of them (the index learns
+the copies in one `add_copies`), a run cleared (after its copy down, or having a slower copy
+already) is one `clear_tail`; anything else (a
 mixed run, a copy that cannot get its room below) goes block by block. So freeing k blocks
 costs O(k) plus O(log candidates) per run, whatever the size of the cache. A copy to disk
 takes the victim's neighbours along: the blocks of the same node that will be evicted next and
@@ -41,11 +43,12 @@ freed only after the index has forgotten it.
 shares let `owner` take) before it moves anything, so that a call refused for room leaves the
 cache as it was; only then does it make room, fastest tier first.
 
-The store calls it when an allocation needs room (and, without a background mover, when a tier
-passes its high watermark); the background mover (`background.py`) makes the same decisions in
-flights. With `sync_disk` off (background mode) a copy down to disk is never made here, in the
+The store calls it when an allocation needs room (with an inline mover, the only way a block
+leaves a tier); the background mover (`background.py`) makes the same decisions in flights.
+With `sync_disk` off (background mode) a copy down to disk is never made here, in the
 caller's thread: a leaf that would need one is dropped instead and counted in
-`backpressure_drops`, so that `store()` never waits on the disk; and before any such drop, the
+`backpressure_drops`, so that `store()` does not wait on the disk here (a store may wait before
+it starts, at most `mover.store_wait_s`: `Mover.throttle`); and before any such drop, the
 tier's clean leaves (those with a disk copy already) are freed first. `reserved(tier)` is the
 number of slots of a tier held outside the index (flights' and reservations'); room-making
 leaves them out.
@@ -63,7 +66,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.index import BlockRef, Node
-from kvtier.index.node import VictimRun
+from kvtier.index.node import VictimRun, slowest_counts
 from kvtier.tiers.disk import DiskTier
 from kvtier.transfer.copy import Transfer
 from kvtier.transfer.shared import CacheState, Runner, TierCounters
@@ -131,6 +134,16 @@ def record_copies(
     (`refs`: its blocks now); every other destination slot is freed. Returns how many it
     learned."""
     lower, pool = copy.lower, state.pools[copy.lower]
+    node, first = refs[0] if refs else (None, 0)
+    if (
+        node is not None
+        and all(ok)
+        and all(ref.node is node and ref.i == first + k for k, ref in enumerate(refs))
+        and node.depth[lower - 1] >= first + len(refs)  # each still has a faster copy
+        and node.slots[lower][first : first + len(refs)].count(None) == len(refs)
+    ):  # one run of a node, all copied: the index learns them in one edit
+        state.index.add_copies(node, lower, first, copy.dst)
+        return len(refs)
     learned = 0
     for ref, slot, good in zip(refs, copy.dst, ok, strict=True):
         if good and ref.node.slots[lower][ref.i] is None:
@@ -227,9 +240,9 @@ class Demoter:
         ones gone when its turn comes, if it is one for all (COPY: one that this path may make);
         None when they differ (CLEAR: each has a slower copy; `can_clear` decides in turn)."""
         num_tiers, lower = len(self.pools), tier + 1
-        slower = [any(f[i] is not None for f in node.slots[lower:]) for i in range(lo, hi)]
-        if any(slower):
-            return Action.CLEAR if all(slower) else None
+        slower = sum(slowest_counts(node.slots, lo, hi)[lower:])  # blocks with a slower copy
+        if slower:
+            return Action.CLEAR if slower == hi - lo else None
         leaf_tail = node.children is None and hi == node.size
         if lower < num_tiers and (node.hits >= self.admission[lower] or not leaf_tail):
             return None if self._refuses(lower) else Action.COPY
@@ -253,25 +266,17 @@ class Demoter:
             return False
         copy = plan_copy_down(self.state, batch, tier, lower)
         record_copies(self.state, copy, batch, self.runner.run(copy.transfer))
-        freed = []
-        i = hi - 1
-        while i >= lo and node.slots[lower][i] is not None:
-            freed.append(self.index.clear_slot(BlockRef(node, i), tier))
-            i -= 1
-        self.pools[tier].free(freed)
-        self.counters[tier].demotions += len(freed)
+        self._clear_run(node, lo, hi, tier)  # stops at the last block left without a copy below
         return True
 
     def _clear_run(self, node: Node, lo: int, hi: int, tier: int) -> None:
-        """Forget the `tier` copies of blocks hi-1, ..., lo of `node` (each has a slower one),
-        from the end while closure allows, and free their slots in one call."""
-        freed = []
-        i = hi - 1
-        while i >= lo and self.index.can_clear(BlockRef(node, i), tier):
-            freed.append(self.index.clear_slot(BlockRef(node, i), tier))
-            i -= 1
-        self.pools[tier].free(freed)
-        self.counters[tier].demotions += len(freed)
+        """Forget the `tier` copies of blocks hi-1, ..., lo of `node`, the tail of its run in
+        `tier`, from the end while each has a slower copy and closure allows, in one edit, and
+        free their slots in one call."""
+        freed = self.index.clear_tail(node, tier, hi - lo)
+        if freed:
+            self.pools[tier].free(freed)
+            self.counters[tier].demotions += len(freed)
 
     def _refuses(self, lower: int) -> bool:
         """Whether a copy into `lower` is a disk write this synchronous path may not make."""
@@ -301,7 +306,7 @@ class Demoter:
         shares, at most those that `owner` may take (above floors, or its own)."""
         pool = self.pools[tier]
         free = pool.num_used - self.index.leases.locked_blocks(tier) - self.reserved(tier)
-        share = self.index.evictable_share(tier, owner)
+        share = self.index.residency.evictable_share(tier, owner)
         return free if share is None else min(free, share)
 
     def _demote(self, ref: BlockRef, tier: int, owner: bytes | None, may_copy: bool = True) -> None:
