@@ -271,11 +271,11 @@ def test_a_run_is_a_whole_tail_and_one_drop_tail_frees_it() -> None:
     runs = ix.victim_runs(GPU)
     run = next(runs)
     assert (run.node.key[: len(key("C"))], run.lo, run.hi) == (key("C"), 0, 4)
-    assert ix.drop_tail(run.node, 2) == [[22, 23]]
+    assert ix.drop_tail(run.node, 2) == [[23, 22]]  # last block first
     ix.check()
     run = next(runs)  # it took fewer than offered: the node waits for the next pass
     assert run.node.key[: len(key("B"))] == key("B") and (run.lo, run.hi) == (0, 4)
-    assert ix.drop_tail(run.node, 4) == [[10, 11, 12, 13]]
+    assert ix.drop_tail(run.node, 4) == [[13, 12, 11, 10]]
     ix.check()
     assert ix.num_blocks == 6 and ix.resident(GPU) == 6
 

@@ -189,12 +189,14 @@ class Forest:
 
     def cut(self, node: Node, count: int) -> list[list[int]]:
         """Remove the last `count` blocks of `node`, a leaf (`RadixIndex.drop_tail`), uncounted
-        and the node detached when that is all of it; return the freed slots per tier."""
+        and the node detached when that is all of it; return the freed slots per tier, last
+        block first (as dropping them one by one would: freed in that order, a pool hands them
+        out again in their first order, so runs of slots stay runs for slice copies)."""
         keep = node.size - count
         freed: list[list[Slot]] = []  # no None in them: a list with one is filtered
         namespace, residency = node.root.ids, self.residency
         for tier, fields in enumerate(node.slots):
-            slots = fields[keep:] if keep else fields  # all of it: the node leaves the tree
+            slots = fields[: keep - 1 if keep else None : -1]  # the tail, last block first
             if None in slots:
                 slots = [s for s in slots if s is not None]
             if slots:

@@ -298,8 +298,8 @@ class RadixIndex:
 
     def drop_tail(self, node: Node, count: int) -> list[list[int]]:
         """Remove the last `count` blocks of a leaf node (no children, not locked) in one edit,
-        the node itself when that is all of it; return the freed slots per tier (index: tier),
-        for the caller to free. O(count + tiers), whatever the node's size.
+        the node itself when that is all of it; return the freed slots per tier (index: tier,
+        last block first), for the caller to free. O(count + tiers), whatever the node's size.
 
             node[b0 b1 b2 b3 b4]   drop_tail(node, 2)   node[b0 b1 b2]
         """
