@@ -193,6 +193,8 @@ class Forest:
         block first (as dropping them one by one would: freed in that order, a pool hands them
         out again in their first order, so runs of slots stay runs for slice copies)."""
         keep = node.size - count
+        if count == 1 and keep:  # one block off a node that stays: the per-block hot path
+            return self._cut_last(node)
         freed: list[list[Slot]] = []  # no None in them: a list with one is filtered
         namespace, residency = node.root.ids, self.residency
         for tier, fields in enumerate(node.slots):
@@ -215,6 +217,31 @@ class Forest:
         node.depth = [min(d, keep) for d in node.depth]  # closure: the first depth[t] are <= t
         self.candidates.refresh(node)
         return cast("list[list[int]]", freed)
+
+    def _cut_last(self, node: Node) -> list[list[int]]:
+        """`cut(node, 1)` of a node that keeps blocks, without the slices of the general case."""
+        namespace, residency = node.root.ids, self.residency
+        freed: list[list[int]] = []
+        num_tiers = len(node.slots)
+        fastest = slowest = num_tiers
+        for tier, fields in enumerate(node.slots):
+            slot = fields.pop()
+            if slot is None:
+                freed.append([])
+                continue
+            freed.append([slot])
+            residency.add(namespace, tier, -1)
+            fastest = min(fastest, tier)
+            slowest = tier
+        residency.slowest_moved(slowest if slowest < num_tiers else -1, -1)
+        self.num_blocks -= 1
+        node.key = node.key[: -self.key_nbytes]
+        node.ids = node.ids[: -self.digest_size]
+        depth = node.depth
+        for tier in range(fastest, num_tiers):  # closure: the block was in these tiers' runs
+            depth[tier] -= 1
+        self.candidates.refresh(node)
+        return freed
 
 
 @dataclass(frozen=True)
