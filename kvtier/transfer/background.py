@@ -68,7 +68,7 @@ class Background:
         self.runner = runner
         self.watermarks = list(settings.watermarks)
         self.admission = list(settings.admission)
-        self.stage_inserts = self.count_inserts = settings.background
+        self.background = settings.background  # watermark work, staged and late-counted inserts
         self._pending_free = [0] * len(self.pools)  # slots demotion flights will free
         self._demoting = [0] * len(self.pools)  # demotion flights in flight per source tier
         self._inserting = 0  # insert flights in flight
@@ -86,7 +86,7 @@ class Background:
         a disk tier, and while no flight is in the air and the disk backs off after refused
         writes (waiting would not help)."""
         disk = self.state.disk
-        if not self.stage_inserts or disk is None:
+        if not self.background or disk is None:
             return False
         tier = DISK - 1
         if not self._demoting[tier] and not self._inserting and not disk.accepting_writes():
@@ -95,7 +95,7 @@ class Background:
         return unwritten > self.watermarks[tier][0] * self.pools[tier].num_slots
 
     def keep_watermarks(self) -> None:
-        if not self.stage_inserts:  # inline: room is made on demand only
+        if not self.background:  # inline: room is made on demand only
             return
         for tier in range(len(self.watermarks)):
             if tier + 1 < len(self.pools):
@@ -190,7 +190,7 @@ class Background:
         assert disk is not None
         # the pin keeps room-making off the prefix these blocks extend
         pin = self.index.leases.acquire(match.end, (DISK,), math.inf, 0, resident=False)
-        needs = {HOST: count, DISK: count} if self.stage_inserts else {DISK: count}
+        needs = {HOST: count, DISK: count} if self.background else {DISK: count}
         if not self.demoter.room(needs, bytes(namespace)):
             self.index.leases.release(pin.lease_id)
             return None
@@ -210,7 +210,7 @@ class Background:
             for i in range(count)
         )
         source: SlotPool = host
-        if self.stage_inserts:  # the caller may reuse `blocks` once its call returns
+        if self.background:  # the caller may reuse `blocks` once its call returns
             stage = host.allocate(count)
             host.write(stage, blocks)
         else:  # the call waits for the write: read the caller's blocks where they are
@@ -219,7 +219,7 @@ class Background:
         flight = InsertFlight(
             pin=pin,
             positions=[],
-            dst={HOST: stage, DISK: dst} if self.stage_inserts else {DISK: dst},
+            dst={HOST: stage, DISK: dst} if self.background else {DISK: dst},
             namespace=bytes(namespace),
             key=key[: (start + count) * kb],
             first_block=start,
@@ -253,7 +253,7 @@ class Background:
             slots = slots[:first] + slots[first + keep :]
         self.state.free(DISK, slots)
         flight.kept = keep
-        if self.count_inserts:
+        if self.background:
             self.state.ops["stored_tokens"] += keep * self.index.block_tokens
         lost = len(ok) - good
         if lost:

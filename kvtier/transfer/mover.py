@@ -160,6 +160,8 @@ class Mover:
         while True:
             self._published.clear()  # before looking: a flight published after it wakes us
             with self.lock:
+                if not self.work.behind():  # the common case: nothing more to do here
+                    return
                 self.reap()  # flights done: publish them, and plan the next ones down now
                 self.work.keep_watermarks()
                 if not self.work.behind():
