@@ -89,7 +89,7 @@ def check_index(index: RadixIndex) -> None:
                         )
                     prev = fastest
                 for i in range(node.size):
-                    only[node.slowest(i)] += 1
+                    only[node.copies(i)[-1]] += 1
                 for tier, fields in enumerate(node.slots):
                     for slot in fields:
                         if slot is not None:

@@ -72,6 +72,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from typing import cast
 
 from kvtier.index.node import BlockRef, Node, Residency, VictimRun
 
@@ -136,19 +137,14 @@ def victims(
     candidates during it wait for the next. A pass ends when the next pass of the tier begins:
     it must not be resumed after that.
     """
-    for run in victim_runs(sets, residency, tier, owner, longest=1):
-        yield BlockRef(run.node, run.lo)
+    return cast("Iterator[BlockRef]", _offers(sets, residency, tier, owner, runs=False))
 
 
 def victim_runs(
-    sets: CandidateSets,
-    residency: Residency,
-    tier: int,
-    owner: bytes | None = None,
-    longest: int = 2**62,
+    sets: CandidateSets, residency: Residency, tier: int, owner: bytes | None = None
 ) -> Iterator[VictimRun]:
-    """The victims of `victims`, in the same order, as runs of at most `longest` blocks of one
-    node (module doc). After each run the caller removes the `tier` copies of a suffix of it
+    """The victims of `victims`, in the same order, as runs of blocks of one node (module
+    doc). After each run the caller removes the `tier` copies of a suffix of it
     (the last k blocks, from the end, 0 <= k <= its length) and resumes, or stops iterating;
     if it took fewer than the run offered, the node is not offered again in this pass.
 
@@ -158,6 +154,14 @@ def victim_runs(
     not yet offered (taken from the queue as the previous one leaves the heap), plus the nodes
     pushed back during the pass, which go after every candidate of the same rank and tick.
     """
+    return cast("Iterator[VictimRun]", _offers(sets, residency, tier, owner, runs=True))
+
+
+def _offers(
+    sets: CandidateSets, residency: Residency, tier: int, owner: bytes | None, runs: bool
+) -> Iterator[VictimRun | BlockRef]:
+    """The pass of `victim_runs` (`runs`) or `victims` (runs of one block, as `BlockRef`s:
+    one generator, no wrapper, for the per-block callers)."""
     queue = sets.queue(tier)
     members = sets.of(tier)
     token = queue.begin()
@@ -190,8 +194,12 @@ def victim_runs(
             feed(namespace)
     seq = start
     skipped: set[Node] = set()
-    while heap:
-        was, tick, order, node = heapq.heappop(heap)
+    held: tuple[int, int, int, Node] | None = None  # one pass-heap entry kept out of `heap`
+    while heap or held is not None:
+        if held is not None and (not heap or held < heap[0]):
+            (was, tick, order, node), held = held, None
+        else:
+            was, tick, order, node = heapq.heappop(heap)
         queued.discard(node)
         if order < start:  # a queue entry left the heap: its namespace's next one joins
             feed(node.root.ids)
@@ -206,14 +214,17 @@ def victim_runs(
             queued.add(node)
             continue
         hi = node.depth[tier]
-        count = min(longest, hi - (node.depth[tier - 1] if tier else 0))
+        count = hi - (node.depth[tier - 1] if tier else 0) if runs else 1
         if count > 1:
             if floors:
                 count = min(count, _above_floor(residency, node.root.ids, tier, was))
-            if heap and (heap[0][0], heap[0][1]) <= (was, tick):  # a tie, or one to re-key
+            top = heap[0] if heap else None
+            if held is not None and (top is None or held < top):
+                top = held
+            if top is not None and (top[0], top[1]) <= (was, tick):  # a tie, or one to re-key
                 count = 1
         size, parent = node.size, node.parent
-        yield VictimRun(node, hi - count, hi)
+        yield VictimRun(node, hi - count, hi) if runs else BlockRef(node, hi - 1)
         assert queue.passes == token, "a victims pass resumed after another began"
         if node.parent is not None:
             taken = hi - node.depth[tier]
@@ -222,11 +233,15 @@ def victim_runs(
                 continue
         for nxt in (node, parent):
             if nxt is not None and nxt in members and nxt not in skipped and not waiting(nxt):
-                level = rank(nxt.root.ids)
+                level = rank(nxt.root.ids) if floors else 0
                 if level is not None:
-                    heapq.heappush(heap, (level, nxt.tick, seq, nxt))
+                    entry = (level, nxt.tick, seq, nxt)
                     seq += 1
                     queued.add(nxt)
+                    if held is None:  # the common case, a node that gives its next block,
+                        held = entry  # costs a compare instead of a push and a pop
+                    else:
+                        heapq.heappush(heap, entry)
 
 
 def _above_floor(residency: Residency, namespace: bytes, tier: int, rank: int) -> int:

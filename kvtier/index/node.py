@@ -134,12 +134,9 @@ class Node:
                 return tier
         return len(self.slots)
 
-    def slowest(self, i: int) -> int:
-        """Index of the slowest tier holding block i; -1 when none does."""
-        for tier in range(len(self.slots) - 1, -1, -1):
-            if self.slots[tier][i] is not None:
-                return tier
-        return -1
+    def copies(self, i: int) -> list[int]:
+        """The tiers holding a copy of block i, fastest first."""
+        return [tier for tier, fields in enumerate(self.slots) if fields[i] is not None]
 
     def fastest_last(self) -> int:
         """`fastest` of the last block; 0 for a namespace root, below which any tier may hang."""
@@ -185,18 +182,18 @@ def depth_of(slots: list[list[Slot]]) -> list[int]:
     return depth
 
 
-def can_clear(ref: BlockRef, tier: int) -> bool:
+def can_clear(ref: BlockRef, tier: int, held: list[int] | None = None) -> bool:
     """Whether removing the `tier` copy of a block keeps prefix closure: the block keeps
-    another copy, and if `tier` was its fastest, no child block depends on it being there."""
+    another copy, and if `tier` was its fastest, no child block depends on it being there.
+    `held`: the block's `copies`, when the caller has them."""
     node, i = ref
-    if node.slots[tier][i] is None:
+    if held is None:
+        held = node.copies(i)
+    if tier not in held or len(held) < 2:
         return False
-    others = [t for t, fields in enumerate(node.slots) if t != tier and fields[i] is not None]
-    if not others:
-        return False
-    new_fastest = others[0]
-    if tier > new_fastest or node.fastest(i) != tier:
+    if tier != held[0]:
         return True
+    new_fastest = held[1]
     if i + 1 < node.size:
         return node.fastest(i + 1) >= new_fastest
     return all(node.child_res[t] == 0 for t in range(tier, new_fastest))

@@ -204,18 +204,22 @@ class RadixIndex:
         """Record a complete copy of a block in `tier`. If it becomes the block's fastest copy,
         the block's parent must already have a copy in `tier` or faster (prefix closure)."""
         node, i = ref
-        assert node.slots[tier][i] is None, f"block already has a {self.tiers[tier]} copy"
+        slots = node.slots
+        assert slots[tier][i] is None, f"block already has a {self.tiers[tier]} copy"
         old = node.fastest(i)
         if tier < old:
             parent = node.parent
             assert parent is not None
             before = node.fastest(i - 1) if i else parent.fastest_last()
             assert before <= tier, "promotion must bring whole prefixes: parent block is slower"
-        slowest = node.slowest(i)
-        node.slots[tier][i] = slot
+        below = tier + 1
+        while below < len(slots) and slots[below][i] is None:
+            below += 1
+        if below == len(slots):  # no copy below it: it becomes the block's slowest
+            held = node.copies(i)
+            self.residency.slowest_moved(held[-1] if held else -1, tier)
+        slots[tier][i] = slot
         self.residency.add(node.root.ids, tier, +1)
-        if tier > slowest:
-            self.residency.slowest_moved(slowest, tier)
         if tier < old:
             shift_depth(self._candidates, node, i, tier, old, +1)
 
@@ -223,19 +227,18 @@ class RadixIndex:
 
     def clear_slot(self, ref: BlockRef, tier: int) -> int:
         """Forget the `tier` copy of a block (see `can_clear`); return its slot to free."""
-        assert can_clear(ref, tier), "clearing this copy would break prefix closure"
         node, i = ref
-        old = node.fastest(i)
-        slot = node.slots[tier][i]
+        held = node.copies(i)
+        assert can_clear(ref, tier, held), "clearing this copy would break prefix closure"
+        fields = node.slots[tier]
+        slot = fields[i]
         assert slot is not None
-        node.slots[tier][i] = None
+        fields[i] = None
         self.residency.add(node.root.ids, tier, -1)
-        slowest = node.slowest(i)
-        if tier > slowest:
-            self.residency.slowest_moved(tier, slowest)
-        new = node.fastest(i)
-        if new != old:
-            shift_depth(self._candidates, node, i, old, new, -1)
+        if tier == held[-1]:  # it was the slowest copy: the next slower one is now
+            self.residency.slowest_moved(tier, held[-2])
+        if tier == held[0]:  # it was the fastest: the block's fastest moves down to held[1]
+            shift_depth(self._candidates, node, i, tier, held[1], -1)
         else:
             self._candidates.refresh(node)
         return slot
