@@ -61,7 +61,7 @@ import secrets
 import struct
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, NewType, Protocol
 
 import numpy as np
@@ -120,9 +120,10 @@ class KVLayout:
     def pool_shape(self, num_slots: int) -> tuple[int, int, int, int, int, int]:
         return (num_slots, *self.block_shape)
 
-    @property
+    @cached_property
     def fingerprint(self) -> bytes:
-        """16 bytes naming the model and every field that changes the bytes of a block."""
+        """16 bytes naming the model and every field that changes the bytes of a block
+        (computed once: every disk copy written or read compares it)."""
         text = (
             f"kvtier-layout/v1|{self.model_name}|{self.num_layers}|{self.num_kv_heads}|"
             f"{self.head_dim}|{self.dtype_name}|{self.block_tokens}"

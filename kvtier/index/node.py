@@ -318,9 +318,7 @@ def refs_at(end: Node, positions: Sequence[int]) -> list[BlockRef]:
 
 def namespace_of(node: Node) -> BlockId:
     """The namespace (seed) of the tree `node` hangs in."""
-    while node.parent is not None:
-        node = node.parent
-    return BlockId(node.ids)
+    return BlockId(node.root.ids)
 
 
 class Residency:

@@ -102,7 +102,26 @@ class BlockHeader:
             if type(value) is not kind:
                 raise _bad_field(name, value, kind.__name__)
         digest = len(self.block_id)
-        rules = (
+        if not (  # every rule of `_rules` at once; the messages are built only on a failure
+            digest in DIGEST_SIZES
+            and len(self.parent_id) == digest
+            and len(self.namespace) == digest
+            and 1 <= len(self.tenant) <= MAX_TENANT_CHARS
+            and len(self.layout) == LAYOUT_FINGERPRINT_BYTES
+            and _is_token_bytes(self.tokens)
+            and 1 <= len(self.codec) <= MAX_CODEC_CHARS
+            and 1 <= self.raw_nbytes <= _U64_MAX
+            and 1 <= self.payload_nbytes <= self.raw_nbytes
+            and len(self.payload_checksum) == CHECKSUM_BYTES
+            and 0 <= self.seq <= _U64_MAX
+        ):
+            for name, ok, expected in self._rules(digest):
+                if not ok:
+                    raise _bad_field(name, getattr(self, name), expected)
+
+    def _rules(self, digest: int) -> tuple[tuple[str, bool, str], ...]:
+        """Each field's rule: (field, whether it holds, what was expected)."""
+        return (
             ("block_id", digest in DIGEST_SIZES, f"a digest of {sorted(DIGEST_SIZES)} bytes"),
             ("parent_id", len(self.parent_id) == digest, f"{digest} bytes, as block_id"),
             ("namespace", len(self.namespace) == digest, f"{digest} bytes, as block_id"),
@@ -115,9 +134,6 @@ class BlockHeader:
             ("payload_checksum", len(self.payload_checksum) == CHECKSUM_BYTES, "16 bytes"),
             ("seq", 0 <= self.seq <= _U64_MAX, "0 to 2**64-1"),
         )
-        for name, ok, expected in rules:
-            if not ok:
-                raise _bad_field(name, getattr(self, name), expected)
 
 
 _FIELD_TYPES: dict[str, type] = {
