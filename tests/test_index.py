@@ -47,7 +47,7 @@ def test_insert_indexes_whole_blocks_only() -> None:
     assert ix.insert(match, key("AB", extra=3), {GPU: [0, 1]}).new_blocks == 2
     ix.check()
     match = ix.match(NS, key("", extra=3))
-    assert ix.insert(match, key("", extra=3), {}) == InsertResult(0, b"", match.end)
+    assert ix.insert(match, key("", extra=3), {}) == InsertResult(0, match.end)
     assert put(ix, "AB", {}).new_blocks == 0  # already cached: nothing to add
     assert ix.num_blocks == 2
 
@@ -116,19 +116,43 @@ def test_insert_extends_a_leaf_but_hangs_a_child_under_an_interior_node() -> Non
     assert hit(ix, "ABCE") == PrefixHit(4, (4, 0, 0))
 
 
+def new_ids(ix: RadixIndex, result: InsertResult) -> list[BlockId]:
+    """The ids of the blocks an insert added (the last of the path to its end)."""
+    path = [ix.block_id(r) for r in ix.blocks(result.end)]
+    return path[len(path) - result.new_blocks :]
+
+
 def test_new_ids_chain_from_the_namespace_seed_and_shared_blocks_share_them() -> None:
     ix = new_index()
     first = put(ix, "ABC", {GPU: [0, 1, 2]})
-    assert first.new_ids == HASHER.chain(NS, key("ABC"), KB)
-    id_a, id_b, id_c = HASHER.split(first.new_ids)
+    assert first.end.ids == b""  # chained when first read, not on insert
+    assert b"".join(new_ids(ix, first)) == HASHER.chain(NS, key("ABC"), KB)
+    id_a, id_b, id_c = new_ids(ix, first)
     second = put(ix, "ABDE", {GPU: [3, 4]})
-    assert second.new_ids == HASHER.chain(id_b, key("DE"), KB)
-    assert second.new_ids == HASHER.chain(NS, key("ABDE"), KB)[2 * HASHER.digest_size :]
+    assert b"".join(new_ids(ix, second)) == HASHER.chain(id_b, key("DE"), KB)
     via_c = [ix.block_id(r) for r in ix.blocks(ref(ix, "ABC").node)]
     via_e = [ix.block_id(r) for r in ix.blocks(ref(ix, "ABDE").node)]
     assert via_c == [id_a, id_b, id_c]
     assert via_e[:2] == [id_a, id_b]
-    assert via_e[2:] == HASHER.split(second.new_ids)
+    assert via_e[2:] == new_ids(ix, second)
+
+
+def test_ids_read_late_survive_splits_extensions_and_cuts() -> None:
+    """A node that never had its ids read is split, extended and cut; the ids read afterwards
+    are the chain of each path, and a node read in part keeps the prefix it had."""
+    ix = new_index()
+    put(ix, "ABCD", {GPU: [0, 1, 2, 3]})
+    assert ix.block_id(ref(ix, "AB")) == HASHER.chain(NS, key("AB"), KB)[-HASHER.digest_size :]
+    put(ix, "ABCDEF", {GPU: [4, 5]})  # extends the leaf whose ids are complete
+    put(ix, "ABX", {GPU: [6]})  # splits it after B
+    put(ix, "ABXYZ", {GPU: [7, 8]})  # extends a leaf with no ids read
+    ix.drop_tail(ref(ix, "ABXYZ").node, 1)  # cuts it
+    ix.check()
+    for path in ("ABCDEF", "ABXY", "AB"):
+        ids = [ix.block_id(r) for r in ix.blocks(ref(ix, path).node)]
+        assert b"".join(ids) == HASHER.chain(NS, key(path), KB), path
+        assert ix.parent_id(ref(ix, path)) == (ids[-2] if len(ids) > 1 else NS)
+    ix.check()
 
 
 # ---- tiers --------------------------------------------------------------------------------
@@ -237,7 +261,7 @@ def test_namespaces_are_separate_trees() -> None:
     assert hit(ix, "ABC", ns=NS_BOB) == PrefixHit(2, (0, 2, 0))
     assert hit(ix, "ABC", ns=HASHER.seed(b"layout-fingerprt", tenant_salt("eve"))).num_blocks == 0
     assert ref(ix, "A", ns=NS).node is not ref(ix, "A", ns=NS_BOB).node
-    assert set(HASHER.split(alice.new_ids)).isdisjoint(HASHER.split(bob.new_ids))
+    assert set(new_ids(ix, alice)).isdisjoint(new_ids(ix, bob))
 
 
 def test_matching_in_an_unknown_namespace_leaves_no_namespace_behind() -> None:

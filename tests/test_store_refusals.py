@@ -37,7 +37,8 @@ def snapshot(store: KVStore) -> dict[str, Any]:
         stack = [root]
         while stack:
             node = stack.pop()
-            nodes.append((bytes(node.ids), tuple(tuple(slots) for slots in node.slots)))
+            ids = store.index.forest.ids_of(node)  # ids chained on first read are no change
+            nodes.append((bytes(ids), tuple(tuple(slots) for slots in node.slots)))
             stack.extend(node.children.values() if node.children else ())
     status = store.status()
     return {

@@ -1,15 +1,13 @@
 """The shape of the index: one tree per namespace, its edits, and the leases that lock it.
 
-The shape of the index: one tree per namespace, and the edits that add or cut nodes.
-
 `Forest` owns the namespace roots (`roots`: seed -> root, for every namespace that holds a
 block) and the counts of nodes and blocks, and makes the edits that add or remove nodes:
 
 - `grow` adds blocks after a match: it extends a leaf, or hangs a new child;
 - `split` cuts a node in two where a matched prefix ends inside it;
 - `cut` removes the last k blocks of a leaf in one edit (`RadixIndex.drop_tail`, `drop`);
-- `detach` unhooks a leaf that `cut` emptied, and the namespace root when that was its last
-  node.
+- `detach` unhooks a leaf that `cut` emptied, and the namespace root when it was the last;
+- `ids_of` completes a node's block ids, which `grow` leaves to be computed on first use.
 (`restore.adopt` takes in nodes that recovery hung already.)
 
 Invariants each edit keeps (`check.py` recomputes them): a node hangs from its parent under the
@@ -18,18 +16,16 @@ node's `depth` (`node.py`) matches its slot fields; `roots` holds exactly the na
 child; `num_nodes`/`num_blocks` count the nodes and blocks below the roots; copies are counted
 in `Residency` and candidacy refreshed in `CandidateSets` for every node whose shape changed.
 
-The forest walks nothing and changes no slot of an existing block: lookups and residency edits
-are `RadixIndex`'s.
+It walks nothing and sets no slot of an existing block: walks and residency are `RadixIndex`'s.
 
-Leases: read locks on a cached prefix in some tiers, with an expiry.
-
-A lease covers every block from a namespace root down to the end of one node (leases end on
-node boundaries: the index splits a node where a leased prefix ends). Acquiring it adds one to
-`node.locks[t]` for each leased tier t on every node of that path; a locked node offers no
-eviction candidate in that tier, so leased copies are never evicted (DESIGN invariant 4).
-Leases expire at `expires_at` (a caller-supplied clock reading), so a crashed client cannot pin
-memory forever; the store calls `expire(now)`. The store's own short pins are leases that
-never expire, released before the store call returns.
+Leases: read locks on a cached prefix in some tiers, with an expiry. A lease covers every block
+from a namespace root down to the end of one node (leases end on node boundaries: the index
+splits a node where a leased prefix ends). Acquiring it adds one to `node.locks[t]` for each
+leased tier t on every node of that path; a locked node offers no eviction candidate in that
+tier, so leased copies are never evicted (DESIGN invariant 4). Leases expire at `expires_at` (a
+caller-supplied clock reading), so a crashed client cannot pin memory forever; the store calls
+`expire(now)`. The store's own short pins are leases that never expire, released before the
+store call returns.
 
 Held blocks: a lock taken for a tenant (its lease, or the pin of its reservation: `held=True`)
 also counts in `node.held` along its path; `held_blocks(namespace)` is the number of blocks of
@@ -38,8 +34,7 @@ as locks come and go (the tenant's quota, `tenancy.py`). The store's own pins (r
 the mover's flights) are not held.
 
 Lease ids are random 63-bit numbers, unique among live leases (`blocks.py`): an id tells a
-client nothing of other clients' leases, and one held across a restart names no lease of the
-new process but by a 2**-63 chance.
+client nothing of others' leases; one held across a restart names no lease but by 2**-63 odds.
 """
 
 from __future__ import annotations
@@ -47,7 +42,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from kvtier.blocks import BlockHasher, BlockId, fresh_id
@@ -94,10 +89,9 @@ class Forest:
         count = len(new_key) // kb
         parent = match.end
         if count == 0:
-            return InsertResult(0, b"", parent)
+            return InsertResult(0, parent)
         assert slots and all(len(s) == count for s in slots.values()), "one slot per new block"
         assert min(slots) >= parent.fastest_last(), "new blocks would break prefix closure"
-        new_ids = self.hasher.chain(parent.ids[-self.digest_size :], new_key, kb)
         num_tiers = self.num_tiers
         fields: list[list[Slot]] = [
             list(slots[t]) if t in slots else [None] * count for t in range(num_tiers)
@@ -108,14 +102,13 @@ class Forest:
             # extend a leaf instead of hanging a one-child chain under it; never a locked leaf:
             # its leases end at its last block and must not grow to cover the new ones
             node = parent
-            node.key += new_key
-            node.ids += new_ids
+            node.key += new_key  # its ids stay a prefix of its blocks' (`ids_of`)
             for tier, run in enumerate(fields):
                 node.slots[tier].extend(run)
             node.depth = [d + a for d, a in zip(node.depth, added, strict=True)]
             node.tick = tick
         else:
-            node = Node(parent, new_key, new_ids, fields, added, tick)
+            node = Node(parent, new_key, b"", fields, added, tick)
             if parent.parent is None:
                 self.roots.setdefault(parent.ids, parent)
             if parent.children is None:
@@ -132,7 +125,24 @@ class Forest:
         self.residency.slowest_moved(-1, max(slots), count)
         self.num_blocks += count
         self.candidates.refresh(node)
-        return InsertResult(count, new_ids, node)
+        return InsertResult(count, node)
+
+    def ids_of(self, node: Node) -> bytes:
+        """All of `node`'s block ids, concatenated (the namespace seed for a root). A node holds
+        the ids of a prefix of its blocks (`node.py`); the rest, and those of ancestors that
+        lack theirs, are chained here from the nearest complete ancestor and kept."""
+        kb, ds = self.key_nbytes, self.digest_size
+        todo: list[Node] = []
+        above = node
+        while above.parent is not None and len(above.ids) < len(above.key) // kb * ds:
+            todo.append(above)
+            above = above.parent
+        for below in reversed(todo):  # `above` is a root or holds all its ids
+            have = len(below.ids) // ds
+            prev = below.ids[-ds:] if have else above.ids[-ds:]
+            below.ids += self.hasher.chain(prev, below.key[have * kb :], kb)
+            above = below
+        return node.ids
 
     def split(self, node: Node, at: int) -> Node:
         """Cut `node` after block `at`; return the new head (the first `at` blocks). The old
@@ -236,7 +246,7 @@ class Forest:
         residency.slowest_moved(slowest if slowest < num_tiers else -1, -1)
         self.num_blocks -= 1
         node.key = node.key[: -self.key_nbytes]
-        node.ids = node.ids[: -self.digest_size]
+        node.ids = node.ids[: len(node.key) // self.key_nbytes * self.digest_size]
         depth = node.depth
         for tier in range(fastest, num_tiers):  # closure: the block was in these tiers' runs
             depth[tier] -= 1
@@ -318,15 +328,7 @@ class LeaseTable:
         record = self.get(lease_id)
         self._lock(record.end, tiers, +1, False)  # held counts stay: the same lease holds
         self._lock(record.end, record.tiers, -1, False)
-        narrowed = LeaseRecord(
-            lease_id,
-            record.end,
-            tiers,
-            record.expires_at,
-            record.num_blocks,
-            resident=True,
-            held=record.held,
-        )
+        narrowed = replace(record, tiers=tiers, resident=True)
         self._records[lease_id] = narrowed
         return narrowed
 

@@ -1,10 +1,11 @@
 """One node of the radix index (a run of consecutive blocks with no branch inside it), the
 references to its blocks, reading along a path, and the tally of the copies that nodes hold.
 
-A node holds `n` blocks (path compression): their token bytes `key` (n * key_nbytes), their
-ids `ids` (n * digest_size) and, per tier, a list of n slot fields. A block has a copy in tier t
-exactly when `slots[t][i] is not None`: residency is read from which fields are set, never from
-a status flag that could drift.
+A node holds `n` blocks (path compression): their token bytes `key` (n * key_nbytes), the ids
+of its first k blocks `ids` (k * digest_size, 0 <= k <= n: ids are chained when first needed,
+`Forest.ids_of`, not on every insert) and, per tier, a list of n slot fields. A block has a
+copy in tier t exactly when `slots[t][i] is not None`: residency is read from which fields are
+set, never from a status flag that could drift.
 
     tiers:      0=gpu  1=host  2=disk        (fastest first)
     block i:      0      1      2      3     (n = 4)
@@ -30,7 +31,7 @@ tenant's quota counts the blocks of the nodes where it is > 0 (`tenancy.py`).
 counts that fair shares need cost O(1) per change.
 
 The root of each namespace is a node with no blocks whose `ids` holds the namespace seed, so the
-parent id of any block is `parent.ids[-digest_size:]` without a special case.
+parent id of any block is the last of `Forest.ids_of(parent)` without a special case.
 
 Only the index writes these fields (`radix.py`, `forest.py`; `restore.py` builds
 nodes); `index/check.py` recomputes every derived one.
@@ -275,10 +276,9 @@ class VictimRun(NamedTuple):
 
 
 class InsertResult(NamedTuple):
-    """`new_blocks` blocks were added after the match, with ids `new_ids` (concatenated)."""
+    """`new_blocks` blocks were added after the match; they end `end`'s blocks."""
 
     new_blocks: int
-    new_ids: bytes
     end: Node
 
 

@@ -10,7 +10,7 @@ What the index does, and what it leaves to its caller (the store):
   block. It changes nothing but recency.
 - `match` does the same walk but splits the last node so the prefix ends on a node boundary,
   which `lock` (leases and pins), `insert` and `path` need.
-- `insert` adds the blocks of a key after a match, with ids chained from the last matched one.
+- `insert` adds the blocks of a key after a match; their ids chain from the last matched one.
 - `set_slot`/`clear_slot`/`drop`/`drop_tail` record copies that the caller has made or freed.
   The caller makes a copy complete before `set_slot` (DESIGN invariant 1) and frees the pool
   slots that `clear_slot`/`drop`/`drop_tail` return. Each asserts that prefix closure
@@ -179,16 +179,16 @@ class RadixIndex:
 
     def block_id(self, ref: BlockRef) -> BlockId:
         ds = self.digest_size
-        return BlockId(ref.node.ids[ref.i * ds : (ref.i + 1) * ds])
+        return BlockId(self.forest.ids_of(ref.node)[ref.i * ds : (ref.i + 1) * ds])
 
     def parent_id(self, ref: BlockRef) -> bytes:
         """The id before a block: the previous block's, or the namespace seed for a first one."""
         node, i = ref
         ds = self.digest_size
         if i:
-            return node.ids[(i - 1) * ds : i * ds]
+            return self.forest.ids_of(node)[(i - 1) * ds : i * ds]
         assert node.parent is not None
-        return node.parent.ids[-ds:]
+        return self.forest.ids_of(node.parent)[-ds:]
 
     # ---- changing the tree --------------------------------------------------------------
 
@@ -196,7 +196,7 @@ class RadixIndex:
         """Add the whole blocks of `key` after `match` (which must be current), each with a copy
         in the tiers of `slots` (tier -> one slot per new block). The new blocks must not be in
         a faster tier than the last matched block (prefix closure); the caller places them so.
-        Ids are chained from the last matched block. Returns the new blocks' ids."""
+        Their ids chain from the last matched block, computed when first read (`block_id`)."""
         self._tick += 1
         return self.forest.grow(match, key, slots, self._tick)
 

@@ -197,7 +197,7 @@ class Background:
         kb, ds = self.index.key_nbytes, self.index.digest_size
         start = match.num_blocks
         new_key = key[start * kb : (start + count) * kb]
-        parent = match.end.ids[-ds:]
+        parent = self.index.forest.ids_of(match.end)[-ds:]
         ids = self.index.hasher.chain(parent, new_key, kb)
         metas = tuple(
             BlockMeta(

@@ -275,7 +275,7 @@ class Prefetcher:
             end = match.end
             if (
                 match.num_blocks < len(key) // self.index.key_nbytes
-                or end.ids[-len(block_id) :] != block_id
+                or self.index.forest.ids_of(end)[-len(block_id) :] != block_id
             ):
                 del self._doomed[block_id]  # gone already
                 continue
