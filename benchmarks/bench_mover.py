@@ -127,6 +127,11 @@ def part_a(mib: int, repeat: int) -> float:
     return min(rows[k] for k in rows if "scattered" not in k) / raw
 
 
+def median(values: list[float]) -> float:
+    """The median; NaN for no values (a run with no consumers has no prefetch to time)."""
+    return statistics.median(values) if values else float("nan")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
@@ -236,7 +241,7 @@ def mixed_load(store: KVStore, seconds: float, consumers: int) -> dict[str, floa
     mode = "background" if status["mover"]["background"] else "inline"
     print(
         f"    {mode:<10} {len(stored):5d} prompts stored, {len(ready_ms):5d} prefetches; "
-        f"time to ready p50 {statistics.median(ready_ms):6.2f} ms, p99 "
+        f"time to ready p50 {median(ready_ms):6.2f} ms, p99 "
         f"{percentile(ready_ms, 0.99):7.2f} ms; store() p50 {statistics.median(store_ms):6.2f} "
         f"ms, p99 {percentile(store_ms, 0.99):7.2f} ms"
     )
@@ -253,7 +258,7 @@ def mixed_load(store: KVStore, seconds: float, consumers: int) -> dict[str, floa
             f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s while copying"
         )
     return {
-        "ready_p50": statistics.median(ready_ms),
+        "ready_p50": median(ready_ms),
         "ready_p99": percentile(ready_ms, 0.99),
         "store_p99": percentile(store_ms, 0.99),
         "stored": ops["stored_tokens"],
