@@ -1,0 +1,205 @@
+"""One block in the remote tier (issue 14): its key, and its value, one per block.
+
+Keys. `<prefix>:v1:{<group tag>}:<block id, hex>`, as bytes (v1: `KEY_VERSION`). The prefix
+names one deployment (an operator's `tiers.remote.key_prefix`: several fleets may share a
+cluster). The block id is kvtier's chained id (`blocks.py`), so the model layout, the tenant's
+namespace and the whole token prefix are inside it, and no token or tenant name is in a key. The
+part in braces is a Redis Cluster hash tag: only it picks the key's slot. Blocks are grouped by
+position along their path, `group_blocks` to a group, and a group's tag is the first 8 bytes
+(hex) of the id of its first block, so the blocks of one group share a slot and one pipelined
+round trip reads or probes them all, while different prefixes, and later groups of one prefix,
+spread over the cluster:
+
+    positions   0 1 2 3 | 4 5 6 7 | 8 ...          group_blocks = 4
+    tag         id0     | id4     | id8            (first 8 bytes of that block's id, hex)
+    key of 6    kvtier:v1:{<id4[:8] hex>}:<id6 hex>
+
+`block_key` builds one key; `path_keys(prefix, ids, start, stop, group_blocks)` the keys of
+positions start..stop-1 of a path whose ids (from position 0) are `ids`.
+
+Values. A remote value is written by one kvtier node and read by any other that shares the
+cluster, or by none: the cluster may drop it, truncate it (a failover mid-write), or hold what
+another program wrote under the key. So a value says what it is, and a reader believes nothing
+it has not checked against what it expected to find.
+
+    value (little-endian):
+
+    0      4         6        7          8         16         24        40      56
+    +------+---------+--------+----------+---------+----------+---------+-------+----
+    | KVTR | version | id_len | codec_len| raw     | payload  | payload | layout| ...
+    |      | u16 =1  | u8     | u8       | nbytes  | nbytes   | xxh3-128| fp 16 |
+    +------+---------+--------+----------+---------+----------+---------+-------+----
+         ... | block_id (id_len) | parent_id (id_len) | codec (codec_len, ASCII) |
+             | header xxh3-128 of every byte before it (16) | payload (payload_nbytes) |
+
+Contract:
+- `encode_value(meta, codec, raw_nbytes, payload)` returns the value's bytes, or raises
+  `InvalidArgumentError` naming the field when `meta` is not well-formed (ids of a digest size
+  of `blocks.ALGORITHMS`, a 16-byte layout fingerprint, a 1-8 character ASCII codec name,
+  1 <= payload length <= raw_nbytes).
+- `decode_value(value, expect)` returns `(codec, payload)` when the value is exactly what
+  `expect` describes (block id, parent id, layout fingerprint, raw size), with both checksums
+  right and no byte left over; otherwise it raises `RemoteValueError`, whose `reason` says what
+  failed. It raises nothing else, whatever the bytes, and never allocates more than the value's
+  own length. The payload is a view into `value` (no copy).
+- No token, tenant name or secret is in a value: the ids are chained from a namespace seed
+  (`blocks.py`), which is all a reader needs to ask for the value, and all it learns.
+
+Invariants:
+- The header checksum covers every header field, and the header holds the payload checksum, so
+  a value is served only if both match: a torn or truncated write is a miss, never wrong bytes.
+- A reader checks the ids it expected, not the ids the value claims: a value stored under the
+  wrong key (a bug, a collision, a hostile writer) is a miss.
+- Changing the layout of the bytes needs a new `VALUE_VERSION`; changing the key scheme, a new
+  `KEY_VERSION` (it is part of every key, so old keys are simply never asked for).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.blocks import ALGORITHMS
+from kvtier.errors import InvalidArgumentError, KVTierError
+
+KEY_VERSION = 1
+TAG_BYTES = 8
+PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+MAGIC = b"KVTR"
+VALUE_VERSION = 1
+CHECKSUM_BYTES = 16
+LAYOUT_BYTES = 16
+MAX_CODEC_CHARS = 8
+DIGEST_SIZES = frozenset(size for size, _ in ALGORITHMS.values())
+
+_FIXED = struct.Struct("<4sHBBQQ16s16s")  # magic .. layout fingerprint
+_U64_MAX = 2**64 - 1
+
+
+class RemoteValueError(KVTierError):
+    """A value that is not the block it was read for; `reason` says which check failed."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class ValueMeta:
+    """What a value must say about its block: written by the writer, expected by a reader."""
+
+    block_id: bytes
+    parent_id: bytes  # the previous block's id, or the namespace seed for a first block
+    layout: bytes  # KVLayout.fingerprint
+    raw_nbytes: int  # the block's bytes before the codec (KVLayout.block_bytes)
+
+
+def check_prefix(prefix: str) -> str:
+    """`prefix` if it can start a key: 1-64 of `[A-Za-z0-9_.-]` (no brace, which would move the
+    hash tag, and no colon, which separates the parts); `InvalidArgumentError` otherwise."""
+    if not (1 <= len(prefix) <= 64 and set(prefix) <= PREFIX_CHARS):
+        raise InvalidArgumentError(
+            f"key_prefix: got {prefix!r}, expected 1 to 64 of A-Z a-z 0-9 _ . -"
+        )
+    return prefix
+
+
+def block_key(prefix: str, group_first_id: bytes, block_id: bytes) -> bytes:
+    """The key of `block_id`, whose group starts with the block `group_first_id`."""
+    tag = group_first_id[:TAG_BYTES].hex()
+    return f"{prefix}:v{KEY_VERSION}:{{{tag}}}:{block_id.hex()}".encode("ascii")
+
+
+def path_keys(
+    prefix: str, ids: list[bytes], start: int, stop: int, group_blocks: int
+) -> list[bytes]:
+    """The keys of positions start..stop-1 of a path whose block ids, from position 0, are
+    `ids` (at least `stop` of them)."""
+    assert 0 <= start <= stop <= len(ids) and group_blocks >= 1
+    return [block_key(prefix, ids[p - p % group_blocks], ids[p]) for p in range(start, stop)]
+
+
+def header_nbytes(id_len: int, codec: str) -> int:
+    """Bytes of a value before its payload."""
+    return _FIXED.size + 2 * id_len + len(codec) + CHECKSUM_BYTES
+
+
+def encode_value(meta: ValueMeta, codec: str, payload: bytes | memoryview) -> bytes:
+    """The value of one block whose stored payload (after `codec`) is `payload`."""
+    id_len = len(meta.block_id)
+    payload_nbytes = memoryview(payload).nbytes
+    if id_len not in DIGEST_SIZES:
+        raise InvalidArgumentError(
+            f"block_id: got {id_len} bytes, expected one of {sorted(DIGEST_SIZES)}"
+        )
+    if len(meta.parent_id) != id_len:
+        raise InvalidArgumentError(
+            f"parent_id: got {len(meta.parent_id)} bytes, expected {id_len}, as block_id"
+        )
+    if len(meta.layout) != LAYOUT_BYTES:
+        raise InvalidArgumentError(f"layout: got {len(meta.layout)} bytes, expected 16")
+    if not (1 <= len(codec) <= MAX_CODEC_CHARS and codec.isascii() and codec.isprintable()):
+        raise InvalidArgumentError(f"codec: got {codec!r}, expected 1 to 8 ASCII characters")
+    if not 1 <= payload_nbytes <= meta.raw_nbytes <= _U64_MAX:
+        raise InvalidArgumentError(
+            f"payload: got {payload_nbytes} bytes for a {meta.raw_nbytes}-byte block, "
+            "expected 1 to raw_nbytes"
+        )
+    header = (
+        _FIXED.pack(
+            MAGIC,
+            VALUE_VERSION,
+            id_len,
+            len(codec),
+            meta.raw_nbytes,
+            payload_nbytes,
+            xxhash.xxh3_128_digest(payload),
+            meta.layout,
+        )
+        + meta.block_id
+        + meta.parent_id
+        + codec.encode("ascii")
+    )
+    return b"".join((header, xxhash.xxh3_128_digest(header), payload))
+
+
+def decode_value(value: bytes | memoryview, expect: ValueMeta) -> tuple[str, memoryview]:
+    """The codec and stored payload of `value`, if it is the block `expect` describes."""
+    view = memoryview(value).cast("B")
+    if len(view) < _FIXED.size:
+        raise RemoteValueError(f"truncated: {len(view)} bytes, shorter than a header")
+    magic, version, id_len, codec_len, raw_nbytes, payload_nbytes, payload_sum, layout = (
+        _FIXED.unpack_from(view)
+    )
+    if magic != MAGIC:
+        raise RemoteValueError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VALUE_VERSION:
+        raise RemoteValueError(f"value version {version}, this build reads {VALUE_VERSION}")
+    if id_len != len(expect.block_id) or not 1 <= codec_len <= MAX_CODEC_CHARS:
+        raise RemoteValueError(f"id length {id_len} or codec length {codec_len} out of range")
+    head = header_nbytes(id_len, "x" * codec_len)
+    if len(view) != head + payload_nbytes:
+        raise RemoteValueError(
+            f"length {len(view)} bytes, expected {head} of header + {payload_nbytes} of payload"
+        )
+    if xxhash.xxh3_128_digest(view[: head - CHECKSUM_BYTES]) != view[head - CHECKSUM_BYTES : head]:
+        raise RemoteValueError("header checksum mismatch")
+    at = _FIXED.size
+    block_id, parent_id = view[at : at + id_len], view[at + id_len : at + 2 * id_len]
+    codec_bytes = bytes(view[at + 2 * id_len : head - CHECKSUM_BYTES])
+    if block_id != expect.block_id or parent_id != expect.parent_id:
+        raise RemoteValueError("the value holds another block (its ids differ from the key's)")
+    if layout != expect.layout:
+        raise RemoteValueError("the value was written for another model layout")
+    if raw_nbytes != expect.raw_nbytes or not 1 <= payload_nbytes <= raw_nbytes:
+        raise RemoteValueError(
+            f"sizes raw {raw_nbytes} / stored {payload_nbytes}, expected raw {expect.raw_nbytes}"
+        )
+    if not codec_bytes.isascii() or not codec_bytes.decode("ascii").isprintable():
+        raise RemoteValueError("codec name is not printable ASCII")
+    payload = view[head:]
+    if xxhash.xxh3_128_digest(payload) != payload_sum:
+        raise RemoteValueError("payload checksum mismatch")
+    return codec_bytes.decode("ascii"), payload

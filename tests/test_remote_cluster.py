@@ -1,0 +1,100 @@
+"""The remote tier's keys and values on a real Redis Cluster (3 primaries on loopback, started by
+`tests/redis_cluster.py`, by CI or by the module): a group of blocks lives in one slot, so one
+pipelined round trip reads it; values come back bit-exact, and one the cluster holds damaged is
+a typed miss.
+
+Skipped without Debian's `redis-server`, unless KVTIER_REQUIRE_REDIS=1 (CI sets it), where a
+missing server fails instead."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import RedisClusterException, ResponseError
+from redis_cluster import LocalCluster, have_redis
+
+from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
+from kvtier.tiers.remote.entry import RemoteValueError, ValueMeta, decode_value, encode_value
+from kvtier.tiers.remote.entry import path_keys as keys_of
+
+LAYOUT = KVLayout("tiny", 1, 1, 8, "float16", 4)
+HASHER = BlockHasher()
+SEED = HASHER.seed(LAYOUT.fingerprint, tenant_salt("alice"))
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """The cluster CI started (KVTIER_REDIS_NODES), or one of our own for this module."""
+    if os.environ.get("KVTIER_REDIS_NODES"):
+        yield os.environ["KVTIER_REDIS_NODES"].split(",")
+        return
+    if not have_redis():
+        if os.environ.get("KVTIER_REQUIRE_REDIS") == "1":
+            pytest.fail("KVTIER_REQUIRE_REDIS=1 but redis-server / redis-cli are not installed")
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    with LocalCluster(Path(tmp_path_factory.mktemp("redis")), primaries=3) as running:
+        yield running.nodes
+
+
+@pytest.fixture
+def client(nodes: list[str]) -> Iterator[RedisCluster]:
+    host, port = nodes[0].split(":")
+    redis = RedisCluster(startup_nodes=[ClusterNode(host, int(port))])
+    yield redis
+    redis.close()
+
+
+def fetch(client: RedisCluster, key: bytes) -> bytes:
+    value = client.get(key)
+    assert isinstance(value, bytes)
+    return value
+
+
+def ids_of(tokens: list[int]) -> list[bytes]:
+    return list(HASHER.split(HASHER.chain(SEED, encode_tokens(tokens), LAYOUT.block_tokens * 4)))
+
+
+def test_a_group_is_one_slot_and_one_pipelined_round_trip_reads_it(client: RedisCluster) -> None:
+    ids = ids_of(list(range(48)))  # 12 blocks: 3 groups of 4
+    keys = keys_of("kvtier-test", ids, 0, 12, GROUP)
+    slots = [key_slot(key) for key in keys]
+    assert len(set(slots[0:4])) == len(set(slots[4:8])) == len(set(slots[8:12])) == 1
+    assert len(set(slots)) == 3  # 3 groups: 3 slots (with these ids; 1 in 16384 could collide)
+    values = {key: os.urandom(32) + key for key in keys}
+    client.mset_nonatomic(values)
+    assert client.mget(keys[4:8]) == [values[k] for k in keys[4:8]]  # one slot: one MGET
+    with pytest.raises((RedisClusterException, ResponseError)):
+        client.execute_command("MGET", *keys[3:5])  # two groups: two slots, refused
+    client.delete(*keys)
+
+
+def test_values_come_back_bit_exact_and_a_damaged_one_is_a_miss(client: RedisCluster) -> None:
+    ids = ids_of(list(range(100, 124)))  # 6 blocks
+    keys = keys_of("kvtier-test", ids, 0, 6, GROUP)
+    block_bytes = LAYOUT.block_bytes
+    payloads = [os.urandom(block_bytes) for _ in ids]
+    parents = [SEED, *ids[:-1]]
+    metas = [
+        ValueMeta(i, p, LAYOUT.fingerprint, block_bytes) for i, p in zip(ids, parents, strict=True)
+    ]
+    pipe = client.pipeline()
+    for key, meta, payload in zip(keys, metas, payloads, strict=True):
+        pipe.set(key, encode_value(meta, "none", payload))
+    assert all(pipe.execute())
+    got = [fetch(client, key) for key in keys[:4]]
+    for value, meta, payload in zip(got, metas, payloads, strict=False):
+        assert bytes(decode_value(value, meta)[1]) == payload
+    client.setrange(keys[4], 40, b"\xff")  # a byte of the header changed in the cluster
+    client.set(keys[5], fetch(client, keys[5])[:-3])  # a value cut short
+    for key, meta in zip(keys[4:], metas[4:], strict=True):
+        with pytest.raises(RemoteValueError):
+            decode_value(fetch(client, key), meta)
+    with pytest.raises(RemoteValueError, match="another block"):  # stored under another key
+        decode_value(got[0], metas[1])
+    client.delete(*keys)
