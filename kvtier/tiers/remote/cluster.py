@@ -1,0 +1,266 @@
+"""The remote tier's connection to a Redis / Valkey Cluster (issue 14): put, get, probe, delete
+of block entries (`entry.py`), where every failure of the cluster is a miss, counted.
+
+Contract:
+- Nothing here raises because of the cluster: a node that is down, a cluster that is down at
+  start, a timeout, a failover, a refused or unknown command, a value that is not the block
+  asked for, all end as misses (`get` gives None, `present` stops the run, `put` stores
+  nothing) and are counted in `stats()`. A caller's mistake (keys and expectations of
+  different lengths) is an `InvalidArgumentError`.
+- `get` serves a payload only when `entry.decode_value` accepted it against the block the
+  caller expected; a value that fails is deleted (it can never become right) and counted in
+  `verify_failures`.
+- `put` writes with `SET ... NX`: a block some node stored already is left as it is (same id,
+  same bytes: ids are chained from the tokens) and counted in `already_present`. A value
+  larger than `max_value_bytes` is not sent (`too_large`).
+- One pipelined round trip per call, whatever the number of keys (the cluster client splits
+  it by node); `group_blocks` in the keys (`entry.py`) keeps a group on one node.
+- Without a connection, a call tries to connect at most once per `reconnect_s`; in between,
+  calls are misses at once, so a dead cluster costs a store nothing but a counter.
+- Thread-safe: the mover's threads and the store's callers may call at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
+from redis.retry import Retry
+
+from kvtier.errors import InvalidArgumentError
+from kvtier.tiers.remote.entry import RemoteValueError, ValueMeta, decode_value
+
+T = TypeVar("T")
+
+CLUSTER_FAILURES = (RedisError, RedisClusterException, OSError)
+"""What the cluster client raises when the cluster fails (RedisClusterException, e.g. no node
+reachable at start, is not a RedisError)."""
+
+COUNTERS = (
+    "puts",
+    "already_present",
+    "too_large",
+    "hits",
+    "misses",
+    "verify_failures",
+    "errors",
+    "round_trips",
+    "bytes_in",
+    "bytes_out",
+)
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    nodes: tuple[str, ...]  # "host:port" of startup nodes
+    timeout_s: float = 0.5  # connect and socket timeout of one round trip
+    max_value_bytes: int = 512 * 2**20
+    reconnect_s: float = 5.0
+
+
+def parse_node(node: str) -> tuple[str, int]:
+    """`host:port` as (host, port); `InvalidArgumentError` naming it otherwise."""
+    host, _, port = node.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(f"remote node: got {node!r}, expected host:port")
+    return host, int(port)
+
+
+class RemoteCluster:
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
+        self._startup = [ClusterNode(*parse_node(node)) for node in settings.nodes]
+        self._lock = threading.Lock()
+        self._client: RedisCluster | None = None
+        self._next_connect = 0.0
+        self._stats = dict.fromkeys(COUNTERS, 0)
+        self._seconds = 0.0  # time spent in round trips
+        self.last_error = ""
+
+    # ---- the calls ----------------------------------------------------------------------
+
+    def put(self, entries: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        """Store each (key, value) unless the key exists; per entry, whether it is there now
+        (stored, or present already). False where the cluster failed or the value is too big."""
+        limit = self.settings.max_value_bytes
+        sendable = [i for i, (_, value) in enumerate(entries) if len(value) <= limit]
+        self._count("too_large", len(entries) - len(sendable))
+        done = [False] * len(entries)
+
+        def run(client: RedisCluster) -> list[Any]:
+            pipe = client.pipeline()
+            for i in sendable:
+                key, value = entries[i]
+                pipe.set(key, value, nx=True)
+            return list(pipe.execute(raise_on_error=False))
+
+        replies = self._round_trip(run) if sendable else []
+        for i, reply in zip(sendable, replies or [], strict=False):
+            if isinstance(reply, Exception):
+                self._count("errors", 1)
+                continue
+            done[i] = True
+            if reply:
+                self._count("puts", 1)
+                self._count("bytes_out", len(entries[i][1]))
+            else:
+                self._count("already_present", 1)
+        return done
+
+    def get(
+        self, keys: Sequence[bytes], expect: Sequence[ValueMeta]
+    ) -> list[tuple[str, memoryview] | None]:
+        """Per key, the (codec, stored payload) of the block `expect` describes, or None (a
+        miss: absent, failed, or not that block; the last is deleted)."""
+        if len(keys) != len(expect):
+            raise InvalidArgumentError(
+                f"remote get: {len(keys)} keys for {len(expect)} expected blocks"
+            )
+
+        def run(client: RedisCluster) -> list[Any]:
+            pipe = client.pipeline()
+            for key in keys:
+                pipe.get(key)
+            return list(pipe.execute(raise_on_error=False))
+
+        replies = self._round_trip(run) if keys else []
+        out: list[tuple[str, memoryview] | None] = []
+        bad: list[bytes] = []
+        for i, key in enumerate(keys):
+            reply = replies[i] if replies is not None and i < len(replies) else None
+            if isinstance(reply, Exception):
+                self._count("errors", 1)
+                reply = None
+            if not isinstance(reply, bytes):
+                out.append(None)
+                continue
+            try:
+                out.append(decode_value(reply, expect[i]))
+            except RemoteValueError as e:
+                self.last_error = f"{key.decode(errors='replace')}: {e.reason}"
+                self._count("verify_failures", 1)
+                bad.append(key)
+                out.append(None)
+                continue
+            self._count("bytes_in", len(reply))
+        self._count("hits", sum(1 for got in out if got is not None))
+        self._count("misses", sum(1 for got in out if got is None))
+        if bad:
+            self.delete(bad)
+        return out
+
+    def present(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, exist in the cluster (one round trip)."""
+
+        def run(client: RedisCluster) -> list[Any]:
+            pipe = client.pipeline()
+            for key in keys:
+                pipe.exists(key)
+            return list(pipe.execute(raise_on_error=False))
+
+        replies = self._round_trip(run) if keys else []
+        count = 0
+        for reply in replies or []:
+            if isinstance(reply, Exception) or not reply:
+                break
+            count += 1
+        return count
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove `keys` (one round trip; failures only counted)."""
+
+        def run(client: RedisCluster) -> list[Any]:
+            pipe = client.pipeline()
+            for key in keys:
+                pipe.delete(key)
+            return list(pipe.execute(raise_on_error=False))
+
+        if keys:
+            self._round_trip(run)
+
+    # ---- state --------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start, the time spent in round trips, and whether it is connected."""
+        with self._lock:
+            figures: dict[str, Any] = dict(self._stats)
+            figures["round_trip_seconds"] = round(self._seconds, 6)
+        figures["connected"] = self.connected
+        figures["last_error"] = self.last_error
+        return figures
+
+    def check(self) -> None:
+        """Counters never go negative and hits + misses count what `get` was asked."""
+        with self._lock:
+            assert all(value >= 0 for value in self._stats.values()), self._stats
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # ---- inside -------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int) -> None:
+        if n:
+            with self._lock:
+                self._stats[name] += n
+
+    def _connect(self) -> RedisCluster | None:
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            now = time.monotonic()
+            if now < self._next_connect:
+                return None
+            self._next_connect = now + self.settings.reconnect_s
+        timeout = self.settings.timeout_s
+        try:
+            client = RedisCluster(
+                startup_nodes=list(self._startup),
+                socket_connect_timeout=timeout,
+                socket_timeout=timeout,
+                retry=Retry(NoBackoff(), 1),  # one retry: a miss is cheaper than a wait
+            )
+        except CLUSTER_FAILURES as e:
+            self.last_error = f"connect: {type(e).__name__}: {e}"
+            self._count("errors", 1)
+            return None
+        return self._install(client)
+
+    def _install(self, client: RedisCluster) -> RedisCluster:
+        """Keep `client` unless another thread connected first (then use that one)."""
+        with self._lock:
+            kept = self._client or client
+            self._client = kept
+        if kept is not client:
+            client.close()
+        return kept
+
+    def _round_trip(self, run: Callable[[RedisCluster], T]) -> T | None:
+        """`run` on the cluster, timed and counted; None when the cluster failed it."""
+        client = self._connect()
+        if client is None:
+            return None
+        started = time.monotonic()
+        try:
+            return run(client)
+        except CLUSTER_FAILURES as e:
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._count("errors", 1)
+            return None
+        finally:
+            with self._lock:
+                self._stats["round_trips"] += 1
+                self._seconds += time.monotonic() - started
