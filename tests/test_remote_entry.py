@@ -19,6 +19,7 @@ from kvtier.tiers.remote.entry import (
     check_prefix,
     decode_value,
     encode_value,
+    encode_value_into,
     header_nbytes,
     path_keys,
 )
@@ -40,6 +41,19 @@ def test_a_value_round_trips_and_its_payload_is_a_view() -> None:
     codec, got = decode_value(value, m)
     assert (codec, bytes(got)) == ("none", payload)
     assert got.obj is memoryview(value).obj  # no copy of the payload
+
+
+def test_encoding_into_a_reused_buffer_gives_the_same_bytes() -> None:
+    m = meta(raw_nbytes=64)
+    out = bytearray(3)  # grown on first use, then reused, longer than the value
+    for _ in range(3):
+        payload = os.urandom(64)
+        view = encode_value_into(m, "none", payload, out)
+        assert bytes(view) == encode_value(m, "none", payload)
+        assert bytes(decode_value(view, m)[1]) == payload
+        view.release()  # the caller's view ends before the buffer is written again
+    out += b"\xff" * 100
+    assert bytes(encode_value_into(m, "none", payload, out)) == encode_value(m, "none", payload)
 
 
 def test_a_compressed_payload_keeps_its_codec_and_sizes() -> None:

@@ -85,7 +85,7 @@ class RemoteCluster:
 
     # ---- the calls ----------------------------------------------------------------------
 
-    def put(self, entries: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def put(self, entries: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         """Store each (key, value) unless the key exists; per entry, whether it is there now
         (stored, or present already). False where the cluster failed or the value is too big."""
         limit = self.settings.max_value_bytes

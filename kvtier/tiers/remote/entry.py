@@ -33,7 +33,8 @@ it has not checked against what it expected to find.
              | header xxh3-128 of every byte before it (16) | payload (payload_nbytes) |
 
 Contract:
-- `encode_value(meta, codec, raw_nbytes, payload)` returns the value's bytes, or raises
+- `encode_value(meta, codec, payload)` returns the value's bytes (`encode_value_into` writes
+  them into a reused buffer), or raises
   `InvalidArgumentError` naming the field when `meta` is not well-formed (ids of a digest size
   of `blocks.ALGORITHMS`, a 16-byte layout fingerprint, a 1-8 character ASCII codec name,
   1 <= payload length <= raw_nbytes).
@@ -128,6 +129,30 @@ def header_nbytes(id_len: int, codec: str) -> int:
 
 def encode_value(meta: ValueMeta, codec: str, payload: bytes | memoryview) -> bytes:
     """The value of one block whose stored payload (after `codec`) is `payload`."""
+    header = _header(meta, codec, payload)
+    return b"".join((header, xxhash.xxh3_128_digest(header), payload))
+
+
+def encode_value_into(
+    meta: ValueMeta, codec: str, payload: bytes | memoryview, out: bytearray
+) -> memoryview:
+    """`encode_value` written into `out` (grown if it is too small), returned as a view of its
+    first bytes: a writer that reuses its buffers copies each payload once and allocates (and
+    faults in) no new memory per block. The view is valid until `out` is written again."""
+    header = _header(meta, codec, payload)
+    head = len(header) + CHECKSUM_BYTES
+    size = head + memoryview(payload).nbytes
+    if len(out) < size:
+        out.extend(bytes(size - len(out)))
+    view = memoryview(out)
+    view[: len(header)] = header
+    view[len(header) : head] = xxhash.xxh3_128_digest(header)
+    view[head:size] = memoryview(payload).cast("B")
+    return view[:size]
+
+
+def _header(meta: ValueMeta, codec: str, payload: bytes | memoryview) -> bytes:
+    """A value's bytes before its header checksum, after checking `meta` (module doc)."""
     id_len = len(meta.block_id)
     payload_nbytes = memoryview(payload).nbytes
     if id_len not in DIGEST_SIZES:
@@ -147,7 +172,7 @@ def encode_value(meta: ValueMeta, codec: str, payload: bytes | memoryview) -> by
             f"payload: got {payload_nbytes} bytes for a {meta.raw_nbytes}-byte block, "
             "expected 1 to raw_nbytes"
         )
-    header = (
+    return (
         _FIXED.pack(
             MAGIC,
             VALUE_VERSION,
@@ -162,7 +187,6 @@ def encode_value(meta: ValueMeta, codec: str, payload: bytes | memoryview) -> by
         + meta.parent_id
         + codec.encode("ascii")
     )
-    return b"".join((header, xxhash.xxh3_128_digest(header), payload))
 
 
 def decode_value(value: bytes | memoryview, expect: ValueMeta) -> tuple[str, memoryview]:
