@@ -1,5 +1,7 @@
 """The remote tier (issue 14): blocks shared between kvtier nodes through a Redis or Valkey
 Cluster. `entry.py`: the key and the value of one block. `cluster.py`: `RemoteCluster`, the
-connection, where every failure of the cluster is a counted miss. Its place in the store (index
-hints, lookups that extend into it, the mover's writes, config, status) comes next; nothing
-else imports this package yet."""
+connection, where every failure of the cluster is a counted miss. `tier.py`: `RemoteTier`, the
+face for one model layout: probe, write and read blocks by their place on a path (seed and
+chained ids), from and into KV tensors. Its place in the store (lookups that extend into it,
+loads into host, the mover's writes, config, status) comes next; nothing else imports this
+package yet."""

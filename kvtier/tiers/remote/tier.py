@@ -1,0 +1,181 @@
+"""The remote tier's face for one model layout: blocks addressed by their place on a path.
+
+A path is what the index walks: the namespace seed, then the chained ids of its blocks from
+position 0 (`blocks.py`). `RemoteTier` turns "blocks start..stop-1 of this path" into the keys,
+values and round trips of `entry.py` and `cluster.py`, and KV tensors into payloads and back:
+
+- `probe(seed, ids, start)`: how many blocks from `start` on the cluster holds, in a row (one
+  pipelined EXISTS round trip; a group of `group_blocks` is one slot);
+- `write(seed, ids, start, blocks)`: store blocks start.. of the path from KV tensors (one
+  round trip; a block some node stored already is left as it is);
+- `read(seed, ids, start, out)`: fetch blocks start.. into `out` (block tensors, e.g. host
+  pool slots), each verified against the block the path says it is; per block, whether it was
+  served. A block not served leaves its `out` tensor as garbage: the caller publishes only
+  blocks that were (DESIGN invariant 1), and only a leading run of them (prefix closure).
+
+Contract:
+- Nothing raises because of the cluster or of what it holds (`cluster.py`): a miss is False,
+  counted. A caller's mistake (a tensor of the wrong shape or dtype, positions off the path)
+  is an `InvalidArgumentError` / `InvalidKVError` before anything is sent.
+- No token, tenant name or secret leaves the process: keys and values carry only ids
+  (`entry.py`), which are keyed by the namespace seed.
+- Values carry their codec; a payload that does not decode (`CorruptPayload`) or names a codec
+  this build lacks is a miss, counted in `verify_failures`, and deleted.
+- Thread-safe (the mover's threads share one tier); staging buffers for writes are reused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.blocks import KVLayout
+from kvtier.errors import InvalidArgumentError, InvalidKVError
+from kvtier.tiers.disk.codec import CODECS, Codec, CorruptPayload, NoneCodec
+from kvtier.tiers.remote.cluster import RemoteCluster
+from kvtier.tiers.remote.entry import (
+    ValueMeta,
+    check_prefix,
+    encode_value_into,
+    header_nbytes,
+    path_keys,
+)
+
+
+class RemoteTier:
+    def __init__(
+        self,
+        cluster: RemoteCluster,
+        layout: KVLayout,
+        prefix: str = "kvtier",
+        group_blocks: int = 16,
+        codec: Codec | None = None,
+    ) -> None:
+        if not 1 <= group_blocks <= 4096:
+            raise InvalidArgumentError(f"group_blocks: got {group_blocks}, expected 1 to 4096")
+        self.cluster = cluster
+        self.layout = layout
+        self.prefix = check_prefix(prefix)
+        self.group_blocks = group_blocks
+        self.codec = codec if codec is not None else NoneCodec()
+        self._staging: list[bytearray] = []  # reused value buffers (`write`)
+        self._staging_lock = threading.Lock()
+        self._decode_failures = 0
+
+    def probe(self, seed: bytes, ids: Sequence[bytes], start: int) -> int:
+        """How many blocks of the path from `start` on the cluster holds, in a row."""
+        self._check_span(ids, start, len(ids))
+        return self.cluster.present(self._keys(ids, start, len(ids)))
+
+    def write(
+        self, seed: bytes, ids: Sequence[bytes], start: int, blocks: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        """Store blocks start, start + 1, ... of the path, block i's KV in `blocks[i]`
+        (`layout.block_shape`, `layout.dtype`); per block, whether the cluster holds it now."""
+        self._check_span(ids, start, start + len(blocks))
+        for block in blocks:
+            self._check_block(block)
+        keys = self._keys(ids, start, start + len(blocks))
+        metas = self._metas(seed, ids, start, len(blocks))
+        buffers = self._take_staging(len(blocks))
+        try:
+            values = []
+            for meta, block, out in zip(metas, blocks, buffers, strict=True):
+                raw = block.contiguous().view(torch.uint8).reshape(-1).numpy().data
+                stored = self.codec.encode(raw, self.layout.itemsize)
+                name = self.codec.name
+                if memoryview(stored).nbytes >= raw.nbytes:  # incompressible: store it plain
+                    stored, name = raw, "none"
+                values.append(encode_value_into(meta, name, stored, out))
+            done = self.cluster.put(list(zip(keys, values, strict=True)))
+            for value in values:
+                value.release()
+            return done
+        finally:
+            self._give_staging(buffers)
+
+    def read(
+        self, seed: bytes, ids: Sequence[bytes], start: int, out: Sequence[torch.Tensor]
+    ) -> list[bool]:
+        """Fetch blocks start, start + 1, ... of the path into `out` (one block tensor each);
+        per block, whether it was served (verified, decoded, copied)."""
+        self._check_span(ids, start, start + len(out))
+        for block in out:
+            self._check_block(block)
+        keys = self._keys(ids, start, start + len(out))
+        got = self.cluster.get(keys, self._metas(seed, ids, start, len(out)))
+        served = []
+        bad = []
+        for key, entry, block in zip(keys, got, out, strict=True):
+            if entry is None:
+                served.append(False)
+                continue
+            name, payload = entry
+            codec = CODECS.get(name)
+            try:
+                if codec is None:
+                    raise CorruptPayload(f"codec {name!r} is not one this build reads")
+                raw = codec.decode(payload, self.layout.block_bytes, self.layout.itemsize)
+            except CorruptPayload:
+                self._decode_failures += 1
+                bad.append(key)
+                served.append(False)
+                continue
+            flat = block.view(torch.uint8).reshape(-1).numpy()
+            flat[:] = np.frombuffer(raw, dtype=np.uint8)  # read-only source, one copy
+            served.append(True)
+        if bad:
+            self.cluster.delete(bad)
+        return served
+
+    def stats(self) -> dict[str, Any]:
+        """The cluster's counters, with payloads that did not decode in `verify_failures`."""
+        figures = self.cluster.stats()
+        figures["verify_failures"] += self._decode_failures
+        return figures
+
+    def check(self) -> None:
+        self.cluster.check()
+        assert self._decode_failures >= 0
+
+    # ---- inside -------------------------------------------------------------------------
+
+    def _keys(self, ids: Sequence[bytes], start: int, stop: int) -> list[bytes]:
+        return path_keys(self.prefix, list(ids), start, stop, self.group_blocks)
+
+    def _metas(self, seed: bytes, ids: Sequence[bytes], start: int, count: int) -> list[ValueMeta]:
+        fingerprint, nbytes = self.layout.fingerprint, self.layout.block_bytes
+        return [
+            ValueMeta(ids[p], ids[p - 1] if p else seed, fingerprint, nbytes)
+            for p in range(start, start + count)
+        ]
+
+    def _check_span(self, ids: Sequence[bytes], start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= len(ids):
+            raise InvalidArgumentError(
+                f"blocks {start}..{stop - 1}: expected positions on a path of {len(ids)} blocks"
+            )
+
+    def _check_block(self, block: torch.Tensor) -> None:
+        shape = tuple(self.layout.block_shape)
+        if tuple(block.shape) != shape or block.dtype != self.layout.dtype:
+            raise InvalidKVError(
+                f"remote tier block: got {tuple(block.shape)} {block.dtype}, expected {shape} "
+                f"{self.layout.dtype}"
+            )
+        if block.device.type != "cpu":
+            raise InvalidKVError(f"remote tier block on {block.device}, expected host memory")
+
+    def _take_staging(self, count: int) -> list[bytearray]:
+        size = header_nbytes(32, "x" * 8) + self.layout.block_bytes  # the largest value
+        with self._staging_lock:
+            taken = [self._staging.pop() for _ in range(min(count, len(self._staging)))]
+        return taken + [bytearray(size) for _ in range(count - len(taken))]
+
+    def _give_staging(self, buffers: list[bytearray]) -> None:
+        with self._staging_lock:
+            self._staging.extend(buffers[: max(0, 64 - len(self._staging))])
