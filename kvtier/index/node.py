@@ -183,18 +183,18 @@ def depth_of(slots: list[list[Slot]]) -> list[int]:
     return depth
 
 
-def can_clear(ref: BlockRef, tier: int, held: list[int] | None = None) -> bool:
+def can_clear(ref: BlockRef, tier: int, copies: list[int] | None = None) -> bool:
     """Whether removing the `tier` copy of a block keeps prefix closure: the block keeps
     another copy, and if `tier` was its fastest, no child block depends on it being there.
-    `held`: the block's `copies`, when the caller has them."""
+    `copies`: the block's `Node.copies`, when the caller has them."""
     node, i = ref
-    if held is None:
-        held = node.copies(i)
-    if tier not in held or len(held) < 2:
+    if copies is None:
+        copies = node.copies(i)
+    if tier not in copies or len(copies) < 2:
         return False
-    if tier != held[0]:
+    if tier != copies[0]:
         return True
-    new_fastest = held[1]
+    new_fastest = copies[1]
     if i + 1 < node.size:
         return node.fastest(i + 1) >= new_fastest
     return all(node.child_res[t] == 0 for t in range(tier, new_fastest))

@@ -228,17 +228,17 @@ class RadixIndex:
     def clear_slot(self, ref: BlockRef, tier: int) -> int:
         """Forget the `tier` copy of a block (see `can_clear`); return its slot to free."""
         node, i = ref
-        held = node.copies(i)
-        assert can_clear(ref, tier, held), "clearing this copy would break prefix closure"
+        copies = node.copies(i)
+        assert can_clear(ref, tier, copies), "clearing this copy would break prefix closure"
         fields = node.slots[tier]
         slot = fields[i]
         assert slot is not None
         fields[i] = None
         self.residency.add(node.root.ids, tier, -1)
-        if tier == held[-1]:  # it was the slowest copy: the next slower one is now
-            self.residency.slowest_moved(tier, held[-2])
-        if tier == held[0]:  # it was the fastest: the block's fastest moves down to held[1]
-            shift_depth(self._candidates, node, i, tier, held[1], -1)
+        if tier == copies[-1]:  # it was the slowest copy: the one before it is now
+            self.residency.slowest_moved(tier, copies[-2])
+        if tier == copies[0]:  # it was the fastest: the block's fastest moves down to copies[1]
+            shift_depth(self._candidates, node, i, tier, copies[1], -1)
         else:
             self._candidates.refresh(node)
         return slot
