@@ -15,8 +15,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvtier.blocks import BlockHasher
+import torch
+
+from kvtier.blocks import BlockHasher, BlockId
 from kvtier.config import KVTierConfig
+from kvtier.config.fields import resolve_key
 from kvtier.errors import InvalidArgumentError
 from kvtier.index import RadixIndex
 from kvtier.policy import write_policy
@@ -26,7 +29,11 @@ from kvtier.tenancy import Namespaces, ReservationTable, TenantShares
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.codec import get_codec
 from kvtier.tiers.gpu import resolve_device
+from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster
+from kvtier.tiers.remote.tier import RemoteTier
+from kvtier.tiers.remote.writer import RemoteWriter
 from kvtier.tiers.shm import segment_prefix
 from kvtier.transfer import InlineExecutor
 from kvtier.transfer.background import BackgroundSettings
@@ -35,6 +42,7 @@ from kvtier.transfer.demotion import Demoter
 from kvtier.transfer.mover import Mover, MoverSettings
 from kvtier.transfer.prefetch import PrefetchSettings
 from kvtier.transfer.reads import DiskReader
+from kvtier.transfer.remote import RemoteLink
 from kvtier.transfer.shared import CacheState, Executor
 from kvtier.transfer.threads import ThreadExecutor
 from kvtier.writes import Writes
@@ -58,6 +66,9 @@ class Parts:
             raise InvalidArgumentError(
                 "executor: given, but mover.background is false (copies run in the caller)"
             )
+        remote = config.tiers.remote
+        if remote is not None and remote.secret is not None:  # nodes that share it share salts
+            secret = resolve_key(remote.secret, "tiers.remote.secret").encode()
         made: list[Tier] = []
         try:
             self._build(config, secret, clock, executor, _pools(config, shared_memory, made))
@@ -121,6 +132,8 @@ class Parts:
         self.writes = Writes(
             state, self.demoter, self.mover, self.shares, self.reservations, policy, inline
         )
+        self.remote = _remote_link(config, state, self.writes)
+        self.writes.remote = self.remote
         self.tenant_counters = {
             tenant: TenantCounters(len(pools)) for tenant in self.namespaces.seeds
         }
@@ -164,6 +177,30 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
         )
         made.append(disk)
     return list(made)
+
+
+def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> RemoteLink | None:
+    remote = config.tiers.remote
+    if remote is None:
+        return None
+    cluster = RemoteCluster(
+        ClusterSettings(
+            remote.nodes,
+            timeout_s=remote.timeout_s,
+            max_value_bytes=remote.max_value_bytes.resolve(0),
+        )
+    )
+    codec = get_codec(config.tiers.disk.compression if config.tiers.disk else "none")
+    tier = RemoteTier(cluster, config.layout, remote.key_prefix, remote.group_blocks, codec)
+    writer = RemoteWriter(tier, remote.max_pending_bytes.resolve(0))
+
+    def store_blocks(
+        namespace: BlockId, tenant: str, key: bytes, kv: torch.Tensor, first: int
+    ) -> int:
+        stored = writes.store_new(namespace, tenant, key, kv, first, share=False)
+        return stored.stored_tokens // config.layout.block_tokens
+
+    return RemoteLink(state.index, tier, writer, state.lock, store_blocks)
 
 
 def _background_executor(

@@ -121,6 +121,14 @@ class Operations:
             self.expire()
             return persist(self.parts.demoter, self.parts.executor)
 
+    def fill_from_remote(self, key: bytes, tenant: str) -> None:
+        """With a remote tier: store locally what it holds past the cached prefix of `key`
+        (`transfer/remote.py`), before a prefetch or load takes the lock."""
+        if self.parts.remote is not None:
+            with self.lock:
+                namespace = self.namespace(tenant)
+            self.parts.remote.fill(namespace, tenant, key)
+
     def drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self.lock:
@@ -131,7 +139,9 @@ class Operations:
                     return False
                 self.mover.step()
                 if self.mover.idle():
-                    return True
+                    break
+        remote = self.parts.remote  # its writer, without the lock: it takes it for nothing
+        return remote is None or remote.drain(max(0.0, deadline - time.monotonic()))
 
     def evict(self, tier: str, num_blocks: int) -> int:
         names = self.parts.state.index.tiers
@@ -170,6 +180,8 @@ class Operations:
                 return
             self.closed = True
         self.mover.close()  # without the lock: the mover thread takes it to stop
+        if self.parts.remote is not None:
+            self.parts.remote.close()
         with self.lock:
             for pool in self.parts.state.pools:
                 pool.close()
@@ -222,6 +234,8 @@ def _check(parts: Parts) -> None:
     index, mover, reservations = parts.state.index, parts.mover, parts.reservations
     index.check()
     mover.check()
+    if parts.remote is not None:
+        parts.remote.check()
     reservations.check()  # its slots allocated, once each: then the sums below
     for tier, pool in enumerate(parts.state.pools):
         pool.check()

@@ -81,7 +81,9 @@ def store_status(parts: Parts) -> dict[str, Any]:
             parts.state.disk.write_status()
         )  # refused_writes, backoff_s, last error
     lookups = parts.state.ops["lookup_tokens"]
+    remote = {"remote": parts.remote.status()} if parts.remote is not None else {}
     return {
+        **remote,
         "layout": _layout(parts),
         "tiers": tiers,
         "paths": paths,

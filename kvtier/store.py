@@ -195,6 +195,7 @@ class KVStore:
         as a new tensor on `device` (default: the gpu tier's device)."""
         key = encode_tokens(tokens)
         wanted = check_device(device)
+        self.operations.fill_from_remote(key, tenant)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
@@ -230,6 +231,7 @@ class KVStore:
         ttl = self._ttl(ttl_s)
         if type(wait) is not bool:
             raise InvalidArgumentError(f"wait: got {wait!r}, expected True or False")
+        self.operations.fill_from_remote(key, tenant)
         for attempt in range(PREFETCH_ATTEMPTS):
             with self._lock:
                 namespace = self.operations.namespace(tenant)
@@ -290,7 +292,6 @@ class KVStore:
         return self.operations.reservation(reservation_id, tenant)
 
     def leases(self) -> list[Lease]:
-        """The live leases."""
         return self.operations.leases()
 
     def leased_slots(self) -> frozenset[int]:
@@ -350,8 +351,7 @@ class KVStore:
     # ---- internals ---------------------------------------------------------------------------
 
     def _ttl(self, ttl_s: float | None) -> float:
-        """The ttl of a lease or reservation: `ttl_s`, or the default; at most
-        `policy.max_ttl_s`, so that no one pins a tier for long (DESIGN invariant 9)."""
+        """A lease's or reservation's ttl: `ttl_s` or the default, <= `policy.max_ttl_s`."""
         ttl = self.config.policy.lease_ttl_s if ttl_s is None else ttl_s
         longest = self.config.policy.max_ttl_s
         if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl <= longest):

@@ -40,6 +40,7 @@ from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter
 from kvtier.transfer.mover import Mover
+from kvtier.transfer.remote import RemoteLink
 from kvtier.transfer.shared import CacheState
 
 
@@ -62,6 +63,7 @@ class Writes:
         self.reservations = reservations
         self.policy = policy
         self.inline = inline
+        self.remote: RemoteLink | None = None  # the remote tier's link, when configured
 
     def holding(self, tenant: str, namespace: BlockId, tier: int) -> int:
         """What `tenant` holds of `tier` against its quota (`tenancy.py`): its reserved slots
@@ -93,13 +95,21 @@ class Writes:
         return None
 
     def store_new(
-        self, namespace: BlockId, tenant: str, key: bytes, kv: torch.Tensor
+        self,
+        namespace: BlockId,
+        tenant: str,
+        key: bytes,
+        kv: torch.Tensor,
+        first: int = 0,
+        share: bool = True,
     ) -> StoreResult:
-        """`KVStore.store`'s work (module doc)."""
+        """`KVStore.store`'s work (module doc). `kv` holds the tokens from block `first` on
+        (a remote fill passes the blocks it fetched: nothing before them can be stored, and
+        they are not shared back, `share`)."""
         bt = self.index.block_tokens
         match = self.index.match(namespace, key)
         new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
-        if new_blocks <= 0:
+        if new_blocks <= 0 or match.num_blocks < first:
             return StoreResult(match.num_blocks * bt, 0, 0)
         slots = self.take_free(match, new_blocks)
         if slots is None:  # room must be made: pin the match while blocks move
@@ -111,7 +121,7 @@ class Writes:
             finally:
                 # the pin guards the match while room is made; unpinned, a leaf grows in place
                 self.index.leases.release(pin.lease_id)
-        blocks = blocks_of(kv, bt, match.num_blocks, new_blocks)
+        blocks = blocks_of(kv, bt, match.num_blocks - first, new_blocks)
         if slots is None and self._tail_on_disk(match):
             taken, landed = self.mover.insert_on_disk(match, key, blocks, namespace, tenant)
             pending = taken - landed if self.mover.background else 0
@@ -127,7 +137,9 @@ class Writes:
         for tier, tier_slots in slots.items():
             memory[tier].write(tier_slots, blocks)
         self.mover.executor.mark_engine()  # CUDA: background copies of these slots wait
-        self.index.insert(match, key, slots)
+        end = self.index.insert(match, key, slots).end
+        if share and self.remote is not None:
+            self.remote.after_store(namespace, end, match.num_blocks, blocks)
         self.after_write()
         return StoreResult((match.num_blocks + new_blocks) * bt, new_blocks * bt, 0)
 

@@ -18,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
@@ -107,6 +108,18 @@ KeyRef = Annotated[
         "an API key of at least 16 characters, or 'env:NAME' to read it from $NAME",
     ),
 ]
+
+
+def resolve_key(ref: str, field: str) -> str:
+    """A configured key or secret: the literal, or the value of `$NAME` for `env:NAME`;
+    `ConfigError` naming `field` (never the value) when `$NAME` is unset or short."""
+    if not ref.startswith("env:"):
+        return ref
+    name = ref.removeprefix("env:")
+    value = os.environ.get(name)
+    if value is None or len(value) < 16:
+        raise ConfigError(field, ref, f"${name} set to a key of at least 16 characters")
+    return value
 
 
 class Section(BaseModel):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, get_args
 
-from pydantic import model_validator
+from pydantic import BeforeValidator, model_validator
 
 from kvtier.config.fields import (
     DiskCapacity,
@@ -25,6 +25,8 @@ from kvtier.config.fields import (
     MemoryCapacity,
     Name,
     Section,
+    int_in,
+    number_in,
     one_of,
     rule,
 )
@@ -85,9 +87,57 @@ class DiskTierConfig(Section):
     fsync: Annotated[FsyncMode, one_of(get_args(FsyncMode))] = "batch"
 
 
+_NODE = re.compile(r"[A-Za-z0-9_.\-]{1,253}:(\d{1,5})")
+_PREFIX = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def _nodes(value: object) -> object:
+    nodes = tuple(value) if isinstance(value, list) else value
+    expected = "a list of 1 to 64 startup nodes as host:port"
+    if not isinstance(nodes, tuple) or not 1 <= len(nodes) <= 64:
+        raise InvalidValue(value, expected)
+    for node in nodes:
+        match = _NODE.fullmatch(node) if isinstance(node, str) else None
+        if match is None or not 0 < int(match.group(1)) < 65536:
+            raise InvalidValue(node, "host:port, the port in 1..65535")
+    return nodes
+
+
+class RemoteTierConfig(Section):
+    """A Redis / Valkey Cluster that kvtier nodes share (`tiers/remote/`); off unless set.
+
+    `secret` ('env:NAME' or a literal of 16+ characters) keys the tenant salts instead of the
+    node's own server secret, so that every node sharing it derives the same namespaces and
+    finds the blocks the others wrote; nodes without it never see each other's blocks."""
+
+    nodes: Annotated[tuple[str, ...], BeforeValidator(_nodes)]
+    key_prefix: Annotated[
+        str,
+        rule(
+            lambda v: isinstance(v, str) and bool(_PREFIX.fullmatch(v)),
+            "1 to 64 of A-Z a-z 0-9 _ . -",
+        ),
+    ] = "kvtier"
+    secret: (
+        Annotated[
+            str,
+            rule(
+                lambda v: isinstance(v, str) and (len(v) >= 16 or v.startswith("env:")),
+                "a secret of at least 16 characters, or 'env:NAME' to read it from $NAME",
+            ),
+        ]
+        | None
+    ) = None
+    group_blocks: Annotated[int, int_in(1, 4096)] = 16
+    timeout_s: Annotated[float, number_in(0, 60, "seconds in (0, 60]")] = 0.5
+    max_value_bytes: DiskCapacity = Capacity(nbytes=512 * 2**20)
+    max_pending_bytes: DiskCapacity = Capacity(nbytes=256 * 2**20)
+
+
 class TiersConfig(Section):
-    """gpu and host always exist; disk only when configured."""
+    """gpu and host always exist; disk and remote only when configured."""
 
     gpu: GpuTierConfig = GpuTierConfig()
     host: HostTierConfig = HostTierConfig()
     disk: DiskTierConfig | None = None
+    remote: RemoteTierConfig | None = None

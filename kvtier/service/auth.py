@@ -29,6 +29,7 @@ import os
 import secrets
 
 from kvtier.config import HiddenKey, KVTierConfig
+from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError
 from kvtier.private_files import create_once, private_dir, read_regular
 
@@ -37,17 +38,6 @@ SECRET_BYTES = 32
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
-
-
-def resolve_key(ref: str, field: str) -> str:
-    """A configured key: the literal, or the value of `$NAME` for `env:NAME`."""
-    if not ref.startswith("env:"):
-        return ref
-    name = ref.removeprefix("env:")
-    value = os.environ.get(name)
-    if value is None or len(value) < 16:
-        raise ConfigError(field, ref, f"${name} set to a key of at least 16 characters")
-    return value
 
 
 class Auth:

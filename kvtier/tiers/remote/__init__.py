@@ -2,6 +2,5 @@
 Cluster. `entry.py`: the key and the value of one block. `cluster.py`: `RemoteCluster`, the
 connection, where every failure of the cluster is a counted miss. `tier.py`: `RemoteTier`, the
 face for one model layout: probe, write and read blocks by their place on a path (seed and
-chained ids), from and into KV tensors. Its place in the store (lookups that extend into it,
-loads into host, the mover's writes, config, status) comes next; nothing else imports this
-package yet."""
+chained ids), from and into KV tensors. `writer.py`: `RemoteWriter`, writes behind the caller.
+The store's side is `transfer/remote.py`."""

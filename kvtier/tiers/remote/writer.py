@@ -1,0 +1,104 @@
+"""Writes to the remote tier behind the caller: one thread, a bounded backlog, drops counted.
+
+`submit(seed, ids, start, blocks)` queues blocks start.. of a path (host copies the caller made;
+the writer owns them) and returns at once; the thread writes them with `RemoteTier.write`. A
+submission that would take the backlog past `max_pending_bytes` is dropped whole and counted
+(`dropped_blocks`): a slow or dead cluster costs a store a counter, never a wait. `drain` waits
+until the backlog is written (or its timeout); `close` stops the thread and drops what is left.
+Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.tiers.remote.tier import RemoteTier
+
+
+@dataclass(frozen=True)
+class _Job:
+    seed: bytes
+    ids: list[bytes]
+    start: int
+    blocks: list[torch.Tensor]
+    nbytes: int
+
+
+class RemoteWriter:
+    def __init__(self, tier: RemoteTier, max_pending_bytes: int) -> None:
+        self.tier = tier
+        self.max_pending_bytes = max_pending_bytes
+        self._jobs: deque[_Job] = deque()
+        self._pending = 0  # bytes queued or being written
+        self._cond = threading.Condition()
+        self._closed = False
+        self.stats = dict.fromkeys(("queued_blocks", "written_blocks", "failed_blocks"), 0)
+        self.stats["dropped_blocks"] = 0
+        self._thread = threading.Thread(target=self._run, name="kvtier-remote-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, seed: bytes, ids: list[bytes], start: int, blocks: list[torch.Tensor]) -> bool:
+        """Queue blocks start.. of the path `ids`; False (dropped, counted) when the backlog
+        would pass `max_pending_bytes` or the writer is closed."""
+        nbytes = sum(block.numel() * block.element_size() for block in blocks)
+        with self._cond:
+            if self._closed or self._pending + nbytes > self.max_pending_bytes:
+                self.stats["dropped_blocks"] += len(blocks)
+                return False
+            self._jobs.append(_Job(seed, ids, start, blocks, nbytes))
+            self._pending += nbytes
+            self.stats["queued_blocks"] += len(blocks)
+            self._cond.notify_all()
+        return True
+
+    @property
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return self._pending
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued block was written (or failed); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not self._pending
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self.stats["dropped_blocks"] += sum(len(job.blocks) for job in self._jobs)
+            self._jobs.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def check(self) -> None:
+        with self._cond:
+            assert self._pending >= 0 and all(v >= 0 for v in self.stats.values()), self.stats
+            assert self._pending >= sum(job.nbytes for job in self._jobs)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._jobs.popleft()
+            try:
+                done = self.tier.write(job.seed, job.ids, job.start, job.blocks)
+            except Exception:  # a bug, not the cluster (which never raises): count, go on
+                done = [False] * len(job.blocks)
+            with self._cond:
+                self._pending -= job.nbytes
+                self.stats["written_blocks"] += sum(done)
+                self.stats["failed_blocks"] += len(done) - sum(done)
+                self._cond.notify_all()

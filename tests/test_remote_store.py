@@ -1,0 +1,175 @@
+"""Two stores ("node A", "node B": separate pools and disk directories, one process) sharing a
+real Redis Cluster and a cluster secret: what A stores, B's prefetch and load take from the
+cluster, bit-exact; tenants and layouts stay apart; a damaged value or a killed primary gives
+less, never wrong bytes or errors; a cluster that is down leaves a store serving its own tiers.
+
+Skipped without `redis-server`, unless KVTIER_REQUIRE_REDIS=1 (CI sets it)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from redis.cluster import ClusterNode, RedisCluster
+from redis_cluster import LocalCluster
+from test_remote_client import start_cluster
+
+from kvtier import KVStore, parse_config
+from kvtier.blocks import encode_tokens
+from kvtier.tiers.remote.entry import block_key
+
+BT = 4
+SECRET = "cluster-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    running = start_cluster(tmp_path_factory.mktemp("redis"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A cluster of the test's own, for one that kills a primary."""
+    running = start_cluster(tmp_path / "redis")
+    yield running
+    running.stop()
+
+
+def config(nodes: list[str], disk: Path | None = None, **remote: Any) -> dict[str, Any]:
+    tiers: dict[str, Any] = {
+        "gpu": {"capacity": 64 * 2048, "device": "cpu"},
+        "host": {"capacity": 64 * 2048, "pinned": False},
+        "remote": {"nodes": nodes, "secret": SECRET, "group_blocks": 4, **remote},
+    }
+    if disk is not None:
+        tiers["disk"] = {"capacity": "1MiB", "path": str(disk)}
+    return {
+        "model": {
+            "name": "m",
+            "num_layers": 2,
+            "num_kv_heads": 2,
+            "head_dim": 8,
+            "dtype": "float16",
+        },
+        "block_tokens": BT,
+        "tiers": tiers,
+        "tenants": {"default": {}, "bob": {}},
+        "mover": {"background": False},
+    }
+
+
+def node(cfg: dict[str, Any]) -> KVStore:
+    return KVStore(parse_config(cfg), secret=b"this node's own secret, not shared")
+
+
+def kv_for(tokens: list[int]) -> torch.Tensor:
+    torch.manual_seed(len(tokens))
+    return torch.randn(2, 2, len(tokens), 2, 8).to(torch.float16)
+
+
+def test_what_a_stores_b_prefetches_and_loads_bit_exact(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    tokens = list(range(100, 140))  # 10 blocks
+    kv = kv_for(tokens)
+    with (
+        node(config(cluster.nodes, tmp_path / "a")) as a,
+        node(config(cluster.nodes, tmp_path / "b")) as b,
+    ):
+        assert a.store(tokens, kv).stored_tokens == 40
+        assert a.drain()
+        assert a.status()["remote"]["writer_written_blocks"] == 10
+        assert b.lookup(tokens).num_tokens == 0  # not local on B
+        lease = b.prefetch(tokens)
+        assert lease.num_tokens == 40
+        b.release(lease)
+        loaded = b.load(tokens)
+        assert loaded.num_tokens == 40 and torch.equal(
+            loaded.kv.view(torch.int16), kv.view(torch.int16)
+        )
+        status = b.status()["remote"]
+        assert status["filled_blocks"] == 10 and status["hits"] == 10
+        assert status["writer_queued_blocks"] == 0  # blocks from the cluster are not sent back
+        b.check()
+        # B extends the prompt; A finds the extension too
+        longer = [*tokens, *range(500, 516)]
+        kv2 = kv_for(longer)
+        kv2[:, :, :40] = kv
+        b.store(longer, kv2)
+        assert b.drain()
+        assert a.load(longer).num_tokens == 56
+        a.check()
+
+
+def test_tenants_and_layouts_do_not_meet_across_nodes(cluster: LocalCluster) -> None:
+    tokens = list(range(40))
+    other = config(cluster.nodes)
+    other["model"] = {**other["model"], "name": "another-model"}
+    with node(config(cluster.nodes)) as a, node(config(cluster.nodes)) as b, node(other) as c:
+        a.store(tokens, kv_for(tokens))
+        assert a.drain()
+        assert b.load(tokens, tenant="bob").num_tokens == 0
+        assert c.load(tokens).num_tokens == 0
+        assert b.load(tokens).num_tokens == 40  # the same tenant, the same model: shared
+
+
+def test_without_the_shared_secret_nodes_share_nothing(cluster: LocalCluster) -> None:
+    tokens = list(range(200, 240))
+    alone = config(cluster.nodes)
+    del alone["tiers"]["remote"]["secret"]  # each node salts tenants with its own secret
+    with node(config(cluster.nodes)) as a, KVStore(parse_config(alone), secret=b"b" * 32) as b:
+        a.store(tokens, kv_for(tokens))
+        assert a.drain()
+        assert b.load(tokens).num_tokens == 0
+
+
+def test_a_damaged_value_ends_the_fill_there(cluster: LocalCluster) -> None:
+    tokens = list(range(300, 340))
+    kv = kv_for(tokens)
+    with node(config(cluster.nodes)) as a, node(config(cluster.nodes)) as b:
+        a.store(tokens, kv)
+        assert a.drain()
+        end = a.index.match(a.namespaces.seed("default"), encode_tokens(tokens)).end
+        ids = [bytes(a.index.block_id(ref)) for ref in a.index.blocks(end)]
+        key = block_key("kvtier", ids[4], ids[6])
+        host, port = cluster.nodes[0].split(":")
+        raw = RedisCluster(startup_nodes=[ClusterNode(host, int(port))])
+        raw.setrange(key, 60, b"\x00\x01")
+        raw.close()
+        loaded = b.load(tokens)
+        assert loaded.num_tokens == 6 * BT  # blocks 0-5, then the damaged one ends the run
+        assert torch.equal(loaded.kv.view(torch.int16), kv[:, :, : 6 * BT].view(torch.int16))
+        assert b.status()["remote"]["verify_failures"] == 1
+
+
+def test_a_killed_primary_and_a_dead_cluster_leave_the_local_tiers_serving(
+    own_cluster: LocalCluster,
+) -> None:
+    cluster = own_cluster
+    tokens = list(range(400, 440))
+    with node(config(cluster.nodes)) as a, node(config(cluster.nodes, timeout_s=0.3)) as b:
+        a.store(tokens, kv_for(tokens))
+        assert a.drain()
+        cluster.kill(cluster.ports[0])
+        loaded = b.load(tokens)  # whatever the live nodes still serve, all of it right
+        assert torch.equal(
+            loaded.kv.view(torch.int16), kv_for(tokens)[:, :, : loaded.num_tokens].view(torch.int16)
+        )
+        assert b.store(list(range(40)), kv_for(list(range(40)))).stored_tokens == 40
+        assert b.load(list(range(40))).num_tokens == 40
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with node(config([f"127.0.0.1:{port}"], timeout_s=0.2)) as down:
+        assert down.store(tokens, kv_for(tokens)).stored_tokens == 40
+        assert down.load(tokens).num_tokens == 40
+        assert down.drain()
+        status = down.status()["remote"]
+        assert not status["connected"] and status["errors"] >= 1
+        down.check()
