@@ -31,7 +31,7 @@ from kvtier.errors import (
 )
 from kvtier.index import BlockRef, LeaseId
 from kvtier.index.node import Node
-from kvtier.results import Lease, Reservation
+from kvtier.results import Lease, LookupResult, Reservation
 from kvtier.status import store_status, tenant_status
 from kvtier.tiers.base import DISK, GPU
 from kvtier.transfer.persist import persist
@@ -120,6 +120,15 @@ class Operations:
             self.mover.drain()  # what was stored before this call is in the index
             self.expire()
             return persist(self.parts.demoter, self.parts.executor)
+
+    def with_remote(self, hit: LookupResult, key: bytes, namespace: BlockId) -> LookupResult:
+        """`hit` extended by the blocks past it that the remote tier holds in a row (one round
+        trip, without the lock), when there is one."""
+        if self.parts.remote is None:
+            return hit
+        bt = self.parts.config.layout.block_tokens
+        _, run = self.parts.remote.probe(namespace, key, hit.num_tokens // bt)
+        return hit._replace(num_tokens=hit.num_tokens + run * bt, remote_tokens=run * bt)
 
     def fill_from_remote(self, key: bytes, tenant: str) -> None:
         """With a remote tier: store locally what it holds past the cached prefix of `key`

@@ -21,13 +21,16 @@ from kvtier.errors import InvalidArgumentError, LeaseError
 
 class LookupResult(NamedTuple):
     """How many leading tokens are cached, split by the fastest tier holding each block.
-    `gpu_tokens + host_tokens + disk_tokens == num_tokens`; the tiers come in that order along
-    the prefix (whatever is on the GPU is a prefix of what is cached)."""
+    `gpu_tokens + host_tokens + disk_tokens + remote_tokens == num_tokens`; the tiers come in
+    that order along the prefix (whatever is on the GPU is a prefix of what is cached).
+    `remote_tokens`: past the local prefix, what a remote tier (`tiers.remote`) holds in a row
+    now; a `prefetch` or `load` brings it in, if it is still there then."""
 
     num_tokens: int
     gpu_tokens: int
     host_tokens: int
     disk_tokens: int
+    remote_tokens: int = 0
 
 
 class StoreResult(NamedTuple):

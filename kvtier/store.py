@@ -101,8 +101,9 @@ class KVStore:
     # ---- the engine contract -------------------------------------------------------------
 
     def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        """Cached leading tokens of `tokens`, split by tier. Changes only recency (the blocks it
-        matched are used now; a node matched in part is split so that its tail is not)."""
+        """Cached leading tokens of `tokens`, split by tier (a remote tier's past the local ones).
+        Changes only recency (the blocks it matched are used now; a node matched in part is
+        split so that its tail is not)."""
         key = encode_tokens(tokens)
         with self._lock:
             namespace = self.operations.namespace(tenant)
@@ -114,7 +115,8 @@ class KVStore:
             if self.mover.lift_on_lookup and by_tier[0] < hit.num_blocks:
                 self.mover.note_lookup(namespace, key[: hit.num_blocks * self.index.key_nbytes])
             disk = by_tier[2] if len(by_tier) > 2 else 0
-            return LookupResult(hit.num_blocks * bt, by_tier[0] * bt, by_tier[1] * bt, disk * bt)
+            local = LookupResult(hit.num_blocks * bt, by_tier[0] * bt, by_tier[1] * bt, disk * bt)
+        return self.operations.with_remote(local, key, namespace)
 
     def store(self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default") -> StoreResult:
         """Cache the full blocks of `tokens` that are not cached yet, with their KV.
@@ -282,13 +284,11 @@ class KVStore:
             self.mover.executor.mark_engine()  # CUDA: a copy into these slots waits for reads
 
     def lease(self, lease_id: int, *, tenant: str | None = None) -> Lease:
-        """The live lease `lease_id` (of `tenant`, when given); `LeaseError` otherwise, the
-        same for another tenant's lease as for none, so that ids reveal nothing."""
+        """The live lease `lease_id` (of `tenant`, when given); else `LeaseError`, as for none."""
         return self.operations.lease(lease_id, tenant)
 
     def reservation(self, reservation_id: int, *, tenant: str | None = None) -> Reservation:
-        """The live reservation `reservation_id` (of `tenant`, when given), else `LeaseError`,
-        the same for another tenant's reservation as for none, so that ids reveal nothing."""
+        """The live reservation (of `tenant`, when given); else `LeaseError`, as for none."""
         return self.operations.reservation(reservation_id, tenant)
 
     def leases(self) -> list[Lease]:

@@ -29,6 +29,7 @@ from kvtier.errors import (
     ReplyError,
     StorageError,
 )
+from kvtier.results import LookupResult
 from kvtier.tiers.shm import SHM_DIR, create_shared
 
 SLOTS = 8
@@ -330,6 +331,20 @@ def test_a_lease_outside_the_gpu_pool_is_refused_before_anything_is_read(
         os.unlink(SHM_DIR / name)
 
 
+LOOKUP_8 = {"num_tokens": 8, "gpu_tokens": 8, "host_tokens": 0, "disk_tokens": 0}
+
+
+def test_a_lookup_reply_without_remote_tokens_is_one_without_a_remote_tier(
+    fake: Callable[..., FakeServer],
+) -> None:
+    server = fake(lookup=(200, LOOKUP_8))  # a server from before the remote tier
+    with Client(server.url, shared_memory=False) as client:
+        assert client.lookup(TOKENS) == LookupResult(8, 8, 0, 0, 0)
+    server = fake(lookup=(200, {**LOOKUP_8, "num_tokens": 12, "remote_tokens": 4}))
+    with Client(server.url, shared_memory=False) as client:
+        assert client.lookup(TOKENS) == LookupResult(12, 8, 0, 0, 4)
+
+
 @pytest.mark.parametrize(
     ("path", "reply", "field"),
     [
@@ -340,6 +355,12 @@ def test_a_lease_outside_the_gpu_pool_is_refused_before_anything_is_read(
             "lookup",
         ),
         ("lookup", (200, b"]]"), "/v1/lookup"),
+        (
+            "lookup",
+            (200, {**LOOKUP_8, "remote_tokens": 4}),  # the tiers add up to 12, not 8
+            "lookup",
+        ),
+        ("lookup", (200, {**LOOKUP_8, "remote_tokens": -4}), "lookup.remote_tokens"),
         ("store", (200, {"cached_tokens": 8}), "store.stored_tokens"),
         ("load", (200, {"num_tokens": 4, "kv": "AAAA", "dtype": "float16", "shape": [1]}), "load"),
         ("load", (200, {"num_tokens": -4}), "load.num_tokens"),

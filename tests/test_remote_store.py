@@ -85,7 +85,9 @@ def test_what_a_stores_b_prefetches_and_loads_bit_exact(
         assert a.store(tokens, kv).stored_tokens == 40
         assert a.drain()
         assert a.status()["remote"]["writer_written_blocks"] == 10
-        assert b.lookup(tokens).num_tokens == 0  # not local on B
+        hit = b.lookup(tokens)  # nothing local on B; the cluster holds all 10 blocks
+        assert (hit.num_tokens, hit.gpu_tokens, hit.remote_tokens) == (40, 0, 40)
+        assert b.lookup(tokens[:30]).remote_tokens == 28  # whole blocks only
         lease = b.prefetch(tokens)
         assert lease.num_tokens == 40
         b.release(lease)
@@ -114,6 +116,7 @@ def test_tenants_and_layouts_do_not_meet_across_nodes(cluster: LocalCluster) -> 
     with node(config(cluster.nodes)) as a, node(config(cluster.nodes)) as b, node(other) as c:
         a.store(tokens, kv_for(tokens))
         assert a.drain()
+        assert b.lookup(tokens, tenant="bob").num_tokens == 0
         assert b.load(tokens, tenant="bob").num_tokens == 0
         assert c.load(tokens).num_tokens == 0
         assert b.load(tokens).num_tokens == 40  # the same tenant, the same model: shared

@@ -153,10 +153,13 @@ def reservation(body: dict[str, Any], served: Pools | None, sent_tokens: int) ->
 
 
 def lookup(body: dict[str, Any]) -> LookupResult:
-    """A lookup reply: four token counts, the last three adding up to the first."""
+    """A lookup reply: token counts, the tiers' adding up to the first (`remote_tokens` may be
+    absent: a server without a remote tier's field, 0)."""
+    if "remote_tokens" not in body:
+        body = {**body, "remote_tokens": 0}
     counts = [_int(body, name, "lookup", MAX_COUNT) for name in LookupResult._fields]
     result = LookupResult(*counts)
-    if result.gpu_tokens + result.host_tokens + result.disk_tokens != result.num_tokens:
+    if sum(counts[1:]) != result.num_tokens:
         raise ReplyError(f"lookup: tiers {counts[1:]} do not add up to {result.num_tokens}")
     return result
 

@@ -33,10 +33,8 @@ STORE = _obj(
 EMPTY = _obj({})
 OK = _obj({"ok": {"type": "boolean"}}, ("ok",))
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-LOOKUP = _obj(
-    {k: _INT for k in ("num_tokens", "gpu_tokens", "host_tokens", "disk_tokens")},
-    ("num_tokens", "gpu_tokens", "host_tokens", "disk_tokens"),
-)
+_LOOKUP_FIELDS = ("num_tokens", "gpu_tokens", "host_tokens", "disk_tokens", "remote_tokens")
+LOOKUP = _obj({k: _INT for k in _LOOKUP_FIELDS}, _LOOKUP_FIELDS)
 LEASE = _obj(
     {
         "lease_id": _INT,

@@ -7,7 +7,7 @@ as a list of ints. A KV payload is `{"kv": bytes, "dtype": "bfloat16", "shape": 
 tensor's raw bytes in C order (msgpack only; JSON has no bytes).
 
     POST /v1/lookup    {tokens}                       -> {num_tokens, gpu_tokens, host_tokens,
-                                                          disk_tokens}
+                                                          disk_tokens, remote_tokens}
     POST /v1/prefetch  {tokens, ttl_s?, wait_s?}      -> lease
     POST /v1/release   {lease_id}                     -> {}
     POST /v1/store     {tokens, kv, dtype, shape}     -> {cached_tokens, stored_tokens, ...}

@@ -60,19 +60,27 @@ class RemoteLink:
         copies = blocks.detach().to("cpu", copy=True)
         self.writer.submit(bytes(namespace), ids, start, list(copies.unbind(0)))
 
+    def probe(self, namespace: BlockId, key: bytes, local: int) -> tuple[list[bytes], int]:
+        """The ids of `key`'s whole blocks, and how many past the first `local` the cluster
+        holds in a row (one round trip; none when `local` covers them all). No lock held."""
+        kb = self.index.key_nbytes
+        total = len(key) // kb
+        if local >= total:
+            return [], 0
+        hasher = self.index.forest.hasher
+        ids = [bytes(i) for i in hasher.split(hasher.chain(namespace, key[: total * kb], kb))]
+        return ids, self.tier.probe(bytes(namespace), ids, local)
+
     def fill(self, namespace: BlockId, tenant: str, key: bytes) -> int:
         """Store locally the blocks of `key` past its cached prefix that the cluster holds
         (module doc); how many were stored. Without the cache's lock."""
         kb = self.index.key_nbytes
-        total = len(key) // kb
         with self._lock:
             local = self.index.lookup(namespace, key).num_blocks
-        if local >= total:
-            return 0
-        hasher = self.index.forest.hasher
-        ids = [bytes(i) for i in hasher.split(hasher.chain(namespace, key[: total * kb], kb))]
+        ids, run = self.probe(namespace, key, local)
         seed = bytes(namespace)
-        run = self.tier.probe(seed, ids, local)
+        if not ids:
+            return 0
         if run == 0:
             self._count(fill_misses=1)
             return 0
