@@ -198,8 +198,11 @@ class Writes:
         new = {t: tier_slots[skip:] for t, tier_slots in slots.items()}
         count = len(new[tier])
         if count:
-            self.index.insert(match, key, new)
+            end = self.index.insert(match, key, new).end
             self.mover.executor.mark_engine()
+            if self.remote is not None:  # the writer's blocks, read from their memory slots
+                written = (self.state.gpu, self.state.host)[tier].read(new[tier])
+                self.remote.after_store(namespace, end, match.num_blocks, written)
         self.after_write()
         return StoreResult((match.num_blocks + count) * bt, count * bt, 0)
 

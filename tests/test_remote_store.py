@@ -176,3 +176,18 @@ def test_a_killed_primary_and_a_dead_cluster_leave_the_local_tiers_serving(
         status = down.status()["remote"]
         assert not status["connected"] and status["errors"] >= 1
         down.check()
+
+
+def test_a_zero_copy_writers_committed_blocks_are_shared_too(cluster: LocalCluster) -> None:
+    tokens = list(range(600, 632))  # 8 blocks
+    kv = kv_for(tokens)
+    with node(config(cluster.nodes)) as a, node(config(cluster.nodes)) as b:
+        reservation = a.reserve(tokens)
+        pool = a.gpu_pool if reservation.tier == "gpu" else a.host_pool
+        for i, slot in enumerate(reservation.slots):
+            pool.buffer[slot].copy_(kv[:, :, i * BT : (i + 1) * BT])
+        assert a.commit(reservation).stored_tokens == 32
+        assert a.drain()
+        loaded = b.load(tokens)
+        assert loaded.num_tokens == 32
+        assert torch.equal(loaded.kv.view(torch.int16), kv.view(torch.int16))

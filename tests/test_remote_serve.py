@@ -1,0 +1,83 @@
+"""Two `kvtier serve` processes ("node A", "node B": separate state and disk directories) with
+one real Redis Cluster and one cluster secret (`env:`): a prefix stored through A is found by
+B's lookup and loaded through B bit-exact; B's status shows the tier; a sidecar whose cluster
+is down from the start is ready and serves its local tiers.
+
+Skipped without `redis-server`, unless KVTIER_REQUIRE_REDIS=1 (CI sets it)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from service_server import ADMIN_KEY, BT, free_port, kv_of, running, tokens_of, write_config
+from test_remote_client import start_cluster
+
+from kvtier.client import Client
+
+SECRET_ENV = {"KVTIER_TEST_CLUSTER_SECRET": "a-cluster-wide-secret-0123456789"}
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    cluster = start_cluster(tmp_path_factory.mktemp("redis"))
+    yield cluster.nodes
+    cluster.stop()
+
+
+def node_config(directory: Path, nodes: list[str], **remote: Any) -> Path:
+    path = write_config(directory, disk="1MiB")
+    config = yaml.safe_load(path.read_text())
+    config["tiers"]["remote"] = {
+        "nodes": nodes,
+        "secret": "env:KVTIER_TEST_CLUSTER_SECRET",
+        "group_blocks": 4,
+        **remote,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_prefix_stored_on_one_sidecar_is_found_and_loaded_on_another(
+    nodes: list[str], tmp_path: Path
+) -> None:
+    tokens = tokens_of(1000, 48)
+    kv = kv_of(48, seed=7)
+    with (
+        running(node_config(tmp_path / "a", nodes), SECRET_ENV) as a,
+        running(node_config(tmp_path / "b", nodes), SECRET_ENV) as b,
+        Client(a.url, api_key=ADMIN_KEY) as client_a,
+        Client(b.url, api_key=ADMIN_KEY) as client_b,
+    ):
+        assert client_a.store(tokens, kv).stored_tokens == 48
+        deadline = time.monotonic() + 10  # A's writer sends behind the store call
+        while (hit := client_b.lookup(tokens)).remote_tokens < 48 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (hit.num_tokens, hit.gpu_tokens, hit.remote_tokens) == (48, 0, 48)
+        loaded = client_b.load(tokens)
+        assert loaded.num_tokens == 48
+        assert torch.equal(loaded.kv.view(torch.int16), kv.view(torch.int16))
+        assert client_b.lookup(tokens).gpu_tokens == 48  # local on B now
+        remote = b.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
+        assert remote["remote"]["filled_blocks"] == 48 // BT
+        assert remote["remote"]["connected"] is True
+
+
+def test_a_sidecar_whose_cluster_is_down_is_ready_and_serves_locally(tmp_path: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    tokens = tokens_of(2000, 16)
+    kv = kv_of(16, seed=9)
+    with (
+        running(node_config(tmp_path, [dead], timeout_s=0.2), SECRET_ENV) as server,
+        Client(server.url, api_key=ADMIN_KEY) as client,
+    ):
+        assert client.store(tokens, kv).stored_tokens == 16
+        assert client.lookup(tokens).num_tokens == 16
+        assert torch.equal(client.load(tokens).kv.view(torch.int16), kv.view(torch.int16))
+        status = server.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        assert status.json()["remote"]["connected"] is False
