@@ -66,6 +66,9 @@ def test_a_prefix_stored_on_one_sidecar_is_found_and_loaded_on_another(
         remote = b.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
         assert remote["remote"]["filled_blocks"] == 48 // BT
         assert remote["remote"]["connected"] is True
+        metrics = b.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
+        assert "kvtier_remote_connected 1.0" in metrics
+        assert f"kvtier_remote_filled_blocks_total {48 // BT}.0" in metrics
 
 
 def test_a_sidecar_whose_cluster_is_down_is_ready_and_serves_locally(tmp_path: Path) -> None:

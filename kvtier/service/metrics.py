@@ -20,6 +20,12 @@ latency is the service's own (a histogram per route). Names:
     kvtier_prefetch_to_ready_seconds{quantile}           p50 / p99 of recent prefetches
     kvtier_request_seconds{route}                        histogram of request latency
     kvtier_client_disconnects_total                      clients that hung up mid-body
+    kvtier_remote_connected                              with tiers.remote: 1 while connected
+    kvtier_remote_{puts,hits,misses,verify_failures,errors,round_trips,bytes_in,bytes_out,
+      filled_blocks}_total                               counters
+    kvtier_remote_round_trip_seconds_total               time spent in round trips
+    kvtier_remote_writer_{written,dropped}_blocks_total  counters
+    kvtier_remote_writer_pending_bytes                   the write backlog
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ class _StoreCollector(Collector):
         yield ops
         yield _gauge("kvtier_hit_rate", "Hit tokens over looked-up tokens", status["hit_rate"])
         yield from _mover(status["mover"])
+        if "remote" in status:
+            yield from _remote(status["remote"])
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -175,3 +183,32 @@ def _mover(mover: dict[str, Any]) -> Iterator[Any]:
     ready.add_metric(["0.5"], mover["prefetch_to_ready_s"]["p50"])
     ready.add_metric(["0.99"], mover["prefetch_to_ready_s"]["p99"])
     yield ready
+
+
+_REMOTE_COUNTERS = (
+    "puts",
+    "hits",
+    "misses",
+    "verify_failures",
+    "errors",
+    "round_trips",
+    "bytes_in",
+    "bytes_out",
+    "filled_blocks",
+    "round_trip_seconds",
+    "writer_written_blocks",
+    "writer_dropped_blocks",
+)
+
+
+def _remote(remote: dict[str, Any]) -> Iterator[Any]:
+    yield _gauge("kvtier_remote_connected", "1 while connected to the cluster", remote["connected"])
+    for field in _REMOTE_COUNTERS:
+        counter = CounterMetricFamily(f"kvtier_remote_{field}", f"Remote tier: {field}")
+        counter.add_metric([], remote[field])
+        yield counter
+    yield _gauge(
+        "kvtier_remote_writer_pending_bytes",
+        "Bytes queued for the cluster, not yet written",
+        remote["writer_pending_bytes"],
+    )
