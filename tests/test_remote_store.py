@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from redis import Redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis_cluster import LocalCluster
 from test_remote_client import start_cluster
@@ -191,3 +192,37 @@ def test_a_zero_copy_writers_committed_blocks_are_shared_too(cluster: LocalClust
         loaded = b.load(tokens)
         assert loaded.num_tokens == 32
         assert torch.equal(loaded.kv.view(torch.int16), kv.view(torch.int16))
+
+
+def test_a_cluster_that_evicts_under_maxmemory_gives_shorter_runs_never_wrong_bytes(
+    own_cluster: LocalCluster,
+) -> None:
+    for port in own_cluster.ports:  # 1 MiB per primary for data; least recently used go first
+        raw = Redis(host="127.0.0.1", port=port)
+        empty = int(raw.info("memory")["used_memory"])  # an empty server uses about 1 MiB
+        raw.config_set("maxmemory", empty + 2**20)
+        raw.config_set("maxmemory-policy", "allkeys-lru")
+        raw.close()
+    big = config(own_cluster.nodes)
+    big["model"] = {**big["model"], "head_dim": 64}  # 4 KiB blocks
+    big["tiers"]["gpu"]["capacity"] = big["tiers"]["host"]["capacity"] = 64 * 4096
+    prompts = [list(range(10_000 * p, 10_000 * p + 32)) for p in range(120)]  # 3.75 MiB
+    with node(big) as a, node(big) as b:
+        for tokens in prompts:
+            a.store(tokens, kv_big(tokens))
+            assert a.drain()
+        assert a.status()["remote"]["writer_failed_blocks"] == 0
+        found = [b.lookup(tokens).remote_tokens for tokens in prompts]
+        assert found[-1] == 32  # the newest is there
+        assert min(found) < 32  # the cluster evicted some of the oldest
+        for tokens, count in zip(prompts[::8], found[::8], strict=True):
+            loaded = b.load(tokens)
+            assert loaded.num_tokens <= count
+            want = kv_big(tokens)[:, :, : loaded.num_tokens]
+            assert torch.equal(loaded.kv.view(torch.int16), want.view(torch.int16))
+        b.check()
+
+
+def kv_big(tokens: list[int]) -> torch.Tensor:
+    torch.manual_seed(tokens[0])
+    return torch.randn(2, 2, len(tokens), 2, 64).to(torch.float16)
