@@ -40,9 +40,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, parse_node
 from kvtier.tiers.remote.entry import ValueMeta, encode_value_into, header_nbytes, path_keys
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from redis_cluster import LocalCluster, have_redis
+from kvtier.tiers.remote.local import LocalCluster, have_redis
 
 BIG = KVLayout("Llama-3.1-8B", 32, 8, 128, "bfloat16", 16)  # 2 MiB blocks
 SMALL = KVLayout("Llama-3.1-8B-1L", 1, 8, 128, "bfloat16", 16)  # 64 KiB blocks

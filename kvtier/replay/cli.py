@@ -4,6 +4,8 @@
     kvtier replay TRACE --sweep          the tiered sizes scaled by SWEEP_SCALES, as a table
     ... --plot out.png                   hit rate by tier against capacity (needs matplotlib)
     ... --json                           every figure as JSON on stdout
+    kvtier replay TRACE --replicas N [--remote]   N stores behind a round-robin router, alone
+                                         and sharing a remote tier (`replicas.py`)
 
 Each run is compared with exact simulations of one cache of its capacity in blocks (LRU of
 leaves, and the offline furthest-next-use leaf; `simulate.py`), and a paced run (`--speed`)
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from kvtier.replay.replicas import cluster_nodes, format_fleet, replay_fleet
 from kvtier.replay.report import (
     ReplayResult,
     Sizing,
@@ -30,7 +33,7 @@ from kvtier.replay.report import (
 )
 from kvtier.replay.runner import ReplayOptions, capacity_blocks, replay
 from kvtier.replay.simulate import LRU, Chain, Furthest, chains, simulate
-from kvtier.replay.trace import TraceRequest, ceiling, read_trace
+from kvtier.replay.trace import Ceiling, TraceRequest, ceiling, read_trace
 
 SWEEP_SCALES = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """`--sweep`: each run's tier sizes are the given ones times one of these."""
@@ -59,6 +62,15 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         "--background", action="store_true", help="run the mover on threads (default: inline)"
     )
     cmd.add_argument("--dir", help="where the disk tier's temporary directory goes")
+    cmd.add_argument(
+        "--replicas", type=int, default=1, help="N stores behind a round-robin router (1)"
+    )
+    cmd.add_argument(
+        "--remote", action="store_true", help="also run the N stores sharing a remote tier"
+    )
+    cmd.add_argument(
+        "--remote-nodes", help="that tier's cluster, host:port,... (default: one started here)"
+    )
 
 
 def _sizings(args: argparse.Namespace) -> list[Sizing]:
@@ -115,9 +127,14 @@ def run_replay(args: argparse.Namespace) -> int:
         speed=args.speed,
         directory=args.dir,
     )
+    if args.replicas < 1:
+        print(f"kvtier: --replicas: got {args.replicas}, expected >= 1", file=sys.stderr)
+        return 2
     sizings = _sizings(args)  # sizes are checked before the trace is read
     requests = read_trace(args.trace, args.limit)
     limit = ceiling(requests)
+    if args.replicas > 1 or args.remote:
+        return _run_fleet(args, requests, limit, sizings[0], options)
     results: list[ReplayResult] = []
     with _progress(len(requests) * len(sizings)) as progress:
         for sizing in sizings:
@@ -150,4 +167,29 @@ def run_replay(args: argparse.Namespace) -> int:
         f"ratio to the infinite-cache ceiling ({results[0].sizing.label}): "
         f"{results[0].ratio:.3f}" + (f" ({others})" if others else "")
     )
+    return 0
+
+
+def _run_fleet(
+    args: argparse.Namespace,
+    requests: list[TraceRequest],
+    limit: Ceiling,
+    sizing: Sizing,
+    options: ReplayOptions,
+) -> int:
+    """`--replicas N [--remote]` (`replicas.py`): the fleet alone, then sharing the cluster."""
+    runs = [replay_fleet(requests, limit, sizing, options, args.replicas, None)]
+    if args.remote:
+        nodes = args.remote_nodes.split(",") if args.remote_nodes else None
+        with cluster_nodes(nodes) as cluster:
+            runs.append(replay_fleet(requests, limit, sizing, options, args.replicas, cluster))
+    if args.json:
+        print(json.dumps({"trace": args.trace, "runs": [r.to_dict() for r in runs]}, indent=2))
+        return 0
+    print(
+        f"trace {args.trace}: {limit.requests:,} requests over {args.replicas} replicas "
+        f"(round robin), each sized gpu {sizing.gpu:g} / host {sizing.host:g} / disk "
+        f"{sizing.disk:g} of the unique blocks; ceiling {limit.hit_rate:.1%}"
+    )
+    print(format_fleet(runs))
     return 0

@@ -1,0 +1,187 @@
+"""`kvtier replay TRACE --replicas N [--remote]`: a fleet of N stores behind a round-robin router,
+alone and sharing a remote tier (issue 14), in the same run.
+
+A router that sends request i to replica i mod N scatters a conversation's turns over the
+fleet, so each replica recomputes what a neighbour holds: the cross-replica loss. Each replica
+is a `KVStore` sized as one `replay` run (`runner.replay_config`), inline mover. Two runs over
+the same requests:
+
+- **alone**: N stores, each with only its own tiers;
+- **shared**: the same N stores, each with `tiers.remote` on one Redis Cluster (the one named by
+  `nodes`, or one started on loopback for the run, `tiers/remote/local.py`), one cluster secret
+  and a key prefix of the run's own. Per request the replica looks up (local tiers, then the
+  cluster's run past them), prefetches what is not on its gpu (bringing the cluster's blocks
+  in), and stores; its writer's backlog is drained after each store, so that the next request,
+  on another replica, sees it (a router would wait no less for a neighbour's KV).
+
+Per run: tokens served by each tier (the lookup's split, `remote` included) and recomputed, the
+hit rate, its ratio to the trace's ceiling, and the wall time; the gain is shared - alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.config import parse_config
+from kvtier.errors import CapacityError
+from kvtier.replay.report import Sizing
+from kvtier.replay.runner import ReplayOptions, replay_config
+from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
+from kvtier.store import KVStore
+from kvtier.tiers.remote.local import LocalCluster, have_redis
+
+TIERS = ("gpu", "host", "disk", "remote")
+
+
+@dataclass(frozen=True)
+class FleetRun:
+    label: str
+    replicas: int
+    served: dict[str, int]  # tier (or "recomputed") -> tokens
+    ceiling_tokens: int
+    wall_s: float
+    remote: dict[str, int] | None = None  # the replicas' remote counters, summed
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.served.values())
+
+    @property
+    def hit_rate(self) -> float:
+        return 1 - self.served["recomputed"] / self.tokens if self.tokens else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return (
+            (self.tokens - self.served["recomputed"]) / self.ceiling_tokens
+            if self.ceiling_tokens
+            else 0.0
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "replicas": self.replicas,
+            "served": self.served,
+            "hit_rate": self.hit_rate,
+            "ratio_to_ceiling": self.ratio,
+            "wall_s": self.wall_s,
+            "remote": self.remote,
+        }
+
+
+@contextlib.contextmanager
+def cluster_nodes(nodes: Sequence[str] | None) -> Iterator[list[str]]:
+    """`nodes`, or those of a cluster started on loopback for the block."""
+    if nodes:
+        yield list(nodes)
+        return
+    if not have_redis():
+        raise RuntimeError(
+            "--remote needs a cluster: --remote-nodes host:port,... or Debian's redis-server "
+            "(apt-get install redis-server) to start one"
+        )
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-replay-redis-") as tmp,
+        LocalCluster(Path(tmp), primaries=3) as cluster,
+    ):
+        yield cluster.nodes
+
+
+def replay_fleet(
+    requests: Sequence[TraceRequest],
+    ceiling: Ceiling,
+    sizing: Sizing,
+    options: ReplayOptions,
+    replicas: int,
+    nodes: Sequence[str] | None,
+) -> FleetRun:
+    """One run of `replicas` stores (module doc); shared through the cluster of `nodes` when
+    it is not None."""
+    served = dict.fromkeys((*TIERS, "recomputed"), 0)
+    longest = max(r.num_tokens for r in requests)
+    prefix = f"replay-{secrets.token_hex(6)}"  # this run's keys only
+    with tempfile.TemporaryDirectory(prefix="kvtier-fleet-", dir=options.directory) as tmp:
+        stores = [
+            KVStore(_config(sizing, ceiling, options, f"{tmp}/{i}", nodes, prefix))
+            for i in range(replicas)
+        ]
+        try:
+            kv = torch.zeros(
+                (1, 2, longest, 1, stores[0].layout.head_dim), dtype=stores[0].layout.dtype
+            )
+            started = time.perf_counter()
+            for i, request in enumerate(requests):
+                store = stores[i % replicas]
+                tokens = request.tokens()
+                hit = store.lookup(tokens)
+                for tier in TIERS:
+                    served[tier] += getattr(hit, f"{tier}_tokens")
+                served["recomputed"] += len(tokens) - hit.num_tokens
+                if hit.num_tokens > hit.gpu_tokens:
+                    with contextlib.suppress(CapacityError):
+                        store.release(store.prefetch(tokens))
+                store.store(tokens, kv[:, :, : len(tokens)])
+                if nodes is not None:
+                    store.drain()
+            wall_s = time.perf_counter() - started
+            remote = None
+            if nodes is not None:
+                figures = [store.status()["remote"] for store in stores]
+                remote = {
+                    name: sum(f[name] for f in figures)
+                    for name in ("hits", "misses", "filled_blocks", "puts", "errors")
+                }
+            for store in stores:
+                store.check()
+        finally:
+            for store in stores:
+                store.close()
+    label = f"{replicas} replicas" + (", shared remote" if nodes is not None else ", alone")
+    return FleetRun(
+        label, replicas, served, ceiling.prefix_hits * TRACE_BLOCK_TOKENS, wall_s, remote
+    )
+
+
+def _config(
+    sizing: Sizing,
+    ceiling: Ceiling,
+    options: ReplayOptions,
+    directory: str,
+    nodes: Sequence[str] | None,
+    prefix: str,
+) -> Any:
+    config = replay_config(sizing, ceiling.unique_blocks, options, directory).to_dict()
+    if nodes is not None:
+        config["tiers"]["remote"] = {
+            "nodes": list(nodes),
+            "key_prefix": prefix,
+            "secret": "replay-fleet-shared-secret",
+        }
+    return parse_config(config, "<replay --replicas>")
+
+
+def format_fleet(runs: Sequence[FleetRun]) -> str:
+    lines = []
+    for run in runs:
+        parts = ", ".join(f"{t} {run.served[t] / run.tokens:.1%}" for t in TIERS if run.served[t])
+        remote = f"; remote {run.remote}" if run.remote else ""
+        lines.append(
+            f"== {run.label}: hit rate {run.hit_rate:.1%} ({parts}), {run.ratio:.3f} of the "
+            f"ceiling, {run.wall_s:.1f} s{remote}"
+        )
+    if len(runs) == 2:
+        lines.append(
+            f"gain from the shared remote tier: {runs[1].hit_rate - runs[0].hit_rate:+.1%} of "
+            f"tokens ({runs[0].ratio:.3f} -> {runs[1].ratio:.3f} of the ceiling)"
+        )
+    return "\n".join(lines)
