@@ -66,7 +66,20 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  {path:<12}{format_size(moved['bytes']):>12} moved, "
             f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s recently"
         )
+    if "remote" in status:
+        print(_remote_line(status["remote"]))
     return 0
+
+
+def _remote_line(remote: dict[str, Any]) -> str:
+    state = "connected" if remote["connected"] else f"NOT CONNECTED ({remote['last_error']})"
+    return (
+        f"remote: {state}; {remote['hits']} hits, {remote['misses']} misses, "
+        f"{remote['verify_failures']} failed verification, {remote['errors']} errors; "
+        f"{remote['filled_blocks']} blocks filled in; writer {remote['writer_written_blocks']} "
+        f"written, {remote['writer_dropped_blocks']} dropped, "
+        f"{format_size(remote['writer_pending_bytes'])} pending"
+    )
 
 
 def cmd_info(args: argparse.Namespace) -> int:

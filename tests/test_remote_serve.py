@@ -18,6 +18,7 @@ import yaml
 from service_server import ADMIN_KEY, BT, free_port, kv_of, running, tokens_of, write_config
 from test_remote_client import start_cluster
 
+from kvtier.cli import main
 from kvtier.client import Client
 
 SECRET_ENV = {"KVTIER_TEST_CLUSTER_SECRET": "a-cluster-wide-secret-0123456789"}
@@ -44,7 +45,7 @@ def node_config(directory: Path, nodes: list[str], **remote: Any) -> Path:
 
 
 def test_a_prefix_stored_on_one_sidecar_is_found_and_loaded_on_another(
-    nodes: list[str], tmp_path: Path
+    nodes: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tokens = tokens_of(1000, 48)
     kv = kv_of(48, seed=7)
@@ -69,6 +70,9 @@ def test_a_prefix_stored_on_one_sidecar_is_found_and_loaded_on_another(
         metrics = b.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
         assert "kvtier_remote_connected 1.0" in metrics
         assert f"kvtier_remote_filled_blocks_total {48 // BT}.0" in metrics
+        assert main(["status", "--url", b.url, "--key", ADMIN_KEY]) == 0
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.startswith("remote: connected; 12 hits, 0 misses, 0 failed verification")
 
 
 def test_a_sidecar_whose_cluster_is_down_is_ready_and_serves_locally(tmp_path: Path) -> None:
