@@ -67,6 +67,7 @@ def test_a_prefix_stored_on_one_sidecar_is_found_and_loaded_on_another(
         remote = b.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
         assert remote["remote"]["filled_blocks"] == 48 // BT
         assert remote["remote"]["connected"] is True
+        assert b.get("/readyz").json() == {"ok": True, "remote": "connected"}
         metrics = b.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
         assert "kvtier_remote_connected 1.0" in metrics
         assert f"kvtier_remote_filled_blocks_total {48 // BT}.0" in metrics
@@ -88,3 +89,5 @@ def test_a_sidecar_whose_cluster_is_down_is_ready_and_serves_locally(tmp_path: P
         assert torch.equal(client.load(tokens).kv.view(torch.int16), kv.view(torch.int16))
         status = server.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"})
         assert status.json()["remote"]["connected"] is False
+        ready = server.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["remote"].startswith("not connected: ")

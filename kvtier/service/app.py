@@ -162,14 +162,21 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         """The process is alive (also while it recovers)."""
         return {"ok": True}
 
-    @app.get("/readyz", responses=schemas.responses(schemas.OK, 503, *schemas.EDGE))
+    @app.get("/readyz", responses=schemas.responses(schemas.READY, 503, *schemas.EDGE))
     async def readyz() -> Response:
         """200 once the store is built and its disk tier recovered; 503 before (or if it
-        failed to start)."""
-        if service.store is None:
+        failed to start). With a remote tier, `remote` says whether it is connected; ready
+        either way (without it the store serves its local tiers)."""
+        store = service.store
+        if store is None:
             detail = service.failure or "recovering"
             return JSONResponse({"error": "not_ready", "detail": detail}, 503)
-        return JSONResponse({"ok": True})
+        remote = store.parts.remote
+        if remote is None:
+            return JSONResponse({"ok": True})
+        figures = remote.tier.cluster.stats()
+        state = "connected" if figures["connected"] else f"not connected: {figures['last_error']}"
+        return JSONResponse({"ok": True, "remote": state})
 
     @app.get("/v1/status", responses=schemas.responses(schemas.ANY_OBJECT, *schemas.GET_STATUSES))
     async def status(request: Request) -> Response:

@@ -32,6 +32,7 @@ STORE = _obj(
 )
 EMPTY = _obj({})
 OK = _obj({"ok": {"type": "boolean"}}, ("ok",))
+READY = _obj({"ok": {"type": "boolean"}, "remote": _STR}, ("ok",))  # remote: with tiers.remote
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _LOOKUP_FIELDS = ("num_tokens", "gpu_tokens", "host_tokens", "disk_tokens", "remote_tokens")
 LOOKUP = _obj({k: _INT for k in _LOOKUP_FIELDS}, _LOOKUP_FIELDS)
