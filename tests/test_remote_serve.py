@@ -15,12 +15,28 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from service_server import ADMIN_KEY, BT, free_port, kv_of, running, tokens_of, write_config
+from redis.cluster import ClusterNode, RedisCluster
+from service_server import (
+    ADMIN_KEY,
+    BT,
+    DIM,
+    HEADS,
+    LAYERS,
+    MODEL,
+    free_port,
+    kv_of,
+    running,
+    tokens_of,
+    write_config,
+)
 from test_remote_client import start_cluster
 
+from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.cli import main
 from kvtier.client import Client
+from kvtier.tiers.remote.entry import block_key
 
+HASHER = BlockHasher()
 SECRET_ENV = {"KVTIER_TEST_CLUSTER_SECRET": "a-cluster-wide-secret-0123456789"}
 
 
@@ -31,9 +47,14 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     cluster.stop()
 
 
-def node_config(directory: Path, nodes: list[str], **remote: Any) -> Path:
-    path = write_config(directory, disk="1MiB")
+ALICE, BOB = "alice-key-0123456789abcdef", "bob-key-0123456789abcdefgh"
+TENANTS = {"alice": {"api_keys": [ALICE]}, "bob": {"api_keys": [BOB]}}
+
+
+def node_config(directory: Path, nodes: list[str], model: str = "tiny", **remote: Any) -> Path:
+    path = write_config(directory, disk="1MiB", tenants=TENANTS)
     config = yaml.safe_load(path.read_text())
+    config["model"]["name"] = model
     config["tiers"]["remote"] = {
         "nodes": nodes,
         "secret": "env:KVTIER_TEST_CLUSTER_SECRET",
@@ -52,8 +73,8 @@ def test_a_prefix_stored_on_one_sidecar_is_found_and_loaded_on_another(
     with (
         running(node_config(tmp_path / "a", nodes), SECRET_ENV) as a,
         running(node_config(tmp_path / "b", nodes), SECRET_ENV) as b,
-        Client(a.url, api_key=ADMIN_KEY) as client_a,
-        Client(b.url, api_key=ADMIN_KEY) as client_b,
+        Client(a.url, api_key=ALICE) as client_a,
+        Client(b.url, api_key=ALICE) as client_b,
     ):
         assert client_a.store(tokens, kv).stored_tokens == 48
         deadline = time.monotonic() + 10  # A's writer sends behind the store call
@@ -82,7 +103,7 @@ def test_a_sidecar_whose_cluster_is_down_is_ready_and_serves_locally(tmp_path: P
     kv = kv_of(16, seed=9)
     with (
         running(node_config(tmp_path, [dead], timeout_s=0.2), SECRET_ENV) as server,
-        Client(server.url, api_key=ADMIN_KEY) as client,
+        Client(server.url, api_key=ALICE) as client,
     ):
         assert client.store(tokens, kv).stored_tokens == 16
         assert client.lookup(tokens).num_tokens == 16
@@ -91,3 +112,71 @@ def test_a_sidecar_whose_cluster_is_down_is_ready_and_serves_locally(tmp_path: P
         assert status.json()["remote"]["connected"] is False
         ready = server.get("/readyz")
         assert ready.status_code == 200 and ready.json()["remote"].startswith("not connected: ")
+
+
+def test_across_sidecars_tenants_and_models_never_meet_and_damage_is_a_counted_miss(
+    nodes: list[str], tmp_path: Path
+) -> None:
+    tokens = tokens_of(3000, 32)  # 8 blocks
+    kv = kv_of(32, seed=11)
+    with (
+        running(node_config(tmp_path / "a", nodes), SECRET_ENV) as a,
+        running(node_config(tmp_path / "b", nodes), SECRET_ENV) as b,
+        running(node_config(tmp_path / "c", nodes, model="another"), SECRET_ENV) as c,
+        Client(a.url, api_key=ALICE) as alice_a,
+        Client(b.url, api_key=BOB) as bob_b,
+        Client(c.url, api_key=ALICE) as alice_c,
+        Client(b.url, api_key=ALICE) as alice_b,
+    ):
+        alice_a.store(tokens, kv)
+        deadline = time.monotonic() + 10
+        while alice_b.lookup(tokens[:4]).remote_tokens < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)  # A's writer is behind the call; the first block is enough
+        assert bob_b.lookup(tokens).num_tokens == 0 and bob_b.load(tokens).num_tokens == 0
+        assert alice_c.lookup(tokens).num_tokens == 0 and alice_c.load(tokens).num_tokens == 0
+        damage(nodes, "alice", tokens, 5)
+        loaded = alice_b.load(tokens)
+        assert loaded.num_tokens == 5 * BT  # blocks 0-4; the damaged one ends the run
+        assert torch.equal(loaded.kv.view(torch.int16), kv[:, :, : 5 * BT].view(torch.int16))
+        status = b.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
+        assert status["remote"]["verify_failures"] == 1
+
+
+def damage(nodes: list[str], tenant: str, tokens: list[int], position: int) -> None:
+    """Overwrite two header bytes of block `position` of `tokens` (of `tenant`, under the
+    cluster secret) in the cluster, as a failover or a foreign writer might."""
+    layout = KVLayout(str(MODEL["name"]), LAYERS, HEADS, DIM, str(MODEL["dtype"]), BT)
+    secret = SECRET_ENV["KVTIER_TEST_CLUSTER_SECRET"].encode()
+    seed = HASHER.seed(layout.fingerprint, tenant_salt(tenant, secret))
+    ids = HASHER.split(HASHER.chain(seed, encode_tokens(tokens), BT * 4))
+    key = block_key("kvtier", ids[position - position % 4], ids[position])
+    host, port = nodes[0].split(":")
+    cluster = RedisCluster(startup_nodes=[ClusterNode(host, int(port))])
+    assert cluster.setrange(key, 60, b"\x00\x01")
+    cluster.close()
+
+
+def test_a_primary_killed_mid_run_gives_misses_and_no_errors(tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path / "redis")
+    try:
+        prompts = [tokens_of(10_000 * (p + 1), 32) for p in range(6)]
+        with (
+            running(node_config(tmp_path / "a", cluster.nodes), SECRET_ENV) as a,
+            running(node_config(tmp_path / "b", cluster.nodes, timeout_s=0.3), SECRET_ENV) as b,
+            Client(a.url, api_key=ALICE) as client_a,
+            Client(b.url, api_key=ALICE) as client_b,
+        ):
+            for p, tokens in enumerate(prompts):
+                client_a.store(tokens, kv_of(32, seed=p))
+            deadline = time.monotonic() + 10
+            while client_b.lookup(prompts[-1]).remote_tokens < 32 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            cluster.kill(cluster.ports[0])
+            for p, tokens in enumerate(prompts):  # every call answers; what is served is right
+                loaded = client_b.load(tokens)
+                want = kv_of(32, seed=p)[:, :, : loaded.num_tokens]
+                assert torch.equal(loaded.kv.view(torch.int16), want.view(torch.int16))
+            status = b.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
+            assert status["remote"]["verify_failures"] == 0
+    finally:
+        cluster.stop()
