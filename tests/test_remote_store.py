@@ -213,8 +213,9 @@ def test_a_cluster_that_evicts_under_maxmemory_gives_shorter_runs_never_wrong_by
             assert a.drain()
         assert a.status()["remote"]["writer_failed_blocks"] == 0
         found = [b.lookup(tokens).remote_tokens for tokens in prompts]
-        assert found[-1] == 32  # the newest is there
-        assert min(found) < 32  # the cluster evicted some of the oldest
+        # Redis's LRU samples keys, so which blocks survive is approximate: some are there,
+        # some were evicted (3.75 MiB written into about 3 MiB)
+        assert 0 < sum(found) < 32 * len(prompts) and min(found) < 32
         for tokens, count in zip(prompts[::8], found[::8], strict=True):
             loaded = b.load(tokens)
             assert loaded.num_tokens <= count
