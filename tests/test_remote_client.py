@@ -160,3 +160,24 @@ def test_a_killed_primary_gives_misses_and_never_wrong_bytes(tmp_path: Path) -> 
         remote.close()
     finally:
         cluster.stop()
+
+
+def test_a_cluster_start_tries_other_ports_when_one_is_taken_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port free when checked but bound by someone else before redis-server binds it: the
+    server exits, and the start begins again on other ports (real processes, a real bind)."""
+    if not have_redis():
+        pytest.skip("redis-server is not installed")
+    from kvtier.tiers.remote import local
+
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        taken = blocker.getsockname()[1]
+        handed = iter([taken])
+        real = local._free_port
+        monkeypatch.setattr(local, "_free_port", lambda: next(handed, 0) or real())
+        with LocalCluster(tmp_path, primaries=3) as cluster:
+            assert taken not in cluster.ports
+            assert RemoteCluster(ClusterSettings(tuple(cluster.nodes))).present([b"k"]) == 0

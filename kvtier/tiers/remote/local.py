@@ -42,13 +42,18 @@ def _free_port() -> int:
 
 
 def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
-    done = subprocess.run(
-        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    """What `redis-cli` answers on `port`; "" when it does not answer in time (a port taken by
+    something that is not redis)."""
+    try:
+        done = subprocess.run(
+            ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return ""
     return done.stdout + done.stderr
 
 
@@ -66,7 +71,19 @@ class LocalCluster:
     def nodes(self) -> list[str]:
         return [f"127.0.0.1:{port}" for port in self.ports]
 
-    def start(self, timeout: float = 30.0) -> LocalCluster:
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> LocalCluster:
+        """Start the cluster; a server that cannot start (a port taken between the check and
+        its bind) makes the attempt start over on other ports, at most `attempts` times."""
+        for attempt in range(attempts):
+            try:
+                return self._start(timeout)
+            except RuntimeError:
+                self.stop()
+                if attempt + 1 == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> LocalCluster:
         self.directory.mkdir(parents=True, exist_ok=True)
         count = self.primaries * (1 + self.replicas)
         self.ports = [_free_port() for _ in range(count)]
@@ -90,9 +107,9 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         for port in self.ports:
             while "PONG" not in _cli(port, "ping", timeout=2):
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"redis-server on port {port} did not start")
+                if self.processes[port].poll() is not None or time.monotonic() > deadline:
+                    said = (self.directory / f"redis-{port}.log").read_text(errors="replace")
+                    raise RuntimeError(f"redis-server on port {port} did not start: {said[-800:]}")
                 time.sleep(0.05)
         created = subprocess.run(
             ["redis-cli", "--cluster", "create", *self.nodes, "--cluster-replicas",
@@ -100,11 +117,9 @@ class LocalCluster:
             capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip
         if created.returncode != 0:
-            self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout[-2000:]}")
         while not all("cluster_state:ok" in _cli(p, "cluster", "info") for p in self.ports):
             if time.monotonic() > deadline:
-                self.stop()
                 raise RuntimeError("the cluster did not reach cluster_state:ok")
             time.sleep(0.1)
         return self
