@@ -81,6 +81,9 @@ class LocalCluster:
                 self.stop()
                 if attempt + 1 == attempts:
                     raise
+            except BaseException:  # anything else: no server outlives the failed start
+                self.stop()
+                raise
         raise AssertionError("unreachable")
 
     def _start(self, timeout: float) -> LocalCluster:
