@@ -20,9 +20,29 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvtier.tiers.remote.local import LocalCluster, have_redis
 
-__all__ = ["LocalCluster", "have_redis"]
+__all__ = ["LocalCluster", "have_redis", "require_redis", "start_cluster"]
+
+MISSING = "redis-server is not installed (Debian: apt-get install redis-server)"
+
+
+def require_redis() -> None:
+    """Skip the test without Debian's `redis-server`, saying so; under KVTIER_REQUIRE_REDIS=1
+    (CI) fail instead, so that the remote tier's tests never skip there unseen."""
+    if have_redis():
+        return
+    if os.environ.get("KVTIER_REQUIRE_REDIS") == "1":
+        pytest.fail(f"KVTIER_REQUIRE_REDIS=1 but {MISSING}")
+    pytest.skip(reason=MISSING)
+
+
+def start_cluster(directory: Path) -> LocalCluster:
+    """A started 3-primary cluster in `directory` (`require_redis` first)."""
+    require_redis()
+    return LocalCluster(directory, primaries=3).start()
 
 
 def _stop_by_pid(directory: Path) -> None:

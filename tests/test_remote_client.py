@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_cluster import LocalCluster, have_redis
+from redis_cluster import LocalCluster, require_redis, start_cluster
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.errors import InvalidArgumentError
@@ -24,14 +24,6 @@ from kvtier.tiers.remote.entry import ValueMeta, encode_value, path_keys
 LAYOUT = KVLayout("tiny", 1, 1, 8, "float16", 4)
 HASHER = BlockHasher()
 SEED = HASHER.seed(LAYOUT.fingerprint, tenant_salt("alice"))
-
-
-def start_cluster(tmp: Path) -> LocalCluster:
-    if not have_redis():
-        if os.environ.get("KVTIER_REQUIRE_REDIS") == "1":
-            pytest.fail("KVTIER_REQUIRE_REDIS=1 but redis-server / redis-cli are not installed")
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    return LocalCluster(tmp, primaries=3).start()
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +159,7 @@ def test_a_cluster_start_tries_other_ports_when_one_is_taken_meanwhile(
 ) -> None:
     """A port free when checked but bound by someone else before redis-server binds it: the
     server exits, and the start begins again on other ports (real processes, a real bind)."""
-    if not have_redis():
-        pytest.skip("redis-server is not installed")
+    require_redis()
     from kvtier.tiers.remote import local
 
     with socket.socket() as blocker:

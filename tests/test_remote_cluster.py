@@ -16,7 +16,7 @@ import pytest
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, ResponseError
-from redis_cluster import LocalCluster, have_redis
+from redis_cluster import LocalCluster, require_redis
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.tiers.remote.entry import RemoteValueError, ValueMeta, decode_value, encode_value
@@ -34,10 +34,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     if os.environ.get("KVTIER_REDIS_NODES"):
         yield os.environ["KVTIER_REDIS_NODES"].split(",")
         return
-    if not have_redis():
-        if os.environ.get("KVTIER_REQUIRE_REDIS") == "1":
-            pytest.fail("KVTIER_REQUIRE_REDIS=1 but redis-server / redis-cli are not installed")
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    require_redis()
     with LocalCluster(Path(tmp_path_factory.mktemp("redis")), primaries=3) as running:
         yield running.nodes
 

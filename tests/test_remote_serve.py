@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from redis.cluster import ClusterNode, RedisCluster
+from redis_cluster import start_cluster
 from service_server import (
     ADMIN_KEY,
     BT,
@@ -29,7 +30,6 @@ from service_server import (
     tokens_of,
     write_config,
 )
-from test_remote_client import start_cluster
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.cli import main

@@ -16,8 +16,7 @@ import pytest
 import torch
 from redis import Redis
 from redis.cluster import ClusterNode, RedisCluster
-from redis_cluster import LocalCluster
-from test_remote_client import start_cluster
+from redis_cluster import LocalCluster, start_cluster
 
 from kvtier import KVStore, parse_config
 from kvtier.blocks import encode_tokens

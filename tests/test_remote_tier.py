@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_remote_client import start_cluster
+from redis_cluster import start_cluster
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.errors import InvalidArgumentError, InvalidKVError

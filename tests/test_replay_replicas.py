@@ -7,28 +7,22 @@ Skipped without `redis-server`, unless KVTIER_REQUIRE_REDIS=1 (CI sets it)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from redis_cluster import require_redis
 from test_replay import SHARED, TINY, write_trace
 
 from kvtier.cli import main
 from kvtier.replay.replicas import cluster_nodes, replay_fleet
 from kvtier.replay.report import Sizing
 from kvtier.replay.trace import ceiling, read_trace
-from kvtier.tiers.remote.local import have_redis
 
 B = 512
 
-needs_redis = pytest.mark.skipif(
-    not have_redis() and os.environ.get("KVTIER_REQUIRE_REDIS") != "1",
-    reason="redis-server is not installed (Debian: apt-get install redis-server)",
-)
 
-
-@needs_redis
 def test_two_replicas_recompute_what_the_other_holds_unless_they_share(tmp_path: Path) -> None:
+    require_redis()
     # replica 0 gets requests 1 and 3, replica 1 requests 2 and 4 (module doc of test_replay:
     # the ceiling is 6 of 12 block references)
     requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
@@ -45,10 +39,10 @@ def test_two_replicas_recompute_what_the_other_holds_unless_they_share(tmp_path:
     assert shared.remote["errors"] == 0
 
 
-@needs_redis
 def test_the_command_prints_both_runs_and_the_gain(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    require_redis()
     trace = write_trace(tmp_path / "t.jsonl", SHARED)
     args = ["replay", str(trace), "--replicas", "2", "--remote", "--gpu", "1", "--host", "1"]
     assert main([*args, "--disk", "0", "--block-bytes", "2048"]) == 0
