@@ -92,15 +92,7 @@ class RemoteCluster:
         sendable = [i for i, (_, value) in enumerate(entries) if len(value) <= limit]
         self._count("too_large", len(entries) - len(sendable))
         done = [False] * len(entries)
-
-        def run(client: RedisCluster) -> list[Any]:
-            pipe = client.pipeline()
-            for i in sendable:
-                key, value = entries[i]
-                pipe.set(key, value, nx=True)
-            return list(pipe.execute(raise_on_error=False))
-
-        replies = self._round_trip(run) if sendable else []
+        replies = self._pipelined([("SET", *entries[i], "NX") for i in sendable])
         for i, reply in zip(sendable, replies or [], strict=False):
             if isinstance(reply, Exception):
                 self._count("errors", 1)
@@ -123,13 +115,7 @@ class RemoteCluster:
                 f"remote get: {len(keys)} keys for {len(expect)} expected blocks"
             )
 
-        def run(client: RedisCluster) -> list[Any]:
-            pipe = client.pipeline()
-            for key in keys:
-                pipe.get(key)
-            return list(pipe.execute(raise_on_error=False))
-
-        replies = self._round_trip(run) if keys else []
+        replies = self._pipelined([("GET", key) for key in keys])
         out: list[tuple[str, memoryview] | None] = []
         bad: list[bytes] = []
         for i, key in enumerate(keys):
@@ -157,14 +143,7 @@ class RemoteCluster:
 
     def present(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, exist in the cluster (one round trip)."""
-
-        def run(client: RedisCluster) -> list[Any]:
-            pipe = client.pipeline()
-            for key in keys:
-                pipe.exists(key)
-            return list(pipe.execute(raise_on_error=False))
-
-        replies = self._round_trip(run) if keys else []
+        replies = self._pipelined([("EXISTS", key) for key in keys])
         count = 0
         for reply in replies or []:
             if isinstance(reply, Exception) or not reply:
@@ -174,15 +153,7 @@ class RemoteCluster:
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Remove `keys` (one round trip; failures only counted)."""
-
-        def run(client: RedisCluster) -> list[Any]:
-            pipe = client.pipeline()
-            for key in keys:
-                pipe.delete(key)
-            return list(pipe.execute(raise_on_error=False))
-
-        if keys:
-            self._round_trip(run)
+        self._pipelined([("DEL", key) for key in keys])
 
     # ---- state --------------------------------------------------------------------------
 
@@ -200,7 +171,7 @@ class RemoteCluster:
         return figures
 
     def check(self) -> None:
-        """Counters never go negative and hits + misses count what `get` was asked."""
+        """No counter is negative."""
         with self._lock:
             assert all(value >= 0 for value in self._stats.values()), self._stats
 
@@ -247,6 +218,21 @@ class RemoteCluster:
         if kept is not client:
             client.close()
         return kept
+
+    def _pipelined(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
+        """The replies of `commands` (each a command and its arguments, the key first), sent
+        in one pipelined round trip; a command's error is its reply; None when the cluster
+        failed the call; [] for no command (nothing sent)."""
+        if not commands:
+            return []
+
+        def run(client: RedisCluster) -> list[Any]:
+            pipe = client.pipeline()
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(pipe.execute(raise_on_error=False))
+
+        return self._round_trip(run)
 
     def _round_trip(self, run: Callable[[RedisCluster], T]) -> T | None:
         """`run` on the cluster, timed and counted; None when the cluster failed it."""
