@@ -21,11 +21,8 @@ latency is the service's own (a histogram per route). Names:
     kvtier_request_seconds{route}                        histogram of request latency
     kvtier_client_disconnects_total                      clients that hung up mid-body
     kvtier_remote_connected                              with tiers.remote: 1 while connected
-    kvtier_remote_{puts,hits,misses,verify_failures,errors,round_trips,bytes_in,bytes_out,
-      filled_blocks}_total                               counters
-    kvtier_remote_round_trip_seconds_total               time spent in round trips
-    kvtier_remote_writer_{written,dropped}_blocks_total  counters
     kvtier_remote_writer_pending_bytes                   the write backlog
+    kvtier_remote_<counter>_total                        every count of the status' `remote`
 """
 
 from __future__ import annotations
@@ -185,30 +182,19 @@ def _mover(mover: dict[str, Any]) -> Iterator[Any]:
     yield ready
 
 
-_REMOTE_COUNTERS = (
-    "puts",
-    "hits",
-    "misses",
-    "verify_failures",
-    "errors",
-    "round_trips",
-    "bytes_in",
-    "bytes_out",
-    "filled_blocks",
-    "round_trip_seconds",
-    "writer_written_blocks",
-    "writer_dropped_blocks",
-)
+_REMOTE_GAUGES = {"connected", "writer_pending_bytes"}  # every other number is a count
 
 
 def _remote(remote: dict[str, Any]) -> Iterator[Any]:
+    """Every figure of the status' `remote` section: its two gauges and its counters."""
     yield _gauge("kvtier_remote_connected", "1 while connected to the cluster", remote["connected"])
-    for field in _REMOTE_COUNTERS:
-        counter = CounterMetricFamily(f"kvtier_remote_{field}", f"Remote tier: {field}")
-        counter.add_metric([], remote[field])
-        yield counter
     yield _gauge(
         "kvtier_remote_writer_pending_bytes",
         "Bytes queued for the cluster, not yet written",
         remote["writer_pending_bytes"],
     )
+    for field, value in remote.items():
+        if field not in _REMOTE_GAUGES and isinstance(value, (int, float)):
+            counter = CounterMetricFamily(f"kvtier_remote_{field}", f"Remote tier: {field}")
+            counter.add_metric([], value)
+            yield counter
