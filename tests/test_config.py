@@ -329,3 +329,40 @@ def test_mover_store_wait_s_defaults_to_a_tenth_of_a_second_and_is_bounded() -> 
         with pytest.raises(ConfigError) as info:
             parse_config({"mover": {"store_wait_s": bad}})
         assert "store_wait_s" in str(info.value) and "seconds in [0, 60]" in str(info.value)
+
+
+def test_the_remote_tier_is_off_unless_set_and_checks_each_field() -> None:
+    assert parse_config({}).tiers.remote is None
+    remote = parse_config({"tiers": {"remote": {"nodes": ["10.0.0.7:6379", "redis-b:7001"]}}})
+    assert remote.tiers.remote is not None
+    assert remote.tiers.remote.nodes == ("10.0.0.7:6379", "redis-b:7001")
+    assert (remote.tiers.remote.key_prefix, remote.tiers.remote.group_blocks) == ("kvtier", 16)
+    assert parse_config(remote.to_dict()) == remote
+    for bad, field in (
+        ({}, "nodes"),
+        ({"nodes": []}, "nodes"),
+        ({"nodes": ["no-port"]}, "nodes"),
+        ({"nodes": ["h:70000"]}, "nodes"),
+        ({"nodes": ["h:1"], "key_prefix": "a{tag}"}, "key_prefix"),
+        ({"nodes": ["h:1"], "key_prefix": "a:b"}, "key_prefix"),
+        ({"nodes": ["h:1"], "group_blocks": 0}, "group_blocks"),
+        ({"nodes": ["h:1"], "timeout_s": 0}, "timeout_s"),
+        ({"nodes": ["h:1"], "max_pending_bytes": "0.5"}, "max_pending_bytes"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            parse_config({"tiers": {"remote": bad}})
+        assert info.value.field == f"tiers.remote.{field}", (bad, info.value)
+
+
+def test_a_cluster_secret_is_never_shown_in_an_error() -> None:
+    short = "too-short-secret"[:10]
+    with pytest.raises(ConfigError) as info:
+        parse_config({"tiers": {"remote": {"nodes": ["h:1"], "secret": short}}})
+    assert info.value.field == "tiers.remote.secret" and short not in str(info.value)
+    assert "a secret of at least 16 characters" in str(info.value)
+    secret = "the-cluster-wide-secret-0123"  # valid here; an error elsewhere must not show it
+    with pytest.raises(ConfigError) as info:
+        parse_config(
+            {"tiers": {"remote": {"nodes": ["h:1"], "secret": secret, "key_prefix": secret + "{"}}}
+        )
+    assert secret not in str(info.value)

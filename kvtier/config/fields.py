@@ -101,13 +101,17 @@ MemoryCapacity = Annotated[
 DiskCapacity = Annotated[
     Capacity, PlainValidator(_disk_capacity), PlainSerializer(Capacity.to_config)
 ]
-KeyRef = Annotated[
-    str,
-    rule(
+
+
+def _key_ref(what: str) -> BeforeValidator:
+    return rule(
         lambda v: isinstance(v, str) and (len(v) >= 16 or v.startswith("env:")),
-        "an API key of at least 16 characters, or 'env:NAME' to read it from $NAME",
-    ),
-]
+        f"{what} of at least 16 characters, or 'env:NAME' to read it from $NAME",
+    )
+
+
+KeyRef = Annotated[str, _key_ref("an API key")]
+SecretRef = Annotated[str, _key_ref("a secret")]  # `resolve_key` reads both
 
 
 def resolve_key(ref: str, field: str) -> str:

@@ -24,6 +24,7 @@ from kvtier.config.fields import (
     InvalidValue,
     MemoryCapacity,
     Name,
+    SecretRef,
     Section,
     int_in,
     number_in,
@@ -118,16 +119,7 @@ class RemoteTierConfig(Section):
             "1 to 64 of A-Z a-z 0-9 _ . -",
         ),
     ] = "kvtier"
-    secret: (
-        Annotated[
-            str,
-            rule(
-                lambda v: isinstance(v, str) and (len(v) >= 16 or v.startswith("env:")),
-                "a secret of at least 16 characters, or 'env:NAME' to read it from $NAME",
-            ),
-        ]
-        | None
-    ) = None
+    secret: SecretRef | None = None
     group_blocks: Annotated[int, int_in(1, 4096)] = 16
     timeout_s: Annotated[float, number_in(0, 60, "seconds in (0, 60]")] = 0.5
     max_value_bytes: DiskCapacity = Capacity(nbytes=512 * 2**20)
