@@ -56,7 +56,8 @@ class RemoteLink:
     def after_store(self, namespace: BlockId, end: Node, start: int, blocks: torch.Tensor) -> None:
         """New blocks start.. of the path to `end` (KV `blocks`, `[n, *block_shape]`) were
         stored: queue them for the cluster. Under the cache's lock."""
-        ids = [bytes(self.index.block_id(ref)) for ref in self.index.blocks(end)]
+        forest = self.index.forest  # the path's ids node by node: O(nodes), not O(blocks)
+        ids = forest.hasher.split(b"".join(forest.ids_of(node) for node in self.index.path(end)))
         copies = blocks.detach().to("cpu", copy=True)
         self.writer.submit(bytes(namespace), ids, start, list(copies.unbind(0)))
 
@@ -102,6 +103,7 @@ class RemoteLink:
         figures.update(self.stats)
         figures.update({f"writer_{name}": value for name, value in self.writer.stats.items()})
         figures["writer_pending_bytes"] = self.writer.pending_bytes
+        figures["writer_last_error"] = self.writer.last_error
         return figures
 
     def check(self) -> None:

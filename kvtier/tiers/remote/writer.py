@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from kvtier.tiers.remote.tier import RemoteTier
 @dataclass(frozen=True)
 class _Job:
     seed: bytes
-    ids: list[bytes]
+    ids: Sequence[bytes]
     start: int
     blocks: list[torch.Tensor]
     nbytes: int
@@ -39,10 +40,13 @@ class RemoteWriter:
         self._closed = False
         self.stats = dict.fromkeys(("queued_blocks", "written_blocks", "failed_blocks"), 0)
         self.stats["dropped_blocks"] = 0
+        self.last_error = ""  # what the last write that raised said (a bug: the tier never does)
         self._thread = threading.Thread(target=self._run, name="kvtier-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, seed: bytes, ids: list[bytes], start: int, blocks: list[torch.Tensor]) -> bool:
+    def submit(
+        self, seed: bytes, ids: Sequence[bytes], start: int, blocks: list[torch.Tensor]
+    ) -> bool:
         """Queue blocks start.. of the path `ids`; False (dropped, counted) when the backlog
         would pass `max_pending_bytes` or the writer is closed."""
         nbytes = sum(block.numel() * block.element_size() for block in blocks)
@@ -95,7 +99,8 @@ class RemoteWriter:
                 job = self._jobs.popleft()
             try:
                 done = self.tier.write(job.seed, job.ids, job.start, job.blocks)
-            except Exception:  # a bug, not the cluster (which never raises): count, go on
+            except Exception as e:  # a bug, not the cluster (which never raises): say it, go on
+                self.last_error = f"{type(e).__name__}: {e}"
                 done = [False] * len(job.blocks)
             with self._cond:
                 self._pending -= job.nbytes
