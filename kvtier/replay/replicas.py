@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvtier.config import parse_config
+from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError
 from kvtier.replay.report import Sizing
 from kvtier.replay.runner import ReplayOptions, replay_config
@@ -56,16 +56,18 @@ class FleetRun:
         return sum(self.served.values())
 
     @property
+    def hit_tokens(self) -> int:
+        return self.tokens - self.served["recomputed"]
+
+    @property
     def hit_rate(self) -> float:
-        return 1 - self.served["recomputed"] / self.tokens if self.tokens else 0.0
+        return self.hit_tokens / self.tokens if self.tokens else 0.0
 
     @property
     def ratio(self) -> float:
-        return (
-            (self.tokens - self.served["recomputed"]) / self.ceiling_tokens
-            if self.ceiling_tokens
-            else 0.0
-        )
+        """The share of the infinite-cache ceiling served (1.0 with nothing to hit), as
+        `ReplayResult.ratio`."""
+        return self.hit_tokens / self.ceiling_tokens if self.ceiling_tokens else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -159,7 +161,8 @@ def _config(
     directory: str,
     nodes: Sequence[str] | None,
     prefix: str,
-) -> Any:
+) -> KVTierConfig:
+    """A replica's config: one replay's, with the shared remote tier when `nodes` is given."""
     config = replay_config(sizing, ceiling.unique_blocks, options, directory).to_dict()
     if nodes is not None:
         config["tiers"]["remote"] = {
