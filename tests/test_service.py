@@ -537,9 +537,11 @@ def test_a_restart_recovers_what_was_persisted_with_the_same_block_ids(tmp_path:
 
 def test_sigterm_during_transfers_exits_0_and_the_restart_recovers(tmp_path: Path) -> None:
     """Two clients (shared memory and body) store, prefetch and load sequences of 6 blocks into
-    tiers of 16 and 32 blocks, so the mover demotes to disk all along; SIGTERM mid-stream. Each
-    client stops at its first error, which must come after the signal."""
-    config = write_config(tmp_path, gpu_blocks=16, host_blocks=32, disk="2MiB", write="write_back")
+    tiers of 24 and 32 blocks, so the mover demotes to disk all along; SIGTERM mid-stream. Each
+    client stops at its first error, which must come after the signal. The gpu tier holds the
+    worst overlap (one client's lease and the other's prefetch in flight and store: 18 blocks):
+    with 16, a loaded machine saw a rightful CapacityError before the signal."""
+    config = write_config(tmp_path, gpu_blocks=24, host_blocks=32, disk="2MiB", write="write_back")
     server = start(config)
     done: list[int] = []
     failures: list[tuple[float, BaseException]] = []
