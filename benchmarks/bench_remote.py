@@ -8,16 +8,18 @@ moves `--mib` MiB both ways, twice:
 - raw: redis-py's `RedisCluster`, one pipeline of `SET` per group of `--group` blocks (keys of
   one hash tag, as the tier's), then one pipeline of `GET` per group; the values are the bare
   payloads;
-- tier: `RemoteCluster.put` of the same groups, each value encoded in the timed loop
-  (`entry.encode_value_into`: header, xxh3-128 of the payload, the payload copied once into a
-  staging buffer reused per round trip, as a writer keeps them), then `RemoteCluster.get`, each
-  value verified (`decode_value`: both checksums, the expected ids) in the timed loop.
+- tier: `RemoteCluster.put` of the same groups, each value encoded in the timed loop as the
+  tier's writer encodes it (`entry.encode_value_parts`: header, xxh3-128 of the payload; the
+  payload is sent from where it lies, after the header, not copied), then `RemoteCluster.get`,
+  each value verified (`decode_value`: both checksums, the expected ids) in the timed loop.
 
 Every block has a payload of its own (as pool slots do): one shared buffer would stay in the
 CPU's cache and flatter whichever side copies least.
 
-Both use one client with the same timeouts; every round uses fresh keys and deletes them after,
-so `SET NX` never skips. Raw and tier alternate, one of each per round; figures are medians of
+Both use one client with the same timeouts; every round uses fresh keys (each side its own) and
+deletes them after, so `SET NX` never skips. Raw and tier alternate group by group, each going
+first on every other group: the two clients share 2 cores with the cluster, and a side that ran
+its whole round first measured 10-30% slower, whichever side it was. Figures are medians of
 `--repeat` rounds, GB/s of payload bytes (1e9). The last lines give tier / raw for put and get
 (issue 14's target: 0.8 or more).
 Run: `python benchmarks/bench_remote.py [--quick] [--mib N] [--repeat N] [--nodes h:p,...]`.
@@ -39,7 +41,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, parse_node
-from kvtier.tiers.remote.entry import ValueMeta, encode_value_into, header_nbytes, path_keys
+from kvtier.tiers.remote.entry import ValueMeta, encode_value_parts, path_keys
 from kvtier.tiers.remote.local import LocalCluster, have_redis
 
 BIG = KVLayout("Llama-3.1-8B", 32, 8, 128, "bfloat16", 16)  # 2 MiB blocks
@@ -85,49 +87,58 @@ def workload(
     )
 
 
-def raw_round(
-    client: RedisCluster, keys: list[list[bytes]], payloads: list[list[bytes]]
-) -> tuple[float, float]:
-    start = time.perf_counter()
-    for group_keys, group_values in zip(keys, payloads, strict=True):
-        pipe = client.pipeline()
-        for key, value in zip(group_keys, group_values, strict=True):
+class Raw:
+    """One group at a time through redis-py's pipelines, the values bare payloads."""
+
+    def __init__(self, client: RedisCluster, layout: KVLayout, count: int, group: int, seed: int):
+        self.client = client
+        self.keys, _, self.payloads = workload(layout, count, group, seed)
+
+    def put(self, g: int) -> None:
+        pipe = self.client.pipeline()
+        for key, value in zip(self.keys[g], self.payloads[g], strict=True):
             pipe.set(key, value)
         pipe.execute()
-    put = time.perf_counter() - start
-    start = time.perf_counter()
-    for group_keys in keys:
-        pipe = client.pipeline()
-        for key in group_keys:
+
+    def get(self, g: int) -> None:
+        pipe = self.client.pipeline()
+        for key in self.keys[g]:
             pipe.get(key)
-        got = pipe.execute()
-        assert all(value is not None for value in got)
-    get = time.perf_counter() - start
-    return put, get
+        assert all(value is not None for value in pipe.execute())
 
 
-def tier_round(
-    remote: RemoteCluster,
-    keys: list[list[bytes]],
-    metas: list[list[ValueMeta]],
-    payloads: list[list[bytes]],
-    buffers: list[bytearray],
-) -> tuple[float, float]:
-    """Put then get through the tier; values are encoded into `buffers`, reused per round trip
-    as a writer's staging buffers would be."""
-    start = time.perf_counter()
-    for group_keys, group_metas, group_payloads in zip(keys, metas, payloads, strict=True):
+class Tier:
+    """One group at a time through `RemoteCluster`, each value encoded as the tier's writer
+    does (`encode_value_parts`) and verified when read."""
+
+    def __init__(self, remote: RemoteCluster, layout: KVLayout, count: int, group: int, seed: int):
+        self.remote = remote
+        self.keys, self.metas, self.payloads = workload(layout, count, group, seed)
+
+    def put(self, g: int) -> None:
         values = [
-            encode_value_into(m, "none", p, out)
-            for m, p, out in zip(group_metas, group_payloads, buffers, strict=False)
+            encode_value_parts(m, "none", p)
+            for m, p in zip(self.metas[g], self.payloads[g], strict=True)
         ]
-        assert all(remote.put(list(zip(group_keys, values, strict=True))))
-    put = time.perf_counter() - start
-    start = time.perf_counter()
-    for group_keys, group_metas in zip(keys, metas, strict=True):
-        assert all(got is not None for got in remote.get(group_keys, group_metas))
-    get = time.perf_counter() - start
-    return put, get
+        assert all(self.remote.put(list(zip(self.keys[g], values, strict=True))))
+
+    def get(self, g: int) -> None:
+        got = self.remote.get(self.keys[g], self.metas[g])
+        assert all(value is not None for value in got)
+
+
+def interleaved(raw: Raw, tier: Tier, op: str) -> tuple[float, float]:
+    """Seconds `raw` and `tier` spend on `op` ("put" or "get") of every group, the two sides
+    alternating group by group, each first on every other group."""
+    spent = {"raw": 0.0, "tier": 0.0}
+    sides = {"raw": raw, "tier": tier}
+    for g in range(len(raw.keys)):
+        for side in ("raw", "tier") if g % 2 == 0 else ("tier", "raw"):
+            call = getattr(sides[side], op)
+            start = time.perf_counter()
+            call(g)
+            spent[side] += time.perf_counter() - start
+    return spent["raw"], spent["tier"]
 
 
 def main() -> None:
@@ -161,19 +172,14 @@ def main() -> None:
                 "tier put": [],
                 "tier get": [],
             }
-            value_bytes = header_nbytes(32, "none") + layout.block_bytes
-            buffers = [bytearray(value_bytes) for _ in range(args.group)]
             for round_ in range(repeat):
-                keys, metas, payloads = workload(layout, count, args.group, round_)
-                put, get = raw_round(raw, keys, payloads)
-                figures["raw put"].append(nbytes / put / 1e9)
-                figures["raw get"].append(nbytes / get / 1e9)
-                for group_keys in keys:  # one slot per group: one DEL each
-                    raw.delete(*group_keys)
-                put, get = tier_round(remote, keys, metas, payloads, buffers)
-                figures["tier put"].append(nbytes / put / 1e9)
-                figures["tier get"].append(nbytes / get / 1e9)
-                for group_keys in keys:
+                raw_side = Raw(raw, layout, count, args.group, 2 * round_)
+                tier_side = Tier(remote, layout, count, args.group, 2 * round_ + 1)
+                for op in ("put", "get"):
+                    raw_s, tier_s = interleaved(raw_side, tier_side, op)
+                    figures[f"raw {op}"].append(nbytes / raw_s / 1e9)
+                    figures[f"tier {op}"].append(nbytes / tier_s / 1e9)
+                for group_keys in raw_side.keys + tier_side.keys:  # a group is one slot
                     remote.delete(group_keys)
             medians = {name: statistics.median(values) for name, values in figures.items()}
             print(

@@ -1,7 +1,7 @@
 """The remote tier's keys and values on a real Redis Cluster (3 primaries on loopback, started by
 `tests/redis_cluster.py`, by CI or by the module): a group of blocks lives in one slot, so one
 pipelined round trip reads it; values come back bit-exact, and one the cluster holds damaged is
-a typed miss.
+a typed miss; a value sent in two parts (`SplitValue`) is stored as the bytes of the joined one.
 
 Skipped without Debian's `redis-server`, unless KVTIER_REQUIRE_REDIS=1 (CI sets it), where a
 missing server fails instead."""
@@ -19,7 +19,15 @@ from redis.exceptions import RedisClusterException, ResponseError
 from redis_cluster import LocalCluster, require_redis
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
-from kvtier.tiers.remote.entry import RemoteValueError, ValueMeta, decode_value, encode_value
+from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster
+from kvtier.tiers.remote.entry import (
+    RemoteValueError,
+    SplitValue,
+    ValueMeta,
+    decode_value,
+    encode_value,
+    encode_value_parts,
+)
 from kvtier.tiers.remote.entry import path_keys as keys_of
 
 LAYOUT = KVLayout("tiny", 1, 1, 8, "float16", 4)
@@ -95,3 +103,33 @@ def test_values_come_back_bit_exact_and_a_damaged_one_is_a_miss(client: RedisClu
     with pytest.raises(RemoteValueError, match="another block"):  # stored under another key
         decode_value(got[0], metas[1])
     client.delete(*keys)
+
+
+def test_a_split_value_is_stored_as_the_bytes_of_the_joined_value(
+    client: RedisCluster, nodes: list[str]
+) -> None:
+    """`RemoteCluster.put` sends a `SplitValue`'s header and payload one after the other (no
+    joined copy): the cluster must hold exactly `encode_value`'s bytes, for payloads below and
+    above redis-py's 6000-byte chunking cutoff, in one pipeline with plain values."""
+    remote = RemoteCluster(ClusterSettings(tuple(nodes), timeout_s=5.0))
+    ids = ids_of(list(range(200, 232)))  # 8 blocks, 2 groups
+    keys = keys_of("kvtier-split", ids, 0, 8, GROUP)
+    metas = [
+        ValueMeta(i, p, LAYOUT.fingerprint, 2**16)
+        for i, p in zip(ids, [SEED, *ids[:-1]], strict=True)
+    ]
+    payloads = [os.urandom(size) for size in (1, 100, 5999, 6000, 6001, 2**15, 2**16, 7)]
+    values: list[bytes | SplitValue] = [
+        encode_value_parts(m, "none", p) if i % 4 else encode_value(m, "none", p)
+        for i, (m, p) in enumerate(zip(metas, payloads, strict=True))
+    ]
+    assert remote.put(list(zip(keys, values, strict=True))) == [True] * 8
+    for key, m, payload in zip(keys, metas, payloads, strict=True):
+        assert fetch(client, key) == encode_value(m, "none", payload)
+    got = remote.get(keys, metas)
+    assert [bytes(entry[1]) if entry else None for entry in got] == payloads
+    assert remote.put([(keys[1], values[1])]) == [True]  # NX: present already, left as it is
+    stats = remote.stats()
+    assert (stats["puts"], stats["already_present"], stats["errors"]) == (8, 1, 0)
+    remote.delete(keys)
+    remote.close()

@@ -19,7 +19,7 @@ from kvtier.tiers.remote.entry import (
     check_prefix,
     decode_value,
     encode_value,
-    encode_value_into,
+    encode_value_parts,
     header_nbytes,
     path_keys,
 )
@@ -43,17 +43,18 @@ def test_a_value_round_trips_and_its_payload_is_a_view() -> None:
     assert got.obj is memoryview(value).obj  # no copy of the payload
 
 
-def test_encoding_into_a_reused_buffer_gives_the_same_bytes() -> None:
-    m = meta(raw_nbytes=64)
-    out = bytearray(3)  # grown on first use, then reused, longer than the value
-    for _ in range(3):
-        payload = os.urandom(64)
-        view = encode_value_into(m, "none", payload, out)
-        assert bytes(view) == encode_value(m, "none", payload)
-        assert bytes(decode_value(view, m)[1]) == payload
-        view.release()  # the caller's view ends before the buffer is written again
-    out += b"\xff" * 100
-    assert bytes(encode_value_into(m, "none", payload, out)) == encode_value(m, "none", payload)
+def test_a_split_value_is_the_same_bytes_with_the_payload_only_viewed() -> None:
+    for raw_nbytes, id_len, codec in ((64, 16, "none"), (4096, 32, "lz4")):
+        m = meta(raw_nbytes=raw_nbytes, id_len=id_len)
+        payload = bytearray(os.urandom(raw_nbytes // 2))
+        split = encode_value_parts(m, codec, payload)
+        assert b"".join(split.parts) == encode_value(m, codec, bytes(payload))
+        assert split.nbytes == len(encode_value(m, codec, bytes(payload)))
+        assert len(split.head) == header_nbytes(id_len, codec)
+        assert split.payload.obj is payload  # a view: no copy of the payload
+        assert decode_value(b"".join(split.parts), m)[0] == codec
+    with pytest.raises(InvalidArgumentError, match="codec"):  # checked as encode_value checks
+        encode_value_parts(meta(), "", b"x" * 64)
 
 
 def test_a_compressed_payload_keeps_its_codec_and_sizes() -> None:

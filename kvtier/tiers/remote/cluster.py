@@ -12,7 +12,9 @@ Contract:
   `verify_failures`.
 - `put` writes with `SET ... NX`: a block some node stored already is left as it is (same id,
   same bytes: ids are chained from the tokens) and counted in `already_present`. A value
-  larger than `max_value_bytes` is not sent (`too_large`).
+  larger than `max_value_bytes` is not sent (`too_large`). A value may be an
+  `entry.SplitValue`: its header and payload go out one after the other as one Redis value
+  (`SplitValueConnection`), so the payload is never copied into a joined buffer.
 - One pipelined round trip per call, whatever the number of keys (the cluster client splits
   it by node); `group_blocks` in the keys (`entry.py`) keeps a group on one node.
 - Without a connection, a call tries to connect at most once per `reconnect_s`; in between,
@@ -30,11 +32,12 @@ from typing import Any, TypeVar
 
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import Connection
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvtier.errors import InvalidArgumentError
-from kvtier.tiers.remote.entry import RemoteValueError, ValueMeta, decode_value
+from kvtier.tiers.remote.entry import RemoteValueError, SplitValue, ValueMeta, decode_value
 
 T = TypeVar("T")
 
@@ -64,6 +67,49 @@ class ClusterSettings:
     reconnect_s: float = 5.0
 
 
+Value = bytes | memoryview | SplitValue
+JOIN_BELOW = 6000  # chunks up to this size are joined into one send (redis-py's cutoff)
+
+
+def value_nbytes(value: Value) -> int:
+    return value.nbytes if isinstance(value, SplitValue | memoryview) else len(value)
+
+
+class SplitValueConnection(Connection):
+    """A redis-py connection that also sends `SplitValue` arguments, as their parts: the RESP
+    bulk string `$<n>CRLF<head><payload>CRLF` as chunks, the payload a memoryview sent as it
+    is. Other commands are packed as redis-py packs them; small chunks are joined (as redis-py
+    does) so a pipeline of probes is still one send."""
+
+    def pack_command(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(isinstance(arg, SplitValue) for arg in args):
+            return list(super().pack_command(*args))
+        out: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            if isinstance(arg, SplitValue):
+                out += [b"$%d\r\n" % arg.nbytes + arg.head, arg.payload, b"\r\n"]
+            else:
+                data = arg if isinstance(arg, bytes) else str(arg).encode()
+                out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+        return out
+
+    def pack_commands(self, commands: Any) -> list[bytes | memoryview]:
+        output: list[bytes | memoryview] = []
+        pieces: list[bytes] = []
+        for command in commands:
+            for chunk in self.pack_command(*command):
+                if isinstance(chunk, bytes) and len(chunk) <= JOIN_BELOW:
+                    pieces.append(chunk)
+                    continue
+                if pieces:
+                    output.append(b"".join(pieces))
+                    pieces = []
+                output.append(chunk)
+        if pieces:
+            output.append(b"".join(pieces))
+        return output
+
+
 def parse_node(node: str) -> tuple[str, int]:
     """`host:port` as (host, port); `InvalidArgumentError` naming it otherwise."""
     host, _, port = node.rpartition(":")
@@ -85,11 +131,11 @@ class RemoteCluster:
 
     # ---- the calls ----------------------------------------------------------------------
 
-    def put(self, entries: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+    def put(self, entries: Sequence[tuple[bytes, Value]]) -> list[bool]:
         """Store each (key, value) unless the key exists; per entry, whether it is there now
         (stored, or present already). False where the cluster failed or the value is too big."""
         limit = self.settings.max_value_bytes
-        sendable = [i for i, (_, value) in enumerate(entries) if len(value) <= limit]
+        sendable = [i for i, (_, value) in enumerate(entries) if value_nbytes(value) <= limit]
         self._count("too_large", len(entries) - len(sendable))
         done = [False] * len(entries)
         replies = self._pipelined([("SET", *entries[i], "NX") for i in sendable])
@@ -100,7 +146,7 @@ class RemoteCluster:
             done[i] = True
             if reply:
                 self._count("puts", 1)
-                self._count("bytes_out", len(entries[i][1]))
+                self._count("bytes_out", value_nbytes(entries[i][1]))
             else:
                 self._count("already_present", 1)
         return done
@@ -197,12 +243,18 @@ class RemoteCluster:
                 return None
             self._next_connect = now + self.settings.reconnect_s
         timeout = self.settings.timeout_s
+        first = self._startup[0]
+        host = f"[{first.host}]" if ":" in first.host else first.host
         try:
+            # given a url, redis-py builds every node's pool from these arguments, so
+            # `connection_class` reaches the nodes it learns of later too (failover, reshard)
             client = RedisCluster(
+                url=f"redis://{host}:{first.port}",
                 startup_nodes=list(self._startup),
                 socket_connect_timeout=timeout,
                 socket_timeout=timeout,
                 retry=Retry(NoBackoff(), 1),  # one retry: a miss is cheaper than a wait
+                connection_class=SplitValueConnection,
             )
         except CLUSTER_FAILURES as e:
             self.last_error = f"connect: {type(e).__name__}: {e}"

@@ -21,12 +21,12 @@ Contract:
   (`entry.py`), which are keyed by the namespace seed.
 - Values carry their codec; a payload that does not decode (`CorruptPayload`) or names a codec
   this build lacks is a miss, counted in `verify_failures`, and deleted.
-- Thread-safe (the mover's threads share one tier); staging buffers for writes are reused.
+- Thread-safe (the mover's threads share one tier). A write copies no payload: each value goes
+  out as its header and a view of the block (`entry.SplitValue`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,8 +40,7 @@ from kvtier.tiers.remote.cluster import RemoteCluster
 from kvtier.tiers.remote.entry import (
     ValueMeta,
     check_prefix,
-    encode_value_into,
-    header_nbytes,
+    encode_value_parts,
     path_keys,
 )
 
@@ -62,8 +61,6 @@ class RemoteTier:
         self.prefix = check_prefix(prefix)
         self.group_blocks = group_blocks
         self.codec = codec if codec is not None else NoneCodec()
-        self._staging: list[bytearray] = []  # reused value buffers (`write`)
-        self._staging_lock = threading.Lock()
         self._decode_failures = 0
 
     def probe(self, seed: bytes, ids: Sequence[bytes], start: int) -> int:
@@ -81,22 +78,17 @@ class RemoteTier:
             self._check_block(block)
         keys = self._keys(ids, start, start + len(blocks))
         metas = self._metas(seed, ids, start, len(blocks))
-        buffers = self._take_staging(len(blocks))
-        try:
-            values = []
-            for meta, block, out in zip(metas, blocks, buffers, strict=True):
-                raw = block.contiguous().view(torch.uint8).reshape(-1).numpy().data
-                stored = self.codec.encode(raw, self.layout.itemsize)
-                name = self.codec.name
-                if memoryview(stored).nbytes >= raw.nbytes:  # incompressible: store it plain
-                    stored, name = raw, "none"
-                values.append(encode_value_into(meta, name, stored, out))
-            done = self.cluster.put(list(zip(keys, values, strict=True)))
-            for value in values:
-                value.release()
-            return done
-        finally:
-            self._give_staging(buffers)
+        values = []
+        for meta, block in zip(metas, blocks, strict=True):
+            raw = block.contiguous().view(torch.uint8).reshape(-1).numpy().data
+            stored = self.codec.encode(raw, self.layout.itemsize)
+            name = self.codec.name
+            if memoryview(stored).nbytes >= raw.nbytes:  # incompressible: store it plain
+                stored, name = raw, "none"
+            # the payload is sent from `stored` itself (no staging copy): `raw` views the
+            # block, which the caller keeps unchanged until this returns
+            values.append(encode_value_parts(meta, name, stored))
+        return self.cluster.put(list(zip(keys, values, strict=True)))
 
     def read(
         self, seed: bytes, ids: Sequence[bytes], start: int, out: Sequence[torch.Tensor]
@@ -169,13 +161,3 @@ class RemoteTier:
             )
         if block.device.type != "cpu":
             raise InvalidKVError(f"remote tier block on {block.device}, expected host memory")
-
-    def _take_staging(self, count: int) -> list[bytearray]:
-        size = header_nbytes(32, "x" * 8) + self.layout.block_bytes  # the largest value
-        with self._staging_lock:
-            taken = [self._staging.pop() for _ in range(min(count, len(self._staging)))]
-        return taken + [bytearray(size) for _ in range(count - len(taken))]
-
-    def _give_staging(self, buffers: list[bytearray]) -> None:
-        with self._staging_lock:
-            self._staging.extend(buffers[: max(0, 64 - len(self._staging))])
