@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from redis import Redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis_cluster import start_cluster
 from service_server import (
@@ -176,6 +177,51 @@ def test_a_primary_killed_mid_run_gives_misses_and_no_errors(tmp_path: Path) -> 
                 loaded = client_b.load(tokens)
                 want = kv_of(32, seed=p)[:, :, : loaded.num_tokens]
                 assert torch.equal(loaded.kv.view(torch.int16), want.view(torch.int16))
+            status = b.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
+            assert status["remote"]["verify_failures"] == 0
+    finally:
+        cluster.stop()
+
+
+def test_blocks_the_cluster_evicts_under_maxmemory_leave_b_s_lookups(tmp_path: Path) -> None:
+    """`maxmemory` with `allkeys-lru`: a prefix B's lookup found in the cluster is pushed out by
+    other writers; B's next lookups stop reporting what left (the remote run is probed, never
+    remembered), and B's load serves only what is still there, bit-exact."""
+    cluster = start_cluster(tmp_path / "redis")
+    try:
+        for port in cluster.ports:  # about 1 MiB per primary for data; least recent go first
+            raw = Redis(host="127.0.0.1", port=port)
+            raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 2**20)
+            raw.config_set("maxmemory-policy", "allkeys-lru")
+            raw.close()
+        tokens = tokens_of(50_000, 48)
+        kv = kv_of(48, seed=11)
+        with (
+            running(node_config(tmp_path / "a", cluster.nodes), SECRET_ENV) as a,
+            running(node_config(tmp_path / "b", cluster.nodes), SECRET_ENV) as b,
+            Client(a.url, api_key=ALICE) as client_a,
+            Client(b.url, api_key=ALICE) as client_b,
+        ):
+            client_a.store(tokens, kv)
+            deadline = time.monotonic() + 10
+            while client_b.lookup(tokens).remote_tokens < 48 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client_b.lookup(tokens).remote_tokens == 48
+            filler = RedisCluster(startup_nodes=[ClusterNode(*cluster.nodes[0].split(":"))])
+            for i in range(96):  # 12 MiB from another writer into about 3 MiB
+                filler.set(f"other-fleet:{i}", bytes(2**17))
+            evicted = sum(
+                int(node.redis_connection.info("stats")["evicted_keys"])
+                for node in filler.get_primaries()
+            )
+            filler.close()
+            assert evicted > 0
+            after = client_b.lookup(tokens)
+            assert after.remote_tokens < 48  # what the cluster dropped is no longer reported
+            loaded = client_b.load(tokens)
+            assert loaded.num_tokens <= after.remote_tokens
+            want = kv[:, :, : loaded.num_tokens]
+            assert torch.equal(loaded.kv.view(torch.int16), want.view(torch.int16))
             status = b.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
             assert status["remote"]["verify_failures"] == 0
     finally:

@@ -151,13 +151,15 @@ class SplitValue:
         return len(self.head) + self.payload.nbytes
 
 
-def encode_value_parts(meta: ValueMeta, codec: str, payload: bytes | memoryview) -> SplitValue:
+def encode_value_parts(
+    meta: ValueMeta, codec: str, payload: bytes | bytearray | memoryview
+) -> SplitValue:
     """`encode_value` as its parts: the header is built, the payload only viewed."""
     header = _header(meta, codec, payload)
     return SplitValue(header + xxhash.xxh3_128_digest(header), memoryview(payload).cast("B"))
 
 
-def _header(meta: ValueMeta, codec: str, payload: bytes | memoryview) -> bytes:
+def _header(meta: ValueMeta, codec: str, payload: bytes | bytearray | memoryview) -> bytes:
     """A value's bytes before its header checksum, after checking `meta` (module doc)."""
     id_len = len(meta.block_id)
     payload_nbytes = memoryview(payload).nbytes
