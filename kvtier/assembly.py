@@ -12,6 +12,7 @@ unlinked) before the error propagates.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -20,7 +21,8 @@ import torch
 from kvtier.blocks import BlockHasher, BlockId
 from kvtier.config import KVTierConfig
 from kvtier.config.fields import resolve_key
-from kvtier.errors import InvalidArgumentError
+from kvtier.config.tiers import RemoteTlsConfig
+from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.index import RadixIndex
 from kvtier.policy import write_policy
 from kvtier.recovery import recover
@@ -31,7 +33,7 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.codec import get_codec
 from kvtier.tiers.gpu import resolve_device
-from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster
+from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, TlsSettings
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.remote.writer import RemoteWriter
 from kvtier.tiers.shm import segment_prefix
@@ -179,6 +181,17 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
     return list(made)
 
 
+def _tls_settings(tls: RemoteTlsConfig | None) -> TlsSettings | None:
+    """`tiers.remote.tls` with its files checked: each a readable regular file."""
+    if tls is None:
+        return None
+    for name in ("ca_file", "cert_file", "key_file"):
+        path = getattr(tls, name)
+        if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ConfigError(f"tiers.remote.tls.{name}", path, "a readable file")
+    return TlsSettings(tls.ca_file, tls.cert_file, tls.key_file, tls.check_hostname)
+
+
 def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> RemoteLink | None:
     remote = config.tiers.remote
     if remote is None:
@@ -188,6 +201,11 @@ def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> Rem
             remote.nodes,
             timeout_s=remote.timeout_s,
             max_value_bytes=remote.max_value_bytes.resolve(0),
+            username=remote.username,
+            password=(
+                resolve_key(remote.password, "tiers.remote.password") if remote.password else None
+            ),
+            tls=_tls_settings(remote.tls),
         )
     )
     codec = get_codec(config.tiers.disk.compression if config.tiers.disk else "none")

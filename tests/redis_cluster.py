@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ import pytest
 
 from kvtier.tiers.remote.local import LocalCluster, have_redis
 
-__all__ = ["LocalCluster", "have_redis", "require_redis", "start_cluster"]
+__all__ = ["LocalCluster", "have_redis", "require_openssl", "require_redis", "start_cluster"]
 
 MISSING = "redis-server is not installed (Debian: apt-get install redis-server)"
 
@@ -37,6 +38,15 @@ def require_redis() -> None:
     if os.environ.get("KVTIER_REQUIRE_REDIS") == "1":
         pytest.fail(f"KVTIER_REQUIRE_REDIS=1 but {MISSING}")
     pytest.skip(reason=MISSING)
+
+
+def require_openssl() -> None:
+    """As `require_redis`, for the `openssl` command line that makes TLS test certificates."""
+    if shutil.which("openssl") is not None:
+        return
+    if os.environ.get("KVTIER_REQUIRE_REDIS") == "1":
+        pytest.fail("KVTIER_REQUIRE_REDIS=1 but openssl is not installed")
+    pytest.skip(reason="openssl is not installed (Debian: apt-get install openssl)")
 
 
 def start_cluster(directory: Path) -> LocalCluster:

@@ -348,6 +348,12 @@ def test_the_remote_tier_is_off_unless_set_and_checks_each_field() -> None:
         ({"nodes": ["h:1"], "group_blocks": 0}, "group_blocks"),
         ({"nodes": ["h:1"], "timeout_s": 0}, "timeout_s"),
         ({"nodes": ["h:1"], "max_pending_bytes": "0.5"}, "max_pending_bytes"),
+        ({"nodes": ["h:1"], "username": "a user"}, "username"),
+        ({"nodes": ["h:1"], "tls": {}}, "tls.ca_file"),
+        ({"nodes": ["h:1"], "tls": {"ca_file": "ca.pem", "cert_file": "c.pem"}}, "tls.key_file"),
+        ({"nodes": ["h:1"], "tls": {"ca_file": "ca.pem", "key_file": "c.key"}}, "tls.cert_file"),
+        ({"nodes": ["h:1"], "tls": {"ca_file": "c", "check_hostname": 1}}, "tls.check_hostname"),
+        ({"nodes": ["h:1"], "username": 7}, "username"),
     ):
         with pytest.raises(ConfigError) as info:
             parse_config({"tiers": {"remote": bad}})
@@ -366,3 +372,21 @@ def test_a_cluster_secret_is_never_shown_in_an_error() -> None:
             {"tiers": {"remote": {"nodes": ["h:1"], "secret": secret, "key_prefix": secret + "{"}}}
         )
     assert secret not in str(info.value)
+
+
+def test_a_cluster_password_is_a_secret_never_shown_in_an_error() -> None:
+    good = parse_config(
+        {"tiers": {"remote": {"nodes": ["h:1"], "username": "kvtier", "password": "env:PW"}}}
+    )
+    assert good.tiers.remote is not None
+    assert (good.tiers.remote.username, good.tiers.remote.password) == ("kvtier", "env:PW")
+    for bad in ("short-pw", ["a-list-of-one-password"]):
+        with pytest.raises(ConfigError) as info:
+            parse_config({"tiers": {"remote": {"nodes": ["h:1"], "password": bad}}})
+        assert info.value.field == "tiers.remote.password"
+        assert "short-pw" not in str(info.value) and "a-list-of" not in str(info.value)
+    password = "the-cluster-password-0123"  # valid; an error elsewhere must not show it
+    with pytest.raises(ConfigError) as info:
+        remote = {"nodes": ["h:1"], "password": password, "group_blocks": password}
+        parse_config({"tiers": {"remote": remote}})
+    assert info.value.field == "tiers.remote.group_blocks" and password not in str(info.value)

@@ -1,7 +1,9 @@
 """`RemoteCluster` on a real Redis Cluster (3 primaries of Debian's redis-server on loopback,
 started by this module): values round trip bit-exact, a damaged one is a counted miss and is
 deleted, a present block is not written again, a dead cluster or a killed primary gives misses
-and never an exception or a wrong byte.
+and never an exception or a wrong byte, a failover to a replica serves again, a cluster that
+requires a password serves only with it, one that speaks only TLS serves a client that verifies
+it and shows a certificate.
 
 Skipped without `redis-server`, unless KVTIER_REQUIRE_REDIS=1 (CI sets it)."""
 
@@ -14,12 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_cluster import LocalCluster, require_redis, start_cluster
+from redis import Redis
+from redis_cluster import LocalCluster, require_openssl, require_redis, start_cluster
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.errors import InvalidArgumentError
-from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, parse_node
+from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, TlsSettings, parse_node
 from kvtier.tiers.remote.entry import ValueMeta, encode_value, path_keys
+from kvtier.tiers.remote.local import make_certificates
 
 LAYOUT = KVLayout("tiny", 1, 1, 8, "float16", 4)
 HASHER = BlockHasher()
@@ -152,6 +156,125 @@ def test_a_killed_primary_gives_misses_and_never_wrong_bytes(tmp_path: Path) -> 
         remote.close()
     finally:
         cluster.stop()
+
+
+def test_a_cluster_that_requires_a_password_serves_only_with_it(tmp_path: Path) -> None:
+    """Redis AUTH: without the password, or with a wrong one, every call is a counted miss and
+    the error names the refusal, never a password; with it, blocks round trip."""
+    require_redis()
+    password = "a-cluster-password-0123456789"
+    with LocalCluster(tmp_path, primaries=3, password=password) as cluster:
+        keys, metas, values = blocks(20_000, 8)
+        nodes = tuple(cluster.nodes)
+        for given in (None, "a-wrong-password-0123456789"):
+            remote = RemoteCluster(ClusterSettings(nodes, timeout_s=1.0, password=given))
+            assert remote.put(list(zip(keys, values, strict=True))) == [False] * 8
+            assert remote.get(keys, metas) == [None] * 8
+            stats = remote.stats()
+            assert not stats["connected"] and stats["errors"] >= 1 and stats["puts"] == 0
+            error = stats["last_error"].lower()
+            assert "auth" in error or "password" in error, error
+            assert password not in stats["last_error"] and (given or "-") not in error
+            assert password not in repr(remote.settings)
+            remote.close()
+        remote = RemoteCluster(ClusterSettings(nodes, timeout_s=1.0, password=password))
+        assert remote.put(list(zip(keys, values, strict=True))) == [True] * 8
+        got = remote.get(keys, metas)
+        assert [bytes(g[1]) if g else None for g in got] == [payload_of(v) for v in values]
+        remote.check()
+        remote.close()
+
+
+def test_over_tls_only_a_client_that_verifies_the_cluster_and_shows_a_certificate_is_served(
+    tmp_path: Path,
+) -> None:
+    """`tls-port` only, `tls-auth-clients yes`: the tier round trips over TLS; a plain client,
+    one that trusts another CA, and one without a client certificate each get misses, counted,
+    with the reason in `last_error`."""
+    require_redis()
+    require_openssl()
+    tls = make_certificates(tmp_path / "certs")
+    other_ca = make_certificates(tmp_path / "other").ca_file
+    with LocalCluster(tmp_path / "redis", primaries=3, tls=tls) as cluster:
+        keys, metas, values = blocks(50_000, 8)
+        nodes = tuple(cluster.nodes)
+        refused = (
+            None,  # plain TCP to a TLS port
+            TlsSettings(other_ca, tls.cert_file, tls.key_file),  # the cluster is not trusted
+            TlsSettings(tls.ca_file),  # no client certificate
+        )
+        for settings in refused:
+            remote = RemoteCluster(ClusterSettings(nodes, timeout_s=1.0, tls=settings))
+            assert remote.put(list(zip(keys, values, strict=True))) == [False] * 8
+            assert remote.get(keys, metas) == [None] * 8
+            stats = remote.stats()
+            assert stats["errors"] >= 1 and stats["puts"] == 0 and stats["last_error"]
+            remote.close()
+        remote = RemoteCluster(ClusterSettings(nodes, timeout_s=1.0, tls=tls))
+        assert remote.put(list(zip(keys, values, strict=True))) == [True] * 8
+        got = remote.get(keys, metas)
+        assert [bytes(g[1]) if g else None for g in got] == [payload_of(v) for v in values]
+        assert remote.stats()["connected"] and remote.stats()["errors"] == 0
+        remote.check()
+        remote.close()
+
+
+def test_after_a_failover_the_promoted_replica_serves_and_takes_writes(tmp_path: Path) -> None:
+    """3 primaries with a replica each: a primary SIGKILLed is replaced by its replica; calls
+    meanwhile are misses or right bytes, and afterwards every block written before the kill is
+    served again and new writes (values sent in two parts) land on the promoted node."""
+    require_redis()
+    with LocalCluster(tmp_path, primaries=3, replicas=1) as cluster:
+        remote = RemoteCluster(ClusterSettings(tuple(cluster.nodes), timeout_s=0.5))
+        prompts = [blocks(30_000 + 1000 * i, 8) for i in range(6)]  # 12 groups over 3 nodes
+        for keys, _, values in prompts:
+            assert all(remote.put(list(zip(keys, values, strict=True))))
+        wait_for_replicas(cluster)
+        primary = next(p for p in cluster.ports if "role:master" in info(p, "replication"))
+        cluster.kill(primary)
+        deadline = time.monotonic() + 30
+        while True:
+            served = 0
+            for keys, metas, values in prompts:
+                for got, value in zip(remote.get(keys, metas), values, strict=True):
+                    assert got is None or bytes(got[1]) == payload_of(value)
+                    served += got is not None
+            if served == 48 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        if served < 48:  # say whether the cluster failed over or the client missed it
+            with Redis(host="127.0.0.1", port=next(p for p in cluster.ports if p != primary)) as r:
+                nodes = r.execute_command("CLUSTER", "NODES")
+            pytest.fail(f"{served} of 48 served; {remote.stats()}; cluster nodes: {nodes}")
+        keys, metas, values = blocks(40_000, 16)  # 4 groups: some land on the promoted node
+        assert remote.put(list(zip(keys, values, strict=True))) == [True] * 16
+        assert all(got is not None for got in remote.get(keys, metas))
+        assert remote.stats()["verify_failures"] == 0
+        remote.check()
+        remote.close()
+
+
+def info(port: int, section: str) -> str:
+    with Redis(host="127.0.0.1", port=port) as raw:
+        return "\n".join(f"{k}:{v}" for k, v in raw.info(section).items())
+
+
+def wait_for_replicas(cluster: LocalCluster, timeout: float = 10.0) -> None:
+    """Until every replica has applied all its primary has written."""
+    deadline = time.monotonic() + timeout
+    for port in cluster.ports:
+        with Redis(host="127.0.0.1", port=port) as raw:
+            if raw.info("replication")["role"] != "master":
+                continue
+            replication = raw.info("replication")
+            assert replication["connected_slaves"] >= 1
+            offset = replication["master_repl_offset"]
+            while True:
+                replica = raw.info("replication")["slave0"]
+                if replica["offset"] >= offset or time.monotonic() > deadline:
+                    assert replica["offset"] >= offset, (port, replica, offset)
+                    break
+                time.sleep(0.05)
 
 
 def test_a_cluster_start_tries_other_ports_when_one_is_taken_meanwhile(

@@ -120,6 +120,7 @@ def test_across_sidecars_tenants_and_models_never_meet_and_damage_is_a_counted_m
 ) -> None:
     tokens = tokens_of(3000, 32)  # 8 blocks
     kv = kv_of(32, seed=11)
+    cut_tokens, cut_kv = tokens_of(4000, 32), kv_of(32, seed=12)
     with (
         running(node_config(tmp_path / "a", nodes), SECRET_ENV) as a,
         running(node_config(tmp_path / "b", nodes), SECRET_ENV) as b,
@@ -130,22 +131,30 @@ def test_across_sidecars_tenants_and_models_never_meet_and_damage_is_a_counted_m
         Client(b.url, api_key=ALICE) as alice_b,
     ):
         alice_a.store(tokens, kv)
+        alice_a.store(cut_tokens, cut_kv)
         deadline = time.monotonic() + 10
-        while alice_b.lookup(tokens[:4]).remote_tokens < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)  # A's writer is behind the call; the first block is enough
+        while alice_b.lookup(cut_tokens).remote_tokens < 32 and time.monotonic() < deadline:
+            time.sleep(0.05)  # A's writer is behind the call
         assert bob_b.lookup(tokens).num_tokens == 0 and bob_b.load(tokens).num_tokens == 0
         assert alice_c.lookup(tokens).num_tokens == 0 and alice_c.load(tokens).num_tokens == 0
         damage(nodes, "alice", tokens, 5)
         loaded = alice_b.load(tokens)
         assert loaded.num_tokens == 5 * BT  # blocks 0-4; the damaged one ends the run
         assert torch.equal(loaded.kv.view(torch.int16), kv[:, :, : 5 * BT].view(torch.int16))
+        damage(nodes, "alice", cut_tokens, 2, truncate=True)
+        loaded = alice_b.load(cut_tokens)
+        assert loaded.num_tokens == 2 * BT  # blocks 0-1; the value cut short ends the run
+        assert torch.equal(loaded.kv.view(torch.int16), cut_kv[:, :, : 2 * BT].view(torch.int16))
         status = b.get("/v1/status", headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()
-        assert status["remote"]["verify_failures"] == 1
+        assert status["remote"]["verify_failures"] == 2
 
 
-def damage(nodes: list[str], tenant: str, tokens: list[int], position: int) -> None:
+def damage(
+    nodes: list[str], tenant: str, tokens: list[int], position: int, truncate: bool = False
+) -> None:
     """Overwrite two header bytes of block `position` of `tokens` (of `tenant`, under the
-    cluster secret) in the cluster, as a failover or a foreign writer might."""
+    cluster secret) in the cluster, or cut its last 10 bytes off, as a failover or a foreign
+    writer might."""
     layout = KVLayout(str(MODEL["name"]), LAYERS, HEADS, DIM, str(MODEL["dtype"]), BT)
     secret = SECRET_ENV["KVTIER_TEST_CLUSTER_SECRET"].encode()
     seed = HASHER.seed(layout.fingerprint, tenant_salt(tenant, secret))
@@ -153,7 +162,11 @@ def damage(nodes: list[str], tenant: str, tokens: list[int], position: int) -> N
     key = block_key("kvtier", ids[position - position % 4], ids[position])
     host, port = nodes[0].split(":")
     cluster = RedisCluster(startup_nodes=[ClusterNode(host, int(port))])
-    assert cluster.setrange(key, 60, b"\x00\x01")
+    if truncate:
+        value = cluster.get(key)
+        assert isinstance(value, bytes) and cluster.set(key, value[:-10])
+    else:
+        assert cluster.setrange(key, 60, b"\x00\x01")
     cluster.close()
 
 

@@ -1,7 +1,8 @@
 """Two stores ("node A", "node B": separate pools and disk directories, one process) sharing a
 real Redis Cluster and a cluster secret: what A stores, B's prefetch and load take from the
 cluster, bit-exact; tenants and layouts stay apart; a damaged value or a killed primary gives
-less, never wrong bytes or errors; a cluster that is down leaves a store serving its own tiers.
+less, never wrong bytes or errors; a cluster that is down leaves a store serving its own tiers;
+a cluster that requires a password serves the stores configured with it.
 
 Skipped without `redis-server`, unless KVTIER_REQUIRE_REDIS=1 (CI sets it)."""
 
@@ -16,10 +17,11 @@ import pytest
 import torch
 from redis import Redis
 from redis.cluster import ClusterNode, RedisCluster
-from redis_cluster import LocalCluster, start_cluster
+from redis_cluster import LocalCluster, require_redis, start_cluster
 
 from kvtier import KVStore, parse_config
 from kvtier.blocks import encode_tokens
+from kvtier.errors import ConfigError
 from kvtier.tiers.remote.entry import block_key
 
 BT = 4
@@ -226,3 +228,50 @@ def test_a_cluster_that_evicts_under_maxmemory_gives_shorter_runs_never_wrong_by
 def kv_big(tokens: list[int]) -> torch.Tensor:
     torch.manual_seed(tokens[0])
     return torch.randn(2, 2, len(tokens), 2, 64).to(torch.float16)
+
+
+def test_a_password_from_the_environment_authenticates_both_stores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tiers.remote.password: env:NAME`: stores that have it share through a cluster that
+    requires it; one whose variable is unset fails at start with a typed error naming the
+    field, never the password; one with the wrong password serves its own tiers only."""
+    require_redis()
+    password = "the-cluster-password-0123456789"
+    with LocalCluster(tmp_path / "redis", primaries=3, password=password) as running:
+        cfg = config(running.nodes, password="env:KVTIER_TEST_REDIS_PASSWORD")
+        with pytest.raises(ConfigError) as unset:
+            node(cfg)
+        assert unset.value.field == "tiers.remote.password"
+        monkeypatch.setenv("KVTIER_TEST_REDIS_PASSWORD", password)
+        tokens = list(range(300, 340))
+        kv = kv_for(tokens)
+        with node(cfg) as a, node(cfg) as b:
+            a.store(tokens, kv)
+            assert a.drain()
+            assert b.lookup(tokens).remote_tokens == 40
+            loaded = b.load(tokens)
+            assert torch.equal(loaded.kv.view(torch.int16), kv.view(torch.int16))
+        monkeypatch.setenv("KVTIER_TEST_REDIS_PASSWORD", "not-the-password-0123456789")
+        with node(cfg) as c:
+            assert c.lookup(tokens).remote_tokens == 0
+            c.store(tokens, kv)  # its own tiers serve; the cluster refused it, counted
+            assert c.lookup(tokens).gpu_tokens == 40
+            remote = c.status()["remote"]
+            assert not remote["connected"] and remote["errors"] >= 1
+            assert password not in str(c.status())
+
+
+def test_tls_files_are_checked_when_the_store_starts(tmp_path: Path) -> None:
+    """A TLS file that is missing or not a file is a `ConfigError` naming its field, before
+    any connection is tried."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not checked here: only that it is a readable file")
+    for tls, field in (
+        ({"ca_file": str(tmp_path / "absent.pem")}, "ca_file"),
+        ({"ca_file": str(tmp_path)}, "ca_file"),  # a directory
+        ({"ca_file": str(ca), "cert_file": str(ca), "key_file": str(tmp_path / "k")}, "key_file"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            node(config(["127.0.0.1:1"], tls=tls))
+        assert info.value.field == f"tiers.remote.tls.{field}"

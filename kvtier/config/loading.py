@@ -6,8 +6,8 @@ Contract:
   bad input and whose `expected` says what would do, naming the source. No pydantic, YAML or OS
   exception escapes; only the first fault is reported.
 - YAML is read safely, and a key repeated in one mapping is an error rather than last-wins.
-- An error never shows an API key or secret: a value under `api_keys`, `admin_key` or
-  `secret` (the remote tier's cluster secret), or one that shows
+- An error never shows an API key or secret: a value under `api_keys`, `admin_key`,
+  `secret` or `password` (the remote tier's cluster secret and AUTH password), or one that shows
   any of the keys given there, is replaced by `HiddenKey()`; in a YAML error, which comes
   before the keys are known, every word as long as a key is masked in the line shown.
 """
@@ -72,7 +72,8 @@ def _config_error(exc: ValidationError, source: str, keys: set[str]) -> ConfigEr
     return ConfigError(".".join(path) or "<top level>", value, f"{expected} (in {source})")
 
 
-_KEY_FIELDS = frozenset({"api_keys", "admin_key", "secret"})  # secret: tiers.remote's
+# secret and password: tiers.remote's
+_KEY_FIELDS = frozenset({"api_keys", "admin_key", "secret", "password"})
 
 
 def _key_values(data: object) -> set[str]:

@@ -104,12 +104,34 @@ def _nodes(value: object) -> object:
     return nodes
 
 
+class RemoteTlsConfig(Section):
+    """TLS to the cluster (Redis `tls-port`, `tls-cluster yes`): the nodes' certificates are
+    verified against `ca_file`; `cert_file` + `key_file` are this node's client certificate,
+    for a cluster that asks for one (`tls-auth-clients yes`). Files are checked when the store
+    starts (a missing or unreadable one is a `ConfigError` naming the field)."""
+
+    ca_file: Name
+    cert_file: Name | None = None
+    key_file: Name | None = None
+    check_hostname: Annotated[bool, one_of((True, False))] = True
+
+    @model_validator(mode="after")
+    def _pair(self) -> RemoteTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            missing = "key_file" if self.cert_file is not None else "cert_file"
+            raise InvalidValue(None, "cert_file and key_file together, or neither", missing)
+        return self
+
+
 class RemoteTierConfig(Section):
     """A Redis / Valkey Cluster that kvtier nodes share (`tiers/remote/`); off unless set.
 
     `secret` ('env:NAME' or a literal of 16+ characters) keys the tenant salts instead of the
     node's own server secret, so that every node sharing it derives the same namespaces and
-    finds the blocks the others wrote; nodes without it never see each other's blocks."""
+    finds the blocks the others wrote; nodes without it never see each other's blocks.
+    `username` / `password` authenticate to the cluster (Redis AUTH, or an ACL user); the
+    password is a secret as `secret` is ('env:NAME', or a literal of 16+ characters: Redis
+    answers about a million AUTH attempts a second, so a short password protects nothing)."""
 
     nodes: Annotated[tuple[str, ...], BeforeValidator(_nodes)]
     key_prefix: Annotated[
@@ -120,6 +142,15 @@ class RemoteTierConfig(Section):
         ),
     ] = "kvtier"
     secret: SecretRef | None = None
+    username: Annotated[
+        str | None,
+        rule(
+            lambda v: v is None or (isinstance(v, str) and bool(_PREFIX.fullmatch(v))),
+            "an ACL user name: 1 to 64 of A-Z a-z 0-9 _ . -",
+        ),
+    ] = None
+    password: SecretRef | None = None
+    tls: RemoteTlsConfig | None = None
     group_blocks: Annotated[int, int_in(1, 4096)] = 16
     timeout_s: Annotated[float, number_in(0, 60, "seconds in (0, 60]")] = 0.5
     max_value_bytes: DiskCapacity = Capacity(nbytes=512 * 2**20)

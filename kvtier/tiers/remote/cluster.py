@@ -27,12 +27,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import Connection
+from redis.connection import Connection, SSLConnection
 from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
@@ -60,11 +60,24 @@ COUNTERS = (
 
 
 @dataclass(frozen=True)
+class TlsSettings:
+    """TLS to every node: verified against `ca_file`; a client certificate when given."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+    check_hostname: bool = True
+
+
+@dataclass(frozen=True)
 class ClusterSettings:
     nodes: tuple[str, ...]  # "host:port" of startup nodes
     timeout_s: float = 0.5  # connect and socket timeout of one round trip
     max_value_bytes: int = 512 * 2**20
     reconnect_s: float = 5.0
+    username: str | None = None  # Redis ACL user (None: "default")
+    password: str | None = field(default=None, repr=False)  # AUTH; never shown
+    tls: TlsSettings | None = None
 
 
 Value = bytes | memoryview | SplitValue
@@ -108,6 +121,10 @@ class SplitValueConnection(Connection):
         if pieces:
             output.append(b"".join(pieces))
         return output
+
+
+class SplitValueSSLConnection(SplitValueConnection, SSLConnection):
+    """`SplitValueConnection` over TLS (`tiers.remote.tls`)."""
 
 
 def parse_node(node: str) -> tuple[str, int]:
@@ -243,6 +260,17 @@ class RemoteCluster:
                 return None
             self._next_connect = now + self.settings.reconnect_s
         timeout = self.settings.timeout_s
+        tls = self.settings.tls
+        secure: dict[str, Any] = {"connection_class": SplitValueConnection}
+        if tls is not None:
+            secure = {
+                "connection_class": SplitValueSSLConnection,
+                "ssl_cert_reqs": "required",
+                "ssl_ca_certs": tls.ca_file,
+                "ssl_certfile": tls.cert_file,
+                "ssl_keyfile": tls.key_file,
+                "ssl_check_hostname": tls.check_hostname,
+            }
         first = self._startup[0]
         host = f"[{first.host}]" if ":" in first.host else first.host
         try:
@@ -253,8 +281,10 @@ class RemoteCluster:
                 startup_nodes=list(self._startup),
                 socket_connect_timeout=timeout,
                 socket_timeout=timeout,
+                username=self.settings.username,
+                password=self.settings.password,
                 retry=Retry(NoBackoff(), 1),  # one retry: a miss is cheaper than a wait
-                connection_class=SplitValueConnection,
+                **secure,
             )
         except CLUSTER_FAILURES as e:
             self.last_error = f"connect: {type(e).__name__}: {e}"
