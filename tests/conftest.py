@@ -24,6 +24,11 @@ from kvtier.tiers.disk.format import BlockHeader, CorruptHeader, decode_header
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# tests/engines/ runs against vLLM / SGLang installed apart (tests/engines/install.sh), in
+# pytest runs of their own (KVTIER_ENGINE_TESTS=1, PYTHONPATH=.engines/ENGINE): the default
+# suite does not collect it
+collect_ignore = [] if os.environ.get("KVTIER_ENGINE_TESTS") == "1" else ["engines"]
+
 # ---- KVStore factory (tests/test_store*.py) ---------------------------------------------------
 #
 # A tiny layout: 2 layers, 2 kv heads, head_dim 4, 4 tokens per block. Capacities are given in

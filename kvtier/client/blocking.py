@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import torch
 
-from kvtier.blocks import Tokens
+from kvtier.blocks import KVLayout, Tokens
 from kvtier.client.pools import MappedPools
 from kvtier.client.transport import RequestHeaders, reply_body
 from kvtier.errors import CapacityError
@@ -149,6 +149,11 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         return self._get("/v1/status")
+
+    def layout(self) -> KVLayout:
+        """The server's KV layout (`/v1/pools`, checked; model name "served"): an engine
+        checks its own caches against it before it stores or loads."""
+        return replies.pools(self._get("/v1/pools")).layout
 
     def pool_buffer(self, tier: str) -> torch.Tensor | None:
         """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None."""

@@ -1,0 +1,82 @@
+"""Copies between an engine's paged KV cache and kvtier's KV layout (issue 15).
+
+vLLM (0.33) hands a connector one tensor per attention layer, logically
+
+    layer  [num_blocks, num_kv_heads, block_size, head_size + head_size_v]
+
+whatever its physical order (`LBNHC`, `LBHNC`, ...): block b is `layer[b]`, and a
+FlashAttention-style backend reads K as the first `head_size` values of the last dimension and
+V as the rest. kvtier's stores take and give `[num_layers, 2, tokens, num_kv_heads, head_dim]`
+(`blocks.py`). `gather` reads whole engine blocks into that shape, `scatter` writes it back:
+
+    gather:  layer[ids] [n, H, N, 2D] -> [n, N, H, 2D] -> [n*N, H, 2D] -> K [..., :D], V [..., D:]
+    scatter: the inverse, into `layer[ids]` (index_put: one copy per layer)
+
+Contract:
+- `gather(layers, ids)` returns a new contiguous tensor on the layers' device, `scatter`
+  writes exactly the blocks `ids` of every layer and nothing else.
+- `scatter(layers, ids, gather(layers, ids))` writes back the same bytes, and for any `kv` of
+  the right shape `gather(layers, ids)` after `scatter(layers, ids, kv)` equals `kv`: the
+  mapping is a bijection on the blocks' bytes, so KV round trips bit-exact between two engines
+  with the same backend, whatever that backend means by the last dimension.
+- A shape that does not fit (layers of different shapes, an odd last dimension, `kv` of
+  another shape or dtype, an id out of range) is an `InvalidKVError` naming what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.errors import InvalidKVError
+
+
+def geometry(layers: Sequence[torch.Tensor]) -> tuple[int, int, int, int, torch.dtype]:
+    """(num_blocks, num_kv_heads, block_size, head_dim, dtype) shared by every layer."""
+    if not layers:
+        raise InvalidKVError("paged KV: no layers")
+    first = layers[0]
+    for layer in layers:
+        if layer.dim() != 4 or layer.shape != first.shape or layer.dtype != first.dtype:
+            raise InvalidKVError(
+                f"paged KV: a layer of {tuple(layer.shape)} {layer.dtype}, expected every layer "
+                f"[num_blocks, heads, block_size, 2 * head_dim] like the first, "
+                f"{tuple(first.shape)} {first.dtype}"
+            )
+    blocks, heads, size, both = first.shape
+    if both % 2:
+        raise InvalidKVError(f"paged KV: last dimension {both}, expected K and V of equal size")
+    return blocks, heads, size, both // 2, first.dtype
+
+
+def gather(layers: Sequence[torch.Tensor], ids: Sequence[int]) -> torch.Tensor:
+    """Blocks `ids` of every layer as `[len(layers), 2, len(ids) * block_size, heads, dim]`."""
+    blocks, heads, size, dim, dtype = geometry(layers)
+    index = _index(ids, blocks, layers[0].device)
+    shape = (len(layers), 2, len(ids) * size, heads, dim)
+    out = torch.empty(shape, dtype=dtype, device=layers[0].device)
+    for at, layer in enumerate(layers):
+        tokens = layer.index_select(0, index).transpose(1, 2).reshape(-1, heads, 2 * dim)
+        out[at, 0] = tokens[..., :dim]
+        out[at, 1] = tokens[..., dim:]
+    return out
+
+
+def scatter(layers: Sequence[torch.Tensor], ids: Sequence[int], kv: torch.Tensor) -> None:
+    """Write `kv` (`[len(layers), 2, len(ids) * block_size, heads, dim]`) into blocks `ids`."""
+    blocks, heads, size, dim, dtype = geometry(layers)
+    want = (len(layers), 2, len(ids) * size, heads, dim)
+    if tuple(kv.shape) != want or kv.dtype != dtype:
+        raise InvalidKVError(f"paged KV: got {tuple(kv.shape)} {kv.dtype}, expected {want} {dtype}")
+    index = _index(ids, blocks, layers[0].device)
+    kv = kv.to(layers[0].device)
+    for at, layer in enumerate(layers):
+        tokens = torch.cat((kv[at, 0], kv[at, 1]), dim=-1)  # [n*N, H, 2D]
+        layer.index_copy_(0, index, tokens.view(len(ids), size, heads, 2 * dim).transpose(1, 2))
+
+
+def _index(ids: Sequence[int], blocks: int, device: torch.device) -> torch.Tensor:
+    if any(not 0 <= i < blocks for i in ids):
+        raise InvalidKVError(f"paged KV: block ids {list(ids)}, expected each in [0, {blocks})")
+    return torch.tensor(list(ids), dtype=torch.long, device=device)

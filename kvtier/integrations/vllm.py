@@ -1,0 +1,359 @@
+"""kvtier as a vLLM KV connector (issue 15): one flag, and vLLM's prefix cache reaches kvtier's
+host, disk and remote tiers through a `kvtier serve` sidecar.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
+      "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"kvtier.url": "http://127.0.0.1:8750",
+                                    "kvtier.api_key": "env:KVTIER_API_KEY"}}'
+
+What runs where. vLLM owns HBM; kvtier keeps what vLLM computed and hands it back:
+- The scheduler process (`role` SCHEDULER) asks the sidecar, per new request, how many of its
+  prompt tokens kvtier holds (`lookup`), answers vLLM with the part past vLLM's own prefix hit
+  (whole vLLM blocks, at most `num_tokens - 1`), and plans the copies: loads into the blocks
+  vLLM allocated for them, and saves of each request's whole prompt blocks once its prefill is
+  done. Plans travel to the workers in `KvtierMetadata`.
+- Each worker (`role` WORKER) copies between vLLM's paged KV (`register_kv_caches`) and the
+  sidecar: a load reads the prefix through a lease on the sidecar's shared-memory pool on the
+  same host (the body path across hosts) and scatters it into the blocks (`paged.py`); a save
+  gathers the blocks and stores them (a reservation written in place on the same host). Loads
+  are asynchronous by default (the request waits in WAITING_FOR_REMOTE_KVS while a thread
+  copies; `get_finished` reports it), synchronous with `"kvtier.load_async": false` (copied in
+  `start_load_kv`, before the forward). Saves complete inside `wait_for_save`.
+
+Contract:
+- A load that returns fewer tokens than planned (the blocks left kvtier between lookup and
+  load, the sidecar failed) reports the blocks it did not fill in
+  `get_block_ids_with_load_errors`; with `kv_load_failure_policy: recompute` vLLM recomputes
+  from the first of them. The request still appears in `finished_recving` (vLLM frees an
+  aborted request's blocks only then), and the scheduler never claims a hit for a request whose
+  load failed.
+- A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
+  counted in `stats`; it never fails a request.
+- Tenants: the sidecar decides a call's tenant by its API key. `kvtier.api_key` is the
+  engine's own; `kvtier.tenant_keys` maps a request's `cache_salt` to the key of another
+  tenant. A request whose `cache_salt` has no key there neither reads nor writes kvtier: salted
+  prompts never share blocks with anyone else's.
+- Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size` (checked when the
+  worker registers its caches, a `ConfigError` otherwise), and the sidecar's model layout must
+  match the caches (layers, KV heads, head size, dtype).
+
+Not here yet: MLA and tensor-parallel ranks (each rank would need its own layout), events
+(`take_events`), saving decode tokens, GPU copies overlapped with the forward (the copies are
+written for any device, but run only on CPU here until a GPU run).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+from kvtier.client import Client
+from kvtier.config.fields import resolve_key
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.integrations import paged
+
+log = logging.getLogger("kvtier.vllm")
+
+__all__ = ["KvtierConnector", "KvtierMetadata", "LoadJob", "SaveJob"]
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Copy prompt tokens `start..stop` (whole vLLM blocks) of `tokens[:stop]` into `blocks`."""
+
+    req_id: str
+    tokens: tuple[int, ...]  # the prompt up to `stop`
+    start: int
+    blocks: tuple[int, ...]  # vLLM block ids of tokens start..stop
+    key: str  # the API key of the request's tenant
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Store `tokens` (whole vLLM blocks of a prompt) from `blocks`."""
+
+    req_id: str
+    tokens: tuple[int, ...]
+    blocks: tuple[int, ...]
+    key: str
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan, scheduler to workers."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    load_async: bool = True
+
+
+@dataclass
+class _Planned:
+    """A request the scheduler side follows until its prompt blocks are planned for saving."""
+
+    tokens: tuple[int, ...]
+    key: str
+    blocks: list[int] = field(default_factory=list)
+    local: int = 0  # vLLM's own prefix hit when kvtier was asked
+    external: int = 0  # tokens kvtier loads
+    saved: bool = False
+
+
+class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.url = str(extra.get("kvtier.url", "http://127.0.0.1:8750"))
+        key = extra.get("kvtier.api_key")
+        self.key = resolve_key(str(key), "kvtier.api_key") if key else ""
+        salts = extra.get("kvtier.tenant_keys") or {}
+        if not isinstance(salts, dict):
+            raise ConfigError("kvtier.tenant_keys", salts, "a map of cache_salt to API key")
+        self.tenant_keys = {
+            str(salt): resolve_key(str(ref), f"kvtier.tenant_keys.{salt}")
+            for salt, ref in salts.items()
+        }
+        self.load_async = bool(extra.get("kvtier.load_async", True))
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._clients: dict[str, Client] = {}
+        self._clients_lock = threading.Lock()
+        self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_tokens": 0, "saved_tokens": 0,
+                      "failed_loads": 0, "errors": 0}  # fmt: skip
+        # scheduler side
+        self._requests: dict[str, _Planned] = {}
+        self._failed: set[str] = set()  # loads that failed: never claimed again
+        self._loads: list[LoadJob] = []
+        # worker side
+        self._layers: list[torch.Tensor] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future[list[int]]] = {}
+        self._done: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._worker_lock = threading.Lock()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a save that never happens is a later miss
+
+    # ---- scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        key = self._key_for(request)
+        if key is None or req_id in self._failed:
+            return 0, False
+        tokens = tuple(request.prompt_token_ids or ())
+        self._requests[req_id] = _Planned(tokens, key, local=num_computed_tokens)
+        try:
+            found = self._client(key).lookup(list(tokens)).num_tokens
+        except (KVTierError, OSError) as e:
+            self._error("lookup", e)
+            return 0, False
+        self.stats["lookups"] += 1
+        usable = min(found, len(tokens) - 1)
+        usable -= usable % self.block_size
+        new = usable - num_computed_tokens
+        if new <= 0:
+            return 0, False
+        self.stats["hit_tokens"] += new
+        return new, self.load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        planned = self._requests.get(request.request_id)
+        if planned is None:
+            return
+        ids = list(blocks.get_block_ids()[0])
+        planned.blocks = ids
+        if num_external_tokens <= 0:
+            return
+        planned.external = num_external_tokens
+        first = planned.local // self.block_size
+        count = num_external_tokens // self.block_size
+        stop = planned.local + num_external_tokens
+        self._loads.append(
+            LoadJob(request.request_id, planned.tokens[:stop], planned.local,
+                    tuple(ids[first : first + count]), planned.key)
+        )  # fmt: skip
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
+        meta = KvtierMetadata(loads=self._loads, load_async=self.load_async)
+        self._loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            planned = self._requests.get(new.req_id)
+            if planned is not None:
+                planned.blocks = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            planned = self._requests.get(req_id)
+            more = cached.new_block_ids[i]
+            if planned is None or more is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                planned.blocks = list(more[0])
+            else:
+                planned.blocks.extend(more[0])
+        for req_id, count in scheduler_output.num_scheduled_tokens.items():
+            planned = self._requests.get(req_id)
+            if planned is None or planned.saved:
+                continue
+            done = self._computed(scheduler_output, req_id) + count
+            whole = len(planned.tokens) - len(planned.tokens) % self.block_size
+            if done >= len(planned.tokens) and whole > planned.local + planned.external:
+                blocks = tuple(planned.blocks[: whole // self.block_size])
+                meta.saves.append(SaveJob(req_id, planned.tokens[:whole], blocks, planned.key))
+                planned.saved = True
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Loads that failed (by request, or by block): never claimed again, and the prompt,
+        recomputed by vLLM, is saved again."""
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        invalid = set(connector_output.invalid_block_ids or ())
+        for req_id, planned in self._requests.items():
+            if req_id in failed or invalid & set(planned.blocks):
+                self._failed.add(req_id)
+                planned.external = 0
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        self._requests.pop(request.request_id, None)
+        self._failed.discard(request.request_id)
+        return False, None
+
+    # ---- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The engine's paged KV, layer by layer in the engine's order; checked against the
+        sidecar's model layout (layers, KV heads, head size, dtype, block size)."""
+        self._layers = list(kv_caches.values())
+        _, heads, size, dim, dtype = paged.geometry(self._layers)
+        served = self._client(self.key).layout()
+        ours = (len(self._layers), heads, dim, dtype)
+        theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype)
+        if ours != theirs:
+            raise ConfigError(
+                "model", f"{theirs} (layers, KV heads, head_dim, dtype)", f"{ours}, as vLLM's KV"
+            )
+        if size % served.block_tokens:
+            raise ConfigError(
+                "block_tokens", served.block_tokens, f"a divisor of vLLM's block_size ({size})"
+            )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KvtierMetadata):
+            return
+        for job in meta.loads:
+            if not meta.load_async:
+                missing = self._load(job)  # done before the forward: nothing to report
+                with self._worker_lock:
+                    self._finish_load(job.req_id, missing, report=False)
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
+            future = self._pool.submit(self._load, job)
+            with self._worker_lock:
+                self._inflight[job.req_id] = future
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole before the forward (sync) or before the request runs (async)."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Saves run once per step, in `wait_for_save`, from the registered caches."""
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KvtierMetadata):
+            return
+        for job in meta.saves:
+            try:
+                kv = paged.gather(self._layers, job.blocks)
+                stored = self._client(job.key).store(list(job.tokens), kv.cpu())
+            except (KVTierError, OSError) as e:
+                self._error("store", e)
+                continue
+            self.stats["saved_tokens"] += stored.stored_tokens
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._worker_lock:
+            ready = {r for r, f in self._inflight.items() if f.done()}
+            for req_id in ready:
+                self._finish_load(req_id, self._inflight.pop(req_id).result())
+            done, self._done = self._done, set()
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._worker_lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for client in self._clients.values():
+            client.close()
+
+    # ---- inside -------------------------------------------------------------------------
+
+    def _load(self, job: LoadJob) -> list[int]:
+        """Copy the job's blocks from kvtier; the vLLM block ids it could not fill."""
+        try:
+            got = self._client(job.key).load(list(job.tokens))
+        except (KVTierError, OSError) as e:
+            self._error("load", e)
+            return list(job.blocks)
+        whole = (got.num_tokens - job.start) // self.block_size
+        filled = max(0, min(len(job.blocks), whole))
+        if filled:
+            stop = job.start + filled * self.block_size
+            paged.scatter(self._layers, job.blocks[:filled], got.kv[:, :, job.start : stop])
+            self.stats["loaded_tokens"] += stop - job.start
+        return list(job.blocks[filled:])
+
+    def _finish_load(self, req_id: str, missing: list[int], report: bool = True) -> None:
+        """A load ended (the worker lock held): an asynchronous one is reported in
+        `get_finished`; the blocks it did not fill, in `get_block_ids_with_load_errors`."""
+        if report:
+            self._done.add(req_id)
+        if missing:
+            self.stats["failed_loads"] += 1
+            self._load_errors.update(missing)
+
+    def _key_for(self, request: Any) -> str | None:
+        salt = getattr(request, "cache_salt", None)
+        if salt is None:
+            return self.key
+        return self.tenant_keys.get(str(salt))
+
+    def _computed(self, scheduler_output: Any, req_id: str) -> int:
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id == req_id:
+                return int(new.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        if req_id in cached.req_ids:
+            return int(cached.num_computed_tokens[cached.req_ids.index(req_id)])
+        return 0
+
+    def _client(self, key: str) -> Client:
+        with self._clients_lock:
+            client = self._clients.get(key)
+            if client is None:
+                client = self._clients[key] = Client(self.url, api_key=key or None)
+            return client
+
+    def _error(self, what: str, error: BaseException) -> None:
+        self.stats["errors"] += 1
+        log.warning("kvtier %s failed: %s", what, error)

@@ -1,0 +1,103 @@
+"""kvtier's vLLM connector against vLLM's real classes (issue 15): engines in processes of their
+own (`vllm_engine.py`: vLLM's v1 `Scheduler` on CPU with the connector loaded through
+`kv_connector_module_path`, its worker side on paged CPU KV), one `kvtier serve` between them.
+
+Engine 1 computes a prompt and saves it through the worker-side methods; engine 2's scheduler
+gets the hit from kvtier (asynchronously: WAITING_FOR_REMOTE_KVS, then running; and
+synchronously), its worker side loads it, and the KV in engine 2's paged blocks is bit-exact.
+A load whose blocks left kvtier after the lookup becomes load errors and a recompute; tenants
+(API keys, cache salts) never see each other's blocks.
+
+Run with vLLM installed apart (the default suite does not collect this directory):
+
+    bash tests/engines/install.sh vllm
+    KVTIER_ENGINE_TESTS=1 PYTHONPATH=.engines/vllm python -m pytest tests/engines/test_vllm_*.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from service_server import ADMIN_KEY, Server, running, write_config
+
+from kvtier.client import Client
+
+pytest.importorskip("vllm", reason="vLLM is installed apart: bash tests/engines/install.sh vllm")
+
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+ALICE, BOB = "alice-key-0123456789abcdef", "bob-key-0123456789abcdefgh"
+PROMPT = list(range(1000, 1040))  # 40 tokens: 2 whole vLLM blocks (32 tokens) are saved
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tenants = {"alice": {"api_keys": [ALICE]}, "bob": {"api_keys": [BOB]}}
+    config = write_config(tmp_path_factory.mktemp("kvtier"), tenants=tenants)
+    with running(config) as server:
+        yield server
+
+
+def engine(server: Server, **args: Any) -> dict[str, Any]:
+    """Run one engine process to the end of its request; its report."""
+    body = {"url": server.url, "api_key": ALICE, "prompt": PROMPT, "seed": 5, **args}
+    done = subprocess.run(
+        [sys.executable, str(ENGINE), json.dumps(body)],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["finished"] == "FINISHED_LENGTH_CAPPED", report
+    assert report["computed_prompt"], report  # every prompt token's KV right at the end
+    return report
+
+
+def saved(server: Server, prompt: list[int], key: str = ALICE) -> int:
+    with Client(server.url, api_key=key) as client:
+        return client.lookup(prompt).num_tokens
+
+
+def test_engine_2_loads_what_engine_1_saved_bit_exact_async_and_sync(sidecar: Server) -> None:
+    first = engine(sidecar, prompt=PROMPT)
+    assert first["hit"] == 0 and first["stats"]["saved_tokens"] == 32
+    assert saved(sidecar, PROMPT) == 32
+    second = engine(sidecar, prompt=PROMPT)  # asynchronous load
+    assert "WAITING_FOR_REMOTE_KVS" in second["statuses"], second["statuses"]
+    assert second["loaded_tokens"] == 32 and second["bit_exact"] is True
+    assert second["stats"]["loaded_tokens"] == 32 and second["load_errors"] == []
+    third = engine(sidecar, prompt=PROMPT, load_async=False)  # synchronous, before the forward
+    assert "WAITING_FOR_REMOTE_KVS" not in third["statuses"]
+    assert third["loaded_tokens"] == 32 and third["bit_exact"] is True
+
+
+def test_a_load_whose_blocks_left_kvtier_is_a_load_error_and_a_recompute(
+    sidecar: Server,
+) -> None:
+    prompt = list(range(2000, 2040))
+    engine(sidecar, prompt=prompt, seed=9)
+    assert saved(sidecar, prompt) == 32
+    report = engine(sidecar, prompt=prompt, seed=9, clear_before_load=ADMIN_KEY)
+    assert report["load_errors"] and report["stats"]["failed_loads"] == 1
+    assert report["loaded_tokens"] < 32  # vLLM recomputed from the first block not loaded
+    assert report["stats"]["saved_tokens"] == 32  # and the recomputed prompt is kvtier's again
+    assert saved(sidecar, prompt) == 32
+
+
+def test_tenants_by_key_and_by_cache_salt_never_share_blocks(sidecar: Server) -> None:
+    prompt = list(range(3000, 3040))
+    engine(sidecar, prompt=prompt, seed=3)  # alice's
+    assert saved(sidecar, prompt) == 32 and saved(sidecar, prompt, BOB) == 0
+    salted = engine(sidecar, prompt=prompt, seed=3, salt="a-salt-with-no-key")
+    assert salted["hit"] == 0 and salted["stats"]["saved_tokens"] == 0  # kvtier untouched
+    keyed = engine(sidecar, prompt=prompt, seed=3, salt="team-b", tenant_keys={"team-b": BOB})
+    assert keyed["hit"] == 0  # bob's tenant holds nothing of alice's
+    assert saved(sidecar, prompt, BOB) == 32  # bob's own copy, saved by the salted request
+    bob = engine(sidecar, prompt=prompt, seed=3, api_key=BOB)
+    assert bob["loaded_tokens"] == 32 and bob["bit_exact"] is True

@@ -1,0 +1,185 @@
+"""One vLLM engine in one process, for the connector tests (issue 15): vLLM's real v1
+`Scheduler` (CPU, a local tiny `config.json`, no model weights) with kvtier's connector loaded
+through `kv_connector_module_path`, and the connector's worker side on paged CPU KV shaped as
+vLLM's (`[blocks, kv_heads, block_size, 2 * head_dim]` per layer).
+
+    PYTHONPATH=.engines/vllm python tests/engines/vllm_engine.py '<json>'
+
+runs one request to the end and prints one JSON line. The model's forward is the one thing
+played here: each step writes, for every prompt token the scheduler scheduled, KV that is a
+function of (`seed`, position) into the token's slot; tokens vLLM was told kvtier holds are
+not written, so they hold what the connector loaded. The request's blocks are read back when
+it first runs, and compared with what the forward would have written (`bit_exact`).
+
+Arguments: url, api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt),
+tenant_keys ({salt: key}), clear_before_load (the admin key: clear the sidecar between the
+scheduler's lookup and the worker's load, as an eviction would).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvtier.integrations.vllm import KvtierConnector
+
+LAYERS, HEADS, DIM, BLOCK = 2, 2, 64, 16  # kvtier's tiny test layout; vLLM blocks of 16 tokens
+NUM_BLOCKS = 64
+MODEL = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * 2 * DIM,
+    "intermediate_size": 256, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
+    "num_hidden_layers": LAYERS, "vocab_size": 50_000, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+
+def kv_at(seed: int, position: int) -> torch.Tensor:
+    """What the forward writes for the token at `position`: `[layers, heads, 2 * dim]`."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + position)
+    return torch.randn((LAYERS, HEADS, 2 * DIM), generator=gen).to(torch.float16)
+
+
+def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConnector, Any]:
+    extra = {
+        "kvtier.url": args["url"],
+        "kvtier.api_key": args["api_key"],
+        "kvtier.load_async": args.get("load_async", True),
+        "kvtier.tenant_keys": args.get("tenant_keys", {}),
+    }
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir),
+                                 skip_tokenizer_init=True, dtype="float16", max_model_len=1024),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256,
+                                         max_model_len=1024, is_encoder_decoder=False,
+                                         async_scheduling=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute"),
+        device_config=DeviceConfig("cpu"),
+    )  # fmt: skip
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
+                             dtype=torch.float16)  # fmt: skip
+    groups = [KVCacheGroupSpec(["layers"], spec)]
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                                    kv_cache_groups=groups)  # fmt: skip
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(config),
+                          block_size=BLOCK)  # fmt: skip
+    worker = KvtierConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+    return scheduler, worker, kv_cache_config
+
+
+def run(args: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(MODEL))
+        scheduler, worker, _ = build(args, Path(tmp))
+    assert isinstance(scheduler.connector, KvtierConnector), type(scheduler.connector)
+    layers = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM,
+                                                        dtype=torch.float16)
+        for i in range(LAYERS)
+    }  # fmt: skip
+    worker.register_kv_caches(layers)
+    caches = list(layers.values())
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=2)
+    params.update_from_generation_config({}, 2)
+    prompt, seed = list(args["prompt"]), int(args["seed"])
+    request = Request(request_id="r", prompt_token_ids=prompt, sampling_params=params,
+                      pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
+                      cache_salt=args.get("salt"))  # fmt: skip
+    scheduler.add_request(request)
+    out: dict[str, Any] = {"statuses": [], "bit_exact": None, "load_errors": []}
+    table: list[int] = []
+    for _ in range(200):
+        so = scheduler.schedule()
+        out["statuses"].append(request.status.name)
+        if args.get("clear_before_load") and so.kv_connector_metadata.loads:
+            cleared = httpx.post(
+                f"{args['url']}/v1/admin/clear",
+                headers={"authorization": f"Bearer {args['clear_before_load']}"},
+            )
+            assert cleared.status_code == 200, cleared.text  # fmt: skip
+        worker.bind_connector_metadata(so.kv_connector_metadata)
+        worker.start_load_kv(None)
+        for new in so.scheduled_new_reqs:  # first run: the loaded part is in place now
+            table = list(new.block_ids[0])
+            loaded = new.num_computed_tokens
+            out["loaded_tokens"] = loaded
+            out["bit_exact"] = all(
+                torch.equal(cache[table[p // BLOCK], :, p % BLOCK].view(torch.int16),
+                            kv_at(seed, p)[layer].view(torch.int16))
+                for p in range(loaded) for layer, cache in enumerate(caches)
+            )  # fmt: skip
+        for new in so.scheduled_cached_reqs.new_block_ids:
+            table += list(new[0]) if new else []
+        count = so.num_scheduled_tokens.get("r", 0)
+        start = request.num_computed_tokens - count if count else 0
+        for p in range(start, min(start + count, len(prompt))):  # the forward
+            for layer, cache in enumerate(caches):
+                cache[table[p // BLOCK], :, p % BLOCK] = kv_at(seed, p)[layer]
+        worker.wait_for_save()
+        _, recving = worker.get_finished(so.finished_req_ids)
+        errors = worker.get_block_ids_with_load_errors()
+        out["load_errors"] += sorted(errors)
+        worker.clear_connector_metadata()
+        ids = ["r"] if count else []
+        scheduler.update_from_output(so, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+            kv_connector_output=KVConnectorOutput(finished_recving=recving,
+                                                  invalid_block_ids=errors)))  # fmt: skip
+        if request.is_finished():
+            break
+        if not count:
+            time.sleep(0.02)  # an async load in flight
+    out["finished"] = request.status.name
+    out["computed_prompt"] = all(  # every prompt token's KV in place at the end, loaded or not
+        torch.equal(cache[table[p // BLOCK], :, p % BLOCK].view(torch.int16),
+                    kv_at(seed, p)[layer].view(torch.int16))
+        for p in range(len(prompt)) for layer, cache in enumerate(caches)
+    )  # fmt: skip
+    out["stats"] = worker.stats
+    out["scheduler_stats"] = scheduler.connector.stats
+    out["hit"] = out["scheduler_stats"]["hit_tokens"]  # what kvtier's lookup gave vLLM
+    worker.shutdown()
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(sys.argv[1]))))

@@ -1,0 +1,67 @@
+"""`kvtier.integrations.paged`: an engine's paged KV (vLLM's per-layer `[blocks, heads,
+block_size, 2 * head_dim]`) to kvtier's `[layers, 2, tokens, heads, head_dim]` and back,
+bit-exact, touching only the blocks named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.errors import InvalidKVError
+from kvtier.integrations.paged import gather, geometry, scatter
+
+
+def paged(
+    layers: int = 3, blocks: int = 10, heads: int = 2, size: int = 16, dim: int = 8
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(layers * blocks)
+    return [
+        torch.randn(blocks, heads, size, 2 * dim, generator=gen).to(torch.float16)
+        for _ in range(layers)
+    ]
+
+
+def test_gather_reads_k_then_v_of_each_token_in_block_order() -> None:
+    layers = paged()
+    kv = gather(layers, [7, 2])
+    assert kv.shape == (3, 2, 32, 2, 8) and kv.is_contiguous()
+    for layer in range(3):
+        for token, (block, slot) in enumerate(
+            [(7, p) for p in range(16)] + [(2, p) for p in range(16)]
+        ):
+            for head in range(2):
+                row = layers[layer][block, head, slot]
+                assert torch.equal(kv[layer, 0, token, head], row[:8])
+                assert torch.equal(kv[layer, 1, token, head], row[8:])
+
+
+def test_scatter_then_gather_round_trips_and_leaves_other_blocks_alone() -> None:
+    layers = paged()
+    before = [layer.clone() for layer in layers]
+    kv = torch.randn(3, 2, 48, 2, 8).to(torch.float16)
+    scatter(layers, [4, 0, 9], kv)
+    assert torch.equal(gather(layers, [4, 0, 9]).view(torch.int16), kv.view(torch.int16))
+    untouched = [b for b in range(10) if b not in (4, 0, 9)]
+    for layer, old in zip(layers, before, strict=True):
+        assert torch.equal(layer[untouched], old[untouched])
+    fresh = [torch.zeros_like(layer) for layer in layers]
+    scatter(fresh, [1, 2, 3], gather(layers, [4, 0, 9]))
+    for layer, new in zip(layers, fresh, strict=True):
+        assert torch.equal(new[[1, 2, 3]].view(torch.int16), layer[[4, 0, 9]].view(torch.int16))
+
+
+def test_shapes_that_do_not_fit_are_refused_naming_what_was_expected() -> None:
+    layers = paged()
+    assert geometry(layers) == (10, 2, 16, 8, torch.float16)
+    with pytest.raises(InvalidKVError, match=r"expected each in \[0, 10\)"):
+        gather(layers, [10])
+    with pytest.raises(InvalidKVError, match="expected"):
+        scatter(layers, [1], torch.zeros(3, 2, 15, 2, 8, dtype=torch.float16))
+    with pytest.raises(InvalidKVError, match="expected"):
+        scatter(layers, [1], torch.zeros(3, 2, 16, 2, 8, dtype=torch.float32))
+    with pytest.raises(InvalidKVError, match="like the first"):
+        geometry([layers[0], layers[1][:5]])
+    with pytest.raises(InvalidKVError, match="equal size"):
+        geometry([torch.zeros(2, 2, 16, 7)])
+    with pytest.raises(InvalidKVError, match="no layers"):
+        geometry([])
