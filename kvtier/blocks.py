@@ -146,6 +146,17 @@ def check_kv(layout: KVLayout, kv: object, num_tokens: int) -> None:
         )
 
 
+def check_start(start: object, num_tokens: int, block_tokens: int) -> int:
+    """The first block a KV that begins at token `start` holds: `start` must be a multiple of
+    `block_tokens` in [0, num_tokens], else `InvalidArgumentError` naming it."""
+    if type(start) is not int or not 0 <= start <= num_tokens or start % block_tokens:
+        raise InvalidArgumentError(
+            f"start: got {start!r}, expected a multiple of block_tokens ({block_tokens}) "
+            f"in [0, {num_tokens}]"
+        )
+    return start // block_tokens
+
+
 def check_device(device: torch.device | str | None) -> torch.device | None:
     """The device that a `device=` argument names, or `InvalidArgumentError`."""
     if device is None:

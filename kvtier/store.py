@@ -47,7 +47,15 @@ from typing import Any
 import torch
 
 from kvtier.assembly import Parts
-from kvtier.blocks import TOKEN_NBYTES, Tokens, check_device, check_kv, encode_tokens, from_blocks
+from kvtier.blocks import (
+    TOKEN_NBYTES,
+    Tokens,
+    check_device,
+    check_kv,
+    check_start,
+    encode_tokens,
+    from_blocks,
+)
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import InvalidArgumentError, LeaseError
 from kvtier.index import LeaseId
@@ -70,14 +78,12 @@ class KVStore:
         executor: Executor | None = None,
         shared_memory: str | None = None,
     ) -> None:
-        """Build the pools and the index of `config` (the embedded default when None).
-        `secret` keys the tenant salts (the sidecar persists one); `clock` drives leases.
-        `executor` runs the background copies instead of the one the config implies (e.g. a
-        `SteppedExecutor` in tests); the store closes it. Needs `mover.background: true`.
-        `shared_memory`: a name base; the host pool and a CPU gpu pool then live in POSIX
-        shared memory (/dev/shm/<base>-<pid>-<random>-<tier>, mode 0600), which clients map.
-        A construction that fails closes the tiers it made (their shared memory unlinked).
-        The parts are built by `assembly.Parts`; their public names are this store's too."""
+        """Build the pools and the index of `config` (the embedded default when None), by
+        `assembly.Parts`, whose public names are this store's too. `secret` keys the tenant
+        salts; `clock` drives leases; `executor` runs the background copies instead of the
+        config's (needs `mover.background: true`; the store closes it). `shared_memory`: a name
+        base; the host pool and a CPU gpu pool then live in /dev/shm/<base>-<pid>-<random>-<tier>
+        (0600), which clients map. A failed construction closes the tiers it made."""
         parts = Parts(config, secret, clock, executor, shared_memory)
         self.parts = parts
         self.config, self.layout = parts.config, parts.config.layout
@@ -118,24 +124,26 @@ class KVStore:
             local = LookupResult(hit.num_blocks * bt, by_tier[0] * bt, by_tier[1] * bt, disk * bt)
         return self.operations.with_remote(local, key, namespace)
 
-    def store(self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default") -> StoreResult:
-        """Cache the full blocks of `tokens` that are not cached yet, with their KV.
-
-        `kv` is `[num_layers, 2, len(tokens), num_kv_heads, head_dim]`. New blocks go to the
-        fastest tier that prefix closure allows (gpu, unless the cached prefix before them has
-        left the gpu) and, under `write_through`, to host as well. If no tier can make room for
-        all of them (everything evictable is leased), nothing is stored and they are counted as
-        dropped. Below a prefix that lives only on disk they go to disk: written in the
-        background (`pending_tokens`) with a background mover, in this call without one. With
-        a background mover whose disk writes are behind, it first waits for them, at most
-        `mover.store_wait_s`, without holding the store's lock."""
+    def store(
+        self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default", start: int = 0
+    ) -> StoreResult:
+        """Cache the full blocks of `tokens` that are not cached yet, with their KV, `[num_layers,
+        2, len(tokens) - start, kv_heads, head_dim]`: the tokens from `start` (a multiple of
+        `block_tokens`; a writer that holds only a tail) on, stored only if the blocks before
+        `start` are cached. New blocks go to the fastest tier prefix closure allows (gpu, unless
+        the prefix before them left it) and, under `write_through`, to host too. If no tier can
+        make room (everything evictable leased), nothing is stored: counted dropped. Below a
+        disk-only prefix they go to disk (in the background with a background mover). With a
+        background mover behind on disk writes, it first waits, at most `mover.store_wait_s`,
+        without the store's lock."""
         key = encode_tokens(tokens)
-        check_kv(self.layout, kv, len(key) // TOKEN_NBYTES)
+        first = check_start(start, len(key) // TOKEN_NBYTES, self.block_tokens)
+        check_kv(self.layout, kv, len(key) // TOKEN_NBYTES - start)
         self.mover.throttle()  # a disk behind: wait for it (bounded, without the lock)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
-            result = self._writes.store_new(namespace, tenant, key, kv)
+            result = self._writes.store_new(namespace, tenant, key, kv, first)
             self.operations.count(
                 tenant,
                 stores=1,

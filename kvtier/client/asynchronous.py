@@ -86,22 +86,22 @@ class AsyncClient:
         await self._post("/v1/release", {"lease_id": lease_id}, tenant)
 
     async def store(
-        self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default"
+        self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default", start: int = 0
     ) -> StoreResult:
         await self._map()
         if self._pools.buffers:
-            self._pools.check_kv(tokens, kv)
+            self._pools.check_kv(tokens, kv, start)
             reservation = await self.reserve(tokens, tenant=tenant)
-            if reservation.num_tokens and reservation.tier in self._pools.buffers:
+            if self._pools.writable(reservation, start):
                 try:
-                    self._pools.write_blocks(reservation, kv)
+                    self._pools.write_blocks(reservation, kv, start)
                 except Exception:
                     await self.abort(reservation)
                     raise
                 return await self.commit(reservation)
             if reservation.num_tokens:
                 await self.abort(reservation)
-        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv)}
+        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv), "start": start}
         return replies.stored(await self._post("/v1/store", body, tenant))
 
     async def load(

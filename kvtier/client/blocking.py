@@ -98,20 +98,22 @@ class Client:
         tenant = lease.tenant if isinstance(lease, Lease) else "default"
         self._post("/v1/release", {"lease_id": lease_id}, tenant)
 
-    def store(self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default") -> StoreResult:
+    def store(
+        self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default", start: int = 0
+    ) -> StoreResult:
         if self._pools.buffers:
-            self._pools.check_kv(tokens, kv)
+            self._pools.check_kv(tokens, kv, start)
             reservation = self.reserve(tokens, tenant=tenant)
-            if reservation.num_tokens and reservation.tier in self._pools.buffers:
+            if self._pools.writable(reservation, start):
                 try:
-                    self._pools.write_blocks(reservation, kv)
+                    self._pools.write_blocks(reservation, kv, start)
                 except Exception:
                     self.abort(reservation)
                     raise
                 return self.commit(reservation)
             if reservation.num_tokens:
                 self.abort(reservation)
-        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv)}
+        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv), "start": start}
         return replies.stored(self._post("/v1/store", body, tenant))
 
     def load(

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvtier.blocks import Tokens, check_kv, from_blocks, to_blocks
+from kvtier.blocks import Tokens, check_kv, check_start, from_blocks, to_blocks
 from kvtier.results import Lease, LoadResult, Reservation
 from kvtier.service import replies, wire
 from kvtier.service.cuda_ipc import import_pool
@@ -73,18 +73,34 @@ class MappedPools:
         num_tokens, kv = replies.loaded(body, None if self.served is None else self.served.layout)
         return LoadResult(num_tokens, kv.to(device or "cpu"))
 
-    def check_kv(self, tokens: Tokens, kv: torch.Tensor) -> None:
-        """`InvalidKVError` for a KV that the server would refuse: the shared-memory path
-        writes it into the pool before the server sees it, so it is checked here."""
+    def check_kv(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> None:
+        """`InvalidKVError` for a KV that the server would refuse (`kv` holds tokens from
+        `start` on): the shared-memory path writes it into the pool before the server sees
+        it, so it is checked here."""
         assert self.served is not None, "pools are mapped with their layout"
-        check_kv(self.served.layout, kv, len(wire.pack_tokens(tokens)) // 4)
+        num_tokens = len(wire.pack_tokens(tokens)) // 4
+        check_start(start, num_tokens, self.served.layout.block_tokens)
+        check_kv(self.served.layout, kv, num_tokens - start)
 
-    def write_blocks(self, reservation: Reservation, kv: torch.Tensor) -> None:
-        """Write the reserved blocks of `kv` (checked by `check_kv`) into their mapped slots."""
+    def writable(self, reservation: Reservation, start: int) -> bool:
+        """Whether this client can fill `reservation` from a KV that begins at `start`: it
+        reserved something, in a pool mapped here, and nothing before `start` (which the
+        caller has no KV for; the body path then stores nothing, as the server decides)."""
+        return bool(
+            reservation.num_tokens
+            and reservation.tier in self.buffers
+            and reservation.cached_tokens >= start
+        )
+
+    def write_blocks(self, reservation: Reservation, kv: torch.Tensor, start: int = 0) -> None:
+        """Write the reserved blocks of `kv` (checked by `check_kv`; its tokens from `start`
+        on) into their mapped slots."""
         assert self.served is not None, "pools are mapped with their layout"
-        start, end = reservation.cached_tokens, reservation.cached_tokens + reservation.num_tokens
+        begin = reservation.cached_tokens - start
         pool = self.buffers[reservation.tier]
-        blocks = to_blocks(kv[:, :, start:end], self.served.layout.block_tokens)
+        blocks = to_blocks(
+            kv[:, :, begin : begin + reservation.num_tokens], self.served.layout.block_tokens
+        )
         pool[list(reservation.slots)] = blocks.to(pool.device)
         if pool.is_cuda:  # complete before the commit lets the server read the slots
             torch.cuda.synchronize(pool.device)

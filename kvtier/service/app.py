@@ -246,7 +246,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
 
     def store_kv(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         tokens = wire.tokens_field(data, config.max_tokens)
-        return store.store(tokens, wire.kv_from_wire(data), tenant=tenant)._asdict()
+        start = wire.int_field(data, "start") if "start" in data else 0
+        return store.store(tokens, wire.kv_from_wire(data), tenant=tenant, start=start)._asdict()
 
     def load(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         tokens = wire.tokens_field(data, config.max_tokens)

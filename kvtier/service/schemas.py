@@ -27,7 +27,13 @@ RESERVE = _obj({"tokens": _TOKENS, "ttl_s": _NUM}, ("tokens",))
 LEASE_ID = _obj({"lease_id": _INT}, ("lease_id",))
 RESERVATION_ID = _obj({"reservation_id": _INT}, ("reservation_id",))
 STORE = _obj(
-    {"tokens": _TOKENS, "kv": _STR, "dtype": _STR, "shape": {"type": "array", "items": _INT}},
+    {
+        "tokens": _TOKENS,
+        "kv": _STR,
+        "dtype": _STR,
+        "shape": {"type": "array", "items": _INT},
+        "start": _INT,  # kv holds tokens[start:] (a multiple of block_tokens; default 0)
+    },
     ("tokens", "kv", "dtype", "shape"),
 )
 EMPTY = _obj({})

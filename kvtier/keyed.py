@@ -1,0 +1,82 @@
+"""Engine keys as kvtier tokens: the keyed API beside the token API (issue 15).
+
+Some engines name a page of KV by a key, not by its tokens: SGLang's HiCache storage hands a
+backend the chained SHA-256 of each page (the page's tokens and every page before it).
+kvtier stores a chain of such keys as if it were a token sequence. Page i becomes
+`page_tokens` synthetic tokens derived from key i (`key_tokens`), so the radix index, prefix
+closure, leases, every tier and the remote tier work unchanged. An engine page is then a run
+of `page_tokens / block_tokens` kvtier blocks.
+
+    keys  k0 k1 k2 ...  ->  tokens  words(k0) | words(k1) | words(k2) ...   (page_tokens each)
+    words(k) = BLAKE2b-256(k, person = scope) as 8 little-endian uint32, top bit set,
+               then (page_tokens > 8) 0x80000000 + position within the page
+
+`KeyedPages(page_tokens, scope)` does the mapping; `tokens(keys)` the whole chain's, and
+`pages(num_tokens)` how many whole pages a token count holds.
+
+Contract:
+- Different keys give different pages, as BLAKE2b's collisions are out of reach: each page's
+  tokens hold 248 bits of the key's digest (8 words of 31 bits), which is why a page must have
+  at least 8 tokens (`InvalidArgumentError` otherwise). kvtier's block ids then chain the
+  pages (`blocks.py`), so a page is found only under the same keys before it.
+- Disjoint from prompts: every synthetic token is >= 2**31, and no vocabulary comes near, so
+  a keyed path never meets a token path. A client that sends such ids itself reaches only
+  its own tenant's keyed data: tenants are namespaces of their own (`tenancy.py`).
+- `scope` holds what the engine's keys leave out but the bytes depend on. SGLang's keys name
+  no tensor-parallel rank, though each rank holds its own heads, so its backend uses
+  `"tp{rank}/{size}"` (the same scope for every rank of an MLA model, whose ranks hold the same
+  KV). Keys of different scopes never meet.
+- Keys are bytes of any length, or hex strings (SGLang's), which are decoded first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from kvtier.errors import InvalidArgumentError
+
+TOP = 0x8000_0000
+DIGEST_WORDS = 8  # BLAKE2b-256: 8 words of 32 bits, 31 kept
+
+
+class KeyedPages:
+    def __init__(self, page_tokens: int, scope: str = "") -> None:
+        if type(page_tokens) is not int or page_tokens < DIGEST_WORDS:
+            raise InvalidArgumentError(
+                f"page_tokens: got {page_tokens!r}, expected at least {DIGEST_WORDS} tokens per "
+                "page (a page carries 248 bits of its key)"
+            )
+        person = scope.encode()
+        if len(person) > 16:
+            raise InvalidArgumentError(f"scope: got {scope!r}, expected at most 16 bytes")
+        self.page_tokens, self.scope, self._person = page_tokens, scope, person
+        self._filler = [TOP + i for i in range(DIGEST_WORDS, page_tokens)]
+
+    def page(self, key: bytes | str) -> list[int]:
+        """The synthetic tokens of one page."""
+        digest = hashlib.blake2b(_key_bytes(key), digest_size=32, person=self._person).digest()
+        words = [TOP | int.from_bytes(digest[i : i + 4], "little") for i in range(0, 32, 4)]
+        return words + self._filler
+
+    def tokens(self, keys: Sequence[bytes | str]) -> list[int]:
+        """The synthetic tokens of a chain of keys, page after page."""
+        out: list[int] = []
+        for key in keys:
+            out += self.page(key)
+        return out
+
+    def pages(self, num_tokens: int) -> int:
+        """How many whole pages `num_tokens` tokens hold."""
+        return num_tokens // self.page_tokens
+
+
+def _key_bytes(key: bytes | str) -> bytes:
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, str):
+        try:
+            return bytes.fromhex(key)
+        except ValueError:
+            return key.encode()
+    raise InvalidArgumentError(f"key: got {type(key).__name__}, expected bytes or a hex string")
