@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kvtier.errors import InvalidKVError
-from kvtier.integrations.paged import gather, geometry, scatter
+from kvtier.integrations.paged import (
+    HOST_LAYOUTS,
+    gather,
+    geometry,
+    host_gather,
+    host_scatter,
+    scatter,
+)
 
 
 def paged(
@@ -65,3 +72,51 @@ def test_shapes_that_do_not_fit_are_refused_naming_what_was_expected() -> None:
         geometry([torch.zeros(2, 2, 16, 7)])
     with pytest.raises(InvalidKVError, match="no layers"):
         geometry([])
+
+
+def host_buffer(layout: str, canonical: torch.Tensor, page_size: int) -> torch.Tensor:
+    """SGLang's kv_buffer of `layout` holding `canonical` ([layers, 2, slots, heads, dim]),
+    built slot by slot from SGLang's documented dims (the reference the copies must meet)."""
+    layers, _, slots, heads, dim = canonical.shape
+    pages = slots // page_size
+    dims = {
+        "layer_first": (2, layers, slots, heads, dim),
+        "page_first": (2, slots, layers, heads, dim),
+        "page_first_direct": (2, pages, layers, page_size, heads, dim),
+        "page_head": (2, pages, heads, page_size, layers, dim),
+    }[layout]
+    buffer = torch.zeros(dims, dtype=canonical.dtype)
+    for kv in range(2):
+        for layer in range(layers):
+            for slot in range(slots):
+                page, at = divmod(slot, page_size)
+                for head in range(heads):
+                    value = canonical[layer, kv, slot, head]
+                    if layout == "layer_first":
+                        buffer[kv, layer, slot, head] = value
+                    elif layout == "page_first":
+                        buffer[kv, slot, layer, head] = value
+                    elif layout == "page_first_direct":
+                        buffer[kv, page, layer, at, head] = value
+                    else:
+                        buffer[kv, page, head, at, layer] = value
+    return buffer
+
+
+@pytest.mark.parametrize("layout", HOST_LAYOUTS)
+def test_sglang_host_pages_read_and_write_as_kvtier_kv(layout: str) -> None:
+    canonical = torch.randn(3, 2, 32, 2, 4).to(torch.float16)  # 4 pages of 8 slots
+    buffer = host_buffer(layout, canonical, 8)
+    slots = torch.tensor(list(range(16, 24)) + list(range(0, 8)))  # pages 2 and 0, in that order
+    got = host_gather(buffer, layout, slots, 8)
+    assert torch.equal(got.view(torch.int16), canonical[:, :, slots].view(torch.int16))
+    fresh = torch.randn(3, 2, 16, 2, 4).to(torch.float16)
+    host_scatter(buffer, layout, slots, 8, fresh)
+    want = canonical.clone()
+    want[:, :, slots] = fresh
+    assert torch.equal(buffer.view(torch.int16), host_buffer(layout, want, 8).view(torch.int16))
+    with pytest.raises(InvalidKVError, match="whole aligned pages"):
+        host_gather(buffer, layout if layout.startswith("page_") and layout != "page_first"
+                    else "page_head", torch.arange(4, 12), 8)  # fmt: skip
+    with pytest.raises(InvalidKVError, match="expected one of"):
+        host_scatter(buffer, "page_unified", slots, 8, fresh)

@@ -1,4 +1,5 @@
-"""Copies between an engine's paged KV cache and kvtier's KV layout (issue 15).
+"""Copies between an engine's paged KV cache and kvtier's KV layout (issue 15): vLLM's paged
+layers (`gather`, `scatter`) and SGLang's host pool (`host_gather`, `host_scatter`, below).
 
 vLLM (0.33) hands a connector one tensor per attention layer, logically
 
@@ -80,3 +81,68 @@ def _index(ids: Sequence[int], blocks: int, device: torch.device) -> torch.Tenso
     if any(not 0 <= i < blocks for i in ids):
         raise InvalidKVError(f"paged KV: block ids {list(ids)}, expected each in [0, {blocks})")
     return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+# ---- SGLang's host pool (`MHATokenToKVPoolHost.kv_buffer`) -----------------------------------
+#
+# kv_buffer by layout (K at [0], V at [1]; a page is `page_size` consecutive, aligned slots):
+#   layer_first        [2, layers, slots, heads, dim]
+#   page_first         [2, slots, layers, heads, dim]
+#   page_first_direct  [2, pages, layers, page_size, heads, dim]
+#   page_head          [2, pages, heads, page_size, layers, dim]
+
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def host_gather(
+    kv_buffer: torch.Tensor, layout: str, slots: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """The KV of host slots `slots` (whole pages, in order) as kvtier's `[layers, 2, tokens,
+    heads, dim]`, a new contiguous tensor."""
+    return torch.stack([_host_view(kv_buffer[kv], layout, slots, page_size) for kv in (0, 1)], 1)
+
+
+def host_scatter(
+    kv_buffer: torch.Tensor, layout: str, slots: torch.Tensor, page_size: int, kv: torch.Tensor
+) -> None:
+    """Write kvtier's `kv` (`[layers, 2, len(slots), heads, dim]`) into host slots `slots`."""
+    if layout not in HOST_LAYOUTS:
+        raise InvalidKVError(f"host layout {layout!r}, expected one of {HOST_LAYOUTS}")
+    for at in (0, 1):
+        half, part = kv_buffer[at], kv[:, at]  # part: [layers, tokens, heads, dim]
+        if layout == "layer_first":
+            half[:, slots] = part
+        elif layout == "page_first":
+            half[slots] = part.transpose(0, 1)
+        else:
+            pages, count = _pages(slots, page_size)
+            paged_part = part.reshape(part.shape[0], count, page_size, *part.shape[2:])
+            if layout == "page_first_direct":  # [pages, layers, page_size, heads, dim]
+                half[pages] = paged_part.transpose(0, 1)
+            else:  # page_head: [pages, heads, page_size, layers, dim]
+                half[pages] = paged_part.permute(1, 3, 2, 0, 4)
+
+
+def _host_view(
+    half: torch.Tensor, layout: str, slots: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """One of K or V of `slots` as `[layers, tokens, heads, dim]`."""
+    if layout == "layer_first":
+        return half[:, slots]
+    if layout == "page_first":
+        return half[slots].transpose(0, 1)
+    pages, count = _pages(slots, page_size)
+    if layout == "page_first_direct":
+        picked = half[pages].transpose(0, 1)  # [layers, pages, page_size, heads, dim]
+    elif layout == "page_head":
+        picked = half[pages].permute(3, 0, 2, 1, 4)  # [layers, pages, page_size, heads, dim]
+    else:
+        raise InvalidKVError(f"host layout {layout!r}, expected one of {HOST_LAYOUTS}")
+    return picked.reshape(picked.shape[0], count * page_size, *picked.shape[3:])
+
+
+def _pages(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int]:
+    """The page numbers of whole, aligned pages of slots."""
+    if len(slots) % page_size or bool((slots[::page_size] % page_size).any()):
+        raise InvalidKVError(f"host slots: {len(slots)} slots, expected whole aligned pages")
+    return slots[::page_size] // page_size, len(slots) // page_size

@@ -1,0 +1,212 @@
+"""kvtier as an SGLang HiCache storage backend (issue 15): SGLang's host-memory cache (L2) backs
+up to, and prefetches from, a `kvtier serve` sidecar, which keeps the pages in its tiers
+(and its remote tier, shared by nodes).
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache --page-size 64 \\
+      --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+      '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
+        "class_name": "KvtierHiCacheStorage", "interface_v1": 1,
+        "hicache_storage_pass_prefix_keys": true,
+        "kvtier.url": "http://127.0.0.1:8750", "kvtier.api_key": "env:KVTIER_API_KEY"}'
+
+SGLang names a page by a key: the chained SHA-256 of the page's tokens and every page before
+it. kvtier's keyed API (`keyed.py`) stores a chain of such keys as pages of synthetic tokens,
+so kvtier's index, prefix closure and tiers hold them as they hold prompts:
+
+- `batch_exists(keys)`: one `lookup` of the chain (the prefix keys SGLang passes, then `keys`);
+  the number of leading `keys` kvtier holds.
+- `batch_set_v1(keys, host_indices)`: the pages' KV read from SGLang's host pool (any of its
+  MHA layouts, `paged.host_gather`) and stored below the prefix (`store(..., start=)`): a
+  page is stored only under the pages before it, so with `hicache_storage_pass_prefix_keys`
+  off, each batch of a sequence is a chain of its own (still exact, fewer hits).
+- `batch_get_v1(keys, host_indices)`: `load` of the chain, the leading pages written into the
+  host slots; per key whether it was.
+
+Contract:
+- Constructed by SGLang's `StorageBackendFactory` as `cls(storage_config, kwargs)`; options
+  from `storage_config.extra_config`: `kvtier.url`, `kvtier.api_key` ('env:NAME' or a key),
+  and `interface_v1: 1`, which makes SGLang call the zero-copy `batch_*_v1` methods.
+- Pages round trip bit-exact and land in kvtier in its own layout (`[layers, 2, tokens,
+  heads, dim]`), whatever SGLang's host layout: two SGLang processes with different host
+  layouts share pages.
+- Keys are scoped by tensor-parallel (and pipeline) rank, since each rank holds its own heads
+  (layers); an MLA model's ranks share one scope. The sidecar's model layout must be one
+  rank's: its layers, KV heads per rank, head_dim and dtype are checked against the host pool
+  when SGLang registers it (`ConfigError` naming the field), and SGLang's page size must be a
+  multiple of kvtier's `block_tokens` and at least 8 tokens.
+- A sidecar that fails is a miss (`batch_exists` 0, `batch_get_v1` all False, `batch_set_v1`
+  all False: SGLang retries the backup later), logged and counted in `stats`, never an
+  exception into SGLang's threads.
+
+Not here yet: MLA host pools (`MLATokenToKVPoolHost`), hybrid models' `*_v2` pools, loading
+only the keys' part of a chain (a batch late in a long sequence loads its prefix too), and a
+GPU run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from kvtier.client import Client
+from kvtier.config.fields import resolve_key
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.integrations import paged
+from kvtier.keyed import KeyedPages
+
+log = logging.getLogger("kvtier.sglang")
+
+__all__ = ["KvtierHiCacheStorage"]
+
+
+class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.url = str(extra.get("kvtier.url", "http://127.0.0.1:8750"))
+        key = extra.get("kvtier.api_key")
+        self.client = Client(
+            self.url, api_key=resolve_key(str(key), "kvtier.api_key") if key else None
+        )
+        self.config = storage_config
+        self.scope = (
+            "mla"
+            if storage_config.is_mla_model
+            else f"tp{storage_config.tp_rank}/{storage_config.tp_size}"
+        )
+        if storage_config.pp_size > 1:
+            self.scope += f"pp{storage_config.pp_rank}/{storage_config.pp_size}"
+        self.pages: KeyedPages | None = None
+        self.mem_pool_host: Any = None
+        self.stats = {"exists_calls": 0, "pages_set": 0, "pages_got": 0, "errors": 0}
+        self._lock = threading.Lock()
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Check the host pool against the sidecar's layout; then pages can move."""
+        super().register_mem_pool_host(mem_pool_host)
+        host = mem_pool_host
+        if host.layout not in paged.HOST_LAYOUTS:
+            raise ConfigError("--hicache-mem-layout", host.layout, f"one of {paged.HOST_LAYOUTS}")
+        served = self.client.layout()
+        dtype = host.kv_buffer.dtype
+        ours = (host.layer_num, host.head_num, host.head_dim, dtype)
+        theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype)
+        if ours != theirs or getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
+            raise ConfigError(
+                "model", f"{theirs} (layers, KV heads, head_dim, dtype)", f"{ours}, as SGLang's"
+            )
+        if host.page_size % served.block_tokens:
+            raise ConfigError(
+                "block_tokens",
+                served.block_tokens,
+                f"a divisor of SGLang's page size ({host.page_size})",
+            )
+        self.pages = KeyedPages(host.page_size, self.scope)
+
+    # ---- the v1 (zero-copy) interface --------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        prefix = _prefix(extra_info)
+        pages = self._pages()
+        try:
+            found = self.client.lookup(pages.tokens(prefix + list(keys))).num_tokens
+        except (KVTierError, OSError) as e:
+            self._failed("lookup", e)
+            return 0
+        self.stats["exists_calls"] += 1
+        return max(0, min(len(keys), pages.pages(found) - len(prefix)))
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        prefix = _prefix(extra_info)
+        pages, host = self._pages(), self.mem_pool_host
+        kv = paged.host_gather(host.kv_buffer, host.layout, host_indices, host.page_size)
+        start = len(prefix) * host.page_size
+        try:
+            stored = self.client.store(pages.tokens(prefix + list(keys)), kv, start=start)
+        except (KVTierError, OSError) as e:
+            self._failed("store", e)
+            return [False] * len(keys)
+        held = pages.pages(stored.cached_tokens) - len(prefix)
+        self.stats["pages_set"] += max(0, held)
+        return [i < held for i in range(len(keys))]
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        prefix = _prefix(extra_info)
+        pages, host = self._pages(), self.mem_pool_host
+        try:
+            got = self.client.load(pages.tokens(prefix + list(keys)))
+        except (KVTierError, OSError) as e:
+            self._failed("load", e)
+            return [False] * len(keys)
+        ps = host.page_size
+        served = max(0, min(len(keys), pages.pages(got.num_tokens) - len(prefix)))
+        if served:
+            begin = len(prefix) * ps
+            kv = got.kv[:, :, begin : begin + served * ps]
+            paged.host_scatter(host.kv_buffer, host.layout, host_indices[: served * ps], ps, kv)
+        self.stats["pages_got"] += served
+        return [i < served for i in range(len(keys))]
+
+    # ---- the legacy interface (abstract in SGLang; its controller uses v1 here) ----------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> None:
+        raise NotImplementedError("kvtier serves SGLang through batch_get_v1 (interface_v1: 1)")
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> None:
+        raise NotImplementedError("kvtier serves SGLang through batch_get_v1 (interface_v1: 1)")
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        raise NotImplementedError(
+            "kvtier stores SGLang's pages through batch_set_v1 (interface_v1: 1)"
+        )
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        raise NotImplementedError(
+            "kvtier stores SGLang's pages through batch_set_v1 (interface_v1: 1)"
+        )
+
+    def clear(self) -> None:
+        """SGLang's "clear storage": kvtier's tiers are shared and tenant-scoped; an operator
+        clears them with kvtier's own admin call (`POST /v1/admin/clear`)."""
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ---- inside -------------------------------------------------------------------------
+
+    def _pages(self) -> KeyedPages:
+        if self.pages is None:
+            raise ConfigError("mem_pool_host", None, "register_mem_pool_host before any page moves")
+        return self.pages
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        with self._lock:
+            self.stats["errors"] += 1
+        log.warning("kvtier %s failed: %s", what, error)
+
+
+def _prefix(extra_info: Any) -> list[str]:
+    """The keys of the pages before a call's keys (SGLang passes them with
+    `hicache_storage_pass_prefix_keys`; otherwise a batch is a chain of its own)."""
+    keys = getattr(extra_info, "prefix_keys", None)
+    return list(keys) if keys else []

@@ -1,0 +1,81 @@
+"""kvtier's SGLang HiCache storage backend against SGLang's real classes (issue 15): controllers
+in processes of their own (`sglang_engine.py`: SGLang's device and host pools and its
+`HiCacheController` on CPU, the backend loaded by SGLang's factory from the `dynamic` backend's
+extra config), one `kvtier serve` between them.
+
+SGLang's own backup thread writes real host pages into kvtier; a second controller's prefetch
+threads find them (`batch_exists`: the leading count) and read them into its host pool
+(`batch_get_v1`), bit-exact, in its own host layout too; tenants never see each other's pages.
+
+Run with SGLang installed apart, in a pytest run of its own (it needs another transformers
+than vLLM; the default suite does not collect this directory):
+
+    bash tests/engines/install.sh sglang
+    KVTIER_ENGINE_TESTS=1 PYTHONPATH=.engines/sglang:tests/engines/placeholders \\
+        python -m pytest tests/engines/test_sglang_*.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from service_server import Server, running, write_config
+
+pytest.importorskip("sglang", reason="SGLang is installed apart: tests/engines/install.sh sglang")
+
+ENGINE = Path(__file__).with_name("sglang_engine.py")
+ALICE, BOB = "alice-key-0123456789abcdef", "bob-key-0123456789abcdefgh"
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tenants = {"alice": {"api_keys": [ALICE]}, "bob": {"api_keys": [BOB]}}
+    with running(write_config(tmp_path_factory.mktemp("kvtier"), tenants=tenants)) as server:
+        yield server
+
+
+def controller(server: Server, **args: Any) -> dict[str, Any]:
+    """Run one SGLang controller process; its report."""
+    body = {"url": server.url, "api_key": ALICE, "seed": 4, **args}
+    done = subprocess.run(
+        [sys.executable, str(ENGINE), json.dumps(body)],
+        capture_output=True, text=True, timeout=300, check=False, env=dict(os.environ),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["backend"] == "KvtierHiCacheStorage" and report["stats"]["errors"] == 0
+    return report
+
+
+def test_pages_sglang_backs_up_are_prefetched_by_another_controller_bit_exact(
+    sidecar: Server,
+) -> None:
+    tokens = list(range(500, 548))  # 6 pages of 8
+    wrote = controller(sidecar, mode="write", tokens=tokens)
+    assert wrote["acked"] and wrote["completed_tokens"] == 48
+    assert wrote["stats"]["pages_set"] == 6
+    longer = tokens + list(range(900, 916))  # 2 pages kvtier never saw
+    read = controller(sidecar, mode="read", tokens=longer)
+    assert read["hit_tokens"] == 48  # batch_exists: the leading 6 of 8 pages
+    assert read["completed_tokens"] == 48 and read["bit_exact"] is True
+    for layout in ("layer_first", "page_first_direct", "page_head"):  # other host layouts
+        other = controller(sidecar, mode="read", tokens=tokens, layout=layout)
+        assert other["completed_tokens"] == 48 and other["bit_exact"] is True, layout
+
+
+def test_a_writer_in_another_layout_and_tenants_that_never_meet(sidecar: Server) -> None:
+    tokens = list(range(700, 732))  # 4 pages
+    controller(sidecar, mode="write", tokens=tokens, seed=8, layout="page_head")
+    read = controller(sidecar, mode="read", tokens=tokens, seed=8, layout="layer_first")
+    assert read["completed_tokens"] == 32 and read["bit_exact"] is True
+    bob = controller(sidecar, mode="read", tokens=tokens, seed=8, api_key=BOB)
+    assert bob["hit_tokens"] == 0 and bob["completed_tokens"] == 0
+    different = controller(sidecar, mode="read", tokens=[7, *tokens[1:]], seed=8)
+    assert different["hit_tokens"] == 0  # a page is found only under the same pages before it
