@@ -84,16 +84,20 @@ class KVLayout:
 
     model_name: str
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # of one tensor-parallel rank
     head_dim: int
     dtype_name: str
     block_tokens: int
+    tp_rank: int = 0  # the tensor-parallel shard these heads are (an engine's rank)
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ConfigError(name, value, "a positive integer")
+        if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError("tp_rank", self.tp_rank, f"a rank in [0, tp_size = {self.tp_size})")
         if self.dtype_name not in DTYPES:
             raise ConfigError("dtype", self.dtype_name, f"one of {sorted(DTYPES)}")
         if not self.model_name:
@@ -123,11 +127,15 @@ class KVLayout:
     @cached_property
     def fingerprint(self) -> bytes:
         """16 bytes naming the model and every field that changes the bytes of a block
-        (computed once: every disk copy written or read compares it)."""
+        (computed once: every disk copy written or read compares it). A tensor-parallel
+        shard (tp_size > 1) is named too: ranks hold other heads under the same tokens. The
+        text of an unsharded layout is what it was before shards were named."""
         text = (
             f"kvtier-layout/v1|{self.model_name}|{self.num_layers}|{self.num_kv_heads}|"
             f"{self.head_dim}|{self.dtype_name}|{self.block_tokens}"
         )
+        if self.tp_size > 1:
+            text += f"|tp{self.tp_rank}/{self.tp_size}"
         return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 

@@ -390,3 +390,14 @@ def test_a_cluster_password_is_a_secret_never_shown_in_an_error() -> None:
         remote = {"nodes": ["h:1"], "password": password, "group_blocks": password}
         parse_config({"tiers": {"remote": remote}})
     assert info.value.field == "tiers.remote.group_blocks" and password not in str(info.value)
+
+
+def test_a_sidecar_names_the_tensor_parallel_shard_it_holds() -> None:
+    model = {"name": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}
+    sharded = parse_config({"model": {**model, "tp_rank": 3, "tp_size": 8}})
+    assert (sharded.layout.tp_rank, sharded.layout.tp_size) == (3, 8)
+    assert sharded.layout.fingerprint != parse_config({"model": model}).layout.fingerprint
+    for bad in ({"tp_rank": 8, "tp_size": 8}, {"tp_size": 0}, {"tp_rank": -1}, {"tp_size": "2"}):
+        with pytest.raises(ConfigError) as info:
+            parse_config({"model": {**model, **bad}})
+        assert info.value.field.startswith("model.tp_"), (bad, info.value)

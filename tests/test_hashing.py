@@ -156,3 +156,20 @@ def test_ids_are_the_same_in_another_process(hash_seed: str) -> None:
     seed = hasher.seed(LAYOUT.fingerprint, tenant_salt("alice"))
     assert (seed_hex, ids_hex) == (seed.hex(), b"".join(ids_of(hasher)).hex())
     assert (seed_hex, ids_hex) == (EXPECTED_SEED, EXPECTED_IDS)
+
+
+def test_a_tensor_parallel_shard_has_a_fingerprint_of_its_own_and_one_rank_keeps_the_old() -> None:
+    """Ranks hold other heads under the same tokens: their blocks never share an id. An
+    unsharded layout keeps the fingerprint it had before shards were named (disk copies stay
+    readable)."""
+    fields = ("m", 2, 2, 8, "float16", 4)
+    old_text = "kvtier-layout/v1|m|2|2|8|float16|4"
+    assert (
+        KVLayout(*fields).fingerprint == hashlib.blake2b(old_text.encode(), digest_size=16).digest()
+    )
+    shards = {KVLayout(*fields, tp_rank=r, tp_size=4).fingerprint for r in range(4)}
+    assert len(shards) == 4 and KVLayout(*fields).fingerprint not in shards
+    assert KVLayout(*fields, tp_rank=0, tp_size=1) == KVLayout(*fields)
+    for rank, size in ((4, 4), (-1, 2), (0, 0)):
+        with pytest.raises(ConfigError):
+            KVLayout(*fields, tp_rank=rank, tp_size=size)

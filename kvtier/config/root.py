@@ -29,13 +29,23 @@ HashAlgorithm = Literal["blake2b-128", "blake2b-256", "sha256"]
 
 
 class ModelConfig(Section):
-    """The model whose KV is stored; every key feeds `KVLayout` and is required."""
+    """The model whose KV is stored; every key feeds `KVLayout`. Under tensor parallelism a
+    sidecar holds one rank's shard: `num_kv_heads` is per rank, and `tp_rank` / `tp_size`
+    name the shard (they key the block ids: ranks never share a block)."""
 
     name: Name
     num_layers: PositiveInt
     num_kv_heads: PositiveInt
     head_dim: PositiveInt
     dtype: Annotated[str, one_of(tuple(DTYPES))]
+    tp_rank: Annotated[int, int_in(0, 1023)] = 0
+    tp_size: Annotated[int, int_in(1, 1024)] = 1
+
+    @model_validator(mode="after")
+    def _rank_in_size(self) -> ModelConfig:
+        if self.tp_rank >= self.tp_size:
+            raise InvalidValue(self.tp_rank, f"a rank below tp_size ({self.tp_size})", "tp_rank")
+        return self
 
 
 class HashingConfig(Section):
@@ -78,6 +88,8 @@ class KVTierConfig(Section):
             head_dim=m.head_dim,
             dtype_name=m.dtype,
             block_tokens=self.block_tokens,
+            tp_rank=m.tp_rank,
+            tp_size=m.tp_size,
         )
 
     @property

@@ -38,7 +38,13 @@ Contract:
   worker registers its caches, a `ConfigError` otherwise), and the sidecar's model layout must
   match the caches (layers, KV heads, head size, dtype).
 
-Not here yet: MLA and tensor-parallel ranks (each rank would need its own layout), events
+Tensor parallelism: each rank holds other heads, so each rank has a sidecar of its own
+(`kvtier.urls`, one per rank, in rank order), whose config names the shard (`model.tp_rank`,
+`model.tp_size`: they key its block ids); a worker checks its sidecar holds its rank. The
+scheduler asks rank 0's; a rank whose sidecar lacks the blocks fails its load, and vLLM
+recomputes. An MLA model's ranks hold the same KV: one sidecar, unsharded.
+
+Not here yet: events
 (`take_events`), saving decode tokens, GPU copies overlapped with the forward (the copies are
 written for any device, but run only on CPU here until a GPU run).
 """
@@ -55,6 +61,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorRole,
 )
 
 from kvtier.client import Client
@@ -113,7 +120,19 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.url = str(extra.get("kvtier.url", "http://127.0.0.1:8750"))
+        self.tp_rank, self.tp_size = self._shard(vllm_config)
+        urls = extra.get("kvtier.urls") or [extra.get("kvtier.url", "http://127.0.0.1:8750")]
+        if not isinstance(urls, list) or len(urls) not in (1, self.tp_size):
+            raise ConfigError("kvtier.urls", urls, f"1 or {self.tp_size} sidecar URLs")
+        if self.tp_size > 1 and len(urls) != self.tp_size:
+            raise ConfigError(
+                "kvtier.urls",
+                urls,
+                f"one sidecar URL per tensor-parallel rank ({self.tp_size}): "
+                "each rank holds other heads, in a sidecar of its own",
+            )
+        # the scheduler asks rank 0's sidecar; a rank that lacks a block fails its load
+        self.url = str(urls[self.tp_rank if role == KVConnectorRole.WORKER else 0])
         key = extra.get("kvtier.api_key")
         self.key = resolve_key(str(key), "kvtier.api_key") if key else ""
         salts = extra.get("kvtier.tenant_keys") or {}
@@ -239,11 +258,15 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layers = list(kv_caches.values())
         _, heads, size, dim, dtype = paged.geometry(self._layers)
         served = self._client(self.key).layout()
-        ours = (len(self._layers), heads, dim, dtype)
-        theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype)
+        ours = (len(self._layers), heads, dim, dtype, self.tp_rank, self.tp_size)
+        theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype,
+                  served.tp_rank, served.tp_size)  # fmt: skip
         if ours != theirs:
             raise ConfigError(
-                "model", f"{theirs} (layers, KV heads, head_dim, dtype)", f"{ours}, as vLLM's KV"
+                "model",
+                f"{theirs} (layers, KV heads per rank, head_dim, dtype, tp_rank, "
+                f"tp_size) at {self.url}",
+                f"{ours}, as this vLLM worker's KV",
             )
         if size % served.block_tokens:
             raise ConfigError(
@@ -331,6 +354,20 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if missing:
             self.stats["failed_loads"] += 1
             self._load_errors.update(missing)
+
+    @staticmethod
+    def _shard(vllm_config: Any) -> tuple[int, int]:
+        """(rank, size) of the KV this process holds: vLLM's tensor-parallel rank and size,
+        (0, 1) for an MLA model, whose ranks hold the same KV."""
+        size = int(vllm_config.parallel_config.tensor_parallel_size)
+        if size == 1 or getattr(vllm_config.model_config, "use_mla", False):
+            return 0, 1
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return int(get_tensor_model_parallel_rank()), size
+        except (AssertionError, AttributeError, RuntimeError):  # no TP group: the scheduler
+            return 0, size
 
     def _key_for(self, request: Any) -> str | None:
         salt = getattr(request, "cache_salt", None)

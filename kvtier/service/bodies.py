@@ -36,6 +36,8 @@ def pools(store: KVStore, share: bool) -> dict[str, Any]:
             "block_shape": list(layout.block_shape),
             "block_bytes": layout.block_bytes,
             "block_tokens": layout.block_tokens,
+            "tp_rank": layout.tp_rank,
+            "tp_size": layout.tp_size,
         },
         "pools": [
             {

@@ -209,7 +209,13 @@ def _layout(data: dict[str, Any]) -> KVLayout:
             f"[layers, 2, block_tokens, heads, dim] of ints in [1, {MAX_DIM}]"
         )
     layers, _, block_tokens, heads, dim = shape
-    layout = KVLayout("served", layers, heads, dim, dtype, block_tokens)
+    rank, size = data.get("tp_rank", 0), data.get("tp_size", 1)  # absent: an older server
+    if not (type(size) is int and 1 <= size <= 1024 and type(rank) is int and 0 <= rank < size):
+        raise ReplyError(
+            f"pools.layout.tp_rank / tp_size: got {rank!r:.20} / {size!r:.20}, expected a "
+            "rank in [0, tp_size) and tp_size in [1, 1024]"
+        )
+    layout = KVLayout("served", layers, heads, dim, dtype, block_tokens, rank, size)
     if data.get("block_tokens") != block_tokens or type(data.get("block_tokens")) is not int:
         raise ReplyError(
             f"pools.layout.block_tokens: got {data.get('block_tokens')!r:.80}, expected "

@@ -6,7 +6,8 @@ Engine 1 computes a prompt and saves it through the worker-side methods; engine 
 gets the hit from kvtier (asynchronously: WAITING_FOR_REMOTE_KVS, then running; and
 synchronously), its worker side loads it, and the KV in engine 2's paged blocks is bit-exact.
 A load whose blocks left kvtier after the lookup becomes load errors and a recompute; tenants
-(API keys, cache salts) never see each other's blocks.
+(API keys, cache salts) never see each other's blocks; tensor-parallel ranks keep to sidecars
+of their own shard.
 
 Run with vLLM installed apart (the default suite does not collect this directory):
 
@@ -16,6 +17,7 @@ Run with vLLM installed apart (the default suite does not collect this directory
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from service_server import ADMIN_KEY, Server, running, write_config
 
 from kvtier.client import Client
@@ -44,14 +47,17 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
 
 
+def launch(server: Server, **args: Any) -> subprocess.CompletedProcess[str]:
+    body = {"url": server.url, "api_key": ALICE, "prompt": PROMPT, "seed": 5, **args}
+    return subprocess.run(
+        [sys.executable, str(ENGINE), json.dumps(body)],
+        capture_output=True, text=True, timeout=300, check=False, env=dict(os.environ),
+    )  # fmt: skip
+
+
 def engine(server: Server, **args: Any) -> dict[str, Any]:
     """Run one engine process to the end of its request; its report."""
-    body = {"url": server.url, "api_key": ALICE, "prompt": PROMPT, "seed": 5, **args}
-    done = subprocess.run(
-        [sys.executable, str(ENGINE), json.dumps(body)],
-        capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
-    )  # fmt: skip
+    done = launch(server, **args)
     assert done.returncode == 0, done.stderr[-3000:]
     report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["finished"] == "FINISHED_LENGTH_CAPPED", report
@@ -101,3 +107,34 @@ def test_tenants_by_key_and_by_cache_salt_never_share_blocks(sidecar: Server) ->
     assert saved(sidecar, prompt, BOB) == 32  # bob's own copy, saved by the salted request
     bob = engine(sidecar, prompt=prompt, seed=3, api_key=BOB)
     assert bob["loaded_tokens"] == 32 and bob["bit_exact"] is True
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """Two sidecars, each holding one tensor-parallel rank's shard of the tiny model."""
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(running(shard_config(tmp_path_factory, rank))) for rank in (0, 1)
+        ]
+
+
+def shard_config(factory: pytest.TempPathFactory, rank: int) -> Path:
+    path = write_config(factory.mktemp(f"rank{rank}"), tenants={"alice": {"api_keys": [ALICE]}})
+    config = yaml.safe_load(path.read_text())
+    config["model"] = {**config["model"], "tp_rank": rank, "tp_size": 2}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_tensor_parallel_ranks_keep_to_sidecars_of_their_own_shard(shards: list[Server]) -> None:
+    urls = [shard.url for shard in shards]
+    prompt = list(range(4000, 4040))
+    first = engine(shards[0], prompt=prompt, tp_size=2, urls=urls)  # this process is rank 0
+    assert first["stats"]["saved_tokens"] == 32
+    assert saved(shards[0], prompt) == 32 and saved(shards[1], prompt) == 0
+    again = engine(shards[0], prompt=prompt, tp_size=2, urls=urls)
+    assert again["loaded_tokens"] == 32 and again["bit_exact"] is True
+    crossed = launch(shards[0], prompt=prompt, tp_size=2, urls=urls[::-1])  # rank 0 -> shard 1
+    assert crossed.returncode != 0 and "tp_rank" in crossed.stderr
+    one_url = launch(shards[0], prompt=prompt, tp_size=2)
+    assert one_url.returncode != 0 and "one sidecar URL per tensor-parallel rank" in one_url.stderr

@@ -11,7 +11,8 @@ function of (`seed`, position) into the token's slot; tokens vLLM was told kvtie
 not written, so they hold what the connector loaded. The request's blocks are read back when
 it first runs, and compared with what the forward would have written (`bit_exact`).
 
-Arguments: url, api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt),
+Arguments: url (or urls, one per tensor-parallel rank, with tp_size; this process is rank 0),
+api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt),
 tenant_keys ({salt: key}), clear_before_load (the admin key: clear the sidecar between the
 scheduler's lookup and the worker's load, as an eviction would).
 """
@@ -37,6 +38,7 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -73,7 +75,7 @@ def kv_at(seed: int, position: int) -> torch.Tensor:
 
 def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConnector, Any]:
     extra = {
-        "kvtier.url": args["url"],
+        "kvtier.urls": args.get("urls") or [args["url"]],
         "kvtier.api_key": args["api_key"],
         "kvtier.load_async": args.get("load_async", True),
         "kvtier.tenant_keys": args.get("tenant_keys", {}),
@@ -85,6 +87,7 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
                                          max_model_len=1024, is_encoder_decoder=False,
                                          async_scheduling=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        parallel_config=ParallelConfig(tensor_parallel_size=args.get("tp_size", 1)),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=extra,
