@@ -98,6 +98,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise ConfigError(
                 "model", f"{theirs} (layers, KV heads, head_dim, dtype)", f"{ours}, as SGLang's"
             )
+        rank, size = (
+            (0, 1) if self.config.is_mla_model else (self.config.tp_rank, self.config.tp_size)
+        )
+        if served.tp_size > 1 and (served.tp_rank, served.tp_size) != (rank, size):
+            raise ConfigError(
+                "model.tp_rank", f"{served.tp_rank} of {served.tp_size}", f"rank {rank} of {size}"
+            )
         if host.page_size % served.block_tokens:
             raise ConfigError(
                 "block_tokens",

@@ -31,9 +31,10 @@ Contract:
 - A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
   counted in `stats`; it never fails a request.
 - Tenants: the sidecar decides a call's tenant by its API key. `kvtier.api_key` is the
-  engine's own; `kvtier.tenant_keys` maps a request's `cache_salt` to the key of another
-  tenant. A request whose `cache_salt` has no key there neither reads nor writes kvtier: salted
-  prompts never share blocks with anyone else's.
+  engine's own; `kvtier.tenant_keys` maps a name to the key of another tenant, and a request
+  names it in `kv_transfer_params` (`{"kvtier_tenant": name}`) or by its `cache_salt`. A
+  request whose name has no key there neither reads nor writes kvtier: salted prompts never
+  share blocks with anyone else's.
 - Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size` (checked when the
   worker registers its caches, a `ConfigError` otherwise), and the sidecar's model layout must
   match the caches (layers, KV heads, head size, dtype).
@@ -370,10 +371,16 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, size
 
     def _key_for(self, request: Any) -> str | None:
-        salt = getattr(request, "cache_salt", None)
-        if salt is None:
+        """The API key of the request's tenant: `kv_transfer_params["kvtier_tenant"]`, else
+        its `cache_salt`, looked up in `kvtier.tenant_keys` (None: kvtier is not used for
+        it); neither: the engine's own key."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        named = params.get("kvtier_tenant") if isinstance(params, dict) else None
+        if named is None:
+            named = getattr(request, "cache_salt", None)
+        if named is None:
             return self.key
-        return self.tenant_keys.get(str(salt))
+        return self.tenant_keys.get(str(named))
 
     def _computed(self, scheduler_output: Any, req_id: str) -> int:
         for new in scheduler_output.scheduled_new_reqs:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from service_server import Server, running, write_config
 
 pytest.importorskip("sglang", reason="SGLang is installed apart: tests/engines/install.sh sglang")
@@ -41,13 +42,17 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
 
 
-def controller(server: Server, **args: Any) -> dict[str, Any]:
-    """Run one SGLang controller process; its report."""
+def launch(server: Server, **args: Any) -> subprocess.CompletedProcess[str]:
     body = {"url": server.url, "api_key": ALICE, "seed": 4, **args}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ENGINE), json.dumps(body)],
         capture_output=True, text=True, timeout=300, check=False, env=dict(os.environ),
     )  # fmt: skip
+
+
+def controller(server: Server, **args: Any) -> dict[str, Any]:
+    """Run one SGLang controller process; its report."""
+    done = launch(server, **args)
     assert done.returncode == 0, done.stderr[-3000:]
     report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["backend"] == "KvtierHiCacheStorage" and report["stats"]["errors"] == 0
@@ -79,3 +84,19 @@ def test_a_writer_in_another_layout_and_tenants_that_never_meet(sidecar: Server)
     assert bob["hit_tokens"] == 0 and bob["completed_tokens"] == 0
     different = controller(sidecar, mode="read", tokens=[7, *tokens[1:]], seed=8)
     assert different["hit_tokens"] == 0  # a page is found only under the same pages before it
+
+
+def test_a_sidecar_of_another_model_or_shard_is_refused_when_sglang_attaches_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    for model, field in (
+        ({"head_dim": 32}, "model"),
+        ({"tp_rank": 1, "tp_size": 2}, "model.tp_rank"),
+    ):
+        path = write_config(tmp_path_factory.mktemp("other"), tenants={"a": {"api_keys": [ALICE]}})
+        config = yaml.safe_load(path.read_text())
+        config["model"] = {**config["model"], **model}
+        path.write_text(yaml.safe_dump(config))
+        with running(path) as other:
+            done = launch(other, mode="read", tokens=list(range(8)))
+        assert done.returncode != 0 and f"config field '{field}'" in done.stderr, done.stderr[-800:]

@@ -107,6 +107,27 @@ def test_tenants_by_key_and_by_cache_salt_never_share_blocks(sidecar: Server) ->
     assert saved(sidecar, prompt, BOB) == 32  # bob's own copy, saved by the salted request
     bob = engine(sidecar, prompt=prompt, seed=3, api_key=BOB)
     assert bob["loaded_tokens"] == 32 and bob["bit_exact"] is True
+    named = engine(sidecar, prompt=prompt, seed=3, kv_transfer_params={"kvtier_tenant": "b"},
+                   tenant_keys={"b": BOB})  # fmt: skip
+    assert named["loaded_tokens"] == 32 and named["bit_exact"] is True  # bob's, by name
+    unnamed = engine(sidecar, prompt=prompt, seed=3, kv_transfer_params={"kvtier_tenant": "x"})
+    assert unnamed["hit"] == 0 and unnamed["stats"]["saved_tokens"] == 0  # no key: no kvtier
+
+
+def test_a_sidecar_of_another_block_size_or_model_is_refused_at_start(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    for change, field in (({"block_tokens": 32}, "block_tokens"), ({"head_dim": 32}, "model")):
+        path = write_config(tmp_path_factory.mktemp("other"), tenants={"a": {"api_keys": [ALICE]}})
+        config = yaml.safe_load(path.read_text())
+        if "head_dim" in change:
+            config["model"] = {**config["model"], **change}
+        else:
+            config.update(change)
+        path.write_text(yaml.safe_dump(config))
+        with running(path) as other:
+            done = launch(other)
+        assert done.returncode != 0 and f"config field '{field}'" in done.stderr, done.stderr[-800:]
 
 
 @pytest.fixture(scope="module")

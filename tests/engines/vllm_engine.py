@@ -12,8 +12,8 @@ not written, so they hold what the connector loaded. The request's blocks are re
 it first runs, and compared with what the forward would have written (`bit_exact`).
 
 Arguments: url (or urls, one per tensor-parallel rank, with tp_size; this process is rank 0),
-api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt),
-tenant_keys ({salt: key}), clear_before_load (the admin key: clear the sidecar between the
+api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt), tenant_keys ({name:
+key}), kv_transfer_params, clear_before_load (the admin key: clear the sidecar between the
 scheduler's lookup and the worker's load, as an eviction would).
 """
 
@@ -126,6 +126,8 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     request = Request(request_id="r", prompt_token_ids=prompt, sampling_params=params,
                       pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
                       cache_salt=args.get("salt"))  # fmt: skip
+    if args.get("kv_transfer_params"):
+        request.kv_transfer_params = dict(args["kv_transfer_params"])
     scheduler.add_request(request)
     out: dict[str, Any] = {"statuses": [], "bit_exact": None, "load_errors": []}
     table: list[int] = []
