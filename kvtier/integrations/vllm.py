@@ -336,15 +336,15 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Copy the job's blocks from kvtier; the vLLM block ids it could not fill."""
         try:
             got = self._client(job.key).load(list(job.tokens))
-        except (KVTierError, OSError) as e:
+            whole = (got.num_tokens - job.start) // self.block_size
+            filled = max(0, min(len(job.blocks), whole))
+            if filled:
+                stop = job.start + filled * self.block_size
+                paged.scatter(self._layers, job.blocks[:filled], got.kv[:, :, job.start : stop])
+                self.stats["loaded_tokens"] += stop - job.start
+        except Exception as e:  # a load that fails is vLLM's to recompute, never a crash
             self._error("load", e)
             return list(job.blocks)
-        whole = (got.num_tokens - job.start) // self.block_size
-        filled = max(0, min(len(job.blocks), whole))
-        if filled:
-            stop = job.start + filled * self.block_size
-            paged.scatter(self._layers, job.blocks[:filled], got.kv[:, :, job.start : stop])
-            self.stats["loaded_tokens"] += stop - job.start
         return list(job.blocks[filled:])
 
     def _finish_load(self, req_id: str, missing: list[int], report: bool = True) -> None:
@@ -400,4 +400,5 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _error(self, what: str, error: BaseException) -> None:
         self.stats["errors"] += 1
-        log.warning("kvtier %s failed: %s", what, error)
+        unexpected = not isinstance(error, KVTierError | OSError)  # a bug: keep its traceback
+        log.warning("kvtier %s failed: %s", what, error, exc_info=error if unexpected else None)
