@@ -69,31 +69,11 @@ from kvtier.client import Client
 from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
+from kvtier.integrations.plans import LoadJob, Planned, SaveJob
 
 log = logging.getLogger("kvtier.vllm")
 
 __all__ = ["KvtierConnector", "KvtierMetadata", "LoadJob", "SaveJob"]
-
-
-@dataclass(frozen=True)
-class LoadJob:
-    """Copy prompt tokens `start..stop` (whole vLLM blocks) of `tokens[:stop]` into `blocks`."""
-
-    req_id: str
-    tokens: tuple[int, ...]  # the prompt up to `stop`
-    start: int
-    blocks: tuple[int, ...]  # vLLM block ids of tokens start..stop
-    key: str  # the API key of the request's tenant
-
-
-@dataclass(frozen=True)
-class SaveJob:
-    """Store `tokens` (whole vLLM blocks of a prompt) from `blocks`."""
-
-    req_id: str
-    tokens: tuple[int, ...]
-    blocks: tuple[int, ...]
-    key: str
 
 
 @dataclass
@@ -103,18 +83,6 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     load_async: bool = True
-
-
-@dataclass
-class _Planned:
-    """A request the scheduler side follows until its prompt blocks are planned for saving."""
-
-    tokens: tuple[int, ...]
-    key: str
-    blocks: list[int] = field(default_factory=list)
-    local: int = 0  # vLLM's own prefix hit when kvtier was asked
-    external: int = 0  # tokens kvtier loads
-    saved: bool = False
 
 
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -150,7 +118,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_tokens": 0, "saved_tokens": 0,
                       "failed_loads": 0, "errors": 0}  # fmt: skip
         # scheduler side
-        self._requests: dict[str, _Planned] = {}
+        self._requests: dict[str, Planned] = {}
         self._failed: set[str] = set()  # loads that failed: never claimed again
         self._loads: list[LoadJob] = []
         # worker side
@@ -175,7 +143,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if key is None or req_id in self._failed:
             return 0, False
         tokens = tuple(request.prompt_token_ids or ())
-        self._requests[req_id] = _Planned(tokens, key, local=num_computed_tokens)
+        self._requests[req_id] = Planned(tokens, key, local=num_computed_tokens)
         try:
             found = self._client(key).lookup(list(tokens)).num_tokens
         except (KVTierError, OSError) as e:

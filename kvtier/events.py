@@ -1,0 +1,238 @@
+"""KV events (issue 16): where kvtier's blocks live, told to routers in the wire format vLLM's
+publisher uses and llm-d's consumer reads. This module is the publisher; the store's hooks
+that feed it come next (issue 16 is in progress).
+
+Wire (vLLM 0.33 `distributed/kv_events.py`; llm-d `pkg/kvevents`): ZMQ PUB, each message three
+frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, from 0, one more per
+message of that topic), and a msgpack payload, an event batch
+
+    [ts (float, seconds), [event, ...], dp_rank (int or nil)]
+
+in which each event is a positional array, its class name first:
+
+    ["BlockStored", [hash, ...], parent_hash or nil, [token, ...], block_size, lora_id or nil,
+     medium, lora_name or nil]
+    ["BlockRemoved", [hash, ...], medium]
+    ["AllBlocksCleared"]
+
+A hash is a uint64: the first 8 bytes (big-endian) of kvtier's block id (`hash64`). The medium
+names the tier: "GPU", "CPU" (host), "DISK", "REMOTE" (`MEDIUM`). A block that gains or loses
+a tier is one event for that medium.
+
+Replay (a ROUTER socket, vLLM's protocol): a client (DEALER) sends `[b"", start_seq]` (8 bytes,
+big-endian) and gets `[b"", topic, seq, payload]` for each message of the publisher's topic
+still buffered with a sequence number >= start_seq, then the end marker `[b"", b"", -1 (8
+bytes, signed), b""]`. With `per_tenant` topics, a client adds the topic as a third frame and
+gets that topic's messages only.
+
+Contract:
+- `stored`, `removed` and `cleared` never block and never touch a socket: they queue, and the
+  publisher's thread batches what is queued (up to `max_batch` events, or for `flush_s`) into
+  one message per topic. The queue is bounded (`queue_limit` events); an event past it is
+  dropped and counted, and that topic's next message starts with AllBlocksCleared, so that a
+  router forgets what it can no longer trust instead of routing on it.
+- Tenants: an event holds one tenant's blocks. With `per_tenant`, each tenant's events go to
+  `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
+  to `topic` (an operator who must not mix tenants turns it on).
+- The replay buffer keeps the last `buffer` messages of each topic.
+- `close()` sends what is queued, then closes the sockets.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import zmq
+
+MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+Event = tuple[str, list[Any]]  # (tenant, the event's positional array)
+
+
+def hash64(block_id: bytes) -> int:
+    """The uint64 hash of a block in events: the first 8 bytes of its id, big-endian."""
+    return int.from_bytes(block_id[:8], "big")
+
+
+@dataclass
+class _Topic:
+    name: bytes
+    seq: int = 0
+    sent: collections.deque[tuple[int, bytes]] = field(default_factory=collections.deque)
+    lost: bool = False  # events dropped since the last message
+
+
+@dataclass(frozen=True)
+class EventSettings:
+    topic: str = "kv@kvtier@model"  # vLLM's default shape: kv@<pod>@<model>
+    per_tenant: bool = False  # each tenant's events on <topic>@<tenant> only
+    buffer: int = 10_000  # messages kept per topic for replay
+    queue_limit: int = 100_000  # events queued at most; past it, dropped and counted
+    max_batch: int = 512  # events per message at most
+    flush_s: float = 0.005  # how long a message waits for more events
+    dp_rank: int | None = None
+
+
+class EventPublisher:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        settings: EventSettings | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        settings = settings or EventSettings()
+        self.settings, self.clock = settings, clock
+        self.topic, self.per_tenant, self.dp_rank = (
+            settings.topic,
+            settings.per_tenant,
+            settings.dp_rank,
+        )
+        self.buffer, self.max_batch, self.flush_s = (
+            settings.buffer,
+            settings.max_batch,
+            settings.flush_s,
+        )
+        queue_limit = settings.queue_limit
+        self._queue: queue.Queue[Event | None] = queue.Queue(maxsize=queue_limit)
+        self._topics: dict[str, _Topic] = {}
+        self._lock = threading.RLock()
+        self._stats = {"events": 0, "messages": 0, "dropped_events": 0, "replays": 0}
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 1000)
+        self._pub.bind(endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replay: zmq.Socket[bytes] | None = None
+        self.replay_endpoint: str | None = None
+        if replay_endpoint is not None:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
+        self._thread.start()
+
+    # ---- what the store tells ------------------------------------------------------------
+
+    def stored(
+        self,
+        tenant: str,
+        hashes: list[int],
+        parent: int | None,
+        tokens: list[int],
+        block_size: int,
+        medium: str,
+    ) -> None:
+        self._put(tenant, ["BlockStored", hashes, parent, tokens, block_size, None, medium, None])
+
+    def removed(self, tenant: str, hashes: list[int], medium: str) -> None:
+        self._put(tenant, ["BlockRemoved", hashes, medium])
+
+    def cleared(self, tenant: str) -> None:
+        self._put(tenant, ["AllBlocksCleared"])
+
+    # ---- state --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)  # after everything queued: sent first
+            self._thread.join(timeout=10)
+        self._pub.close()
+        if self._replay is not None:
+            self._replay.close()
+        self._context.term()
+
+    # ---- inside -------------------------------------------------------------------------
+
+    def _put(self, tenant: str, event: list[Any]) -> None:
+        try:
+            self._queue.put_nowait((tenant, event))
+        except queue.Full:
+            with self._lock:
+                self._stats["dropped_events"] += 1
+                self._topic(tenant).lost = True
+
+    def _topic(self, tenant: str) -> _Topic:
+        name = f"{self.topic}@{tenant}" if self.per_tenant else self.topic
+        topic = self._topics.get(name)
+        if topic is None:
+            topic = self._topics[name] = _Topic(name.encode())
+        return topic
+
+    def _run(self) -> None:
+        done = False
+        while not done:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                first = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            batch: list[Event] = []
+            deadline = time.monotonic() + self.flush_s
+            item = first
+            while True:
+                if item is None:
+                    done = True
+                    break
+                batch.append(item)
+                if len(batch) >= self.max_batch:
+                    break
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+            self._send(batch)
+        if self._replay is not None and self._replay.poll(0):
+            self._serve_replay()
+
+    def _send(self, batch: list[Event]) -> None:
+        grouped: dict[str, list[list[Any]]] = {}
+        for tenant, event in batch:
+            grouped.setdefault(tenant if self.per_tenant else "", []).append(event)
+        now = self.clock()
+        for tenant, events in grouped.items():
+            with self._lock:
+                topic = self._topic(tenant)
+                if topic.lost:
+                    events = [["AllBlocksCleared"], *events]
+                    topic.lost = False
+                seq = topic.seq
+                topic.seq += 1
+            payload = msgpack.packb([now, events, self.dp_rank])
+            self._pub.send_multipart((topic.name, seq.to_bytes(8, "big"), payload))
+            with self._lock:
+                topic.sent.append((seq, payload))
+                while len(topic.sent) > self.buffer:
+                    topic.sent.popleft()
+                self._stats["messages"] += 1
+                self._stats["events"] += len(events)
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) not in (3, 4) or len(frames[2]) != 8:
+            return  # not a replay request: nothing to answer
+        client, start = frames[0], int.from_bytes(frames[2], "big")
+        wanted = frames[3].decode(errors="replace") if len(frames) == 4 else self.topic
+        with self._lock:
+            self._stats["replays"] += 1
+            topic = self._topics.get(wanted)
+            kept = [item for item in topic.sent if item[0] >= start] if topic else []
+            name = topic.name if topic else wanted.encode()
+        for seq, payload in kept:
+            self._replay.send_multipart((client, b"", name, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
