@@ -25,9 +25,10 @@ Contract:
 - A load that returns fewer tokens than planned (the blocks left kvtier between lookup and
   load, the sidecar failed) reports the blocks it did not fill in
   `get_block_ids_with_load_errors`; with `kv_load_failure_policy: recompute` vLLM recomputes
-  from the first of them. The request still appears in `finished_recving` (vLLM frees an
-  aborted request's blocks only then), and the scheduler never claims a hit for a request whose
-  load failed.
+  from the first of them. An asynchronous load's request still appears in `finished_recving`
+  (vLLM frees an aborted request's blocks only then); a synchronous one is done before the
+  forward and reported nowhere else. The scheduler never claims a hit for a request whose load
+  failed.
 - A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
   counted in `stats`; it never fails a request.
 - Tenants: the sidecar decides a call's tenant by its API key. `kvtier.api_key` is the
@@ -45,9 +46,9 @@ Tensor parallelism: each rank holds other heads, so each rank has a sidecar of i
 scheduler asks rank 0's; a rank whose sidecar lacks the blocks fails its load, and vLLM
 recomputes. An MLA model's ranks hold the same KV: one sidecar, unsharded.
 
-Not here yet: events
-(`take_events`), saving decode tokens, GPU copies overlapped with the forward (the copies are
-written for any device, but run only on CPU here until a GPU run).
+Not here yet: events (`take_events`), saving decode tokens, loads reported layer by layer
+(a load is whole; on a GPU it does not overlap the forward), a GPU run (the copies are written
+for any device).
 """
 
 from __future__ import annotations
