@@ -13,16 +13,19 @@ unlinked) before the error propagates.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 
 import torch
+import zmq
 
 from kvtier.blocks import BlockHasher, BlockId
 from kvtier.config import KVTierConfig
 from kvtier.config.fields import resolve_key
 from kvtier.config.tiers import RemoteTlsConfig
 from kvtier.errors import ConfigError, InvalidArgumentError
+from kvtier.events import EventPublisher, EventSettings, IndexEvents
 from kvtier.index import RadixIndex
 from kvtier.policy import write_policy
 from kvtier.recovery import recover
@@ -136,6 +139,7 @@ class Parts:
         )
         self.remote = _remote_link(config, state, self.writes)
         self.writes.remote = self.remote
+        self.events = _events(config, index, self.namespaces)  # after recovery: no replayed past
         self.tenant_counters = {
             tenant: TenantCounters(len(pools)) for tenant in self.namespaces.seeds
         }
@@ -179,6 +183,24 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
         )
         made.append(disk)
     return list(made)
+
+
+def _events(
+    config: KVTierConfig, index: RadixIndex, namespaces: Namespaces
+) -> EventPublisher | None:
+    """`events`: a publisher, fed by the index's observer; a `ConfigError` naming the address
+    when it cannot be bound."""
+    events = config.events
+    if events is None:
+        return None
+    topic = events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
+    settings = EventSettings(topic, events.per_tenant_topic, events.buffer)
+    try:
+        publisher = EventPublisher(events.endpoint, events.replay_endpoint, settings)
+    except zmq.ZMQError as e:
+        raise ConfigError("events.endpoint", events.endpoint, f"an address to bind ({e})") from None
+    index.observer = IndexEvents(publisher, index, namespaces.tenant_of)
+    return publisher
 
 
 def _tls_settings(tls: RemoteTlsConfig | None) -> TlsSettings | None:

@@ -1,6 +1,6 @@
 """KV events (issue 16): where kvtier's blocks live, told to routers in the wire format vLLM's
-publisher uses and llm-d's consumer reads. This module is the publisher; the store's hooks
-that feed it come next (issue 16 is in progress).
+publisher uses and llm-d's consumer reads: `EventPublisher` (the sockets) and `IndexEvents`
+(the index's observer that feeds it: a block gaining or losing a copy in a tier).
 
 Wire (vLLM 0.33 `distributed/kv_events.py`; llm-d `pkg/kvevents`): ZMQ PUB, each message three
 frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, from 0, one more per
@@ -50,6 +50,9 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import zmq
+
+from kvtier.index import RadixIndex
+from kvtier.index.node import Node
 
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -236,3 +239,54 @@ class EventPublisher:
         for seq, payload in kept:
             self._replay.send_multipart((client, b"", name, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+MEDIUM_OF_TIER = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
+
+
+class IndexEvents:
+    """The index's observer (`RadixIndex.observer`): each copy a block gains or loses in a tier
+    becomes a BlockStored or BlockRemoved event of that tier's medium, for the tenant whose
+    namespace holds the block (`tenant_of`; a namespace it does not know is skipped).
+
+    Reads the ids of the nodes it is told about (`Forest.ids_of`: ids are then computed when
+    stored, as they would be when first read) and their tokens; called under the store's lock,
+    it only queues (`EventPublisher`)."""
+
+    def __init__(
+        self,
+        publisher: EventPublisher,
+        index: RadixIndex,
+        tenant_of: Callable[[bytes], str | None],
+    ) -> None:
+        self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
+        self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
+
+    def gained(self, node: Node, lo: int, hi: int, tier: int) -> None:
+        tenant = self.tenant_of(node.root.ids)
+        if tenant is None:
+            return
+        hashes, parent = self._hashes(node, lo, hi), None
+        if lo:
+            parent = self._hashes(node, lo - 1, lo)[0]
+        elif node.parent is not None and node.parent.parent is not None:
+            above = node.parent
+            parent = self._hashes(above, above.size - 1, above.size)[0]
+        kb = self.index.key_nbytes
+        tokens = [int.from_bytes(node.key[at : at + 4], "little")
+                  for at in range(lo * kb, hi * kb, 4)]  # fmt: skip
+        block_tokens = self.index.block_tokens
+        self.publisher.stored(tenant, hashes, parent, tokens, block_tokens, self.media[tier])
+
+    def lost(self, node: Node, lo: int, hi: int, tier: int) -> None:
+        held = [i for i in range(lo, hi) if node.slots[tier][i] is not None]
+        tenant = self.tenant_of(node.root.ids) if held else None
+        if tenant is None:
+            return
+        ids, size = self.index.forest.ids_of(node), self.index.digest_size
+        hashes = [hash64(ids[i * size : (i + 1) * size]) for i in held]
+        self.publisher.removed(tenant, hashes, self.media[tier])
+
+    def _hashes(self, node: Node, lo: int, hi: int) -> list[int]:
+        ids, size = self.index.forest.ids_of(node), self.index.digest_size
+        return [hash64(ids[i * size : (i + 1) * size]) for i in range(lo, hi)]

@@ -191,6 +191,8 @@ class Operations:
         self.mover.close()  # without the lock: the mover thread takes it to stop
         if self.parts.remote is not None:
             self.parts.remote.close()
+        if self.parts.events is not None:
+            self.parts.events.close()  # sends what is queued
         with self.lock:
             for pool in self.parts.state.pools:
                 pool.close()

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import Field, model_validator
 
 from kvtier.blocks import DTYPES, KVLayout
+from kvtier.config.events import EventsConfig
 from kvtier.config.fields import InvalidValue, Name, PositiveInt, Section, int_in, one_of
 from kvtier.config.movement import MoverConfig, PolicyConfig
 from kvtier.config.service import ServiceConfig
@@ -67,6 +68,7 @@ class KVTierConfig(Section):
     mover: MoverConfig = MoverConfig()
     service: ServiceConfig = ServiceConfig()
     tenants: Tenants = Field(default_factory=lambda: {"default": TenantConfig()})
+    events: EventsConfig | None = None
 
     @model_validator(mode="after")
     def _capacities_hold_a_block(self) -> KVTierConfig:

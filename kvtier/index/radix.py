@@ -29,7 +29,9 @@ How it is built: `RadixIndex` walks keys (`lookup`, `match`) and records copies 
 lives in named parts, public for `check.py` and `restore.py`: `forest` (`forest.py`: the roots,
 node and block counts, the structural edits: grow, split, detach), `residency` (`node.py`:
 copies per tier and per namespace, floors) and `leases` (`forest.py`); the eviction candidates
-(`eviction.CandidateSets`) are refreshed by all of them. Reading along a path is `node.py`.
+(`eviction.CandidateSets`) are refreshed by all of them, and read by the eviction queries
+(`queries.py`). Reading along a path is `node.py`; small helpers are `helpers.py`. An
+`observer` (`TierObserver`; KV events) is told of every copy a block gains or loses.
 
 Pure Python, no I/O, no threads, no clocks: time arrives as arguments. Not thread-safe; the
 store serialises calls.
@@ -38,12 +40,13 @@ store serialises calls.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId
 from kvtier.index import node
-from kvtier.index.eviction import CandidateSets, victim_runs, victims
+from kvtier.index.eviction import CandidateSets
 from kvtier.index.forest import Forest, LeaseTable
+from kvtier.index.helpers import common_blocks, shift_depth, subtree_tails
 from kvtier.index.node import (
     BlockRef,
     InsertResult,
@@ -51,15 +54,25 @@ from kvtier.index.node import (
     Node,
     PrefixHit,
     Residency,
-    VictimRun,
     can_clear,
     clearable_tail,
     next_fastest,
     slowest_counts,
 )
+from kvtier.index.queries import EvictionQueries
 
 
-class RadixIndex:
+class TierObserver(Protocol):
+    """Told of each change of where blocks live (`RadixIndex.observer`; KV events): blocks
+    lo..hi-1 of `node` gained a copy in `tier` (after the edit), or those of them that have a
+    copy in `tier` are about to lose it (before the edit, so their ids can still be read)."""
+
+    def gained(self, node: Node, lo: int, hi: int, tier: int) -> None: ...
+
+    def lost(self, node: Node, lo: int, hi: int, tier: int) -> None: ...
+
+
+class RadixIndex(EvictionQueries):
     """The index of every namespace, and the one object its users hold (module doc)."""
 
     def __init__(self, tiers: Sequence[str], block_tokens: int, hasher: BlockHasher) -> None:
@@ -75,6 +88,7 @@ class RadixIndex:
         self.forest = Forest(num_tiers, self.key_nbytes, hasher, self._candidates, self.residency)
         self.leases = LeaseTable(num_tiers, self._candidates)
         self._tick = 0
+        self.observer: TierObserver | None = None  # told of every copy gained or lost
 
     # ---- sizes --------------------------------------------------------------------------
 
@@ -198,7 +212,12 @@ class RadixIndex:
         a faster tier than the last matched block (prefix closure); the caller places them so.
         Their ids chain from the last matched block, computed when first read (`block_id`)."""
         self._tick += 1
-        return self.forest.grow(match, key, slots, self._tick)
+        result = self.forest.grow(match, key, slots, self._tick)
+        if self.observer is not None and result.new_blocks:
+            end = result.end
+            for tier in slots:
+                self.observer.gained(end, end.size - result.new_blocks, end.size, tier)
+        return result
 
     def set_slot(self, ref: BlockRef, tier: int, slot: int) -> None:
         """Record a complete copy of a block in `tier`. If it becomes the block's fastest copy,
@@ -222,6 +241,8 @@ class RadixIndex:
         self.residency.add(node.root.ids, tier, +1)
         if tier < old:
             shift_depth(self._candidates, node, i, tier, old, +1)
+        if self.observer is not None:
+            self.observer.gained(node, i, i + 1, tier)
 
     can_clear = staticmethod(can_clear)
 
@@ -233,6 +254,8 @@ class RadixIndex:
         fields = node.slots[tier]
         slot = fields[i]
         assert slot is not None
+        if self.observer is not None:
+            self.observer.lost(node, i, i + 1, tier)
         fields[i] = None
         self.residency.add(node.root.ids, tier, -1)
         if tier == copies[-1]:  # it was the slowest copy: the one before it is now
@@ -258,6 +281,8 @@ class RadixIndex:
         if not count:
             return []
         news, lo = news[len(news) - count :], hi - count
+        if self.observer is not None:
+            self.observer.lost(node, lo, hi, tier)
         fields = node.slots[tier]
         freed = fields[lo:hi]
         freed.reverse()
@@ -291,6 +316,8 @@ class RadixIndex:
         fields[lo:hi] = slots
         residency.slowest_counted(slowest_counts(node.slots, lo, hi), +1)
         residency.add(node.root.ids, tier, len(slots))
+        if self.observer is not None:
+            self.observer.gained(node, lo, hi, tier)
 
     def drop(self, ref: BlockRef) -> list[tuple[int, int]]:
         """Remove a leaf block (the last block of a node without children, not locked) from
@@ -308,6 +335,9 @@ class RadixIndex:
         """
         assert node.parent is not None and node.children is None and 0 < count <= node.size
         assert not any(node.locks or ()), "dropping a leased block"
+        if self.observer is not None:
+            for tier in range(len(self.tiers)):
+                self.observer.lost(node, node.size - count, node.size, tier)
         return self.forest.cut(node, count)
 
     def drop_subtree(self, ref: BlockRef) -> list[tuple[int, int]]:
@@ -320,37 +350,6 @@ class RadixIndex:
                 freed += [(tier, slot) for slot in slots]
         return freed
 
-    # ---- eviction -----------------------------------------------------------------------
-
-    @property
-    def floors(self) -> dict[bytes, tuple[int, ...]]:
-        """Each namespace's floor per tier (`set_floors`)."""
-        return self.residency.floors
-
-    def set_floors(self, floors: dict[bytes, tuple[int, ...]]) -> None:
-        """Fair shares: each namespace's floor per tier, in blocks (absent: 0). Empty: plain
-        LRU, as with a single tenant. A namespace holding no more than its floor in a tier is
-        protected there (see `eviction.victims`)."""
-        self.residency.set_floors(floors)
-
-    def victims(self, tier: int, owner: bytes | None = None) -> Iterator[BlockRef]:
-        """Least-recently-used leaves of `tier`, never locked; with floors set, first those of
-        namespaces above their floor, then `owner`'s own (see `eviction.victims`)."""
-        return victims(self._candidates, self.residency, tier, owner)
-
-    def victim_runs(self, tier: int, owner: bytes | None = None) -> Iterator[VictimRun]:
-        """The victims of `victims(tier, owner)`, in the same order, as runs of blocks of one
-        node; after a run the caller frees a suffix of it (`eviction.victim_runs`)."""
-        return victim_runs(self._candidates, self.residency, tier, owner)
-
-    def candidates(self, tier: int) -> dict[Node, int]:
-        """The nodes offering a `tier` victim, with their entry stamps; the live set."""
-        return self._candidates.of(tier)
-
-    def unqueued(self, tier: int) -> int:
-        """Candidates of `tier` missing from its recency queue (none, when consistent)."""
-        return self._candidates.queue(tier).unqueued()
-
     # ---- consistency --------------------------------------------------------------------
 
     def check(self) -> None:
@@ -358,43 +357,3 @@ class RadixIndex:
         from kvtier.index.check import check_index
 
         check_index(self)
-
-
-def common_blocks(node: Node, key: bytes, pos: int, kb: int) -> int:
-    """Whole blocks (`kb` bytes each) of `node.key` equal to `key[pos:]`; the first matches."""
-    lo, hi = 1, min(len(node.key), len(key) - pos) // kb  # lo blocks match; > hi cannot
-    while lo < hi:  # binary search on the length of the common prefix, in blocks
-        mid = (lo + hi + 1) // 2
-        if key.startswith(node.key[: mid * kb], pos):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def shift_depth(
-    candidates: CandidateSets, node: Node, i: int, lo: int, hi: int, delta: int
-) -> None:
-    """Block i's fastest tier moved between `lo` and `hi`: depth[lo:hi] changes by delta (and
-    the parent's `child_res` with it, when i is the first block); candidacy refreshed."""
-    for tier in range(lo, hi):
-        node.depth[tier] += delta
-        if i == 0 and node.depth[tier] == (1 if delta > 0 else 0):
-            parent = node.parent
-            assert parent is not None
-            parent.child_res[tier] += delta
-    if i == 0:
-        candidates.refresh(node.parent)  # type: ignore[arg-type]
-    candidates.refresh(node)
-
-
-def subtree_tails(ref: BlockRef) -> list[tuple[Node, int]]:
-    """What `drop_subtree(ref)` removes, leaf-first: (node, its last k blocks to drop)."""
-    node, i = ref
-    below: list[Node] = []  # pre-order: every node before its descendants
-    stack = list(node.children.values()) if node.children else []
-    while stack:
-        child = stack.pop()
-        below.append(child)
-        stack.extend(child.children.values() if child.children else ())
-    return [(child, child.size) for child in reversed(below)] + [(node, node.size - i)]

@@ -1,0 +1,47 @@
+"""Helpers of `radix.py`'s walks and edits: the common prefix of a node and a key, a block's
+fastest tier moving (`depth` and its parent's `child_res`), and what a subtree drop removes."""
+
+from __future__ import annotations
+
+from kvtier.index.eviction import CandidateSets
+from kvtier.index.node import BlockRef, Node
+
+
+def common_blocks(node: Node, key: bytes, pos: int, kb: int) -> int:
+    """Whole blocks (`kb` bytes each) of `node.key` equal to `key[pos:]`; the first matches."""
+    lo, hi = 1, min(len(node.key), len(key) - pos) // kb  # lo blocks match; > hi cannot
+    while lo < hi:  # binary search on the length of the common prefix, in blocks
+        mid = (lo + hi + 1) // 2
+        if key.startswith(node.key[: mid * kb], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def shift_depth(
+    candidates: CandidateSets, node: Node, i: int, lo: int, hi: int, delta: int
+) -> None:
+    """Block i's fastest tier moved between `lo` and `hi`: depth[lo:hi] changes by delta (and
+    the parent's `child_res` with it, when i is the first block); candidacy refreshed."""
+    for tier in range(lo, hi):
+        node.depth[tier] += delta
+        if i == 0 and node.depth[tier] == (1 if delta > 0 else 0):
+            parent = node.parent
+            assert parent is not None
+            parent.child_res[tier] += delta
+    if i == 0:
+        candidates.refresh(node.parent)  # type: ignore[arg-type]
+    candidates.refresh(node)
+
+
+def subtree_tails(ref: BlockRef) -> list[tuple[Node, int]]:
+    """What `drop_subtree(ref)` removes, leaf-first: (node, its last k blocks to drop)."""
+    node, i = ref
+    below: list[Node] = []  # pre-order: every node before its descendants
+    stack = list(node.children.values()) if node.children else []
+    while stack:
+        child = stack.pop()
+        below.append(child)
+        stack.extend(child.children.values() if child.children else ())
+    return [(child, child.size) for child in reversed(below)] + [(node, node.size - i)]

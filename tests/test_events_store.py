@@ -1,0 +1,174 @@
+"""A store's KV events, read over a real ZMQ socket by a decoder written from vLLM's / llm-d's
+field positions: after every store, demotion, eviction, disk write and clear, the residency the
+events describe (block hash -> media) equals the index's own, sequence numbers have no gaps, a
+subscriber that joins late recovers through replay, and per-tenant topics keep tenants apart."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import pytest
+import zmq
+from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, kv_for, tiny_block_bytes
+
+from kvtier import KVStore, parse_config
+from kvtier.index.node import Node
+
+MEDIA = {"gpu": "GPU", "host": "CPU", "disk": "DISK"}
+
+
+def make(tmp_path: Path, per_tenant: bool = False) -> KVStore:
+    block = tiny_block_bytes()
+    return KVStore(
+        parse_config(
+            {
+                "model": {**TINY_MODEL, "dtype": "float32"},
+                "block_tokens": TINY_BLOCK_TOKENS,
+                "tiers": {
+                    "gpu": {"capacity": 4 * block, "device": "cpu"},
+                    "host": {"capacity": 8 * block, "pinned": False},
+                    "disk": {"capacity": 64 * block, "path": str(tmp_path / "disk")},
+                },
+                "mover": {"background": False},
+                "tenants": {"alice": {}, "bob": {}},
+                "events": {
+                    "endpoint": "tcp://127.0.0.1:0",
+                    "replay_endpoint": "tcp://127.0.0.1:0",
+                    "topic": "kv@pod@tiny",
+                    "per_tenant_topic": per_tenant,
+                },
+            }
+        )
+    )
+
+
+class Listener:
+    """A SUB that decodes by field position and keeps the residency the events describe."""
+
+    def __init__(self, ctx: Any, endpoint: str, topic: str = "") -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVTIMEO, 200)
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self.sub.connect(endpoint)
+        time.sleep(0.3)
+        self.media: dict[int, set[str]] = {}
+        self.seqs: list[int] = []
+        self.topics: set[str] = set()
+
+    def apply(self, payload: bytes) -> None:
+        _ts, events, _rank = msgpack.unpackb(payload)
+        for event in events:
+            if event[0] == "BlockStored":
+                for h in event[1]:
+                    self.media.setdefault(h, set()).add(event[6])
+            elif event[0] == "BlockRemoved":
+                for h in event[1]:
+                    self.media[h].discard(event[2])
+                    if not self.media[h]:
+                        del self.media[h]
+            else:
+                self.media.clear()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                topic, seq, payload = self.sub.recv_multipart()
+            except zmq.Again:
+                return
+            self.topics.add(topic.decode())
+            self.seqs.append(int.from_bytes(seq, "big"))
+            self.apply(payload)
+
+
+def residency(store: KVStore) -> dict[int, set[str]]:
+    """Block hash (first 8 bytes of the id, big-endian) -> media, from the index itself."""
+    out: dict[int, set[str]] = {}
+    size = store.index.digest_size
+    stack: list[Node] = []
+    for root in store.index.roots():
+        stack.extend(root.children.values() if root.children else ())
+    while stack:
+        node = stack.pop()
+        ids = store.index.forest.ids_of(node)
+        for i in range(node.size):
+            media = {
+                MEDIA[t] for n, t in enumerate(store.tier_names) if node.slots[n][i] is not None
+            }
+            out[int.from_bytes(ids[i * size : i * size + 8], "big")] = media
+        stack.extend(node.children.values() if node.children else ())
+    return out
+
+
+@pytest.fixture
+def ctx() -> Iterator[Any]:
+    context: Any = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def settle(listener: Listener, store: KVStore) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        listener.drain()
+        if listener.media == residency(store) or time.monotonic() > deadline:
+            break
+    assert listener.media == residency(store)
+
+
+def test_events_track_where_every_block_lives(tmp_path: Path, ctx: Any) -> None:
+    store = make(tmp_path)
+    assert store.parts.events is not None
+    listener = Listener(ctx, store.parts.events.endpoint)
+    prompts = [list(range(100 * p, 100 * p + 12)) for p in range(6)]  # 3 blocks each
+    for n, tokens in enumerate(prompts):  # stores; past 4 gpu / 8 host slots: demotions
+        store.store(tokens, kv_for(store, 12, seed=n), tenant="alice")
+        settle(listener, store)
+    assert store.persist() > 0  # disk copies
+    settle(listener, store)
+    assert any("DISK" in media for media in listener.media.values())
+    for n, tokens in enumerate(prompts[:3]):
+        store.load(tokens, tenant="alice")  # back up from disk where they left memory
+        store.store(tokens[:4] + [9999] * 8, kv_for(store, 12, seed=50 + n), tenant="alice")
+        settle(listener, store)
+    store.clear(tenant="alice")
+    settle(listener, store)
+    assert listener.media == {}
+    assert listener.seqs == list(range(len(listener.seqs)))  # no gaps
+    assert listener.topics == {"kv@pod@tiny"}
+    store.check()
+    store.close()
+
+
+def test_a_late_subscriber_recovers_and_tenants_keep_to_their_topics(
+    tmp_path: Path, ctx: Any
+) -> None:
+    store = make(tmp_path, per_tenant=True)
+    publisher = store.parts.events
+    assert publisher is not None and publisher.replay_endpoint is not None
+    store.store(list(range(12)), kv_for(store, 12, seed=1), tenant="bob")
+    store.store(list(range(12)), kv_for(store, 12, seed=2), tenant="alice")
+    deadline = time.monotonic() + 5
+    while publisher.stats()["messages"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    late = Listener(ctx, publisher.endpoint, "kv@pod@tiny@alice")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(publisher.replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big"), b"kv@pod@tiny@alice"])
+    while (frames := dealer.recv_multipart())[2] != (-1).to_bytes(8, "big", signed=True):
+        assert frames[1] == b"kv@pod@tiny@alice"  # bob's never replayed to alice
+        late.seqs.append(int.from_bytes(frames[2], "big"))
+        late.apply(frames[3])
+    alice = set(residency(store))
+    assert late.seqs[0] == 0 and set(late.media) <= alice and late.media
+    bob_root = next(r for r in store.index.roots() if r.ids == store.namespaces.seed("bob"))
+    assert bob_root.children
+    bob_first = next(iter(bob_root.children.values()))
+    bob_ids = store.index.forest.ids_of(bob_first)
+    assert int.from_bytes(bob_ids[:8], "big") not in late.media
+    dealer.close()
+    store.close()
