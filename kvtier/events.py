@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import numpy as np
 import zmq
 
 from kvtier.index import RadixIndex
@@ -261,11 +262,23 @@ class IndexEvents:
     ) -> None:
         self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
         self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
+        self._last: tuple[tuple[Node, int, int, int], tuple[list[int], int | None, list[int]]]
+        self._last = None  # type: ignore[assignment]
 
     def gained(self, node: Node, lo: int, hi: int, tier: int) -> None:
         tenant = self.tenant_of(node.root.ids)
         if tenant is None:
             return
+        hashes, parent, tokens = self._stored(node, lo, hi)
+        block_tokens = self.index.block_tokens
+        self.publisher.stored(tenant, hashes, parent, tokens, block_tokens, self.media[tier])
+
+    def _stored(self, node: Node, lo: int, hi: int) -> tuple[list[int], int | None, list[int]]:
+        """Hashes, parent hash and tokens of blocks lo..hi-1 of `node`; the last answer is kept,
+        since a store tells of the same new blocks once per tier it wrote them to."""
+        key = (node, lo, hi, len(node.key))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
         hashes, parent = self._hashes(node, lo, hi), None
         if lo:
             parent = self._hashes(node, lo - 1, lo)[0]
@@ -273,20 +286,20 @@ class IndexEvents:
             above = node.parent
             parent = self._hashes(above, above.size - 1, above.size)[0]
         kb = self.index.key_nbytes
-        tokens = [int.from_bytes(node.key[at : at + 4], "little")
-                  for at in range(lo * kb, hi * kb, 4)]  # fmt: skip
-        block_tokens = self.index.block_tokens
-        self.publisher.stored(tenant, hashes, parent, tokens, block_tokens, self.media[tier])
+        tokens = np.frombuffer(node.key, "<u4", (hi - lo) * kb // 4, lo * kb).tolist()
+        self._last = (key, (hashes, parent, tokens))
+        return hashes, parent, tokens
 
     def lost(self, node: Node, lo: int, hi: int, tier: int) -> None:
         held = [i for i in range(lo, hi) if node.slots[tier][i] is not None]
         tenant = self.tenant_of(node.root.ids) if held else None
         if tenant is None:
             return
-        ids, size = self.index.forest.ids_of(node), self.index.digest_size
-        hashes = [hash64(ids[i * size : (i + 1) * size]) for i in held]
-        self.publisher.removed(tenant, hashes, self.media[tier])
+        hashes = self._hashes(node, lo, hi)
+        self.publisher.removed(tenant, [hashes[i - lo] for i in held], self.media[tier])
 
     def _hashes(self, node: Node, lo: int, hi: int) -> list[int]:
         ids, size = self.index.forest.ids_of(node), self.index.digest_size
-        return [hash64(ids[i * size : (i + 1) * size]) for i in range(lo, hi)]
+        rows = np.frombuffer(ids, np.uint8, (hi - lo) * size, lo * size).reshape(-1, size)
+        hashes: list[int] = np.ascontiguousarray(rows[:, :8]).view(">u8").ravel().tolist()
+        return hashes
