@@ -26,11 +26,11 @@ bytes, signed), b""]`. With `per_tenant` topics, a client adds the topic as a th
 gets that topic's messages only.
 
 Contract:
-- `stored`, `removed` and `cleared` never block and never touch a socket: they queue, and the
-  publisher's thread batches what is queued (up to `max_batch` events, or for `flush_s`) into
-  one message per topic. The queue is bounded (`queue_limit` events); an event past it is
-  dropped and counted, and that topic's next message starts with AllBlocksCleared, so that a
-  router forgets what it can no longer trust instead of routing on it.
+- `stored`, `removed` and `cleared` never block and never touch a socket: they append to a
+  queue, and the publisher's thread, every `flush_s`, sends what is queued as messages of at
+  most `max_batch` events, one topic each. The queue is bounded (`queue_limit` events); an
+  event past it is dropped and counted, and that topic's next message starts with
+  AllBlocksCleared, so that a router forgets what it can no longer trust.
 - Tenants: an event holds one tenant's blocks. With `per_tenant`, each tenant's events go to
   `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
   to `topic` (an operator who must not mix tenants turns it on).
@@ -41,7 +41,6 @@ Contract:
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -106,7 +105,9 @@ class EventPublisher:
             settings.flush_s,
         )
         queue_limit = settings.queue_limit
-        self._queue: queue.Queue[Event | None] = queue.Queue(maxsize=queue_limit)
+        self._pending: collections.deque[Event] = collections.deque()  # appended by callers
+        self._queue_limit = queue_limit
+        self._stopping = False
         self._topics: dict[str, _Topic] = {}
         self._lock = threading.RLock()
         self._stats = {"events": 0, "messages": 0, "dropped_events": 0, "replays": 0}
@@ -152,7 +153,7 @@ class EventPublisher:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._queue.put(None)  # after everything queued: sent first
+            self._stopping = True  # the thread sends what is queued, then ends
             self._thread.join(timeout=10)
         self._pub.close()
         if self._replay is not None:
@@ -162,12 +163,14 @@ class EventPublisher:
     # ---- inside -------------------------------------------------------------------------
 
     def _put(self, tenant: str, event: list[Any]) -> None:
-        try:
-            self._queue.put_nowait((tenant, event))
-        except queue.Full:
-            with self._lock:
-                self._stats["dropped_events"] += 1
-                self._topic(tenant).lost = True
+        """Queue an event: one append (atomic under the GIL), no lock, no wake-up; the thread
+        looks every `flush_s`."""
+        if len(self._pending) < self._queue_limit:
+            self._pending.append((tenant, event))
+            return
+        with self._lock:
+            self._stats["dropped_events"] += 1
+            self._topic(tenant).lost = True
 
     def _topic(self, tenant: str) -> _Topic:
         name = f"{self.topic}@{tenant}" if self.per_tenant else self.topic
@@ -177,31 +180,20 @@ class EventPublisher:
         return topic
 
     def _run(self) -> None:
-        done = False
-        while not done:
-            if self._replay is not None and self._replay.poll(0):
-                self._serve_replay()
-            try:
-                first = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            batch: list[Event] = []
-            deadline = time.monotonic() + self.flush_s
-            item = first
-            while True:
-                if item is None:
-                    done = True
-                    break
-                batch.append(item)
-                if len(batch) >= self.max_batch:
-                    break
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-            self._send(batch)
-        if self._replay is not None and self._replay.poll(0):
-            self._serve_replay()
+        while True:
+            stopping = self._stopping  # read before the drain: nothing queued before is left
+            if self._replay is not None:
+                if self._replay.poll(int(self.flush_s * 1000) or 1):
+                    self._serve_replay()
+            else:
+                time.sleep(self.flush_s or 0.001)
+            while self._pending:
+                with self._lock:  # taken while draining, so that a holder stalls the sender
+                    take = min(len(self._pending), self.max_batch)
+                    batch = [self._pending.popleft() for _ in range(take)]
+                self._send(batch)
+            if stopping:
+                return
 
     def _send(self, batch: list[Event]) -> None:
         grouped: dict[str, list[list[Any]]] = {}
