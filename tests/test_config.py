@@ -401,3 +401,21 @@ def test_a_sidecar_names_the_tensor_parallel_shard_it_holds() -> None:
         with pytest.raises(ConfigError) as info:
             parse_config({"model": {**model, **bad}})
         assert info.value.field.startswith("model.tp_"), (bad, info.value)
+
+
+def test_events_are_off_unless_set_and_check_each_field() -> None:
+    assert parse_config({}).events is None
+    events = parse_config({"events": {"endpoint": "tcp://*:5557", "topic": "kv@pod@m"}}).events
+    assert events is not None and (events.endpoint, events.buffer) == ("tcp://*:5557", 10_000)
+    assert events.replay_endpoint is None and not events.per_tenant_topic
+    for bad, field in (
+        ({}, "endpoint"),
+        ({"endpoint": "http://h:1"}, "endpoint"),
+        ({"endpoint": "tcp://h:1", "replay_endpoint": "tcp://h"}, "replay_endpoint"),
+        ({"endpoint": "tcp://h:1", "topic": "a topic"}, "topic"),
+        ({"endpoint": "tcp://h:1", "per_tenant_topic": 1}, "per_tenant_topic"),
+        ({"endpoint": "tcp://h:1", "buffer": 0}, "buffer"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            parse_config({"events": bad})
+        assert info.value.field == f"events.{field}", (bad, info.value)

@@ -5,19 +5,13 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import BeforeValidator
-
-from kvtier.config.fields import Section, int_in, one_of, rule
+from kvtier.config.fields import Section, int_in, matching, one_of
 
 _ENDPOINT = re.compile(r"(tcp://[A-Za-z0-9_.*\-\[\]:]{1,255}:\d{1,5}|ipc://[^\x00]{1,200})")
 _TOPIC = re.compile(r"[\x21-\x7e]{1,200}")  # printable ASCII, no space
 
 
-def _endpoint(optional: bool) -> BeforeValidator:
-    return rule(
-        lambda v: (optional and v is None) or (isinstance(v, str) and bool(_ENDPOINT.fullmatch(v))),
-        "a ZMQ address to bind: tcp://HOST:PORT or ipc://PATH",
-    )
+_WHERE = "a ZMQ address to bind: tcp://HOST:PORT or ipc://PATH"
 
 
 class EventsConfig(Section):
@@ -26,14 +20,10 @@ class EventsConfig(Section):
     `topic` defaults to `kv@<host name>@<model name>`; with `per_tenant_topic` each tenant's
     events go to `<topic>@<tenant>` only."""
 
-    endpoint: Annotated[str, _endpoint(False)]
-    replay_endpoint: Annotated[str | None, _endpoint(True)] = None
+    endpoint: Annotated[str, matching(_ENDPOINT, _WHERE)]
+    replay_endpoint: Annotated[str | None, matching(_ENDPOINT, _WHERE, True)] = None
     topic: Annotated[
-        str | None,
-        rule(
-            lambda v: v is None or (isinstance(v, str) and bool(_TOPIC.fullmatch(v))),
-            "1 to 200 printable ASCII characters, no space",
-        ),
+        str | None, matching(_TOPIC, "1 to 200 printable ASCII characters, no space", True)
     ] = None
     per_tenant_topic: Annotated[bool, one_of((True, False))] = False
     buffer: Annotated[int, int_in(1, 1_000_000)] = 10_000

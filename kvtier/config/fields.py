@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
@@ -54,6 +55,14 @@ def rule(ok: Callable[[Any], bool], expected: str) -> BeforeValidator:
         return value
 
     return BeforeValidator(check)
+
+
+def matching(pattern: re.Pattern[str], expected: str, optional: bool = False) -> BeforeValidator:
+    """A string that `pattern` matches whole (or None, when `optional`), saying `expected`."""
+    return rule(
+        lambda v: (optional and v is None) or (isinstance(v, str) and bool(pattern.fullmatch(v))),
+        expected,
+    )
 
 
 def int_in(low: int, high: float = math.inf) -> BeforeValidator:

@@ -27,9 +27,9 @@ from kvtier.config.fields import (
     SecretRef,
     Section,
     int_in,
+    matching,
     number_in,
     one_of,
-    rule,
 )
 from kvtier.sizes import Capacity
 
@@ -61,13 +61,7 @@ class GpuTierConfig(_MemoryTierConfig):
     capacity: MemoryCapacity = Capacity(nbytes=256 * 2**20)
     high_watermark: Fraction01 = 0.95
     low_watermark: Fraction01 = 0.85
-    device: Annotated[
-        str,
-        rule(
-            lambda v: isinstance(v, str) and bool(_DEVICE.fullmatch(v)),
-            "one of auto, cpu, cuda, cuda:N",
-        ),
-    ] = "auto"
+    device: Annotated[str, matching(_DEVICE, "one of auto, cpu, cuda, cuda:N")] = "auto"
 
 
 class HostTierConfig(_MemoryTierConfig):
@@ -134,20 +128,10 @@ class RemoteTierConfig(Section):
     answers about a million AUTH attempts a second, so a short password protects nothing)."""
 
     nodes: Annotated[tuple[str, ...], BeforeValidator(_nodes)]
-    key_prefix: Annotated[
-        str,
-        rule(
-            lambda v: isinstance(v, str) and bool(_PREFIX.fullmatch(v)),
-            "1 to 64 of A-Z a-z 0-9 _ . -",
-        ),
-    ] = "kvtier"
+    key_prefix: Annotated[str, matching(_PREFIX, "1 to 64 of A-Z a-z 0-9 _ . -")] = "kvtier"
     secret: SecretRef | None = None
     username: Annotated[
-        str | None,
-        rule(
-            lambda v: v is None or (isinstance(v, str) and bool(_PREFIX.fullmatch(v))),
-            "an ACL user name: 1 to 64 of A-Z a-z 0-9 _ . -",
-        ),
+        str | None, matching(_PREFIX, "an ACL user name: 1 to 64 of A-Z a-z 0-9 _ . -", True)
     ] = None
     password: SecretRef | None = None
     tls: RemoteTlsConfig | None = None
