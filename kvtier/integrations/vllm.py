@@ -179,12 +179,15 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
         meta = KvtierMetadata(loads=self._loads, load_async=self.load_async)
         self._loads = []
+        computed: dict[str, int] = {}  # tokens computed before this step, per request
         for new in scheduler_output.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
             planned = self._requests.get(new.req_id)
             if planned is not None:
                 planned.blocks = list(new.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            computed[req_id] = cached.num_computed_tokens[i]
             planned = self._requests.get(req_id)
             more = cached.new_block_ids[i]
             if planned is None or more is None:
@@ -197,7 +200,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             planned = self._requests.get(req_id)
             if planned is None or planned.saved:
                 continue
-            done = self._computed(scheduler_output, req_id) + count
+            done = computed.get(req_id, 0) + count
             whole = len(planned.tokens) - len(planned.tokens) % self.block_size
             if done >= len(planned.tokens) and whole > planned.local + planned.external:
                 blocks = tuple(planned.blocks[: whole // self.block_size])
@@ -210,6 +213,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         recomputed by vLLM, is saved again."""
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         invalid = set(connector_output.invalid_block_ids or ())
+        if not failed and not invalid:  # every step: nothing to look through
+            return
         for req_id, planned in self._requests.items():
             if req_id in failed or invalid & set(planned.blocks):
                 self._failed.add(req_id)
@@ -350,15 +355,6 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if named is None:
             return self.key
         return self.tenant_keys.get(str(named))
-
-    def _computed(self, scheduler_output: Any, req_id: str) -> int:
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id == req_id:
-                return int(new.num_computed_tokens)
-        cached = scheduler_output.scheduled_cached_reqs
-        if req_id in cached.req_ids:
-            return int(cached.num_computed_tokens[cached.req_ids.index(req_id)])
-        return 0
 
     def _client(self, key: str) -> Client:
         with self._clients_lock:
