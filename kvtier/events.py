@@ -92,21 +92,9 @@ class EventPublisher:
         settings: EventSettings | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        settings = settings or EventSettings()
-        self.settings, self.clock = settings, clock
-        self.topic, self.per_tenant, self.dp_rank = (
-            settings.topic,
-            settings.per_tenant,
-            settings.dp_rank,
-        )
-        self.buffer, self.max_batch, self.flush_s = (
-            settings.buffer,
-            settings.max_batch,
-            settings.flush_s,
-        )
-        queue_limit = settings.queue_limit
+        self.settings = settings = settings or EventSettings()
+        self.topic, self.clock = settings.topic, clock
         self._pending: collections.deque[Event] = collections.deque()  # appended by callers
-        self._queue_limit = queue_limit
         self._stopping = False
         self._topics: dict[str, _Topic] = {}
         self._lock = threading.RLock()
@@ -165,7 +153,7 @@ class EventPublisher:
     def _put(self, tenant: str, event: list[Any]) -> None:
         """Queue an event: one append (atomic under the GIL), no lock, no wake-up; the thread
         looks every `flush_s`."""
-        if len(self._pending) < self._queue_limit:
+        if len(self._pending) < self.settings.queue_limit:
             self._pending.append((tenant, event))
             return
         with self._lock:
@@ -173,7 +161,7 @@ class EventPublisher:
             self._topic(tenant).lost = True
 
     def _topic(self, tenant: str) -> _Topic:
-        name = f"{self.topic}@{tenant}" if self.per_tenant else self.topic
+        name = f"{self.topic}@{tenant}" if self.settings.per_tenant else self.topic
         topic = self._topics.get(name)
         if topic is None:
             topic = self._topics[name] = _Topic(name.encode())
@@ -183,13 +171,13 @@ class EventPublisher:
         while True:
             stopping = self._stopping  # read before the drain: nothing queued before is left
             if self._replay is not None:
-                if self._replay.poll(int(self.flush_s * 1000) or 1):
+                if self._replay.poll(int(self.settings.flush_s * 1000) or 1):
                     self._serve_replay()
             else:
-                time.sleep(self.flush_s or 0.001)
+                time.sleep(self.settings.flush_s or 0.001)
             while self._pending:
                 with self._lock:  # taken while draining, so that a holder stalls the sender
-                    take = min(len(self._pending), self.max_batch)
+                    take = min(len(self._pending), self.settings.max_batch)
                     batch = [self._pending.popleft() for _ in range(take)]
                 self._send(batch)
             if stopping:
@@ -198,7 +186,7 @@ class EventPublisher:
     def _send(self, batch: list[Event]) -> None:
         grouped: dict[str, list[list[Any]]] = {}
         for tenant, event in batch:
-            grouped.setdefault(tenant if self.per_tenant else "", []).append(event)
+            grouped.setdefault(tenant if self.settings.per_tenant else "", []).append(event)
         now = self.clock()
         for tenant, events in grouped.items():
             with self._lock:
@@ -208,11 +196,11 @@ class EventPublisher:
                     topic.lost = False
                 seq = topic.seq
                 topic.seq += 1
-            payload = msgpack.packb([now, events, self.dp_rank])
+            payload = msgpack.packb([now, events, self.settings.dp_rank])
             self._pub.send_multipart((topic.name, seq.to_bytes(8, "big"), payload))
             with self._lock:
                 topic.sent.append((seq, payload))
-                while len(topic.sent) > self.buffer:
+                while len(topic.sent) > self.settings.buffer:
                     topic.sent.popleft()
                 self._stats["messages"] += 1
                 self._stats["events"] += len(events)
@@ -234,6 +222,7 @@ class EventPublisher:
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
+Stored = tuple[list[int], int | None, list[int]]  # a BlockStored's hashes, parent, tokens
 MEDIUM_OF_TIER = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
 
 
@@ -254,8 +243,7 @@ class IndexEvents:
     ) -> None:
         self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
         self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
-        self._last: tuple[tuple[Node, int, int, int], tuple[list[int], int | None, list[int]]]
-        self._last = None  # type: ignore[assignment]
+        self._last: tuple[tuple[Node, int, int, int], Stored] | None = None  # (`_stored`)
 
     def gained(self, node: Node, lo: int, hi: int, tier: int) -> None:
         tenant = self.tenant_of(node.root.ids)
@@ -265,7 +253,7 @@ class IndexEvents:
         block_tokens = self.index.block_tokens
         self.publisher.stored(tenant, hashes, parent, tokens, block_tokens, self.media[tier])
 
-    def _stored(self, node: Node, lo: int, hi: int) -> tuple[list[int], int | None, list[int]]:
+    def _stored(self, node: Node, lo: int, hi: int) -> Stored:
         """Hashes, parent hash and tokens of blocks lo..hi-1 of `node`; the last answer is kept,
         since a store tells of the same new blocks once per tier it wrote them to."""
         key = (node, lo, hi, len(node.key))
