@@ -17,16 +17,15 @@ than vLLM; the default suite does not collect this directory):
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from engine_process import launch as run_engine
+from engine_process import report as engine_report
 from service_server import Server, running, write_config
 
 pytest.importorskip("sglang", reason="SGLang is installed apart: tests/engines/install.sh sglang")
@@ -43,18 +42,12 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def launch(server: Server, **args: Any) -> subprocess.CompletedProcess[str]:
-    body = {"url": server.url, "api_key": ALICE, "seed": 4, **args}
-    return subprocess.run(
-        [sys.executable, str(ENGINE), json.dumps(body)],
-        capture_output=True, text=True, timeout=300, check=False, env=dict(os.environ),
-    )  # fmt: skip
+    return run_engine(ENGINE, {"url": server.url, "api_key": ALICE, "seed": 4, **args})
 
 
 def controller(server: Server, **args: Any) -> dict[str, Any]:
     """Run one SGLang controller process; its report."""
-    done = launch(server, **args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report = engine_report(launch(server, **args))
     assert report["backend"] == "KvtierHiCacheStorage" and report["stats"]["errors"] == 0
     return report
 

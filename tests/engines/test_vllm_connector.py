@@ -18,16 +18,15 @@ Run with vLLM installed apart (the default suite does not collect this directory
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from engine_process import launch as run_engine
+from engine_process import report as engine_report
 from service_server import ADMIN_KEY, Server, running, write_config
 
 from kvtier.client import Client
@@ -48,18 +47,14 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def launch(server: Server, **args: Any) -> subprocess.CompletedProcess[str]:
-    body = {"url": server.url, "api_key": ALICE, "prompt": PROMPT, "seed": 5, **args}
-    return subprocess.run(
-        [sys.executable, str(ENGINE), json.dumps(body)],
-        capture_output=True, text=True, timeout=300, check=False, env=dict(os.environ),
-    )  # fmt: skip
+    return run_engine(
+        ENGINE, {"url": server.url, "api_key": ALICE, "prompt": PROMPT, "seed": 5, **args}
+    )
 
 
 def engine(server: Server, **args: Any) -> dict[str, Any]:
     """Run one engine process to the end of its request; its report."""
-    done = launch(server, **args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    report = engine_report(launch(server, **args))
     assert report["finished"] == "FINISHED_LENGTH_CAPPED", report
     assert report["computed_prompt"], report  # every prompt token's KV right at the end
     return report
