@@ -35,6 +35,8 @@ Contract:
   `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
   to `topic` (an operator who must not mix tenants turns it on).
 - The replay buffer keeps the last `buffer` messages of each topic.
+- `flush()` sends what is queued from the caller's thread (a replay that routes on events
+  waits for a store's); `sent(topic)` is the number of messages a topic has had.
 - `close()` sends what is queued, then closes the sockets.
 """
 
@@ -99,6 +101,7 @@ class EventPublisher:
         self._topics: dict[str, _Topic] = {}
         self._lock = threading.RLock()
         self._stats = {"events": 0, "messages": 0, "dropped_events": 0, "replays": 0}
+        self._sending = threading.Lock()  # held by whoever drains the queue into the PUB
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
@@ -139,6 +142,17 @@ class EventPublisher:
         with self._lock:
             return dict(self._stats)
 
+    def sent(self, topic: str | None = None) -> int:
+        """Messages sent so far on `topic` (default: the publisher's), the next one's number."""
+        with self._lock:
+            found = self._topics.get(self.topic if topic is None else topic)
+            return found.seq if found is not None else 0
+
+    def flush(self) -> None:
+        """Send every event queued before the call, from the caller's thread (the PUB socket
+        is used under `_sending` only, so it never serves two threads at once)."""
+        self._drain()
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._stopping = True  # the thread sends what is queued, then ends
@@ -175,13 +189,17 @@ class EventPublisher:
                     self._serve_replay()
             else:
                 time.sleep(self.settings.flush_s or 0.001)
+            self._drain()
+            if stopping:
+                return
+
+    def _drain(self) -> None:
+        with self._sending:
             while self._pending:
                 with self._lock:  # taken while draining, so that a holder stalls the sender
                     take = min(len(self._pending), self.settings.max_batch)
                     batch = [self._pending.popleft() for _ in range(take)]
                 self._send(batch)
-            if stopping:
-                return
 
     def _send(self, batch: list[Event]) -> None:
         grouped: dict[str, list[list[Any]]] = {}

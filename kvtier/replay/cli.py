@@ -6,6 +6,9 @@
     ... --json                           every figure as JSON on stdout
     kvtier replay TRACE --replicas N [--remote]   N stores behind a round-robin router, alone
                                          and sharing a remote tier (`replicas.py`)
+    kvtier replay TRACE --replicas N --route round-robin,prefix,prefix-load [--plot P]
+                                         N stores routed on their KV events, against one
+                                         store of N times the capacity (`routed.py`)
 
 Each run is compared with exact simulations of one cache of its capacity in blocks (LRU of
 leaves, and the offline furthest-next-use leaf; `simulate.py`), and a paced run (`--speed`)
@@ -16,7 +19,9 @@ infinite-cache ceiling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.util
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -31,6 +36,7 @@ from kvtier.replay.report import (
     format_table,
     plot,
 )
+from kvtier.replay.routed import format_routed, parse_policies, plot_routed, replay_routed
 from kvtier.replay.runner import ReplayOptions, capacity_blocks, replay
 from kvtier.replay.simulate import LRU, Chain, Furthest, chains, simulate
 from kvtier.replay.trace import Ceiling, TraceRequest, ceiling, read_trace
@@ -67,6 +73,12 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument(
         "--remote", action="store_true", help="also run the N stores sharing a remote tier"
+    )
+    cmd.add_argument(
+        "--route",
+        metavar="POLICIES",
+        help="route the N stores on their KV events: round-robin,prefix,prefix-load (any of "
+        "them, comma-separated), against one store of N times the capacity",
     )
     cmd.add_argument(
         "--remote-nodes", help="that tier's cluster, host:port,... (default: one started here)"
@@ -130,9 +142,17 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print(f"kvtier: --replicas: got {args.replicas}, expected >= 1", file=sys.stderr)
         return 2
-    sizings = _sizings(args)  # sizes are checked before the trace is read
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("kvtier: --plot: matplotlib is not installed; pip install 'kvtier[plot]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    sizings = _sizings(args)  # sizes and policies are checked before the trace is read
+    if args.route is not None:
+        parse_policies(args.route)
     requests = read_trace(args.trace, args.limit)
     limit = ceiling(requests)
+    if args.route is not None:
+        return _run_routed(args, requests, limit, sizings[0], options)
     if args.replicas > 1 or args.remote:
         return _run_fleet(args, requests, limit, sizings[0], options)
     results: list[ReplayResult] = []
@@ -192,4 +212,49 @@ def _run_fleet(
         f"{sizing.disk:g} of the unique blocks; ceiling {limit.hit_rate:.1%}"
     )
     print(format_fleet(runs))
+    return 0
+
+
+def _run_routed(
+    args: argparse.Namespace,
+    requests: list[TraceRequest],
+    limit: Ceiling,
+    sizing: Sizing,
+    options: ReplayOptions,
+) -> int:
+    """`--replicas N --route ...` (`routed.py`): per N (with `--plot`: 1, 2, 4, ... N), one
+    store of N times the capacity, then the N stores under each policy."""
+    policies = parse_policies(args.route)
+    counts = [args.replicas]
+    if args.plot:
+        counts = sorted({*(1 << k for k in range(args.replicas.bit_length())), args.replicas})
+    with contextlib.ExitStack() as stack:
+        nodes = None
+        if args.remote:
+            given = args.remote_nodes.split(",") if args.remote_nodes else None
+            nodes = stack.enter_context(cluster_nodes(given))
+        by_count = {
+            n: replay_routed(requests, limit, sizing, options, n, policies, nodes) for n in counts
+        }
+    if args.plot:
+        plot_routed(by_count, args.plot)
+    runs = by_count[args.replicas]
+    if args.json:
+        document = {"trace": args.trace, "replicas": {n: [r.to_dict() for r in by_count[n]]
+                                                      for n in counts}}  # fmt: skip
+        print(json.dumps(document, indent=2))
+        return 0
+    shared = ", sharing a remote tier" if args.remote else ""
+    print(
+        f"trace {args.trace}: {limit.requests:,} requests over {args.replicas} replicas"
+        f"{shared}, each sized gpu {sizing.gpu:g} / host {sizing.host:g} / disk "
+        f"{sizing.disk:g} of the unique blocks; ceiling {limit.hit_rate:.1%}"
+    )
+    for n in counts:
+        if n != args.replicas:
+            rates = ", ".join(f"{r.policy} {r.hit_rate:.1%}" for r in by_count[n][1:])
+            print(f"N = {n}: one store {by_count[n][0].hit_rate:.1%}; {rates}")
+    print(format_routed(runs))
+    if args.plot:
+        print(f"plot: {args.plot}")
     return 0

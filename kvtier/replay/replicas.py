@@ -33,6 +33,7 @@ import torch
 
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError
+from kvtier.replay.fleet_router import FleetRouter, events_config
 from kvtier.replay.report import Sizing
 from kvtier.replay.runner import ReplayOptions, replay_config
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
@@ -50,6 +51,19 @@ class FleetRun:
     ceiling_tokens: int
     wall_s: float
     remote: dict[str, int] | None = None  # the replicas' remote counters, summed
+    policy: str | None = None  # the router's (`routed.py`); None: round robin without events
+    assigned: tuple[int, ...] = ()  # requests per replica
+
+    @property
+    def imbalance(self) -> float:
+        """Requests of the busiest replica over the mean (1.0: even)."""
+        total = sum(self.assigned)
+        return max(self.assigned) * len(self.assigned) / total if total else 1.0
+
+    @property
+    def computed(self) -> float:
+        """The share of the prompts' tokens prefilled (not served by a tier)."""
+        return self.served["recomputed"] / self.tokens if self.tokens else 0.0
 
     @property
     def tokens(self) -> int:
@@ -78,6 +92,10 @@ class FleetRun:
             "ratio_to_ceiling": self.ratio,
             "wall_s": self.wall_s,
             "remote": self.remote,
+            "policy": self.policy,
+            "assigned": list(self.assigned),
+            "imbalance": self.imbalance,
+            "computed": self.computed,
         }
 
 
@@ -106,25 +124,31 @@ def replay_fleet(
     options: ReplayOptions,
     replicas: int,
     nodes: Sequence[str] | None,
+    policy: str | None = None,
 ) -> FleetRun:
     """One run of `replicas` stores (module doc); shared through the cluster of `nodes` when
-    it is not None."""
+    it is not None; routed by `policy` on the stores' KV events when it is given
+    (`routed.py`), else round robin without events."""
     served = dict.fromkeys((*TIERS, "recomputed"), 0)
     longest = max(r.num_tokens for r in requests)
     prefix = f"replay-{secrets.token_hex(6)}"  # this run's keys only
     with tempfile.TemporaryDirectory(prefix="kvtier-fleet-", dir=options.directory) as tmp:
         stores = [
-            KVStore(_config(sizing, ceiling, options, f"{tmp}/{i}", nodes, prefix))
+            KVStore(_config(sizing, ceiling, options, f"{tmp}/{i}", nodes, prefix, policy, i))
             for i in range(replicas)
         ]
+        router = FleetRouter(stores, policy, options.block_tokens) if policy else None
+        assigned = [0] * replicas
         try:
             kv = torch.zeros(
                 (1, 2, longest, 1, stores[0].layout.head_dim), dtype=stores[0].layout.dtype
             )
             started = time.perf_counter()
             for i, request in enumerate(requests):
-                store = stores[i % replicas]
                 tokens = request.tokens()
+                chosen = router.choose(tokens) if router is not None else i % replicas
+                assigned[chosen] += 1
+                store = stores[chosen]
                 hit = store.lookup(tokens)
                 for tier in TIERS:
                     served[tier] += getattr(hit, f"{tier}_tokens")
@@ -135,6 +159,8 @@ def replay_fleet(
                 store.store(tokens, kv[:, :, : len(tokens)])
                 if nodes is not None:
                     store.drain()
+                if router is not None:
+                    router.settle(chosen)  # the next request is routed on this one's events
             wall_s = time.perf_counter() - started
             remote = None
             if nodes is not None:
@@ -145,12 +171,25 @@ def replay_fleet(
                 }
             for store in stores:
                 store.check()
+            if router is not None:
+                router.check()
         finally:
+            if router is not None:
+                router.close()
             for store in stores:
                 store.close()
     label = f"{replicas} replicas" + (", shared remote" if nodes is not None else ", alone")
+    if policy is not None:
+        label = f"{replicas} replicas, {policy}" + (", shared remote" if nodes else "")
     return FleetRun(
-        label, replicas, served, ceiling.prefix_hits * TRACE_BLOCK_TOKENS, wall_s, remote
+        label,
+        replicas,
+        served,
+        ceiling.prefix_hits * TRACE_BLOCK_TOKENS,
+        wall_s,
+        remote,
+        policy,
+        tuple(assigned),
     )
 
 
@@ -161,9 +200,14 @@ def _config(
     directory: str,
     nodes: Sequence[str] | None,
     prefix: str,
+    policy: str | None = None,
+    replica: int = 0,
 ) -> KVTierConfig:
-    """A replica's config: one replay's, with the shared remote tier when `nodes` is given."""
+    """A replica's config: one replay's, with the shared remote tier when `nodes` is given, and
+    events on loopback when a `policy` routes on them."""
     config = replay_config(sizing, ceiling.unique_blocks, options, directory).to_dict()
+    if policy is not None:
+        config["events"] = events_config(replica)
     if nodes is not None:
         config["tiers"]["remote"] = {
             "nodes": list(nodes),

@@ -1,0 +1,14 @@
+"""Cache-aware routing (issue 16): a prefix index fed by KV events, and the scorer a gateway
+calls to send a request to the replica that already holds its prefix.
+
+- `index.py`: `PrefixIndex` (events in, `score(tokens) -> {pod: weighted prefix length}`);
+- `subscriber.py`: `Subscriber`, the thread that feeds it from ZMQ publishers and recovers
+  lost messages through their replay endpoints;
+- `policies.py`: how a replica is chosen from the scores (round robin, prefix, prefix-load).
+"""
+
+from kvtier.routing.index import DEFAULT_WEIGHTS, BadEvent, PrefixIndex
+from kvtier.routing.policies import POLICIES, Router
+from kvtier.routing.subscriber import Subscriber
+
+__all__ = ["DEFAULT_WEIGHTS", "POLICIES", "BadEvent", "PrefixIndex", "Router", "Subscriber"]

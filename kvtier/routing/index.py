@@ -1,0 +1,300 @@
+"""Where each pod's blocks live, learnt from KV events, and how much of a prompt each pod holds.
+
+`PrefixIndex.apply(source, payload)` takes one event message of one source (a publisher's
+topic: `kv@<pod>@<model>[@<tenant>]`, so a pod is the topic's second field) as it came off the
+wire (`kvtier.events` documents the format: vLLM's, which kvtier's and vLLM's publishers send).
+`score(tokens)` answers `{pod: weighted prefix length}`: for each pod, the leading full blocks
+of `tokens` it holds in a row, each counted as `block_size * weight` of the best medium the pod
+holds it in (`DEFAULT_WEIGHTS`).
+
+Keys. A publisher's block hashes are its own (kvtier's are counters, vLLM's are hashes of its
+own chaining, salted per process), so the index keys blocks by content: a block's key chains
+the previous block's key with the block's tokens (BLAKE2b, 8 bytes), the first block's from a
+seed of the LoRA name. Two pods holding the same tokens hold the same keys; a prompt's keys
+are computed the same way. Each source maps its hashes to keys (`_Source.keys`), so a
+BlockRemoved (hashes only) finds them, and a BlockStored's parent hash finds the key its
+blocks chain from.
+
+Trust. A payload is untrusted bytes: a message that is not a msgpack event batch, or an event
+whose fields have the wrong types or sizes, is skipped whole and counted (`stats()["bad"]`),
+naming nothing stored; a BlockStored whose parent hash the source never stored is counted as
+an orphan and skipped (its keys cannot be known); a block size other than the index's is
+counted and skipped. Nothing a payload holds is executed or taken as a path.
+
+Invariants (`check()`):
+- `_where[key][source]` is the media bitmask of `key` at `source`, never 0; the same pairs as
+  every source's `held`;
+- every hash a source maps leads to a key it holds, and every key it holds has a hash.
+
+Thread safety: every method takes the index's lock (a subscriber's thread applies, the router
+scores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import numpy as np
+
+# Per medium, the share of a recomputation a hit from it saves (1: all of it), from kvtier's
+# TTFT benchmark (`benchmarks/bench_ttft.py`: SmolLM2-135M, 2000-token prompt, 1900 shared:
+# cold 10.0 s; hits from gpu 0.47 s, host 0.46 s, disk 0.53 s -> 1.0, 1.0, 0.99) and, for the
+# remote tier, which that benchmark does not load from, its get bandwidth on loopback against
+# the disk tier's (`bench_remote.py` / `bench_disk.py`: about a third), rounded down.
+DEFAULT_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.99, "DISK": 0.98, "REMOTE": 0.95}
+MAX_MEDIA = 16  # distinct medium names an index tracks; an event naming another is skipped
+KEY_BYTES = 8
+
+
+def chain(previous: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
+    """The keys of the full blocks of `tokens` (uint32), chained from `previous`."""
+    data = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+    step = block_size * 4
+    keys = []
+    for start in range(0, len(data) - step + 1, step):
+        previous = hashlib.blake2b(previous + data[start : start + step], digest_size=8).digest()
+        keys.append(previous)
+    return keys
+
+
+def seed(lora_name: str | None) -> bytes:
+    """The key the first block of a prompt chains from."""
+    name = b"" if lora_name is None else lora_name.encode()
+    return hashlib.blake2b(name, digest_size=KEY_BYTES, person=b"kvtier-route").digest()
+
+
+class BadEvent(ValueError):
+    """An event batch or event that is not what the wire format says."""
+
+
+@dataclass
+class _Source:
+    pod: str
+    keys: dict[Any, bytes] = field(default_factory=dict)  # the source's hash -> key
+    held: dict[bytes, int] = field(default_factory=dict)  # key -> media bitmask
+    hashes: dict[bytes, Any] = field(default_factory=dict)  # key -> the source's hash
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, weights: Mapping[str, float] | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size: got {block_size}, expected >= 1")
+        self.block_size = block_size
+        self.weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
+        self._media: dict[str, int] = {}  # medium name -> bit
+        self._weight_of: dict[int, float] = {0: 0.0}  # media bitmask -> best weight (cached)
+        self._sources: dict[str, _Source] = {}
+        self._where: dict[bytes, dict[str, int]] = {}  # key -> {source: media bitmask}
+        self._stats = {"events": 0, "bad": 0, "orphans": 0, "block_size": 0, "cleared": 0}
+        self._lock = threading.Lock()
+
+    # ---- learning ----------------------------------------------------------------------
+
+    def apply(self, source: str, payload: bytes) -> int:
+        """Apply one message's event batch from `source` (a topic); the events applied. A
+        payload that is no event batch raises `BadEvent` (counted); a bad event within one is
+        skipped and counted."""
+        try:
+            batch = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack's errors share no base class
+            with self._lock:
+                self._stats["bad"] += 1
+            raise BadEvent(f"payload: not msgpack ({type(e).__name__})") from None
+        if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+            with self._lock:
+                self._stats["bad"] += 1
+            raise BadEvent("payload: expected an event batch [ts, [events], dp_rank]")
+        applied = 0
+        with self._lock:
+            src = self._source(source)
+            for event in batch[1]:
+                try:
+                    self._apply_one(source, src, event)
+                except BadEvent:
+                    self._stats["bad"] += 1
+                    continue
+                applied += 1
+            self._stats["events"] += applied
+        return applied
+
+    def clear(self, source: str) -> None:
+        """Forget every block of `source` (lost events that replay could not fill)."""
+        with self._lock:
+            self._clear(source)
+
+    def _source(self, source: str) -> _Source:
+        found = self._sources.get(source)
+        if found is None:
+            parts = source.split("@")
+            found = self._sources[source] = _Source(parts[1] if len(parts) > 1 else source)
+        return found
+
+    def _apply_one(self, name: str, src: _Source, event: Any) -> None:
+        if not isinstance(event, list) or not event or not isinstance(event[0], str):
+            raise BadEvent("event: expected [class name, fields...]")
+        kind = event[0]
+        if kind == "BlockStored" and len(event) >= 7:
+            self._stored(name, src, event)
+        elif kind == "BlockRemoved" and len(event) >= 2:
+            hashes = _hashes(event[1])
+            bit = self._bit(_medium(event[2] if len(event) > 2 else None))
+            for h in hashes:
+                self._drop(name, src, h, bit)
+        elif kind == "AllBlocksCleared":
+            self._clear(name)
+        else:
+            raise BadEvent(f"event: {kind!r} with {len(event)} fields")
+
+    def _stored(self, name: str, src: _Source, event: list[Any]) -> None:
+        hashes, parent, tokens, block_size = _hashes(event[1]), event[2], event[3], event[4]
+        if type(block_size) is not int or block_size != self.block_size:
+            self._stats["block_size"] += 1
+            raise BadEvent(f"block_size: got {block_size!r}, expected {self.block_size}")
+        if not isinstance(tokens, list) or len(tokens) != len(hashes) * block_size:
+            raise BadEvent(f"token_ids: expected {len(hashes)} blocks of {block_size}")
+        try:
+            array = np.array(tokens, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise BadEvent("token_ids: expected integers") from None
+        if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+            raise BadEvent("token_ids: expected integers in [0, 2**32)")
+        lora = event[7] if len(event) > 7 else None
+        if lora is not None and not isinstance(lora, str):
+            raise BadEvent("lora_name: expected a string or nil")
+        bit = self._bit(_medium(event[6]))
+        if parent is None:
+            previous = seed(lora)
+        else:
+            found = src.keys.get(_hash(parent))
+            if found is None:
+                self._stats["orphans"] += 1
+                raise BadEvent("parent_block_hash: not a block this source holds")
+            previous = found
+        for h, key in zip(hashes, chain(previous, array, block_size), strict=True):
+            old = src.keys.get(h)
+            if old is not None and old != key:  # a hash reused for other tokens: move it
+                self._drop(name, src, h, -1)
+            src.keys[h] = key
+            src.hashes[key] = h
+            src.held[key] = src.held.get(key, 0) | bit
+            self._where.setdefault(key, {})[name] = src.held[key]
+
+    def _drop(self, name: str, src: _Source, h: Any, bit: int) -> None:
+        """`h` lost the media of `bit` (-1: all) at `src`."""
+        key = src.keys.get(h)
+        if key is None:
+            return
+        mask = src.held.get(key, 0) & ~bit
+        holders = self._where.get(key, {})
+        if mask:
+            src.held[key] = holders[name] = mask
+            return
+        src.held.pop(key, None)
+        src.hashes.pop(key, None)
+        del src.keys[h]
+        holders.pop(name, None)
+        if not holders:
+            self._where.pop(key, None)
+
+    def _clear(self, name: str) -> None:
+        src = self._sources.pop(name, None)
+        if src is None:
+            return
+        self._stats["cleared"] += 1
+        for key in src.held:
+            holders = self._where.get(key)
+            if holders is not None:
+                holders.pop(name, None)
+                if not holders:
+                    del self._where[key]
+
+    def _bit(self, medium: str) -> int:
+        bit = self._media.get(medium)
+        if bit is None:
+            if len(self._media) >= MAX_MEDIA:
+                raise BadEvent(f"medium: {medium!r} past the {MAX_MEDIA} media tracked")
+            bit = self._media[medium] = 1 << len(self._media)
+            self._weight_of = {0: 0.0}
+        return bit
+
+    # ---- answering ---------------------------------------------------------------------
+
+    def score(
+        self, tokens: Sequence[int] | np.ndarray, lora_name: str | None = None
+    ) -> dict[str, float]:
+        """`{pod: weighted prefix length in tokens}` for every pod holding the first block."""
+        keys = chain(seed(lora_name), np.asarray(tokens, dtype=np.int64), self.block_size)
+        scores: dict[str, float] = {}
+        with self._lock:
+            alive: set[str] | None = None
+            for key in keys:
+                best: dict[str, float] = {}
+                for name, mask in self._where.get(key, {}).items():
+                    pod = self._sources[name].pod
+                    if alive is None or pod in alive:
+                        best[pod] = max(best.get(pod, 0.0), self._weight(mask))
+                if not best:
+                    break
+                for pod, weight in best.items():
+                    scores[pod] = scores.get(pod, 0.0) + weight * self.block_size
+                alive = set(best)
+        return scores
+
+    def _weight(self, mask: int) -> float:
+        weight = self._weight_of.get(mask)
+        if weight is None:
+            held = [medium for medium, bit in self._media.items() if mask & bit]
+            # a medium without a weight counts as GPU does (as llm-d weighs one)
+            weight = max((self.weights.get(medium, 1.0) for medium in held), default=0.0)
+            self._weight_of[mask] = weight
+        return weight
+
+    def pods(self) -> dict[str, int]:
+        """Blocks known per pod."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for src in self._sources.values():
+                out[src.pod] = out.get(src.pod, 0) + len(src.held)
+            return out
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._stats, "blocks": len(self._where), "sources": len(self._sources)}
+
+    def check(self) -> None:
+        with self._lock:
+            pairs = {(k, n): m for k, holders in self._where.items() for n, m in holders.items()}
+            held = {(k, n): m for n, s in self._sources.items() for k, m in s.held.items()}
+            assert pairs == held, "_where and the sources' held media differ"
+            assert all(pairs.values()), "a key held in no medium"
+            for src in self._sources.values():
+                assert set(src.keys.values()) == set(src.held) == set(src.hashes), src.pod
+                assert all(src.keys[h] == k for k, h in src.hashes.items()), src.pod
+
+
+def _hash(value: Any) -> Any:
+    """A block hash as the wire has it: a uint64 (kvtier, vLLM's int hashes) or bytes."""
+    if type(value) is int and 0 <= value < 1 << 64:
+        return value
+    if isinstance(value, bytes) and 0 < len(value) <= 64:
+        return value
+    raise BadEvent(f"block hash: got {type(value).__name__}, expected a uint64 or bytes")
+
+
+def _hashes(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise BadEvent("block_hashes: expected a list")
+    return [_hash(v) for v in value]
+
+
+def _medium(value: Any) -> str:
+    if value is None:
+        return "GPU"  # vLLM's events before media were named come from its GPU cache
+    if not isinstance(value, str) or not 0 < len(value) <= 32:
+        raise BadEvent("medium: expected a short string or nil")
+    return value

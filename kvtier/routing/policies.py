@@ -1,0 +1,61 @@
+"""Choosing the replica for a request (`Router.choose`), by one of `POLICIES`:
+
+- `round-robin`: replica i mod N for the i-th request, blind to caches (the baseline);
+- `prefix`: the replica with the longest weighted cached prefix (`PrefixIndex.score`); ties,
+  and requests no replica holds any of, go to the replica with the fewest requests so far;
+- `prefix-load`: `prefix` among the replicas not past `1 + slack` times the mean load (requests
+  so far, this one counted): the one with the fewest requests always qualifies, so no replica
+  ends more than about `1 + slack` times the mean (llm-d pairs a prefix scorer with a load
+  scorer for the same reason: a hot prefix must not pin all its traffic to one replica).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.routing.index import PrefixIndex
+
+POLICIES = ("round-robin", "prefix", "prefix-load")
+
+
+class Router:
+    def __init__(
+        self,
+        pods: Sequence[str],
+        policy: str,
+        index: PrefixIndex | None = None,
+        slack: float = 0.2,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: got {policy!r}, expected one of {', '.join(POLICIES)}")
+        if policy != "round-robin" and index is None:
+            raise ValueError(f"policy {policy!r} needs a PrefixIndex")
+        if not pods:
+            raise ValueError("pods: expected at least one")
+        self.pods, self.policy, self.index, self.slack = list(pods), policy, index, slack
+        self.assigned = dict.fromkeys(self.pods, 0)
+        self._count = 0
+
+    def choose(self, tokens: Sequence[int] | np.ndarray) -> str:
+        """The pod for a request of `tokens`, counted as assigned to it."""
+        if self.policy == "round-robin":
+            pod = self.pods[self._count % len(self.pods)]
+        else:
+            assert self.index is not None
+            scores = self.index.score(tokens)
+            candidates = self.pods
+            if self.policy == "prefix-load":
+                mean = (self._count + 1) / len(self.pods)
+                bound = max(mean * (1 + self.slack), min(self.assigned.values()) + 1)
+                candidates = [p for p in self.pods if self.assigned[p] + 1 <= bound]
+            pod = max(candidates, key=lambda p: (scores.get(p, 0.0), -self.assigned[p]))
+        self.assigned[pod] += 1
+        self._count += 1
+        return pod
+
+    def imbalance(self) -> float:
+        """Requests of the busiest replica over the mean (1.0: even)."""
+        mean = self._count / len(self.pods)
+        return max(self.assigned.values()) / mean if mean else 1.0
