@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from kvtier import KVStore, parse_config
+from kvtier.events import EventPublisher, IndexEvents
+from kvtier.index import RadixIndex
 
 PREFIX, OWN = 1000, 1000
 
@@ -45,6 +47,14 @@ def make(mode: str) -> KVStore:
         assert store.parts.events is not None
         store.parts.events._put = lambda tenant, event: None  # type: ignore[method-assign]
     return store
+
+
+def observe(index: RadixIndex) -> EventPublisher:
+    """Events on for a bare index (`bench_index.py`): its observer feeding a publisher on a
+    loopback PUB nobody reads, every block told of as tenant "bench"'s."""
+    publisher = EventPublisher("tcp://127.0.0.1:0")
+    index.observer = IndexEvents(publisher, index, lambda namespace: "bench")
+    return publisher
 
 
 def one_round(mode: str, calls: int, offset: int) -> float:

@@ -12,7 +12,9 @@ every match by tier. Prints median and p99 microseconds for:
   (their BLAKE2b ids are chained when first read, not by insert), and the same insert followed
   by reading the new ids, which is what an insert cost before ids were deferred;
 - eviction: blocks/s demoted by the LRU victim walk (gpu -> host) and dropped (host);
-- memory: bytes of the index per cached block at 1M blocks, ids read (tracemalloc).
+- memory: bytes of the index per cached block at 1M blocks, ids read (tracemalloc);
+- events (issue 16): insert and eviction again, alternated between an index without events
+  and one whose observer tells a real publisher (`bench_events.observe`), and the ratios.
 
 Baseline in the same run: a plain dict of block-token tuples (what a hash-chain cache without a
 tree does per block) for the full-hit lookup. Run: `python benchmarks/bench_index.py [--quick]`.
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_events import observe
 
 from kvtier.blocks import BlockHasher, BlockId, encode_tokens
 from kvtier.config import parse_config
@@ -145,6 +148,75 @@ def summary(name: str, samples_us: list[float]) -> tuple[float, float]:
     p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
     print(f"{name:<48} p50 {p50:8.2f} us   p99 {p99:8.2f} us")
     return p50, p99
+
+
+def events_rows(
+    hasher: BlockHasher, ns: BlockId, prefixes: list[np.ndarray], requests: list[np.ndarray]
+) -> None:
+    """Insert and eviction with events off and on, alternated sample by sample (insert) and
+    tier by tier (eviction), on two indexes built alike."""
+    print("\nevents (issue 16): the same rows, an index without events / one publishing them")
+    fresh = build_requests(np.random.default_rng(3), prefixes, 3000)
+    inserts = []
+    for on in (False, True):
+        index = RadixIndex(("gpu", "host", "disk"), BT, hasher)
+        publisher = observe(index) if on else None
+        slots = SlotCounter()
+        fill(index, ns, prefixes, slots)
+        inserts.append((index, slots, publisher))
+    times: list[list[float]] = [[], []]  # off, on
+    for i, request in enumerate(fresh):
+        key = encode_tokens(request)
+        for side in (0, 1) if i % 2 == 0 else (1, 0):  # each side first every other sample
+            index, slots, _ = inserts[side]
+            start = time.perf_counter_ns()
+            match = index.match(ns, key)
+            n = PROMPT // BT - match.num_blocks
+            index.insert(match, key, {HOST: slots.take(HOST, n), DISK: slots.take(DISK, n)})
+            times[side].append((time.perf_counter_ns() - start) / 1000)
+    ratios = [summary("insert, events off", times[0])[0], summary("insert, events on", times[1])[0]]
+    rows = [f"insert p50 {ratios[1] / ratios[0]:.3f}"]
+    indexes = []
+    for on in (False, True):
+        index = RadixIndex(("gpu", "host", "disk"), BT, hasher)
+        publisher = observe(index) if on else None
+        fill(index, ns, requests, SlotCounter())
+        indexes.append((index, publisher))
+    gc.collect()
+    for tier, name in ((GPU, "gpu -> host"), (HOST, "host -> disk"), (DISK, "drop")):
+        rates = []
+        for index, _ in indexes if tier != HOST else indexes[::-1]:
+            rates.append(evict_tier(index, tier))
+        if tier == HOST:
+            rates.reverse()
+        print(f"{'eviction ' + name + ', events off / on':<48} {rates[0]:10.0f} / {rates[1]:.0f} "
+              "blocks/s")  # fmt: skip
+        rows.append(f"eviction {name} {rates[0] / rates[1]:.3f}")
+    dropped = 0
+    for index, publisher in [*indexes, *((i, p) for i, _, p in inserts)]:
+        index.check()
+        if publisher is not None:
+            publisher.close()
+            dropped += publisher.stats()["dropped_events"]
+    print("events on / off (time; issue 16's target: <= 1.05): " + ", ".join(rows))
+    print(f"events dropped by a full queue (a router told to forget): {dropped}")
+
+
+def evict_tier(index: RadixIndex, tier: int) -> float:
+    """Blocks/s of demoting (or, from disk, dropping) every block of `tier`."""
+    taken = SlotCounter()
+    taken.next = [0, 10**7, 2 * 10**7]
+    t0 = time.perf_counter()
+    count = 0
+    for ref in index.victims(tier):
+        if tier == DISK:
+            index.drop(ref)
+        else:
+            if ref.node.slots[tier + 1][ref.i] is None:
+                index.set_slot(ref, tier + 1, taken.take(tier + 1, 1)[0])
+            index.clear_slot(ref, tier)
+        count += 1
+    return count / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -283,6 +355,8 @@ def main() -> None:
         print(f"{'eviction: ' + name:<48} {rate:10.0f} blocks/s ({count} blocks)")
     assert index.num_blocks == 0, "every block should have been evicted"
     index.check()
+
+    events_rows(hasher, ns, prefixes, requests)
 
     # memory per block at 1M blocks
     target = 100_000 if args.quick else 1_000_000

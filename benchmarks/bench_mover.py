@@ -141,8 +141,11 @@ RAW_MIB = 256
 """MiB written by each raw bandwidth measurement of (b)."""
 
 
-def part_b(seconds: float, consumers: int, background: bool) -> dict[str, float]:
-    """One run of the mixed load; the mover inline or in the background. The raw write
+def part_b(
+    seconds: float, consumers: int, background: bool, events: bool = False
+) -> dict[str, float]:
+    """One run of the mixed load; the mover inline or in the background; with `events`, the
+    store publishes KV events on a loopback PUB nobody reads (issue 16). The raw write
     bandwidth of its directory is measured first, in a subdirectory removed before the run."""
     block_bytes = LAYOUT.block_bytes // 16  # 128 KiB blocks keep the pools small here
     small = {
@@ -154,9 +157,11 @@ def part_b(seconds: float, consumers: int, background: bool) -> dict[str, float]
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-mover-") as disk_dir:
         raw = raw_bandwidth(pathlib.Path(disk_dir), RAW_MIB, 8, 1)["raw_write"] * 1e6
+        events_section = {"endpoint": "tcp://127.0.0.1:0"} if events else None
         store = KVStore(
             parse_config(
                 {
+                    "events": events_section,
                     "model": small,
                     "block_tokens": 16,
                     "tiers": {
@@ -258,6 +263,7 @@ def mixed_load(store: KVStore, seconds: float, consumers: int) -> dict[str, floa
             f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s while copying"
         )
     return {
+        "store_p50": statistics.median(store_ms),
         "ready_p50": median(ready_ms),
         "ready_p99": percentile(ready_ms, 0.99),
         "store_p99": percentile(store_ms, 0.99),
@@ -275,7 +281,13 @@ def main() -> None:
     parser.add_argument("--consumers", type=int, default=3)
     parser.add_argument("--repeat-b", type=int, default=3, help="rounds of (b), both modes")
     parser.add_argument("--only-b", action="store_true", help="skip (a)")
+    parser.add_argument(
+        "--events", action="store_true", help="(b) background only: events off, then on"
+    )
     args = parser.parse_args()
+    if args.events:
+        events_b(3.0 if args.quick else args.seconds, args.consumers, args.repeat_b)
+        return
     ratio = None if args.only_b else part_a(256 if args.quick else 1024, args.repeat)
     seconds = 3.0 if args.quick else args.seconds
     rounds = 1 if args.quick else args.repeat_b
@@ -312,6 +324,22 @@ def main() -> None:
         f"{background['disk_ratio']:.2f} of raw write (>= 0.8: "
         f"{'met' if background['disk_ratio'] >= 0.8 else 'missed'})"
     )
+
+
+def events_b(seconds: float, consumers: int, rounds: int) -> None:
+    """(b) with the background mover, events off and on alternated (each first every other
+    round); the medians and the ratios on / off (issue 16: events within 5 % of off)."""
+    print(f"(b) with events off / on: {seconds:.0f} s each, {rounds} rounds, background mover")
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for round_ in range(rounds):
+        for events in (False, True) if round_ % 2 == 0 else (True, False):
+            runs[events].append(part_b(seconds, consumers, True, events))
+    off, on = (
+        {key: statistics.median(run[key] for run in runs[events]) for key in runs[events][0]}
+        for events in (False, True)
+    )
+    keys = ("store_p50", "store_p99", "ready_p50", "ready_p99", "stored", "host_disk_bps")
+    print("    on / off: " + ", ".join(f"{key} {on[key] / off[key]:.3f}" for key in keys))
 
 
 if __name__ == "__main__":

@@ -194,12 +194,16 @@ def _events(
     if events is None:
         return None
     topic = events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
-    settings = EventSettings(topic, events.per_tenant_topic, events.buffer)
+    settings = EventSettings(
+        topic, events.per_tenant_topic, events.buffer, buffer_bytes=events.buffer_bytes
+    )
     try:
         publisher = EventPublisher(events.endpoint, events.replay_endpoint, settings)
     except zmq.ZMQError as e:
         raise ConfigError("events.endpoint", events.endpoint, f"an address to bind ({e})") from None
-    index.observer = IndexEvents(publisher, index, namespaces.tenant_of)
+    observer = IndexEvents(publisher, index, namespaces.tenant_of)
+    index.observer = observer
+    observer.announce()  # what recovery brought back: a restarted store's first words
     return publisher
 
 

@@ -13,7 +13,7 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 import zmq
 
-from kvtier.events import EventPublisher, EventSettings, hash64
+from kvtier.events import EventPublisher, EventSettings
 
 TOPIC = "kv@pod-a@tiny"
 
@@ -78,26 +78,29 @@ def replay(
 def test_events_arrive_in_order_with_every_field_at_its_place(context: Any) -> None:
     publisher = EventPublisher("tcp://127.0.0.1:0", settings=EventSettings(TOPIC, flush_s=0.0))
     sub = subscriber(context, publisher.endpoint)
-    ids = [bytes([i]) * 16 for i in range(1, 4)]
-    publisher.stored("alice", [hash64(i) for i in ids], None, list(range(12)), 4, "GPU")
-    publisher.removed("alice", [hash64(ids[2])], "GPU")
-    publisher.stored("alice", [hash64(ids[2])], hash64(ids[1]), [8, 9, 10, 11], 4, "CPU")
+    hashes = [1, 2**63 + 5, 2**64 - 1]  # uint64s, the top bit too
+    tokens = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**31, 2**32 - 1, 7, 8]  # every int width
+    publisher.stored("alice", hashes, None, tokens, 4, "GPU")
+    publisher.removed("alice", hashes[2:], "GPU")
+    publisher.stored("alice", hashes[2:], hashes[1], [8, 9, 10, 11], 4, "CPU")
     publisher.cleared("alice")
+    long = list(range(70_000))  # an array past msgpack's 16-bit length
+    publisher.stored("alice", list(range(5, 5 + 17_500)), 3, long, 4, "DISK")
     received: list[Decoded] = []
-    while sum(len(decoded[3]) for decoded in received) < 4:
+    while sum(len(decoded[3]) for decoded in received) < 6:
         received.append(decode(sub.recv_multipart()))
     assert [seq for _, seq, _, _ in received] == list(range(len(received)))  # no gaps
     assert all(topic == TOPIC for topic, *_ in received)
     events = [event for *_, batch in received for event in batch]
-    assert events[0] == {"type": "BlockStored", "hashes": [hash64(i) for i in ids],
-                         "parent": None, "tokens": list(range(12)), "block_size": 4,
-                         "medium": "GPU"}  # fmt: skip
-    assert events[1] == {"type": "BlockRemoved", "hashes": [hash64(ids[2])], "medium": "GPU"}
-    assert events[2]["parent"] == hash64(ids[1]) and events[2]["medium"] == "CPU"
-    assert events[3] == {"type": "AllBlocksCleared"}
-    assert hash64(ids[0]) == int.from_bytes(ids[0][:8], "big") < 2**64
+    assert events[0] == {"type": "AllBlocksCleared"}  # a topic's first words: forget my past
+    assert events[1] == {"type": "BlockStored", "hashes": hashes, "parent": None,
+                         "tokens": tokens, "block_size": 4, "medium": "GPU"}  # fmt: skip
+    assert events[2] == {"type": "BlockRemoved", "hashes": hashes[2:], "medium": "GPU"}
+    assert events[3]["parent"] == hashes[1] and events[3]["medium"] == "CPU"
+    assert events[4] == {"type": "AllBlocksCleared"}
+    assert events[5]["tokens"] == long and events[5]["hashes"][-1] == 5 + 17_499
     publisher.close()
-    assert publisher.stats()["events"] == 4
+    assert publisher.stats()["events"] == 6
 
 
 def test_a_late_subscriber_recovers_the_gap_through_the_replay_endpoint(context: Any) -> None:
@@ -116,7 +119,8 @@ def test_a_late_subscriber_recovers_the_gap_through_the_replay_endpoint(context:
     assert publisher.replay_endpoint is not None
     missed = replay(context, publisher.replay_endpoint, 0)
     assert [s for _, s, _, _ in missed] == [0, 1, 2, 3, 4, 5]
-    assert [e[0]["hashes"] for *_, e in missed] == [[0], [1], [2], [3], [4], [5]]
+    assert [e[-1]["hashes"] for *_, e in missed] == [[0], [1], [2], [3], [4], [5]]
+    assert missed[0][3][0] == {"type": "AllBlocksCleared"}  # the topic's first message
     assert replay(context, publisher.replay_endpoint, 4)[0][1] == 4
     publisher.close()
 
@@ -129,10 +133,10 @@ def test_per_tenant_topics_keep_tenants_apart_with_sequences_of_their_own(contex
     publisher.removed("bob", [1], "GPU")
     publisher.removed("alice", [2], "GPU")
     topic, seq, _, events = decode(alice.recv_multipart())
-    assert (topic, seq, events[0]["hashes"]) == (f"{TOPIC}@alice", 0, [2])  # bob's never here
+    assert (topic, seq, events[-1]["hashes"]) == (f"{TOPIC}@alice", 0, [2])  # bob's never here
     assert publisher.replay_endpoint is not None
     bobs = replay(context, publisher.replay_endpoint, 0, f"{TOPIC}@bob".encode())
-    assert [(t, s, e[0]["hashes"]) for t, s, _, e in bobs] == [(f"{TOPIC}@bob", 0, [1])]
+    assert [(t, s, e[-1]["hashes"]) for t, s, _, e in bobs] == [(f"{TOPIC}@bob", 0, [1])]
     assert replay(context, publisher.replay_endpoint, 0) == []  # no shared topic in this mode
     publisher.close()
 
@@ -156,4 +160,17 @@ def test_events_dropped_on_overflow_are_counted_and_tell_routers_to_forget(conte
     assert publisher.stats()["dropped_events"] >= 3
     cleared = [i for i, e in enumerate(seen) if e["type"] == "AllBlocksCleared"]
     assert cleared and cleared[0] < len(seen) - 1  # forget first, then what came after
+    publisher.close()
+
+
+def test_the_replay_buffer_is_bounded_in_bytes_too(context: Any) -> None:
+    settings = EventSettings(TOPIC, max_batch=1, flush_s=0.0, buffer=1000, buffer_bytes=20_000)
+    publisher = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", settings)
+    for n in range(30):  # about 5 KB a message: 1000 tokens of 5 bytes
+        publisher.stored("alice", [n], None, list(range(1000)), 1000, "GPU")
+    publisher.flush()
+    assert publisher.replay_endpoint is not None
+    kept = replay(context, publisher.replay_endpoint, 0)
+    assert 2 <= len(kept) <= 4 and [s for _, s, _, _ in kept] == list(range(30 - len(kept), 30))
+    assert kept[-1][3][0]["hashes"] == [29]
     publisher.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import numpy as np
 import pytest
 import zmq
 from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, kv_for, tiny_block_bytes
@@ -56,6 +57,7 @@ class Listener:
         self.sub.connect(endpoint)
         time.sleep(0.3)
         self.media: dict[int, set[str]] = {}
+        self.tokens: dict[int, list[int]] = {}  # hash -> its block's tokens
         self.seqs: list[int] = []
         self.topics: set[str] = set()
 
@@ -63,8 +65,10 @@ class Listener:
         _ts, events, _rank = msgpack.unpackb(payload)
         for event in events:
             if event[0] == "BlockStored":
-                for h in event[1]:
+                size = event[4]
+                for n, h in enumerate(event[1]):
                     self.media.setdefault(h, set()).add(event[6])
+                    self.tokens[h] = event[3][n * size : (n + 1) * size]
             elif event[0] == "BlockRemoved":
                 for h in event[1]:
                     self.media[h].discard(event[2])
@@ -84,21 +88,25 @@ class Listener:
             self.apply(payload)
 
 
-def residency(store: KVStore) -> dict[int, set[str]]:
-    """Block hash (first 8 bytes of the id, big-endian) -> media, from the index itself."""
+def residency(store: KVStore, tokens: dict[int, list[int]] | None = None) -> dict[int, set[str]]:
+    """Block hash (its event number: `node.marks`) -> media, from the index itself; with
+    `tokens`, each block's tokens must be those the events told of."""
     out: dict[int, set[str]] = {}
-    size = store.index.digest_size
     stack: list[Node] = []
     for root in store.index.roots():
         stack.extend(root.children.values() if root.children else ())
     while stack:
         node = stack.pop()
-        ids = store.index.forest.ids_of(node)
+        assert len(node.marks) == 8 * node.size  # every block was told of
+        keys = np.frombuffer(node.key, "<u4").reshape(node.size, -1).tolist()
         for i in range(node.size):
             media = {
                 MEDIA[t] for n, t in enumerate(store.tier_names) if node.slots[n][i] is not None
             }
-            out[int.from_bytes(ids[i * size : i * size + 8], "big")] = media
+            h = int.from_bytes(node.marks[i * 8 : i * 8 + 8], "big")
+            out[h] = media
+            if tokens is not None:
+                assert tokens[h] == keys[i], (h, tokens[h], keys[i])
         stack.extend(node.children.values() if node.children else ())
     return out
 
@@ -116,7 +124,7 @@ def settle(listener: Listener, store: KVStore) -> None:
         listener.drain()
         if listener.media == residency(store) or time.monotonic() > deadline:
             break
-    assert listener.media == residency(store)
+    assert listener.media == residency(store, listener.tokens)
 
 
 def test_events_track_where_every_block_lives(tmp_path: Path, ctx: Any) -> None:
@@ -168,7 +176,37 @@ def test_a_late_subscriber_recovers_and_tenants_keep_to_their_topics(
     bob_root = next(r for r in store.index.roots() if r.ids == store.namespaces.seed("bob"))
     assert bob_root.children
     bob_first = next(iter(bob_root.children.values()))
-    bob_ids = store.index.forest.ids_of(bob_first)
-    assert int.from_bytes(bob_ids[:8], "big") not in late.media
+    assert int.from_bytes(bob_first.marks[:8], "big") not in late.media
     dealer.close()
     store.close()
+
+
+def test_a_restarted_store_tells_routers_to_forget_then_what_recovery_brought_back(
+    tmp_path: Path, ctx: Any
+) -> None:
+    store = make(tmp_path)
+    for n in range(3):
+        store.store(list(range(100 * n, 100 * n + 12)), kv_for(store, 12, seed=n), tenant="bob")
+    assert store.persist() > 0
+    store.close()
+    again = make(tmp_path)  # recovers the disk tier, then turns events on
+    publisher = again.parts.events
+    assert publisher is not None and publisher.replay_endpoint is not None
+    publisher.flush()
+    listener = Listener(ctx, publisher.endpoint)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(publisher.replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    first = True
+    while (frames := dealer.recv_multipart())[2] != (-1).to_bytes(8, "big", signed=True):
+        if first:  # the topic's first words: forget whatever this pod said in a past life
+            assert msgpack.unpackb(frames[3])[1][0] == ["AllBlocksCleared"]
+            first = False
+        listener.apply(frames[3])
+    restored = residency(again, listener.tokens)
+    assert listener.media == restored and restored  # what the disk tier kept
+    assert all(media == {"DISK"} for media in restored.values())
+    dealer.close()
+    again.check()
+    again.close()

@@ -63,7 +63,7 @@ def test_a_pod_scores_the_blocks_it_holds_in_a_row_weighted_by_medium() -> None:
     index.apply(A, batch(["AllBlocksCleared"]))
     index.check()
     assert index.score(PROMPT) == {"pod-b": 2.0}
-    assert index.pods() == {"pod-b": 3}  # blocks 0, 2, 3 (2 and 3 now past a hole)
+    assert index.pods() == {"pod-a": 0, "pod-b": 3}  # b: blocks 0, 2, 3 (2, 3 past a hole)
 
 
 def test_an_unweighted_medium_counts_as_gpu_and_lora_names_are_kept_apart() -> None:

@@ -27,6 +27,9 @@ and matches that walked through it (for the `selective` write policy).
 node; None until the node is first locked, to keep unleased nodes small. `held` counts the locks
 taken for a tenant (its leases and reservations, not the store's own pins) that cover it: the
 tenant's quota counts the blocks of the nodes where it is > 0 (`tenancy.py`).
+`marks` holds the KV-event hashes of its first k blocks, 8 bytes each, a prefix like `ids`:
+numbers the events observer hands out when it first tells of a block (`IndexEvents.marks`),
+which splits and cuts keep with their blocks; empty while no events are published.
 `root` is the namespace root the node hangs from (itself for a root), so the per-namespace
 counts that fair shares need cost O(1) per change.
 
@@ -92,6 +95,7 @@ class Node:
         "ids",
         "key",
         "locks",
+        "marks",
         "parent",
         "root",
         "slots",
@@ -110,6 +114,7 @@ class Node:
         self.parent = parent
         self.key = key
         self.ids = ids
+        self.marks = b""
         self.slots = slots
         self.children: dict[bytes, Node] | None = None
         self.depth = depth

@@ -45,8 +45,9 @@ from typing import Protocol, cast
 from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId
 from kvtier.index import node
 from kvtier.index.eviction import CandidateSets
-from kvtier.index.forest import Forest, LeaseTable
+from kvtier.index.forest import Forest
 from kvtier.index.helpers import common_blocks, shift_depth, subtree_tails
+from kvtier.index.leases import LeaseTable
 from kvtier.index.node import (
     BlockRef,
     InsertResult,

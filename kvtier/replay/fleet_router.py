@@ -19,6 +19,7 @@ def events_config(replica: int) -> dict[str, Any]:
         "endpoint": "tcp://127.0.0.1:0",
         "replay_endpoint": "tcp://127.0.0.1:0",
         "topic": topic(replica),
+        "buffer": 1000,  # the router waits for each store's events: it never needs more
     }
 
 

@@ -202,7 +202,7 @@ class PrefixIndex:
             self._where.pop(key, None)
 
     def _clear(self, name: str) -> None:
-        src = self._sources.pop(name, None)
+        src = self._sources.get(name)
         if src is None:
             return
         self._stats["cleared"] += 1
@@ -212,6 +212,9 @@ class PrefixIndex:
                 holders.pop(name, None)
                 if not holders:
                     del self._where[key]
+        src.keys.clear()  # emptied in place: a batch that goes on after it still holds `src`
+        src.held.clear()
+        src.hashes.clear()
 
     def _bit(self, medium: str) -> int:
         bit = self._media.get(medium)
@@ -255,7 +258,7 @@ class PrefixIndex:
         return weight
 
     def pods(self) -> dict[str, int]:
-        """Blocks known per pod."""
+        """Blocks known per pod heard from (0: it told of none, or told to forget them)."""
         with self._lock:
             out: dict[str, int] = {}
             for src in self._sources.values():

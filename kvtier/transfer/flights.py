@@ -33,7 +33,7 @@ from typing import TypeVar
 
 from kvtier.errors import ClosedError, InvariantError
 from kvtier.index import LeaseId
-from kvtier.index.forest import LeaseRecord
+from kvtier.index.leases import LeaseRecord
 from kvtier.results import LeaseOwner
 from kvtier.tiers.base import HOST
 from kvtier.transfer.copy import Transfer

@@ -36,7 +36,7 @@ from typing import Any
 
 from kvtier.errors import InvariantError, LeaseError
 from kvtier.index import LeaseId, RadixIndex
-from kvtier.index.forest import LeaseRecord
+from kvtier.index.leases import LeaseRecord
 from kvtier.results import Lease, LeaseOwner, LeaseState
 from kvtier.tiers.base import GPU
 from kvtier.transfer.flights import PrefetchFlight

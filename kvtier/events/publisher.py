@@ -1,6 +1,5 @@
-"""KV events (issue 16): where kvtier's blocks live, told to routers in the wire format vLLM's
-publisher uses and llm-d's consumer reads: `EventPublisher` (the sockets) and `IndexEvents`
-(the index's observer that feeds it: a block gaining or losing a copy in a tier).
+"""`EventPublisher`: KV events on a ZMQ PUB in the wire format vLLM's publisher uses and llm-d's
+consumer reads, with a replay endpoint.
 
 Wire (vLLM 0.33 `distributed/kv_events.py`; llm-d `pkg/kvevents`): ZMQ PUB, each message three
 frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, from 0, one more per
@@ -15,9 +14,12 @@ in which each event is a positional array, its class name first:
     ["BlockRemoved", [hash, ...], medium]
     ["AllBlocksCleared"]
 
-A hash is a uint64: the first 8 bytes (big-endian) of kvtier's block id (`hash64`). The medium
-names the tier: "GPU", "CPU" (host), "DISK", "REMOTE" (`MEDIUM`). A block that gains or loses
-a tier is one event for that medium.
+A hash is a uint64 naming one block of this publisher while it lives (`observer.py` hands them
+out), not a content hash: a router keys blocks by their tokens (`kvtier.routing`, and llm-d
+does the same). The medium names the tier: "GPU", "CPU" (host), "DISK", "REMOTE" (`MEDIUM`).
+A block that gains or loses a tier is one event for that medium. The queue holds what a store
+told (`wire.Spec`: bytes of the event's fields, no Python object per token); the thread packs
+them (`wire.Packer`).
 
 Replay (a ROUTER socket, vLLM's protocol): a client (DEALER) sends `[b"", start_seq]` (8 bytes,
 big-endian) and gets `[b"", topic, seq, payload]` for each message of the publisher's topic
@@ -26,15 +28,20 @@ bytes, signed), b""]`. With `per_tenant` topics, a client adds the topic as a th
 gets that topic's messages only.
 
 Contract:
-- `stored`, `removed` and `cleared` never block and never touch a socket: they append to a
-  queue, and the publisher's thread, every `flush_s`, sends what is queued as messages of at
-  most `max_batch` events, one topic each. The queue is bounded (`queue_limit` events); an
-  event past it is dropped and counted, and that topic's next message starts with
-  AllBlocksCleared, so that a router forgets what it can no longer trust.
+- `stored`, `removed`, `cleared` and `publish` (a `wire.Spec`) never block and never touch a
+  socket: they append to a queue, and the publisher's thread, every `flush_s`, packs and sends
+  what is queued as messages of at most `max_batch` events, one topic each. The queue is
+  bounded (`queue_limit` events); an event past it is dropped and counted, and that topic's
+  next message starts with AllBlocksCleared, so that a router forgets what it can no longer
+  trust. A topic's first message starts with it too: a router forgets what the publisher's
+  past life (before a restart) told it; the store then tells of what it holds
+  (`IndexEvents.announce`).
 - Tenants: an event holds one tenant's blocks. With `per_tenant`, each tenant's events go to
   `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
   to `topic` (an operator who must not mix tenants turns it on).
-- The replay buffer keeps the last `buffer` messages of each topic.
+- The replay buffer keeps the last `buffer` messages of each topic, and no more than
+  `buffer_bytes` of payload per topic (a message holds up to `max_batch` events of whole
+  prompts: 10,000 of them unbounded by bytes could hold gigabytes).
 - `flush()` sends what is queued from the caller's thread (a replay that routes on events
   waits for a store's); `sent(topic)` is the number of messages a topic has had.
 - `close()` sends what is queued, then closes the sockets.
@@ -45,26 +52,18 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
 import numpy as np
 import zmq
 
-from kvtier.index import RadixIndex
-from kvtier.index.node import Node
+from kvtier.events import wire
 
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-Event = tuple[str, list[Any]]  # (tenant, the event's positional array)
-
-
-def hash64(block_id: bytes) -> int:
-    """The uint64 hash of a block in events: the first 8 bytes of its id, big-endian."""
-    return int.from_bytes(block_id[:8], "big")
+Event = tuple[str, wire.Spec]  # (tenant, the event)
 
 
 @dataclass
@@ -72,6 +71,7 @@ class _Topic:
     name: bytes
     seq: int = 0
     sent: collections.deque[tuple[int, bytes]] = field(default_factory=collections.deque)
+    sent_bytes: int = 0  # payload bytes in `sent`
     lost: bool = False  # events dropped since the last message
 
 
@@ -80,6 +80,7 @@ class EventSettings:
     topic: str = "kv@kvtier@model"  # vLLM's default shape: kv@<pod>@<model>
     per_tenant: bool = False  # each tenant's events on <topic>@<tenant> only
     buffer: int = 10_000  # messages kept per topic for replay
+    buffer_bytes: int = 64 << 20  # and payload bytes kept per topic at most
     queue_limit: int = 100_000  # events queued at most; past it, dropped and counted
     max_batch: int = 512  # events per message at most
     flush_s: float = 0.005  # how long a message waits for more events
@@ -102,6 +103,7 @@ class EventPublisher:
         self._lock = threading.RLock()
         self._stats = {"events": 0, "messages": 0, "dropped_events": 0, "replays": 0}
         self._sending = threading.Lock()  # held by whoever drains the queue into the PUB
+        self._packer = wire.Packer()  # used under `_sending`
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
@@ -122,19 +124,24 @@ class EventPublisher:
     def stored(
         self,
         tenant: str,
-        hashes: list[int],
+        hashes: Sequence[int],
         parent: int | None,
-        tokens: list[int],
+        tokens: Sequence[int],
         block_size: int,
         medium: str,
     ) -> None:
-        self._put(tenant, ["BlockStored", hashes, parent, tokens, block_size, None, medium, None])
+        be, le = np.asarray(hashes, ">u8").tobytes(), np.asarray(tokens, "<u4").tobytes()
+        self._put(tenant, wire.Stored(wire.Blocks(be, parent, le, block_size), medium))
 
-    def removed(self, tenant: str, hashes: list[int], medium: str) -> None:
-        self._put(tenant, ["BlockRemoved", hashes, medium])
+    def removed(self, tenant: str, hashes: Sequence[int], medium: str) -> None:
+        self._put(tenant, wire.Removed(np.asarray(hashes, ">u8").tobytes(), medium))
 
     def cleared(self, tenant: str) -> None:
-        self._put(tenant, ["AllBlocksCleared"])
+        self._put(tenant, wire.CLEARED)
+
+    def publish(self, tenant: str, event: wire.Spec) -> None:
+        """Queue an event (`wire.Spec`), packed by the sending thread."""
+        self._put(tenant, event)
 
     # ---- state --------------------------------------------------------------------------
 
@@ -164,7 +171,7 @@ class EventPublisher:
 
     # ---- inside -------------------------------------------------------------------------
 
-    def _put(self, tenant: str, event: list[Any]) -> None:
+    def _put(self, tenant: str, event: wire.Spec) -> None:
         """Queue an event: one append (atomic under the GIL), no lock, no wake-up; the thread
         looks every `flush_s`."""
         if len(self._pending) < self.settings.queue_limit:
@@ -202,24 +209,28 @@ class EventPublisher:
                 self._send(batch)
 
     def _send(self, batch: list[Event]) -> None:
-        grouped: dict[str, list[list[Any]]] = {}
+        grouped: dict[str, list[bytes]] = {}
+        pack = self._packer.pack
         for tenant, event in batch:
-            grouped.setdefault(tenant if self.settings.per_tenant else "", []).append(event)
+            grouped.setdefault(tenant if self.settings.per_tenant else "", []).append(pack(event))
         now = self.clock()
         for tenant, events in grouped.items():
             with self._lock:
                 topic = self._topic(tenant)
-                if topic.lost:
-                    events = [["AllBlocksCleared"], *events]
+                if topic.lost or topic.seq == 0:  # forget what is lost, or a past life's
+                    events = [wire.CLEARED, *events]
                     topic.lost = False
                 seq = topic.seq
                 topic.seq += 1
-            payload = msgpack.packb([now, events, self.settings.dp_rank])
+            payload = wire.batch(now, events, self.settings.dp_rank)
             self._pub.send_multipart((topic.name, seq.to_bytes(8, "big"), payload))
             with self._lock:
                 topic.sent.append((seq, payload))
-                while len(topic.sent) > self.settings.buffer:
-                    topic.sent.popleft()
+                topic.sent_bytes += len(payload)
+                while len(topic.sent) > self.settings.buffer or (
+                    topic.sent_bytes > self.settings.buffer_bytes and len(topic.sent) > 1
+                ):
+                    topic.sent_bytes -= len(topic.sent.popleft()[1])
                 self._stats["messages"] += 1
                 self._stats["events"] += len(events)
 
@@ -238,66 +249,3 @@ class EventPublisher:
         for seq, payload in kept:
             self._replay.send_multipart((client, b"", name, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
-
-
-Stored = tuple[list[int], int | None, list[int]]  # a BlockStored's hashes, parent, tokens
-MEDIUM_OF_TIER = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
-
-
-class IndexEvents:
-    """The index's observer (`RadixIndex.observer`): each copy a block gains or loses in a tier
-    becomes a BlockStored or BlockRemoved event of that tier's medium, for the tenant whose
-    namespace holds the block (`tenant_of`; a namespace it does not know is skipped).
-
-    Reads the ids of the nodes it is told about (`Forest.ids_of`: ids are then computed when
-    stored, as they would be when first read) and their tokens; called under the store's lock,
-    it only queues (`EventPublisher`)."""
-
-    def __init__(
-        self,
-        publisher: EventPublisher,
-        index: RadixIndex,
-        tenant_of: Callable[[bytes], str | None],
-    ) -> None:
-        self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
-        self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
-        self._last: tuple[tuple[Node, int, int, int], Stored] | None = None  # (`_stored`)
-
-    def gained(self, node: Node, lo: int, hi: int, tier: int) -> None:
-        tenant = self.tenant_of(node.root.ids)
-        if tenant is None:
-            return
-        hashes, parent, tokens = self._stored(node, lo, hi)
-        block_tokens = self.index.block_tokens
-        self.publisher.stored(tenant, hashes, parent, tokens, block_tokens, self.media[tier])
-
-    def _stored(self, node: Node, lo: int, hi: int) -> Stored:
-        """Hashes, parent hash and tokens of blocks lo..hi-1 of `node`; the last answer is kept,
-        since a store tells of the same new blocks once per tier it wrote them to."""
-        key = (node, lo, hi, len(node.key))
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        hashes, parent = self._hashes(node, lo, hi), None
-        if lo:
-            parent = self._hashes(node, lo - 1, lo)[0]
-        elif node.parent is not None and node.parent.parent is not None:
-            above = node.parent
-            parent = self._hashes(above, above.size - 1, above.size)[0]
-        kb = self.index.key_nbytes
-        tokens = np.frombuffer(node.key, "<u4", (hi - lo) * kb // 4, lo * kb).tolist()
-        self._last = (key, (hashes, parent, tokens))
-        return hashes, parent, tokens
-
-    def lost(self, node: Node, lo: int, hi: int, tier: int) -> None:
-        held = [i for i in range(lo, hi) if node.slots[tier][i] is not None]
-        tenant = self.tenant_of(node.root.ids) if held else None
-        if tenant is None:
-            return
-        hashes = self._hashes(node, lo, hi)
-        self.publisher.removed(tenant, [hashes[i - lo] for i in held], self.media[tier])
-
-    def _hashes(self, node: Node, lo: int, hi: int) -> list[int]:
-        ids, size = self.index.forest.ids_of(node), self.index.digest_size
-        rows = np.frombuffer(ids, np.uint8, (hi - lo) * size, lo * size).reshape(-1, size)
-        hashes: list[int] = np.ascontiguousarray(rows[:, :8]).view(">u8").ravel().tolist()
-        return hashes
