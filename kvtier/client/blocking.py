@@ -152,6 +152,12 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self._get("/v1/status")
 
+    def blocks(self) -> dict[str, Any]:
+        """`GET /v1/blocks`: `{block_size, topics: [{topic, seq, events}]}`, every block held
+        as a KV-event batch per topic (`kvtier.events.observer.snapshot`; a router's resync).
+        Checked: a reply of another shape raises `ProtocolError`."""
+        return replies.blocks(self._get("/v1/blocks"))
+
     def layout(self) -> KVLayout:
         """The server's KV layout (`/v1/pools`, checked; model name "served"): an engine
         checks its own caches against it before it stores or loads."""

@@ -19,19 +19,27 @@ blocks to two tiers tells of them twice: the same `wire.Blocks`, packed once.
 
 `announce()` tells of every block the index holds, each tier a run at a time: the publisher's
 first words after a restart (recovery rebuilt the index from disk before events were on).
+`snapshot(store, tenant)` is the same, returned rather than sent, with each topic's sequence
+number at that moment (`GET /v1/blocks`, the routers' resync).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier.errors import InvalidArgumentError
 from kvtier.events import wire
 from kvtier.events.publisher import EventPublisher
 from kvtier.index import RadixIndex
 from kvtier.index.node import Node
+
+if TYPE_CHECKING:
+    from kvtier.store import KVStore
 
 MEDIUM_OF_TIER = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
 
@@ -82,6 +90,24 @@ class IndexEvents:
     def announce(self) -> int:
         """Tell of every block the index holds (module doc); the events queued."""
         told = 0
+        for node, lo, hi, tier in self._runs():
+            self.gained(node, lo, hi, tier)
+            told += 1
+        return told
+
+    def told(self, tenant: str | None) -> list[tuple[str, wire.Spec]]:
+        """(tenant, event) for every run of blocks held in a tier, parents first; `tenant`'s
+        blocks only unless None. Under the store's lock."""
+        out: list[tuple[str, wire.Spec]] = []
+        for node, lo, hi, tier in self._runs():
+            owner = self.tenant_of(node.root.ids)
+            if owner is not None and tenant in (None, owner):
+                out.append((owner, wire.Stored(self._blocks(node, lo, hi), self.media[tier])))
+        return out
+
+    def _runs(self) -> Iterator[tuple[Node, int, int, int]]:
+        """(node, lo, hi, tier) for each run of a node's blocks held in a tier, every node
+        before its children."""
         for root in self.index.roots():
             stack = list(root.children.values()) if root.children else []
             while stack:
@@ -92,10 +118,9 @@ class IndexEvents:
                         if slot is not None and lo is None:
                             lo = i
                         elif slot is None and lo is not None:
-                            self.gained(node, lo, i, tier)
-                            told, lo = told + 1, None
+                            yield node, lo, i, tier
+                            lo = None
                 stack.extend(node.children.values() if node.children else ())
-        return told
 
     def _blocks(self, node: Node, lo: int, hi: int) -> wire.Blocks:
         """The fields of a BlockStored of blocks lo..hi-1 of `node`; the last answer is kept,
@@ -114,3 +139,26 @@ class IndexEvents:
         blocks = wire.Blocks(marks[lo * 8 : hi * 8], parent, tokens, self.index.block_tokens)
         self._last = (key, blocks)
         return blocks
+
+
+def snapshot(store: KVStore, tenant: str | None) -> dict[str, Any]:
+    """What `GET /v1/blocks` answers: per topic, its sequence number when the snapshot was
+    taken (`seq`: the next message's) and an event batch telling of every block held
+    (`events`, the wire's bytes: `PrefixIndex.apply` takes it), `tenant`'s blocks only unless
+    None; `InvalidArgumentError` when the store publishes no events."""
+    publisher, observer = store.parts.events, store.index.observer
+    if publisher is None or not isinstance(observer, IndexEvents):
+        raise InvalidArgumentError("GET /v1/blocks: this store publishes no events (`events`)")
+    with store.parts.state.lock:
+        told = observer.told(tenant)
+        names = {publisher.topic_of(owner) for owner, _ in told}
+        if tenant is not None:
+            names.add(publisher.topic_of(tenant))
+        seqs = {name: publisher.sent(name) for name in names}
+    packer = wire.Packer()
+    topics = []
+    for name in sorted(seqs):
+        events = [packer.pack(spec) for owner, spec in told if publisher.topic_of(owner) == name]
+        batch = wire.batch(time.time(), events, publisher.settings.dp_rank)
+        topics.append({"topic": name, "seq": seqs[name], "events": batch})
+    return {"block_size": store.index.block_tokens, "topics": topics}

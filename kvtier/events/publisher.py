@@ -181,8 +181,12 @@ class EventPublisher:
             self._stats["dropped_events"] += 1
             self._topic(tenant).lost = True
 
+    def topic_of(self, tenant: str) -> str:
+        """The topic `tenant`'s events go to."""
+        return f"{self.topic}@{tenant}" if self.settings.per_tenant else self.topic
+
     def _topic(self, tenant: str) -> _Topic:
-        name = f"{self.topic}@{tenant}" if self.settings.per_tenant else self.topic
+        name = self.topic_of(tenant)
         topic = self._topics.get(name)
         if topic is None:
             topic = self._topics[name] = _Topic(name.encode())

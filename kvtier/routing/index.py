@@ -99,6 +99,19 @@ class PrefixIndex:
         """Apply one message's event batch from `source` (a topic); the events applied. A
         payload that is no event batch raises `BadEvent` (counted); a bad event within one is
         skipped and counted."""
+        events = self._decode(payload)
+        with self._lock:
+            return self._apply_all(source, events)
+
+    def reset(self, source: str, payload: bytes) -> int:
+        """Forget `source`'s blocks and apply `payload` (a snapshot, `GET /v1/blocks`) in one
+        step: a score never sees the source empty in between."""
+        events = self._decode(payload)
+        with self._lock:
+            self._clear(source)
+            return self._apply_all(source, events)
+
+    def _decode(self, payload: bytes) -> list[Any]:
         try:
             batch = msgpack.unpackb(payload, raw=False, strict_map_key=True)
         except Exception as e:  # msgpack's errors share no base class
@@ -109,17 +122,19 @@ class PrefixIndex:
             with self._lock:
                 self._stats["bad"] += 1
             raise BadEvent("payload: expected an event batch [ts, [events], dp_rank]")
+        return batch[1]
+
+    def _apply_all(self, source: str, events: list[Any]) -> int:
         applied = 0
-        with self._lock:
-            src = self._source(source)
-            for event in batch[1]:
-                try:
-                    self._apply_one(source, src, event)
-                except BadEvent:
-                    self._stats["bad"] += 1
-                    continue
-                applied += 1
-            self._stats["events"] += applied
+        src = self._source(source)
+        for event in events:
+            try:
+                self._apply_one(source, src, event)
+            except BadEvent:
+                self._stats["bad"] += 1
+                continue
+            applied += 1
+        self._stats["events"] += applied
         return applied
 
     def clear(self, source: str) -> None:

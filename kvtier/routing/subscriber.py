@@ -12,8 +12,16 @@ sequence number applied is kept:
   it), the topic's blocks are forgotten (`PrefixIndex.clear`) before going on, since a removal
   may be among the lost: a router that under-counts a pod is safe, one that believes a pod
   holds what it dropped is not; counted as `resets`;
-- a number at or below it (a publisher restarted: numbers start again from 0): the topic's
-  blocks are forgotten, then the message applied.
+  A publisher added with a `snapshot` (a callable answering as `GET /v1/blocks` does, e.g.
+  `kvtier.client.Client(url).blocks`) is asked for one first: each topic's blocks are replaced
+  by the snapshot's (`PrefixIndex.reset`), and its messages below the snapshot's number are
+  skipped as already reflected (re-applying one that was queued before the snapshot was taken
+  is harmless: events are applied in order and each sets or clears what it names);
+- a number below it (a publisher restarted: numbers start again from 0): the topic's blocks
+  are forgotten, then the message applied.
+
+With `resync_s`, each publisher with a snapshot is resynced that often too, repairing whatever
+drifted unseen.
 
 The first message of a topic is a gap from 0 unless it is number 0.
 
@@ -24,7 +32,10 @@ routing on events waits for the store it just used). `close()` stops the thread.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -33,29 +44,42 @@ from kvtier.routing.index import BadEvent, PrefixIndex
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+Snapshot = Callable[[], dict[str, Any]]  # {block_size, topics: [{topic, seq, events}]}
+
+
 @dataclass
 class _Publisher:
     socket: zmq.Socket[bytes]
     replay_endpoint: str | None
+    snapshot: Snapshot | None = None
+    resynced_at: float = 0.0
 
 
 class Subscriber:
-    def __init__(self, index: PrefixIndex, replay_timeout: float = 2.0) -> None:
-        self.index, self.replay_timeout = index, replay_timeout
+    def __init__(
+        self, index: PrefixIndex, replay_timeout: float = 2.0, resync_s: float | None = None
+    ) -> None:
+        self.index, self.replay_timeout, self.resync_s = index, replay_timeout, resync_s
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._publishers: list[_Publisher] = []
-        self._added: list[tuple[str, str | None]] = []
+        self._added: list[tuple[str, str | None, Snapshot | None]] = []
         self._applied: dict[str, int] = {}  # topic -> messages applied (its next number)
+        self._floors: dict[str, int] = {}  # topic -> a snapshot's number: below it, reflected
         self._cond = threading.Condition()
-        self._stats = {"messages": 0, "gaps": 0, "replayed": 0, "resets": 0, "bad": 0}
+        self._stats = dict.fromkeys(
+            ("messages", "gaps", "replayed", "resets", "bad", "resyncs", "resync_errors"), 0
+        )
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvtier-route-sub", daemon=True)
         self._thread.start()
 
-    def add(self, endpoint: str, replay_endpoint: str | None = None) -> None:
-        """Subscribe to the publisher at `endpoint` (its replay ROUTER at `replay_endpoint`)."""
+    def add(
+        self, endpoint: str, replay_endpoint: str | None = None, snapshot: Snapshot | None = None
+    ) -> None:
+        """Subscribe to the publisher at `endpoint` (its replay ROUTER at `replay_endpoint`;
+        `snapshot`: module doc)."""
         with self._cond:
-            self._added.append((endpoint, replay_endpoint))
+            self._added.append((endpoint, replay_endpoint, snapshot))
 
     def applied(self, topic: str) -> int:
         with self._cond:
@@ -83,16 +107,21 @@ class Subscriber:
         while not self._stopping:
             with self._cond:
                 added, self._added = self._added, []
-            for endpoint, replay_endpoint in added:
+            for endpoint, replay_endpoint, snapshot in added:
                 sub = self._context.socket(zmq.SUB)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 sub.connect(endpoint)
-                by_socket[sub] = _Publisher(sub, replay_endpoint)
+                by_socket[sub] = _Publisher(sub, replay_endpoint, snapshot, time.monotonic())
                 poller.register(sub, zmq.POLLIN)
             for sock, _ in poller.poll(20):
                 publisher = by_socket[sock]
                 while publisher.socket.poll(0):
                     self._receive(publisher, publisher.socket.recv_multipart())
+            if self.resync_s is not None:
+                now = time.monotonic()
+                for publisher in by_socket.values():
+                    if publisher.snapshot and now - publisher.resynced_at >= self.resync_s:
+                        self._resync(publisher)
 
     def _receive(self, publisher: _Publisher, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -104,6 +133,11 @@ class Subscriber:
             self._count("bad")
             return
         seq = int.from_bytes(frames[1], "big")
+        floor = self._floors.get(topic)
+        if floor is not None:
+            if seq < floor:
+                return  # the snapshot reflects it
+            del self._floors[topic]
         expected = self.applied(topic)
         if seq < expected:  # numbers started again: the publisher restarted
             self._count("resets")
@@ -113,9 +147,35 @@ class Subscriber:
         if seq > expected:
             self._count("gaps")
             if not self._fill(publisher, topic, expected, seq):
+                if self._resync(publisher) and topic in self._floors:
+                    self._receive(publisher, frames)  # against the snapshot's number
+                    return
                 self._count("resets")
                 self.index.clear(topic)
         self._apply(topic, seq, frames[2])
+
+    def _resync(self, publisher: _Publisher) -> bool:
+        """Replace each topic's blocks by the publisher's snapshot (module doc); done?"""
+        publisher.resynced_at = time.monotonic()
+        if publisher.snapshot is None:
+            return False
+        try:
+            reply = publisher.snapshot()
+            topics = [(t["topic"], t["seq"], t["events"]) for t in reply["topics"]]
+        except Exception:  # a server down, a reply of another shape: no snapshot this time
+            self._count("resync_errors")
+            return False
+        for topic, seq, events in topics:
+            try:
+                self.index.reset(topic, events)
+            except BadEvent:
+                self._count("bad")
+                self.index.clear(topic)
+            with self._cond:
+                self._floors[topic] = seq
+            self._set(topic, seq)
+        self._count("resyncs")
+        return True
 
     def _fill(self, publisher: _Publisher, topic: str, start: int, stop: int) -> bool:
         """Apply messages start..stop-1 of `topic` from the replay endpoint; all of them?"""

@@ -9,13 +9,14 @@ Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `gu
     GET  /v1/status                           live figures: a tenant key sees its tenant's
     GET  /v1/config /metrics                  config with keys redacted; Prometheus text
     GET  /v1/pools                            what a same-host client maps (shared memory)
+    GET  /v1/blocks                           every block held, as KV events (a router's resync)
     POST /v1/lookup /v1/prefetch /v1/release /v1/store /v1/load /v1/reserve /v1/commit
          /v1/abort                            the data plane, as the tenant of the caller's key
     GET  /v1/leases/{id}?wait_s=              a lease's state, waiting up to wait_s for it
     POST /v1/admin/clear /v1/admin/check /v1/admin/persist    admin key only
 
 Who sees what, with auth on (any tenant has a key): data-plane routes and /v1/pools act as the
-key's tenant; /v1/status with a tenant key reports that tenant's figures only, with the admin
+key's tenant; /v1/status and /v1/blocks with a tenant key report that tenant's only, with the admin
 key the global ones; /v1/config and /metrics (global by nature) need the admin key. 401 without
 a key, 403 with a key that does not qualify; a rejected key is never echoed. Without auth
 (keyless, loopback only) every route answers as before: global status, open config and metrics.
@@ -45,6 +46,7 @@ from starlette.exceptions import HTTPException
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError, LeaseError
+from kvtier.events.observer import snapshot as events_snapshot
 from kvtier.results import Lease, LeaseState
 from kvtier.service import bodies, schemas, wire
 from kvtier.service.admission import (
@@ -185,6 +187,20 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         return await call(
             request,
             lambda store, tenant, data: store.status(tenant=tenant),
+            admit=admit_viewer,
+            reads_body=False,
+        )
+
+    @app.get(
+        "/v1/blocks", responses=schemas.responses(schemas.ANY_OBJECT, 400, *schemas.GET_STATUSES)
+    )
+    async def blocks(request: Request) -> Response:
+        """Every block held, per event topic, as one KV-event batch and the topic's sequence
+        number then (a router's resync; msgpack only: the batch is bytes): with a tenant key,
+        that tenant's blocks; with the admin key (or without auth), all."""
+        return await call(
+            request,
+            lambda store, tenant, data: events_snapshot(store, tenant),
             admit=admit_viewer,
             reads_body=False,
         )

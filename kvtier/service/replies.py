@@ -15,6 +15,8 @@ nothing from it. Nothing here is ever evaluated or unpickled.
   slot per block, each below the pool's `num_slots` when the pools are known.
 - Lookup, store and load results: counts in range that add up; a load's KV of the layout's
   shape for exactly its `num_tokens`.
+- `/v1/blocks`: a block size in range, a bounded list of topics, each with text, a sequence
+  number and bytes (the event batch, which the router decodes as untrusted in its turn).
 """
 
 from __future__ import annotations
@@ -162,6 +164,26 @@ def lookup(body: dict[str, Any]) -> LookupResult:
     if sum(counts[1:]) != result.num_tokens:
         raise ReplyError(f"lookup: tiers {counts[1:]} do not add up to {result.num_tokens}")
     return result
+
+
+def blocks(body: dict[str, Any]) -> dict[str, Any]:
+    """A `/v1/blocks` reply: `{block_size, topics: [{topic, seq, events}]}`."""
+    block_size = _int(body, "block_size", "blocks", 1 << 20, 1)
+    topics = _field(body, "topics", list, "blocks")
+    if len(topics) > 4096:
+        raise ReplyError(f"blocks.topics: {len(topics)} topics, expected at most 4096")
+    checked = []
+    for entry in topics:
+        if not isinstance(entry, dict):
+            raise ReplyError(f"blocks.topics: got {type(entry).__name__}, expected a map")
+        checked.append(
+            {
+                "topic": _text(entry, "topic", "blocks.topics"),
+                "seq": _int(entry, "seq", "blocks.topics", 1 << 63),
+                "events": _field(entry, "events", bytes, "blocks.topics"),
+            }
+        )
+    return {"block_size": block_size, "topics": checked}
 
 
 def stored(body: dict[str, Any]) -> StoreResult:
