@@ -67,16 +67,13 @@ def scaled(sizing: Sizing, factor: int) -> Sizing:
 def format_routed(runs: Sequence[FleetRun]) -> str:
     """A table: the one big store, then each policy, with its hit rate's ratio to the big one's."""
     big = runs[0]
+    replicas = runs[1].replicas if len(runs) > 1 else 1
     lines = [
         f"{'run':<28}{'hit rate':>9}{'of 1 store':>11}{'gpu':>7}{'host':>7}{'disk':>7}"
         f"{'remote':>7}{'computed':>9}{'imbalance':>10}  requests per replica"
     ]
     for run in runs:
-        name = (
-            f"1 store x{runs[1].replicas if len(runs) > 1 else 1} capacity"
-            if run is big
-            else (run.label)
-        )
+        name = f"1 store x{replicas} capacity" if run is big else run.label
         tiers = "".join(f"{run.served[t] / max(run.tokens, 1):>7.1%}" for t in TIERS)
         ratio = run.hit_rate / big.hit_rate if big.hit_rate else 1.0
         assigned = " / ".join(str(n) for n in run.assigned) if run.policy else "-"
