@@ -192,6 +192,18 @@ def events_rows(
         print(f"{'eviction ' + name + ', events off / on':<48} {rates[0]:10.0f} / {rates[1]:.0f} "
               "blocks/s")  # fmt: skip
         rows.append(f"eviction {name} {rates[0] / rates[1]:.3f}")
+    for index, _ in indexes:  # again, by runs of a node's tail: the store's path (`Demoter`)
+        fill(index, ns, requests, SlotCounter())
+    gc.collect()
+    for tier, name in ((GPU, "gpu -> host"), (HOST, "host -> disk"), (DISK, "drop")):
+        rates = []
+        for index, _ in indexes if tier != HOST else indexes[::-1]:
+            rates.append(evict_runs(index, tier))
+        if tier == HOST:
+            rates.reverse()
+        print(f"{'eviction by runs ' + name + ', off / on':<48} {rates[0]:10.0f} / "
+              f"{rates[1]:.0f} blocks/s")  # fmt: skip
+        rows.append(f"by runs {name} {rates[0] / rates[1]:.3f}")
     dropped = 0
     for index, publisher in [*indexes, *((i, p) for i, _, p in inserts)]:
         index.check()
@@ -216,6 +228,25 @@ def evict_tier(index: RadixIndex, tier: int) -> float:
                 index.set_slot(ref, tier + 1, taken.take(tier + 1, 1)[0])
             index.clear_slot(ref, tier)
         count += 1
+    return count / (time.perf_counter() - t0)
+
+
+def evict_runs(index: RadixIndex, tier: int) -> float:
+    """Blocks/s of the same, a run of a node's tail at a time, as `Demoter.make_room` does:
+    `victim_runs`, then `add_copies` + `clear_tail`, or `drop_tail` from the lowest tier."""
+    taken = SlotCounter()
+    taken.next = [0, 10**7, 2 * 10**7]
+    t0 = time.perf_counter()
+    count = 0
+    for run in index.victim_runs(tier):
+        node, lo, hi = run.node, run.lo, run.hi
+        if tier == DISK:
+            index.drop_tail(node, hi - lo)
+        else:
+            if node.slots[tier + 1][lo:hi].count(None) == hi - lo:
+                index.add_copies(node, tier + 1, lo, taken.take(tier + 1, hi - lo))
+            index.clear_tail(node, tier, hi - lo)
+        count += hi - lo
     return count / (time.perf_counter() - t0)
 
 

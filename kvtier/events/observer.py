@@ -63,18 +63,18 @@ class IndexEvents:
             self.publisher.publish(tenant, wire.Stored(blocks, self.media[tier]))
 
     def lost(self, node: Node, lo: int, hi: int, tier: int) -> None:
-        slots = node.slots[tier]
-        if hi - lo == 1:
-            held = [lo] if slots[lo] is not None else []
-        else:
-            held = [i for i in range(lo, hi) if slots[i] is not None]
-        tenant = self.tenant_of(node.root.ids) if held else None
+        run = node.slots[tier][lo:hi]
+        missing = run.count(None)  # in C: most often all held or none
+        if missing == hi - lo:
+            return
+        tenant = self.tenant_of(node.root.ids)
         if tenant is None:
             return
-        marks = self.marks(node)
-        if len(held) == hi - lo:
+        marks = node.marks if len(node.marks) >= hi * 8 else self.marks(node)
+        if not missing:
             hashes = marks[lo * 8 : hi * 8]
         else:
+            held = [lo + j for j, slot in enumerate(run) if slot is not None]
             hashes = b"".join(marks[i * 8 : i * 8 + 8] for i in held)
         self.publisher.publish(tenant, wire.Removed(hashes, self.media[tier]))
 
