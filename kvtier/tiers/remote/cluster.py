@@ -19,11 +19,15 @@ Contract:
   it by node); `group_blocks` in the keys (`entry.py`) keeps a group on one node.
 - Without a connection, a call tries to connect at most once per `reconnect_s`; in between,
   calls are misses at once, so a dead cluster costs a store nothing but a counter.
+- After a failed round trip the slot table is read again from the cluster, at most once per
+  `REFRESH_S`: redis-py reads it when a pipeline cannot connect, but a read made before the
+  cluster promoted a replica keeps naming the dead primary, and its slots would stay misses.
 - Thread-safe: the mover's threads and the store's callers may call at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +44,9 @@ from kvtier.errors import InvalidArgumentError
 from kvtier.tiers.remote.entry import RemoteValueError, SplitValue, ValueMeta, decode_value
 
 T = TypeVar("T")
+
+REFRESH_S = 1.0
+"""After a failed round trip, the slot table is read again at most this often (module doc)."""
 
 CLUSTER_FAILURES = (RedisError, RedisClusterException, OSError)
 """What the cluster client raises when the cluster fails (RedisClusterException, e.g. no node
@@ -144,6 +151,7 @@ class RemoteCluster:
         self._next_connect = 0.0
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._seconds = 0.0  # time spent in round trips
+        self._refreshed_at = 0.0  # the last slot table read after a failure (`REFRESH_S`)
         self.last_error = ""
 
     # ---- the calls ----------------------------------------------------------------------
@@ -316,6 +324,16 @@ class RemoteCluster:
 
         return self._round_trip(run)
 
+    def _refresh(self, client: RedisCluster) -> None:
+        """Read the slot table again (module doc), at most once per `REFRESH_S`."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._refreshed_at < REFRESH_S:
+                return
+            self._refreshed_at = now
+        with contextlib.suppress(*CLUSTER_FAILURES):  # no node answers: the next failure retries
+            client.nodes_manager.initialize()
+
     def _round_trip(self, run: Callable[[RedisCluster], T]) -> T | None:
         """`run` on the cluster, timed and counted; None when the cluster failed it."""
         client = self._connect()
@@ -327,6 +345,7 @@ class RemoteCluster:
         except CLUSTER_FAILURES as e:
             self.last_error = f"{type(e).__name__}: {e}"
             self._count("errors", 1)
+            self._refresh(client)
             return None
         finally:
             with self._lock:
