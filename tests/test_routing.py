@@ -270,3 +270,36 @@ def test_scores_follow_several_real_publishers() -> None:
     sub.close()
     for pub in pubs:
         pub.close()
+
+
+def test_a_snapshot_that_is_stale_or_fails_ends_in_a_reset_not_a_loop() -> None:
+    """A resync source that answers an old snapshot (its number below the message that showed
+    the gap), then one that raises: each gap is asked about once, then the topic forgotten."""
+    pub = publisher(A, replay=False)
+    announce(pub, range(3))  # missed: sent before the subscriber joins
+    stale = {"block_size": BS, "topics": [{"topic": A, "seq": 0, "events": batch()}]}
+    calls: list[int] = []
+
+    def snapshot() -> dict[str, Any]:
+        calls.append(1)
+        if len(calls) > 1:
+            raise ConnectionError("the sidecar is down")
+        return stale
+
+    index = PrefixIndex(BS)
+    sub = Subscriber(index, resync_s=0.5)  # and every 0.5 s: the failing answers
+    sub.add(pub.endpoint, None, snapshot)
+    time.sleep(0.3)
+    announce(pub, range(3, 4))  # seq 3: a gap the stale snapshot does not cover
+    assert sub.wait(A, 4)
+    pub.removed("", [0], "GPU")
+    pub.flush()
+    assert sub.wait(A, 5)  # the thread goes on
+    stats = sub.stats()
+    assert calls and stats["resyncs"] == 1 and stats["resets"] == 1
+    assert wait_until(lambda: sub.stats()["resync_errors"] >= 1)  # counted, nothing else
+    announce(pub, range(9, 10))
+    assert sub.wait(A, 6) and sub.stats()["resets"] == 1
+    index.check()
+    sub.close()
+    pub.close()

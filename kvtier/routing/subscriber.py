@@ -61,7 +61,6 @@ class Subscriber:
     ) -> None:
         self.index, self.replay_timeout, self.resync_s = index, replay_timeout, resync_s
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._publishers: list[_Publisher] = []
         self._added: list[tuple[str, str | None, Snapshot | None]] = []
         self._applied: dict[str, int] = {}  # topic -> messages applied (its next number)
         self._floors: dict[str, int] = {}  # topic -> a snapshot's number: below it, reflected
@@ -123,7 +122,9 @@ class Subscriber:
                     if publisher.snapshot and now - publisher.resynced_at >= self.resync_s:
                         self._resync(publisher)
 
-    def _receive(self, publisher: _Publisher, frames: list[bytes]) -> None:
+    def _receive(self, publisher: _Publisher, frames: list[bytes], resync: bool = True) -> None:
+        """Apply one message (module doc); `resync`: a gap may be filled from a snapshot (once
+        per message: a snapshot that does not cover it is not asked for again)."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self._count("bad")
             return
@@ -147,8 +148,8 @@ class Subscriber:
         if seq > expected:
             self._count("gaps")
             if not self._fill(publisher, topic, expected, seq):
-                if self._resync(publisher) and topic in self._floors:
-                    self._receive(publisher, frames)  # against the snapshot's number
+                if resync and self._resync(publisher) and topic in self._floors:
+                    self._receive(publisher, frames, resync=False)  # against its number
                     return
                 self._count("resets")
                 self.index.clear(topic)
