@@ -182,28 +182,19 @@ def events_rows(
         publisher = observe(index) if on else None
         fill(index, ns, requests, SlotCounter())
         indexes.append((index, publisher))
-    gc.collect()
-    for tier, name in ((GPU, "gpu -> host"), (HOST, "host -> disk"), (DISK, "drop")):
-        rates = []
-        for index, _ in indexes if tier != HOST else indexes[::-1]:
-            rates.append(evict_tier(index, tier))
-        if tier == HOST:
-            rates.reverse()
-        print(f"{'eviction ' + name + ', events off / on':<48} {rates[0]:10.0f} / {rates[1]:.0f} "
-              "blocks/s")  # fmt: skip
-        rows.append(f"eviction {name} {rates[0] / rates[1]:.3f}")
-    for index, _ in indexes:  # again, by runs of a node's tail: the store's path (`Demoter`)
-        fill(index, ns, requests, SlotCounter())
-    gc.collect()
-    for tier, name in ((GPU, "gpu -> host"), (HOST, "host -> disk"), (DISK, "drop")):
-        rates = []
-        for index, _ in indexes if tier != HOST else indexes[::-1]:
-            rates.append(evict_runs(index, tier))
-        if tier == HOST:
-            rates.reverse()
-        print(f"{'eviction by runs ' + name + ', off / on':<48} {rates[0]:10.0f} / "
-              f"{rates[1]:.0f} blocks/s")  # fmt: skip
-        rows.append(f"by runs {name} {rates[0] / rates[1]:.3f}")
+    for label, evict in (("eviction", evict_tier), ("eviction by runs", evict_runs)):
+        if evict is evict_runs:  # again, a run of a node's tail at a time: the store's path
+            for index, _ in indexes:
+                fill(index, ns, requests, SlotCounter())
+        gc.collect()
+        for tier, name in ((GPU, "gpu -> host"), (HOST, "host -> disk"), (DISK, "drop")):
+            order = indexes if tier != HOST else indexes[::-1]  # each side first in turn
+            rates = [evict(index, tier) for index, _ in order]
+            if tier == HOST:
+                rates.reverse()
+            print(f"{label + ' ' + name + ', off / on':<48} {rates[0]:10.0f} / {rates[1]:.0f} "
+                  "blocks/s")  # fmt: skip
+            rows.append(f"{label} {name} {rates[0] / rates[1]:.3f}")
     dropped = 0
     for index, publisher in [*indexes, *((i, p) for i, _, p in inserts)]:
         index.check()
@@ -362,27 +353,14 @@ def main() -> None:
 
     # eviction, tier by tier: gpu -> host (copy where host lacks one), host -> disk (every
     # block has a disk copy here), then drop everything from the lowest tier
-    taken = SlotCounter()
-    taken.next = [0, 10**7, 2 * 10**7]
-    rates = []
     gc.collect()  # the rows should not pay the collection debt of the sections before them
     for tier, name in (
         (GPU, "demote gpu -> host"),
         (HOST, "demote host -> disk"),
         (DISK, "drop from disk (lowest tier)"),
     ):
-        t0 = time.perf_counter()
-        count = 0
-        for ref in index.victims(tier):
-            if tier == DISK:
-                index.drop(ref)
-            else:
-                if ref.node.slots[tier + 1][ref.i] is None:
-                    index.set_slot(ref, tier + 1, taken.take(tier + 1, 1)[0])
-                index.clear_slot(ref, tier)
-            count += 1
-        rate = count / (time.perf_counter() - t0)
-        rates.append(rate)
+        count = index.resident(tier)  # every copy in the tier is a victim
+        rate = evict_tier(index, tier)
         print(f"{'eviction: ' + name:<48} {rate:10.0f} blocks/s ({count} blocks)")
     assert index.num_blocks == 0, "every block should have been evicted"
     index.check()

@@ -200,8 +200,7 @@ def _run_fleet(
     """`--replicas N [--remote]` (`replicas.py`): the fleet alone, then sharing the cluster."""
     runs = [replay_fleet(requests, limit, sizing, options, args.replicas, None)]
     if args.remote:
-        nodes = args.remote_nodes.split(",") if args.remote_nodes else None
-        with cluster_nodes(nodes) as cluster:
+        with cluster_nodes(_remote_nodes(args)) as cluster:
             runs.append(replay_fleet(requests, limit, sizing, options, args.replicas, cluster))
     if args.json:
         print(json.dumps({"trace": args.trace, "runs": [r.to_dict() for r in runs]}, indent=2))
@@ -231,8 +230,7 @@ def _run_routed(
     with contextlib.ExitStack() as stack:
         nodes = None
         if args.remote:
-            given = args.remote_nodes.split(",") if args.remote_nodes else None
-            nodes = stack.enter_context(cluster_nodes(given))
+            nodes = stack.enter_context(cluster_nodes(_remote_nodes(args)))
         by_count = {
             n: replay_routed(requests, limit, sizing, options, n, policies, nodes) for n in counts
         }
@@ -258,3 +256,8 @@ def _run_routed(
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
+
+
+def _remote_nodes(args: argparse.Namespace) -> list[str] | None:
+    """`--remote-nodes host:port,...`, or None: a cluster started for the run."""
+    return args.remote_nodes.split(",") if args.remote_nodes else None

@@ -252,9 +252,9 @@ def format_table(results: Sequence[ReplayResult]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: Sequence[ReplayResult], path: str) -> None:
-    """Hit rate by tier (stacked) against total capacity, with the ceiling, as an image at
-    `path`. `InvalidArgumentError` if matplotlib is not installed."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files, no display); `InvalidArgumentError` if
+    matplotlib is not installed (the optional extra `plot`)."""
     try:
         import matplotlib
 
@@ -264,6 +264,13 @@ def plot(results: Sequence[ReplayResult], path: str) -> None:
         raise InvalidArgumentError(
             "--plot: matplotlib is not installed; pip install 'kvtier[plot]'"
         ) from None
+    return plt
+
+
+def plot(results: Sequence[ReplayResult], path: str) -> None:
+    """Hit rate by tier (stacked) against total capacity, with the ceiling, as an image at
+    `path`. `InvalidArgumentError` if matplotlib is not installed."""
+    plt = pyplot()
     ordered = sorted(results, key=lambda r: r.sizing.total)
     x = [100 * r.sizing.total for r in ordered]
     figure, axes = plt.subplots(figsize=(7, 4.5))

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.replay.replicas import TIERS, FleetRun, replay_fleet
-from kvtier.replay.report import Sizing
+from kvtier.replay.report import Sizing, pyplot
 from kvtier.replay.runner import ReplayOptions
 from kvtier.replay.trace import Ceiling, TraceRequest
 from kvtier.routing import POLICIES
@@ -86,15 +86,7 @@ def format_routed(runs: Sequence[FleetRun]) -> str:
 
 def plot_routed(by_replicas: dict[int, list[FleetRun]], path: str) -> None:
     """Hit rate against N per policy, with the one big store's, as an image at `path`."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InvalidArgumentError(
-            "--plot: matplotlib is not installed; pip install 'kvtier[plot]'"
-        ) from None
+    plt = pyplot()
     counts = sorted(by_replicas)
     figure, axes = plt.subplots(figsize=(7, 4.5))
     axes.plot(counts, [100 * by_replicas[n][0].hit_rate for n in counts], "k--",

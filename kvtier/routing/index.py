@@ -34,32 +34,32 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-# Per medium, the share of a recomputation a hit from it saves (1: all of it), from kvtier's
+# Per medium, about the share of a recomputation a hit from it saves (1: all of it). kvtier's
 # TTFT benchmark (`benchmarks/bench_ttft.py`: SmolLM2-135M, 2000-token prompt, 1900 shared:
-# cold 10.0 s; hits from gpu 0.47 s, host 0.46 s, disk 0.53 s -> 1.0, 1.0, 0.99) and, for the
-# remote tier, which that benchmark does not load from, its get bandwidth on loopback against
-# the disk tier's (`bench_remote.py` / `bench_disk.py`: about a third), rounded down.
+# cold 10.0 s; hits from gpu 0.47 s, host 0.46 s, disk 0.53 s) measures 1.0, 1.0, 0.99; the
+# remote tier, which it does not load from, reads at about a third of the disk tier's bandwidth
+# (`bench_remote.py` / `bench_disk.py`). The weights keep that order with a small step per
+# tier, so that of two pods holding the same prefix, the one holding it faster scores higher.
 DEFAULT_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.99, "DISK": 0.98, "REMOTE": 0.95}
 MAX_MEDIA = 16  # distinct medium names an index tracks; an event naming another is skipped
 KEY_BYTES = 8
 
 
-def chain(previous: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
-    """The keys of the full blocks of `tokens` (uint32), chained from `previous`."""
+def chain(previous: bytes, tokens: np.ndarray, block_size: int) -> Iterator[bytes]:
+    """The keys of the full blocks of `tokens` (uint32), chained from `previous`, one at a
+    time: `score` stops hashing at the first block no pod holds."""
     data = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
     step = block_size * 4
-    keys = []
     for start in range(0, len(data) - step + 1, step):
         previous = hashlib.blake2b(previous + data[start : start + step], digest_size=8).digest()
-        keys.append(previous)
-    return keys
+        yield previous
 
 
 def seed(lora_name: str | None) -> bytes:
