@@ -20,10 +20,10 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from kvtier.blocks import BlockHasher, BlockId
+from kvtier.blocks import BlockHasher, BlockId, KVLayout
 from kvtier.config import KVTierConfig
 from kvtier.config.fields import resolve_key
-from kvtier.config.tiers import RemoteTlsConfig
+from kvtier.config.tiers import DiskTierConfig, RemoteTierConfig, RemoteTlsConfig
 from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.events import EventPublisher, EventSettings, IndexEvents
 from kvtier.index import RadixIndex
@@ -34,7 +34,7 @@ from kvtier.tenancy import Namespaces, ReservationTable, TenantShares
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk.codec import get_codec
+from kvtier.tiers.disk.codec import Codec, tier_codec
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, TlsSettings
 from kvtier.tiers.remote.tier import RemoteTier
@@ -178,7 +178,7 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
             layout,
             disk_cfg.path,
             disk_cfg.capacity.resolve(0),
-            compression=disk_cfg.compression,
+            codec=_codec(disk_cfg, layout, "tiers.disk"),
             fsync=disk_cfg.fsync,
         )
         made.append(disk)
@@ -205,6 +205,15 @@ def _events(
     index.observer = observer
     observer.announce()  # what recovery brought back: a restarted store's first words
     return publisher
+
+
+def _codec(tier: DiskTierConfig | RemoteTierConfig, layout: KVLayout, field: str) -> Codec:
+    """The codec a tier's `codec`, `codec_group` and `codec_keys` name, for `layout`; a
+    `ConfigError` naming the field when the group does not fit the layout."""
+    try:
+        return tier_codec(tier.codec, layout, tier.codec_group, tier.codec_keys)
+    except ConfigError as e:
+        raise ConfigError(f"{field}.{e.field}", e.value, e.expected) from None
 
 
 def _tls_settings(tls: RemoteTlsConfig | None) -> TlsSettings | None:
@@ -234,7 +243,7 @@ def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> Rem
             tls=_tls_settings(remote.tls),
         )
     )
-    codec = get_codec(config.tiers.disk.compression if config.tiers.disk else "none")
+    codec = _codec(remote, config.layout, "tiers.remote")
     tier = RemoteTier(cluster, config.layout, remote.key_prefix, remote.group_blocks, codec)
     writer = RemoteWriter(tier, remote.max_pending_bytes.resolve(0))
 

@@ -75,7 +75,7 @@ def store_status(parts: Parts) -> dict[str, Any]:
     }
     if parts.state.disk is not None:
         tiers["disk"]["direct_io"] = parts.state.disk.direct
-        tiers["disk"]["compression"] = parts.state.disk.codec.name
+        tiers["disk"]["codec"] = parts.state.disk.codec.name
         tiers["disk"]["faults"] = dict(parts.state.disk.faults)
         tiers["disk"].update(
             parts.state.disk.write_status()

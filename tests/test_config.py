@@ -154,7 +154,9 @@ def test_to_dict_is_plain_and_round_trips_sizes_and_fractions() -> None:
     assert plain["tiers"]["disk"] == {
         "capacity": "8GB",
         "path": "./kvtier-data",
-        "compression": "none",
+        "codec": "none",
+        "codec_group": None,
+        "codec_keys": "token",
         "fsync": "batch",
     }
     assert parse_config(plain) == config
@@ -213,9 +215,9 @@ BAD_FILES = [
     ("bad device", "tiers: {gpu: {device: tpu}}", "tiers.gpu.device", "tpu"),
     ("bad pinned", "tiers: {host: {pinned: maybe}}", "tiers.host.pinned", "maybe"),
     (
-        "bad compression",
-        "tiers: {disk: {capacity: 1TiB, compression: zstd}}",
-        "tiers.disk.compression",
+        "bad codec",
+        "tiers: {disk: {capacity: 1TiB, codec: zstd}}",
+        "tiers.disk.codec",
         "zstd",
     ),
     ("bad hash", "hashing: {algorithm: md5}", "hashing.algorithm", "md5"),

@@ -67,7 +67,7 @@ def test_six_sequences_demote_lru_first_down_to_disk(tmp_path: Path, open_store:
     assert (disk["blocks"], disk["free_slots"]) == (4, 124)
     assert disk["used_bytes"] == disk["bytes_in"] == 4 * DISK_BLOCK_BYTES
     assert (disk["hits"], disk["bytes_out"], disk["evictions"]) == (4, 0, 0)
-    assert disk["compression"] == "none"
+    assert disk["codec"] == "none"
     assert set(disk["faults"].values()) == {0}
     assert (host["blocks"], host["demotions"], host["evictions"]) == (4, 4, 0)
     assert host["bytes_in"] == 8 * DISK_BLOCK_BYTES and host["bytes_out"] == 4 * DISK_BLOCK_BYTES
@@ -277,14 +277,14 @@ def test_disk_admission_drops_blocks_never_looked_up(tmp_path: Path, open_store:
 def test_lz4_round_trips_and_falls_back_to_none_for_random_data(
     tmp_path: Path, open_store: OpenStore
 ) -> None:
-    config = disk_config(tmp_path / "disk", compression="lz4")
+    config = disk_config(tmp_path / "disk", codec="lz4")
     store = open_store(config)
     smooth = ramp(store, 8)
     noisy = kv_for(store, 8, seed=5)
     store.store(SEQS[0], smooth)
     store.store(SEQS[1], noisy)
     fill(store, SEQS[2:6], seed=10)
-    assert tier(store, "disk")["compression"] == "lz4"
+    assert tier(store, "disk")["codec"] == "lz4"
     assert store.lookup(SEQS[0]) == store.lookup(SEQS[1]) == hit(disk=8)
     assert same(store.load(SEQS[0]).kv, smooth)
     assert same(store.load(SEQS[1]).kv, noisy)
@@ -309,14 +309,14 @@ def test_lz4_round_trips_and_falls_back_to_none_for_random_data(
 def test_a_tier_written_with_lz4_is_read_by_a_store_without_compression(
     tmp_path: Path, open_store: OpenStore
 ) -> None:
-    store = open_store(disk_config(tmp_path / "disk", compression="lz4"))
+    store = open_store(disk_config(tmp_path / "disk", codec="lz4"))
     kvs = [ramp(store, 8, start=float(i)) for i in range(6)]
     for tokens, kv in zip(SEQS, kvs, strict=True):
         store.store(tokens, kv)
     store.close()
-    store = open_store(disk_config(tmp_path / "disk", compression="none"))
+    store = open_store(disk_config(tmp_path / "disk", codec="none"))
     assert store.recovery["recovered"] == 4
-    assert tier(store, "disk")["compression"] == "none"
+    assert tier(store, "disk")["codec"] == "none"
     assert same(store.load(SEQS[0]).kv, kvs[0]) and same(store.load(SEQS[1]).kv, kvs[1])
     store.check()
 

@@ -14,6 +14,7 @@ Contract:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Literal, get_args
 
 from pydantic import BeforeValidator, model_validator
@@ -30,10 +31,12 @@ from kvtier.config.fields import (
     matching,
     number_in,
     one_of,
+    rule,
 )
 from kvtier.sizes import Capacity
 
-Compression = Literal["none", "lz4"]
+CodecName = Literal["none", "lz4", "fp8", "int8", "int4"]  # `tiers/disk/codec.py`, `quant.py`
+KeyGroups = Literal["token", "channel"]
 FsyncMode = Literal["batch", "none"]
 Pinned = Literal["auto", True, False]
 
@@ -73,13 +76,39 @@ class HostTierConfig(_MemoryTierConfig):
     pinned: Annotated[Pinned, one_of(get_args(Pinned))] = "auto"
 
 
-class DiskTierConfig(Section):
-    """Files under `path`; validated here, built by the disk tier."""
+def _group(value: object) -> bool:
+    return value is None or (type(value) is int and 1 <= value <= 4096)
+
+
+class _CodecFields(Section):
+    """How a lower tier keeps its copies: `codec` none or lz4 (lossless), fp8, int8 or int4
+    (quantized: `kvtier.quant`); `codec_group` (values a group, int8/int4; default 128 for
+    int8, 64 for int4, or the largest divisor of a token's row below that) and `codec_keys`
+    (K's groups per token, or per channel as KIVI). That the group divides the layout's rows is
+    checked when the tier is built."""
+
+    codec: Annotated[CodecName, one_of(get_args(CodecName))] = "none"
+    codec_group: Annotated[int | None, rule(_group, "null or an integer in [1, 4096]")] = None
+    codec_keys: Annotated[KeyGroups, one_of(get_args(KeyGroups))] = "token"
+
+
+class DiskTierConfig(_CodecFields):
+    """Files under `path`; validated here, built by the disk tier. `compression`, the older
+    name of `codec`, is still read."""
 
     capacity: DiskCapacity
     path: Name = "./kvtier-data"
-    compression: Annotated[Compression, one_of(get_args(Compression))] = "none"
     fsync: Annotated[FsyncMode, one_of(get_args(FsyncMode))] = "batch"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_name(cls, data: object) -> object:
+        if isinstance(data, Mapping) and "compression" in data:
+            if "codec" in data:
+                expected = "codec or compression, not both"
+                raise InvalidValue(data["compression"], expected, "compression")
+            data = {("codec" if k == "compression" else k): v for k, v in data.items()}
+        return data
 
 
 _NODE = re.compile(r"[A-Za-z0-9_.\-]{1,253}:(\d{1,5})")
@@ -117,7 +146,7 @@ class RemoteTlsConfig(Section):
         return self
 
 
-class RemoteTierConfig(Section):
+class RemoteTierConfig(_CodecFields):
     """A Redis / Valkey Cluster that kvtier nodes share (`tiers/remote/`); off unless set.
 
     `secret` ('env:NAME' or a literal of 16+ characters) keys the tenant salts instead of the

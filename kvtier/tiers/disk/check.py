@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.blocks import KVLayout
 from kvtier.errors import ConfigError
-from kvtier.tiers.disk.codec import CorruptPayload, get_codec
+from kvtier.tiers.disk.codec import CorruptPayload, codec_for
 from kvtier.tiers.disk.format import (
     BlockHeader,
     CorruptHeader,
@@ -43,6 +44,7 @@ from kvtier.tiers.disk.lock import DirectoryLock
 from kvtier.tiers.disk.slabs import (
     SUPERBLOCK,
     DamagedDiskError,
+    quant_layout,
     read_superblock,
     regular_file,
 )
@@ -86,6 +88,8 @@ def _check(
     slot_bytes, region = geometry["slot_bytes"], geometry["header_region"]
     per_slab, layout = geometry["slots_per_slab"], bytes.fromhex(geometry["layout"])
     itemsize = geometry["itemsize"]
+    quant = quant_layout(geometry["quant"]) if "quant" in geometry else None
+    sizes = (slot_bytes, region, itemsize)
     paths = [p for p in sorted(path.glob("slab-*.kvt")) if regular_file(p, "PATH")]
     direct = probe_direct(path)
     slabs: list[SlabFile] = []
@@ -107,9 +111,7 @@ def _check(
         for number, slab in enumerate(slabs):
             for index in range(slab.size // slot_bytes):
                 slot = number * per_slab + index
-                jobs.append(
-                    _inspect(slab, index * slot_bytes, slot, (slot_bytes, region, itemsize), layout)
-                )
+                jobs.append(_inspect(slab, index * slot_bytes, slot, sizes, layout, quant))
         for start in range(0, len(jobs), 256):
             for result in pool.run(jobs[start : start + 256]):
                 if isinstance(result, OSError):
@@ -148,8 +150,15 @@ def _check(
 
 
 def _inspect(
-    slab: SlabFile, offset: int, slot: int, geometry: tuple[int, int, int], layout: bytes
+    slab: SlabFile,
+    offset: int,
+    slot: int,
+    geometry: tuple[int, int, int],
+    layout: bytes,
+    quant: KVLayout | None,
 ) -> Callable[[], tuple[int, str, BlockHeader | None]]:
+    """One slot's verdict. `quant`: the shape and dtype of a quantized tier's blocks (its
+    superblock's `quant`), without which a quantized copy cannot be decoded, so is corrupt."""
     slot_bytes, region, itemsize = geometry
 
     def job() -> tuple[int, str, BlockHeader | None]:
@@ -167,7 +176,7 @@ def _inspect(
         if checksum(stored) != header.payload_checksum:
             return slot, "corrupt_payloads", header
         try:
-            decoded = get_codec(header.codec).decode(stored, header.raw_nbytes, itemsize)
+            decoded = codec_for(header.codec, quant).decode(stored, header.raw_nbytes, itemsize)
         except (CorruptPayload, ValueError):
             return slot, "corrupt_payloads", header
         if len(decoded) != header.raw_nbytes:

@@ -1,11 +1,12 @@
-"""Payload codecs of the disk tier: how a block's bytes are stored in its slot's payload region.
+"""Payload codecs of the disk and remote tiers: how a block's bytes are stored in a copy.
 
 A codec turns the raw bytes of one block into the stored payload and back. Its name is recorded
-in every copy's header (`format.BlockHeader.codec`), so one tier can hold copies written with
-different codecs; readers look the codec up by that name in `CODECS`.
+in every copy (`format.BlockHeader.codec`, a remote value's header), so one tier can hold copies
+written with different codecs; readers look the codec up by that name (`codec_for`).
 
     "none":  stored = raw                                    (the same object: no copy)
     "lz4":   stored = lz4_block(shuffle(raw, itemsize))      (no size prefix; the header has it)
+    "fp8", "i8g96t", "i4g64c", ...                           quantized (`kvtier.quant`): lossy
 
 Byte-plane shuffle, for itemsize >= 2: element i's byte k moves to plane k. The high bytes of
 16-bit floats (sign and exponent) vary slowly across a KV block and compress; the low bytes
@@ -15,7 +16,12 @@ Byte-plane shuffle, for itemsize >= 2: element i's byte k moves to plane k. The 
     shuffle = [a0 b0 c0 | a1 b1 c1]                   planes: [n, itemsize] -> [itemsize, n]
 
 Contract:
-- `decode(encode(raw, s), nbytes(raw), s)` is bit-identical to `raw` (DESIGN.md invariant 7).
+- Lossless codecs (`lossy` False): `decode(encode(raw, s), nbytes(raw), s)` is bit-identical
+  to `raw` (DESIGN.md invariant 7). A quantized codec (`QuantBytes`) decodes to what its
+  payload says, the same bits wherever it is decoded; what it loses is measured
+  (`benchmarks/bench_quant.py`), and its payload is at most `payload_bound` bytes, so its
+  tier's slots shrink to that. Its `encode` refuses KV it cannot keep (`InvalidArgumentError`:
+  a value not finite or beyond fp16's range), and the tier then keeps no copy of that block.
 - `decode` raises `CorruptPayload` for any stored bytes that do not decode to exactly
   `raw_nbytes` bytes, and for a `raw_nbytes` that is not a multiple of `itemsize`; nothing else.
   Callers check `raw_nbytes` against the layout before decoding, so a corrupt size cannot ask
@@ -28,13 +34,17 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import lz4.block  # type: ignore[import-untyped]
 import numpy as np
 import numpy.typing as npt
+import torch
 
+from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError, KVTierError
+from kvtier.quant import CorruptQuantPayload, QuantCodec, QuantSpec
 
 
 class CorruptPayload(KVTierError):
@@ -46,6 +56,11 @@ class Codec(Protocol):
     its input as untrusted disk bytes (`CorruptPayload`)."""
 
     name: str
+    lossy: bool
+
+    def payload_bound(self, raw_nbytes: int) -> int:
+        """The most bytes a payload of a `raw_nbytes` block takes (stored plain, if need be)."""
+        ...
 
     def encode(self, raw: bytes | memoryview, itemsize: int) -> bytes | memoryview:
         """The payload to store for `raw`, whose length is a multiple of `itemsize`."""
@@ -62,6 +77,10 @@ class NoneCodec:
     """Stores the raw bytes as they are; both directions return their input object."""
 
     name = "none"
+    lossy = False
+
+    def payload_bound(self, raw_nbytes: int) -> int:
+        return raw_nbytes
 
     def encode(self, raw: bytes | memoryview, itemsize: int) -> bytes | memoryview:
         return raw
@@ -79,6 +98,10 @@ class Lz4Codec:
     """Byte-plane shuffle (for itemsize >= 2), then an LZ4 block without a size prefix."""
 
     name = "lz4"
+    lossy = False
+
+    def payload_bound(self, raw_nbytes: int) -> int:
+        return raw_nbytes  # one that does not shrink is stored plain
 
     def encode(self, raw: bytes | memoryview, itemsize: int) -> bytes | memoryview:
         planes = shuffle(raw, itemsize)
@@ -103,16 +126,96 @@ class Lz4Codec:
         return unshuffle(planes, itemsize)
 
 
+class QuantBytes:
+    """A quantized codec (`kvtier.quant.QuantCodec`) over one block's raw bytes: the tiers'
+    face of it. Its `name` is the codec's id (`i4g64t`), which with the layout says all that
+    decoding needs."""
+
+    lossy = True
+
+    def __init__(self, quant: QuantCodec) -> None:
+        self.quant = quant
+        self.name = quant.id
+
+    def payload_bound(self, raw_nbytes: int) -> int:
+        return self.quant.payload_nbytes
+
+    def encode(self, raw: bytes | memoryview, itemsize: int) -> bytes | memoryview:
+        layout = self.quant.layout
+        block = _tensor(raw).view(layout.dtype).reshape(1, *layout.block_shape)
+        payload: memoryview = self.quant.encode(block).reshape(-1).numpy().data
+        return payload
+
+    def decode(
+        self, stored: bytes | memoryview, raw_nbytes: int, itemsize: int
+    ) -> bytes | memoryview:
+        if raw_nbytes != self.quant.layout.block_bytes:
+            raise CorruptPayload(
+                f"{self.name} copy of {raw_nbytes} raw bytes, expected "
+                f"{self.quant.layout.block_bytes}"
+            )
+        payload = _tensor(stored).reshape(1, -1)
+        try:
+            block = self.quant.decode(payload)
+        except CorruptQuantPayload as e:
+            raise CorruptPayload(str(e)) from e
+        decoded: memoryview = block.view(torch.uint8).reshape(-1).numpy().data
+        return decoded
+
+
 CODECS: dict[str, Codec] = {codec.name: codec for codec in (NoneCodec(), Lz4Codec())}
-"""Every codec by the name recorded in headers and accepted by `tiers.disk.compression`."""
+"""The lossless codecs by name (quantized ones depend on the layout: `codec_for`)."""
+
+CODEC_NAMES = ("none", "lz4", "fp8", "int8", "int4")
+"""What `tiers.<tier>.codec` accepts."""
 
 
 def get_codec(name: str) -> Codec:
-    """The codec called `name`; `InvalidArgumentError` (a `ValueError`) naming the known ones."""
+    """The lossless codec called `name`; `InvalidArgumentError` (a `ValueError`) naming the
+    known ones."""
     codec = CODECS.get(name)
     if codec is None:
         raise InvalidArgumentError(f"unknown codec {name!r}, expected one of {sorted(CODECS)}")
     return codec
+
+
+def tier_codec(name: str, layout: KVLayout, group: int | None = None, keys: str = "token") -> Codec:
+    """The codec a tier configured with `codec: name` writes (`CODEC_NAMES`); `ConfigError`
+    for a group that does not divide the layout's rows."""
+    if name in CODECS:
+        return CODECS[name]
+    return _quantized(QuantCodec(QuantSpec(name, group, keys), layout).id, layout)
+
+
+def codec_for(name: str, layout: KVLayout | None) -> Codec:
+    """The codec a copy that records `name` was written with, for blocks of `layout` (None: a
+    tier that holds no quantized copy); `CorruptPayload` for a name no codec has (the name is
+    untrusted bytes from a disk or a cluster)."""
+    codec = CODECS.get(name)
+    if codec is not None:
+        return codec
+    if QuantSpec.from_id(name) is None or layout is None:
+        raise CorruptPayload(f"unknown codec {name!r}")
+    try:
+        return _quantized(name, layout)
+    except ValueError as e:  # a group that does not divide this layout's rows
+        raise CorruptPayload(f"codec {name!r} does not fit the layout: {e}") from e
+
+
+@functools.lru_cache(maxsize=64)
+def _quantized(codec_id: str, layout: KVLayout) -> QuantBytes:
+    spec = QuantSpec.from_id(codec_id)
+    assert spec is not None
+    return QuantBytes(QuantCodec(spec, layout))
+
+
+def _tensor(data: bytes | memoryview) -> torch.Tensor:
+    """`data` as a flat uint8 tensor: a view where the buffer is writable, else a copy (torch
+    does not take read-only memory)."""
+    view = memoryview(data)
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.uint8)
 
 
 def shuffle(raw: bytes | memoryview, itemsize: int) -> bytes | memoryview:

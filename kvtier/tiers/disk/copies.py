@@ -19,7 +19,9 @@ Contract:
   the backoff), never raises.
 - Every copy carries a sequence number larger than any copy written before it, on disk too
   (`resume_after` after the recovery scan): of two copies of one block, the newer wins.
-- A payload that does not shrink under the tier's codec is stored plain (`codec: none`).
+- A payload that does not shrink under the tier's lossless codec is stored plain (`codec:
+  none`). A block a quantized codec cannot keep (`QuantCodec.encode` refuses it) gets no copy:
+  that copy fails, counted in `unquantizable`, with no backoff (the disk is fine).
 - A plain payload whose memory is sector-aligned is written in place; anything else is first
   copied into an aligned staging buffer, as O_DIRECT requires. Plain, in-place payloads that
   fill their payload region are written in runs (above); a run's copies fail or succeed
@@ -52,7 +54,8 @@ import numpy as np
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.tiers.disk.codec import Codec, CorruptPayload, get_codec
+from kvtier.errors import InvalidArgumentError
+from kvtier.tiers.disk.codec import Codec, CorruptPayload, codec_for
 from kvtier.tiers.disk.format import (
     BlockHeader,
     CorruptHeader,
@@ -78,6 +81,10 @@ class BlockMeta:
 RUN_BYTES = 2 << 20
 """The most bytes one `pwritev` of a run carries: the raw benchmark's chunk size; a batch of
 tens of blocks still spreads over several I/O threads."""
+
+
+UNKEPT = "unquantizable"
+"""What a write job returns for a block its quantized codec refused."""
 
 
 class _Copy(NamedTuple):
@@ -135,9 +142,11 @@ class BlockWriter:
         for run, result in zip(runs, self._slabs.run(jobs), strict=True):
             outcome.update((copy.slot, result) for copy in run)
         results: list[object] = [outcome[slot] for slot in slots]
-        ok = [not isinstance(r, OSError) for r in results]
+        ok = [not isinstance(r, OSError) and r is not UNKEPT for r in results]
         refused = ok.count(False)
-        self._health.count("write_errors", refused)
+        unkept = results.count(UNKEPT)
+        self._health.count("write_errors", refused - unkept)
+        self._health.count("unquantizable", unkept)
         written = [s for s, good in zip(slots, ok, strict=True) if good] if refused else slots
         sync = self._slabs.sync_slabs_of(written)
         if sync.failed:
@@ -221,7 +230,7 @@ class BlockWriter:
 
         return job
 
-    def _write_job(self, copy: _Copy) -> Callable[[], None]:
+    def _write_job(self, copy: _Copy) -> Callable[[], str | None]:
         """One slot's write, run on an I/O thread: encode, checksum, header, one `pwritev`.
         A plain payload whose memory is sector-aligned (a pool slot or a gathered batch of
         whole blocks of 4 KiB multiples) is written in place; anything else is first copied
@@ -229,24 +238,28 @@ class BlockWriter:
         slab, offset = self._slabs.where(copy.slot)
         region = self.header_region
 
-        def job() -> None:
+        def job() -> str | None:
             raw = copy.data.numpy().data
-            encoded = self.codec.encode(raw, self.layout.itemsize)
+            try:
+                encoded = self.codec.encode(raw, self.layout.itemsize)
+            except InvalidArgumentError:  # quantized, and KV it cannot keep (not finite)
+                return UNKEPT
             codec_name = self.codec.name
-            if len(encoded) >= len(raw):  # incompressible: store it plain
+            if not self.codec.lossy and len(encoded) >= len(raw):  # incompressible: plain
                 encoded, codec_name = raw, "none"
             header = self._header(copy, memoryview(encoded), codec_name, len(raw))
             if encoded is raw and direct_ready(copy.data):
                 head = staging_buffer(region)
                 head[:] = header
                 slab.write(offset, [head, raw])
-                return
+                return None
             image = staging_buffer(region + len(encoded))
             image[:region] = header
             np.frombuffer(image, dtype=np.uint8)[region : region + len(encoded)] = np.frombuffer(
                 encoded, dtype=np.uint8
             )
             slab.write(offset, [image])
+            return None
 
         return job
 
@@ -337,9 +350,8 @@ class VerifiedReader:
         if header.codec == "none":
             return stored if len(stored) == self.layout.block_bytes else None
         try:
-            decoded = get_codec(header.codec).decode(
-                stored, header.raw_nbytes, self.layout.itemsize
-            )
+            codec = codec_for(header.codec, self.layout)
+            decoded = codec.decode(stored, header.raw_nbytes, self.layout.itemsize)
         except (CorruptPayload, ValueError):
             return None
         return bytes(decoded) if len(decoded) == self.layout.block_bytes else None

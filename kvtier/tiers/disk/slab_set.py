@@ -23,9 +23,10 @@ What went wrong on a disk tier so far, and whether it takes background writes no
 
 Contract:
 - `counts` holds one counter per kind of fault (`FAULT_KINDS`): slabs cut short for lack of
-  space (`enospc`), refused copy writes, slab syncs and retires, failed reads and copies found
-  corrupt when read. `count` adds to them from any thread (copies run on mover threads beside
-  the store's calls); a counter never goes down.
+  space (`enospc`), refused copy writes, slab syncs and retires, failed reads, copies found
+  corrupt when read, and blocks a quantized codec could not keep (`unquantizable`). `count`
+  adds to them from any thread (copies run on mover threads beside the store's calls); a
+  counter never goes down.
 - `note_writes(results)` turns the outcome of one batch of writes into the backoff
   (`WriteBackoff`): a refused write starts or lengthens it, a batch written whole ends it, an empty
   batch says nothing. `accepting_writes()` is False while the backoff lasts.
@@ -157,6 +158,7 @@ FAULT_KINDS = (
     "retire_errors",
     "read_errors",
     "corrupt_reads",
+    "unquantizable",
 )
 REFUSED_WRITES = ("write_errors", "sync_errors", "retire_errors")
 

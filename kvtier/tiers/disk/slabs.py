@@ -27,8 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.blocks import DTYPES, KVLayout
 from kvtier.errors import ConfigError
 from kvtier.private_files import file_kind, read_regular, write_atomically
+from kvtier.quant import QuantSpec
 from kvtier.tiers.disk.io import ALIGN, SlabFile
 
 SUPERBLOCK = "kvtier-disk.json"
@@ -57,6 +59,33 @@ GEOMETRY_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     ),
     "itemsize": (lambda v: v in (1, 2, 4, 8) and type(v) is int, "1, 2, 4 or 8"),
 }
+OPTIONAL_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "quant": (
+        lambda v: quant_layout(v) is not None,
+        "the codec id, block_shape and dtype of a quantized tier",
+    ),
+}
+"""Keys a superblock has only sometimes: `quant`, in a tier whose codec is quantized, what
+`kvtier check` needs to decode its copies (`{codec, block_shape, dtype}`)."""
+
+
+def quant_layout(value: object) -> KVLayout | None:
+    """The layout (shape and dtype only) a superblock's `quant` entry names, or None if it is
+    not one a tier writes."""
+    if not isinstance(value, dict) or set(value) != {"codec", "block_shape", "dtype"}:
+        return None
+    shape, dtype, codec = value["block_shape"], value["dtype"], value["codec"]
+    if not (isinstance(codec, str) and QuantSpec.from_id(codec) is not None):
+        return None
+    if not (isinstance(shape, list) and len(shape) == 5 and shape[1] == 2):
+        return None
+    if not all(type(n) is int and 1 <= n <= 1 << 20 for n in shape) or dtype not in DTYPES:
+        return None
+    layers, _, tokens, heads, dim = shape
+    try:
+        return KVLayout("kvtier-check", layers, heads, dim, dtype, tokens)
+    except ConfigError:
+        return None
 
 
 def read_superblock(path: Path, field: str) -> dict[str, Any] | None:
@@ -72,11 +101,15 @@ def read_superblock(path: Path, field: str) -> dict[str, Any] | None:
         geometry = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise DamagedDiskError(field, str(superblock), _expected(f"not JSON: {exc}")) from None
-    if not isinstance(geometry, dict) or set(geometry) != set(GEOMETRY_RULES):
+    if (
+        not isinstance(geometry, dict)
+        or set(GEOMETRY_RULES) - set(geometry)
+        or set(geometry) - (set(GEOMETRY_RULES) | set(OPTIONAL_RULES))
+    ):
         found = f"keys {sorted(map(str, geometry))}" if isinstance(geometry, dict) else "no object"
         raise DamagedDiskError(field, str(superblock), _expected(f"found {found}"))
-    for key, (ok, expected) in GEOMETRY_RULES.items():
-        if not ok(geometry[key]):
+    for key, (ok, expected) in (GEOMETRY_RULES | OPTIONAL_RULES).items():
+        if key in geometry and not ok(geometry[key]):
             shown = repr(geometry[key])
             shown = shown if len(shown) <= 40 else shown[:37] + "..."
             problem = f"{key} is {shown}, expected {expected}"

@@ -62,7 +62,7 @@ from kvtier.blocks import KVLayout
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.private_files import private_dir
 from kvtier.tiers.disk import slabs
-from kvtier.tiers.disk.codec import get_codec
+from kvtier.tiers.disk.codec import Codec, get_codec
 from kvtier.tiers.disk.copies import BlockMeta, BlockWriter, VerifiedReader
 from kvtier.tiers.disk.format import header_region_size, slot_size
 from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct
@@ -87,15 +87,16 @@ class DiskTier:
         path: str | os.PathLike[str],
         capacity_bytes: int,
         *,
-        compression: str = "none",
+        codec: Codec | str = "none",
         fsync: str = "batch",
         workers: int = 8,  # I/O in flight; deeper queues keep NVMe (and this VM's disk) busy
     ) -> None:
         self.layout = layout
-        self.codec = get_codec(compression)
+        self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.fsync = fsync
         self.header_region = header_region_size(layout.block_tokens, 32)
-        self.slot_bytes = slot_size(self.header_region, layout.block_bytes)
+        self.payload_bytes = self.codec.payload_bound(layout.block_bytes)  # quantized: smaller
+        self.slot_bytes = slot_size(self.header_region, self.payload_bytes)
         fit = capacity_bytes // self.slot_bytes
         if fit < 1:
             raise ConfigError(
@@ -123,6 +124,12 @@ class DiskTier:
                 "layout": self.layout.fingerprint.hex(),
                 "itemsize": self.layout.itemsize,
             }
+            if self.codec.lossy:  # what `kvtier check` needs to decode the copies
+                geometry["quant"] = {
+                    "codec": self.codec.name,
+                    "block_shape": list(layout.block_shape),
+                    "dtype": layout.dtype_name,
+                }
             # a new directory: its slabs are created now, zero-filled, and hold no copy
             self._unwritten = check_superblock(self.path, geometry)
             self._slab_files = open_slabs(
@@ -163,7 +170,7 @@ class DiskTier:
 
     @property
     def used_bytes(self) -> int:
-        return self._slots.num_used * self.layout.block_bytes
+        return self._slots.num_used * self.payload_bytes
 
     def can_allocate(self, n: int) -> bool:
         return self._slots.can_allocate(n)

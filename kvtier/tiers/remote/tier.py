@@ -20,7 +20,8 @@ Contract:
 - No token, tenant name or secret leaves the process: keys and values carry only ids
   (`entry.py`), which are keyed by the namespace seed.
 - Values carry their codec; a payload that does not decode (`CorruptPayload`) or names a codec
-  this build lacks is a miss, counted in `verify_failures`, and deleted.
+  this build lacks is a miss, counted in `verify_failures`, and deleted. A block a quantized
+  codec cannot keep (not finite) is stored plain.
 - Thread-safe (the mover's threads share one tier). A write copies no payload: each value goes
   out as its header and a view of the block (`entry.SplitValue`).
 """
@@ -35,7 +36,7 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError, InvalidKVError
-from kvtier.tiers.disk.codec import CODECS, Codec, CorruptPayload, NoneCodec
+from kvtier.tiers.disk.codec import Codec, CorruptPayload, NoneCodec, codec_for
 from kvtier.tiers.remote.cluster import RemoteCluster
 from kvtier.tiers.remote.entry import (
     ValueMeta,
@@ -81,10 +82,13 @@ class RemoteTier:
         values = []
         for meta, block in zip(metas, blocks, strict=True):
             raw = block.contiguous().view(torch.uint8).reshape(-1).numpy().data
-            stored = self.codec.encode(raw, self.layout.itemsize)
-            name = self.codec.name
-            if memoryview(stored).nbytes >= raw.nbytes:  # incompressible: store it plain
+            try:
+                stored = self.codec.encode(raw, self.layout.itemsize)
+                name = self.codec.name
+            except InvalidArgumentError:  # quantized, and KV it cannot keep: store it plain
                 stored, name = raw, "none"
+            if not self.codec.lossy and memoryview(stored).nbytes >= raw.nbytes:
+                stored, name = raw, "none"  # incompressible: store it plain
             # the payload is sent from `stored` itself (no staging copy): `raw` views the
             # block, which the caller keeps unchanged until this returns
             values.append(encode_value_parts(meta, name, stored))
@@ -107,10 +111,8 @@ class RemoteTier:
                 served.append(False)
                 continue
             name, payload = entry
-            codec = CODECS.get(name)
             try:
-                if codec is None:
-                    raise CorruptPayload(f"codec {name!r} is not one this build reads")
+                codec = codec_for(name, self.layout)
                 raw = codec.decode(payload, self.layout.block_bytes, self.layout.itemsize)
             except CorruptPayload:
                 self._decode_failures += 1

@@ -1,0 +1,207 @@
+"""Decoding quantized blocks (`kvtier.quant`) in Triton, straight into slots of a pool.
+
+    payload [n, payload_nbytes] uint8        pool [slots, *block_shape] (the engine's dtype)
+    row i   ──── decode block i ────►        slot slots[i]                      for i < n
+
+One program decodes one token's row of K or V in one layer (`R = H * D` values): grid
+`(n * L * 2 * T,)`. It reads the row's codes (one byte a value, or a nibble for int4), the
+scale and minimum of each value's group (int8/int4: K's groups per token or per channel, V's
+per token; fp8: one scale per head), and writes `q * s + m` (or `code * s`) rounded to the
+pool's dtype (to nearest, ties to even; bf16 by hand, see `_rounded`). Scales and minimums
+are read a byte at a time and put together, so a payload need not be aligned; fp8 codes are
+decoded to fp32 with integer arithmetic (e4m3fn: 1 sign, 4 exponent bits biased by 7, 3
+mantissa bits; exponent 0 is subnormal, `code * 2**-9`).
+
+Bit-exact with `QuantCodec.decode`: both compute in fp32 one rounding an operation; the launch
+turns fused multiply-add off (`enable_fp_fusion=False`), which a GPU compile would otherwise use
+for `q * s + m`. `dequantize` checks the payload first (`QuantCodec.validate`: no NaN code, no
+bad scale), then launches; it falls back to the torch reference when Triton cannot run here (a
+CPU without `TRITON_INTERPRET=1`, as for `paged_attention`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtier.errors import InvalidArgumentError
+from kvtier.kernels.paged_attention import INTERPRETED, available
+from kvtier.quant import QuantCodec
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # `available()` says so
+    triton = None
+
+
+def dequantize(
+    codec: QuantCodec, payload: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Decode block i of `payload` into `pool[slots[i]]` (module doc)."""
+    n = codec.validate(payload)
+    if pool.dim() != 6 or tuple(pool.shape[1:]) != tuple(codec.layout.block_shape):
+        raise InvalidArgumentError(
+            f"pool: got shape {tuple(pool.shape)}, expected [slots, *{codec.layout.block_shape}]"
+        )
+    if pool.dtype != codec.layout.dtype or not pool.is_contiguous():
+        raise InvalidArgumentError(
+            f"pool: got a {pool.dtype} pool, expected a contiguous {codec.layout.dtype} one"
+        )
+    if slots.dim() != 1 or slots.numel() != n or slots.dtype != torch.int64:
+        raise InvalidArgumentError(f"slots: expected {n} int64 slot numbers, got {slots!r}")
+    if n and not (int(slots.min()) >= 0 and int(slots.max()) < pool.shape[0]):
+        raise InvalidArgumentError(f"slots: expected slots in [0, {pool.shape[0]})")
+    if n == 0:
+        return
+    if not runs_kernel(pool):
+        pool[slots] = codec.decode(payload)
+        return
+    _launch(codec, payload.contiguous(), pool, slots.to(pool.device))
+
+
+def runs_kernel(pool: torch.Tensor) -> bool:
+    """Whether `dequantize` runs the Triton kernel for a pool on this device."""
+    return available() and (pool.is_cuda or INTERPRETED)
+
+
+def _launch(
+    codec: QuantCodec, payload: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
+) -> None:
+    L, _, T, H, D = codec.layout.block_shape
+    n = payload.shape[0]
+    common: dict[str, Any] = {
+        "L": L,
+        "T": T,
+        "R": codec.row,
+        "D": D,
+        "BLOCK_R": triton.next_power_of_2(codec.row),
+    }
+    if not INTERPRETED:
+        common["enable_fp_fusion"] = False
+    grid = (n * L * 2 * T,)
+    if codec.spec.kind == "fp8":
+        sizes = (codec.payload_nbytes, codec.code_nbytes)
+        _fp8_rows[grid](payload, pool, slots, *sizes, H=H, **common)
+    else:
+        _int_rows[grid](
+            payload,
+            pool,
+            slots,
+            codec.payload_nbytes,
+            codec.code_nbytes,
+            L * (codec.k_groups + codec.v_groups),
+            codec.k_groups,
+            codec.v_groups,
+            G=codec.group,
+            BITS=codec.spec.bits,
+            KEYS_CHANNEL=codec.spec.keys == "channel",
+            **common,
+        )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _u16(ptr, offs, mask):
+        lo = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(ptr + offs + 1, mask=mask, other=0).to(tl.int32)
+        return (lo | (hi << 8)).to(tl.int16)
+
+    @triton.jit
+    def _f32(ptr, offs, mask):
+        word = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+        for k in tl.static_range(1, 4):
+            word = word | (tl.load(ptr + offs + k, mask=mask, other=0).to(tl.int32) << (8 * k))
+        return word.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rounded(value, dtype: tl.constexpr):
+        """`value` (fp32) to `dtype`, to nearest, ties to even. bf16 by hand: the interpreter
+        truncates where a GPU rounds."""
+        if dtype == tl.bfloat16:
+            bits = value.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return value.to(dtype)
+
+    @triton.jit
+    def _int_rows(
+        payload,
+        pool,
+        slots,
+        P,
+        CODE_NBYTES,
+        GROUPS,
+        KG,
+        VG,
+        L: tl.constexpr,
+        T: tl.constexpr,
+        R: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        G: tl.constexpr,
+        BITS: tl.constexpr,
+        KEYS_CHANNEL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        b = pid // (L * 2 * T)
+        row = pid % (L * 2 * T)  # (layer, kv, token) in the block's order
+        layer = row // (2 * T)
+        kv = (row // T) % 2
+        t = row % T
+        c = tl.arange(0, BLOCK_R)
+        mask = c < R
+        base = payload + b.to(tl.int64) * P
+        e = row.to(tl.int64) * R + c  # the value's index in the block
+        if BITS == 8:
+            q = tl.load(base + e, mask=mask, other=0).to(tl.int32)
+        else:
+            byte = tl.load(base + e // 2, mask=mask, other=0).to(tl.int32)
+            q = (byte >> ((e % 2) * 4).to(tl.int32)) & 15
+        g = (t * R + c) // G  # per token
+        if KEYS_CHANNEL:
+            g = tl.where(kv == 0, c, g)
+        g = tl.where(kv == 0, layer * KG + g, L * KG + layer * VG + g)
+        meta = base + CODE_NBYTES
+        s = _u16(meta, 2 * g, mask).to(tl.float16, bitcast=True).to(tl.float32)
+        m = _u16(meta, 2 * GROUPS + 2 * g, mask).to(tl.float16, bitcast=True).to(tl.float32)
+        value = q.to(tl.float32) * s + m
+        slot = tl.load(slots + b)
+        out = pool + slot * (L * 2 * T * R) + e
+        tl.store(out, _rounded(value, pool.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _fp8_rows(
+        payload,
+        pool,
+        slots,
+        P,
+        CODE_NBYTES,
+        L: tl.constexpr,
+        T: tl.constexpr,
+        R: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        H: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        b = pid // (L * 2 * T)
+        row = pid % (L * 2 * T)
+        lk = row // T  # layer * 2 + kv
+        c = tl.arange(0, BLOCK_R)
+        mask = c < R
+        base = payload + b.to(tl.int64) * P
+        e = row.to(tl.int64) * R + c
+        code = tl.load(base + e, mask=mask, other=0).to(tl.int32)
+        sign = (code >> 7) & 1
+        exp = (code >> 3) & 15
+        man = code & 7
+        normal = ((sign << 31) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+        tiny = man.to(tl.float32) * 0.001953125  # 2**-9: exact
+        value = tl.where(exp == 0, tl.where(sign == 1, -tiny, tiny), normal)
+        scale = _f32(base + CODE_NBYTES, 4 * (lk * H + c // D), mask)
+        slot = tl.load(slots + b)
+        out = pool + slot * (L * 2 * T * R) + e
+        tl.store(out, _rounded(value * scale, pool.dtype.element_ty), mask=mask)

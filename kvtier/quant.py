@@ -1,0 +1,285 @@
+"""Quantized blocks: the lossy codecs a lower tier may keep its copies in (`fp8`, `int8`,
+`int4`), their byte layout, and the plain-torch encoder and decoder (the reference the Triton
+decoder, `kernels/dequant.py`, is bit-exact with).
+
+A block is `[L, 2, T, H, D]` (layers, K|V, tokens, kv heads, head dim). Let `R = H * D`, one
+token's row of K (or V) in one layer, and `N = L * 2 * T * R` the block's values. Its payload,
+whatever the engine's dtype:
+
+    fp8     codes  N bytes, e4m3 (vLLM's fp8 KV: finite, max 448), in the block's order
+            scales [L, 2, H] fp32: per layer, K|V and head, amax / 448 over the block's tokens
+    int8    codes  N bytes, in the block's order
+    int4    codes  N / 2 bytes: value 2i in the low nibble of byte i, 2i + 1 in the high one
+            scales [groups] fp16, then mins [groups] fp16: K's groups (all layers), then V's
+
+int8 and int4 are group-wise asymmetric (KIVI's form): a group of values shares a scale `s` and
+a minimum `m`, and a value is `q * s + m`, q in [0, 2**bits - 1]. An integer zero point would
+save a byte a group but must put 0 in the group's range, and a channel of K often sits far from
+it. Where the groups run (`QuantSpec.keys`):
+
+    V, and K with keys="token"      per token: G consecutive values of the row (G = `group`,
+                                    dividing R), groups [L, T * R / G]
+    K with keys="channel" (KIVI)    per channel: one value of the row over the block's T
+                                    tokens, groups [L, R]
+
+KIVI quantizes keys per channel because a few channels of K carry most of its range; per token
+those outliers set every group's scale. At T = 16 tokens a block, a channel's group is 16
+values, so its 4 bytes of scale and minimum cost 2 bits a value: `channel` is the more accurate
+and the larger (`benchmarks/bench_quant.py` measures both). `group` defaults to 128 values for
+int8 and 64 for int4, or the largest divisor of R below that (SmolLM2: R = 192, so 96 and 64).
+
+Decoding computes in fp32, one rounding an operation, then rounds to the engine's dtype:
+`float(q) * s + m` as a product rounded then a sum rounded (no fused multiply-add), and
+`float(code) * s` for fp8; a decoder that does the same steps gets the same bits.
+
+Contract:
+- `encode(x)` of `[n, *block_shape]` (any float dtype; values must be finite and within
+  fp16's range, else `InvalidArgumentError`: the tier keeps such a block raw) returns
+  `[n, payload_nbytes]` uint8; `decode(payload)` returns `[n, *block_shape]` in the layout's
+  dtype, or writes `out`. Decoding is deterministic: the same payload gives the same bits on
+  any path.
+- `decode` of any bytes of the right size returns finite values or raises
+  `CorruptQuantPayload` (an fp8 code that is NaN, a scale that is negative or not finite, a
+  minimum that is not finite), so a block that passed its checksum but was written by a broken
+  encoder never reaches the engine as NaN.
+- Encoding is lossless in nothing: what it keeps is measured against the model, not asserted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.blocks import KVLayout
+from kvtier.errors import ConfigError, InvalidArgumentError, KVTierError
+
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+KINDS = {"fp8": 8, "int8": 8, "int4": 4}
+"""Codec name -> bits a value."""
+KEY_GROUPS = ("token", "channel")
+_ID = re.compile(r"i([48])g([1-9][0-9]{0,3})([tc])")
+
+
+class CorruptQuantPayload(KVTierError):
+    """A quantized payload whose scales or codes cannot be a block's (NaN, negative scale)."""
+
+
+DEFAULT_GROUP = {"int8": 128, "int4": 64}
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a tier quantizes: `kind` (a key of `KINDS`), `group` (int codecs: values a group
+    along a token's row; None: `DEFAULT_GROUP`, or the largest divisor of the row below it)
+    and `keys` ("token" or "channel": where K's groups run)."""
+
+    kind: str
+    group: int | None = None
+    keys: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError("codec", self.kind, f"one of {sorted(KINDS)}")
+        if self.group is not None and (type(self.group) is not int or not 1 <= self.group <= 4096):
+            raise ConfigError("codec_group", self.group, "an integer in [1, 4096]")
+        if self.keys not in KEY_GROUPS:
+            raise ConfigError("codec_keys", self.keys, f"one of {list(KEY_GROUPS)}")
+
+    @property
+    def bits(self) -> int:
+        return KINDS[self.kind]
+
+    @classmethod
+    def from_id(cls, codec_id: str) -> QuantSpec | None:
+        """The spec a copy's codec id names (`QuantCodec.id`), or None if it names none."""
+        if codec_id == "fp8":
+            return cls("fp8")
+        found = _ID.fullmatch(codec_id)
+        if found is None:
+            return None
+        bits, group, keys = found.groups()
+        return cls(f"int{bits}", int(group), "channel" if keys == "c" else "token")
+
+
+class QuantCodec:
+    """Encodes and decodes whole blocks of `layout` as `spec` says (module doc)."""
+
+    def __init__(self, spec: QuantSpec, layout: KVLayout) -> None:
+        L, _, T, H, D = layout.block_shape
+        row = H * D
+        self.spec, self.layout = spec, layout
+        self.row = row
+        self.group = 0
+        if spec.kind != "fp8":
+            self.group = _group(spec, row)
+        self.numel = L * 2 * T * row
+        self.code_nbytes = self.numel * spec.bits // 8
+        if spec.kind == "fp8":
+            self.k_groups = self.v_groups = 0
+            self.meta_nbytes = L * 2 * H * 4
+        else:
+            self.v_groups = T * row // self.group
+            self.k_groups = row if spec.keys == "channel" else self.v_groups
+            self.meta_nbytes = L * (self.k_groups + self.v_groups) * 4
+        self.payload_nbytes = self.code_nbytes + self.meta_nbytes
+
+    @property
+    def name(self) -> str:
+        return self.spec.kind
+
+    @property
+    def id(self) -> str:
+        """What a copy records as its codec (at most 8 characters): `fp8`, or `i<bits>g<group>`
+        and `t` or `c` for K's groups (`i4g64t`): all decoding needs besides the layout."""
+        if self.spec.kind == "fp8":
+            return "fp8"
+        return f"i{self.spec.bits}g{self.group}{self.spec.keys[0]}"
+
+    def ratio(self) -> float:
+        """How many times smaller a payload is than the block in bf16."""
+        return self.numel * 2 / self.payload_nbytes
+
+    # ---- encoding --------------------------------------------------------------------------
+
+    def encode(self, blocks: torch.Tensor) -> torch.Tensor:
+        """`[n, *block_shape]` -> `[n, payload_nbytes]` uint8 (on the blocks' device)."""
+        shape = tuple(self.layout.block_shape)
+        if blocks.dim() != 6 or tuple(blocks.shape[1:]) != shape:
+            raise InvalidArgumentError(
+                f"blocks: got shape {tuple(blocks.shape)}, expected [n, *{list(shape)}]"
+            )
+        if not blocks.dtype.is_floating_point:
+            raise InvalidArgumentError(f"blocks: got dtype {blocks.dtype}, expected a float dtype")
+        x = blocks.float()
+        if not bool(x.abs().amax() <= FP16_MAX):  # NaN compares false too
+            raise InvalidArgumentError(
+                f"blocks: a value is not finite or beyond +-{FP16_MAX:g}; expected KV a "
+                f"{self.name} copy can keep"
+            )
+        n = x.shape[0]
+        if self.spec.kind == "fp8":
+            codes, meta = self._encode_fp8(x)
+        else:
+            codes, meta = self._encode_int(x)
+        return torch.cat([codes.reshape(n, -1), meta.reshape(n, -1)], dim=1)
+
+    def _encode_fp8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        amax = x.abs().amax(dim=(3, 5))  # [n, L, 2, H]
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scaled = (x / scale[:, :, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+        codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+        return codes, scale.contiguous().view(torch.uint8)
+
+    def _encode_int(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, L, _, T = x.shape[:4]
+        levels = (1 << self.spec.bits) - 1
+        rows = x.reshape(n, L, 2, T, self.row)
+        v_groups = rows[:, :, 1].reshape(n, L, self.v_groups, self.group)
+        if self.spec.keys == "channel":
+            k_groups = rows[:, :, 0].transpose(2, 3)  # [n, L, R, T]: a channel's tokens
+        else:
+            k_groups = rows[:, :, 0].reshape(n, L, self.k_groups, self.group)
+        k_scale, k_min, k_codes = _quantize(k_groups, levels)
+        v_scale, v_min, v_codes = _quantize(v_groups, levels)
+        if self.spec.keys == "channel":
+            k_codes = k_codes.transpose(2, 3)  # back to [n, L, T, R]
+        codes = torch.stack(
+            [k_codes.reshape(n, L, T * self.row), v_codes.reshape(n, L, T * self.row)], dim=2
+        ).reshape(n, -1)
+        if self.spec.bits == 4:
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        scales = torch.cat([k_scale.reshape(n, -1), v_scale.reshape(n, -1)], dim=1)
+        mins = torch.cat([k_min.reshape(n, -1), v_min.reshape(n, -1)], dim=1)
+        meta = torch.cat([scales.view(torch.uint8), mins.view(torch.uint8)], dim=1)
+        return codes, meta
+
+    # ---- decoding --------------------------------------------------------------------------
+
+    def decode(self, payload: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`[n, payload_nbytes]` uint8 -> `[n, *block_shape]` in the layout's dtype (into `out`
+        when given); `CorruptQuantPayload` for scales or codes no encoder writes."""
+        n = self.validate(payload)
+        codes, meta = payload[:, : self.code_nbytes], payload[:, self.code_nbytes :]
+        L, _, T, H, D = self.layout.block_shape
+        if self.spec.kind == "fp8":
+            scale = meta.contiguous().view(torch.float32).reshape(n, L, 2, H)
+            values = codes.contiguous().view(torch.float8_e4m3fn).float()
+            x = values.reshape(n, L, 2, T, H, D) * scale[:, :, :, None, :, None]
+        else:
+            x = self._decode_int(codes, meta, n)
+        result = x.to(self.layout.dtype).reshape(n, *self.layout.block_shape)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def validate(self, payload: torch.Tensor) -> int:
+        """The number of blocks in `payload`, or `CorruptQuantPayload` when its size, scales,
+        minimums or fp8 codes are none an encoder writes (module doc)."""
+        if payload.dtype != torch.uint8 or payload.dim() != 2:
+            raise InvalidArgumentError(
+                f"payload: got {payload.dtype} of {payload.dim()} dims, expected [n, bytes] uint8"
+            )
+        if payload.shape[1] != self.payload_nbytes:
+            raise CorruptQuantPayload(
+                f"{self.name} payload of {payload.shape[1]} bytes, expected {self.payload_nbytes}"
+            )
+        meta = payload[:, self.code_nbytes :].contiguous()
+        if self.spec.kind == "fp8":
+            scales = meta.view(torch.float32)
+            if bool(((payload[:, : self.code_nbytes] & 0x7F) == 0x7F).any()):
+                raise CorruptQuantPayload("fp8 payload: a code is NaN (no encoder writes one)")
+            mins = scales
+        else:
+            scales, mins = meta.view(torch.float16).chunk(2, dim=1)
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise CorruptQuantPayload(f"{self.name} payload: a scale is not finite and >= 0")
+        if not bool(torch.isfinite(mins).all()):
+            raise CorruptQuantPayload(f"{self.name} payload: a group's minimum is not finite")
+        return int(payload.shape[0])
+
+    def _decode_int(self, codes: torch.Tensor, meta: torch.Tensor, n: int) -> torch.Tensor:
+        L, _, T = self.layout.block_shape[:3]
+        groups = L * (self.k_groups + self.v_groups)
+        scales = meta[:, : groups * 2].contiguous().view(torch.float16).float()
+        mins = meta[:, groups * 2 :].contiguous().view(torch.float16).float()
+        if self.spec.bits == 4:
+            q = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(n, -1)
+        else:
+            q = codes
+        q = q.float().reshape(n, L, 2, T, self.row)
+        kg = L * self.k_groups
+        k_s, v_s = scales[:, :kg], scales[:, kg:]
+        k_m, v_m = mins[:, :kg], mins[:, kg:]
+        v_q = q[:, :, 1].reshape(n, L, self.v_groups, -1)
+        v = v_q * v_s.reshape(n, L, -1, 1) + v_m.reshape(n, L, -1, 1)
+        if self.spec.keys == "channel":
+            k = q[:, :, 0] * k_s.reshape(n, L, 1, -1) + k_m.reshape(n, L, 1, -1)
+        else:
+            k_q = q[:, :, 0].reshape(n, L, self.k_groups, -1)
+            k = k_q * k_s.reshape(n, L, -1, 1) + k_m.reshape(n, L, -1, 1)
+        return torch.stack([k.reshape(n, L, T, self.row), v.reshape(n, L, T, self.row)], dim=2)
+
+
+def _group(spec: QuantSpec, row: int) -> int:
+    if spec.group is not None:
+        if row % spec.group:
+            raise ConfigError(
+                "codec_group", spec.group, f"a divisor of num_kv_heads * head_dim = {row}"
+            )
+        return spec.group
+    return max(g for g in range(1, DEFAULT_GROUP[spec.kind] + 1) if row % g == 0)
+
+
+def _quantize(groups: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scale and minimum (fp16) and codes (uint8) of each group along the last dim: codes are
+    taken against the stored (rounded) scale and minimum, so rounding them costs no range."""
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    low = lo.half()
+    scale = ((hi - low.float()) / levels).clamp(2.0**-24, FP16_MAX).half()
+    s, m = scale.float(), low.float()
+    codes = torch.round((groups - m[..., None]) / s[..., None]).clamp(0, levels)
+    return scale, low, codes.to(torch.uint8)

@@ -1,0 +1,211 @@
+"""Quantized blocks (`kvtier.quant`): sizes, what a round trip keeps, hostile payloads, codec
+ids, and the Triton decoder (under Triton's interpreter here) bit for bit against the torch
+reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.blocks import KVLayout
+from kvtier.errors import ConfigError, InvalidArgumentError
+from kvtier.kernels.dequant import dequantize, runs_kernel
+from kvtier.quant import CorruptQuantPayload, QuantCodec, QuantSpec
+from kvtier.tiers.disk.codec import CorruptPayload, codec_for, tier_codec
+
+SMOLLM2 = KVLayout("smollm2", 30, 3, 64, "bfloat16", 16)  # R = 192
+SMALL = KVLayout("small", 2, 2, 64, "bfloat16", 4)  # R = 128
+SPECS = [
+    QuantSpec("fp8"),
+    QuantSpec("int8"),
+    QuantSpec("int4"),
+    QuantSpec("int8", keys="channel"),
+    QuantSpec("int4", 32, "channel"),
+]
+
+
+def kv(layout: KVLayout, n: int, seed: int = 0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """n blocks of KV-like values: normal, with a per-channel offset in K (as RoPE'd keys
+    have) and one large channel."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *layout.block_shape, generator=gen)
+    x[:, :, 0] += torch.randn(layout.num_kv_heads, layout.head_dim, generator=gen) * 3
+    x[:, :, 0, :, 0, 5] *= 20
+    return x.to(dtype or layout.dtype)
+
+
+def test_sizes_and_ratios_on_smollm2_blocks() -> None:
+    sizes = {
+        spec: QuantCodec(spec, SMOLLM2).payload_nbytes for spec in SPECS[:3]
+    }  # raw bf16: 368,640 bytes
+    n = 30 * 2 * 16 * 192
+    assert sizes[QuantSpec("fp8")] == n + 30 * 2 * 3 * 4
+    assert sizes[QuantSpec("int8")] == n + 30 * 2 * (16 * 192 // 96) * 4  # group 96 divides 192
+    assert sizes[QuantSpec("int4")] == n // 2 + 30 * 2 * (16 * 192 // 64) * 4
+    ratios = [QuantCodec(spec, SMOLLM2).ratio() for spec in SPECS[:3]]
+    assert ratios[0] > 1.99 and ratios[1] >= 1.9 and ratios[2] >= 3.5
+    kivi = QuantCodec(QuantSpec("int4", keys="channel"), SMOLLM2)
+    assert kivi.k_groups == 192 and kivi.payload_nbytes > sizes[QuantSpec("int4")]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.kind}-{s.keys}")
+def test_a_round_trip_stays_within_half_a_step_of_each_group(spec: QuantSpec) -> None:
+    codec = QuantCodec(spec, SMALL)
+    x = kv(SMALL, 3)
+    payload = codec.encode(x)
+    assert payload.dtype == torch.uint8 and payload.shape == (3, codec.payload_nbytes)
+    y = codec.decode(payload)
+    assert y.dtype == SMALL.dtype and y.shape == x.shape
+    err = (y.float() - x.float()).abs()
+    if spec.kind == "fp8":  # e4m3: 3 mantissa bits, relative error <= 2**-4 of the value
+        scale = x.float().abs().amax(dim=(3, 5), keepdim=True) / 448
+        assert bool((err <= x.float().abs() / 16 + scale * 2**-9 + 0.02).all())
+    else:  # a group's step is (max - min) / levels; bf16 rounding adds <= 2**-8 relative
+        levels = (1 << spec.bits) - 1
+        span = x.float().amax() - x.float().amin()
+        assert float(err.max()) <= float(span) / levels * 0.5 * 1.01 + float(x.abs().max()) / 128
+    assert torch.equal(codec.decode(payload), y)  # deterministic
+
+
+def test_per_channel_keys_are_closer_on_offset_channels() -> None:
+    x = kv(SMALL, 4, seed=1)
+    errors = {}
+    for keys in ("token", "channel"):
+        codec = QuantCodec(QuantSpec("int4", keys=keys), SMALL)
+        errors[keys] = float((codec.decode(codec.encode(x)) - x).float()[:, :, 0].abs().mean())
+    assert errors["channel"] < errors["token"]
+
+
+def test_kv_a_codec_cannot_keep_is_refused() -> None:
+    codec = QuantCodec(QuantSpec("int8"), SMALL)
+    x = kv(SMALL, 1)
+    for bad in (float("nan"), float("inf"), 1e6):
+        y = x.float().clone()
+        y[0, 1, 0, 2, 1, 3] = bad
+        with pytest.raises(InvalidArgumentError, match="not finite or beyond"):
+            codec.encode(y)
+    with pytest.raises(InvalidArgumentError, match="expected"):
+        codec.encode(x[0])
+    with pytest.raises(InvalidArgumentError, match="float"):
+        codec.encode(torch.zeros(1, *SMALL.block_shape, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.kind}-{s.keys}")
+def test_payloads_no_encoder_writes_are_refused(spec: QuantSpec) -> None:
+    codec = QuantCodec(spec, SMALL)
+    good = codec.encode(kv(SMALL, 1))
+    with pytest.raises(CorruptQuantPayload, match="bytes"):
+        codec.decode(good[:, :-1])
+    meta = codec.code_nbytes
+    width = 4 if spec.kind == "fp8" else 2
+    for bad in (float("nan"), float("-inf"), -1.0):
+        payload = good.clone()
+        payload[0, meta : meta + width] = torch.tensor(
+            [bad], dtype=torch.float32 if width == 4 else torch.float16
+        ).view(torch.uint8)
+        with pytest.raises(CorruptQuantPayload, match="scale"):
+            codec.decode(payload)
+    if spec.kind == "fp8":
+        payload = good.clone()
+        payload[0, 7] = 0x7F  # e4m3fn NaN
+        with pytest.raises(CorruptQuantPayload, match="NaN"):
+            codec.decode(payload)
+    else:
+        payload = good.clone()
+        first_min = meta + (codec.payload_nbytes - meta) // 2
+        payload[0, first_min : first_min + 2] = torch.tensor(
+            [float("inf")], dtype=torch.float16
+        ).view(torch.uint8)
+        with pytest.raises(CorruptQuantPayload, match="minimum"):
+            codec.decode(payload)
+    with pytest.raises(InvalidArgumentError, match="uint8"):
+        codec.decode(good.view(torch.int16))
+
+
+def test_codec_ids_name_everything_decoding_needs() -> None:
+    assert [QuantCodec(s, SMOLLM2).id for s in SPECS] == [
+        "fp8",
+        "i8g96t",
+        "i4g64t",
+        "i8g96c",
+        "i4g32c",
+    ]
+    for spec in SPECS:
+        codec = QuantCodec(spec, SMOLLM2)
+        again = QuantSpec.from_id(codec.id)
+        assert again is not None and QuantCodec(again, SMOLLM2).id == codec.id
+    for hostile in ("i4", "i3g64t", "i4g0t", "i4g64x", "i8g99999t", "fp16", "", "i4g064t"):
+        assert QuantSpec.from_id(hostile) is None
+        with pytest.raises(CorruptPayload, match="unknown codec"):
+            codec_for(hostile, SMOLLM2)
+    with pytest.raises(CorruptPayload, match="does not fit"):
+        codec_for("i4g100t", SMOLLM2)  # 100 does not divide 192
+    with pytest.raises(CorruptPayload, match="unknown codec"):
+        codec_for("i4g64t", None)  # a tier whose superblock names no quantized layout
+
+
+def test_config_values_are_checked_against_the_layout() -> None:
+    assert tier_codec("int4", SMOLLM2).name == "i4g64t"
+    assert tier_codec("int8", SMALL).name == "i8g128t"
+    assert tier_codec("lz4", SMOLLM2).lossy is False
+    with pytest.raises(ConfigError, match=r"codec_group.*divisor of num_kv_heads"):
+        tier_codec("int4", SMOLLM2, group=128)
+    with pytest.raises(ConfigError, match="codec_group"):
+        QuantSpec("int4", 0)
+    with pytest.raises(ConfigError, match="codec_keys"):
+        QuantSpec("int4", keys="head")
+    with pytest.raises(ConfigError, match="'codec'"):
+        QuantSpec("int2")
+
+
+# ---- the Triton decoder ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.kind}-{s.keys}")
+def test_the_kernel_decodes_bit_for_bit_as_the_reference(spec: QuantSpec, dtype: str) -> None:
+    layout = KVLayout("small", 2, 2, 64, dtype, 4)
+    codec = QuantCodec(spec, layout)
+    payload = codec.encode(kv(layout, 3, seed=2))
+    pool = torch.full((6, *layout.block_shape), float("nan"), dtype=layout.dtype)
+    assert runs_kernel(pool)  # TRITON_INTERPRET=1 (conftest)
+    dequantize(codec, payload, pool, torch.tensor([5, 0, 3]))
+    expected = codec.decode(payload)
+    assert torch.equal(pool[[5, 0, 3]].view(torch.uint8), expected.view(torch.uint8))
+    assert bool(pool[[1, 2, 4]].isnan().all())  # other slots untouched
+
+
+def test_the_kernel_decodes_every_fp8_code_and_odd_row_widths() -> None:
+    layout = KVLayout("odd", 1, 3, 40, "bfloat16", 4)  # R = 120: masked lanes, unaligned
+    codec = QuantCodec(QuantSpec("fp8"), layout)
+    payload = codec.encode(kv(layout, 2))
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    payload[:, : codec.code_nbytes] = codes.repeat(codec.code_nbytes // len(codes) + 1)[
+        : codec.code_nbytes
+    ]
+    pool = torch.zeros(2, *layout.block_shape, dtype=layout.dtype)
+    dequantize(codec, payload, pool, torch.tensor([1, 0]))
+    assert torch.equal(pool[[1, 0]].view(torch.uint8), codec.decode(payload).view(torch.uint8))
+    int4 = QuantCodec(QuantSpec("int4", 40, "channel"), layout)
+    payload = int4.encode(kv(layout, 2, seed=3))
+    dequantize(int4, payload, pool, torch.tensor([0, 1]))
+    assert torch.equal(pool.view(torch.uint8), int4.decode(payload).view(torch.uint8))
+
+
+def test_the_kernel_wrapper_checks_before_it_launches() -> None:
+    codec = QuantCodec(QuantSpec("int8"), SMALL)
+    payload = codec.encode(kv(SMALL, 2))
+    pool = torch.zeros(4, *SMALL.block_shape, dtype=SMALL.dtype)
+    with pytest.raises(InvalidArgumentError, match="slots"):
+        dequantize(codec, payload, pool, torch.tensor([0, 4]))
+    with pytest.raises(InvalidArgumentError, match="slots"):
+        dequantize(codec, payload, pool, torch.tensor([0]))
+    with pytest.raises(InvalidArgumentError, match="pool"):
+        dequantize(codec, payload, pool.float(), torch.tensor([0, 1]))
+    bad = payload.clone()
+    bad[1, codec.code_nbytes : codec.code_nbytes + 2] = torch.tensor(
+        [float("nan")], dtype=torch.float16
+    ).view(torch.uint8)
+    with pytest.raises(CorruptQuantPayload):
+        dequantize(codec, bad, pool, torch.tensor([0, 1]))
+    assert not pool.any()  # nothing written
