@@ -1,15 +1,18 @@
 """What a quantized tier costs in accuracy, and what it saves in bytes (issue 17).
 
-Model: SmolLM2-135M-Instruct (`kvtier.reference`, fp32 on the CPU); the engine keeps its KV in
-bf16 (the store's dtype), so the baseline is a bf16 prefix, the copy `none` serves. Text: the
-Python documentation shipped with the standard library (`pydoc_data.topics`), tokenized once.
-`--prompts` prompts (default 64), each a prefix of 512-2048 tokens (whole 16-token blocks) at a
-random place in the text, then `CONT` = 64 tokens of the text after it, computed:
+Model: SmolLM2-135M-Instruct (`kvtier.reference`, fp32 on the CPU), run by the reference engine
+(`Engine`) over a real `KVStore` whose KV is bf16, one store per codec, each with a disk tier
+keeping its copies in that codec (`tiers.disk.codec`); `none` is the baseline, a bf16 prefix.
+Text: the Python documentation shipped with the standard library (`pydoc_data.topics`),
+tokenized once. `--prompts` prompts (default 64), each a prefix of 512-2048 tokens (whole
+16-token blocks) at a random place in the text, then `CONT` = 64 tokens of the text after it:
 
-    prefix (P tokens)  ── served from the tier ──  the KV the codec's copy decodes to
-    continuation C     ── computed over it ──────  perplexity of C[1:], relative to `none`
-    greedy g (32)      ── `none`'s greedy tokens, then fed to every codec (teacher-forced):
-                          agreement = share of the 32 positions whose argmax is g's token
+    prefix (P tokens)  stored, written to disk, evicted from gpu and host: the prefill finds it
+                       on disk only, and the engine attends over what the copy decodes to
+    continuation C     computed over it: perplexity of C[1:], relative to `none`
+    greedy g (32)      `none`'s greedy tokens (plain `Llama.forward` over the bf16 prefix), then
+                       fed to every codec (teacher-forced): agreement = share of the 32
+                       positions whose argmax is g's token
 
 Per codec: bytes per block against bf16, perplexity change (over all prompts' tokens), greedy
 agreement, max and mean |logit - logit(none)| over C and g, and encode and decode speed of a
@@ -27,15 +30,22 @@ import json
 import math
 import pydoc_data.topics
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvtier.config import KVTierConfig, parse_config
 from kvtier.quant import QuantCodec, QuantSpec
 from kvtier.reference import Llama, load_smollm2, load_smollm2_tokenizer
+from kvtier.reference.engine import Engine
+from kvtier.store import KVStore
 
 BT = 16
 CONT = 64
@@ -76,16 +86,65 @@ def as_blocks(kv: torch.Tensor) -> torch.Tensor:
     return kv.reshape(L, 2, P // BT, BT, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
 
 
-def from_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    n, L, _, _, H, D = blocks.shape
-    return blocks.permute(1, 2, 0, 3, 4, 5).reshape(L, 2, n * BT, H, D)
+def store_config(spec: QuantSpec | None, disk: Path) -> KVTierConfig:
+    """SmolLM2's bf16 layout; gpu and host of 512 MiB (1456 blocks); a disk tier in `spec`."""
+    codec: dict[str, Any] = {"codec": "none"}
+    if spec is not None:
+        codec = {"codec": spec.kind, "codec_group": spec.group, "codec_keys": spec.keys}
+    return parse_config(
+        {
+            "model": {
+                "name": "SmolLM2-135M-Instruct",
+                "num_layers": 30,
+                "num_kv_heads": 3,
+                "head_dim": 64,
+                "dtype": "bfloat16",
+            },
+            "block_tokens": BT,
+            "tiers": {
+                "gpu": {"capacity": "512MiB", "device": "cpu"},
+                "host": {"capacity": "512MiB", "pinned": False},
+                "disk": {"capacity": "1GiB", "path": str(disk), **codec},
+            },
+            "mover": {"background": False},
+        }
+    )
 
 
-def served(codec: QuantCodec | None, kv: torch.Tensor) -> torch.Tensor:
-    """The prefix KV a tier with `codec` hands back for `kv` (bf16)."""
-    if codec is None:
-        return kv
-    return from_blocks(codec.decode(codec.encode(as_blocks(kv))))
+class Served:
+    """A store per codec; `prefill(name, prefix, kv, fed)` stores the prefix's KV, moves it to
+    disk only, and returns the logits of `fed` computed over the prefix the disk serves."""
+
+    def __init__(self, model: Llama, root: Path) -> None:
+        self.stores = {
+            name: KVStore(store_config(spec, root / name.replace(" ", "-").replace("/", "-")))
+            for name, spec in CODECS.items()
+        }
+        self.engines = {name: Engine(model, store) for name, store in self.stores.items()}
+
+    def prefill(
+        self, name: str, prefix: list[int], kv: torch.Tensor, fed: list[int]
+    ) -> torch.Tensor:
+        store = self.stores[name]
+        store.clear()
+        store.store(prefix, kv)
+        store.persist()
+        for tier in ("gpu", "host"):
+            store.evict(tier, 1 << 20)
+        found = store.lookup(prefix)
+        assert found.disk_tokens == len(prefix), found  # served from the codec's copies
+        done = self.engines[name].prefill(prefix + fed)
+        assert done.reused_tokens == len(prefix), done.reused_tokens
+        logits: torch.Tensor = done.logits
+        return logits
+
+    def codecs(self) -> dict[str, str]:
+        """Each store's disk codec as its status names it (`i4g64t`, ...)."""
+        return {name: s.status()["tiers"]["disk"]["codec"] for name, s in self.stores.items()}
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
 
 
 def greedy(model: Llama, logits: torch.Tensor, kv: torch.Tensor) -> list[int]:
@@ -122,6 +181,8 @@ def main() -> None:
     errors: dict[str, list[torch.Tensor]] = {name: [] for name in codecs}
     rng = random.Random(args.seed)
     started = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="bench-quant-"))
+    served = Served(model, root)
     for prompt in range(args.prompts):
         P = rng.randrange(512 // BT, 2048 // BT + 1) * BT
         start = rng.randrange(0, len(ids) - P - CONT)
@@ -131,10 +192,10 @@ def main() -> None:
         kv = kv.to(layout.dtype)
         logits, full = model.forward(cont, kv)
         g = greedy(model, logits, full)
-        fed = torch.cat([cont, torch.tensor(g[:-1])])
+        fed = [*cont.tolist(), *g[:-1]]
         reference = None
-        for name, codec in codecs.items():
-            rows, _ = model.forward(fed, served(codec, kv))
+        for name in codecs:
+            rows = served.prefill(name, prefix.tolist(), kv, fed)
             if reference is None:
                 reference = rows
             nll[name] += torch.nn.functional.cross_entropy(
@@ -144,6 +205,9 @@ def main() -> None:
             errors[name].append((rows - reference).abs().flatten())
         if prompt % 8 == 7:
             print(f"  {prompt + 1} prompts, {time.perf_counter() - started:.0f} s", flush=True)
+    ids_on_disk = served.codecs()
+    served.close()
+    shutil.rmtree(root)
     blocks = as_blocks(kv)  # the last prompt's prefix: 32-128 blocks
     raw = blocks.numel() * 2
     copy = speed(lambda: blocks.clone(), raw, args.repeat)
@@ -179,6 +243,7 @@ def main() -> None:
         f"\nSmolLM2-135M, {args.prompts} prompts of 512-2048 tokens from pydoc_data, "
         f"{tokens} continuation tokens, {args.prompts * GREEDY} greedy positions; bf16 KV"
     )
+    print("disk copies: " + ", ".join(f"{name} {ids_on_disk[name]}" for name in codecs))
     print(
         f"{'codec':<18} {'bytes/block':>11} {'smaller':>7} {'ppl':>8} {'change':>8} "
         f"{'greedy':>7} {'max|dl|':>8} {'mean|dl|':>8} {'encode':>12} {'decode':>12}"

@@ -2,6 +2,8 @@
 
     kvtier replay TRACE                  tiered (--gpu/--host/--disk) and a gpu-only baseline
     kvtier replay TRACE --sweep          the tiered sizes scaled by SWEEP_SCALES, as a table
+    kvtier replay TRACE --codec none,int8,int4   host and disk at the same bytes, each run in
+                                         one codec: the blocks a quantized tier fits (`codecs.py`)
     ... --plot out.png                   hit rate by tier against capacity (needs matplotlib)
     ... --json                           every figure as JSON on stdout
     kvtier replay TRACE --replicas N [--remote]   N stores behind a round-robin router, alone
@@ -27,6 +29,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from kvtier.replay.codecs import codec_sizing, fit, parse_codecs
 from kvtier.replay.replicas import cluster_nodes, format_fleet, replay_fleet
 from kvtier.replay.report import (
     ReplayResult,
@@ -55,6 +58,12 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--disk", type=float, default=1.0, help="disk tier (1.0; 0: none)")
     cmd.add_argument("--no-baseline", action="store_true", help="skip the gpu-only run")
     cmd.add_argument("--sweep", action="store_true", help="run the sizes scaled, print a table")
+    cmd.add_argument(
+        "--codec",
+        metavar="CODECS",
+        help="host and disk at the same bytes, one run per codec: none,fp8,int8,int4 (any, "
+        "comma-separated; the bytes are the default model's blocks)",
+    )
     cmd.add_argument("--plot", metavar="PNG", help="draw hit rate by tier against capacity")
     cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
     cmd.add_argument("--limit", type=int, help="replay only the first N requests")
@@ -86,12 +95,15 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
 
 
 def _sizings(args: argparse.Namespace) -> list[Sizing]:
+    base = Sizing("tiered", args.gpu, args.host, args.disk)
+    if args.codec is not None:
+        return [codec_sizing(base, fit(codec)) for codec in parse_codecs(args.codec)]
     if args.sweep:
         return [
             Sizing(f"x{scale:g}", args.gpu * scale, args.host * scale, args.disk * scale)
             for scale in SWEEP_SCALES
         ]
-    runs = [Sizing("tiered", args.gpu, args.host, args.disk)]
+    runs = [base]
     if not args.no_baseline:
         runs.append(Sizing("gpu-only", args.gpu, 0.0, 0.0))
     return runs
@@ -178,6 +190,12 @@ def run_replay(args: argparse.Namespace) -> int:
     )
     for result in results:
         print(format_result(result))
+    if args.codec is not None:
+        fits = ", ".join(
+            f"{f.codec} {f.host:.2f}x / {f.disk:.2f}x"
+            for f in (fit(c) for c in parse_codecs(args.codec))
+        )
+        print(f"blocks the same bytes hold (host / disk slots, the default model's): {fits}")
     if len(results) > 1:
         print(format_table(results))
     if args.plot:

@@ -1,0 +1,49 @@
+"""`kvtier replay --codec`: host and disk at one byte budget, one run per codec, each holding the
+blocks the real model's quantized copies fit in those bytes (`replay/codecs.py`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_replay import write_trace
+
+from kvtier.blocks import KVLayout
+from kvtier.cli import main
+from kvtier.errors import InvalidArgumentError
+from kvtier.replay.codecs import fit, parse_codecs
+
+
+def test_the_blocks_a_byte_budget_holds_follow_the_payloads() -> None:
+    smollm2 = fit("int4")  # the default config's model: 30 layers, 3 kv heads of 64, bf16
+    assert round(smollm2.host, 2) == 3.56  # 368,640 raw bytes / 103,680
+    assert 3.3 < smollm2.disk < smollm2.host  # 4 KiB header regions and rounding cost a little
+    assert fit("none").host == fit("none").disk == 1.0
+    wide = KVLayout("wide", 80, 8, 128, "bfloat16", 16)
+    assert fit("int8", wide).host == pytest.approx(2 / (1 + 4 / 128))
+    for bad in ("lz4", "int3", "", "int4,int4", "none,,zstd"):
+        with pytest.raises(InvalidArgumentError, match="--codec"):
+            parse_codecs(bad)
+    assert parse_codecs("none, int4") == ["none", "int4"]
+
+
+def test_a_quantized_budget_holds_a_working_set_the_raw_one_cannot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 8 prompts of 2 blocks each, asked in turn three times: a cyclic scan of 16 blocks, which
+    # LRU serves only when all 16 fit. Host of 30 % raw: 5 blocks; in int4, 3.56x: 17
+    prompts = [[2 * p, 2 * p + 1] for p in range(8)]
+    path = write_trace(tmp_path / "t.jsonl", prompts * 3)
+    args = ["replay", str(path), "--codec", "none,int8,int4", "--gpu", "0.01", "--host", "0.3",
+            "--disk", "0", "--json", "--block-bytes", "2048"]  # fmt: skip
+    assert main(args) == 0
+    runs = {run["sizing"]["label"]: run for run in json.loads(capsys.readouterr().out)["runs"]}
+    assert list(runs) == ["none", "int8", "int4"]
+    assert runs["int4"]["sizing"]["host"] == pytest.approx(0.3 * fit("int4").host)
+    assert runs["none"]["hit_rate"] == 0.0  # 6 blocks against a scan of 16
+    assert runs["int8"]["hit_rate"] == 0.0  # 1 + 11
+    assert runs["int4"]["hit_rate"] == pytest.approx(2 / 3)  # 1 + 17: rounds 2 and 3 hit
+    assert capsys.readouterr().err == ""
+    assert main(["replay", str(path), "--codec", "int2"]) == 2
+    assert "--codec: got 'int2'" in capsys.readouterr().err
