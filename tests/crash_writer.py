@@ -1,12 +1,13 @@
 """The writer of the crash test (`test_disk_crash.py`), run as a separate process.
 
-    python crash_writer.py DISK_DIR FIRST_SEQ
+    python crash_writer.py DISK_DIR FIRST_SEQ [CODEC]
 
 Opens a store whose disk tier is DISK_DIR (recovering what is there), prints `ready`, then
 stores sequence after sequence from FIRST_SEQ on, persists each one and only then prints
 `ack N`: a sequence is acknowledged once its blocks are durable. After `PER_RUN` sequences it
 idles until it is killed, so that 20 runs never outgrow the disk tier (an LRU eviction of an
-acknowledged block would be correct behaviour, but not what this test is about).
+acknowledged block would be correct behaviour, but not what this test is about). CODEC is the
+disk tier's (`tiers.disk.codec`, default none).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ SHARED_PREFIXES = 4
 PER_RUN = 150
 
 
-def config(disk_dir: str) -> dict[str, object]:
+def config(disk_dir: str, codec: str = "none") -> dict[str, object]:
     return {
         "model": {
             "name": "crash",
@@ -37,7 +38,7 @@ def config(disk_dir: str) -> dict[str, object]:
         "tiers": {
             "gpu": {"capacity": "256KiB", "high_watermark": 1.0, "low_watermark": 1.0},
             "host": {"capacity": "256KiB", "high_watermark": 1.0, "low_watermark": 1.0},
-            "disk": {"capacity": "96MiB", "path": disk_dir},
+            "disk": {"capacity": "96MiB", "path": disk_dir, "codec": codec},
         },
         "policy": {"write": "write_back", "disk_admission_hits": 0},
     }
@@ -63,7 +64,8 @@ def kv_of(seq: int) -> torch.Tensor:
 
 def main() -> None:
     disk_dir, first = sys.argv[1], int(sys.argv[2])
-    store = KVStore(parse_config(config(disk_dir)))
+    codec = sys.argv[3] if len(sys.argv) > 3 else "none"
+    store = KVStore(parse_config(config(disk_dir, codec)))
     print("ready", flush=True)
     for seq in range(first, first + PER_RUN):
         store.store(tokens_of(seq), kv_of(seq))
