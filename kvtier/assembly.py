@@ -23,7 +23,12 @@ import zmq
 from kvtier.blocks import BlockHasher, BlockId, KVLayout
 from kvtier.config import KVTierConfig
 from kvtier.config.fields import resolve_key
-from kvtier.config.tiers import DiskTierConfig, RemoteTierConfig, RemoteTlsConfig
+from kvtier.config.tiers import (
+    DiskTierConfig,
+    HostTierConfig,
+    RemoteTierConfig,
+    RemoteTlsConfig,
+)
 from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.events import EventPublisher, EventSettings, IndexEvents
 from kvtier.index import RadixIndex
@@ -34,8 +39,9 @@ from kvtier.tenancy import Namespaces, ReservationTable, TenantShares
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk.codec import Codec, tier_codec
+from kvtier.tiers.disk.codec import Codec, QuantBytes, tier_codec
 from kvtier.tiers.gpu import resolve_device
+from kvtier.tiers.quantized import QuantPool
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, TlsSettings
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.remote.writer import RemoteWriter
@@ -165,12 +171,18 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
         None if prefix is None else f"{prefix}-gpu",
     )
     made.append(gpu)
-    host = HostPool.create(
-        layout,
-        host_cfg.capacity.resolve(available_host_bytes()),
-        host_cfg.pinned,
-        None if prefix is None else f"{prefix}-host",
-    )
+    host_bytes = host_cfg.capacity.resolve(available_host_bytes())
+    host_codec = _codec(host_cfg, layout, "tiers.host")
+    host: SlotPool
+    if isinstance(host_codec, QuantBytes):  # payloads, never in a shared segment
+        host = QuantPool.create_quantized(host_codec.quant, host_bytes, host_cfg.pinned)
+    elif host_codec.name != "none":
+        raise ConfigError(
+            "tiers.host.codec", host_codec.name, "none, fp8, int8 or int4 (a host slot is one size)"
+        )
+    else:
+        shared = None if prefix is None else f"{prefix}-host"
+        host = HostPool.create(layout, host_bytes, host_cfg.pinned, shared)
     made.append(host)
     disk_cfg = config.tiers.disk
     if disk_cfg is not None:
@@ -207,7 +219,9 @@ def _events(
     return publisher
 
 
-def _codec(tier: DiskTierConfig | RemoteTierConfig, layout: KVLayout, field: str) -> Codec:
+def _codec(
+    tier: HostTierConfig | DiskTierConfig | RemoteTierConfig, layout: KVLayout, field: str
+) -> Codec:
     """The codec a tier's `codec`, `codec_group` and `codec_keys` name, for `layout`; a
     `ConfigError` naming the field when the group does not fit the layout."""
     try:

@@ -144,6 +144,11 @@ class QuantCodec:
 
     # ---- encoding --------------------------------------------------------------------------
 
+    def keepable(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Per block of `[n, *block_shape]`, whether `encode` takes it: every value finite and
+        within fp16's range (a bool tensor on the blocks' device)."""
+        return blocks.float().abs().flatten(1).amax(dim=1) <= FP16_MAX
+
     def encode(self, blocks: torch.Tensor) -> torch.Tensor:
         """`[n, *block_shape]` -> `[n, payload_nbytes]` uint8 (on the blocks' device)."""
         shape = tuple(self.layout.block_shape)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.tiers.quantized import QuantPool
 from kvtier.transfer.shared import TENANT_OPS
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ def store_status(parts: Parts) -> dict[str, Any]:
         }
         for (src, dst), nbytes in sorted(parts.executor.bytes_moved.items())
     }
+    host = parts.state.host
+    tiers[host.name]["codec"] = host.codec.id if isinstance(host, QuantPool) else "none"
     if parts.state.disk is not None:
         tiers["disk"]["direct_io"] = parts.state.disk.direct
         tiers["disk"]["codec"] = parts.state.disk.codec.name

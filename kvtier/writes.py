@@ -30,7 +30,7 @@ import math
 import torch
 
 from kvtier.blocks import BlockId, blocks_of
-from kvtier.errors import QuotaError
+from kvtier.errors import InvalidKVError, QuotaError
 from kvtier.index import Match
 from kvtier.index.node import Node
 from kvtier.policy import WritePolicy
@@ -134,8 +134,13 @@ class Writes:
         if slots is None:
             return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
         memory = (self.state.gpu, self.state.host)
-        for tier, tier_slots in slots.items():
-            memory[tier].write(tier_slots, blocks)
+        try:
+            for tier, tier_slots in slots.items():
+                memory[tier].write(tier_slots, blocks)
+        except InvalidKVError:  # KV a quantized host tier cannot keep: nothing is stored
+            for tier, tier_slots in slots.items():
+                memory[tier].free(tier_slots)
+            raise
         self.mover.executor.mark_engine()  # CUDA: background copies of these slots wait
         end = self.index.insert(match, key, slots).end
         if share and self.remote is not None:

@@ -168,8 +168,8 @@ def test_the_kernel_decodes_bit_for_bit_as_the_reference(spec: QuantSpec, dtype:
     codec = QuantCodec(spec, layout)
     payload = codec.encode(kv(layout, 3, seed=2))
     pool = torch.full((6, *layout.block_shape), float("nan"), dtype=layout.dtype)
-    assert runs_kernel(pool)  # TRITON_INTERPRET=1 (conftest)
-    dequantize(codec, payload, pool, torch.tensor([5, 0, 3]))
+    assert not runs_kernel(pool)  # a CPU pool: torch, unless asked
+    dequantize(codec, payload, pool, torch.tensor([5, 0, 3]), kernel=True)  # interpreted
     expected = codec.decode(payload)
     assert torch.equal(pool[[5, 0, 3]].view(torch.uint8), expected.view(torch.uint8))
     assert bool(pool[[1, 2, 4]].isnan().all())  # other slots untouched
@@ -184,11 +184,11 @@ def test_the_kernel_decodes_every_fp8_code_and_odd_row_widths() -> None:
         : codec.code_nbytes
     ]
     pool = torch.zeros(2, *layout.block_shape, dtype=layout.dtype)
-    dequantize(codec, payload, pool, torch.tensor([1, 0]))
+    dequantize(codec, payload, pool, torch.tensor([1, 0]), kernel=True)
     assert torch.equal(pool[[1, 0]].view(torch.uint8), codec.decode(payload).view(torch.uint8))
     int4 = QuantCodec(QuantSpec("int4", 40, "channel"), layout)
     payload = int4.encode(kv(layout, 2, seed=3))
-    dequantize(int4, payload, pool, torch.tensor([0, 1]))
+    dequantize(int4, payload, pool, torch.tensor([0, 1]), kernel=True)
     assert torch.equal(pool.view(torch.uint8), int4.decode(payload).view(torch.uint8))
 
 

@@ -43,6 +43,22 @@ Pinned = Literal["auto", True, False]
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+def _group(value: object) -> bool:
+    return value is None or (type(value) is int and 1 <= value <= 4096)
+
+
+class _CodecFields(Section):
+    """How a lower tier keeps its copies: `codec` none or lz4 (lossless), fp8, int8 or int4
+    (quantized: `kvtier.quant`); `codec_group` (values a group, int8/int4; default 128 for
+    int8, 64 for int4, or the largest divisor of a token's row below that) and `codec_keys`
+    (K's groups per token, or per channel as KIVI). That the group divides the layout's rows is
+    checked when the tier is built."""
+
+    codec: Annotated[CodecName, one_of(get_args(CodecName))] = "none"
+    codec_group: Annotated[int | None, rule(_group, "null or an integer in [1, 4096]")] = None
+    codec_keys: Annotated[KeyGroups, one_of(get_args(KeyGroups))] = "token"
+
+
 class _MemoryTierConfig(Section):
     """A tier in memory: demotion starts above `high_watermark` and stops at `low_watermark`."""
 
@@ -67,29 +83,15 @@ class GpuTierConfig(_MemoryTierConfig):
     device: Annotated[str, matching(_DEVICE, "one of auto, cpu, cuda, cuda:N")] = "auto"
 
 
-class HostTierConfig(_MemoryTierConfig):
-    """Host RAM. A fraction capacity is of MemAvailable; `pinned: auto` pins when CUDA is up."""
+class HostTierConfig(_MemoryTierConfig, _CodecFields):
+    """Host RAM. A fraction capacity is of MemAvailable; `pinned: auto` pins when CUDA is up.
+    `codec` fp8, int8 or int4 keeps its blocks quantized (`tiers/quantized.py`; lz4 is refused
+    when the tier is built: a host slot is one size)."""
 
     capacity: MemoryCapacity = Capacity(nbytes=2**30)
     high_watermark: Fraction01 = 0.95  # with a disk tier: write LRU leaves down above this
     low_watermark: Fraction01 = 0.85
     pinned: Annotated[Pinned, one_of(get_args(Pinned))] = "auto"
-
-
-def _group(value: object) -> bool:
-    return value is None or (type(value) is int and 1 <= value <= 4096)
-
-
-class _CodecFields(Section):
-    """How a lower tier keeps its copies: `codec` none or lz4 (lossless), fp8, int8 or int4
-    (quantized: `kvtier.quant`); `codec_group` (values a group, int8/int4; default 128 for
-    int8, 64 for int4, or the largest divisor of a token's row below that) and `codec_keys`
-    (K's groups per token, or per channel as KIVI). That the group divides the layout's rows is
-    checked when the tier is built."""
-
-    codec: Annotated[CodecName, one_of(get_args(CodecName))] = "none"
-    codec_group: Annotated[int | None, rule(_group, "null or an integer in [1, 4096]")] = None
-    codec_keys: Annotated[KeyGroups, one_of(get_args(KeyGroups))] = "token"
 
 
 class DiskTierConfig(_CodecFields):

@@ -15,8 +15,8 @@ mantissa bits; exponent 0 is subnormal, `code * 2**-9`).
 Bit-exact with `QuantCodec.decode`: both compute in fp32 one rounding an operation; the launch
 turns fused multiply-add off (`enable_fp_fusion=False`), which a GPU compile would otherwise use
 for `q * s + m`. `dequantize` checks the payload first (`QuantCodec.validate`: no NaN code, no
-bad scale), then launches; it falls back to the torch reference when Triton cannot run here (a
-CPU without `TRITON_INTERPRET=1`, as for `paged_attention`).
+bad scale), then launches on a CUDA pool; on a CPU pool it decodes with torch, unless asked for
+the kernel (under `TRITON_INTERPRET=1`: the tests).
 """
 
 from __future__ import annotations
@@ -37,9 +37,14 @@ except ImportError:  # `available()` says so
 
 
 def dequantize(
-    codec: QuantCodec, payload: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
+    codec: QuantCodec,
+    payload: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    kernel: bool | None = None,
 ) -> None:
-    """Decode block i of `payload` into `pool[slots[i]]` (module doc)."""
+    """Decode block i of `payload` into `pool[slots[i]]` (module doc): with the kernel for a
+    CUDA pool, or where `kernel` asks (the interpreter, in tests), else torch."""
     n = codec.validate(payload)
     if pool.dim() != 6 or tuple(pool.shape[1:]) != tuple(codec.layout.block_shape):
         raise InvalidArgumentError(
@@ -55,15 +60,16 @@ def dequantize(
         raise InvalidArgumentError(f"slots: expected slots in [0, {pool.shape[0]})")
     if n == 0:
         return
-    if not runs_kernel(pool):
-        pool[slots] = codec.decode(payload)
+    if not (runs_kernel(pool) if kernel is None else kernel and available()):
+        pool[slots] = codec.decode(payload).to(pool.device)
         return
     _launch(codec, payload.contiguous(), pool, slots.to(pool.device))
 
 
 def runs_kernel(pool: torch.Tensor) -> bool:
-    """Whether `dequantize` runs the Triton kernel for a pool on this device."""
-    return available() and (pool.is_cuda or INTERPRETED)
+    """Whether `dequantize` runs the Triton kernel for a pool on this device unasked: on CUDA
+    (on a CPU it would be Triton's interpreter, far slower than torch)."""
+    return available() and pool.is_cuda
 
 
 def _launch(

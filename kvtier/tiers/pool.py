@@ -17,8 +17,10 @@ Contract:
   in both cases the pool is exactly as it was.
 - `write` and `read` touch only allocated slots; `write` takes exactly
   `[len(slots), *layout.block_shape]` of `layout.dtype` (else `InvalidKVError`, nothing written).
-- Accounting is exact: `used_bytes == num_used * block_bytes <= capacity_bytes`, and `check()`
-  verifies it against the free list and the bitmap (DESIGN.md invariant 5).
+- Accounting is exact: `used_bytes == num_used * slot_bytes <= capacity_bytes`, and `check()`
+  verifies it against the free list and the bitmap (DESIGN.md invariant 5). A slot is one block
+  (`slot_bytes == block_bytes`) but in a pool that keeps its blocks quantized (`QuantPool`,
+  `tiers/quantized.py`: a slot is the codec's payload).
 - The pool never decides what to evict; that is the index's business.
 - After `close()` the buffer is dropped and every method but `close` raises `ClosedError`.
 - A pool in POSIX shared memory (`shared_name`, `tiers/shm.py`) unlinks its segment at `close`,
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import math
 import mmap
 import os
 import weakref
@@ -78,6 +81,8 @@ class SlotPool:
         self.num_slots = num_slots
         self.device = torch.device(device)
         self.pin_memory = pin_memory
+        self.slot_shape, self.slot_dtype = self._slot_format()
+        self.slot_bytes = math.prod(self.slot_shape) * self.slot_dtype.itemsize
         self._buffer: torch.Tensor | None = self._allocate_buffer()
         self._block_shape, self._dtype = layout.block_shape, layout.dtype  # read by every write
         self._slots = SlotAllocator(f"pool {name!r}", num_slots)
@@ -102,8 +107,13 @@ class SlotPool:
             )
         return cls(name, layout, num_slots, device, pin_memory, shared_name)
 
+    def _slot_format(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """What one slot holds: a block (`layout.block_shape` of `layout.dtype`); a pool that
+        keeps blocks encoded overrides it (`QuantPool`: a payload of bytes)."""
+        return tuple(self.layout.block_shape), self.layout.dtype
+
     def _allocate_buffer(self) -> torch.Tensor:
-        """The pool's memory, `layout.pool_shape(num_slots)`, contiguous; override for other media.
+        """The pool's memory, `[num_slots, *slot_shape]`, contiguous; override for other media.
 
         Called once from `__init__`, after `name`, `layout`, `num_slots`, `device` and
         `pin_memory` are set. Capacity that is never written costs nothing. Plain CPU memory
@@ -111,7 +121,8 @@ class SlotPool:
         page-aligned and the disk tier can write it with O_DIRECT without a copy (torch's own
         CPU allocator aligns to 64 bytes only); CUDA and pinned memory are page-aligned already.
         """
-        nbytes = self.layout.block_bytes * self.num_slots
+        nbytes = self.slot_bytes * self.num_slots
+        shape = (self.num_slots, *self.slot_shape)
         if self.shared_name is not None:
             self._mapping = create_shared(self.shared_name, nbytes)
             # unlinked at close, or when the pool is collected or the interpreter exits
@@ -119,16 +130,13 @@ class SlotPool:
             flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
             if self.pin_memory:  # page-locked in place, for asynchronous copies to the GPU
                 torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]
-            return flat.view(self.layout.dtype).view(self.layout.pool_shape(self.num_slots))
+            return flat.view(self.slot_dtype).view(shape)
         if self.device.type == "cpu" and not self.pin_memory:
             self._mapping = mmap.mmap(-1, nbytes)
             flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
-            return flat.view(self.layout.dtype).view(self.layout.pool_shape(self.num_slots))
+            return flat.view(self.slot_dtype).view(shape)
         return torch.empty(
-            self.layout.pool_shape(self.num_slots),
-            dtype=self.layout.dtype,
-            device=self.device,
-            pin_memory=self.pin_memory,
+            shape, dtype=self.slot_dtype, device=self.device, pin_memory=self.pin_memory
         )
 
     # -- accounting -------------------------------------------------------------------------
@@ -149,7 +157,7 @@ class SlotPool:
 
     @property
     def capacity_bytes(self) -> int:
-        return self.num_slots * self.layout.block_bytes
+        return self.num_slots * self.slot_bytes
 
     @property
     def num_free(self) -> int:
@@ -161,7 +169,7 @@ class SlotPool:
 
     @property
     def used_bytes(self) -> int:
-        return self._slots.num_used * self.layout.block_bytes
+        return self._slots.num_used * self.slot_bytes
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -236,10 +244,10 @@ class SlotPool:
         self._ensure_open()
         self._slots.check()
         allocated = self._slots.num_used
-        if self.used_bytes != allocated * self.layout.block_bytes:
+        if self.used_bytes != allocated * self.slot_bytes:
             raise InvariantError(
                 f"pool {self.name!r}: used_bytes {self.used_bytes} != {allocated} allocated "
-                f"* {self.layout.block_bytes} block bytes"
+                f"* {self.slot_bytes} slot bytes"
             )
         if self.used_bytes > self.capacity_bytes:
             raise InvariantError(

@@ -23,7 +23,8 @@ copy per run of slots consecutive on both sides, one gather and one scatter, or,
 or between it and pinned host memory, one CUDA kernel launch (`kernels/block_copy.py`),
 whichever its first copies of that kind measured fastest. A layer range moves as one strided
 slice copy per run.
-Disk copies go through the disk tier's parallel, group-committed I/O path.
+Disk copies go through the disk tier's parallel, group-committed I/O path. A copy with a
+quantized host tier on one side encodes or decodes on the way (`encoded.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from kvtier.kernels.block_copy import contiguous_runs
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
+from kvtier.tiers.quantized import QuantPool
+from kvtier.transfer.encoded import disk_to_host, host_to_disk, pool_to_pool
 from kvtier.transfer.planner import BlockCopier
 from kvtier.transfer.shared import Runner, TransferHandle
 
@@ -178,7 +181,13 @@ class InlineExecutor:
             return []
         started = time.monotonic()
         src_tier, dst_tier = transfer.src, transfer.dst
-        if isinstance(dst_tier, DiskTier):
+        src_slots, dst_slots = transfer.src_slots, transfer.dst_slots
+        if isinstance(dst_tier, DiskTier) and isinstance(src_tier, QuantPool):
+            ok = host_to_disk(src_tier, dst_tier, src_slots, dst_slots, transfer.blocks)
+        elif isinstance(src_tier, DiskTier) and isinstance(dst_tier, QuantPool):
+            ids = [meta.block_id for meta in transfer.blocks]
+            ok = disk_to_host(src_tier, dst_tier, src_slots, dst_slots, ids)
+        elif isinstance(dst_tier, DiskTier):
             assert isinstance(src_tier, SlotPool)
             if src_tier.device.type == "cpu":
                 views = [src_tier.buffer[slot] for slot in transfer.src_slots]  # written in place
@@ -198,8 +207,11 @@ class InlineExecutor:
                     dst_tier.write([transfer.dst_slots[i] for i in good], _rows(data, good))
         else:
             assert isinstance(src_tier, SlotPool) and isinstance(dst_tier, SlotPool)
-            self._copy_memory(src_tier, dst_tier, transfer)
-            ok = [True] * len(transfer.src_slots)
+            if isinstance(src_tier, QuantPool) or isinstance(dst_tier, QuantPool):
+                ok = pool_to_pool(src_tier, dst_tier, src_slots, dst_slots, transfer.layers)
+            else:
+                self._copy_memory(src_tier, dst_tier, transfer)
+                ok = [True] * len(transfer.src_slots)
         self.ledger.record(transfer.path, transfer.nbytes * ok.count(True) // len(ok), started)
         return ok
 

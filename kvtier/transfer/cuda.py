@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import ClosedError, ConfigError, InvalidArgumentError
+from kvtier.errors import ClosedError, ConfigError, InvalidArgumentError, InvalidKVError
 from kvtier.kernels.block_copy import (
     CopyStrategy,
     applies_anywhere,
@@ -57,7 +57,9 @@ from kvtier.kernels.block_copy import (
 )
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
+from kvtier.tiers.quantized import QuantPool
 from kvtier.transfer.copy import Ledger, Transfer
+from kvtier.transfer.encoded import pool_to_pool
 from kvtier.transfer.planner import CopyKey, CopyPlanner, copy_key
 from kvtier.transfer.shared import POLL_MAX_S, Runner, TransferHandle
 from kvtier.transfer.threads import ThreadExecutor
@@ -227,6 +229,14 @@ class CudaExecutor:
         """Enqueue the copies of `transfer` on `stream`, the current one: a layer range as
         slice copies per run, whole blocks by the planner's pick; returns the sample to record
         when the planner measures this copy."""
+        if isinstance(transfer.src, QuantPool) or isinstance(transfer.dst, QuantPool):
+            # encoded on the gpu and fetched (a sync), or decoded there by the Triton kernel on
+            # this stream (`encoded.py`); a block the codec cannot keep fails the transfer
+            assert isinstance(transfer.src, SlotPool) and isinstance(transfer.dst, SlotPool)
+            slots = (transfer.src_slots, transfer.dst_slots)
+            if not all(pool_to_pool(transfer.src, transfer.dst, *slots, transfer.layers)):
+                raise InvalidKVError(f"{transfer.path}: a block the host's codec cannot keep")
+            return None
         runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
         if transfer.layers is not None:
             first, stop = transfer.layers

@@ -146,6 +146,17 @@ class QuantBytes:
         payload: memoryview = self.quant.encode(block).reshape(-1).numpy().data
         return payload
 
+    def valid(self, stored: bytes | memoryview) -> bool:
+        """Whether `stored` is a payload this codec decodes (size, scales, codes), without
+        decoding it: what a tier that keeps payloads as they are checks."""
+        if memoryview(stored).nbytes != self.quant.payload_nbytes:
+            return False
+        try:
+            self.quant.validate(_tensor(stored).reshape(1, -1))
+        except CorruptQuantPayload:
+            return False
+        return True
+
     def decode(
         self, stored: bytes | memoryview, raw_nbytes: int, itemsize: int
     ) -> bytes | memoryview:

@@ -55,7 +55,7 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError
-from kvtier.tiers.disk.codec import Codec, CorruptPayload, codec_for
+from kvtier.tiers.disk.codec import Codec, CorruptPayload, QuantBytes, codec_for
 from kvtier.tiers.disk.format import (
     BlockHeader,
     CorruptHeader,
@@ -88,12 +88,14 @@ UNKEPT = "unquantizable"
 
 
 class _Copy(NamedTuple):
-    """One copy of a batch: its slot, what it records, its payload (flat bytes), its number."""
+    """One copy of a batch: its slot, what it records, its bytes (flat: the block's, or with
+    `encoded` the payload of the tier's codec), its number."""
 
     slot: int
     meta: BlockMeta
     data: torch.Tensor
     seq: int
+    encoded: bool = False
 
 
 class BlockWriter:
@@ -125,15 +127,17 @@ class BlockWriter:
         slots: Sequence[int],
         blocks: torch.Tensor | Sequence[torch.Tensor],
         metas: Sequence[BlockMeta],
+        encoded: bool = False,
     ) -> list[bool]:
         """`DiskTier.write_blocks`: one copy per slot, the batch made durable."""
         assert len(slots) == len(metas) == len(blocks)
+        assert not encoded or self.codec.lossy, "payloads are of a quantized codec"
         raw = [block.contiguous().view(torch.uint8).reshape(-1) for block in blocks]
         with self._seq_lock:
             first = self._seq + 1
             self._seq += len(slots)
         copies = [
-            _Copy(slot, meta, data, seq)
+            _Copy(slot, meta, data, seq, encoded)
             for seq, (slot, meta, data) in enumerate(zip(slots, metas, raw, strict=True), first)
         ]
         runs = self._runs(copies)
@@ -169,7 +173,7 @@ class BlockWriter:
         runs: list[list[_Copy]] = []
         run: list[_Copy] = []
         for copy in sorted(copies, key=lambda c: c.slot):
-            if not self._in_place(copy.data):
+            if copy.encoded or not self._in_place(copy.data):
                 runs.append([copy])
                 continue
             if (
@@ -241,14 +245,14 @@ class BlockWriter:
         def job() -> str | None:
             raw = copy.data.numpy().data
             try:
-                encoded = self.codec.encode(raw, self.layout.itemsize)
+                encoded = raw if copy.encoded else self.codec.encode(raw, self.layout.itemsize)
             except InvalidArgumentError:  # quantized, and KV it cannot keep (not finite)
                 return UNKEPT
             codec_name = self.codec.name
             if not self.codec.lossy and len(encoded) >= len(raw):  # incompressible: plain
                 encoded, codec_name = raw, "none"
-            header = self._header(copy, memoryview(encoded), codec_name, len(raw))
-            if encoded is raw and direct_ready(copy.data):
+            header = self._header(copy, memoryview(encoded), codec_name, self.layout.block_bytes)
+            if encoded is raw and not copy.encoded and direct_ready(copy.data):
                 head = staging_buffer(region)
                 head[:] = header
                 slab.write(offset, [head, raw])
@@ -268,9 +272,15 @@ class VerifiedReader:
     """Reads copies of one layout from the slots of one tier and checks each."""
 
     def __init__(
-        self, layout: KVLayout, header_region: int, slabs: SlabSet, health: DiskHealth
+        self,
+        layout: KVLayout,
+        codec: Codec,
+        header_region: int,
+        slabs: SlabSet,
+        health: DiskHealth,
     ) -> None:
         self.layout = layout
+        self.codec = codec
         self.header_region = header_region
         self.payload_region = slabs.slot_bytes - header_region
         self._slabs = slabs
@@ -281,18 +291,25 @@ class VerifiedReader:
         slots: Sequence[int],
         block_ids: Sequence[bytes],
         out: Sequence[torch.Tensor] | None = None,
+        encoded: bool = False,
     ) -> tuple[torch.Tensor | Sequence[torch.Tensor], list[bool]]:
         """Read and verify copies into `out` (n block tensors, e.g. pool slots; a new
         `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. Plain
         payloads land in place when the destination is page-aligned; others go through an
-        aligned staging buffer. A destination whose copy failed holds garbage."""
-        dest: torch.Tensor | Sequence[torch.Tensor] = (
-            out
-            if out is not None
-            else torch.empty((len(slots), *self.layout.block_shape), dtype=self.layout.dtype)
-        )
+        aligned staging buffer. With `encoded`, each destination takes the payload of the
+        tier's quantized codec as it is (checked, not decoded). A destination whose copy failed
+        holds garbage."""
+        if out is not None:
+            dest: torch.Tensor | Sequence[torch.Tensor] = out
+        elif encoded:
+            width = self.codec.payload_bound(self.layout.block_bytes)
+            dest = torch.empty((len(slots), width), dtype=torch.uint8)
+        else:
+            dest = torch.empty((len(slots), *self.layout.block_shape), dtype=self.layout.dtype)
         flat = [block.view(torch.uint8).reshape(-1) for block in dest]
-        jobs = [self._read_job(slot, flat[i], block_ids[i]) for i, slot in enumerate(slots)]
+        jobs = [
+            self._read_job(slot, flat[i], block_ids[i], encoded) for i, slot in enumerate(slots)
+        ]
         ok = []
         for result in self._slabs.run(jobs):
             if isinstance(result, OSError):
@@ -305,7 +322,9 @@ class VerifiedReader:
                 ok.append(True)
         return dest, ok
 
-    def _read_job(self, slot: int, dest: torch.Tensor, block_id: bytes) -> Callable[[], bool]:
+    def _read_job(
+        self, slot: int, dest: torch.Tensor, block_id: bytes, encoded: bool
+    ) -> Callable[[], bool]:
         slab, offset = self._slabs.where(slot)
         region, payload_region = self.header_region, self.payload_region
 
@@ -319,7 +338,7 @@ class VerifiedReader:
                 image = staging_buffer(region + payload_region)
                 slab.readv(offset, [image])
                 head, payload = image[:region], image[region:]
-            decoded = self._verify(head, payload, block_id)
+            decoded = self._verify(head, payload, block_id, encoded)
             if decoded is None:
                 return False
             if decoded is not target:
@@ -329,9 +348,10 @@ class VerifiedReader:
         return job
 
     def _verify(
-        self, head: memoryview, payload: memoryview, block_id: bytes
+        self, head: memoryview, payload: memoryview, block_id: bytes, encoded: bool = False
     ) -> bytes | memoryview | None:
-        """The decoded payload of a slot if every check passes, else None."""
+        """The decoded payload of a slot if every check passes, else None; with `encoded`, the
+        payload itself, which must be of the tier's quantized codec and pass its checks."""
         try:
             header = decode_header(head)
         except CorruptHeader:
@@ -347,6 +367,10 @@ class VerifiedReader:
         stored = payload[: header.payload_nbytes]
         if checksum(stored) != header.payload_checksum:
             return None
+        if encoded:
+            if not isinstance(self.codec, QuantBytes) or header.codec != self.codec.name:
+                return None
+            return stored if self.codec.valid(stored) else None
         if header.codec == "none":
             return stored if len(stored) == self.layout.block_bytes else None
         try:

@@ -147,7 +147,9 @@ class DiskTier:
         self._slots = SlotAllocator("disk", self.num_slots)
         self._slabs = slab_set  # a view: the tier opened the files and the pool, and closes them
         self._writer = BlockWriter(layout, self.codec, self.header_region, slab_set, self._health)
-        self._reader = VerifiedReader(layout, self.header_region, slab_set, self._health)
+        self._reader = VerifiedReader(
+            layout, self.codec, self.header_region, slab_set, self._health
+        )
         self._retirer = CopyRetirer(self.header_region, slab_set, self._health)
 
     # ---- slots (the same contract as SlotPool) ---------------------------------------------
@@ -221,25 +223,30 @@ class DiskTier:
         slots: Sequence[int],
         blocks: torch.Tensor | Sequence[torch.Tensor],
         metas: Sequence[BlockMeta],
+        encoded: bool = False,
     ) -> list[bool]:
         """Write one copy per slot and make the batch durable; True where it is. `blocks` is a
         `[n, *block_shape]` tensor or n block tensors (e.g. views of pool slots, written in
-        place when they are page-aligned). See `copies.py`."""
+        place when they are page-aligned); with `encoded`, payloads of this tier's quantized
+        codec, written as they are (a quantized host tier's). See `copies.py`."""
         self._ensure_open()
         self._unwritten = False
-        return self._writer.write_blocks(slots, blocks, metas)
+        return self._writer.write_blocks(slots, blocks, metas, encoded)
 
     def read_blocks(
         self,
         slots: Sequence[int],
         block_ids: Sequence[bytes],
         out: Sequence[torch.Tensor] | None = None,
+        encoded: bool = False,
     ) -> tuple[torch.Tensor | Sequence[torch.Tensor], list[bool]]:
         """Read and verify copies into `out` (n block tensors, e.g. pool slots; a new
-        `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. A
-        destination whose copy failed holds garbage. See `copies.py`."""
+        `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. With
+        `encoded`, the payloads of this tier's quantized codec as they are (`[n,
+        payload_bytes]` uint8; a copy in another codec is not valid). A destination whose copy
+        failed holds garbage. See `copies.py`."""
         self._ensure_open()
-        return self._reader.read_blocks(slots, block_ids, out)
+        return self._reader.read_blocks(slots, block_ids, out, encoded)
 
     def scan(self, progress: bool | None = None) -> ScanReport:
         """Read every header region; the valid copies of this layout, and what was not valid.
