@@ -10,9 +10,10 @@ tokenized once. `--prompts` prompts (default 64), each a prefix of 512-2048 toke
     prefix (P tokens)  stored, written to disk, evicted from gpu and host: the prefill finds it
                        on disk only, and the engine attends over what the copy decodes to
     continuation C     computed over it: perplexity of C[1:], relative to `none`
-    greedy g (32)      `none`'s greedy tokens (plain `Llama.forward` over the bf16 prefix), then
-                       fed to every codec (teacher-forced): agreement = share of the 32
-                       positions whose argmax is g's token
+    greedy g (32)      the model's greedy continuation (plain `Llama.forward` over the bf16
+                       prefix), fed to every codec's store (teacher-forced): agreement = share of
+                       the 32 positions where the codec's argmax is `none`'s (the same engine
+                       path, the prefix unquantized)
 
 Per codec: bytes per block against bf16, perplexity change (over all prompts' tokens), greedy
 agreement, max and mean |logit - logit(none)| over C and g, and encode and decode speed of a
@@ -201,7 +202,8 @@ def main() -> None:
             nll[name] += torch.nn.functional.cross_entropy(
                 rows[: CONT - 1], cont[1:], reduction="none"
             ).tolist()
-            agree[name] += (rows[CONT - 1 :].argmax(-1) == torch.tensor(g)).tolist()
+            picks = rows[CONT - 1 :].argmax(-1)  # after C, then after each of g fed
+            agree[name] += (picks == reference[CONT - 1 :].argmax(-1)).tolist()
             errors[name].append((rows - reference).abs().flatten())
         if prompt % 8 == 7:
             print(f"  {prompt + 1} prompts, {time.perf_counter() - started:.0f} s", flush=True)

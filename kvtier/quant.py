@@ -10,27 +10,29 @@ whatever the engine's dtype:
             scales [L, 2, H] fp32: per layer, K|V and head, amax / 448 over the block's tokens
     int8    codes  N bytes, in the block's order
     int4    codes  N / 2 bytes: value 2i in the low nibble of byte i, 2i + 1 in the high one
-            scales [groups] fp16, then mins [groups] fp16: K's groups (all layers), then V's
+            scales [groups] fp16, then zeros [groups] int8: K's groups (all layers), then V's
 
-int8 and int4 are group-wise asymmetric (KIVI's form): a group of values shares a scale `s` and
-a minimum `m`, and a value is `q * s + m`, q in [0, 2**bits - 1]. An integer zero point would
-save a byte a group but must put 0 in the group's range, and a channel of K often sits far from
-it. Where the groups run (`QuantSpec.keys`):
+int8 and int4 are group-wise asymmetric: a group of values shares a scale `s` and an integer
+zero point `z`, and a value is `(q - z) * s`, q in [0, 2**bits - 1]: 3 bytes a group. Where the
+groups run (`QuantSpec.keys`):
 
-    V, and K with keys="token"      per token: G consecutive values of the row (G = `group`,
-                                    dividing R), groups [L, T * R / G]
+    V                               per token: Gv consecutive values of the row, [L, T*R/Gv]
+    K with keys="token"             per token: Gk consecutive values of the row, [L, T*R/Gk]
     K with keys="channel" (KIVI)    per channel: one value of the row over the block's T
-                                    tokens, groups [L, R]
+                                    tokens, [L, R]
 
-KIVI quantizes keys per channel because a few channels of K carry most of its range; per token
-those outliers set every group's scale. At T = 16 tokens a block, a channel's group is 16
-values, so its 4 bytes of scale and minimum cost 2 bits a value: `channel` is the more accurate
-and the larger (`benchmarks/bench_quant.py` measures both). `group` defaults to 128 values for
-int8 and 64 for int4, or the largest divisor of R below that (SmolLM2: R = 192, so 96 and 64).
+Group sizes: `group` sets both (it must divide R); by default int8 takes 128 for both and int4
+32 for K and 64 for V, or the largest divisor of R below each (SmolLM2: R = 192, so 96 / 96 and
+32 / 64). K needs the smaller groups: RoPE'd keys carry channels of large, slowly varying
+values, which set a per-token group's scale. KIVI quantizes keys per channel for that reason,
+but at T = 16 tokens a block a channel's group is 16 values, so its 3 bytes cost 1.5 bits a
+value: int4 keys/channel is the more accurate and the larger (`benchmarks/bench_quant.py`
+measures both). A zero point is `round(-min / s)`; a group so far from 0 that it falls outside
+int8 gets a wider scale, `z` at -128 or 127 (none does in SmolLM2's KV: the groups straddle 0).
 
-Decoding computes in fp32, one rounding an operation, then rounds to the engine's dtype:
-`float(q) * s + m` as a product rounded then a sum rounded (no fused multiply-add), and
-`float(code) * s` for fp8; a decoder that does the same steps gets the same bits.
+Decoding computes in fp32, `float(q - z) * s` (the difference is exact, one rounding) or
+`float(code) * s` for fp8, then rounds once to the engine's dtype; a decoder that does the same
+steps gets the same bits.
 
 Contract:
 - `encode(x)` of `[n, *block_shape]` (any float dtype; values must be finite and within
@@ -38,10 +40,10 @@ Contract:
   `[n, payload_nbytes]` uint8; `decode(payload)` returns `[n, *block_shape]` in the layout's
   dtype, or writes `out`. Decoding is deterministic: the same payload gives the same bits on
   any path.
-- `decode` of any bytes of the right size returns finite values or raises
-  `CorruptQuantPayload` (an fp8 code that is NaN, a scale that is negative or not finite, a
-  minimum that is not finite), so a block that passed its checksum but was written by a broken
-  encoder never reaches the engine as NaN.
+- `decode` of any bytes of the right size raises `CorruptQuantPayload` (an fp8 code that is
+  NaN, a scale that is negative or not finite) or returns values that are finite in fp32 and
+  bf16 (|value| <= 143 * 65504), so a block that passed its checksum but was written by a
+  broken encoder never reaches the engine as NaN.
 - Encoding is lossless in nothing: what it keeps is measured against the model, not asserted.
 """
 
@@ -59,32 +61,37 @@ FP8_MAX = 448.0  # e4m3fn's largest finite value
 KINDS = {"fp8": 8, "int8": 8, "int4": 4}
 """Codec name -> bits a value."""
 KEY_GROUPS = ("token", "channel")
-_ID = re.compile(r"i([48])g([1-9][0-9]{0,3})([tc])")
+_ID = re.compile(r"i([48])k(c|[1-9a-f][0-9a-f]?)v([1-9a-f][0-9a-f]?)")
 
 
 class CorruptQuantPayload(KVTierError):
     """A quantized payload whose scales or codes cannot be a block's (NaN, negative scale)."""
 
 
-DEFAULT_GROUP = {"int8": 128, "int4": 64}
+DEFAULT_GROUPS = {"int8": (128, 128), "int4": (32, 64)}
+"""Values a group, (K per token, V), before fitting to a layout's rows."""
+MAX_GROUP = 255  # two hex digits in a codec id
 FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)
 class QuantSpec:
     """How a tier quantizes: `kind` (a key of `KINDS`), `group` (int codecs: values a group
-    along a token's row; None: `DEFAULT_GROUP`, or the largest divisor of the row below it)
-    and `keys` ("token" or "channel": where K's groups run)."""
+    along a token's row, K's and V's; None: `DEFAULT_GROUPS` fitted to the layout), `keys`
+    ("token" or "channel": where K's groups run) and `key_group` (K's alone, over `group`: what
+    a codec id records)."""
 
     kind: str
     group: int | None = None
     keys: str = "token"
+    key_group: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError("codec", self.kind, f"one of {sorted(KINDS)}")
-        if self.group is not None and (type(self.group) is not int or not 1 <= self.group <= 4096):
-            raise ConfigError("codec_group", self.group, "an integer in [1, 4096]")
+        for field, value in (("codec_group", self.group), ("codec_group", self.key_group)):
+            if value is not None and (type(value) is not int or not 1 <= value <= MAX_GROUP):
+                raise ConfigError(field, value, f"an integer in [1, {MAX_GROUP}]")
         if self.keys not in KEY_GROUPS:
             raise ConfigError("codec_keys", self.keys, f"one of {list(KEY_GROUPS)}")
 
@@ -100,8 +107,10 @@ class QuantSpec:
         found = _ID.fullmatch(codec_id)
         if found is None:
             return None
-        bits, group, keys = found.groups()
-        return cls(f"int{bits}", int(group), "channel" if keys == "c" else "token")
+        bits, keys, values = found.groups()
+        if keys == "c":
+            return cls(f"int{bits}", int(values, 16), "channel")
+        return cls(f"int{bits}", int(values, 16), "token", int(keys, 16))
 
 
 class QuantCodec:
@@ -112,18 +121,22 @@ class QuantCodec:
         row = H * D
         self.spec, self.layout = spec, layout
         self.row = row
-        self.group = 0
-        if spec.kind != "fp8":
-            self.group = _group(spec, row)
+        self.group = self.key_group = 0  # values a V group, a K group (per token)
         self.numel = L * 2 * T * row
         self.code_nbytes = self.numel * spec.bits // 8
         if spec.kind == "fp8":
             self.k_groups = self.v_groups = 0
             self.meta_nbytes = L * 2 * H * 4
         else:
+            k_default, v_default = DEFAULT_GROUPS[spec.kind]
+            self.group = _group(spec.group, v_default, row)
             self.v_groups = T * row // self.group
-            self.k_groups = row if spec.keys == "channel" else self.v_groups
-            self.meta_nbytes = L * (self.k_groups + self.v_groups) * 4
+            if spec.keys == "channel":
+                self.k_groups = row
+            else:
+                self.key_group = _group(spec.key_group or spec.group, k_default, row)
+                self.k_groups = T * row // self.key_group
+            self.meta_nbytes = L * (self.k_groups + self.v_groups) * 3
         self.payload_nbytes = self.code_nbytes + self.meta_nbytes
 
     @property
@@ -132,11 +145,13 @@ class QuantCodec:
 
     @property
     def id(self) -> str:
-        """What a copy records as its codec (at most 8 characters): `fp8`, or `i<bits>g<group>`
-        and `t` or `c` for K's groups (`i4g64t`): all decoding needs besides the layout."""
+        """What a copy records as its codec (at most 8 characters): `fp8`, or `i<bits>k<K
+        group>v<V group>` in hex, `c` for K per channel (`i4k20v40`, `i4kcv40`): all decoding
+        needs besides the layout."""
         if self.spec.kind == "fp8":
             return "fp8"
-        return f"i{self.spec.bits}g{self.group}{self.spec.keys[0]}"
+        keys = "c" if self.spec.keys == "channel" else f"{self.key_group:x}"
+        return f"i{self.spec.bits}k{keys}v{self.group:x}"
 
     def ratio(self) -> float:
         """How many times smaller a payload is than the block in bf16."""
@@ -186,9 +201,9 @@ class QuantCodec:
         if self.spec.keys == "channel":
             k_groups = rows[:, :, 0].transpose(2, 3)  # [n, L, R, T]: a channel's tokens
         else:
-            k_groups = rows[:, :, 0].reshape(n, L, self.k_groups, self.group)
-        k_scale, k_min, k_codes = _quantize(k_groups, levels)
-        v_scale, v_min, v_codes = _quantize(v_groups, levels)
+            k_groups = rows[:, :, 0].reshape(n, L, self.k_groups, self.key_group)
+        k_scale, k_zero, k_codes = _quantize(k_groups, levels)
+        v_scale, v_zero, v_codes = _quantize(v_groups, levels)
         if self.spec.keys == "channel":
             k_codes = k_codes.transpose(2, 3)  # back to [n, L, T, R]
         codes = torch.stack(
@@ -197,8 +212,8 @@ class QuantCodec:
         if self.spec.bits == 4:
             codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
         scales = torch.cat([k_scale.reshape(n, -1), v_scale.reshape(n, -1)], dim=1)
-        mins = torch.cat([k_min.reshape(n, -1), v_min.reshape(n, -1)], dim=1)
-        meta = torch.cat([scales.view(torch.uint8), mins.view(torch.uint8)], dim=1)
+        zeros = torch.cat([k_zero.reshape(n, -1), v_zero.reshape(n, -1)], dim=1)
+        meta = torch.cat([scales.view(torch.uint8), zeros.view(torch.uint8)], dim=1)
         return codes, meta
 
     # ---- decoding --------------------------------------------------------------------------
@@ -222,8 +237,8 @@ class QuantCodec:
         return out
 
     def validate(self, payload: torch.Tensor) -> int:
-        """The number of blocks in `payload`, or `CorruptQuantPayload` when its size, scales,
-        minimums or fp8 codes are none an encoder writes (module doc)."""
+        """The number of blocks in `payload`, or `CorruptQuantPayload` when its size, scales or
+        fp8 codes are none an encoder writes (module doc)."""
         if payload.dtype != torch.uint8 or payload.dim() != 2:
             raise InvalidArgumentError(
                 f"payload: got {payload.dtype} of {payload.dim()} dims, expected [n, bytes] uint8"
@@ -232,25 +247,23 @@ class QuantCodec:
             raise CorruptQuantPayload(
                 f"{self.name} payload of {payload.shape[1]} bytes, expected {self.payload_nbytes}"
             )
-        meta = payload[:, self.code_nbytes :].contiguous()
+        meta = payload[:, self.code_nbytes :]
         if self.spec.kind == "fp8":
-            scales = meta.view(torch.float32)
+            scales = meta.contiguous().view(torch.float32)
             if bool(((payload[:, : self.code_nbytes] & 0x7F) == 0x7F).any()):
                 raise CorruptQuantPayload("fp8 payload: a code is NaN (no encoder writes one)")
-            mins = scales
         else:
-            scales, mins = meta.view(torch.float16).chunk(2, dim=1)
+            groups = self.layout.num_layers * (self.k_groups + self.v_groups)
+            scales = meta[:, : 2 * groups].contiguous().view(torch.float16)
         if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
             raise CorruptQuantPayload(f"{self.name} payload: a scale is not finite and >= 0")
-        if not bool(torch.isfinite(mins).all()):
-            raise CorruptQuantPayload(f"{self.name} payload: a group's minimum is not finite")
         return int(payload.shape[0])
 
     def _decode_int(self, codes: torch.Tensor, meta: torch.Tensor, n: int) -> torch.Tensor:
         L, _, T = self.layout.block_shape[:3]
         groups = L * (self.k_groups + self.v_groups)
         scales = meta[:, : groups * 2].contiguous().view(torch.float16).float()
-        mins = meta[:, groups * 2 :].contiguous().view(torch.float16).float()
+        zeros = meta[:, groups * 2 :].contiguous().view(torch.int8).float()
         if self.spec.bits == 4:
             q = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(n, -1)
         else:
@@ -258,33 +271,46 @@ class QuantCodec:
         q = q.float().reshape(n, L, 2, T, self.row)
         kg = L * self.k_groups
         k_s, v_s = scales[:, :kg], scales[:, kg:]
-        k_m, v_m = mins[:, :kg], mins[:, kg:]
+        k_z, v_z = zeros[:, :kg], zeros[:, kg:]
         v_q = q[:, :, 1].reshape(n, L, self.v_groups, -1)
-        v = v_q * v_s.reshape(n, L, -1, 1) + v_m.reshape(n, L, -1, 1)
+        v = (v_q - v_z.reshape(n, L, -1, 1)) * v_s.reshape(n, L, -1, 1)
         if self.spec.keys == "channel":
-            k = q[:, :, 0] * k_s.reshape(n, L, 1, -1) + k_m.reshape(n, L, 1, -1)
+            k = (q[:, :, 0] - k_z.reshape(n, L, 1, -1)) * k_s.reshape(n, L, 1, -1)
         else:
             k_q = q[:, :, 0].reshape(n, L, self.k_groups, -1)
-            k = k_q * k_s.reshape(n, L, -1, 1) + k_m.reshape(n, L, -1, 1)
+            k = (k_q - k_z.reshape(n, L, -1, 1)) * k_s.reshape(n, L, -1, 1)
         return torch.stack([k.reshape(n, L, T, self.row), v.reshape(n, L, T, self.row)], dim=2)
 
 
-def _group(spec: QuantSpec, row: int) -> int:
-    if spec.group is not None:
-        if row % spec.group:
-            raise ConfigError(
-                "codec_group", spec.group, f"a divisor of num_kv_heads * head_dim = {row}"
-            )
-        return spec.group
-    return max(g for g in range(1, DEFAULT_GROUP[spec.kind] + 1) if row % g == 0)
+def _group(asked: int | None, default: int, row: int) -> int:
+    """A group size for rows of `row` values: `asked`, which must divide it, or the largest
+    divisor of `row` up to `default`."""
+    if asked is not None:
+        if row % asked:
+            raise ConfigError("codec_group", asked, f"a divisor of num_kv_heads * head_dim = {row}")
+        return asked
+    return max(g for g in range(1, default + 1) if row % g == 0)
 
 
 def _quantize(groups: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scale and minimum (fp16) and codes (uint8) of each group along the last dim: codes are
-    taken against the stored (rounded) scale and minimum, so rounding them costs no range."""
+    """Scale (fp16), zero point (int8) and codes (uint8) of each group along the last dim,
+    codes taken against the stored scale (module doc). A group whose zero point would fall
+    outside int8 takes z = -128 (all values > 0) or 127 (all < 0) and the scale that covers it
+    from there: `max / (levels + 128)` or `-min / 127`, rounded up to fp16."""
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    low = lo.half()
-    scale = ((hi - low.float()) / levels).clamp(2.0**-24, FP16_MAX).half()
-    s, m = scale.float(), low.float()
-    codes = torch.round((groups - m[..., None]) / s[..., None]).clamp(0, levels)
-    return scale, low, codes.to(torch.uint8)
+    scale = ((hi - lo) / levels).clamp(2.0**-24, FP16_MAX)
+    zero = torch.round(-lo / _fp16_up(scale))
+    above, below = zero < -128, zero > 127  # all positive, far from 0; all negative
+    scale = torch.where(above, hi / (levels + 128), scale)
+    scale = torch.where(below, -lo / 127, scale)
+    s = _fp16_up(scale.clamp(2.0**-24, FP16_MAX))
+    zero = torch.where(above | below, zero.clamp(-128, 127), torch.round(-lo / s)).clamp(-128, 127)
+    codes = (torch.round(groups / s[..., None]) + zero[..., None]).clamp(0, levels)
+    return s.half(), zero.to(torch.int8), codes.to(torch.uint8)
+
+
+def _fp16_up(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded up to an fp16 value (as fp32): a scale never shrinks the range it covers."""
+    half = x.half()
+    up = torch.nextafter(half, torch.full_like(half, float("inf")))
+    return torch.where(half.float() < x, up, half).float()

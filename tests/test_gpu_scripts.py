@@ -27,7 +27,7 @@ def load_script(name: str) -> Any:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the scripts run for real")
-@pytest.mark.parametrize("name", ["bench_mover_gpu", "bench_kernels"])
+@pytest.mark.parametrize("name", ["bench_mover_gpu", "bench_kernels", "bench_dequant"])
 def test_without_cuda_the_script_says_so_and_exits_2(name: str) -> None:
     script = GPU_DIR / f"{name}.py"
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)

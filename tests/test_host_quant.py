@@ -57,7 +57,7 @@ def test_the_host_tier_holds_payloads_and_serves_what_they_decode_to(
     store = open_store(config(tmp_path / "disk", disk=None))
     host = tier(store, "host")
     codec = QuantCodec(QuantSpec("int8"), store.layout)
-    assert host["codec"] == codec.id == "i8g128t"
+    assert host["codec"] == codec.id == "i8k80v80"
     assert host["slots"] == 4 * RAW // codec.payload_nbytes == 7  # 4 raw blocks' bytes
     assert isinstance(store.host_pool, QuantPool)
     kvs = fill(store, SEQS[:5])

@@ -16,7 +16,8 @@ from redis_cluster import start_cluster
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.errors import InvalidArgumentError, InvalidKVError
-from kvtier.tiers.disk.codec import Lz4Codec
+from kvtier.quant import QuantCodec, QuantSpec
+from kvtier.tiers.disk.codec import Lz4Codec, tier_codec
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster
 from kvtier.tiers.remote.entry import ValueMeta, encode_value
 from kvtier.tiers.remote.tier import RemoteTier
@@ -111,6 +112,32 @@ def test_compressed_blocks_round_trip_and_a_payload_that_does_not_decode_is_drop
     assert b.read(seed, ids, 2, empty(2)) == [False, False]
     assert b.stats()["verify_failures"] == 2
     assert b.probe(seed, ids, 2) == 0  # both deleted
+
+
+def test_quantized_values_decode_on_any_node_and_a_mis_scaled_one_is_dropped(
+    nodes: list[str],
+) -> None:
+    int4 = tier_codec("int4", LAYOUT)  # R = 16: groups of 16
+    a, b = node(nodes, codec=int4), node(nodes)  # b writes raw, reads whatever a value names
+    seed, ids = path("alice", 3000, 4)
+    blocks = kv(3)
+    blocks[2][0, 0, 1, 1, 3] = float("inf")  # the codec cannot keep it: stored plain
+    assert a.write(seed, ids, 0, blocks) == [True] * 3
+    out = empty(3)
+    assert b.read(seed, ids, 0, out) == [True] * 3
+    quant = QuantCodec(QuantSpec("int4"), LAYOUT)
+    for got, block in zip(out[:2], blocks[:2], strict=True):
+        want = quant.decode(quant.encode(block[None]))[0]
+        assert not torch.equal(want, block) and torch.equal(
+            got.view(torch.int16), want.view(torch.int16)
+        )
+    assert torch.equal(out[2].view(torch.int16), blocks[2].view(torch.int16))
+    payload = bytearray(quant.encode(blocks[0][None]).numpy().tobytes())
+    payload[quant.code_nbytes : quant.code_nbytes + 2] = b"\x00\x7e"  # a NaN scale
+    meta = ValueMeta(ids[3], ids[2], LAYOUT.fingerprint, LAYOUT.block_bytes)
+    b.cluster.put([(b._keys(ids, 3, 4)[0], encode_value(meta, int4.name, bytes(payload)))])
+    assert b.read(seed, ids, 3, empty(1)) == [False]
+    assert b.stats()["verify_failures"] == 1 and b.probe(seed, ids, 3) == 0
 
 
 def test_a_callers_mistake_is_a_typed_error_before_anything_is_sent(nodes: list[str]) -> None:

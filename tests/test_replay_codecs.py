@@ -17,11 +17,11 @@ from kvtier.replay.codecs import fit, parse_codecs
 
 def test_the_blocks_a_byte_budget_holds_follow_the_payloads() -> None:
     smollm2 = fit("int4")  # the default config's model: 30 layers, 3 kv heads of 64, bf16
-    assert round(smollm2.host, 2) == 3.56  # 368,640 raw bytes / 103,680
+    assert round(smollm2.host, 2) == 3.51  # 368,640 raw bytes / 105,120
     assert 3.3 < smollm2.disk < smollm2.host  # 4 KiB header regions and rounding cost a little
     assert fit("none").host == fit("none").disk == 1.0
     wide = KVLayout("wide", 80, 8, 128, "bfloat16", 16)
-    assert fit("int8", wide).host == pytest.approx(2 / (1 + 4 / 128))
+    assert fit("int8", wide).host == pytest.approx(2 / (1 + 3 / 128))
     for bad in ("lz4", "int3", "", "int4,int4", "none,,zstd"):
         with pytest.raises(InvalidArgumentError, match="--codec"):
             parse_codecs(bad)

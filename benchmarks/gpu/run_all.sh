@@ -42,4 +42,5 @@ mapfile -t gpu_tests < <(grep -l "mark.gpu" tests/test_*.py)
 step tests_gpu "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -m gpu -q "${gpu_tests[@]}"
 step bench_kernels "${KERNELS_LIMIT:-200}" python3 benchmarks/gpu/bench_kernels.py
 step bench_mover_gpu "${MOVER_LIMIT:-200}" python3 benchmarks/gpu/bench_mover_gpu.py
+step bench_dequant "${DEQUANT_LIMIT:-120}" python3 benchmarks/gpu/bench_dequant.py
 exit $status

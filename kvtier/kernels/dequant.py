@@ -5,18 +5,19 @@
 
 One program decodes one token's row of K or V in one layer (`R = H * D` values): grid
 `(n * L * 2 * T,)`. It reads the row's codes (one byte a value, or a nibble for int4), the
-scale and minimum of each value's group (int8/int4: K's groups per token or per channel, V's
-per token; fp8: one scale per head), and writes `q * s + m` (or `code * s`) rounded to the
-pool's dtype (to nearest, ties to even; bf16 by hand, see `_rounded`). Scales and minimums
+scale and zero point of each value's group (int8/int4: K's groups per token or per channel, V's
+per token; fp8: one scale per head), and writes `(q - z) * s` (or `code * s`) rounded to the
+pool's dtype (to nearest, ties to even; bf16 by hand, see `_rounded`). Scales (and zero points)
 are read a byte at a time and put together, so a payload need not be aligned; fp8 codes are
 decoded to fp32 with integer arithmetic (e4m3fn: 1 sign, 4 exponent bits biased by 7, 3
 mantissa bits; exponent 0 is subnormal, `code * 2**-9`).
 
-Bit-exact with `QuantCodec.decode`: both compute in fp32 one rounding an operation; the launch
-turns fused multiply-add off (`enable_fp_fusion=False`), which a GPU compile would otherwise use
-for `q * s + m`. `dequantize` checks the payload first (`QuantCodec.validate`: no NaN code, no
-bad scale), then launches on a CUDA pool; on a CPU pool it decodes with torch, unless asked for
-the kernel (under `TRITON_INTERPRET=1`: the tests).
+Bit-exact with `QuantCodec.decode`: both compute in fp32, one product after an exact
+difference, and round once to the pool's dtype (the launch also turns fused multiply-add off,
+`enable_fp_fusion=False`, so that no compile can fuse what the reference rounds twice).
+`dequantize` checks the payload first (`QuantCodec.validate`: no NaN code, no bad scale), then
+launches on a CUDA pool; on a CPU pool it decodes with torch, unless asked for the kernel (under
+`TRITON_INTERPRET=1`: the tests).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def _launch(
             codec.k_groups,
             codec.v_groups,
             G=codec.group,
+            GK=codec.key_group or 1,
             BITS=codec.spec.bits,
             KEYS_CHANNEL=codec.spec.keys == "channel",
             **common,
@@ -148,6 +150,7 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK_R: tl.constexpr,
         G: tl.constexpr,
+        GK: tl.constexpr,
         BITS: tl.constexpr,
         KEYS_CHANNEL: tl.constexpr,
     ):
@@ -166,14 +169,16 @@ if triton is not None:
         else:
             byte = tl.load(base + e // 2, mask=mask, other=0).to(tl.int32)
             q = (byte >> ((e % 2) * 4).to(tl.int32)) & 15
-        g = (t * R + c) // G  # per token
-        if KEYS_CHANNEL:
-            g = tl.where(kv == 0, c, g)
-        g = tl.where(kv == 0, layer * KG + g, L * KG + layer * VG + g)
+        if KEYS_CHANNEL:  # noqa: SIM108 (a constexpr branch, compiled away)
+            k_group = c
+        else:
+            k_group = (t * R + c) // GK  # per token
+        g = tl.where(kv == 0, layer * KG + k_group, L * KG + layer * VG + (t * R + c) // G)
         meta = base + CODE_NBYTES
         s = _u16(meta, 2 * g, mask).to(tl.float16, bitcast=True).to(tl.float32)
-        m = _u16(meta, 2 * GROUPS + 2 * g, mask).to(tl.float16, bitcast=True).to(tl.float32)
-        value = q.to(tl.float32) * s + m
+        z = tl.load(meta + 2 * GROUPS + g, mask=mask, other=0).to(tl.int32)
+        z = tl.where(z > 127, z - 256, z)  # int8
+        value = (q - z).to(tl.float32) * s
         slot = tl.load(slots + b)
         out = pool + slot * (L * 2 * T * R) + e
         tl.store(out, _rounded(value, pool.dtype.element_ty), mask=mask)

@@ -84,7 +84,7 @@ class SlotPool:
         self.slot_shape, self.slot_dtype = self._slot_format()
         self.slot_bytes = math.prod(self.slot_shape) * self.slot_dtype.itemsize
         self._buffer: torch.Tensor | None = self._allocate_buffer()
-        self._block_shape, self._dtype = layout.block_shape, layout.dtype  # read by every write
+        self._block_shape, self._dtype = self.slot_shape, self.slot_dtype  # read by every write
         self._slots = SlotAllocator(f"pool {name!r}", num_slots)
 
     @classmethod
@@ -204,8 +204,7 @@ class SlotPool:
         expected_shape = (len(slots), *self._block_shape)
         if blocks.dtype != self._dtype:
             raise InvalidKVError(
-                f"pool {self.name!r}: blocks have dtype {blocks.dtype}, "
-                f"expected {self.layout.dtype}"
+                f"pool {self.name!r}: blocks have dtype {blocks.dtype}, expected {self._dtype}"
             )
         if tuple(blocks.shape) != expected_shape:
             raise InvalidKVError(

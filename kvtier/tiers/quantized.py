@@ -69,7 +69,6 @@ class QuantPool(SlotPool):
     def write(self, slots: Sequence[int], blocks: torch.Tensor) -> None:
         """Encode `blocks` (`[len(slots), *block_shape]` of the layout's dtype, any device) and
         copy the payloads into `slots`; checks everything before writing."""
-        self._ensure_open()
         expected = (len(slots), *self.layout.block_shape)
         if blocks.dtype != self.layout.dtype or tuple(blocks.shape) != expected:
             raise InvalidKVError(
@@ -84,19 +83,13 @@ class QuantPool(SlotPool):
         self.put_payloads(slots, self.codec.encode(blocks))
 
     def put_payloads(self, slots: Sequence[int], payloads: torch.Tensor) -> None:
-        """Copy `payloads` (`[len(slots), payload_nbytes]` uint8, already encoded) into `slots`."""
-        expected = (len(slots), self.codec.payload_nbytes)
-        if payloads.dtype != torch.uint8 or tuple(payloads.shape) != expected:
-            raise InvalidKVError(
-                f"pool {self.name!r}: payloads of {payloads.dtype} {list(payloads.shape)}, "
-                f"expected uint8 {list(expected)}"
-            )
-        index = self._index(slots, "write to")
-        self.buffer.index_copy_(0, index, payloads.to(self.device))
+        """Copy `payloads` (`[len(slots), payload_nbytes]` uint8, already encoded) into `slots`
+        (`SlotPool.write`: a slot's format is a payload)."""
+        super().write(slots, payloads)
 
     def payloads(self, slots: Sequence[int]) -> torch.Tensor:
         """A copy of the payloads of `slots`, `[len(slots), payload_nbytes]` uint8."""
-        return self.buffer.index_select(0, self._index(slots, "read"))
+        return super().read(slots)
 
     def read(self, slots: Sequence[int]) -> torch.Tensor:
         """The blocks of `slots` decoded, `[len(slots), *block_shape]` of the layout's dtype."""
