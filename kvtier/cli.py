@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import KVTierConfig, format_size, load_config
-from kvtier.errors import KVTierError
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.quant import QuantCodec, QuantSpec
 from kvtier.store import KVStore
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
 from kvtier.tiers.disk.slabs import DamagedDiskError
@@ -115,13 +116,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
         config = load_config(path)
         layout = config.layout
         sizes = ", ".join(
-            f"{name} {getattr(config.tiers, name).capacity}" for name in config.tier_names
+            f"{name} {getattr(config.tiers, name).capacity}{_codec_note(config, name)}"
+            for name in config.tier_names
         )
         print(
             f"{path}: ok ({layout.model_name}, {format_size(layout.block_bytes)} per block; "
             f"{sizes})"
         )
     return 0
+
+
+def _codec_note(config: KVTierConfig, tier: str) -> str:
+    """` in <codec id>, <ratio>x` for a tier that quantizes, checked against the layout (a
+    group that does not divide its rows is a `ConfigError`, as at start); else nothing."""
+    section = getattr(config.tiers, tier)
+    name = getattr(section, "codec", "none")
+    if name in ("none", "lz4"):
+        return f" ({name})" if name == "lz4" else ""
+    try:
+        codec = QuantCodec(QuantSpec(name, section.codec_group, section.codec_keys), config.layout)
+    except ConfigError as e:
+        raise ConfigError(f"tiers.{tier}.{e.field}", e.value, e.expected) from None
+    return f" in {codec.id}, {config.layout.block_bytes / codec.payload_nbytes:.2f}x the blocks"
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -53,3 +53,24 @@ def test_a_bad_file_stops_the_start_naming_field_and_value(tmp_path: Path) -> No
     assert done.returncode == 2
     assert "policy.write" in done.stderr and "write_sideways" in done.stderr
     assert done.stdout == ""
+
+
+def test_validate_names_each_quantized_tier_and_a_group_that_does_not_fit(
+    tmp_path: Path,
+) -> None:
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(
+        "tiers:\n  host: {capacity: 1GiB, codec: int8}\n"
+        f"  disk: {{capacity: 2GiB, path: {tmp_path / 'd'}, codec: int4, codec_keys: channel}}\n"
+    )
+    done = run("validate", str(good))
+    assert done.returncode == 0, done.stderr
+    # SmolLM2's bf16 blocks: 368,640 bytes; int8 payloads 190,080, int4 with K per channel 113,760
+    assert "host 1GiB in i8k60v60, 1.94x the blocks" in done.stdout
+    assert "disk 2GiB in i4kcv40, 3.24x the blocks" in done.stdout
+    bad.write_text(
+        f"tiers: {{disk: {{capacity: 1GiB, path: {tmp_path}, codec: int4, codec_group: 100}}}}\n"
+    )
+    done = run("validate", str(bad))
+    assert done.returncode == 2 and done.stdout == ""
+    assert "tiers.disk.codec_group" in done.stderr and "divisor" in done.stderr
