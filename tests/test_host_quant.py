@@ -149,3 +149,22 @@ def test_a_sidecar_client_is_not_offered_a_quantized_host_pool(
 def test_lz4_on_host_is_refused_naming_the_field(tmp_path: Path, open_store: OpenStore) -> None:
     with pytest.raises(ConfigError, match=r"tiers\.host\.codec.*one size"):
         open_store(config(tmp_path / "disk", host="lz4", disk=None))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_a_prefetch_decodes_host_payloads_with_the_kernel(
+    tmp_path: Path, open_store: OpenStore
+) -> None:
+    plain = config(tmp_path / "disk", disk=None).to_dict()
+    plain["tiers"]["gpu"]["device"] = "cuda"
+    store = open_store(parse_config(plain))
+    kvs = fill(store, [SEQS[0]], seed=3)
+    fill(store, SEQS[1:4])
+    assert store.lookup(SEQS[0]) == hit(host=32)
+    lease = store.prefetch(SEQS[0])
+    blocks = store.gpu_pool.buffer[list(lease.block_table)].cpu()
+    got = blocks.permute(1, 2, 0, 3, 4, 5).reshape(kvs[0].shape)
+    assert same(got, quantized(store, kvs[0], QuantSpec("int8")))
+    store.release(lease)
+    store.check()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.blocks import KVLayout
 from kvtier.errors import ConfigError, InvalidArgumentError
@@ -131,6 +133,50 @@ def test_payloads_no_encoder_writes_are_refused(spec: QuantSpec) -> None:
         codec.decode(good.view(torch.int16))
 
 
+TINY = KVLayout("tiny", 1, 2, 8, "bfloat16", 4)  # R = 16, 128 values a block
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(SPECS), st.data())
+def test_any_bytes_of_a_payloads_size_decode_finite_or_are_refused(
+    spec: QuantSpec, data: st.DataObject
+) -> None:
+    codec = QuantCodec(QuantSpec(spec.kind, keys=spec.keys), TINY)
+    raw = data.draw(st.binary(min_size=codec.payload_nbytes, max_size=codec.payload_nbytes))
+    payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(1, -1)
+    try:
+        out = codec.decode(payload)
+    except CorruptQuantPayload:
+        return
+    assert out.shape == (1, *TINY.block_shape) and bool(torch.isfinite(out.float()).all())
+    pool = torch.zeros(2, *TINY.block_shape, dtype=TINY.dtype)
+    dequantize(codec, payload, pool, torch.tensor([1]), kernel=True)
+    assert torch.equal(pool[1].view(torch.int16), out[0].view(torch.int16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(SPECS),
+    st.floats(-3e4, 3e4, allow_nan=False, width=16),
+    st.floats(0, 2e3, allow_nan=False, width=16),
+    st.integers(0, 2**31),
+)
+def test_encode_then_decode_stays_within_a_step_of_any_kv(
+    spec: QuantSpec, center: float, spread: float, seed: int
+) -> None:
+    codec = QuantCodec(QuantSpec(spec.kind, keys=spec.keys), TINY)
+    gen = torch.Generator().manual_seed(seed)
+    x = (center + spread * torch.rand(1, *TINY.block_shape, generator=gen)).to(TINY.dtype)
+    y = codec.decode(codec.encode(x)).float()
+    top = float(x.float().abs().max())
+    if spec.kind == "fp8":  # 3 mantissa bits of the scaled value, bf16 rounding on top
+        bound = top / 16 + top / 128 + 1e-3
+    else:  # half a step of the widest group, or a widened one far from 0; bf16 rounding
+        levels = (1 << spec.bits) - 1
+        bound = max(spread / levels, top / (levels + 127)) + top / 128 + 1e-3
+    assert float((y - x.float()).abs().max()) <= bound
+
+
 def test_codec_ids_name_everything_decoding_needs() -> None:
     assert [QuantCodec(s, SMOLLM2).id for s in SPECS] == [
         "fp8",
@@ -221,3 +267,18 @@ def test_the_kernel_wrapper_checks_before_it_launches() -> None:
     with pytest.raises(CorruptQuantPayload):
         dequantize(codec, bad, pool, torch.tensor([0, 1]))
     assert not pool.any()  # nothing written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.kind}-{s.keys}")
+def test_on_a_gpu_the_kernel_decodes_as_torch_does_there(spec: QuantSpec) -> None:
+    layout = KVLayout("llama-ish", 4, 8, 128, "bfloat16", 16)
+    codec = QuantCodec(spec, layout)
+    payload = codec.encode(kv(layout, 5).cuda())
+    pool = torch.full((9, *layout.block_shape), float("nan"), dtype=layout.dtype, device="cuda")
+    slots = torch.tensor([8, 0, 3, 5, 1], device="cuda")
+    assert runs_kernel(pool)
+    dequantize(codec, payload, pool, slots)
+    expected = codec.decode(payload)  # torch, on the same GPU
+    assert torch.equal(pool[slots].view(torch.int16), expected.view(torch.int16))
