@@ -23,8 +23,8 @@ Contract:
   demotion can leave them out and write the rest.
 - The pool lives in plain (or pinned) memory, never in a shared segment: a sidecar client maps
   pools as blocks of the layout (`/v1/pools`), and this one holds payloads.
-- `capacity_bytes` and `used_bytes` count payload bytes: the same bytes hold `QuantCodec.ratio()`
-  times the blocks of a raw host tier.
+- `capacity_bytes` and `used_bytes` count payload bytes: the same bytes hold `block_bytes /
+  payload_nbytes` times the blocks of a raw host tier.
 """
 
 from __future__ import annotations
