@@ -37,6 +37,7 @@ from conftest import (
 
 from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.results import StoreResult
 from kvtier.store import KVStore
 from kvtier.tiers.disk import slabs as disk_slabs
@@ -241,12 +242,39 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mount_point
 
 
-def test_a_filesystem_smaller_than_the_capacity_gives_fewer_slots_and_keeps_serving(
+def test_a_capacity_the_filesystem_cannot_hold_is_refused_before_anything_is_written(
+    small_fs: Path, open_store: OpenStore
+) -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.disk\.capacity") as refused:
+        open_store(disk_config(small_fs / "disk", capacity="4MiB"))
+    free, size = disk_slabs.free_bytes(small_fs / "disk")
+    reserve = disk_slabs.reserve_bytes(size)  # 5 % of 512 KiB
+    assert reserve == 512 * KIB // 20
+    message = str(refused.value)
+    assert "4194304" in message and f"{free} bytes free" in message and f"{reserve} stay" in message
+    assert sorted(p.name for p in (small_fs / "disk").iterdir()) == ["kvtier.lock"]  # no slab
+    # what fits beside the reserve starts, and starts again once the filesystem is full: its
+    # slabs are its own already
+    fits = (free - reserve) // DISK_SLOT_BYTES * DISK_SLOT_BYTES
+    config = disk_config(small_fs / "disk", capacity=fits)
+    open_store(config).close()
+    with open(small_fs / "filler", "wb", buffering=0) as filler, pytest.raises(OSError):
+        while True:
+            filler.write(bytes(4 * KIB))
+    store = open_store(config)
+    assert tier(store, "disk")["faults"]["enospc"] == 0 and tier(store, "disk")["slots"] > 0
+    store.check()
+
+
+def test_room_that_goes_during_the_start_gives_fewer_slots_and_keeps_serving(
     small_fs: Path, open_store: OpenStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 128 KiB slabs (16 slots): the 512 KiB filesystem holds 3 beside the superblock and a
-    # shorter fourth (the slab that did not fit is halved until it does), not 32
+    # another process takes the room between the check and the preallocation: here the check
+    # is told of a large filesystem. 128 KiB slabs (16 slots): the 512 KiB filesystem holds 3
+    # beside the superblock and a shorter fourth (the slab that did not fit is halved until it
+    # does), not 32
     monkeypatch.setattr(disk_slabs, "SLAB_TARGET_BYTES", 128 * KIB)
+    monkeypatch.setattr(disk_slabs, "free_bytes", lambda path: (1 << 40, 1 << 41))
     config = disk_config(small_fs / "disk", capacity="4MiB")
     store = open_store(config)
     store.check()

@@ -13,9 +13,12 @@ file, never a planted one, synced and renamed over it). A slab path that is not 
 (a link, a directory) is a `DamagedDiskError` too, never followed or written through.
 
 Slabs are `posix_fallocate`d when they are opened, so capacity is bytes allocated on disk, and
-a filesystem without room shows up at start (fewer slots, `enospc`) rather than as a failed
-write later. Slots per slab depend on the geometry alone, so a change
-of capacity moves no slot.
+a filesystem without room shows up at start rather than as a failed write later. Before anything
+is allocated, `check_room` refuses a capacity whose new slabs would leave the filesystem less
+than its reserve (`reserve_bytes`: 5 % of it, at most 1 GiB), so a big capacity never fills a
+disk that other processes share; should the room go between the check and the allocation
+(another process writing), the slabs that no longer fit are cut short (fewer slots, `enospc`).
+Slots per slab depend on the geometry alone, so a change of capacity moves no slot.
 """
 
 from __future__ import annotations
@@ -147,6 +150,41 @@ def check_superblock(path: Path, geometry: dict[str, Any]) -> bool:
             "use another path or delete this one",
         )
     return False
+
+
+RESERVE_SHARE = 0.05
+RESERVE_MAX = 1 << 30
+
+
+def reserve_bytes(filesystem_bytes: int) -> int:
+    """What a disk tier leaves free on a filesystem of `filesystem_bytes`."""
+    return min(RESERVE_MAX, int(filesystem_bytes * RESERVE_SHARE))
+
+
+def free_bytes(path: Path) -> tuple[int, int]:
+    """(bytes an unprivileged process may still allocate, the filesystem's size) at `path`."""
+    found = os.statvfs(path)
+    return found.f_bavail * found.f_frsize, found.f_blocks * found.f_frsize
+
+
+def check_room(path: Path, capacity_bytes: int, field: str) -> None:
+    """Refuse (`ConfigError` naming `field`, the free bytes and the capacity asked) a capacity
+    whose slabs, beyond those already allocated in `path`, would leave the filesystem under its
+    reserve."""
+    held = 0
+    for slab in path.glob("slab-*.kvt"):
+        if regular_file(slab, field):
+            held += os.stat(slab, follow_symlinks=False).st_blocks * 512
+    free, size = free_bytes(path)
+    spare = free - reserve_bytes(size)
+    if capacity_bytes - held > max(0, spare):  # asking no more than it holds: never refused
+        raise ConfigError(
+            field,
+            capacity_bytes,
+            f"at most {max(0, spare + held)} bytes: the filesystem of {path} has {free} bytes "
+            f"free, {held} more are this tier's already, and {reserve_bytes(size)} stay free "
+            "for other processes",
+        )
 
 
 def open_slabs(

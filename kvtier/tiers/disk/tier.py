@@ -18,8 +18,10 @@ slab, and recovery into a scan of header regions at known offsets (see README, "
 Contract:
 - Capacity is enforced on bytes allocated on disk: every slab is `posix_fallocate`d when the
   tier opens, so `du` of the directory is the slabs' size (<= capacity) plus the superblock
-  and the directory itself. A filesystem that cannot hold the configured capacity gives fewer
-  slabs (counted in `faults["enospc"]`), never a write that fails later for lack of space.
+  and the directory itself. A capacity the filesystem cannot hold, less a reserve for other
+  processes, is refused at start (`ConfigError` on `tiers.disk.capacity`, `slabs.check_room`);
+  room that goes while the slabs are allocated gives fewer slabs (counted in
+  `faults["enospc"]`), never a write that fails later for lack of space.
 - `write_blocks` is a group commit: all copies of the batch are written in parallel, then each
   touched slab is synced once (`fsync: batch`; `fsync: none` skips the sync and accepts losing
   the tail on power loss). A copy is reported durable only after its sync returned. A failed
@@ -70,7 +72,7 @@ from kvtier.tiers.disk.lock import DirectoryLock
 from kvtier.tiers.disk.retire import CopyRetirer
 from kvtier.tiers.disk.scan import ScannedCopy, ScanReport, scan_slots
 from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
-from kvtier.tiers.disk.slabs import check_superblock, open_slabs
+from kvtier.tiers.disk.slabs import check_room, check_superblock, open_slabs
 from kvtier.tiers.slots import SlotAllocator
 
 __all__ = ["BlockMeta", "DiskTier", "ScanReport", "ScannedCopy"]
@@ -131,6 +133,7 @@ class DiskTier:
                     "dtype": layout.dtype_name,
                 }
             # a new directory: its slabs are created now, zero-filled, and hold no copy
+            check_room(self.path, fit * self.slot_bytes, "tiers.disk.capacity")  # before writing
             self._unwritten = check_superblock(self.path, geometry)
             self._slab_files = open_slabs(
                 self.path, fit, self.slot_bytes, self.slots_per_slab, self.direct, self.faults
