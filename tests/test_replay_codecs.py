@@ -1,5 +1,6 @@
 """`kvtier replay --codec`: host and disk at one byte budget, one run per codec, each holding the
-blocks the real model's quantized copies fit in those bytes (`replay/codecs.py`)."""
+blocks the real model's quantized copies fit in those bytes (`replay/codecs.py`); and what a
+planner reads: sizes not rounded to nothing, a sweep's closing line about the sizes typed."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvtier.blocks import KVLayout
 from kvtier.cli import main
 from kvtier.errors import InvalidArgumentError
 from kvtier.replay.codecs import fit, parse_codecs
+from kvtier.replay.report import share
 
 
 def test_the_blocks_a_byte_budget_holds_follow_the_payloads() -> None:
@@ -47,3 +49,30 @@ def test_a_quantized_budget_holds_a_working_set_the_raw_one_cannot(
     assert capsys.readouterr().err == ""
     assert main(["replay", str(path), "--codec", "int2"]) == 2
     assert "--codec: got 'int2'" in capsys.readouterr().err
+
+
+def test_small_sizes_are_not_rounded_to_nothing() -> None:
+    assert [share(x) for x in (0, 0.5, 0.05, 0.012, 0.001, 0.00012)] == [
+        "0%",
+        "50%",
+        "5.0%",
+        "1.2%",
+        "0.10%",
+        "0.012%",
+    ]
+
+
+def test_a_sweeps_closing_line_and_json_describe_the_sizes_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [[0, 1], [0, 1], [2, 3], [0, 1]])
+    args = ["replay", str(path), "--sweep", "--gpu", "0.5", "--host", "0", "--disk", "0",
+            "--block-bytes", "2048"]  # fmt: skip
+    assert main(args) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("ratio to the infinite-cache ceiling (x1): ")
+    assert main([*args, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    typed = next(run for run in document["runs"] if run["sizing"]["label"] == "x1")
+    assert document["ratio_of"] == "x1"
+    assert document["ratio_to_ceiling"] == typed["ratio_to_ceiling"]

@@ -172,6 +172,7 @@ def run_replay(args: argparse.Namespace) -> int:
         for sizing in sizings:
             results.append(replay(requests, limit, sizing, options, progress))
     results = _with_yardsticks(results, requests, options)
+    typed = _typed(results, args)
     if args.plot:
         plot(results, args.plot)
     if args.json:
@@ -179,7 +180,8 @@ def run_replay(args: argparse.Namespace) -> int:
             "trace": args.trace,
             "ceiling": {**vars(limit), "hit_rate": limit.hit_rate},
             "runs": [r.to_dict() for r in results],
-            "ratio_to_ceiling": results[0].ratio,
+            "ratio_to_ceiling": typed.ratio,
+            "ratio_of": typed.sizing.label,
         }
         print(json.dumps(document, indent=2))
         return 0
@@ -200,12 +202,20 @@ def run_replay(args: argparse.Namespace) -> int:
         print(format_table(results))
     if args.plot:
         print(f"plot: {args.plot}")
-    others = ", ".join(f"{r.sizing.label} {r.ratio:.3f}" for r in results[1:])
+    others = ", ".join(f"{r.sizing.label} {r.ratio:.3f}" for r in results if r is not typed)
     print(
-        f"ratio to the infinite-cache ceiling ({results[0].sizing.label}): "
-        f"{results[0].ratio:.3f}" + (f" ({others})" if others else "")
+        f"ratio to the infinite-cache ceiling ({typed.sizing.label}): "
+        f"{typed.ratio:.3f}" + (f" ({others})" if others else "")
     )
     return 0
+
+
+def _typed(results: list[ReplayResult], args: argparse.Namespace) -> ReplayResult:
+    """The run of the sizes as typed, which the closing line and the JSON's ratio describe: a
+    sweep's x1 point, else the first run (the tiered one, or the first codec)."""
+    if args.sweep:
+        return next(r for r in results if r.sizing.label == "x1")
+    return results[0]
 
 
 def _run_fleet(

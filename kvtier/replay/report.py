@@ -12,6 +12,7 @@ the trace's clock (`Pacing`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -166,10 +167,19 @@ class ReplayResult:
         }
 
 
+def share(fraction: float) -> str:
+    """A fraction as a percentage with two significant digits at least, so that a small tier
+    never reads "0%": 0.5 -> "50%", 0.05 -> "5.0%", 0.001 -> "0.10%", 0 -> "0%"."""
+    if fraction == 0:
+        return "0%"
+    digits = max(0, 1 - math.floor(math.log10(fraction * 100)))
+    return f"{fraction * 100:.{digits}f}%"
+
+
 def _sizes(sizing: Sizing) -> str:
-    disk = f"{sizing.disk:.0%}" if sizing.disk else "none"
-    host = f"{sizing.host:.0%}" if sizing.host else "minimal"
-    return f"gpu {sizing.gpu:.0%}, host {host}, disk {disk}"
+    disk = share(sizing.disk) if sizing.disk else "none"
+    host = share(sizing.host) if sizing.host else "minimal"
+    return f"gpu {share(sizing.gpu)}, host {host}, disk {disk}"
 
 
 def format_result(result: ReplayResult) -> str:
@@ -245,7 +255,7 @@ def format_table(results: Sequence[ReplayResult]) -> str:
             else f"{'-':>9}{'-':>9}{'-':>8}"
         )
         lines.append(
-            f"{s.label:<10}{s.gpu:>7.2%}{s.host:>7.1%}{s.disk:>7.0%}{r.rate('gpu'):>9.1%}"
+            f"{s.label:<10}{share(s.gpu):>7}{share(s.host):>7}{share(s.disk):>7}{r.rate('gpu'):>9.1%}"
             f"{r.rate('host'):>9.1%}{r.rate('disk'):>9.1%}{r.hit_rate:>8.1%}"
             f"{r.ceiling_rate:>9.1%}{r.ratio:>7.3f}{sims}{r.wall_s:>8.1f}"
         )
