@@ -12,6 +12,7 @@ from test_replay import write_trace
 
 from kvtier.blocks import KVLayout
 from kvtier.cli import main
+from kvtier.config import format_size, parse_config
 from kvtier.errors import InvalidArgumentError
 from kvtier.replay.codecs import fit, parse_codecs
 from kvtier.replay.report import share
@@ -76,3 +77,30 @@ def test_a_sweeps_closing_line_and_json_describe_the_sizes_typed(
     typed = next(run for run in document["runs"] if run["sizing"]["label"] == "x1")
     assert document["ratio_of"] == "x1"
     assert document["ratio_to_ceiling"] == typed["ratio_to_ceiling"]
+
+
+def test_sizes_are_printed_in_blocks_and_bytes_of_the_configs_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 8 unique trace blocks of 512 tokens; the model's blocks are 16 tokens of 2*2*16*4*8*2 bytes
+    model = tmp_path / "model.yaml"
+    model.write_text(
+        "model: {name: planner-model, num_layers: 2, num_kv_heads: 4, head_dim: 8, "
+        "dtype: float16}\nblock_tokens: 16\n"
+    )
+    path = write_trace(tmp_path / "t.jsonl", [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]])
+    args = ["replay", str(path), "--gpu", "0.25", "--host", "0.5", "--disk", "1",
+            "--no-baseline", "--config", str(model), "--codec", "none,int4"]  # fmt: skip
+    assert main(args) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  as ")]
+    # blocks of 2 * 2 * 16 * 4 * 8 * 2 bytes = 4 KiB; gpu 2 trace blocks = 64 model blocks,
+    # host 4 = 128, disk 8 = 256 (raw bytes)
+    assert lines[0] == (
+        "  as planner-model (float16, 16-token blocks of 4KiB): gpu 64 blocks (256KiB), "
+        "host 128 blocks (512KiB), disk 256 blocks (1MiB)"
+    )
+    int4 = fit("int4", parse_config({"model": {"name": "planner-model", "num_layers": 2,
+               "num_kv_heads": 4, "head_dim": 8, "dtype": "float16"}}).layout)  # fmt: skip
+    host_blocks = round(0.5 * int4.host * 8) * 32  # 3.4x the blocks in (about) the same bytes
+    nbytes = format_size(round(host_blocks * 4096 / int4.host))
+    assert f"host {host_blocks} blocks ({nbytes})" in lines[1] and host_blocks > 3 * 128

@@ -29,6 +29,8 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from kvtier.blocks import KVLayout
+from kvtier.config import KVTierConfig, load_config
 from kvtier.replay.codecs import codec_sizing, fit, parse_codecs
 from kvtier.replay.replicas import cluster_nodes, format_fleet, replay_fleet
 from kvtier.replay.report import (
@@ -37,6 +39,7 @@ from kvtier.replay.report import (
     Yardsticks,
     format_result,
     format_table,
+    model_sizes,
     plot,
 )
 from kvtier.replay.routed import format_routed, parse_policies, plot_routed, replay_routed
@@ -62,7 +65,13 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         "--codec",
         metavar="CODECS",
         help="host and disk at the same bytes, one run per codec: none,fp8,int8,int4 (any, "
-        "comma-separated; the bytes are the default model's blocks)",
+        "comma-separated; the bytes are those of --config's model)",
+    )
+    cmd.add_argument(
+        "--config",
+        metavar="YAML",
+        help="a kvtier config whose model the sizes are also printed in, as blocks and bytes "
+        "(default: the embedded default's, SmolLM2-135M)",
     )
     cmd.add_argument("--plot", metavar="PNG", help="draw hit rate by tier against capacity")
     cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -94,10 +103,16 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+def _layout(args: argparse.Namespace) -> KVLayout:
+    """The model the planner buys for: `--config`'s, or the embedded default's."""
+    return (load_config(args.config) if args.config else KVTierConfig()).layout
+
+
 def _sizings(args: argparse.Namespace) -> list[Sizing]:
     base = Sizing("tiered", args.gpu, args.host, args.disk)
     if args.codec is not None:
-        return [codec_sizing(base, fit(codec)) for codec in parse_codecs(args.codec)]
+        layout = _layout(args)
+        return [codec_sizing(base, fit(codec, layout)) for codec in parse_codecs(args.codec)]
     if args.sweep:
         return [
             Sizing(f"x{scale:g}", args.gpu * scale, args.host * scale, args.disk * scale)
@@ -190,14 +205,16 @@ def run_replay(args: argparse.Namespace) -> int:
         f"references, {limit.unique_blocks:,} unique blocks; infinite-cache prefix hit rate "
         f"{limit.hit_rate:.1%}"
     )
+    layout = _layout(args)
+    fits = {c: fit(c, layout) for c in parse_codecs(args.codec)} if args.codec else {}
     for result in results:
         print(format_result(result))
-    if args.codec is not None:
-        fits = ", ".join(
-            f"{f.codec} {f.host:.2f}x / {f.disk:.2f}x"
-            for f in (fit(c) for c in parse_codecs(args.codec))
-        )
-        print(f"blocks the same bytes hold (host / disk slots, the default model's): {fits}")
+        found = fits.get(result.sizing.label)
+        shrink = {"host": found.host, "disk": found.disk} if found is not None else None
+        print(model_sizes(result, layout, shrink))
+    if fits:
+        shown = ", ".join(f"{f.codec} {f.host:.2f}x / {f.disk:.2f}x" for f in fits.values())
+        print(f"blocks the same bytes hold (host / disk slots, {layout.model_name}): {shown}")
     if len(results) > 1:
         print(format_table(results))
     if args.plot:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError
 from kvtier.replay.simulate import SimResult
 from kvtier.sizes import format_size
@@ -104,7 +105,8 @@ class ReplayResult:
     mover: str
     write: str
     block_tokens: int
-    capacity_bytes: dict[str, int]
+    capacity_bytes: dict[str, int]  # of the scaled blocks the replay stores
+    capacity_blocks: dict[str, int]  # store blocks of `block_tokens`
     requests: int
     tokens: int
     served: dict[str, int]
@@ -180,6 +182,23 @@ def _sizes(sizing: Sizing) -> str:
     disk = share(sizing.disk) if sizing.disk else "none"
     host = share(sizing.host) if sizing.host else "minimal"
     return f"gpu {share(sizing.gpu)}, host {host}, disk {disk}"
+
+
+def model_sizes(
+    result: ReplayResult, layout: KVLayout, shrink: dict[str, float] | None = None
+) -> str:
+    """What each tier of `result` holds, in blocks and bytes of the model of `layout` (the same
+    tokens in its blocks): what a planner buys. `shrink`: per tier, how many times smaller a
+    block is there (a quantized tier's codec)."""
+    parts = []
+    for tier, blocks in result.capacity_blocks.items():
+        model_blocks = blocks * result.block_tokens // layout.block_tokens
+        nbytes = round(model_blocks * layout.block_bytes / (shrink or {}).get(tier, 1.0))
+        parts.append(f"{tier} {model_blocks:,} blocks ({format_size(nbytes)})")
+    return (
+        f"  as {layout.model_name} ({layout.dtype_name}, {layout.block_tokens}-token blocks of "
+        f"{format_size(layout.block_bytes)}): " + ", ".join(parts)
+    )
 
 
 def format_result(result: ReplayResult) -> str:

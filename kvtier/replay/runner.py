@@ -252,6 +252,7 @@ def replay(
         write=options.write,
         block_tokens=options.block_tokens,
         capacity_bytes={t: s["capacity_bytes"] for t, s in status["tiers"].items()},
+        capacity_blocks={t: s["slots"] for t, s in status["tiers"].items()},
         requests=len(requests),
         tokens=sum(served.values()),
         served=served,
