@@ -297,25 +297,32 @@ def pyplot() -> Any:
 
 
 def plot(results: Sequence[ReplayResult], path: str) -> None:
-    """Hit rate by tier (stacked) against total capacity, with the ceiling, as an image at
-    `path`. `InvalidArgumentError` if matplotlib is not installed."""
+    """Hit rate by tier (stacked), with the ceiling, against each tier's size: one panel per
+    tier that the runs size (gpu, host, disk), so a planner reads the size of each tier to buy
+    off its own axis. An image at `path`; `InvalidArgumentError` without matplotlib."""
     plt = pyplot()
-    ordered = sorted(results, key=lambda r: r.sizing.total)
-    x = [100 * r.sizing.total for r in ordered]
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    axes.stackplot(
-        x,
-        *([100 * r.rate(t) for r in ordered] for t in TIERS),
-        labels=[f"served from {t}" for t in TIERS],
-        alpha=0.8,
+    axes_of = [t for t in TIERS if any(getattr(r.sizing, t) for r in results)]
+    figure, panels = plt.subplots(
+        1, len(axes_of), figsize=(4.2 * len(axes_of), 4.5), sharey=True, squeeze=False
     )
-    axes.plot(x, [100 * r.ceiling_rate for r in ordered], "k--", label="infinite-cache ceiling")
-    axes.set_xscale("log")
-    axes.set_xlabel("total capacity, % of the trace's unique blocks")
-    axes.set_ylabel("hit rate, % of tokens")
-    axes.set_title("kvtier replay: hit rate by tier")
-    axes.legend(loc="upper left")
-    axes.grid(True, which="both", alpha=0.3)
+    for axes, tier in zip(panels[0], axes_of, strict=True):
+        ordered = sorted(results, key=lambda r: getattr(r.sizing, tier))
+        x = [100 * getattr(r.sizing, tier) for r in ordered]
+        axes.stackplot(
+            x,
+            *([100 * r.rate(t) for r in ordered] for t in TIERS),
+            labels=[f"served from {t}" for t in TIERS],
+            alpha=0.8,
+        )
+        ceiling = [100 * r.ceiling_rate for r in ordered]
+        axes.plot(x, ceiling, "k--", label="infinite-cache ceiling")
+        if min(x) > 0:
+            axes.set_xscale("log")
+        axes.set_xlabel(f"{tier} size, % of the trace's unique blocks")
+        axes.grid(True, which="both", alpha=0.3)
+    panels[0][0].set_ylabel("hit rate, % of tokens")
+    panels[0][0].legend(loc="upper left")
+    figure.suptitle("kvtier replay: hit rate by tier, against each tier's size")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
