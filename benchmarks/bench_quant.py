@@ -140,7 +140,7 @@ class Served:
         return logits
 
     def codecs(self) -> dict[str, str]:
-        """Each store's disk codec as its status names it (`i4g64t`, ...)."""
+        """Each store's disk codec as its status names it (`i4k20v40`, ...)."""
         return {name: s.status()["tiers"]["disk"]["codec"] for name, s in self.stores.items()}
 
     def close(self) -> None:

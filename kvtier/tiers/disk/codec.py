@@ -6,7 +6,7 @@ written with different codecs; readers look the codec up by that name (`codec_fo
 
     "none":  stored = raw                                    (the same object: no copy)
     "lz4":   stored = lz4_block(shuffle(raw, itemsize))      (no size prefix; the header has it)
-    "fp8", "i8g96t", "i4g64c", ...                           quantized (`kvtier.quant`): lossy
+    "fp8", "i8k60v60", "i4kcv40", ...                        quantized (`kvtier.quant`): lossy
 
 Byte-plane shuffle, for itemsize >= 2: element i's byte k moves to plane k. The high bytes of
 16-bit floats (sign and exponent) vary slowly across a KV block and compress; the low bytes
@@ -128,7 +128,7 @@ class Lz4Codec:
 
 class QuantBytes:
     """A quantized codec (`kvtier.quant.QuantCodec`) over one block's raw bytes: the tiers'
-    face of it. Its `name` is the codec's id (`i4g64t`), which with the layout says all that
+    face of it. Its `name` is the codec's id (`i4k20v40`), which with the layout says all that
     decoding needs."""
 
     lossy = True
