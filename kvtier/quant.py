@@ -41,9 +41,10 @@ Contract:
   dtype, or writes `out`. Decoding is deterministic: the same payload gives the same bits on
   any path.
 - `decode` of any bytes of the right size raises `CorruptQuantPayload` (an fp8 code that is
-  NaN, a scale that is negative or not finite) or returns values that are finite in fp32 and
-  bf16 (|value| <= 143 * 65504), so a block that passed its checksum but was written by a
-  broken encoder never reaches the engine as NaN.
+  NaN, a scale that is negative or not finite, an fp8 scale above 65504 / 448: no encoder of
+  KV within fp16's range writes one) or returns values that are finite in fp32 and bf16
+  (|value| <= 143 * 65504), so a block that passed its checksum but was written by a broken
+  encoder never reaches the engine as NaN or infinity.
 - Encoding is lossless in nothing: what it keeps is measured against the model, not asserted.
 """
 
@@ -72,6 +73,7 @@ DEFAULT_GROUPS = {"int8": (128, 128), "int4": (32, 64)}
 """Values a group, (K per token, V), before fitting to a layout's rows."""
 MAX_GROUP = 255  # two hex digits in a codec id
 FP16_MAX = 65504.0
+FP8_SCALE_MAX = FP16_MAX / FP8_MAX * (1 + 2**-20)  # amax / 448, amax within fp16 (fp32 rounding)
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,8 @@ class QuantCodec:
             scales = meta.contiguous().view(torch.float32)
             if bool(((payload[:, : self.code_nbytes] & 0x7F) == 0x7F).any()):
                 raise CorruptQuantPayload("fp8 payload: a code is NaN (no encoder writes one)")
+            if bool((scales > FP8_SCALE_MAX).any()):  # 448 times it would overflow
+                raise CorruptQuantPayload(f"fp8 payload: a scale above {FP8_SCALE_MAX:g}")
         else:
             groups = self.layout.num_layers * (self.k_groups + self.v_groups)
             scales = meta[:, : 2 * groups].contiguous().view(torch.float16)

@@ -125,6 +125,10 @@ def test_payloads_no_encoder_writes_are_refused(spec: QuantSpec) -> None:
         payload[0, 7] = 0x7F  # e4m3fn NaN
         with pytest.raises(CorruptQuantPayload, match="NaN"):
             codec.decode(payload)
+        payload = good.clone()  # a scale 448 codes of which overflow fp32 (2.4e36 * 144)
+        payload[0, meta : meta + 4] = torch.tensor([2.4e36]).view(torch.uint8)
+        with pytest.raises(CorruptQuantPayload, match="scale above"):
+            codec.decode(payload)
     else:  # any zero point is one an encoder may write: the value stays finite
         payload = good.clone()
         payload[0, -1] = 0x80  # z = -128
