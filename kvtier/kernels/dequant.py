@@ -135,6 +135,23 @@ if triton is not None:
         return value.to(dtype)
 
     @triton.jit
+    def _row(payload, P, L: tl.constexpr, T: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+        """This program's row: its block `b`, its (layer, kv, token) `row` in the block's
+        order, its lanes `c` (and `mask`), the block's payload `base`, each value's index `e`."""
+        pid = tl.program_id(0)
+        b = pid // (L * 2 * T)
+        row = pid % (L * 2 * T)
+        c = tl.arange(0, BLOCK_R)
+        e = row.to(tl.int64) * R + c
+        return b, row, c, c < R, payload + b.to(tl.int64) * P, e
+
+    @triton.jit
+    def _put(pool, slots, b, e, value, mask, BLOCK: tl.constexpr):
+        """Values `e` of the slot block `b` decodes into, rounded to the pool's dtype."""
+        out = pool + tl.load(slots + b) * BLOCK + e
+        tl.store(out, _rounded(value, pool.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _int_rows(
         payload,
         pool,
@@ -154,16 +171,10 @@ if triton is not None:
         BITS: tl.constexpr,
         KEYS_CHANNEL: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        b = pid // (L * 2 * T)
-        row = pid % (L * 2 * T)  # (layer, kv, token) in the block's order
+        b, row, c, mask, base, e = _row(payload, P, L, T, R, BLOCK_R)
         layer = row // (2 * T)
         kv = (row // T) % 2
         t = row % T
-        c = tl.arange(0, BLOCK_R)
-        mask = c < R
-        base = payload + b.to(tl.int64) * P
-        e = row.to(tl.int64) * R + c  # the value's index in the block
         if BITS == 8:
             q = tl.load(base + e, mask=mask, other=0).to(tl.int32)
         else:
@@ -178,10 +189,7 @@ if triton is not None:
         s = _u16(meta, 2 * g, mask).to(tl.float16, bitcast=True).to(tl.float32)
         z = tl.load(meta + 2 * GROUPS + g, mask=mask, other=0).to(tl.int32)
         z = tl.where(z > 127, z - 256, z)  # int8
-        value = (q - z).to(tl.float32) * s
-        slot = tl.load(slots + b)
-        out = pool + slot * (L * 2 * T * R) + e
-        tl.store(out, _rounded(value, pool.dtype.element_ty), mask=mask)
+        _put(pool, slots, b, e, (q - z).to(tl.float32) * s, mask, L * 2 * T * R)
 
     @triton.jit
     def _fp8_rows(
@@ -197,14 +205,8 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         H: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        b = pid // (L * 2 * T)
-        row = pid % (L * 2 * T)
+        b, row, c, mask, base, e = _row(payload, P, L, T, R, BLOCK_R)
         lk = row // T  # layer * 2 + kv
-        c = tl.arange(0, BLOCK_R)
-        mask = c < R
-        base = payload + b.to(tl.int64) * P
-        e = row.to(tl.int64) * R + c
         code = tl.load(base + e, mask=mask, other=0).to(tl.int32)
         sign = (code >> 7) & 1
         exp = (code >> 3) & 15
@@ -213,6 +215,4 @@ if triton is not None:
         tiny = man.to(tl.float32) * 0.001953125  # 2**-9: exact
         value = tl.where(exp == 0, tl.where(sign == 1, -tiny, tiny), normal)
         scale = _f32(base + CODE_NBYTES, 4 * (lk * H + c // D), mask)
-        slot = tl.load(slots + b)
-        out = pool + slot * (L * 2 * T * R) + e
-        tl.store(out, _rounded(value * scale, pool.dtype.element_ty), mask=mask)
+        _put(pool, slots, b, e, value * scale, mask, L * 2 * T * R)
