@@ -172,14 +172,10 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
     )
     made.append(gpu)
     host_bytes = host_cfg.capacity.resolve(available_host_bytes())
-    host_codec = _codec(host_cfg, layout, "tiers.host")
+    host_codec = _codec(host_cfg, layout, "tiers.host")  # none or quantized (the schema's)
     host: SlotPool
     if isinstance(host_codec, QuantBytes):  # payloads, never in a shared segment
         host = QuantPool.create_quantized(host_codec.quant, host_bytes, host_cfg.pinned)
-    elif host_codec.name != "none":
-        raise ConfigError(
-            "tiers.host.codec", host_codec.name, "none, fp8, int8 or int4 (a host slot is one size)"
-        )
     else:
         shared = None if prefix is None else f"{prefix}-host"
         host = HostPool.create(layout, host_bytes, host_cfg.pinned, shared)
@@ -224,10 +220,7 @@ def _codec(
 ) -> Codec:
     """The codec a tier's `codec`, `codec_group` and `codec_keys` name, for `layout`; a
     `ConfigError` naming the field when the group does not fit the layout."""
-    try:
-        return tier_codec(tier.codec, layout, tier.codec_group, tier.codec_keys)
-    except ConfigError as e:
-        raise ConfigError(f"{field}.{e.field}", e.value, e.expected) from None
+    return tier_codec(tier.codec, layout, tier.codec_group, tier.codec_keys, field)
 
 
 def _tls_settings(tls: RemoteTlsConfig | None) -> TlsSettings | None:

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import KVTierConfig, format_size, load_config
-from kvtier.errors import ConfigError, KVTierError
-from kvtier.quant import QuantCodec, QuantSpec
+from kvtier.errors import KVTierError
 from kvtier.store import KVStore
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
+from kvtier.tiers.disk.codec import tier_codec
 from kvtier.tiers.disk.slabs import DamagedDiskError
 
 
@@ -127,17 +127,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _codec_note(config: KVTierConfig, tier: str) -> str:
-    """` in <codec id>, <ratio>x` for a tier that quantizes, checked against the layout (a
-    group that does not divide its rows is a `ConfigError`, as at start); else nothing."""
+    """` in <codec id>, <ratio>x the blocks` for a tier that quantizes, ` (lz4)` for one that
+    compresses, checked against the layout as at start (`tier_codec`); else nothing."""
     section = getattr(config.tiers, tier)
     name = getattr(section, "codec", "none")
-    if name in ("none", "lz4"):
-        return f" ({name})" if name == "lz4" else ""
-    try:
-        codec = QuantCodec(QuantSpec(name, section.codec_group, section.codec_keys), config.layout)
-    except ConfigError as e:
-        raise ConfigError(f"tiers.{tier}.{e.field}", e.value, e.expected) from None
-    return f" in {codec.id}, {config.layout.block_bytes / codec.payload_nbytes:.2f}x the blocks"
+    if name == "none":
+        return ""
+    layout = config.layout
+    codec = tier_codec(name, layout, section.codec_group, section.codec_keys, f"tiers.{tier}")
+    if not codec.lossy:
+        return f" ({name})"
+    ratio = layout.block_bytes / codec.payload_bound(layout.block_bytes)
+    return f" in {codec.name}, {ratio:.2f}x the blocks"
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -85,13 +85,20 @@ class GpuTierConfig(_MemoryTierConfig):
 
 class HostTierConfig(_MemoryTierConfig, _CodecFields):
     """Host RAM. A fraction capacity is of MemAvailable; `pinned: auto` pins when CUDA is up.
-    `codec` fp8, int8 or int4 keeps its blocks quantized (`tiers/quantized.py`; lz4 is refused
-    when the tier is built: a host slot is one size)."""
+    `codec` fp8, int8 or int4 keeps its blocks quantized (`tiers/quantized.py`; not lz4: a
+    host slot is one size)."""
 
     capacity: MemoryCapacity = Capacity(nbytes=2**30)
     high_watermark: Fraction01 = 0.95  # with a disk tier: write LRU leaves down above this
     low_watermark: Fraction01 = 0.85
     pinned: Annotated[Pinned, one_of(get_args(Pinned))] = "auto"
+
+    @model_validator(mode="after")
+    def _fixed_size(self) -> HostTierConfig:
+        if self.codec == "lz4":
+            expected = "none, fp8, int8 or int4 (a host slot is one size)"
+            raise InvalidValue(self.codec, expected, "codec")
+        return self
 
 
 class DiskTierConfig(_CodecFields):

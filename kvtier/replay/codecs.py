@@ -8,7 +8,7 @@ saves are those of a block of the real model: `layout` (the default config's, Sm
 bf16 blocks of 16 tokens, unless given). A tier of fraction f of the trace's unique blocks in
 raw bytes holds, under a codec,
 
-    host: f * raw_bytes / payload_bytes            blocks (`QuantCodec.payload_nbytes`)
+    host: f * raw_bytes / payload_bytes            blocks (`Codec.payload_bound`)
     disk: f * raw_slot / slot(payload_bytes)       blocks (slots: a header region, the payload
                                                    rounded up to 4 KiB, `tiers/disk/format.py`)
 
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from kvtier.blocks import BlockHasher, KVLayout
 from kvtier.config import KVTierConfig
 from kvtier.errors import InvalidArgumentError
-from kvtier.quant import KINDS, QuantCodec, QuantSpec
+from kvtier.quant import KINDS
 from kvtier.replay.report import Sizing
+from kvtier.tiers.disk.codec import tier_codec
 from kvtier.tiers.disk.format import header_region_size, slot_size
 
 CODECS = ("none", *KINDS)
@@ -58,7 +59,7 @@ def fit(codec: str, layout: KVLayout | None = None) -> CodecFit:
     """The block ratios of `codec` on `layout` (default: the default config's)."""
     layout = layout or KVTierConfig().layout
     raw = layout.block_bytes
-    payload = raw if codec == "none" else QuantCodec(QuantSpec(codec), layout).payload_nbytes
+    payload = tier_codec(codec, layout).payload_bound(raw)
     digest = BlockHasher(KVTierConfig().hashing.algorithm).digest_size
     region = header_region_size(layout.block_tokens, digest)
     return CodecFit(codec, raw / payload, slot_size(region, raw) / slot_size(region, payload))

@@ -43,7 +43,7 @@ import numpy.typing as npt
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.errors import InvalidArgumentError, KVTierError
+from kvtier.errors import ConfigError, InvalidArgumentError, KVTierError
 from kvtier.quant import CorruptQuantPayload, QuantCodec, QuantSpec
 
 
@@ -190,12 +190,24 @@ def get_codec(name: str) -> Codec:
     return codec
 
 
-def tier_codec(name: str, layout: KVLayout, group: int | None = None, keys: str = "token") -> Codec:
+def tier_codec(
+    name: str,
+    layout: KVLayout,
+    group: int | None = None,
+    keys: str = "token",
+    field: str = "",
+) -> Codec:
     """The codec a tier configured with `codec: name` writes (`CODEC_NAMES`); `ConfigError`
-    for a group that does not divide the layout's rows."""
+    for a group that does not divide the layout's rows, its field under `field` (the tier's
+    config section, `tiers.disk`) when given."""
     if name in CODECS:
         return CODECS[name]
-    return _quantized(QuantCodec(QuantSpec(name, group, keys), layout).id, layout)
+    try:
+        return _quantized(QuantCodec(QuantSpec(name, group, keys), layout).id, layout)
+    except ConfigError as e:
+        if not field:
+            raise
+        raise ConfigError(f"{field}.{e.field}", e.value, e.expected) from None
 
 
 def codec_for(name: str, layout: KVLayout | None) -> Codec:
