@@ -51,7 +51,7 @@ WARMUP = 3
 copies of each kind (3 samples each) before they settle on the fastest."""
 
 
-def median_gbps(nbytes: int, run: Callable[[], None], repeat: int) -> float:
+def median_gbps(nbytes: int, run: Callable[[], object], repeat: int) -> float:
     for _ in range(WARMUP):
         run()
     seconds = []

@@ -16,9 +16,10 @@ tokenized once. `--prompts` prompts (default 64), each a prefix of 512-2048 toke
                        path, the prefix unquantized)
 
 Per codec: bytes per block against bf16, perplexity change (over all prompts' tokens), greedy
-agreement, max and mean |logit - logit(none)| over C and g, and encode and decode speed of a
-batch of blocks (GB/s of raw bf16, median of `--repeat`) against a raw copy of the same bytes in
-the same run (torch on the CPU; the Triton decoder's speed is `benchmarks/gpu/`).
+agreement, max and mean |logit - logit(none)| over C and g, and encode and decode speed of the
+last prompt's blocks (GB/s of raw bf16, median of `--repeat` after `bench_mover.WARMUP` untimed
+runs) against a raw copy of the same bytes into a buffer allocated once, in the same run (torch
+on the CPU; the Triton decoder's speed is `benchmarks/gpu/`).
 
 Targets: int8 >= 1.9x smaller, perplexity within +0.5 %, agreement >= 99 %; int4 >= 3.5x and
 +3 %; fp8 +1 %. Run: `python benchmarks/bench_quant.py [--prompts N] [--json FILE]`.
@@ -35,13 +36,14 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from bench_mover import median_gbps
 
+from kvtier.blocks import KVLayout
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.quant import QuantCodec, QuantSpec
 from kvtier.reference import Llama, load_smollm2, load_smollm2_tokenizer
@@ -87,21 +89,22 @@ def as_blocks(kv: torch.Tensor) -> torch.Tensor:
     return kv.reshape(L, 2, P // BT, BT, H, D).permute(2, 0, 1, 3, 4, 5).contiguous()
 
 
-def store_config(spec: QuantSpec | None, disk: Path) -> KVTierConfig:
-    """SmolLM2's bf16 layout; gpu and host of 512 MiB (1456 blocks); a disk tier in `spec`."""
+def store_config(layout: KVLayout, spec: QuantSpec | None, disk: Path) -> KVTierConfig:
+    """The model's `layout`; gpu and host of 512 MiB (1456 SmolLM2 blocks); a disk tier in
+    `spec`."""
     codec: dict[str, Any] = {"codec": "none"}
     if spec is not None:
         codec = {"codec": spec.kind, "codec_group": spec.group, "codec_keys": spec.keys}
     return parse_config(
         {
             "model": {
-                "name": "SmolLM2-135M-Instruct",
-                "num_layers": 30,
-                "num_kv_heads": 3,
-                "head_dim": 64,
-                "dtype": "bfloat16",
+                "name": layout.model_name,
+                "num_layers": layout.num_layers,
+                "num_kv_heads": layout.num_kv_heads,
+                "head_dim": layout.head_dim,
+                "dtype": layout.dtype_name,
             },
-            "block_tokens": BT,
+            "block_tokens": layout.block_tokens,
             "tiers": {
                 "gpu": {"capacity": "512MiB", "device": "cpu"},
                 "host": {"capacity": "512MiB", "pinned": False},
@@ -116,10 +119,10 @@ class Served:
     """A store per codec; `prefill(name, prefix, kv, fed)` stores the prefix's KV, moves it to
     disk only, and returns the logits of `fed` computed over the prefix the disk serves."""
 
-    def __init__(self, model: Llama, root: Path) -> None:
+    def __init__(self, model: Llama, layout: KVLayout, root: Path) -> None:
         self.stores = {
-            name: KVStore(store_config(spec, root / name.replace(" ", "-").replace("/", "-")))
-            for name, spec in CODECS.items()
+            name: KVStore(store_config(layout, spec, root / f"codec-{i}"))
+            for i, (name, spec) in enumerate(CODECS.items())
         }
         self.engines = {name: Engine(model, store) for name, store in self.stores.items()}
 
@@ -156,15 +159,6 @@ def greedy(model: Llama, logits: torch.Tensor, kv: torch.Tensor) -> list[int]:
     return tokens
 
 
-def speed(fn: Callable[[], object], nbytes: int, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--prompts", type=int, default=64)
@@ -183,7 +177,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="bench-quant-"))
-    served = Served(model, root)
+    served = Served(model, layout, root)
     for prompt in range(args.prompts):
         P = rng.randrange(512 // BT, 2048 // BT + 1) * BT
         start = rng.randrange(0, len(ids) - P - CONT)
@@ -212,7 +206,8 @@ def main() -> None:
     shutil.rmtree(root)
     blocks = as_blocks(kv)  # the last prompt's prefix: 32-128 blocks
     raw = blocks.numel() * 2
-    copy = speed(lambda: blocks.clone(), raw, args.repeat)
+    target = torch.empty_like(blocks)
+    copy = median_gbps(raw, lambda: target.copy_(blocks), args.repeat)
     base_ppl = math.exp(statistics.fmean(nll["none"]))
     table = []
     for name, codec in codecs.items():
@@ -221,8 +216,8 @@ def main() -> None:
         size = layout.block_bytes
         if codec is not None:
             payload = codec.encode(blocks)
-            encode = speed(lambda c=codec: c.encode(blocks), raw, args.repeat)  # type: ignore[misc]
-            decode = speed(lambda c=codec, p=payload: c.decode(p), raw, args.repeat)  # type: ignore[misc]
+            encode = median_gbps(raw, lambda c=codec: c.encode(blocks), args.repeat)  # type: ignore[misc]
+            decode = median_gbps(raw, lambda c=codec, p=payload: c.decode(p), args.repeat)  # type: ignore[misc]
             size = codec.payload_nbytes
         ppl = math.exp(statistics.fmean(nll[name]))
         table.append(
