@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import KVTierConfig, format_size, load_config
+from kvtier.config import KVTierConfig, default_config, format_size, load_config
 from kvtier.errors import KVTierError
 from kvtier.store import KVStore
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
@@ -31,7 +31,7 @@ from kvtier.tiers.disk.slabs import DamagedDiskError
 
 
 def _config(path: str | None) -> KVTierConfig:
-    return load_config(path) if path else KVTierConfig()
+    return load_config(path) if path else default_config()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -1,28 +1,61 @@
-"""The `kvtier` command in a real process: `info` on the default config, `validate`, bad files."""
+"""The `kvtier` command in a real process: `info` on the default config, `validate`, bad files.
+
+The embedded default has a disk tier of 2 GiB at `./kvtier-data`: its tests run in a real tmpfs
+mounted for them (never preallocating on the shared root filesystem)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+from conftest import mounted_tmpfs
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+BLOCK = 30 * 2 * 16 * 3 * 64 * 2  # the default model's block: 360 KiB
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvtier.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
     )
 
 
-def test_info_on_the_default_config_prints_both_tiers() -> None:
-    done = run("info")
-    assert done.returncode == 0, done.stderr
-    assert "SmolLM2-135M-Instruct" in done.stdout
-    lines = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:4]}
-    assert lines["gpu"][3] == str((256 << 20) // (30 * 2 * 16 * 3 * 64 * 2))  # 728 slots
-    assert lines["host"][3] == str((1 << 30) // (30 * 2 * 16 * 3 * 64 * 2))  # 2912 slots
+def test_info_on_the_default_config_prints_three_tiers(tmp_path: Path) -> None:
+    with mounted_tmpfs(tmp_path / "fs", "2304m") as cwd:
+        done = run("info", cwd=cwd)
+        assert done.returncode == 0, done.stderr
+        assert "SmolLM2-135M-Instruct" in done.stdout
+        lines = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:5]}
+        assert lines["gpu"][3] == str((256 << 20) // BLOCK)  # 728 slots
+        assert lines["host"][3] == str((1 << 30) // BLOCK)  # 2912 slots
+        assert lines["disk"][1] == "kvtier-data"  # relative to where it runs
+        assert int(lines["disk"][3]) == (2 << 30) // (BLOCK + 4096)  # 4 KiB header a slot
+        assert (cwd / "kvtier-data" / "kvtier-disk.json").is_file()
+
+
+def test_the_default_disk_tier_is_refused_where_it_does_not_fit(tmp_path: Path) -> None:
+    """On a filesystem with less free space than the default's 2 GiB (less a reserve), the
+    default start is refused naming the field and the figures, and nothing is allocated."""
+    with mounted_tmpfs(tmp_path / "fs", "64m") as cwd:
+        done = run("info", cwd=cwd)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "tiers.disk.capacity" in done.stderr
+        asked = re.search(r"got (\d+), expected at most (\d+) bytes", done.stderr)
+        assert asked is not None, done.stderr
+        assert 0.99 * (2 << 30) < int(asked[1]) <= 2 << 30  # the slabs the capacity asks for
+        assert int(asked[2]) < 64 << 20  # what the filesystem can give
+        assert "bytes free" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert not list((cwd / "kvtier-data").glob("slab-*"))
 
 
 def test_info_json_matches_the_config_file(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from kvtier.config import (
     KVTierConfig,
     PolicyConfig,
     TiersConfig,
+    default_config,
     format_size,
     load_config,
     parse_config,
@@ -47,12 +48,20 @@ def test_shipped_configs_are_all_there() -> None:
 
 
 def test_default_file_is_the_embedded_default() -> None:
-    config = KVTierConfig()
+    config = default_config()
     assert load_config(CONFIGS / "default.yaml") == config
     assert config.model.name == "SmolLM2-135M-Instruct"
     assert config.tiers.gpu.capacity.resolve(0) == 256 * MiB
     assert config.tiers.host.capacity.resolve(0) == GiB
-    assert config.tier_names == ("gpu", "host")
+    assert config.tier_names == ("gpu", "host", "disk")
+    assert config.tiers.disk is not None
+    assert config.tiers.disk.capacity.nbytes == 2 * GiB
+    assert config.tiers.disk.path == "./kvtier-data"
+    # the schema's default is the same config without the disk tier: a config that leaves out
+    # tiers.disk gets no files written
+    schema = KVTierConfig()
+    assert schema.tier_names == ("gpu", "host")
+    assert schema.model_copy(update={"tiers": config.tiers}) == config
     assert config.policy.write == "write_through"
     assert set(config.tenants) == {"default"}
     assert config.layout.block_bytes == 30 * 2 * 16 * 3 * 64 * 2

@@ -6,7 +6,9 @@ Contract:
   bad input and whose `expected` says what would do. No pydantic or YAML exception escapes.
   Building a section in Python (`PolicyConfig(write="x")`) checks the same rules but raises
   pydantic's `ValidationError` (a `ValueError`): input from outside goes through `parse_config`.
-- `KVTierConfig()` is the embedded default and equals `configs/default.yaml`.
+- `default_config()` is the embedded default (`kvtier serve` without `--config`) and equals
+  `configs/default.yaml`: gpu, host and a disk tier at `./kvtier-data`. `KVTierConfig()` is
+  every field's default, the same without a disk tier (nothing written unasked).
 - Every section is frozen and forbids unknown keys; a misspelled key is an error that lists the
   allowed ones. `model` is all-or-nothing: once given, each of its keys is required, so a new
   model never inherits the default model's geometry. (`tenants` is a plain dict so that configs
@@ -30,7 +32,7 @@ Modules, imports pointing down the list:
 - `fields.py`: the validated field types and the `Section` base they are written with.
 """
 
-from kvtier.config.loading import HiddenKey, load_config, parse_config
+from kvtier.config.loading import HiddenKey, default_config, load_config, parse_config
 from kvtier.config.movement import MoverConfig, PolicyConfig
 from kvtier.config.root import HashingConfig, KVTierConfig, ModelConfig
 from kvtier.config.service import ServiceConfig
@@ -54,6 +56,7 @@ __all__ = [
     "ServiceConfig",
     "TenantConfig",
     "TiersConfig",
+    "default_config",
     "format_size",
     "load_config",
     "parse_config",

@@ -10,6 +10,8 @@ Contract:
   `secret` or `password` (the remote tier's cluster secret and AUTH password), or one that shows
   any of the keys given there, is replaced by `HiddenKey()`; in a YAML error, which comes
   before the keys are known, every word as long as a key is masked in the line shown.
+- `default_config()` is the embedded default (`kvtier serve` without `--config`) and equals
+  `configs/default.yaml`: `KVTierConfig()` and a disk tier of `DEFAULT_DISK`.
 """
 
 from __future__ import annotations
@@ -148,3 +150,13 @@ def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
     except yaml.YAMLError as exc:
         raise ConfigError("<yaml>", source, f"valid YAML: {exc}") from exc
     return parse_config(data, source)
+
+
+DEFAULT_DISK = {"capacity": "2GiB", "path": "./kvtier-data"}
+"""The embedded default's disk tier: modest, and refused at start (`tiers.disk.capacity`)
+where the filesystem has not that much free beyond its reserve."""
+
+
+def default_config() -> KVTierConfig:
+    """The embedded default (`configs/default.yaml`): `KVTierConfig()` with `DEFAULT_DISK`."""
+    return parse_config({"tiers": {"disk": DEFAULT_DISK}}, "<embedded default>")

@@ -2,7 +2,10 @@
 model whose KV is stored and the hash of the block-id chain.
 
 Contract:
-- `KVTierConfig()` is the embedded default and equals `configs/default.yaml`.
+- `KVTierConfig()` is every field's default, without a disk tier: a config that leaves out
+  `tiers.disk` (or an engine embedding a store with none) gets no files written in its working
+  directory. The embedded default that `kvtier serve` runs without `--config` adds one
+  (`loading.default_config()`, equal to `configs/default.yaml`).
 - `model` is all-or-nothing: once given, each of its keys is required, so a new model never
   inherits the default model's geometry. Its sizes are positive ints and
   `1 <= block_tokens <= 4096`, so `layout` is a valid `KVLayout`.
@@ -56,7 +59,7 @@ class HashingConfig(Section):
 
 
 class KVTierConfig(Section):
-    """The whole configuration; `KVTierConfig()` is `configs/default.yaml`."""
+    """The whole configuration; `KVTierConfig()`: every field's default (no disk tier)."""
 
     model: ModelConfig = ModelConfig(
         name="SmolLM2-135M-Instruct", num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16"
