@@ -9,6 +9,15 @@ latency is the service's own (a histogram per route). Names:
     kvtier_tier_{blocks,dirty_blocks,leased_blocks,free_slots}{tier}  gauges
     kvtier_tier_{hits,promotions,demotions,evictions}_total{tier}
     kvtier_tier_bytes_{in,out}_total{tier}               counters
+    kvtier_tier_faults_total{tier,kind}                  disk faults: enospc, write_errors,
+                                                         sync_errors, retire_errors, read_errors,
+                                                         corrupt_reads (failed verification),
+                                                         unquantizable
+    kvtier_tier_refused_writes_total{tier}               disk writes refused while backing off
+    kvtier_tier_write_backoff_seconds{tier}              the disk's current write backoff
+    kvtier_recovery_slots{outcome}                       the last start's recovery: scanned,
+                                                         recovered, corrupt, orphans, ...
+    kvtier_recovery_seconds                              how long that recovery took
     kvtier_path_bytes_total{path}                        bytes copied per path (gpu->host, ...)
     kvtier_path_bandwidth_bytes_per_second{path}         over the last minute of copies
     kvtier_index_{blocks,nodes,namespaces} kvtier_leases gauges
@@ -96,6 +105,8 @@ class _StoreCollector(Collector):
         except Exception:  # closing between the check and the call: nothing to report
             return
         yield from _tiers(status["tiers"])
+        yield from _faults(status["tiers"])
+        yield from _recovery(status["recovery"])
         yield from _paths(status["paths"])
         for name in ("blocks", "nodes", "namespaces"):
             yield _gauge(f"kvtier_index_{name}", f"Index {name}", status["index"][name])
@@ -143,6 +154,45 @@ def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
         for tier, figures in tiers.items():
             counter.add_metric([tier], figures[field])
         yield counter
+
+
+def _faults(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """A disk tier's fault counts, refused writes and backoff (the families exist, empty,
+    without one, so that alert rules always find them)."""
+    faults = CounterMetricFamily(
+        "kvtier_tier_faults", "Disk faults by kind", labels=["tier", "kind"]
+    )
+    refused = CounterMetricFamily(
+        "kvtier_tier_refused_writes", "Disk writes refused while backing off", labels=["tier"]
+    )
+    backoff = GaugeMetricFamily(
+        "kvtier_tier_write_backoff_seconds", "Current disk write backoff", labels=["tier"]
+    )
+    for tier, figures in tiers.items():
+        if "faults" not in figures:
+            continue
+        for kind, count in figures["faults"].items():
+            faults.add_metric([tier, kind], count)
+        refused.add_metric([tier], figures["refused_writes"])
+        backoff.add_metric([tier], figures["backoff_s"])
+    yield faults
+    yield refused
+    yield backoff
+
+
+def _recovery(recovery: dict[str, Any]) -> Iterator[Any]:
+    """The last start's disk recovery: slots by outcome, and its duration (zeros without a
+    disk tier)."""
+    slots = GaugeMetricFamily(
+        "kvtier_recovery_slots", "Disk slots by recovery outcome at start", labels=["outcome"]
+    )
+    for outcome, count in recovery.items():
+        if outcome != "seconds":
+            slots.add_metric([outcome], count)
+    yield slots
+    yield _gauge(
+        "kvtier_recovery_seconds", "Disk recovery time at start", recovery.get("seconds", 0.0)
+    )
 
 
 def _paths(paths: dict[str, dict[str, Any]]) -> Iterator[Any]:
