@@ -32,8 +32,9 @@ from service_server import ADMIN_KEY, Server, kv_of, running, tokens_of, write_c
 from starlette.testclient import TestClient
 
 from kvtier.client import Client
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, parse_config
 from kvtier.results import LeaseState, StoreResult
+from kvtier.service import bodies
 from kvtier.service.app import create_app
 from kvtier.service.guard import HostCheck
 from kvtier.store import KVStore
@@ -130,6 +131,19 @@ def test_metrics_and_config_need_the_admin_key_when_keys_are_on(auth_server: Ser
         "b": ["<redacted>"],
     }
     assert "kvtier_tier_used_bytes" in auth_server.get("/metrics", headers=admin()).text
+
+
+def test_the_config_hides_the_remote_tiers_secret_and_password() -> None:
+    """/v1/config (and the status page's summary) show neither the cluster secret nor the AUTH
+    password, literal or `env:` reference; the rest of the remote section stays readable."""
+    secret, password = "cluster-secret-0123456789", "auth-password-0123456789"
+    for given in ((secret, password), ("env:KVTIER_S", "env:KVTIER_P")):
+        remote = {"nodes": ["10.0.0.1:7000"], "secret": given[0], "password": given[1]}
+        shown = bodies.redacted(parse_config({"tiers": {"remote": remote}}))
+        assert shown["tiers"]["remote"]["secret"] == "<redacted>"
+        assert shown["tiers"]["remote"]["password"] == "<redacted>"
+        assert shown["tiers"]["remote"]["nodes"] == ("10.0.0.1:7000",)
+        assert not any(value in repr(shown) for value in given)
 
 
 def test_without_keys_metrics_and_config_stay_open(server: Server) -> None:

@@ -53,10 +53,15 @@ def pools(store: KVStore, share: bool) -> dict[str, Any]:
 
 
 def redacted(config: KVTierConfig) -> dict[str, Any]:
-    """The effective configuration, every API key replaced by a placeholder."""
+    """The effective configuration, every API key and secret (the admin key, tenants' keys, the
+    remote tier's `secret` and `password`) replaced by a placeholder, `env:` references too."""
     data = config.to_dict()
-    if data["service"].get("admin_key") is not None:
-        data["service"]["admin_key"] = "<redacted>"
+    secrets = [(data["service"], "admin_key")]
+    if data["tiers"].get("remote") is not None:
+        secrets += [(data["tiers"]["remote"], "secret"), (data["tiers"]["remote"], "password")]
+    for section, key in secrets:
+        if section.get(key) is not None:
+            section[key] = "<redacted>"
     for tenant in data["tenants"].values():
         tenant["api_keys"] = ["<redacted>"] * len(tenant.get("api_keys", ()))
     return data
