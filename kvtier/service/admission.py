@@ -21,6 +21,7 @@ from fastapi import Request
 from kvtier.config import KVTierConfig
 from kvtier.service import wire
 from kvtier.service.auth import Auth
+from kvtier.service.history import History
 from kvtier.service.metrics import Metrics
 from kvtier.store import KVStore
 
@@ -30,12 +31,13 @@ Admit = Callable[[Request, "Service"], tuple[KVStore, str | None]]
 
 
 class Service:
-    """The app's state: the store once ready, auth, metrics, limits."""
+    """The app's state: the store once ready, auth, metrics, the status page's history."""
 
     def __init__(self, config: KVTierConfig, factory: StoreFactory) -> None:
         self.config = config
         self.auth = Auth(config)
         self.metrics = Metrics(self)
+        self.history = History()
         self.factory = factory
         self.store: KVStore | None = None
         self.failure = ""
@@ -45,6 +47,7 @@ class Service:
         """Build the store (recovery included) on this thread; `ready` when it is done."""
         try:
             self.store = self.factory()
+            self.history.start(self.store)
         except Exception as exc:  # reported by /readyz; the process keeps answering /healthz
             self.failure = f"{type(exc).__name__}: {exc}"
             raise
@@ -52,6 +55,7 @@ class Service:
             self.ready.set()
 
     def stop(self) -> None:
+        self.history.stop()
         store, self.store = self.store, None
         if store is not None:
             store.close()  # drains the mover, leaves the disk tier consistent

@@ -6,6 +6,7 @@
 Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `guard.py`):
 
     GET  /healthz /readyz                     alive / recovered and serving
+    GET  /                                    the status page (`page.py`), for a browser
     GET  /v1/status                           live figures: a tenant key sees its tenant's
     GET  /v1/config /metrics                  config with keys redacted; Prometheus text
     GET  /v1/pools                            what a same-host client maps (shared memory)
@@ -59,6 +60,7 @@ from kvtier.service.admission import (
 from kvtier.service.admission import admit as _admit
 from kvtier.service.body import Disconnected, read_body
 from kvtier.service.guard import Guard, HostCheck
+from kvtier.service.page import add_page
 from kvtier.store import PREFETCH_ATTEMPTS, KVStore
 
 log = logging.getLogger("kvtier.service")
@@ -88,6 +90,7 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
     app.add_middleware(Guard, hosts=HostCheck(bound, config.service.allowed_hosts))
     app.add_exception_handler(HTTPException, _http_error)
     _add_routes(app, service)
+    add_page(app, service)
     return app
 
 

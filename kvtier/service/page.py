@@ -1,0 +1,177 @@
+"""The status page at `/`: what an operator opens in a browser (issue 18).
+
+    GET /                 the page (HTML): tiers, hit rate and copies over the last minutes,
+                          leases and mover, faults, recovery, config and build
+    GET /?part=main       its live part alone, which the page's script fetches every 2 s
+    GET /page.css /page.js   the page's style and script (static, no build step)
+
+Auth is `/v1/status`'s: without auth every viewer sees the global figures; with auth the admin
+key sees them, a tenant's key that tenant's own figures (no charts, no config: those are
+global), and anything else is refused. A browser cannot send a Bearer header by itself, so the
+page (and only the page: it changes nothing, so a browser sending the key unasked to a
+cross-site request is harmless) also takes the key as HTTP Basic credentials, the key as the
+password (or as the user name, with an empty password: `curl -u KEY:`), and answers a missing or
+unknown key with 401 and `WWW-Authenticate: Basic`, so that the browser asks for it.
+
+While the store recovers the page still answers, saying so, with the build figures.
+
+The page carries no inline script or style: its Content-Security-Policy allows only this
+origin's `/page.js` and `/page.css`, no frames, no forms.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import platform
+import time
+from importlib import metadata
+from importlib.resources import files
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from kvtier.service import bodies, render, schemas
+from kvtier.service.admission import Service
+
+HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "img-src 'self'; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+    "form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+}
+_STATIC = {"/page.css": "text/css", "/page.js": "text/javascript"}
+_MAX_CREDENTIALS = 4096
+
+
+def add_page(app: FastAPI, service: Service) -> None:
+    """Add the page's routes to `app` (module doc)."""
+    started = time.time()
+    statics = {
+        path: (files("kvtier.service") / "static" / path[1:]).read_bytes() for path in _STATIC
+    }
+
+    @app.get(
+        "/",
+        response_class=HTMLResponse,
+        responses=PAGE_RESPONSES,
+        openapi_extra=PAGE_PARAMETERS,
+        summary="The status page (HTML)",
+    )
+    async def page(request: Request) -> Response:
+        part = request.query_params.get("part")
+        if part not in (None, "main"):
+            return _refusal(400, "bad_argument", f"part: got {part[:64]!r}, expected 'main'")
+        viewer = _viewer(service, request.headers.get("authorization"))
+        if isinstance(viewer, Response):
+            return viewer
+        view = await run_in_threadpool(_view, service, viewer, started)
+        html = render.live(view) if part == "main" else render.document(view)
+        return HTMLResponse(html, headers=HEADERS)
+
+    for path, media in _STATIC.items():
+        app.get(path, include_in_schema=False)(_static(statics[path], media))
+
+
+def _static(body: bytes, media: str) -> Any:
+    async def static() -> Response:
+        return Response(body, media_type=media, headers=HEADERS)
+
+    return static
+
+
+PAGE_PARAMETERS: dict[str, Any] = {
+    "parameters": [{"name": "part", "in": "query", "required": False, "schema": {"enum": ["main"]}}]
+}
+_ERROR = {"application/json": {"schema": schemas.ERROR}}
+PAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "OK", "content": {"text/html": {"schema": {"type": "string"}}}},
+    400: {"description": "a `part` other than main", "content": _ERROR},
+    401: {"description": "no key, or one the server does not know", "content": _ERROR},
+    403: {"description": "a Bearer key the server does not know", "content": _ERROR},
+    415: {"description": "a body that is neither JSON nor msgpack", "content": _ERROR},
+    421: {"description": "a Host header that does not name this server", "content": _ERROR},
+}
+
+
+def _refusal(status: int, kind: str, detail: str, ask: bool = False) -> Response:
+    headers = {"www-authenticate": 'Basic realm="kvtier", charset="UTF-8"'} if ask else None
+    return JSONResponse({"error": kind, "detail": detail}, status, headers=headers)
+
+
+def _viewer(service: Service, authorization: str | None) -> str | Response | None:
+    """None for the global figures, a tenant's name for its own, or the refusal to answer."""
+    auth = service.auth
+    if not auth.enabled:
+        return None
+    header = _as_bearer(authorization)
+    if auth.is_admin(header):
+        return None
+    tenant = auth.tenant(header, None)
+    if tenant is not None:
+        return tenant
+    if header is None:
+        return _refusal(401, "unauthorized", "a key: Bearer, or Basic with the key", ask=True)
+    if authorization is not None and authorization.startswith("Bearer "):
+        return _refusal(403, "forbidden", "unknown API key")
+    return _refusal(401, "unauthorized", "unknown API key", ask=True)  # Basic: ask again
+
+
+def _as_bearer(authorization: str | None) -> str | None:
+    """`Bearer <key>` as given, or made of Basic credentials (the password, else the user);
+    None for anything else (malformed credentials are no credentials)."""
+    if authorization is None or len(authorization) > _MAX_CREDENTIALS:
+        return None
+    if authorization.startswith("Bearer "):
+        return authorization
+    if not authorization.startswith("Basic "):
+        return None
+    try:
+        decoded = base64.b64decode(authorization[6:].strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, _, password = decoded.partition(":")
+    key = password or user
+    return f"Bearer {key}" if key else None
+
+
+def _view(service: Service, tenant: str | None, started: float) -> render.View:
+    """One snapshot of the store for the page: its status as `tenant` sees it (global: None)."""
+    store = service.store
+    status = None if store is None else store.status(tenant=tenant)
+    if status is not None:
+        readiness = "ready"
+    else:
+        readiness = f"not ready: {service.failure}" if service.failure else "recovering"
+    overall = tenant is None
+    return render.View(
+        status=status,
+        readiness=readiness,
+        tenant=tenant,
+        rates=service.history.rates() if overall else None,
+        config=bodies.redacted(service.config) if overall else None,
+        build=_build(started),
+        as_of=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime()),
+    )
+
+
+def _build(started: float) -> dict[str, str]:
+    try:
+        version = metadata.version("kvtier")
+    except metadata.PackageNotFoundError:
+        version = "unknown (not installed)"
+    uptime = time.time() - started
+    return {
+        "kvtier": version,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pid": str(os.getpid()),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "up": f"{uptime / 3600:.1f} h" if uptime >= 3600 else f"{uptime:.0f} s",
+    }

@@ -1,0 +1,43 @@
+// kvtier's status page: fetch the live part every few seconds and put it in place.
+// No libraries and no build step; the server renders everything, this only refreshes it.
+"use strict";
+(() => {
+  const every = Number(document.body.dataset.refreshMs) || 2000;
+  const stale = document.getElementById("stale");
+  let busy = false;
+
+  function say(text) {
+    stale.textContent = text;
+    stale.hidden = !text;
+  }
+
+  // Replace <main id="live"> with a fresh one; resolves true once it is in place.
+  async function refresh() {
+    if (busy) return false;
+    busy = true;
+    try {
+      const response = await fetch(location.pathname + "?part=main", {
+        cache: "no-store",
+        credentials: "same-origin",
+      });
+      if (!response.ok) throw new Error(`HTTP ${response.status}`);
+      const parsed = new DOMParser().parseFromString(await response.text(), "text/html");
+      const next = parsed.getElementById("live");
+      if (next === null) throw new Error("no live part in the answer");
+      document.getElementById("live").replaceWith(document.adoptNode(next));
+      document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes) + 1);
+      say("");
+      return true;
+    } catch (error) {
+      say(`Not updating: ${error.message}. The figures below are from the time shown.`);
+      return false;
+    } finally {
+      busy = false;
+    }
+  }
+
+  window.kvtierRefresh = refresh;
+  setInterval(() => {
+    if (!document.hidden) refresh();
+  }, every);
+})();
