@@ -26,6 +26,8 @@ latency is the service's own (a histogram per route). Names:
     kvtier_mover_{in_flight,queued_transfers,pending_leases}     gauges
     kvtier_mover_flights_total{kind}                     prefetch, demote, insert
     kvtier_mover_{failed_flights,backpressure_drops,throttled_stores}_total  counters
+    kvtier_mover_{failed_blocks,leases_failed,leases_cancelled}_total       counters
+    kvtier_mover_step_errors_total                       a mover step that raised (a bug)
     kvtier_prefetch_to_ready_seconds{quantile}           p50 / p99 of recent prefetches
     kvtier_request_seconds{route}                        histogram of request latency
     kvtier_client_disconnects_total                      clients that hung up mid-body
@@ -218,7 +220,7 @@ def _mover(mover: dict[str, Any]) -> Iterator[Any]:
     for kind in ("prefetch", "demote", "insert"):
         flights.add_metric([kind], mover[f"{kind}_flights"])
     yield flights
-    for field in ("failed_flights", "backpressure_drops", "throttled_stores"):
+    for field in _MOVER_COUNTERS:
         counter = CounterMetricFamily(f"kvtier_mover_{field}", f"Mover: {field}")
         counter.add_metric([], mover[field])
         yield counter
@@ -230,6 +232,12 @@ def _mover(mover: dict[str, Any]) -> Iterator[Any]:
     ready.add_metric(["0.5"], mover["prefetch_to_ready_s"]["p50"])
     ready.add_metric(["0.99"], mover["prefetch_to_ready_s"]["p99"])
     yield ready
+
+
+_MOVER_COUNTERS = (
+    "failed_flights", "backpressure_drops", "throttled_stores", "failed_blocks", "leases_failed",
+    "leases_cancelled", "step_errors",
+)  # fmt: skip
 
 
 _REMOTE_GAUGES = {"connected", "writer_pending_bytes"}  # every other number is a count
