@@ -1,9 +1,10 @@
 """Assembly: a store's parts, built from its config (the composition root).
 
 `Parts(config, ...)` makes, in dependency order: the pools (gpu, host[, disk]; in POSIX
-shared memory for a sidecar), the index, the namespaces (tenant <-> seed), the cache's shared
-state (`transfer/shared.py`), fair shares, the executors (the inline one for copies made inside
-a call; a thread or CUDA executor for the background), the demoter, the disk reader, the
+shared memory for a sidecar; with `tiers.host: null` a host tier of no slots, `NoHostPool`,
+and the write policy `without_host`), the index, the namespaces (tenant <-> seed), the cache's
+shared state (`transfer/shared.py`), fair shares, the executors (the inline one for copies made
+inside a call; a thread or CUDA executor for the background), the demoter, the disk reader, the
 recovered index (when there is a disk tier), the reservation table, the mover and the write
 path. Every part takes the parts it uses, never the store; `KVStore` (`store.py`) holds the
 result and calls into it. A failed assembly closes the tiers it made (their shared memory
@@ -36,7 +37,14 @@ from kvtier.policy import write_policy
 from kvtier.recovery import recover
 from kvtier.status import TenantCounters
 from kvtier.tenancy import Namespaces, ReservationTable, TenantShares
-from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
+from kvtier.tiers import (
+    GpuPool,
+    HostPool,
+    NoHostPool,
+    SlotPool,
+    available_host_bytes,
+    free_device_bytes,
+)
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.codec import Codec, QuantBytes, tier_codec
@@ -104,7 +112,8 @@ class Parts:
         # fair shares (tenancy.py): floors steer eviction, quotas bound what a tenant holds
         self.shares = TenantShares(config, [pool.num_slots for pool in pools])
         index.set_floors(self.shares.floors(self.namespaces.seeds))
-        self.policy = policy = write_policy(config.policy.write, config.policy.selective_hits)
+        policy = write_policy(config.policy.write, config.policy.selective_hits)
+        self.policy = policy = policy if config.tiers.host is not None else policy.without_host()
         ledger = Ledger() if executor is None else executor.ledger  # one count of every copy
         self.executor = inline = InlineExecutor(ledger)  # copies made inside a call
         background = executor or _background_executor(config, state, inline)
@@ -125,7 +134,7 @@ class Parts:
         self.reservations = ReservationTable(
             [state.gpu, state.host], index.leases, clock, config.policy.reservation_quarantine_s
         )
-        tiers = (config.tiers.gpu, config.tiers.host)
+        tiers = [t for t in (config.tiers.gpu, config.tiers.host) if t is not None]
         settings = MoverSettings(
             background=config.mover.background,
             prefetch=PrefetchSettings(
@@ -156,7 +165,8 @@ class Parts:
 
     @property
     def memory(self) -> list[SlotPool]:
-        return [self.state.gpu, self.state.host]
+        """The memory tiers present: gpu, and host unless the store has none."""
+        return [pool for pool in (self.state.gpu, self.state.host) if pool.num_slots]
 
 
 def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) -> list[Tier]:
@@ -171,15 +181,7 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
         None if prefix is None else f"{prefix}-gpu",
     )
     made.append(gpu)
-    host_bytes = host_cfg.capacity.resolve(available_host_bytes())
-    host_codec = _codec(host_cfg, layout, "tiers.host")  # none or quantized (the schema's)
-    host: SlotPool
-    if isinstance(host_codec, QuantBytes):  # payloads, never in a shared segment
-        host = QuantPool.create_quantized(host_codec.quant, host_bytes, host_cfg.pinned)
-    else:
-        shared = None if prefix is None else f"{prefix}-host"
-        host = HostPool.create(layout, host_bytes, host_cfg.pinned, shared)
-    made.append(host)
+    made.append(_host_pool(host_cfg, layout, prefix))
     disk_cfg = config.tiers.disk
     if disk_cfg is not None:
         disk = DiskTier(
@@ -191,6 +193,17 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
         )
         made.append(disk)
     return list(made)
+
+
+def _host_pool(host_cfg: HostTierConfig | None, layout: KVLayout, prefix: str | None) -> SlotPool:
+    if host_cfg is None:  # no host tier: one of no slots keeps its place
+        return NoHostPool.absent(layout)
+    host_bytes = host_cfg.capacity.resolve(available_host_bytes())
+    host_codec = _codec(host_cfg, layout, "tiers.host")  # none or quantized (the schema's)
+    if isinstance(host_codec, QuantBytes):  # payloads, never in a shared segment
+        return QuantPool.create_quantized(host_codec.quant, host_bytes, host_cfg.pinned)
+    shared = None if prefix is None else f"{prefix}-host"
+    return HostPool.create(layout, host_bytes, host_cfg.pinned, shared)
 
 
 def _events(

@@ -117,6 +117,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         layout = config.layout
         sizes = ", ".join(
             f"{name} {getattr(config.tiers, name).capacity}{_codec_note(config, name)}"
+            if getattr(config.tiers, name) is not None
+            else f"{name} none"
             for name in config.tier_names
         )
         print(

@@ -154,8 +154,9 @@ class Operations:
 
     def evict(self, tier: str, num_blocks: int) -> int:
         names = self.parts.state.index.tiers
-        if tier not in names:
-            raise InvalidArgumentError(f"tier: got {tier!r}, expected one of {names}")
+        present = tuple(names[t] for t in self.parts.state.present)
+        if tier not in present:
+            raise InvalidArgumentError(f"tier: got {tier!r}, expected one of {present}")
         if type(num_blocks) is not int or num_blocks < 0:
             raise InvalidArgumentError(f"num_blocks: got {num_blocks!r}, expected an int >= 0")
         with self.lock:

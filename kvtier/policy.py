@@ -12,10 +12,13 @@ A table of small strategies, chosen by `policy.write` in the config:
 (2) a colder leaf is dropped instead.
 
 A block that cannot be dropped (it has children still cached) is always copied down.
+In a store without a host tier (`tiers.host: null`) there is nothing to copy to: every policy
+is then `without_host()` (its name kept), and gpu victims are dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -25,6 +28,10 @@ class WritePolicy:
     copy_on_store: bool
     min_hits_to_keep: int  # a demoted block with fewer hits is dropped, if it is a leaf
     copy_on_hits: int | None = None  # a gpu block hit this many times gets its host copy
+
+    def without_host(self) -> WritePolicy:
+        """This policy in a store without a host tier: no host copy on store or on hits."""
+        return dataclasses.replace(self, copy_on_store=False, copy_on_hits=None)
 
 
 def write_policy(name: str, selective_hits: int) -> WritePolicy:

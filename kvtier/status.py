@@ -3,7 +3,9 @@
 Every figure is read from the live objects when asked: capacity and use from the pools,
 residency from the index, leases from the lease table, bytes moved from the executor; only
 event counts (hits, demotions, ...) are counters, because events leave no other trace.
-Field names are the API of `GET /v1/status` (issue 6): add fields, never rename them.
+Field names are the API of `GET /v1/status` (issue 6): add fields, never rename them. A store
+without a host tier (`tiers.host: null`) has no `host` entry in `tiers` (nor in /metrics, which
+reads this), and no path to or from host.
 
 Two views (`KVStore.status(tenant)`):
 - `store_status`: the global figures, for the admin;
@@ -49,6 +51,8 @@ def store_status(parts: Parts) -> dict[str, Any]:
     ]
     tiers = {}
     for tier, (pool, counters) in enumerate(zip(parts.pools, parts.state.counters, strict=True)):
+        if tier not in parts.state.present:  # no host tier: nothing to report
+            continue
         moved_out = sum(n for (src, _), n in parts.executor.bytes_moved.items() if src == pool.name)
         moved_in = sum(n for (_, dst), n in parts.executor.bytes_moved.items() if dst == pool.name)
         tiers[pool.name] = {
@@ -75,7 +79,8 @@ def store_status(parts: Parts) -> dict[str, Any]:
         for (src, dst), nbytes in sorted(parts.executor.bytes_moved.items())
     }
     host = parts.state.host
-    tiers[host.name]["codec"] = host.codec.id if isinstance(host, QuantPool) else "none"
+    if host.name in tiers:
+        tiers[host.name]["codec"] = host.codec.id if isinstance(host, QuantPool) else "none"
     if parts.state.disk is not None:
         tiers["disk"]["direct_io"] = parts.state.disk.direct
         tiers["disk"]["codec"] = parts.state.disk.codec.name
@@ -120,6 +125,8 @@ def tenant_status(parts: Parts, tenant: str, namespace: bytes) -> dict[str, Any]
     held = index.leases.held_blocks(namespace)
     tiers: dict[str, dict[str, Any]] = {}
     for tier, pool in enumerate(parts.pools):
+        if tier not in parts.state.present:
+            continue
         reserved = parts.reservations.held(tier, tenant) if tier < len(parts.memory) else 0
         quota = limits.quota[tier]
         tiers[pool.name] = {

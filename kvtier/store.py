@@ -16,7 +16,8 @@ Contract:
   naming the bad value and changes nothing.
 - `lookup` changes only recency; `load` returns a new tensor; `prefetch` is all or nothing.
 - When a tier needs room now, its least-recently-used unleased leaves move down (gpu -> host)
-  and the lowest tier drops leaves (`transfer/demotion.py`).
+  and the lowest tier drops leaves (`transfer/demotion.py`); in a store without a host tier
+  (`tiers.host: null`, then without disk too) gpu is the lowest.
 - The mover (`transfer/mover.py`, `mover.background`) runs copies on worker threads (CUDA
   streams for a CUDA gpu tier): `prefetch(wait=False)` returns a PENDING lease to wait on,
   watermark demotion and disk writes happen behind the caller, and `store()` never waits on
@@ -84,12 +85,12 @@ class KVStore:
         config's (needs `mover.background: true`; the store closes it). `shared_memory`: a name
         base; the host pool and a CPU gpu pool then live in /dev/shm/<base>-<pid>-<random>-<tier>
         (0600), which clients map. A failed construction closes the tiers it made."""
-        parts = Parts(config, secret, clock, executor, shared_memory)
-        self.parts = parts
+        self.parts = parts = Parts(config, secret, clock, executor, shared_memory)
         self.config, self.layout = parts.config, parts.config.layout
         self.block_tokens, self.tier_names = self.layout.block_tokens, self.config.tier_names
         self.index, self.pools, self.memory = parts.state.index, parts.pools, parts.memory
-        self.gpu_pool, self.host_pool, self.disk = *parts.memory, parts.state.disk
+        state = parts.state  # host: a pool of no slots in a store without one (`NoHostPool`)
+        self.gpu_pool, self.host_pool, self.disk = state.gpu, state.host, state.disk
         self.namespaces, self.shares, self.policy = parts.namespaces, parts.shares, parts.policy
         self.ops, self.counters = parts.state.ops, parts.state.counters
         self.tenant_counters, self.recovery = parts.tenant_counters, parts.recovery

@@ -52,6 +52,7 @@ def test_default_file_is_the_embedded_default() -> None:
     assert load_config(CONFIGS / "default.yaml") == config
     assert config.model.name == "SmolLM2-135M-Instruct"
     assert config.tiers.gpu.capacity.resolve(0) == 256 * MiB
+    assert config.tiers.host is not None
     assert config.tiers.host.capacity.resolve(0) == GiB
     assert config.tier_names == ("gpu", "host", "disk")
     assert config.tiers.disk is not None
@@ -74,7 +75,7 @@ def test_llama_8b_layout_has_2mib_blocks_and_three_tiers() -> None:
     assert (layout.dtype_name, layout.block_tokens) == ("bfloat16", 16)
     assert layout.block_bytes == 2097152
     assert config.tier_names == ("gpu", "host", "disk")
-    assert config.tiers.host.pinned is True
+    assert config.tiers.host is not None and config.tiers.host.pinned is True
 
 
 def test_llama_70b_shard_has_one_kv_head_and_a_fractional_gpu_tier() -> None:
@@ -88,7 +89,7 @@ def test_llama_70b_shard_has_one_kv_head_and_a_fractional_gpu_tier() -> None:
 def test_laptop_config_is_cpu_only() -> None:
     config = load_config(CONFIGS / "qwen2.5-0.5b-laptop.yaml")
     assert config.tiers.gpu.device == "cpu"
-    assert config.tiers.host.pinned is False
+    assert config.tiers.host is not None and config.tiers.host.pinned is False
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,10 @@ class KVTierConfig(Section):
     def _capacities_hold_a_block(self) -> KVTierConfig:
         block_bytes = self.layout.block_bytes
         for name in self.tier_names:
-            capacity: Capacity = getattr(self.tiers, name).capacity
+            section = getattr(self.tiers, name)
+            if section is None:  # no host tier
+                continue
+            capacity: Capacity = section.capacity
             if capacity.nbytes is not None and capacity.nbytes < block_bytes:
                 expected = f"at least one block ({format_size(block_bytes)})"
                 raise InvalidValue(capacity.to_config(), expected, key=f"tiers.{name}.capacity")
@@ -99,7 +102,9 @@ class KVTierConfig(Section):
 
     @property
     def tier_names(self) -> tuple[str, ...]:
-        """Configured tiers, fastest first: `("gpu", "host")` or `("gpu", "host", "disk")`."""
+        """The tiers by index, fastest first: `("gpu", "host")` or `("gpu", "host", "disk")`.
+        host keeps its place when `tiers.host` is null: the store then has a host tier of no
+        slots (`NoHostPool`, `tiers/host.py`), so that tier indices never shift."""
         return ("gpu", "host", "disk") if self.tiers.disk is not None else ("gpu", "host")
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """The `tiers` section: where blocks live, fastest first (DESIGN.md, "Configuration").
 
 Contract:
-- gpu and host always exist, with defaults; disk exists only when configured, and then its
-  `capacity` is required.
+- gpu always exists; host exists unless `host: null` (a store without one: gpu victims are
+  dropped, nothing is ever copied to host, and status leaves the tier out); both have
+  defaults. disk exists only when configured, and then its `capacity` is required; it needs a
+  host tier (its writes and reads are staged through host memory), so `host: null` with a disk
+  tier is refused naming `tiers.host`.
 - A memory tier's capacity is a size or a fraction of free memory, resolved by the tier that
   owns it (`Capacity.resolve`), never here; the disk tier's is a size.
 - `0 < low_watermark <= high_watermark <= 1` on gpu and host: demotion starts above the high
@@ -180,9 +183,19 @@ class RemoteTierConfig(_CodecFields):
 
 
 class TiersConfig(Section):
-    """gpu and host always exist; disk and remote only when configured."""
+    """gpu always exists; host unless null; disk and remote only when configured."""
 
     gpu: GpuTierConfig = GpuTierConfig()
-    host: HostTierConfig = HostTierConfig()
+    host: HostTierConfig | None = HostTierConfig()
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None
+
+    @model_validator(mode="after")
+    def _disk_behind_host(self) -> TiersConfig:
+        if self.host is None and self.disk is not None:
+            expected = (
+                "a host tier when tiers.disk is set (disk blocks are staged through host "
+                "memory); give tiers.host a capacity, or set tiers.disk to null too"
+            )
+            raise InvalidValue(None, expected, key="host")
+        return self

@@ -8,6 +8,10 @@ Contract:
 - The buffer is always on the CPU; the pool's name is always `"host"`.
 - With `shared_name` the buffer lives in POSIX shared memory (`SlotPool`), so that a sidecar's
   client maps it (DESIGN.md, engine contract); the slot bookkeeping does not change.
+- `NoHostPool` stands in for the host tier of a store configured without one (`tiers.host:
+  null`): a pool of no slots, so that every room check for host says no and nothing is ever
+  copied there, while the tier indices stay (gpu 0, host 1: `tiers/base.py`). Status, metrics
+  and the sidecar's pools leave it out (`CacheState.present`).
 """
 
 from __future__ import annotations
@@ -52,3 +56,16 @@ class HostPool(SlotPool):
         return cls.with_capacity(
             "host", layout, capacity_bytes, torch.device("cpu"), pin, shared_name
         )
+
+
+class NoHostPool(HostPool):
+    """The host tier of a store without one (module doc): no slots, no memory."""
+
+    MIN_SLOTS = 0
+
+    @classmethod
+    def absent(cls, layout: KVLayout) -> NoHostPool:
+        return cls("host", layout, 0, torch.device("cpu"))
+
+    def _allocate_buffer(self) -> torch.Tensor:
+        return torch.empty((0, *self.slot_shape), dtype=self.slot_dtype)

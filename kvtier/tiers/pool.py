@@ -59,6 +59,8 @@ def _unlink_segment(name: str) -> None:
 class SlotPool:
     """`num_slots` block-sized slots on one device, with O(1) allocate/free and exact accounting."""
 
+    MIN_SLOTS = 1  # a tier of no slots is the absent host tier only (`NoHostPool`)
+
     def __init__(
         self,
         name: str,
@@ -74,8 +76,9 @@ class SlotPool:
         if shared_name is not None and device.type != "cpu":
             raise ConfigError(f"tiers.{name}.shared", shared_name, "a pool in CPU memory")
         self.shared_name = shared_name
-        if type(num_slots) is not int or num_slots < 1:
-            raise ConfigError(f"tiers.{name}.num_slots", num_slots, "a positive integer")
+        if type(num_slots) is not int or num_slots < self.MIN_SLOTS:
+            expected = "a positive integer" if self.MIN_SLOTS else "an integer >= 0"
+            raise ConfigError(f"tiers.{name}.num_slots", num_slots, expected)
         self.name = name
         self.layout = layout
         self.num_slots = num_slots

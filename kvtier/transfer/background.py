@@ -50,7 +50,7 @@ lock is never held long to plan them."""
 
 @dataclass(frozen=True)
 class BackgroundSettings:
-    watermarks: Sequence[tuple[float, float]]  # (high, low) of each memory tier
+    watermarks: Sequence[tuple[float, float]]  # (high, low) of each memory tier present
     admission: Sequence[int]  # hits a block needs to be copied into tier t
     background: bool  # inserts are staged in host slots, land after their call returned, and
     # are counted as stored then
@@ -98,7 +98,7 @@ class Background:
         if not self.background:  # inline: room is made on demand only
             return
         for tier in range(len(self.watermarks)):
-            if tier + 1 < len(self.pools):
+            if self.state.below(tier) is not None:
                 self._demote_over_watermark(tier)
 
     def _demote_over_watermark(self, tier: int) -> None:

@@ -12,7 +12,9 @@ Moving a block down: the one decision and the one copy path that every demotion 
     a leaf of the whole tree, unlocked?   -> DROP: drop it from the cache (an eviction)
     otherwise                             -> SKIP: leave it; try the next victim
 
-It reads only the index's view of the block; the caller acts on it. The inline `Demoter`
+The next tier is `CacheState.below(tier)`: none below the lowest tier, nor below gpu in a
+store without a host tier (`tiers.host: null`), whose gpu victims are dropped. It reads only
+the index's view of the block; the caller acts on it. The inline `Demoter`
 (room a call needs now), the background mover's watermark demotion and `persist()` all copy
 through `plan_copy_down` (destination slots allocated, the `Transfer` built, with the metadata
 that a disk copy records) and `record_copies` (the index learns each complete copy; the slot of
@@ -86,8 +88,8 @@ def decide(state: CacheState, ref: BlockRef, tier: int, admission: Sequence[int]
     num_tiers = len(state.pools)
     if any(node.slots[t][i] is not None for t in range(tier + 1, num_tiers)):
         return Action.CLEAR if state.index.can_clear(ref, tier) else Action.SKIP
-    lower = tier + 1
-    if lower < num_tiers and (node.hits >= admission[lower] or not is_leaf(ref)):
+    lower = state.below(tier)
+    if lower is not None and (node.hits >= admission[lower] or not is_leaf(ref)):
         return Action.COPY
     return Action.DROP if droppable(ref, num_tiers) else Action.SKIP
 
@@ -239,12 +241,12 @@ class Demoter:
         """The action `decide` gives each of blocks hi-1, ..., lo of `node` in turn, the later
         ones gone when its turn comes, if it is one for all (COPY: one that this path may make);
         None when they differ (CLEAR: each has a slower copy; `can_clear` decides in turn)."""
-        num_tiers, lower = len(self.pools), tier + 1
-        slower = sum(slowest_counts(node.slots, lo, hi)[lower:])  # blocks with a slower copy
+        num_tiers, lower = len(self.pools), self.state.below(tier)
+        slower = sum(slowest_counts(node.slots, lo, hi)[tier + 1 :])  # blocks with a slower copy
         if slower:
             return Action.CLEAR if slower == hi - lo else None
         leaf_tail = node.children is None and hi == node.size
-        if lower < num_tiers and (node.hits >= self.admission[lower] or not leaf_tail):
+        if lower is not None and (node.hits >= self.admission[lower] or not leaf_tail):
             return None if self._refuses(lower) else Action.COPY
         unlocked = not any(node.locked(t) for t in range(num_tiers))
         return Action.DROP if leaf_tail and unlocked else None
@@ -284,12 +286,8 @@ class Demoter:
 
     def _writes_back(self, tier: int) -> bool:
         """Whether `tier`'s next tier is a disk that this synchronous path may not write."""
-        lower = tier + 1
-        return (
-            not self.sync_disk
-            and lower < len(self.pools)
-            and isinstance(self.pools[lower], DiskTier)
-        )
+        lower = self.state.below(tier)
+        return not self.sync_disk and lower is not None and isinstance(self.pools[lower], DiskTier)
 
     def can_make_room(self, tier: int, n: int, owner: bytes | None = None) -> bool:
         """Whether `make_room(tier, n, owner)` can succeed at all: the free slots plus the

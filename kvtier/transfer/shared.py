@@ -2,7 +2,8 @@
 
 The cache's shared state: what every part that moves blocks reads and writes.
 
-`CacheState` bundles the index, the tiers' pools (gpu, host[, disk], in tier order), the event
+`CacheState` bundles the index, the tiers' pools (gpu, host[, disk], in tier order; a store
+without a host tier has one of no slots in its place: `present`, `below`), the event
 counters per tier, the operation counters, whose blocks they are (`Namespaces`) and the one
 lock that serialises every change to them. The store's calls and the mover's thread take
 `lock`; the copies themselves run without it (`flights.py`). Nothing here does work: the
@@ -124,6 +125,19 @@ class CacheState:
     @property
     def all_tiers(self) -> tuple[int, ...]:
         return tuple(range(len(self.pools)))
+
+    @property
+    def present(self) -> tuple[int, ...]:
+        """The tiers this store has: all but a host tier of no slots (`tiers.host: null`,
+        `NoHostPool`), which status, metrics and the sidecar's pools leave out."""
+        return tuple(tier for tier, pool in enumerate(self.pools) if pool.num_slots)
+
+    def below(self, tier: int) -> int | None:
+        """The tier that `tier`'s victims are copied down to: the next one, if there is one
+        and it has slots; else None, and they are dropped (the lowest tier, or gpu in a store
+        without a host tier, which the config allows only without a disk tier)."""
+        lower = tier + 1
+        return lower if lower < len(self.pools) and self.pools[lower].num_slots else None
 
     def free(self, tier: int, slots: Sequence[int]) -> None:
         """Give `slots` of `tier` back to its pool (the index no longer names them)."""
