@@ -19,6 +19,7 @@ from kvtier.replay import (
     Sizing,
     capacity_blocks,
     ceiling,
+    format_result,
     parse_line,
     read_trace,
     replay,
@@ -61,10 +62,11 @@ def test_ceiling_counts_leading_ids_seen_before(tmp_path: Path) -> None:
 def test_a_cache_larger_than_the_trace_serves_the_ceiling_from_gpu(tmp_path: Path) -> None:
     requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
     result = replay(requests, ceiling(requests), Sizing("big", 2.0, 2.0, 0.0), TINY)
-    assert result.served == {"gpu": 6 * B, "host": 0, "disk": 0, "recomputed": 6 * B}
+    assert result.served == {"gpu": 6 * B, "host": 0, "recomputed": 6 * B}  # no disk tier
     assert result.ceiling_tokens == 6 * B
     assert result.ratio == 1.0
     assert result.prefetches == 0 and result.dropped_tokens == 0
+    assert result.missed_tokens == 6 * B and result.recomputed_after_drop == 0
 
 
 def test_a_one_block_gpu_serves_from_host(tmp_path: Path) -> None:
@@ -74,7 +76,7 @@ def test_a_one_block_gpu_serves_from_host(tmp_path: Path) -> None:
     requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
     result = replay(requests, ceiling(requests), Sizing("host", 0.1, 2.0, 0.0), TINY)
     assert result.capacity_bytes["gpu"] == 2048
-    assert result.served == {"gpu": B, "host": 5 * B, "disk": 0, "recomputed": 6 * B}
+    assert result.served == {"gpu": B, "host": 5 * B, "recomputed": 6 * B}
     assert (result.prefetches, result.prefetch_refused) == (1, 2)
     assert result.ratio == 1.0
 
@@ -86,7 +88,53 @@ def test_a_disk_tier_keeps_what_memory_cannot(tmp_path: Path) -> None:
     assert tiered.ratio == 1.0 and tiered.served["disk"] > 0
     assert tiered.path_bytes["host->disk"] > 0
     assert alone.hit_tokens < tiered.hit_tokens
-    assert alone.served["disk"] == 0
+    assert list(alone.served) == ["gpu", "recomputed"]
+
+
+def test_the_gpu_only_run_has_no_host_tier(tmp_path: Path) -> None:
+    # gpu holds 3 blocks and nothing is below it: its victims are dropped, never copied. r2
+    # evicts block 2 for 3, r3 block 3 for 4; r4's blocks 2 and 5 do not fit beside its
+    # pinned prefix 0, 1 and block 4: dropped
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
+    alone = replay(requests, ceiling(requests), Sizing("gpu-only", 0.5, 0.0, 0.0), TINY)
+    assert alone.capacity_bytes == {"gpu": 3 * 2048} and alone.capacity_blocks == {"gpu": 3}
+    assert alone.path_bytes == {}
+    assert alone.served == {"gpu": 5 * B, "recomputed": 7 * B}
+    assert alone.evictions == {"gpu": 2} and alone.demotions == {"gpu": 0}
+    assert alone.dropped_tokens == 2 * B and alone.missed_tokens == 7 * B
+    report = format_result(alone)
+    assert "host" not in report.replace("host none", "")
+    assert "(gpu 6KiB)" in report and "bytes moved: none" in report
+
+
+# r1 and r2 send 3 new blocks to a 2-block gpu with nothing below: dropped whole. r3 stores
+# blocks 0, 1. r4 hits them and its block 2 is dropped (0, 1 are pinned while room is made).
+# r5 evicts block 1 for block 3; r6 hits block 0 and misses the evicted block 1.
+DROPS = [[0, 1, 2], [0, 1, 2], [0, 1], [0, 1, 2], [3], [0, 1]]
+
+
+def test_dropped_stores_are_told_apart_from_misses(tmp_path: Path) -> None:
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", DROPS))
+    result = replay(requests, ceiling(requests), Sizing("g", 0.5, 0.0, 0.0), TINY)
+    assert result.capacity_blocks == {"gpu": 2}
+    assert result.dropped_tokens == (3 + 3 + 1) * B  # what the stores reported dropped
+    assert result.served == {"gpu": 3 * B, "recomputed": 11 * B}
+    assert sum(result.served.values()) == result.tokens == 14 * B
+    # after a drop: r2's 3 blocks, r3's 2, r4's block 2; missed: r1's 3, r5's 1, r6's 1
+    assert result.recomputed_after_drop == 6 * B and result.missed_tokens == 5 * B
+    assert result.hit_tokens + result.missed_tokens + result.recomputed_after_drop == 14 * B
+    assert "recomputed (tokens): 2,560 missed (never stored, or evicted), 3,072 after their " \
+        "store was dropped" in format_result(result)  # fmt: skip
+
+
+def test_a_store_dropped_in_blocks_of_a_trace_block_is_told_apart(tmp_path: Path) -> None:
+    # 128-token store blocks, 4 per trace block: the same drops, each four times
+    requests = read_trace(write_trace(tmp_path / "t.jsonl", DROPS))
+    options = ReplayOptions(block_tokens=128, block_bytes=2048)
+    result = replay(requests, ceiling(requests), Sizing("g", 0.5, 0.0, 0.0), options)
+    assert result.capacity_blocks == {"gpu": 8}
+    assert result.dropped_tokens == 7 * B and result.recomputed_after_drop == 6 * B
+    assert result.missed_tokens == 5 * B
 
 
 def test_sizes_become_capacities_of_scaled_blocks(tmp_path: Path) -> None:
@@ -94,7 +142,7 @@ def test_sizes_become_capacities_of_scaled_blocks(tmp_path: Path) -> None:
     config = replay_config(Sizing("s", 0.01, 0.1, 0.0), 1000, options, str(tmp_path))
     assert config.layout.block_bytes == 4096 // 32  # a 512-token block is 32 store blocks
     assert config.tiers.gpu.capacity.nbytes == 320 * 128  # 1 % of 32,000 store blocks
-    assert config.tiers.host.capacity.nbytes == 3200 * 128
+    assert config.tiers.host is not None and config.tiers.host.capacity.nbytes == 3200 * 128
     assert config.tiers.disk is None
     assert config.policy.disk_admission_hits == 0 and config.mover.background is False
 
@@ -154,6 +202,8 @@ def test_bad_options_and_sizes_are_refused() -> None:
         ReplayOptions(block_bytes=1000)
     with pytest.raises(InvalidArgumentError, match="--gpu: got 0"):
         Sizing("s", 0.0, 0.1, 1.0)
+    with pytest.raises(InvalidArgumentError, match=r"--host: got 0 \(no host tier\) with --disk 1"):
+        Sizing("s", 0.1, 0.0, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )
     sizes = "fraction of the trace's unique blocks"
     cmd.add_argument("--gpu", type=float, default=0.01, help=f"gpu tier, a {sizes} (0.01)")
-    cmd.add_argument("--host", type=float, default=0.10, help="host tier (0.10; 0: one block)")
+    cmd.add_argument("--host", type=float, default=0.10, help="host tier (0.10; 0: none)")
     cmd.add_argument("--disk", type=float, default=1.0, help="disk tier (1.0; 0: none)")
     cmd.add_argument("--no-baseline", action="store_true", help="skip the gpu-only run")
     cmd.add_argument("--sweep", action="store_true", help="run the sizes scaled, print a table")

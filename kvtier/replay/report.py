@@ -27,7 +27,8 @@ TIERS = ("gpu", "host", "disk")
 
 @dataclass(frozen=True)
 class Sizing:
-    """Tier sizes as fractions of the trace's unique blocks; host 0 is one block, disk 0 none."""
+    """Tier sizes as fractions of the trace's unique blocks; host 0 is no host tier, disk 0 no
+    disk tier (a disk tier needs a host tier: host 0 with disk > 0 is refused)."""
 
     label: str
     gpu: float
@@ -38,10 +39,15 @@ class Sizing:
         for name in TIERS:
             value = getattr(self, name)
             if not 0 <= value <= 100 or (name == "gpu" and value == 0):
-                expected = "> 0" if name == "gpu" else ">= 0 (0: minimal host, or no disk)"
+                expected = "> 0" if name == "gpu" else ">= 0 (0: no such tier)"
                 raise InvalidArgumentError(
                     f"--{name}: got {value!r}, expected a fraction {expected}"
                 )
+        if self.host == 0 and self.disk > 0:
+            raise InvalidArgumentError(
+                f"--host: got 0 (no host tier) with --disk {self.disk!r}, expected a fraction "
+                "> 0: a disk tier is reached through host (or --disk 0 for a gpu-only store)"
+            )
 
     @property
     def total(self) -> float:
@@ -99,7 +105,10 @@ class Yardsticks:
 @dataclass(frozen=True)
 class ReplayResult:
     """The figures of one replay. Token counts; `served` splits every token sent into the tier
-    the lookup found it in, or `recomputed`."""
+    the lookup found it in (the tiers the store has: no `host` without a host tier), or
+    `recomputed`. Of the recomputed, `recomputed_after_drop` were blocks whose latest store had
+    been dropped (`dropped_tokens`, never cached since); the rest, `missed_tokens`, were never
+    stored before or were evicted."""
 
     sizing: Sizing
     mover: str
@@ -112,6 +121,7 @@ class ReplayResult:
     served: dict[str, int]
     ceiling_tokens: int
     dropped_tokens: int
+    recomputed_after_drop: int
     prefetches: int
     prefetch_refused: int
     backpressure_drops: int
@@ -131,6 +141,11 @@ class ReplayResult:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.tokens
+
+    @property
+    def missed_tokens(self) -> int:
+        """Recomputed tokens not stored before, or evicted: not for a dropped store."""
+        return self.served["recomputed"] - self.recomputed_after_drop
 
     @property
     def ceiling_rate(self) -> float:
@@ -157,6 +172,7 @@ class ReplayResult:
         return {
             **dataclasses.asdict(self),
             "hit_tokens": self.hit_tokens,
+            "missed_tokens": self.missed_tokens,
             "hit_rate": self.hit_rate,
             "ceiling_rate": self.ceiling_rate,
             "ratio_to_ceiling": self.ratio,
@@ -180,7 +196,7 @@ def share(fraction: float) -> str:
 
 def _sizes(sizing: Sizing) -> str:
     disk = share(sizing.disk) if sizing.disk else "none"
-    host = share(sizing.host) if sizing.host else "minimal"
+    host = share(sizing.host) if sizing.host else "none"
     return f"gpu {share(sizing.gpu)}, host {host}, disk {disk}"
 
 
@@ -220,6 +236,8 @@ def format_result(result: ReplayResult) -> str:
             f"  hit rate {r.hit_rate:.1%} vs ceiling {r.ceiling_rate:.1%} "
             f"(ratio {r.ratio:.3f}); dropped on store {r.dropped_tokens:,} tokens, "
             f"backpressure drops {r.backpressure_drops:,} blocks",
+            f"  recomputed (tokens): {r.missed_tokens:,} missed (never stored, or evicted), "
+            f"{r.recomputed_after_drop:,} after their store was dropped",
             f"  bytes moved: {paths}",
             f"  evictions (blocks): {evictions}; demotions: {demotions}",
             f"  lookup p50 {r.lookup.p50 * 1e3:.3f} ms, p99 {r.lookup.p99 * 1e3:.3f} ms; "
@@ -273,10 +291,10 @@ def format_table(results: Sequence[ReplayResult]) -> str:
             if y is not None
             else f"{'-':>9}{'-':>9}{'-':>8}"
         )
+        hits = "".join(f"{r.rate(t):>9.1%}" if t in r.served else f"{'-':>9}" for t in TIERS)
         lines.append(
-            f"{s.label:<10}{share(s.gpu):>7}{share(s.host):>7}{share(s.disk):>7}{r.rate('gpu'):>9.1%}"
-            f"{r.rate('host'):>9.1%}{r.rate('disk'):>9.1%}{r.hit_rate:>8.1%}"
-            f"{r.ceiling_rate:>9.1%}{r.ratio:>7.3f}{sims}{r.wall_s:>8.1f}"
+            f"{s.label:<10}{share(s.gpu):>7}{share(s.host):>7}{share(s.disk):>7}{hits}"
+            f"{r.hit_rate:>8.1%}{r.ceiling_rate:>9.1%}{r.ratio:>7.3f}{sims}{r.wall_s:>8.1f}"
         )
     return "\n".join(lines)
 

@@ -12,13 +12,19 @@ Tokens served per tier are read from the lookup, before the prefetch moves anyth
 lookup does not cover is recomputed. The KV is one zero buffer of the longest request, sliced:
 its content does not matter for hit rates, but the store copies it like any other.
 
+Drops. A store that cannot place blocks drops them (`StoreResult.dropped_tokens`): always the
+request's last ones (what is cached, then what is pending on disk, come first). `Drops` keeps
+the keys of the blocks whose latest store was dropped, so that the recomputed tokens split into
+those recomputed because their store was dropped and the misses (never stored, or evicted).
+
 Sizes. The model is scaled down to 1 layer, 1 KV head, float16 and `head_dim` chosen so that a
 512-token trace block is `block_bytes`; a store block is `block_tokens` (dividing 512) of those
 tokens. Tier sizes are fractions of the trace's unique blocks: a memory tier of fraction f holds
 round(f * unique) store blocks (at least one); the disk tier gets as many slots (each slot is a
-header region plus the payload, `tiers/disk/format.py`). Host 0 means one block (the store needs
-a host tier), disk 0 means no disk tier. `capacity_blocks` is the sum of the tiers a sizing asks
-for (gpu alone for a gpu-only run): the size of the one-cache simulations it is compared with.
+header region plus the payload, `tiers/disk/format.py`). Host 0 means no host tier
+(`tiers.host: null`; disk must be 0 too: `Sizing`), disk 0 means no disk tier.
+`capacity_blocks` is the sum of the tiers a sizing asks for (gpu alone for a gpu-only run): the
+size of the one-cache simulations it is compared with.
 
 Pacing. With `speed`, request i is due `(t_i - t_0) / speed` seconds after the first request
 starts (the store is open by then); the replay sleeps until it is due, or starts it late when
@@ -41,7 +47,7 @@ import torch
 from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError, InvalidArgumentError
-from kvtier.replay.report import Latency, Pacing, ReplayResult, Sizing
+from kvtier.replay.report import TIERS, Latency, Pacing, ReplayResult, Sizing
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
 from kvtier.store import KVStore
 from kvtier.tiers.disk.format import header_region_size, slot_size
@@ -119,7 +125,7 @@ def replay_config(
 
     tiers: dict[str, object] = {
         "gpu": {"capacity": blocks(sizing.gpu) * store_block_bytes},
-        "host": {"capacity": blocks(sizing.host) * store_block_bytes},
+        "host": {"capacity": blocks(sizing.host) * store_block_bytes} if sizing.host else None,
         "disk": None,
     }
     if sizing.disk > 0:
@@ -180,6 +186,39 @@ class _Clock:
         )
 
 
+class Drops:
+    """The blocks whose latest store was dropped (module doc), by key: trace id `h`, block `j`
+    of its `k` store blocks, is `h * k + j` (as `simulate.chains`). O(1) per request while no
+    store has dropped anything, else O(blocks recomputed)."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.per_id = TRACE_BLOCK_TOKENS // block_tokens
+        self.dropped: set[int] = set()
+        self.recomputed_tokens = 0  # recomputed because their latest store was dropped
+
+    def recompute(self, request: TraceRequest, hit_tokens: int) -> None:
+        """The tokens of `request` past `hit_tokens` are recomputed: count those dropped."""
+        if self.dropped:
+            keys = self._keys(request, hit_tokens, request.num_tokens)
+            self.recomputed_tokens += self.block_tokens * sum(k in self.dropped for k in keys)
+
+    def store(self, request: TraceRequest, hit_tokens: int, dropped_tokens: int) -> None:
+        """`request` was stored after a lookup that hit `hit_tokens`; the store dropped its
+        last `dropped_tokens` tokens, and cached (or has pending) every block before them."""
+        kept = request.num_tokens - dropped_tokens
+        if self.dropped and kept > hit_tokens:
+            self.dropped.difference_update(self._keys(request, hit_tokens, kept))
+        if dropped_tokens:
+            self.dropped.update(self._keys(request, kept, request.num_tokens))
+
+    def _keys(self, request: TraceRequest, start: int, stop: int) -> list[int]:
+        """The keys of the store blocks of `request` from token `start` to `stop`."""
+        k, ids = self.per_id, request.hash_ids
+        first, last = start // self.block_tokens, stop // self.block_tokens
+        return [ids[b // k] * k + b % k for b in range(first, last)]
+
+
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
@@ -199,8 +238,6 @@ def replay(
 ) -> ReplayResult:
     """Replay `requests` against a fresh store sized by `sizing`; `progress(n)` is told after
     every request. The store (and its disk directory) is gone when this returns."""
-    tiers = ("gpu", "host", "disk")
-    served = dict.fromkeys((*tiers, "recomputed"), 0)
     lookup_s: list[float] = []
     prefetch_s: list[float] = []
     refused = dropped = 0
@@ -211,6 +248,9 @@ def replay(
         tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=options.directory) as tmp,
     ):
         config = replay_config(sizing, ceiling.unique_blocks, options, tmp)
+        tiers = [t for t in TIERS if getattr(config.tiers, t) is not None]
+        served = dict.fromkeys((*tiers, "recomputed"), 0)
+        drops = Drops(options.block_tokens)
         layout = config.layout
         kv = torch.zeros(
             (layout.num_layers, 2, longest, layout.num_kv_heads, layout.head_dim),
@@ -224,10 +264,10 @@ def replay(
                 t0 = time.perf_counter()
                 hit = store.lookup(tokens)
                 lookup_s.append(time.perf_counter() - t0)
-                served["gpu"] += hit.gpu_tokens
-                served["host"] += hit.host_tokens
-                served["disk"] += hit.disk_tokens
+                for tier in tiers:
+                    served[tier] += getattr(hit, f"{tier}_tokens")
                 served["recomputed"] += len(tokens) - hit.num_tokens
+                drops.recompute(request, hit.num_tokens)
                 if hit.host_tokens or hit.disk_tokens:
                     t0 = time.perf_counter()
                     try:
@@ -237,7 +277,9 @@ def replay(
                     else:
                         prefetch_s.append(time.perf_counter() - t0)
                         store.release(lease)
-                dropped += store.store(tokens, kv[:, :, : len(tokens)]).dropped_tokens
+                stored = store.store(tokens, kv[:, :, : len(tokens)])
+                drops.store(request, hit.num_tokens, stored.dropped_tokens)
+                dropped += stored.dropped_tokens
                 if progress is not None:
                     progress(1)
             pacing = clock.pacing()
@@ -258,6 +300,7 @@ def replay(
         served=served,
         ceiling_tokens=ceiling.prefix_hits * TRACE_BLOCK_TOKENS,
         dropped_tokens=dropped,
+        recomputed_after_drop=drops.recomputed_tokens,
         prefetches=len(prefetch_s),
         prefetch_refused=refused,
         backpressure_drops=status["mover"]["backpressure_drops"],
