@@ -54,7 +54,7 @@ def quiet_status(server: Server, headers: dict[str, str] | None = None) -> dict[
     """The status once nothing moves: two reads in a row that agree (but for path rates)."""
     previous: dict[str, Any] | None = None
     for _ in range(100):
-        status = server.get("/v1/status", headers=headers).json()
+        status: dict[str, Any] = server.get("/v1/status", headers=headers).json()
         if previous is not None and previous["tiers"] == status["tiers"]:
             return status
         previous = status
