@@ -7,10 +7,9 @@ fingerprint and the tenant's salt (`blocks.tenant_salt`, keyed by the server sec
 tokens give other block ids in another namespace (DESIGN invariant 6). The seeds are fixed when
 the store is built; nothing here changes afterwards.
 
-`describe(index, ref)` is the metadata a disk copy of block `ref` carries (`BlockMeta`): its id,
-its parent's id, its namespace seed, its tenant's identifier (never a secret) and its tokens.
-The demoter, the mover and `persist` take this object rather than a callback into the store, so
-calls run down the floors (STYLE 14).
+`describe(index, refs)`: what a disk copy of each block records (`BlockMeta`: its id, its
+parent's id, namespace seed, tenant (never a secret) and tokens). The demoter, the mover and
+`persist` take this object, not a callback into the store, so calls run down the floors (STYLE 14).
 
 Quotas and fair-share floors (DESIGN invariant 9: no tenant pins a tier or evicts another
 below its floor). `TenantShares` is resolved once, when the store is built, from
@@ -213,17 +212,19 @@ class Namespaces:
         tenant no longer configured)."""
         return self._tenants.get(namespace)
 
-    def describe(self, index: RadixIndex, ref: BlockRef) -> BlockMeta:
-        """What a disk copy of block `ref` of `index` records about it."""
-        kb = index.key_nbytes
-        namespace = index.namespace_of(ref.node)
-        return BlockMeta(
-            block_id=index.block_id(ref),
-            parent_id=index.parent_id(ref),
-            namespace=namespace,
-            tenant=self._tenants.get(namespace, ""),
-            tokens=ref.node.key[ref.i * kb : (ref.i + 1) * kb],
-        )
+    def describe(self, index: RadixIndex, refs: Iterable[BlockRef]) -> tuple[BlockMeta, ...]:
+        """The `BlockMeta` of each of `refs`, in order; a node's ids are read once per run of it."""
+        kb, ds = index.key_nbytes, index.digest_size
+        metas: list[BlockMeta] = []
+        node, chain, namespace, tenant = None, b"", b"", ""
+        for at, i in refs:
+            if at is not node:  # chain: [id before block 0 | id of block 0 | of block 1 | ...]
+                node, chain = at, index.parent_id(BlockRef(at, 0)) + index.block_ids(at)
+                namespace = index.namespace_of(at)
+                tenant = self._tenants.get(namespace, "")
+            metas.append(BlockMeta(chain[(i + 1) * ds : (i + 2) * ds], chain[i * ds : (i + 1) * ds],
+                                   namespace, tenant, at.key[i * kb : (i + 1) * kb]))  # fmt: skip
+        return tuple(metas)
 
 
 @dataclass(frozen=True)

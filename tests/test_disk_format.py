@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
+from dataclasses import fields as dataclass_fields
 from dataclasses import replace
+from types import SimpleNamespace
 
 import msgpack  # type: ignore[import-untyped]
 import pytest
@@ -18,6 +21,7 @@ from kvtier.tiers.disk.format import (
     SECTOR,
     BlockHeader,
     CorruptHeader,
+    HeaderWriter,
     align_up,
     checksum,
     decode_header,
@@ -321,6 +325,101 @@ def test_any_valid_header_round_trips(
         seq=seq,
     )
     assert decode_header(encode_header(header, header_region_size(16, 16))) == header
+
+
+# ---- the write path's headers (HeaderWriter) ------------------------------------------------
+
+
+def test_the_bytes_of_a_header_are_pinned() -> None:
+    """Slab files written before must keep recovering: these are the bytes of format 1."""
+    pinned = {
+        (16, 16, SECTOR): "bd4d14d31560262e4d6f145d198977ecc09f32fa4b15bd33e5d19bf02a0b3c79",
+        (32, 1000, 8192): "90bae0eeae975bdf2bda6f76ec59fefd909b491cdd4c1614906437c4771b51ff",
+    }
+    for (digest_size, block_tokens, region), sha in pinned.items():
+        header = make_header(digest_size, block_tokens)
+        if digest_size == 32:
+            header = replace(header, tenant="ténant-\U0010ffff", codec="none", seq=2**64 - 1)
+        assert hashlib.sha256(encode_header(header, region)).hexdigest() == sha
+        writer = HeaderWriter(region, header.layout, header.raw_nbytes)
+        payload = b"payload" if digest_size == 16 else b"x" * header.payload_nbytes
+        header = replace(header, payload_checksum=checksum(payload), payload_nbytes=len(payload))
+        assert writer.encode(header, header.codec, payload, header.seq) == encode_header(
+            header, region
+        )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    digest_size=st.sampled_from([16, 32]),
+    tenant=st.text(st.characters(codec="utf-8"), min_size=1, max_size=64),
+    codec=st.text(st.characters(codec="utf-8"), min_size=1, max_size=8),
+    n_tokens=st.integers(min_value=1, max_value=16),
+    payload=st.binary(min_size=1, max_size=300),
+    spare=st.integers(min_value=0, max_value=2**64 - 301),
+    seq=st.integers(min_value=0, max_value=2**64 - 1),
+)
+def test_the_writer_gives_the_bytes_of_encode_header(
+    digest_size: int, tenant: str, codec: str, n_tokens: int, payload: bytes, spare: int, seq: int
+) -> None:
+    raw = len(payload) + spare
+    header = make_header(
+        digest_size,
+        tenant=tenant,
+        tokens=bytes(range(4 * n_tokens)),
+        codec=codec,
+        raw_nbytes=raw,
+        payload_nbytes=len(payload),
+        payload_checksum=checksum(payload),
+        seq=seq,
+    )
+    writer = HeaderWriter(header_region_size(16, 32), b"L" * 16, raw)
+    encoded = writer.encode(header, codec, memoryview(payload), seq)
+    assert encoded == encode_header(header, writer.region_size)
+    assert decode_header(encoded) == header
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"block_id": b"x" * 20}, "block_id"),
+        ({"block_id": bytearray(16)}, "block_id"),
+        ({"parent_id": b"x" * 32}, "parent_id"),
+        ({"namespace": "a string"}, "namespace"),
+        ({"tenant": ""}, "tenant"),
+        ({"tenant": b"bytes"}, "tenant"),
+        ({"tokens": b"abc"}, "tokens"),
+        ({"codec": "longer-than-8"}, "codec"),
+        ({"payload_nbytes": 2 * 1024 * 1024 + 1}, "payload_nbytes"),
+        ({"seq": True}, "seq"),
+        ({"seq": 2**64}, "seq"),
+    ],
+)
+def test_the_writer_refuses_what_block_header_refuses_with_its_message(
+    change: dict[str, object], field: str
+) -> None:
+    fields = {f.name: getattr(make_header(), f.name) for f in dataclass_fields(BlockHeader)}
+    fields |= change
+    payload = bytes(fields["payload_nbytes"])
+    fields["payload_checksum"] = checksum(payload)
+    with pytest.raises(InvalidArgumentError, match=rf"BlockHeader\.{field}") as expected:
+        BlockHeader(**fields)
+    writer = HeaderWriter(SECTOR, fields["layout"], fields["raw_nbytes"])
+    with pytest.raises(InvalidArgumentError) as caught:
+        writer.encode(SimpleNamespace(**fields), fields["codec"], payload, fields["seq"])
+    assert str(caught.value) == str(expected.value)
+
+
+def test_the_writer_checks_its_fixed_fields_once() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"BlockHeader\.layout"):
+        HeaderWriter(SECTOR, b"short", 4096)
+    with pytest.raises(InvalidArgumentError, match=r"BlockHeader\.raw_nbytes"):
+        HeaderWriter(SECTOR, b"L" * 16, 0)
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        HeaderWriter(1000, b"L" * 16, 4096)
+    writer = HeaderWriter(SECTOR, b"L" * 16, 4096)
+    with pytest.raises(ValueError, match="does not fit a header region of 4096 bytes"):
+        writer.encode(make_header(32, 4096), "none", b"x", 1)
 
 
 # ---- checksum -----------------------------------------------------------------------------------

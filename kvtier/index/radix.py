@@ -196,6 +196,11 @@ class RadixIndex(EvictionQueries):
         ds = self.digest_size
         return BlockId(self.forest.ids_of(ref.node)[ref.i * ds : (ref.i + 1) * ds])
 
+    def block_ids(self, node: Node) -> bytes:
+        """The ids of all of `node`'s blocks, concatenated (`digest_size` bytes each; the
+        namespace seed for a root): one read for many blocks of a node."""
+        return self.forest.ids_of(node)
+
     def parent_id(self, ref: BlockRef) -> bytes:
         """The id before a block: the previous block's, or the namespace seed for a first one."""
         node, i = ref

@@ -122,9 +122,7 @@ def plan_copy_down(state: CacheState, refs: Sequence[BlockRef], tier: int, lower
     dst = pools[lower].allocate(len(refs))
     src = tuple(_slot(ref.node.slots[tier][ref.i]) for ref in refs)
     metas = (
-        tuple(state.namespaces.describe(state.index, ref) for ref in refs)
-        if isinstance(pools[lower], DiskTier)
-        else ()
+        state.namespaces.describe(state.index, refs) if isinstance(pools[lower], DiskTier) else ()
     )
     return CopyDown(tier, lower, dst, Transfer(pools[tier], src, pools[lower], tuple(dst), metas))
 

@@ -182,7 +182,7 @@ class Prefetcher:
                 tuple(_slot(ref.node.slots[DISK][ref.i]) for _, ref in from_disk),
                 host if stage else self.gpu,
                 tuple(read_dst),
-                tuple(self.state.namespaces.describe(self.index, ref) for _, ref in from_disk),
+                self.state.namespaces.describe(self.index, [ref for _, ref in from_disk]),
             )
         up_src: list[int] = []  # host slots the gpu copies read, in block order
         up_dst: list[int] = []

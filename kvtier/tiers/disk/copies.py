@@ -1,8 +1,8 @@
-"""Block copies on the disk tier: written in group commits, read back verified.
-
-The write path of the disk tier: block copies written in group commits.
+"""The write path of the disk tier: block copies written in group commits (reads: `reads.py`).
 
     write_blocks(slots, blocks, metas)
+      0. each block's bytes (`views.byte_views`: one NumPy view for blocks in one storage) and
+         a sequence number
       1. jobs on the I/O threads: encode, checksum, header, then one `pwritev` per job of
          [ header region | payload ] at the slot's offset, or, for a run of copies into
          consecutive slots of one slab, of [ header | payload | header | payload | ... ]
@@ -12,7 +12,8 @@ The write path of the disk tier: block copies written in group commits.
 Why runs: a copy of a small block is a small I/O (132 KiB for a 128 KiB block), and a virtual
 disk or an NVMe queue served that way reaches under half its bandwidth (`bench_mover.py` (b));
 plain copies into consecutive slots (a fresh tier hands slots out in order, and a batch is
-sorted by slot) go out as writes of up to `RUN_BYTES`, as large as the raw benchmark's chunks.
+sorted by slot) go out as writes of up to `RUN_BYTES`, as large as the raw benchmark's chunks
+(`SlabSet.runs`).
 
 Contract:
 - A failed write or sync fails that copy (counted in `write_errors` / `sync_errors`, and fed to
@@ -26,21 +27,9 @@ Contract:
   copied into an aligned staging buffer, as O_DIRECT requires. Plain, in-place payloads that
   fill their payload region are written in runs (above); a run's copies fail or succeed
   together, as one system call does.
-
-Verified reads of the disk tier: a copy is returned only when every check passes.
-
-    read_blocks(slots, block_ids, out)
-      one job per copy, on the I/O threads: one `preadv` of [ header region | payload ], then
-
-      header checksum -> expected block id -> layout -> raw size -> payload checksum -> codec
-
-Contract:
-- A copy that fails a check is reported so (False) and counted in `corrupt_reads`; one whose
-  read fails, in `read_errors`. Neither raises, and neither is returned as valid: its
-  destination holds garbage.
-- Plain payloads land in place when the destination is page-aligned and exactly one payload
-  long; others go through an aligned staging buffer and are copied (decoded) into place.
-- Reads change nothing on disk and no state of the tier but its fault counters.
+- A header is the bytes `format.encode_header` gives for the copy's `BlockHeader`, built by
+  the tier's `HeaderWriter` without one; a `BlockMeta` that breaks a rule of `BlockHeader`
+  raises its `InvalidArgumentError` (a caller's bug) once every job of the batch has finished.
 """
 
 from __future__ import annotations
@@ -55,16 +44,11 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError
-from kvtier.tiers.disk.codec import Codec, CorruptPayload, QuantBytes, codec_for
-from kvtier.tiers.disk.format import (
-    BlockHeader,
-    CorruptHeader,
-    checksum,
-    decode_header,
-    encode_header,
-)
+from kvtier.tiers.disk.codec import Codec
+from kvtier.tiers.disk.format import HeaderWriter
 from kvtier.tiers.disk.io import staging_buffer
-from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet, direct_ready
+from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
+from kvtier.tiers.disk.views import byte_views
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,22 +62,19 @@ class BlockMeta:
     tokens: bytes
 
 
-RUN_BYTES = 2 << 20
-"""The most bytes one `pwritev` of a run carries: the raw benchmark's chunk size; a batch of
-tens of blocks still spreads over several I/O threads."""
-
-
 UNKEPT = "unquantizable"
 """What a write job returns for a block its quantized codec refused."""
 
 
 class _Copy(NamedTuple):
     """One copy of a batch: its slot, what it records, its bytes (flat: the block's, or with
-    `encoded` the payload of the tier's codec), its number."""
+    `encoded` the payload of the tier's codec) and whether O_DIRECT takes them as they are, its
+    number."""
 
     slot: int
     meta: BlockMeta
-    data: torch.Tensor
+    data: memoryview
+    aligned: bool
     seq: int
     encoded: bool = False
 
@@ -112,6 +93,7 @@ class BlockWriter:
         self.layout = layout
         self.codec = codec
         self.header_region = header_region
+        self._headers = HeaderWriter(header_region, layout.fingerprint, layout.block_bytes)
         self._slabs = slabs
         self._health = health
         self._seq_lock = threading.Lock()  # batches are written from mover threads at once
@@ -132,13 +114,15 @@ class BlockWriter:
         """`DiskTier.write_blocks`: one copy per slot, the batch made durable."""
         assert len(slots) == len(metas) == len(blocks)
         assert not encoded or self.codec.lossy, "payloads are of a quantized codec"
-        raw = [block.contiguous().view(torch.uint8).reshape(-1) for block in blocks]
+        raw = byte_views(blocks)
         with self._seq_lock:
             first = self._seq + 1
             self._seq += len(slots)
         copies = [
-            _Copy(slot, meta, data, seq, encoded)
-            for seq, (slot, meta, data) in enumerate(zip(slots, metas, raw, strict=True), first)
+            _Copy(slot, meta, data, aligned, seq, encoded)
+            for seq, (slot, meta, data, aligned) in enumerate(
+                zip(slots, metas, raw.views, raw.aligned, strict=True), first
+            )
         ]
         runs = self._runs(copies)
         jobs = [self._run_job(run) if len(run) > 1 else self._write_job(run[0]) for run in runs]
@@ -165,71 +149,30 @@ class BlockWriter:
         return ok
 
     def _runs(self, copies: list[_Copy]) -> list[list[_Copy]]:
-        """The copies of a batch as the jobs that write them: runs of plain copies (no codec,
-        sector-aligned memory filling the payload region) into consecutive slots of one slab,
-        of at most `RUN_BYTES`; every other copy alone."""
-        per_slab, slot_bytes = self._slabs.slots_per_slab, self._slabs.slot_bytes
-        longest = max(1, RUN_BYTES // slot_bytes)
-        runs: list[list[_Copy]] = []
-        run: list[_Copy] = []
-        for copy in sorted(copies, key=lambda c: c.slot):
-            if copy.encoded or not self._in_place(copy.data):
-                runs.append([copy])
-                continue
-            if (
-                run
-                and copy.slot == run[-1].slot + 1
-                and copy.slot % per_slab
-                and len(run) < longest
-            ):
-                run.append(copy)
-                continue
-            if run:
-                runs.append(run)
-            run = [copy]
-        if run:
-            runs.append(run)
-        return runs
-
-    def _in_place(self, data: torch.Tensor) -> bool:
-        """Whether a copy's payload goes to disk as it is and fills its slot's payload region."""
-        return (
-            self.codec.name == "none"
-            and data.numel() == self._slabs.slot_bytes - self.header_region
-            and direct_ready(data)
-        )
-
-    def _header(self, copy: _Copy, payload: memoryview, codec: str, raw_nbytes: int) -> bytes:
-        """The header region of `copy` whose stored payload is `payload`."""
-        header = BlockHeader(
-            block_id=copy.meta.block_id,
-            parent_id=copy.meta.parent_id,
-            namespace=copy.meta.namespace,
-            tenant=copy.meta.tenant,
-            layout=self.layout.fingerprint,
-            tokens=copy.meta.tokens,
-            codec=codec,
-            raw_nbytes=raw_nbytes,
-            payload_nbytes=len(payload),
-            payload_checksum=checksum(payload),
-            seq=copy.seq,
-        )
-        return encode_header(header, self.header_region)
+        """The copies of a batch as the jobs that write them (`SlabSet.runs`): runs of plain
+        copies (no codec, sector-aligned memory filling the payload region) into consecutive
+        slots of one slab; every other copy alone."""
+        payload_region = self._slabs.slot_bytes - self.header_region
+        plain = self.codec.name == "none"
+        joinable = [
+            plain and not c.encoded and c.aligned and len(c.data) == payload_region for c in copies
+        ]
+        runs = self._slabs.runs([c.slot for c in copies], joinable)
+        return [[copies[k] for k in run] for run in runs]
 
     def _run_job(self, run: list[_Copy]) -> Callable[[], None]:
         """A run's write, on an I/O thread: each copy's header, then one `pwritev` of every
         header and payload in slot order, in place."""
         slab, offset = self._slabs.where(run[0].slot)
-        region = self.header_region
+        region, encode = self.header_region, self._headers.encode
 
         def job() -> None:
             heads = staging_buffer(region * len(run))
             buffers: list[memoryview] = []
             for k, copy in enumerate(run):
-                payload = copy.data.numpy().data
                 head = heads[k * region : (k + 1) * region]
-                head[:] = self._header(copy, payload, "none", len(payload))
-                buffers += (head, payload)
+                head[:] = encode(copy.meta, "none", copy.data, copy.seq)
+                buffers += (head, copy.data)
             slab.write(offset, buffers)
 
         return job
@@ -243,7 +186,7 @@ class BlockWriter:
         region = self.header_region
 
         def job() -> str | None:
-            raw = copy.data.numpy().data
+            raw = copy.data
             try:
                 encoded = raw if copy.encoded else self.codec.encode(raw, self.layout.itemsize)
             except InvalidArgumentError:  # quantized, and KV it cannot keep (not finite)
@@ -251,8 +194,8 @@ class BlockWriter:
             codec_name = self.codec.name
             if not self.codec.lossy and len(encoded) >= len(raw):  # incompressible: plain
                 encoded, codec_name = raw, "none"
-            header = self._header(copy, memoryview(encoded), codec_name, self.layout.block_bytes)
-            if encoded is raw and not copy.encoded and direct_ready(copy.data):
+            header = self._headers.encode(copy.meta, codec_name, memoryview(encoded), copy.seq)
+            if encoded is raw and not copy.encoded and copy.aligned:
                 head = staging_buffer(region)
                 head[:] = header
                 slab.write(offset, [head, raw])
@@ -266,116 +209,3 @@ class BlockWriter:
             return None
 
         return job
-
-
-class VerifiedReader:
-    """Reads copies of one layout from the slots of one tier and checks each."""
-
-    def __init__(
-        self,
-        layout: KVLayout,
-        codec: Codec,
-        header_region: int,
-        slabs: SlabSet,
-        health: DiskHealth,
-    ) -> None:
-        self.layout = layout
-        self.codec = codec
-        self.header_region = header_region
-        self.payload_region = slabs.slot_bytes - header_region
-        self._slabs = slabs
-        self._health = health
-
-    def read_blocks(
-        self,
-        slots: Sequence[int],
-        block_ids: Sequence[bytes],
-        out: Sequence[torch.Tensor] | None = None,
-        encoded: bool = False,
-    ) -> tuple[torch.Tensor | Sequence[torch.Tensor], list[bool]]:
-        """Read and verify copies into `out` (n block tensors, e.g. pool slots; a new
-        `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. Plain
-        payloads land in place when the destination is page-aligned; others go through an
-        aligned staging buffer. With `encoded`, each destination takes the payload of the
-        tier's quantized codec as it is (checked, not decoded). A destination whose copy failed
-        holds garbage."""
-        if out is not None:
-            dest: torch.Tensor | Sequence[torch.Tensor] = out
-        elif encoded:
-            width = self.codec.payload_bound(self.layout.block_bytes)
-            dest = torch.empty((len(slots), width), dtype=torch.uint8)
-        else:
-            dest = torch.empty((len(slots), *self.layout.block_shape), dtype=self.layout.dtype)
-        flat = [block.view(torch.uint8).reshape(-1) for block in dest]
-        jobs = [
-            self._read_job(slot, flat[i], block_ids[i], encoded) for i, slot in enumerate(slots)
-        ]
-        ok = []
-        for result in self._slabs.run(jobs):
-            if isinstance(result, OSError):
-                self._health.count("read_errors", 1)
-                ok.append(False)
-            elif not result:
-                self._health.count("corrupt_reads", 1)
-                ok.append(False)
-            else:
-                ok.append(True)
-        return dest, ok
-
-    def _read_job(
-        self, slot: int, dest: torch.Tensor, block_id: bytes, encoded: bool
-    ) -> Callable[[], bool]:
-        slab, offset = self._slabs.where(slot)
-        region, payload_region = self.header_region, self.payload_region
-
-        def job() -> bool:
-            target = dest.numpy().data
-            if direct_ready(dest) and len(target) == payload_region:
-                head = staging_buffer(region)
-                slab.readv(offset, [head, target])
-                payload = target
-            else:
-                image = staging_buffer(region + payload_region)
-                slab.readv(offset, [image])
-                head, payload = image[:region], image[region:]
-            decoded = self._verify(head, payload, block_id, encoded)
-            if decoded is None:
-                return False
-            if decoded is not target:
-                np.frombuffer(target, dtype=np.uint8)[:] = np.frombuffer(decoded, dtype=np.uint8)
-            return True
-
-        return job
-
-    def _verify(
-        self, head: memoryview, payload: memoryview, block_id: bytes, encoded: bool = False
-    ) -> bytes | memoryview | None:
-        """The decoded payload of a slot if every check passes, else None; with `encoded`, the
-        payload itself, which must be of the tier's quantized codec and pass its checks."""
-        try:
-            header = decode_header(head)
-        except CorruptHeader:
-            return None
-        if (
-            header is None
-            or header.block_id != block_id
-            or header.layout != self.layout.fingerprint
-            or header.raw_nbytes != self.layout.block_bytes
-            or header.payload_nbytes > len(payload)
-        ):
-            return None
-        stored = payload[: header.payload_nbytes]
-        if checksum(stored) != header.payload_checksum:
-            return None
-        if encoded:
-            if not isinstance(self.codec, QuantBytes) or header.codec != self.codec.name:
-                return None
-            return stored if self.codec.valid(stored) else None
-        if header.codec == "none":
-            return stored if len(stored) == self.layout.block_bytes else None
-        try:
-            codec = codec_for(header.codec, self.layout)
-            decoded = codec.decode(stored, header.raw_nbytes, self.layout.itemsize)
-        except (CorruptPayload, ValueError):
-            return None
-        return bytes(decoded) if len(decoded) == self.layout.block_bytes else None

@@ -33,6 +33,11 @@ Contract:
 - `header_region_size(block_tokens, digest_size)` is whole sectors and holds the largest valid
   header of that geometry, so `encode_header` never fails for a header whose `tokens` are
   `block_tokens` ids.
+- `HeaderWriter(region_size, layout, raw_nbytes).encode(block, codec, payload, seq)` returns
+  exactly the bytes of `encode_header(BlockHeader(...), region_size)` for the same fields, and
+  raises the same `InvalidArgumentError` for a bad one, without building a `BlockHeader`: the
+  write path of a tier, whose layout and block size are fixed, pays for no dataclass and no
+  per-field loop. The layout and block size are validated once, when the writer is made.
 
 Invariants (DESIGN.md invariant 7):
 - The header checksum covers the body, and the body holds `payload_checksum`, so one chain
@@ -47,7 +52,9 @@ Invariants (DESIGN.md invariant 7):
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 import msgpack  # type: ignore[import-untyped]
 import xxhash
@@ -224,14 +231,7 @@ def encode_header(header: BlockHeader, region_size: int) -> bytes:
     the encoded header does not fit in it.
     """
     _check_region(region_size)
-    body = _pack_body(header)
-    framed = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
-    used = len(framed) + CHECKSUM_BYTES
-    if used > region_size:
-        raise InvalidArgumentError(
-            f"header of {used} bytes does not fit a header region of {region_size} bytes"
-        )
-    return framed + checksum(framed) + bytes(region_size - used)
+    return _frame(_pack_body(header), region_size)
 
 
 def decode_header(buf: bytes | memoryview) -> BlockHeader | None:
@@ -274,6 +274,89 @@ def empty_header(region_size: int) -> bytes:
     """An empty header region (zeros): what retires a slot, so that it decodes to None."""
     _check_region(region_size)
     return bytes(region_size)
+
+
+class BlockFields(Protocol):
+    """What a copy records of its block, as the caller knows it (`copies.BlockMeta`)."""
+
+    @property
+    def block_id(self) -> bytes: ...
+    @property
+    def parent_id(self) -> bytes: ...
+    @property
+    def namespace(self) -> bytes: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def tokens(self) -> bytes: ...
+
+
+class HeaderWriter:
+    """The header regions of the copies of one tier: fixed region size, layout and raw size.
+
+    `encode` gives byte for byte what `encode_header` gives for the `BlockHeader` of the same
+    fields, checks the same rules (a failure raises `BlockHeader`'s own error), and is safe
+    from several threads (each packs with a `msgpack.Packer` of its own)."""
+
+    def __init__(self, region_size: int, layout: bytes, raw_nbytes: int) -> None:
+        _check_region(region_size)
+        ids, sums = bytes(min(DIGEST_SIZES)), bytes(CHECKSUM_BYTES)  # valid placeholders
+        BlockHeader(ids, ids, ids, "t", layout, bytes(TOKEN_BYTES), "none", raw_nbytes, 1, sums, 0)
+        self.region_size = region_size
+        self.layout = layout
+        self.raw_nbytes = raw_nbytes
+        self._local = threading.local()
+
+    def encode(
+        self, block: BlockFields, codec: str, payload: bytes | memoryview, seq: int
+    ) -> bytes:
+        """The header region of a copy of `block` whose stored payload (bytes) is `payload`, in
+        `codec`, numbered `seq`. `InvalidArgumentError` (a `ValueError`) for a field that
+        breaks a rule of `BlockHeader`, or a header that does not fit the region."""
+        block_id, parent_id, namespace = block.block_id, block.parent_id, block.namespace
+        tenant, tokens, stored = block.tenant, block.tokens, len(payload)
+        layout, raw, digest = self.layout, self.raw_nbytes, len(block_id)
+        values = [  # the order of `BlockHeader`'s fields
+            block_id, parent_id, namespace, tenant, layout, tokens, codec, raw, stored,
+            checksum(payload), seq,
+        ]  # fmt: skip
+        if not (  # `BlockHeader`'s rules for the fields not fixed when the writer was made
+            type(block_id) is bytes
+            and type(parent_id) is bytes
+            and type(namespace) is bytes
+            and type(tenant) is str
+            and type(tokens) is bytes
+            and type(codec) is str
+            and type(seq) is int
+            and digest in DIGEST_SIZES
+            and len(parent_id) == digest
+            and len(namespace) == digest
+            and 1 <= len(tenant) <= MAX_TENANT_CHARS
+            and _is_token_bytes(tokens)
+            and 1 <= len(codec) <= MAX_CODEC_CHARS
+            and 1 <= stored <= raw
+            and 0 <= seq <= _U64_MAX
+        ):
+            sums = bytes(CHECKSUM_BYTES)  # raises, naming the field:
+            BlockHeader(block_id, parent_id, namespace, tenant, layout, tokens, codec, raw, stored,
+                        sums, seq)  # fmt: skip
+            raise AssertionError("HeaderWriter checks a rule that BlockHeader does not")
+        packer = getattr(self._local, "packer", None)
+        if packer is None:
+            packer = self._local.packer = msgpack.Packer(use_bin_type=True)
+        body: bytes = packer.pack(values)
+        return _frame(body, self.region_size)
+
+
+def _frame(body: bytes, region_size: int) -> bytes:
+    """The header region around `body`: prefix, body, header checksum, zero padding."""
+    framed = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+    used = len(framed) + CHECKSUM_BYTES
+    if used > region_size:
+        raise InvalidArgumentError(
+            f"header of {used} bytes does not fit a header region of {region_size} bytes"
+        )
+    return framed + checksum(framed) + bytes(region_size - used)
 
 
 def _pack_body(header: BlockHeader) -> bytes:

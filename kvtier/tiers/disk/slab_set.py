@@ -10,6 +10,9 @@ The slab files of one disk tier seen as a single array of fixed slots, and the I
 Contract:
 - `where(slot)` is arithmetic over a geometry fixed when the tier opened: the slab file that
   holds a slot and the slot's byte offset in it.
+- `runs(slots, joinable)` groups a batch for its I/O: the joinable slots that follow each other
+  in one slab go together, at most `RUN_BYTES` of slots, so that one system call moves them
+  (the writes' and the reads' runs, `copies.py` and `reads.py`); every other slot goes alone.
 - `run(jobs)` runs I/O jobs on the tier's `IOPool`: results in job order, an `OSError` in place
   of a failed job's result (`IOPool.run`).
 - `sync_slabs_of(slots)` makes a batch durable as `fsync` says: under `batch` every slab that
@@ -17,7 +20,6 @@ Contract:
   names the slabs whose sync failed, so that a caller fails exactly the copies in them.
 - The set neither opens nor closes anything: the tier opens the slabs and the pool and closes
   them (`DiskTier.close`).
-`direct_ready(tensor)` says whether a tensor's memory can go to O_DIRECT as it is (`io.py`).
 
 What went wrong on a disk tier so far, and whether it takes background writes now.
 
@@ -51,11 +53,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
-
-from kvtier.tiers.disk.io import ALIGN, IOPool, SlabFile
+from kvtier.tiers.disk.io import IOPool, SlabFile
 
 T = TypeVar("T")
+
+RUN_BYTES = 2 << 20
+"""The most bytes of slots one run moves: the raw benchmark's chunk size; a batch of tens of
+blocks still spreads over several I/O threads."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,30 @@ class SlabSet:
         slab, index = divmod(slot, self.slots_per_slab)
         return self.files[slab], index * self.slot_bytes
 
+    def runs(self, slots: Sequence[int], joinable: Sequence[bool]) -> list[list[int]]:
+        """The positions of `slots` grouped into runs, in slot order: joinable slots that follow
+        each other in one slab, `RUN_BYTES` of slots at most; every other slot alone.
+
+            slots [9, 6, 5, 10, 7]  (4 a slab)  ->  [[2, 1, 4], [0, 3]]  (5 6 7 | 9 10)
+        """
+        per_slab = self.slots_per_slab
+        longest = max(1, RUN_BYTES // self.slot_bytes)
+        runs: list[list[int]] = []
+        run: list[int] = []
+        for k in sorted(range(len(slots)), key=slots.__getitem__):
+            slot = slots[k]
+            if not joinable[k]:
+                runs.append([k])
+            elif run and slot == slots[run[-1]] + 1 and slot % per_slab and len(run) < longest:
+                run.append(k)
+            else:
+                if run:
+                    runs.append(run)
+                run = [k]
+        if run:
+            runs.append(run)
+        return runs
+
     def run(self, jobs: Sequence[Callable[[], T]]) -> list[T | OSError]:
         """Run `jobs` on the I/O threads and wait for all (`IOPool.run`)."""
         return self.io.run(jobs)
@@ -111,11 +139,6 @@ class SlabSet:
         synced = self.io.run([self.files[i].sync for i in touched])
         failed = frozenset(i for i, r in zip(touched, synced, strict=True) if r is not None)
         return SlabSync(synced, failed, self.slots_per_slab)
-
-
-def direct_ready(tensor: torch.Tensor) -> bool:
-    """Whether a tensor's memory can be handed to O_DIRECT as it is."""
-    return tensor.data_ptr() % ALIGN == 0 and tensor.numel() * tensor.element_size() % ALIGN == 0
 
 
 FIRST_S = 0.05

@@ -48,8 +48,9 @@ The tier does not decide what to evict; the index and the demoter do.
 `DiskTier` is the face of the tier: it owns the directory's lock, the slab files, the I/O
 threads and the slot allocator, and hands each path to its own part over one `SlabSet`
 (`slab_set.py`: slot -> slab and offset, batch syncs; `DiskHealth` there counts the faults and
-keeps the write backoff): `copies.py` (group-commit writes and checked reads), `retire.py`
-(zeroing freed slots' headers), `scan.py` (the recovery scan).
+keeps the write backoff): `copies.py` (group-commit writes), `reads.py` (checked reads), both
+seeing blocks as bytes through `views.py`, `retire.py` (zeroing freed slots' headers),
+`scan.py` (the recovery scan).
 """
 
 from __future__ import annotations
@@ -65,10 +66,11 @@ from kvtier.errors import ClosedError, ConfigError
 from kvtier.private_files import private_dir
 from kvtier.tiers.disk import slabs
 from kvtier.tiers.disk.codec import Codec, get_codec
-from kvtier.tiers.disk.copies import BlockMeta, BlockWriter, VerifiedReader
+from kvtier.tiers.disk.copies import BlockMeta, BlockWriter
 from kvtier.tiers.disk.format import header_region_size, slot_size
 from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct
 from kvtier.tiers.disk.lock import DirectoryLock
+from kvtier.tiers.disk.reads import VerifiedReader
 from kvtier.tiers.disk.retire import CopyRetirer
 from kvtier.tiers.disk.scan import ScannedCopy, ScanReport, scan_slots
 from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
@@ -247,7 +249,7 @@ class DiskTier:
         `[n, *block_shape]` tensor when None) and say, per block, whether it is valid. With
         `encoded`, the payloads of this tier's quantized codec as they are (`[n,
         payload_bytes]` uint8; a copy in another codec is not valid). A destination whose copy
-        failed holds garbage. See `copies.py`."""
+        failed holds garbage. See `reads.py`."""
         self._ensure_open()
         return self._reader.read_blocks(slots, block_ids, out, encoded)
 
