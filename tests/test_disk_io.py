@@ -244,3 +244,28 @@ def test_create_on_a_full_filesystem_raises_enospc_and_leaves_no_file(small_tmpf
         SlabFile(path, 4 * MIB, direct=probe_direct(small_tmpfs), create=True)
     assert caught.value.errno == errno.ENOSPC
     assert not path.exists()
+
+
+def in_a_child(work: Callable[[], None]) -> None:
+    """Run `work` in a forked child and wait for it; the child's failure fails the test."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            work()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_forked_child_writes_a_staging_buffer_of_its_own() -> None:
+    # a buffer inherited over fork is the child's copy: `kvtier replay --jobs` forks workers
+    # whose I/O reuses the staging buffer of the thread that forked them
+    buffer = aligned_buffer(ALIGN)
+    buffer[:6] = b"parent"
+
+    def scribble() -> None:
+        buffer[:6] = b"child!"
+
+    in_a_child(scribble)
+    assert bytes(buffer[:6]) == b"parent"

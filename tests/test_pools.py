@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import os
+
 from kvtier.blocks import KVLayout, blocks_of, to_blocks
 from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
@@ -383,3 +385,16 @@ def test_blocks_of_kv_are_the_blocks_a_reshape_would_cut(contiguous: bool) -> No
     slots = p.allocate(3)
     p.write(slots, blocks_of(kv, 4, 2, 3))  # one run: the slice copy from a strided view
     assert torch.equal(bits(p.read(slots)), bits(whole[2:5]))
+
+
+def test_a_forked_child_writes_pool_slots_of_its_own() -> None:
+    # a CPU pool is private memory, as torch's is: a forked child's writes stay in the child
+    p = pool(2)
+    p.buffer[1].fill_(3)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        p.buffer[1].fill_(7)
+        os._exit(0 if float(p.buffer[1].flatten()[0]) == 7 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bool((p.buffer[1] == 3).all())

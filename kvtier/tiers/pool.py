@@ -123,6 +123,9 @@ class SlotPool:
         comes from an anonymous mmap, so that every slot whose size is a multiple of 4 KiB is
         page-aligned and the disk tier can write it with O_DIRECT without a copy (torch's own
         CPU allocator aligns to 64 bytes only); CUDA and pinned memory are page-aligned already.
+        The mapping is private (copy-on-write after a fork, like torch's own memory), not the
+        MAP_SHARED of Python's default, which a forked child would write into its parent's
+        slots through.
         """
         nbytes = self.slot_bytes * self.num_slots
         shape = (self.num_slots, *self.slot_shape)
@@ -135,7 +138,7 @@ class SlotPool:
                 torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]
             return flat.view(self.slot_dtype).view(shape)
         if self.device.type == "cpu" and not self.pin_memory:
-            self._mapping = mmap.mmap(-1, nbytes)
+            self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
             flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
             return flat.view(self.slot_dtype).view(shape)
         return torch.empty(

@@ -59,9 +59,14 @@ def align_up(nbytes: int, align: int = ALIGN) -> int:
 
 def aligned_buffer(nbytes: int) -> memoryview:
     """A writable, zero-filled buffer of `align_up(nbytes)` bytes whose address is a multiple of
-    `ALIGN` (an anonymous mmap, so page-aligned). It is freed when the last view of it goes."""
+    `ALIGN` (an anonymous mmap, so page-aligned). It is freed when the last view of it goes.
+
+    The mapping is private: Python's default for an anonymous mmap is MAP_SHARED, which a
+    forked child (`kvtier replay --jobs`, a test's worker) would share with its parent, so two
+    processes' reads through a staging buffer inherited from their parent overwrote each
+    other (found as checksum failures, `corrupt_reads`)."""
     assert nbytes > 0, f"aligned_buffer of {nbytes} bytes"
-    return memoryview(mmap.mmap(-1, align_up(nbytes)))
+    return memoryview(mmap.mmap(-1, align_up(nbytes), flags=mmap.MAP_PRIVATE))
 
 
 _staging = threading.local()
