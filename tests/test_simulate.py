@@ -4,7 +4,7 @@ exact hits, then properties on random chained traces (an exhaustive search for t
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.replay import ceiling, read_trace
-from kvtier.replay.policies import POLICIES, S3FIFO, Lookahead
-from kvtier.replay.simulate import LRU, Chain, Furthest, LeafCache, chains, simulate
+from kvtier.replay.policies import LRU2, POLICIES, S3FIFO, Lookahead
+from kvtier.replay.simulate import LRU, Chain, Furthest, KeyedLeaves, LeafCache, chains, simulate
 from kvtier.replay.trace import TraceRequest
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -166,6 +166,50 @@ def test_every_policy_stays_between_nothing_and_the_furthest_leaf(
         hits = simulate(trace, capacity, make(trace, capacity)).hits  # checks the cache
         assert 0 <= hits <= best, name
         assert simulate(trace, unique, make(trace, unique)).hits == infinite, name
+
+
+class Scanned:
+    """`inner`'s eviction order, its victim found by scanning every cached leaf for the least
+    `(key, block)`: what `KeyedLeaves`' lazy heap must pick, whichever entries it keeps."""
+
+    def __init__(self, inner: KeyedLeaves) -> None:
+        self.inner = inner
+
+    def begin(self, index: int) -> None:
+        self.inner.begin(index)
+
+    def hit(self, block: int) -> None:
+        self.inner.hit(block)
+
+    def insert(self, block: int) -> None:
+        self.inner.insert(block)
+
+    def leaf(self, block: int) -> None:
+        self.inner.leaf(block)
+
+    def evicted(self, block: int) -> None:
+        self.inner.evicted(block)
+
+    def victim(self, cache: LeafCache) -> int | None:
+        leaves = [(self.inner.key(b), b) for b in cache.children if cache.evictable(b)]
+        return min(leaves)[1] if leaves else None
+
+
+KEYED: dict[str, Callable[[Sequence[Chain]], KeyedLeaves]] = {
+    "lru": lambda trace: LRU(),
+    "lru-2": lambda trace: LRU2(),
+    "furthest": Furthest,
+    "lookahead-2": lambda trace: Lookahead(trace, 2),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(trace=chained_traces(12), capacity=st.integers(1, 8))
+def test_the_lazy_heap_picks_the_least_leaf(trace: list[list[int]], capacity: int) -> None:
+    for name, make in KEYED.items():
+        heap, scan = LeafCache(capacity, make(trace)), LeafCache(capacity, Scanned(make(trace)))
+        assert served(heap, trace) == served(scan, trace), name
+        assert heap.children == scan.children, name
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")

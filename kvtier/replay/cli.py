@@ -14,15 +14,16 @@
 
 Each run is compared with exact simulations of one cache of its capacity in blocks (LRU of
 leaves, and the offline furthest-next-use leaf; `simulate.py`), and a paced run (`--speed`)
-says whether it kept the trace's clock. The last line printed is the tiered run's ratio to the
-infinite-cache ceiling.
+says whether it kept the trace's clock. The runs and simulations are independent: `--jobs N`
+does them in N worker processes (`parallel.py`; default one per core, 1 with `--speed`), with
+the same figures; the fleet and routed modes run in this process. The last line printed is the
+tiered run's ratio to the infinite-cache ceiling.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import sys
@@ -32,19 +33,18 @@ from contextlib import contextmanager
 from kvtier.blocks import KVLayout
 from kvtier.config import KVTierConfig, load_config
 from kvtier.replay.codecs import codec_sizing, fit, parse_codecs
+from kvtier.replay.parallel import Workload, default_jobs, replay_all, task_count
 from kvtier.replay.replicas import cluster_nodes, format_fleet, replay_fleet
 from kvtier.replay.report import (
     ReplayResult,
     Sizing,
-    Yardsticks,
     format_result,
     format_table,
     model_sizes,
     plot,
 )
 from kvtier.replay.routed import format_routed, parse_policies, plot_routed, replay_routed
-from kvtier.replay.runner import ReplayOptions, capacity_blocks, replay
-from kvtier.replay.simulate import LRU, Chain, Furthest, chains, simulate
+from kvtier.replay.runner import ReplayOptions
 from kvtier.replay.trace import Ceiling, TraceRequest, ceiling, read_trace
 
 SWEEP_SCALES = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -87,6 +87,14 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument("--dir", help="where the disk tier's temporary directory goes")
     cmd.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="runs and simulations in N worker processes, same figures (default: one per core, "
+        "at most one per task; 1 with --speed). Latencies and wall times measured beside other "
+        "tasks are perturbed: --jobs 1 for clean ones. --replicas and --route run in-process",
+    )
+    cmd.add_argument(
         "--replicas", type=int, default=1, help="N stores behind a round-robin router (1)"
     )
     cmd.add_argument(
@@ -124,24 +132,6 @@ def _sizings(args: argparse.Namespace) -> list[Sizing]:
     return runs
 
 
-def _with_yardsticks(
-    results: list[ReplayResult], requests: list[TraceRequest], options: ReplayOptions
-) -> list[ReplayResult]:
-    """`results`, each with the simulations of one cache of its capacity (one per size)."""
-    keys: list[Chain] = chains(requests, options.block_tokens)
-    unique = ceiling(requests).unique_blocks
-    by_capacity: dict[int, Yardsticks] = {}
-    out = []
-    for result in results:
-        capacity = capacity_blocks(result.sizing, unique, options)
-        if capacity not in by_capacity:
-            by_capacity[capacity] = Yardsticks(
-                simulate(keys, capacity, LRU()), simulate(keys, capacity, Furthest(keys))
-            )
-        out.append(dataclasses.replace(result, yardsticks=by_capacity[capacity]))
-    return out
-
-
 @contextmanager
 def _progress(total: int) -> Iterator[Callable[[int], None] | None]:
     """A tqdm bar on stderr when it is a terminal; nothing otherwise."""
@@ -169,6 +159,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print(f"kvtier: --replicas: got {args.replicas}, expected >= 1", file=sys.stderr)
         return 2
+    if args.jobs is not None and args.jobs < 1:
+        print(f"kvtier: --jobs: got {args.jobs}, expected >= 1", file=sys.stderr)
+        return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("kvtier: --plot: matplotlib is not installed; pip install 'kvtier[plot]'",
               file=sys.stderr)  # fmt: skip
@@ -182,11 +175,10 @@ def run_replay(args: argparse.Namespace) -> int:
         return _run_routed(args, requests, limit, sizings[0], options)
     if args.replicas > 1 or args.remote:
         return _run_fleet(args, requests, limit, sizings[0], options)
-    results: list[ReplayResult] = []
+    work = Workload.of(requests, limit, options)
+    jobs = args.jobs or default_jobs(task_count(work, sizings), options)
     with _progress(len(requests) * len(sizings)) as progress:
-        for sizing in sizings:
-            results.append(replay(requests, limit, sizing, options, progress))
-    results = _with_yardsticks(results, requests, options)
+        results = replay_all(work, sizings, jobs, progress)
     typed = _typed(results, args)
     if args.plot:
         plot(results, args.plot)
@@ -197,6 +189,7 @@ def run_replay(args: argparse.Namespace) -> int:
             "runs": [r.to_dict() for r in results],
             "ratio_to_ceiling": typed.ratio,
             "ratio_of": typed.sizing.label,
+            "jobs": jobs,
         }
         print(json.dumps(document, indent=2))
         return 0
@@ -205,6 +198,12 @@ def run_replay(args: argparse.Namespace) -> int:
         f"references, {limit.unique_blocks:,} unique blocks; infinite-cache prefix hit rate "
         f"{limit.hit_rate:.1%}"
     )
+    if jobs > 1:
+        print(
+            f"runs and simulations in {jobs} worker processes (--jobs {jobs}): the same figures "
+            "as --jobs 1, but latencies and wall times measured beside other tasks (--jobs 1 "
+            "for clean ones)"
+        )
     layout = _layout(args)
     fits = {c: fit(c, layout) for c in parse_codecs(args.codec)} if args.codec else {}
     for result in results:

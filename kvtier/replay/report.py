@@ -184,6 +184,25 @@ class ReplayResult:
             ),
         }
 
+    @staticmethod
+    def from_dict(document: dict[str, Any]) -> ReplayResult:
+        """The result `document` (a `to_dict`) describes: `from_dict(r.to_dict()) == r`. The
+        derived figures in it (hit rate, ratios, ...) are recomputed, not read."""
+        fields = {f.name: document[f.name] for f in dataclasses.fields(ReplayResult)}
+        pacing, yardsticks = fields["pacing"], fields["yardsticks"]
+        fields.update(
+            sizing=Sizing(**fields["sizing"]),
+            lookup=Latency(**fields["lookup"]),
+            prefetch=Latency(**fields["prefetch"]),
+            pacing=Pacing(**pacing) if pacing is not None else None,
+            yardsticks=(
+                Yardsticks(SimResult(**yardsticks["lru"]), SimResult(**yardsticks["furthest"]))
+                if yardsticks is not None
+                else None
+            ),
+        )
+        return ReplayResult(**fields)
+
 
 def share(fraction: float) -> str:
     """A fraction as a percentage with two significant digits at least, so that a small tier

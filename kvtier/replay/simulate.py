@@ -84,19 +84,22 @@ class LeafCache:
         """Serve one request (module doc); returns its hit blocks."""
         self.index += 1
         policy, children, used_at, now = self.policy, self.children, self.used_at, self.index
+        parent = self.parent
         policy.begin(now)
         hits = 0
         previous: int | None = None
         for block in chain:
             if block not in children:
                 break
-            self._follows(block, previous)
+            if parent.setdefault(block, previous) != previous:
+                self._unchained(block, previous)
             used_at[block] = now
             policy.hit(block)
             hits += 1
             previous = block
         for block in chain[hits:]:
-            self._follows(block, previous)
+            if parent.setdefault(block, previous) != previous:
+                self._unchained(block, previous)
             while len(children) >= self.capacity:
                 victim = policy.victim(self)
                 if victim is None:
@@ -110,13 +113,13 @@ class LeafCache:
             previous = block
         return hits
 
-    def _follows(self, block: int, previous: int | None) -> None:
-        """Learn `block`'s parent, or raise if it had another one: the keys are not chained."""
-        if self.parent.setdefault(block, previous) != previous:
-            raise InvalidArgumentError(
-                f"request {self.index}: block {block} follows {previous}, but followed "
-                f"{self.parent[block]} before; expected chained keys (module doc)"
-            )
+    def _unchained(self, block: int, previous: int | None) -> None:
+        """Raise: `block` follows `previous` now but another block before (`request` learns
+        every block's parent on its first reference)."""
+        raise InvalidArgumentError(
+            f"request {self.index}: block {block} follows {previous}, but followed "
+            f"{self.parent[block]} before; expected chained keys (module doc)"
+        )
 
     def _evict(self, block: int) -> None:
         assert self.evictable(block), f"victim {block} is not an unused cached leaf"
@@ -141,13 +144,22 @@ class LeafCache:
 
 
 class KeyedLeaves:
-    """A policy whose victim is the evictable leaf of smallest `key(block)` (a heap with lazy
-    deletion: an entry is stale when its block is no longer a leaf or its key changed).
-    Subclasses keep their state for every block ever seen, so `key` never fails."""
+    """A policy whose victim is the evictable leaf of smallest `(key(block), block)` (a heap
+    with lazy deletion: an entry is stale when its block is no longer a leaf or its key
+    changed). Subclasses keep their state for every block ever seen, so `key` never fails, and
+    a block's key changes only when it is used or when the subclass pushes it again (`leaf`).
+
+    Entries are pushed only for blocks that can be victims. The blocks a request uses are all
+    in use until it ends, so none needs an entry before then; when it ends, they are one path
+    whose deepest block is the only one that can be a leaf. So a request's blocks give one
+    entry, that block's, pushed when the next request begins; a block that becomes a leaf
+    later is pushed then (`leaf`). The valid entries at every `victim` call are those of
+    pushing every use (as a plain lazy heap would), so the victims are the same."""
 
     def __init__(self) -> None:
         self.heap: list[tuple[tuple[int, ...], int]] = []
         self.index = -1
+        self.deepest: int | None = None  # the last block the current request used
 
     def key(self, block: int) -> tuple[int, ...]:
         raise NotImplementedError
@@ -157,11 +169,14 @@ class KeyedLeaves:
         raise NotImplementedError
 
     def begin(self, index: int) -> None:
+        if self.deepest is not None:
+            self.leaf(self.deepest)
+            self.deepest = None
         self.index = index
 
     def hit(self, block: int) -> None:
         self.used(block)
-        heapq.heappush(self.heap, (self.key(block), block))
+        self.deepest = block
 
     def insert(self, block: int) -> None:
         self.hit(block)
