@@ -268,9 +268,9 @@ def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> Rem
     writer = RemoteWriter(tier, remote.max_pending_bytes.resolve(0))
 
     def store_blocks(
-        namespace: BlockId, tenant: str, key: bytes, kv: torch.Tensor, first: int
+        namespace: BlockId, tenant: str, key: bytes, blocks: torch.Tensor, first: int
     ) -> int:
-        stored = writes.store_new(namespace, tenant, key, kv, first, share=False)
+        stored = writes.store_new(namespace, tenant, key, blocks, first, share=False)
         return stored.stored_tokens // config.layout.block_tokens
 
     return RemoteLink(state.index, tier, writer, state.lock, store_blocks)

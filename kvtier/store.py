@@ -48,16 +48,9 @@ from typing import Any
 import torch
 
 from kvtier.assembly import Parts
-from kvtier.blocks import (
-    TOKEN_NBYTES,
-    Tokens,
-    check_device,
-    check_kv,
-    check_start,
-    encode_tokens,
-    from_blocks,
-)
-from kvtier.config import KVTierConfig, load_config
+from kvtier.blocks import TOKEN_NBYTES, Tokens, check_device, encode_tokens
+from kvtier.caller_kv import Destination, kv_layout, store_blocks
+from kvtier.config import KVTierConfig, PolicyConfig, load_config
 from kvtier.errors import InvalidArgumentError, LeaseError
 from kvtier.index import LeaseId
 from kvtier.operations import Operations
@@ -126,25 +119,31 @@ class KVStore:
         return self.operations.with_remote(local, key, namespace)
 
     def store(
-        self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default", start: int = 0
+        self,
+        tokens: Tokens,
+        kv: torch.Tensor,
+        *,
+        tenant: str = "default",
+        start: int = 0,
+        layout: str = "layers",
     ) -> StoreResult:
-        """Cache the full blocks of `tokens` that are not cached yet, with their KV, `[num_layers,
-        2, len(tokens) - start, kv_heads, head_dim]`: the tokens from `start` (a multiple of
-        `block_tokens`; a writer that holds only a tail) on, stored only if the blocks before
-        `start` are cached. New blocks go to the fastest tier prefix closure allows (gpu, unless
-        the prefix before them left it) and, under `write_through`, to host too. If no tier can
-        make room (everything evictable leased), nothing is stored: counted dropped. Below a
-        disk-only prefix they go to disk (in the background with a background mover). With a
-        background mover behind on disk writes, it first waits, at most `mover.store_wait_s`,
-        without the store's lock."""
+        """Cache the full blocks of `tokens` not cached yet, with their KV `[num_layers, 2,
+        len(tokens) - start, kv_heads, head_dim]` (`layout` "blocks": pages `[blocks,
+        *block_shape]`; read into the slots in one pass, `caller_kv.py`) of the tokens from
+        `start` (a multiple of `block_tokens`: a writer that holds only a tail) on, stored only
+        if the blocks before `start` are cached. New blocks go to the fastest tier prefix
+        closure allows (gpu, unless the prefix before them left it) and, under
+        `write_through`, to host too. If no tier can make room (everything evictable leased),
+        nothing is stored: counted dropped. Below a disk-only prefix they go to disk (in the
+        background with a background mover). With a background mover behind on disk writes,
+        it first waits, at most `mover.store_wait_s`, without the store's lock."""
         key = encode_tokens(tokens)
-        first = check_start(start, len(key) // TOKEN_NBYTES, self.block_tokens)
-        check_kv(self.layout, kv, len(key) // TOKEN_NBYTES - start)
+        first, blocks = store_blocks(self.layout, key, kv, start, kv_layout(layout))
         self.mover.throttle()  # a disk behind: wait for it (bounded, without the lock)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
-            result = self._writes.store_new(namespace, tenant, key, kv, first)
+            result = self._writes.store_new(namespace, tenant, key, blocks, first)
             self.operations.count(
                 tenant,
                 stores=1,
@@ -169,7 +168,7 @@ class KVStore:
         `policy.reservation_quarantine_s`, so that a late writer writes where no one reads
         (`tenancy.py`)."""
         key = encode_tokens(tokens)
-        ttl = self._ttl(ttl_s)
+        ttl = _ttl(self.config.policy, ttl_s)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
@@ -200,24 +199,31 @@ class KVStore:
             self.reservations.abort(reservation)
 
     def load(
-        self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
+        self,
+        tokens: Tokens,
+        *,
+        tenant: str = "default",
+        device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
+        layout: str = "layers",
     ) -> LoadResult:
-        """The KV of the cached prefix of `tokens`, read from the fastest copy of each block,
-        as a new tensor on `device` (default: the gpu tier's device)."""
+        """The KV of the cached prefix of `tokens`, copied from the fastest copy of each block
+        in one pass (`caller_kv.py`): into `out` (the caller's buffer, with room for every full
+        block of `tokens`; the rest of it untouched) or a new tensor on `device` (default: the
+        gpu tier's); `layout` "layers" `[num_layers, 2, tokens, kv_heads, head_dim]`, or
+        "blocks", pages `[blocks, *block_shape]`."""
         key = encode_tokens(tokens)
-        wanted = check_device(device)
+        dest = Destination.of(self.layout, kv_layout(layout), check_device(device), out, key)
         self.operations.fill_from_remote(key, tenant)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
-            match = self.index.match(namespace, key)
-            target = wanted if wanted is not None else self.gpu_pool.device
-            blocks = self.parts.reader.read_prefix(match.end, target)
-            self._writes.copy_hot_to_host(match.end)
-            self.operations.count(
-                tenant, loads=1, loaded_tokens=blocks.shape[0] * self.block_tokens
-            )
-            return LoadResult(blocks.shape[0] * self.block_tokens, from_blocks(blocks))
+            end = self.index.match(namespace, key).end
+            gpu = self.gpu_pool.device  # a new tensor's device unless one is asked
+            count = self.parts.reader.read_prefix(end, lambda n: dest.blocks(n, gpu))
+            self._writes.copy_hot_to_host(end)
+            self.operations.count(tenant, loads=1, loaded_tokens=count * self.block_tokens)
+            return LoadResult(count * self.block_tokens, dest.result(count))
 
     def prefetch(
         self,
@@ -239,7 +245,7 @@ class KVStore:
         `lease.wait_layer(l)` wait for it (`results.Lease`); a prefix already in flight is
         joined, not copied twice."""
         key = encode_tokens(tokens)
-        ttl = self._ttl(ttl_s)
+        ttl = _ttl(self.config.policy, ttl_s)
         if type(wait) is not bool:
             raise InvalidArgumentError(f"wait: got {wait!r}, expected True or False")
         self.operations.fill_from_remote(key, tenant)
@@ -357,15 +363,14 @@ class KVStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- internals ---------------------------------------------------------------------------
 
-    def _ttl(self, ttl_s: float | None) -> float:
-        """A lease's or reservation's ttl: `ttl_s` or the default, <= `policy.max_ttl_s`."""
-        ttl = self.config.policy.lease_ttl_s if ttl_s is None else ttl_s
-        longest = self.config.policy.max_ttl_s
-        if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl <= longest):
-            raise InvalidArgumentError(
-                f"ttl_s: got {ttl_s!r}, expected a number of seconds in (0, {longest}] "
-                f"(policy.max_ttl_s)"
-            )
-        return float(ttl)
+def _ttl(policy: PolicyConfig, ttl_s: float | None) -> float:
+    """A lease's or reservation's ttl: `ttl_s` or the default, <= `policy.max_ttl_s`."""
+    ttl = policy.lease_ttl_s if ttl_s is None else ttl_s
+    longest = policy.max_ttl_s
+    if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl <= longest):
+        raise InvalidArgumentError(
+            f"ttl_s: got {ttl_s!r}, expected a number of seconds in (0, {longest}] "
+            f"(policy.max_ttl_s)"
+        )
+    return float(ttl)

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from kvtier.blocks import BlockId, blocks_of
+from kvtier.blocks import BlockId
 from kvtier.errors import InvalidKVError, QuotaError
 from kvtier.index import Match
 from kvtier.index.node import Node
@@ -99,13 +99,14 @@ class Writes:
         namespace: BlockId,
         tenant: str,
         key: bytes,
-        kv: torch.Tensor,
+        blocks: torch.Tensor,
         first: int = 0,
         share: bool = True,
     ) -> StoreResult:
-        """`KVStore.store`'s work (module doc). `kv` holds the tokens from block `first` on
-        (a remote fill passes the blocks it fetched: nothing before them can be stored, and
-        they are not shared back, `share`)."""
+        """`KVStore.store`'s work (module doc). `blocks` (`[n, *block_shape]`, a view of the
+        caller's KV in any strides) are the full blocks from block `first` on (a remote fill
+        passes the blocks it fetched: nothing before them can be stored, and they are not
+        shared back, `share`)."""
         bt = self.index.block_tokens
         match = self.index.match(namespace, key)
         new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
@@ -121,7 +122,7 @@ class Writes:
             finally:
                 # the pin guards the match while room is made; unpinned, a leaf grows in place
                 self.index.leases.release(pin.lease_id)
-        blocks = blocks_of(kv, bt, match.num_blocks - first, new_blocks)
+        blocks = blocks[match.num_blocks - first : match.num_blocks - first + new_blocks]
         if slots is None and self._tail_on_disk(match):
             taken, landed = self.mover.insert_on_disk(match, key, blocks, namespace, tenant)
             pending = taken - landed if self.mover.background else 0

@@ -19,8 +19,15 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import msgpack  # type: ignore[import-untyped]
+
 Reply = tuple[int, Any]
-"""(status, body): a JSON-able body, or bytes sent as they are."""
+"""(status, body): a JSON-able body, a map holding bytes (sent as msgpack, as the server sends
+a KV), or bytes sent as they are."""
+
+
+def _has_bytes(data: Any) -> bool:
+    return isinstance(data, dict) and any(isinstance(v, bytes) for v in data.values())
 
 
 class FakeServer:
@@ -37,9 +44,15 @@ class FakeServer:
                 path = self.path.split("?")[0]
                 fake.paths.append(path)
                 status, data = fake.replies.get(path, (404, {"error": "nope", "detail": path}))
-                raw = data if isinstance(data, bytes) else json.dumps(data).encode()
+                kind = "application/json"
+                if isinstance(data, bytes):
+                    raw = data
+                elif _has_bytes(data):  # JSON has no bytes: msgpack, as the server sends KV
+                    raw, kind = msgpack.packb(data, use_bin_type=True), "application/msgpack"
+                else:
+                    raw = json.dumps(data).encode()
                 self.send_response(status)
-                self.send_header("content-type", "application/json")
+                self.send_header("content-type", kind)
                 self.send_header("content-length", str(len(raw)))
                 self.end_headers()
                 self.wfile.write(raw)

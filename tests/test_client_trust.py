@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fake_server import FakeServer, Reply, fake_servers
 from service_server import BLOCK_BYTES, BT, DIM, HEADS, LAYERS, kv_of, tokens_of
 
@@ -30,6 +31,7 @@ from kvtier.errors import (
     StorageError,
 )
 from kvtier.results import LookupResult
+from kvtier.service import wire
 from kvtier.tiers.shm import SHM_DIR, create_shared
 
 SLOTS = 8
@@ -309,6 +311,7 @@ def lease(**fields: Any) -> Reply:
         ({"block_table": [0, 0]}, "lease.block_table"),
         ({"block_table": None}, "lease.block_table"),
         ({"num_tokens": 3 * BT}, "lease.num_tokens"),
+        ({"num_tokens": 3 * BT, "block_table": [0, 1, 2]}, "prefetch.block_table"),  # > asked
         ({"state": "owned"}, "lease.state"),
         ({"state": ["ready"]}, "lease.state"),
         ({"lease_id": -9}, "lease.lease_id"),
@@ -333,6 +336,22 @@ def test_a_lease_outside_the_gpu_pool_is_refused_before_anything_is_read(
         assert field in str(refused.value)
     finally:
         os.unlink(SHM_DIR / name)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "kv_tokens"),
+    [(3 * BT, 3 * BT), (BT + 1, BT + 1)],  # more tokens than asked; not whole blocks
+)
+def test_a_load_reply_that_does_not_fit_the_prompt_never_lands_in_the_callers_out(
+    fake: Callable[..., FakeServer], num_tokens: int, kv_tokens: int
+) -> None:
+    body = {"num_tokens": num_tokens, **wire.kv_to_wire(kv_of(kv_tokens, 5))}
+    server = fake(pools=pools_reply(None, tier="gpu"), load=(200, body))
+    out = torch.full((LAYERS, 2, 2 * BT, HEADS, DIM), 7.0, dtype=torch.float16)
+    with Client(server.url, shared_memory=False) as client, pytest.raises(ReplyError) as refused:
+        client.load(TOKENS, out=out)
+    assert "load.num_tokens" in str(refused.value)
+    assert bool((out == 7).all())  # not a byte of the reply landed
 
 
 LOOKUP_8 = {"num_tokens": 8, "gpu_tokens": 8, "host_tokens": 0, "disk_tokens": 0}

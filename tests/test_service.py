@@ -149,6 +149,46 @@ def test_the_async_client_round_trips_bit_exact_both_ways(server: Server) -> Non
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_the_clients_load_into_a_callers_out_and_store_pages_in_both_paths(
+    server: Server, shared_memory: bool
+) -> None:
+    base = 11000 if shared_memory else 12000
+    tokens, kv = tokens_of(base, 24), kv_of(24, seed=11)
+    pages = to_blocks(kv, BT).contiguous()
+    with Client(server.url, shared_memory=shared_memory) as client:
+        assert (client.pool_buffer("gpu") is not None) == shared_memory
+        before = route_counts(server)
+        # pages and a last, partly filled one: the full blocks are stored, the rest not
+        partial = torch.cat([pages, torch.zeros_like(pages[:1])])
+        assert client.store([*tokens, 1, 2], partial, layout="blocks") == StoreResult(24, 24, 0)
+        prompt = [*tokens, *tokens_of(base + 100, 6)]  # one more full block, not cached
+        out = torch.full((2, 2, 30, 2, 64), 7.0, dtype=torch.float16)
+        loaded = client.load(prompt, out=out)
+        assert loaded.num_tokens == 24 and loaded.kv.data_ptr() == out.data_ptr()
+        assert same(out[:, :, :24], kv) and bool((out[:, :, 24:] == 7).all())
+        into = torch.full((7, *pages.shape[1:]), 7.0, dtype=torch.float16)
+        loaded = client.load(prompt, out=into, layout="blocks")
+        assert same(loaded.kv, pages) and bool((into[6:] == 7).all())
+        assert same(client.load(prompt, layout="blocks").kv, pages)  # a new tensor of pages
+        with pytest.raises(InvalidKVError, match="out: got shape"):
+            client.load(prompt, out=torch.zeros((2, 2, 20, 2, 64), dtype=torch.float16))
+    after = route_counts(server)
+    body_loads = after.get("/v1/load", 0) - before.get("/v1/load", 0)
+    assert body_loads == (0 if shared_memory else 3)  # the refused out asked nothing
+
+    async def scenario() -> None:
+        async with AsyncClient(server.url, shared_memory=shared_memory) as client:
+            pages_out = torch.zeros((6, *pages.shape[1:]), dtype=torch.float16)
+            loaded = await client.load(tokens, out=pages_out, layout="blocks")
+            assert loaded.num_tokens == 24 and same(pages_out, pages)
+            other = tokens_of(base + 200, 8)
+            assert (await client.store(other, pages[:2], layout="blocks")).stored_tokens == 8
+            assert same((await client.load(other)).kv, kv[:, :, :8])
+
+    asyncio.run(scenario())
+
+
 def test_a_reservation_is_invisible_until_committed_and_an_abort_leaves_nothing(
     server: Server,
 ) -> None:

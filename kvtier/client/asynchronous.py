@@ -11,8 +11,9 @@ from typing import Any
 import httpx
 import torch
 
-from kvtier.blocks import Tokens
-from kvtier.client.pools import MappedPools
+from kvtier.blocks import Tokens, check_device
+from kvtier.caller_kv import KVKind, kv_layout
+from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.transport import RequestHeaders, reply_body
 from kvtier.errors import CapacityError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
@@ -86,41 +87,66 @@ class AsyncClient:
         await self._post("/v1/release", {"lease_id": lease_id}, tenant)
 
     async def store(
-        self, tokens: Tokens, kv: torch.Tensor, *, tenant: str = "default", start: int = 0
+        self,
+        tokens: Tokens,
+        kv: torch.Tensor,
+        *,
+        tenant: str = "default",
+        start: int = 0,
+        layout: str = "layers",
     ) -> StoreResult:
+        kind = kv_layout(layout)
         await self._map()
         if self._pools.buffers:
-            self._pools.check_kv(tokens, kv, start)
+            self._pools.check_kv(tokens, kv, start, kind)
             reservation = await self.reserve(tokens, tenant=tenant)
             if self._pools.writable(reservation, start):
                 try:
-                    self._pools.write_blocks(reservation, kv, start)
+                    self._pools.write_blocks(reservation, kv, start, kind)
                 except Exception:
                     await self.abort(reservation)
                     raise
                 return await self.commit(reservation)
             if reservation.num_tokens:
                 await self.abort(reservation)
-        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv), "start": start}
+        body = store_body(tokens, kv, start, kind, await self._block_tokens(kind))
         return replies.stored(await self._post("/v1/store", body, tenant))
 
     async def load(
-        self, tokens: Tokens, *, tenant: str = "default", device: torch.device | str | None = None
+        self,
+        tokens: Tokens,
+        *,
+        tenant: str = "default",
+        device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
+        layout: str = "layers",
     ) -> LoadResult:
+        kind, wanted = kv_layout(layout), check_device(device)
         await self._map()
+        dest = None
+        if out is not None or kind != "layers" or "gpu" in self._pools.buffers:
+            await self._block_tokens(kind, True)  # the layout, to check `out` against
+            dest = self._pools.destination(tokens, out, kind, wanted)
         if "gpu" in self._pools.buffers:
+            assert dest is not None
             try:
                 lease = await self.prefetch(tokens, tenant=tenant)
             except CapacityError:
                 pass
             else:
                 try:
-                    kv = self._pools.read_blocks(lease)
+                    kv = self._pools.read_blocks(lease, dest, len(wire.pack_tokens(tokens)) // 4)
                 finally:
                     await self.release(lease)
-                return LoadResult(lease.num_tokens, kv.to(device or "cpu"))
+                return LoadResult(lease.num_tokens, kv)
         body = await self._post("/v1/load", {"tokens": wire.pack_tokens(tokens)}, tenant)
-        return self._pools.loaded(body, device)
+        return self._pools.loaded(body, wanted, len(wire.pack_tokens(tokens)) // 4, dest)
+
+    async def _block_tokens(self, kind: KVKind, needed: bool = False) -> int:
+        """`Client._block_tokens`."""
+        if self._pools.served is None and (needed or kind == "blocks"):
+            self._pools.map(await self._get("/v1/pools"), mapping=False)
+        return 0 if self._pools.served is None else self._pools.served.layout.block_tokens
 
     async def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None

@@ -15,7 +15,12 @@ Invariants:
 - A KV is checked against the served layout before it is written into a pool (`check_kv`), as
   the server never sees it before the commit.
 - Writes into a CUDA pool are complete when `write_blocks` returns, before the commit lets the
-  server read the slots.
+  server read the slots; reads out of one, when `read_blocks` returns, before the release lets
+  the server reuse them.
+- Blocks move between a mapped pool and the caller's tensor in one pass, in the layout the
+  caller asked for (`caller_kv.py`: one copy per run of slots): no temporary, no transpose.
+- A load reply in the body is checked against the prompt before a byte of it lands in the
+  caller's `out`: whole blocks, no more tokens than were asked (`ReplyError`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from typing import Any
 
 import torch
 
-from kvtier.blocks import Tokens, check_kv, check_start, from_blocks, to_blocks
+from kvtier.blocks import Tokens, check_start, from_blocks, to_blocks
+from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as, check_out
+from kvtier.errors import ReplyError
+from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.results import Lease, LoadResult, Reservation
 from kvtier.service import replies, wire
 from kvtier.service.cuda_ipc import import_pool
@@ -39,10 +47,15 @@ class MappedPools:
         self.buffers: dict[str, torch.Tensor] = {}  # tier -> the mapped pool
         self.served: replies.Pools | None = None  # what the server offers, once asked
 
-    def map(self, body: dict[str, Any]) -> None:
+    def map(self, body: dict[str, Any], mapping: bool = True) -> None:
         """Map every pool the server offers, once its whole reply is checked (`ReplyError`,
-        nothing mapped); a pool that is not here to map stays unmapped."""
+        nothing mapped); a pool that is not here to map stays unmapped. Without `mapping`,
+        only learn the layout and the pools (a client without shared memory that needs the
+        layout for a caller's `out`)."""
         served = replies.pools(body)
+        if not mapping:
+            self.served = served
+            return
         dtype = served.layout.dtype
         for pool in served.pools:
             shape = served.layout.pool_shape(pool.num_slots)
@@ -68,19 +81,49 @@ class MappedPools:
         """A reservation reply for the packed `tokens`, checked against the served pools."""
         return replies.reservation(body, self.served, len(tokens) // 4)
 
-    def loaded(self, body: dict[str, Any], device: torch.device | str | None) -> LoadResult:
-        """A `/v1/load` reply (KV in the body), on `device` (None: the CPU)."""
-        num_tokens, kv = replies.loaded(body, None if self.served is None else self.served.layout)
-        return LoadResult(num_tokens, kv.to(device or "cpu"))
+    def destination(
+        self, tokens: Tokens, out: torch.Tensor | None, kind: KVKind, device: torch.device | None
+    ) -> Destination:
+        """Where a load of `tokens` writes: `out` checked against the served layout
+        (`InvalidKVError` before anything is asked of the server), or a new tensor on `device`
+        (the CPU)."""
+        assert self.served is not None, "the layout is known before a load in a caller's layout"
+        layout = self.served.layout
+        if out is not None:
+            check_out(layout, out, kind, len(wire.pack_tokens(tokens)) // 4, device)
+        return Destination(layout, kind, device or torch.device("cpu"), out)
 
-    def check_kv(self, tokens: Tokens, kv: torch.Tensor, start: int = 0) -> None:
+    def loaded(
+        self,
+        body: dict[str, Any],
+        device: torch.device | str | None,
+        asked: int = 0,
+        dest: Destination | None = None,
+    ) -> LoadResult:
+        """A `/v1/load` reply (KV in the body): on `device` (None: the CPU), or into `dest`
+        for a prompt of `asked` tokens."""
+        num_tokens, kv = replies.loaded(body, None if self.served is None else self.served.layout)
+        if dest is None:
+            return LoadResult(num_tokens, kv.to(device or "cpu"))
+        bt = dest.layout.block_tokens
+        if num_tokens % bt or num_tokens > asked:
+            raise ReplyError(
+                f"load.num_tokens: got {num_tokens}, expected whole blocks of {bt} tokens, at "
+                f"most the {asked} asked"
+            )
+        dest.blocks(num_tokens // bt).copy_(to_blocks(kv, bt))
+        return LoadResult(num_tokens, dest.result(num_tokens // bt))
+
+    def check_kv(
+        self, tokens: Tokens, kv: torch.Tensor, start: int = 0, kind: KVKind = "layers"
+    ) -> None:
         """`InvalidKVError` for a KV that the server would refuse (`kv` holds tokens from
-        `start` on): the shared-memory path writes it into the pool before the server sees
-        it, so it is checked here."""
+        `start` on, in `kind`): the shared-memory path writes it into the pool before the
+        server sees it, so it is checked here."""
         assert self.served is not None, "pools are mapped with their layout"
         num_tokens = len(wire.pack_tokens(tokens)) // 4
         check_start(start, num_tokens, self.served.layout.block_tokens)
-        check_kv(self.served.layout, kv, num_tokens - start)
+        check_kv_as(self.served.layout, kv, kind, num_tokens - start)
 
     def writable(self, reservation: Reservation, start: int) -> bool:
         """Whether this client can fill `reservation` from a KV that begins at `start`: it
@@ -92,20 +135,45 @@ class MappedPools:
             and reservation.cached_tokens >= start
         )
 
-    def write_blocks(self, reservation: Reservation, kv: torch.Tensor, start: int = 0) -> None:
+    def write_blocks(
+        self, reservation: Reservation, kv: torch.Tensor, start: int = 0, kind: KVKind = "layers"
+    ) -> None:
         """Write the reserved blocks of `kv` (checked by `check_kv`; its tokens from `start`
-        on) into their mapped slots."""
+        on, in `kind`) into their mapped slots, in one pass."""
         assert self.served is not None, "pools are mapped with their layout"
-        begin = reservation.cached_tokens - start
+        bt = self.served.layout.block_tokens
+        begin, count = (reservation.cached_tokens - start) // bt, reservation.num_tokens // bt
         pool = self.buffers[reservation.tier]
-        blocks = to_blocks(
-            kv[:, :, begin : begin + reservation.num_tokens], self.served.layout.block_tokens
-        )
-        pool[list(reservation.slots)] = blocks.to(pool.device)
+        blocks = blocks_view(kv, kind, bt, begin + count)[begin:]
+        copy_blocks_slices(blocks, pool, range(count), list(reservation.slots))
         if pool.is_cuda:  # complete before the commit lets the server read the slots
             torch.cuda.synchronize(pool.device)
 
-    def read_blocks(self, lease: Lease) -> torch.Tensor:
-        """The leased prefix's KV, copied out of the mapped gpu pool (`[layers, 2, tokens,
-        ...]` on the CPU)."""
-        return from_blocks(self.buffers["gpu"][list(lease.block_table)].cpu())  # indexing copies
+    def read_blocks(self, lease: Lease, dest: Destination, asked: int) -> torch.Tensor:
+        """The leased prefix's KV, copied out of the mapped gpu pool into `dest` in one pass:
+        the part of it that holds the prefix. A lease of more blocks than a prompt of `asked`
+        tokens has is the server's lie (`ReplyError`), refused before a byte is copied."""
+        table = list(lease.block_table)
+        if len(table) > asked // dest.layout.block_tokens:
+            raise ReplyError(
+                f"prefetch.block_table: got {len(table)} blocks, expected at most the "
+                f"{asked // dest.layout.block_tokens} full blocks of the {asked} tokens asked"
+            )
+        pool = self.buffers["gpu"]
+        copy_blocks_slices(pool, dest.blocks(len(table)), table, range(len(table)))
+        if pool.is_cuda:  # complete before the release lets the server reuse the slots
+            torch.cuda.synchronize(pool.device)
+        return dest.result(len(table))
+
+
+def store_body(
+    tokens: Tokens, kv: torch.Tensor, start: int, kind: KVKind, block_tokens: int
+) -> dict[str, Any]:
+    """A `/v1/store` body: the KV travels layer-major; pages give their full blocks only, and
+    the tokens past them are left out (a partly filled page is never stored)."""
+    packed = wire.pack_tokens(tokens)
+    if kind == "blocks":
+        full = (len(packed) // 4 - start) // block_tokens
+        packed = packed[: (start + full * block_tokens) * 4]
+        kv = from_blocks(kv[:full])
+    return {"tokens": packed, **wire.kv_to_wire(kv), "start": start}

@@ -45,6 +45,7 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.errors import ClosedError, ConfigError, InvalidKVError, InvariantError
+from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.tiers.shm import SHM_DIR, create_shared
 from kvtier.tiers.slots import SlotAllocator
 
@@ -202,9 +203,11 @@ class SlotPool:
     def write(self, slots: Sequence[int], blocks: torch.Tensor) -> None:
         """Copy `blocks[i]` into slot `slots[i]`, in one copy; checks everything before writing.
 
-        `blocks` may live on another device; it is moved to the pool's device first. Slots that
-        run up one by one (what a fresh pool hands out) take one slice copy, checked in C; any
-        others one indexed copy, checked slot by slot.
+        `blocks` may live on another device, and in any strides (a view of a caller's
+        layer-major KV): one pass, no contiguous copy first. Slots that run up one by one (what
+        a fresh pool hands out) take one slice copy, checked in C; others, on a CPU pool, one
+        slice copy per run of consecutive slots (an indexed copy from a strided source ran at
+        half the speed of a flat copy), and on a CUDA pool one indexed copy (one launch).
         """
         self._ensure_open()
         expected_shape = (len(slots), *self._block_shape)
@@ -226,6 +229,10 @@ class SlotPool:
             ):
                 self.buffer[start:stop].copy_(blocks)
                 return
+        if self.device.type == "cpu":
+            self._validate_allocated(slots, "write to")
+            copy_blocks_slices(blocks, self.buffer, range(len(slots)), slots)
+            return
         index = self._index(slots, "write to")
         self.buffer.index_copy_(0, index, blocks.to(self.device))
 

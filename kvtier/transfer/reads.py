@@ -1,8 +1,10 @@
 """Reading a cached prefix in the caller's thread, for `KVStore.load`.
 
-`read_prefix(end, device)` copies the blocks of the path to `end` out of their fastest copies
-(prefix closure: one run per tier) into a new tensor; it stops before a disk copy that fails
-verification. `read_disk(refs)` reads and verifies the disk copies of consecutive blocks of one
+`read_prefix(end, into)` copies the blocks of the path to `end` out of their fastest copies
+(prefix closure: one run per tier) into the caller's memory, in one pass for memory tiers (one
+`copy_` per run of slots, into whatever layout `into` views: `caller_kv.py`); it stops before
+a disk copy that fails verification (disk copies are read, verified, then placed).
+`read_disk(refs)` reads and verifies the disk copies of consecutive blocks of one
 path; the first that fails verification is dropped with everything below it (`drop_corrupt`:
 the blocks below would be orphans), counted, and never served. Promotion to gpu (prefetch) is
 the mover's (`prefetch.py`), which reads through the executor and drops corrupt copies the same way.
@@ -11,15 +13,17 @@ the mover's (`prefetch.py`), which reads through the executor and drops corrupt 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvtier.index import BlockRef, RadixIndex
 from kvtier.index.node import Node
-from kvtier.tiers.base import DISK, GPU, Tier
+from kvtier.kernels.block_copy import copy_blocks_slices
+from kvtier.tiers.base import DISK, Tier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import SlotPool
+from kvtier.tiers.quantized import QuantPool
 from kvtier.transfer.copy import InlineExecutor
 
 
@@ -38,12 +42,13 @@ class DiskReader:
         self.executor = executor
         self.ops = ops
 
-    def read_prefix(self, end: Node, device: torch.device) -> torch.Tensor:
-        """The blocks of the path to `end`, `[blocks, *block_shape]` on `device`, up to the
-        first corrupt disk copy (dropped, module doc)."""
+    def read_prefix(self, end: Node, into: Callable[[int], torch.Tensor]) -> int:
+        """Copy the blocks of the path to `end` out of their fastest copies into `into(n)` (a
+        `[n, *block_shape]` view of the caller's memory, asked once, any device and strides),
+        one copy per run of slots, up to the first corrupt disk copy (dropped, module doc).
+        Returns how many leading blocks it holds."""
         refs = list(self.index.blocks(end))
-        layout = self.pools[GPU].layout
-        blocks = torch.empty((len(refs), *layout.block_shape), dtype=layout.dtype, device=device)
+        dest = into(len(refs))
         by_tier: dict[int, tuple[list[int], list[int]]] = {}
         for position, ref in enumerate(refs):
             tier = ref.node.fastest(ref.i)
@@ -51,16 +56,19 @@ class DiskReader:
             positions.append(position)
             slots.append(_slot(ref.node.slots[tier][ref.i]))
         count = len(refs)
-        for tier, (positions, slots) in sorted(by_tier.items()):
+        for tier, (positions, slots) in sorted(by_tier.items()):  # disk last: it may cut
             if tier == DISK:
                 data, good = self.read_disk(refs[positions[0] :])
-                blocks[positions[0] : positions[0] + good] = data[:good].to(device)
+                dest[positions[0] : positions[0] + good].copy_(data[:good])
                 count = positions[0] + good
-            else:
-                pool = self.pools[tier]
-                assert isinstance(pool, SlotPool)
-                blocks[positions[0] : positions[-1] + 1] = pool.read(slots).to(device)
-        return blocks[:count]
+                continue
+            pool = self.pools[tier]
+            assert isinstance(pool, SlotPool)
+            if isinstance(pool, QuantPool):  # payloads: decoded, then placed
+                copy_blocks_slices(pool.read(slots), dest, range(len(slots)), positions)
+            else:  # straight from the slots into the caller's layout
+                copy_blocks_slices(pool.buffer, dest, slots, positions)
+        return count
 
     def read_disk(self, refs: list[BlockRef], drop: bool = True) -> tuple[torch.Tensor, int]:
         """Read and verify the disk copies of `refs` (consecutive blocks of one path): the data

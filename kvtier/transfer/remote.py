@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from kvtier.blocks import BlockId, from_blocks
+from kvtier.blocks import BlockId
 from kvtier.index import Node, RadixIndex
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.remote.writer import RemoteWriter
 
 StoreBlocks = Callable[[BlockId, str, bytes, torch.Tensor, int], int]
-"""`store_blocks(namespace, tenant, key, kv, first)`: store the blocks of `key` from position
-`first` on, whose KV is `kv` (tokens from `first * block_tokens`), under the cache's lock;
+"""`store_blocks(namespace, tenant, key, blocks, first)`: store the blocks of `key` from position
+`first` on, `blocks` `[n, *block_shape]` (tokens from `first * block_tokens`), under the lock;
 returns how many were stored."""
 
 
@@ -92,9 +92,10 @@ class RemoteLink:
         if good == 0:
             self._count(fill_misses=1)
             return 0
-        kv = from_blocks(out[:good])
         with self._lock:
-            stored = self._store_blocks(namespace, tenant, key[: (local + good) * kb], kv, local)
+            stored = self._store_blocks(
+                namespace, tenant, key[: (local + good) * kb], out[:good], local
+            )
         self._count(fills=1, filled_blocks=stored)
         return stored
 

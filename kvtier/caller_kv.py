@@ -1,0 +1,198 @@
+"""The caller's KV tensors as the store's blocks: the two layouts that `store`, `load` and the
+clients take, checked, and seen as block views without a copy.
+
+    "layers"  [num_layers, 2, tokens, kv_heads, head_dim]                 (the default)
+    "blocks"  [blocks, num_layers, 2, block_tokens, kv_heads, head_dim]   (pages: the pools'
+              own layout, for an engine whose buffer is block-major)
+
+    caller's tensor ──blocks_view (no copy)──► [n, *block_shape], strided for "layers"
+                                                 │
+    pool slots ◄──── one copy_ per run of slots ─┘ (`kernels.block_copy.copy_blocks_slices`)
+
+Why: a load that gathers slots into a block-major temporary, transposes it to layer-major and
+hands back a freshly allocated tensor passes over the bytes three times (issue 19: 1.40 GB/s
+where one `clone` of the same bytes runs at 5.1). Copying each run of slots straight into the
+caller's memory, whatever its layout, is one pass; a store reads the caller's tensor into its
+slots the same way. Within one (layer, K|V) a block's tokens are contiguous in both layouts, so
+a strided copy moves rows of `block_tokens * kv_heads * head_dim` elements and runs near the
+speed of a flat copy.
+
+Contract:
+- `kv_layout(name)` is the name if it is one of `LAYOUTS`, else `InvalidArgumentError`.
+- `check_kv_as(layout, kv, kind, num_tokens)`: the KV of `num_tokens` tokens in `kind`, else
+  `InvalidKVError` naming what was expected: "layers" exactly as `blocks.check_kv`; "blocks"
+  one page per block, a last partly filled page allowed (its tokens are not stored).
+- `check_out(layout, out, kind, num_tokens, device)`: a destination for the cached prefix of a
+  prompt of `num_tokens` tokens: a tensor of the layout's dtype in `kind`'s shape with room for
+  every full block of the prompt (more tokens or pages are left as they are), on `device` when
+  one is named; else `InvalidKVError` / `InvalidArgumentError`, before anything is read.
+- `blocks_view(kv, kind, block_tokens, count)` is a `[count, *block_shape]` view of the first
+  `count` blocks of `kv`: writes into it land in `kv`.
+- `prefix_of(out, kind, count, block_tokens)` is the part of `out` that holds `count` blocks.
+- `new_kv(layout, kind, count, device)` is an uninitialized tensor of `count` blocks in `kind`.
+- `Destination(layout, kind, device, out)`: where one load writes. `blocks(count)` is asked
+  once, when the prefix's length is known: a view of `out`, or of a tensor made then (no
+  allocation before the count, none when `out` is given). `result(count)` is what the load
+  returns, the part holding the first `count` blocks (fewer than asked when a disk copy failed
+  verification on the way; then a view of the tensor made for the whole prefix).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from kvtier.blocks import KVLayout, blocks_of, check_kv, check_start
+from kvtier.errors import InvalidArgumentError, InvalidKVError
+
+KVKind = Literal["layers", "blocks"]
+LAYOUTS: tuple[KVKind, ...] = ("layers", "blocks")
+
+
+def kv_layout(name: object) -> KVKind:
+    """`name` as a KV layout, or `InvalidArgumentError` naming it."""
+    if name == "layers":
+        return "layers"
+    if name == "blocks":
+        return "blocks"
+    raise InvalidArgumentError(f"layout: got {name!r}, expected one of {list(LAYOUTS)}")
+
+
+def _page_shape(layout: KVLayout, pages: int) -> tuple[int, ...]:
+    return (pages, *layout.block_shape)
+
+
+def check_kv_as(layout: KVLayout, kv: object, kind: KVKind, num_tokens: int) -> None:
+    """`InvalidKVError` unless `kv` is the KV of `num_tokens` tokens in `kind` (module doc)."""
+    if kind == "layers":
+        check_kv(layout, kv, num_tokens)
+        return
+    if not isinstance(kv, torch.Tensor):
+        raise InvalidKVError(f"kv: got {type(kv).__name__}, expected a torch.Tensor")
+    if kv.dtype != layout.dtype:
+        raise InvalidKVError(f"kv: got dtype {kv.dtype}, expected {layout.dtype}")
+    full, pages = num_tokens // layout.block_tokens, -(-num_tokens // layout.block_tokens)
+    if kv.dim() != 6 or tuple(kv.shape[1:]) != layout.block_shape or not full <= len(kv) <= pages:
+        want = f"[{full}{'' if full == pages else f' or {pages}'}, *{list(layout.block_shape)}]"
+        raise InvalidKVError(
+            f"kv: got shape {tuple(kv.shape)}, expected {want} = [pages of {num_tokens} tokens, "
+            "num_layers, 2, block_tokens, num_kv_heads, head_dim] (layout 'blocks')"
+        )
+
+
+def check_out(
+    layout: KVLayout,
+    out: object,
+    kind: KVKind,
+    num_tokens: int,
+    device: torch.device | None,
+) -> torch.Tensor:
+    """`out` checked as a destination for the cached prefix of `num_tokens` tokens (module
+    doc)."""
+    if not isinstance(out, torch.Tensor):
+        raise InvalidKVError(f"out: got {type(out).__name__}, expected a torch.Tensor")
+    if out.dtype != layout.dtype:
+        raise InvalidKVError(f"out: got dtype {out.dtype}, expected {layout.dtype}")
+    if device is not None and out.device != device:
+        raise InvalidArgumentError(
+            f"device: got {device}, but out is on {out.device}; expected the same or no device"
+        )
+    full = num_tokens // layout.block_tokens
+    if kind == "layers":
+        layers, _, _, heads, dim = layout.block_shape
+        ok = out.dim() == 5 and (out.shape[0], out.shape[1], out.shape[3], out.shape[4]) == (
+            layers, 2, heads, dim,
+        ) and out.shape[2] >= full * layout.block_tokens  # fmt: skip
+        want = f"[{layers}, 2, >= {full * layout.block_tokens}, {heads}, {dim}]"
+    else:
+        ok = out.dim() == 6 and tuple(out.shape[1:]) == layout.block_shape and len(out) >= full
+        want = f"[>= {full}, *{list(layout.block_shape)}]"
+    if not ok:
+        raise InvalidKVError(
+            f"out: got shape {tuple(out.shape)}, expected {want} (layout {kind!r}: room for "
+            f"the {full} full blocks of {num_tokens} tokens)"
+        )
+    if out.requires_grad:
+        raise InvalidKVError("out: requires grad; expected a plain buffer to copy into")
+    return out
+
+
+def store_blocks(
+    layout: KVLayout, key: bytes, kv: object, start: int, kind: KVKind
+) -> tuple[int, torch.Tensor]:
+    """A store's KV for the tokens of `key` from `start` on, checked (`check_start`,
+    `check_kv_as`): the first block it holds, and its full blocks as a view."""
+    num_tokens, bt = len(key) // 4, layout.block_tokens
+    first = check_start(start, num_tokens, bt)
+    check_kv_as(layout, kv, kind, num_tokens - start)
+    assert isinstance(kv, torch.Tensor)
+    return first, blocks_view(kv, kind, bt, num_tokens // bt - first)
+
+
+def blocks_view(kv: torch.Tensor, kind: KVKind, block_tokens: int, count: int) -> torch.Tensor:
+    """The first `count` blocks of `kv` as a `[count, *block_shape]` view (no copy)."""
+    if kind == "blocks":
+        return kv[:count]
+    return blocks_of(kv, block_tokens, 0, count)
+
+
+def prefix_of(out: torch.Tensor, kind: KVKind, count: int, block_tokens: int) -> torch.Tensor:
+    """The part of `out` that holds its first `count` blocks, in `out`'s own layout."""
+    return out[:count] if kind == "blocks" else out[:, :, : count * block_tokens]
+
+
+def new_kv(layout: KVLayout, kind: KVKind, count: int, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor of `count` blocks in `kind`, on `device`."""
+    if kind == "blocks":
+        shape: tuple[int, ...] = _page_shape(layout, count)
+    else:
+        layers, _, bt, heads, dim = layout.block_shape
+        shape = (layers, 2, count * bt, heads, dim)
+    return torch.empty(shape, dtype=layout.dtype, device=device)
+
+
+class Destination:
+    """Where one load writes its blocks (module doc)."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        kind: KVKind,
+        device: torch.device | None,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        """`device` None: the device of the blocks' first pool, told by `read_prefix`."""
+        self.layout = layout
+        self.kind = kind
+        self.device = device
+        self.tensor = out
+
+    @staticmethod
+    def of(
+        layout: KVLayout,
+        kind: KVKind,
+        device: torch.device | None,
+        out: object,
+        key: bytes,
+    ) -> Destination:
+        """A load's destination for the tokens of `key`: `out` checked (`check_out`), or a
+        tensor made on `device` once the count is known."""
+        if out is None:
+            return Destination(layout, kind, device)
+        checked = check_out(layout, out, kind, len(key) // 4, device)
+        return Destination(layout, kind, device, checked)
+
+    def blocks(self, count: int, default: torch.device | None = None) -> torch.Tensor:
+        """A `[count, *block_shape]` view to copy the prefix's blocks into (made on `device`,
+        else on `default`)."""
+        if self.tensor is None:
+            device = self.device or default or torch.device("cpu")
+            self.tensor = new_kv(self.layout, self.kind, count, device)
+        return blocks_view(self.tensor, self.kind, self.layout.block_tokens, count)
+
+    def result(self, count: int) -> torch.Tensor:
+        """The part of the destination that holds the first `count` blocks."""
+        if self.tensor is None:
+            self.tensor = new_kv(self.layout, self.kind, 0, self.device or torch.device("cpu"))
+        return prefix_of(self.tensor, self.kind, count, self.layout.block_tokens)
