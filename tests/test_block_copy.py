@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError
@@ -80,6 +82,31 @@ def test_runs_pair_slots_that_advance_together() -> None:
     assert contiguous_runs(src, dst) == [(0, 5, 3), (8, 0, 1), (12, 14, 2)]
     assert contiguous_runs((3, 4), (7, 9)) == [(3, 7, 1), (4, 9, 1)]  # only one side advances
     assert contiguous_runs((), ()) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=block_copy.LONG, max_size=200
+    )
+)
+def test_long_slot_lists_find_the_runs_a_loop_finds(pairs: list[tuple[int, int]]) -> None:
+    # slots that mostly advance together (a step of 1 on both sides, from random jumps)
+    src, dst, s, d = [], [], 0, 0
+    for jump_s, jump_d in pairs:
+        s, d = s + (1 if jump_s else 5), d + (1 if jump_d else 9)
+        src.append(s)
+        dst.append(d)
+    pieces = [contiguous_runs(src[i : i + 8], dst[i : i + 8]) for i in range(0, len(src), 8)]
+    joined: list[tuple[int, int, int]] = []
+    for run in (r for piece in pieces for r in piece):  # the loop's runs of 8-slot pieces,
+        if joined:  # rejoined where both sides go on
+            s0, d0, n0 = joined[-1]
+            if (s0 + n0, d0 + n0) == run[:2]:
+                joined[-1] = (s0, d0, n0 + run[2])
+                continue
+        joined.append(run)
+    assert contiguous_runs(src, dst) == joined
 
 
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
@@ -250,6 +277,17 @@ def test_a_key_with_one_candidate_is_decided_without_measuring() -> None:
     pick = planner.pick(key)
     assert (pick.strategy.name, pick.measure) == ("slices", False)
     assert planner.choices == {key: "slices"}
+
+
+def test_one_run_is_copied_as_one_slice_without_measuring_the_others() -> None:
+    # a commit of fresh, consecutive slots: trying gather on it cost a second pass
+    planner = CopyPlanner(STRATEGIES)
+    one_run, two_runs = CopyKey("cpu", "cpu", 128, 1, 64), CopyKey("cpu", "cpu", 128, 2, 64)
+    assert (planner.pick(one_run).strategy.name, planner.pick(one_run).measure) == (
+        "slices",
+        False,
+    )
+    assert planner.pick(two_runs).measure  # more runs: the candidates are measured
 
 
 def test_samples_may_come_late_and_out_of_order() -> None:

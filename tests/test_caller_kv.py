@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import disk_config, fill, kv_for, same
 
+from kvtier.blocks import encode_tokens as key
 from kvtier.blocks import from_blocks, to_blocks
 from kvtier.config import KVTierConfig
 from kvtier.errors import InvalidArgumentError, InvalidKVError
@@ -156,4 +157,24 @@ def test_a_bad_layout_device_or_page_count_is_a_typed_error_naming_it(
             store.load(tokens, out=out, device="cuda")
     store.store(tokens, pages, layout="blocks")
     assert same(from_blocks(store.load(tokens, layout="blocks").kv), kv)
+    store.check()
+
+
+def test_a_node_whose_blocks_are_fastest_in_two_tiers_loads_block_by_block(
+    make_store: MakeStore,
+) -> None:
+    # write_through: every block on gpu and host; evicting two gpu blocks leaves one node
+    # whose head is fastest on gpu and tail on host (no split): the per-block path of
+    # `read_prefix`, beside the per-node one
+    store = make_store(gpu_blocks=4, host_blocks=8, write="write_through", background=False)
+    tokens, kv = list(range(16)), kv_for(store, 16, seed=12)
+    store.store(tokens, kv)
+    assert store.evict("gpu", 2) == 2
+    hit = store.lookup(tokens)
+    assert (hit.gpu_tokens, hit.host_tokens) == (8, 8)
+    (node,) = store.index.path(store.index.match(store.namespaces.seed("default"), key(tokens)).end)
+    assert node.slots[0].count(None) == 2 and None not in node.slots[1]
+    out = torch.zeros(kv.shape)
+    assert same(store.load(tokens, out=out).kv, kv)
+    assert same(store.load(tokens, layout="blocks").kv, to_blocks(kv, BT))
     store.check()

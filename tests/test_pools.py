@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import gc
 import os
+import weakref
 
 from kvtier.blocks import KVLayout, blocks_of, to_blocks
 from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError
@@ -398,3 +400,12 @@ def test_a_forked_child_writes_pool_slots_of_its_own() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert bool((p.buffer[1] == 3).all())
+
+
+def test_close_gives_a_pools_memory_back_while_the_pool_object_lives() -> None:
+    p = pool(4)
+    p.buffer.fill_(1)
+    memory = weakref.ref(p._mapping)
+    p.close()
+    gc.collect()
+    assert memory() is None and p.closed

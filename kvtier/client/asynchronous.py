@@ -122,11 +122,12 @@ class AsyncClient:
         layout: str = "layers",
     ) -> LoadResult:
         kind, wanted = kv_layout(layout), check_device(device)
+        packed = wire.pack_tokens(tokens)
         await self._map()
         dest = None
         if out is not None or kind != "layers" or "gpu" in self._pools.buffers:
             await self._block_tokens(kind, True)  # the layout, to check `out` against
-            dest = self._pools.destination(tokens, out, kind, wanted)
+            dest = self._pools.destination(len(packed) // 4, out, kind, wanted)
         if "gpu" in self._pools.buffers:
             assert dest is not None
             try:
@@ -135,12 +136,12 @@ class AsyncClient:
                 pass
             else:
                 try:
-                    kv = self._pools.read_blocks(lease, dest, len(wire.pack_tokens(tokens)) // 4)
+                    kv = self._pools.read_blocks(lease, dest, len(packed) // 4)
                 finally:
                     await self.release(lease)
                 return LoadResult(lease.num_tokens, kv)
-        body = await self._post("/v1/load", {"tokens": wire.pack_tokens(tokens)}, tenant)
-        return self._pools.loaded(body, wanted, len(wire.pack_tokens(tokens)) // 4, dest)
+        body = await self._post("/v1/load", {"tokens": packed}, tenant)
+        return self._pools.loaded(body, wanted, len(packed) // 4, dest)
 
     async def _block_tokens(self, kind: KVKind, needed: bool = False) -> int:
         """`Client._block_tokens`."""

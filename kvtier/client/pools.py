@@ -82,15 +82,15 @@ class MappedPools:
         return replies.reservation(body, self.served, len(tokens) // 4)
 
     def destination(
-        self, tokens: Tokens, out: torch.Tensor | None, kind: KVKind, device: torch.device | None
+        self, asked: int, out: torch.Tensor | None, kind: KVKind, device: torch.device | None
     ) -> Destination:
-        """Where a load of `tokens` writes: `out` checked against the served layout
+        """Where a load of `asked` tokens writes: `out` checked against the served layout
         (`InvalidKVError` before anything is asked of the server), or a new tensor on `device`
         (the CPU)."""
         assert self.served is not None, "the layout is known before a load in a caller's layout"
         layout = self.served.layout
         if out is not None:
-            check_out(layout, out, kind, len(wire.pack_tokens(tokens)) // 4, device)
+            check_out(layout, out, kind, asked, device)
         return Destination(layout, kind, device or torch.device("cpu"), out)
 
     def loaded(

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.errors import InvalidArgumentError
@@ -83,8 +84,20 @@ Run = tuple[int, int, int]
 """(src_start, dst_start, length): `length` slots consecutive on both sides."""
 
 
+LONG = 64
+"""Slot lists at least this long find their runs with NumPy (a pass in C) rather than a loop."""
+
+
 def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     """(src_start, dst_start, length) runs where both sides advance by one slot together."""
+    if len(src) >= LONG:
+        froms, tos = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        assert froms.shape == tos.shape, "as many source slots as destination slots"
+        breaks = np.flatnonzero((np.diff(froms) != 1) | (np.diff(tos) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [len(froms)])))
+        firsts = zip(froms[starts].tolist(), tos[starts].tolist(), lengths.tolist(), strict=True)
+        return list(firsts)
     runs: list[Run] = []
     for s, d in zip(src, dst, strict=True):
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:

@@ -87,6 +87,7 @@ class SlotPool:
         self.pin_memory = pin_memory
         self.slot_shape, self.slot_dtype = self._slot_format()
         self.slot_bytes = math.prod(self.slot_shape) * self.slot_dtype.itemsize
+        self._mapping: mmap.mmap | None = None  # the memory behind a CPU buffer
         self._buffer: torch.Tensor | None = self._allocate_buffer()
         self._block_shape, self._dtype = self.slot_shape, self.slot_dtype  # read by every write
         self._slots = SlotAllocator(f"pool {name!r}", num_slots)
@@ -267,9 +268,12 @@ class SlotPool:
             )
 
     def close(self) -> None:
-        """Drop the buffer (and unlink its shared memory); idempotent. Every other method then
-        raises `ClosedError`. A process that mapped the shared memory keeps its mapping."""
+        """Drop the buffer and its memory (and unlink its shared memory); idempotent. Every
+        other method then raises `ClosedError`. The memory goes back once no view of it is left
+        (a tensor a caller still holds keeps it; before, the mapping stayed until the pool
+        object was collected). A process that mapped the shared memory keeps its mapping."""
         self._buffer = None
+        self._mapping = None
         if self.shared_name is not None:
             self._unlink()
 

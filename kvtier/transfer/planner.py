@@ -11,7 +11,9 @@ device, pinned or pageable host memory), the block size, and the numbers of runs
 each rounded up to a power of two (runs of slots consecutive on both sides: one slice copy each).
 The candidates of a key are the strategies of `kernels/block_copy.py` that apply to its memories:
 the torch ones everywhere, the CUDA kernel where CuPy and a pinned or device side allow it. A key
-with one candidate needs no measurement.
+with one candidate needs no measurement. A key of one run has one candidate, `slices`: a single
+`copy_` of consecutive slots is what every other strategy approximates, and trying `gather` on
+it cost a second pass (a 1 GiB commit took 1-2 s instead of 0.15-0.2 s while measured).
 
 `CopyPlanner` keeps the samples and the choices, behind a lock, so that one thread can pick
 while another records (`CudaExecutor` records when a copy's events have completed).
@@ -104,6 +106,8 @@ class CopyPlanner:
             if trial is None:
                 candidates = tuple(s for s in self._strategies if s.applies(key.src, key.dst))
                 assert candidates, f"no copy strategy applies to {key}"
+                if key.runs == 1:  # one run is one copy_: nothing beats it, nothing to try
+                    candidates = tuple(s for s in candidates if s.name == "slices") or candidates
                 if len(candidates) == 1:
                     self._chosen[key] = candidates[0]
                     return Pick(candidates[0], measure=False)

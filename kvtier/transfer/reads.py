@@ -2,7 +2,8 @@
 
 `read_prefix(end, into)` copies the blocks of the path to `end` out of their fastest copies
 (prefix closure: one run per tier) into the caller's memory, in one pass for memory tiers (one
-`copy_` per run of slots, into whatever layout `into` views: `caller_kv.py`); it stops before
+`copy_` per run of slots into whatever layout `into` views, `caller_kv.py`; into contiguous
+pages, the copy planner's pick: on CUDA, one gather kernel for all blocks); it stops before
 a disk copy that fails verification (disk copies are read, verified, then placed).
 `read_disk(refs)` reads and verifies the disk copies of consecutive blocks of one
 path; the first that fails verification is dropped with everything below it (`drop_corrupt`:
@@ -47,18 +48,30 @@ class DiskReader:
         `[n, *block_shape]` view of the caller's memory, asked once, any device and strides),
         one copy per run of slots, up to the first corrupt disk copy (dropped, module doc).
         Returns how many leading blocks it holds."""
-        refs = list(self.index.blocks(end))
-        dest = into(len(refs))
+        nodes = self.index.path(end)
+        dest = into(sum(node.size for node in nodes))
         by_tier: dict[int, tuple[list[int], list[int]]] = {}
-        for position, ref in enumerate(refs):
-            tier = ref.node.fastest(ref.i)
-            positions, slots = by_tier.setdefault(tier, ([], []))
-            positions.append(position)
-            slots.append(_slot(ref.node.slots[tier][ref.i]))
-        count = len(refs)
+        on_disk: list[BlockRef] = []  # the blocks served from disk (prefix closure: the tail)
+        base = 0
+        for node in nodes:
+            whole = _one_tier(node)
+            if whole is not None:  # the common case: one list scan per node, not per block
+                positions, slots = by_tier.setdefault(whole, ([], []))
+                positions.extend(range(base, base + node.size))
+                slots.extend(node.slots[whole])  # type: ignore[arg-type]
+            for i in range(node.size) if whole is None or whole == DISK else ():
+                tier = node.fastest(i) if whole is None else DISK
+                if tier == DISK:
+                    on_disk.append(BlockRef(node, i))
+                if whole is None:
+                    positions, slots = by_tier.setdefault(tier, ([], []))
+                    positions.append(base + i)
+                    slots.append(_slot(node.slots[tier][i]))
+            base += node.size
+        count = base
         for tier, (positions, slots) in sorted(by_tier.items()):  # disk last: it may cut
             if tier == DISK:
-                data, good = self.read_disk(refs[positions[0] :])
+                data, good = self.read_disk(on_disk)
                 dest[positions[0] : positions[0] + good].copy_(data[:good])
                 count = positions[0] + good
                 continue
@@ -66,7 +79,9 @@ class DiskReader:
             assert isinstance(pool, SlotPool)
             if isinstance(pool, QuantPool):  # payloads: decoded, then placed
                 copy_blocks_slices(pool.read(slots), dest, range(len(slots)), positions)
-            else:  # straight from the slots into the caller's layout
+            elif dest.is_contiguous():  # pages: the copy planner's pick (a kernel on CUDA)
+                self.executor.copier.copy(pool.buffer, dest, slots, positions)
+            else:  # straight from the slots into the caller's layout, one copy per run
                 copy_blocks_slices(pool.buffer, dest, slots, positions)
         return count
 
@@ -95,3 +110,14 @@ class DiskReader:
 def _slot(slot: int | None) -> int:
     assert slot is not None
     return slot
+
+
+def _one_tier(node: Node) -> int | None:
+    """The tier that holds the fastest copy of every block of `node`, when it is one tier:
+    the first tier with no gap after tiers with no copy at all (`None` scans run in C)."""
+    for tier, fields in enumerate(node.slots):
+        if None not in fields:
+            return tier
+        if fields.count(None) != len(fields):
+            return None
+    return None
