@@ -1,6 +1,7 @@
 """The scripts of benchmarks/gpu/ are ready for a lent GPU: each refuses cleanly without CUDA
 (exit 2, saying so), and the parts of them that run on a CPU compute what they should: the
-mover script's store part end to end, the kernels script's gather + SDPA baseline."""
+mover script's store part end to end, the kernels script's gather + SDPA baseline, the data
+path script's figures and checks on CPU pools."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ def load_script(name: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, GPU_DIR / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass looks its module up while it is defined
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the scripts run for real")
-@pytest.mark.parametrize("name", ["bench_mover_gpu", "bench_kernels", "bench_dequant"])
+@pytest.mark.parametrize(
+    "name", ["bench_mover_gpu", "bench_kernels", "bench_dequant", "bench_datapath_gpu"]
+)
 def test_without_cuda_the_script_says_so_and_exits_2(name: str) -> None:
     script = GPU_DIR / f"{name}.py"
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
@@ -57,3 +61,19 @@ def test_the_kernels_scripts_gather_sdpa_baseline_matches_the_reference() -> Non
     assert script.relative_error(script.gather_sdpa(q, buffer, table, 12), want) < 1e-5
     shorter = paged_decode_reference(q, buffer, script.LAYER, table, lens - 3)
     assert script.relative_error(script.gather_sdpa(q, buffer, table, 9), shorter) < 1e-5
+
+
+def test_the_datapath_scripts_figures_run_and_check_on_cpu_pools() -> None:
+    script = load_script("bench_datapath_gpu")
+    bench = script.measure(script.LAYOUTS[1], 1, 1, torch.device("cpu"))  # 16 blocks of 64 KiB
+    assert bench.mismatches == []
+    assert [f.name for f in bench.figures] == [
+        "load d2h out=layers",
+        "load d2h out=blocks",
+        "load h2d out=layers",
+        "load h2d out=blocks",
+        "store write_through",
+        "store write_back",
+    ]
+    assert all(f.seconds > 0 and f.baseline_seconds > 0 for f in bench.figures)
+    assert [f.baseline for f in bench.figures[-2:]] == ["d2d + d2h", "d2d"]

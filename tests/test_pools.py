@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import gc
-import os
-import weakref
 
 from kvtier.blocks import KVLayout, blocks_of, to_blocks
 from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError

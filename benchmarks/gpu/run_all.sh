@@ -43,4 +43,5 @@ step tests_gpu "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -m gp
 step bench_kernels "${KERNELS_LIMIT:-200}" python3 benchmarks/gpu/bench_kernels.py
 step bench_mover_gpu "${MOVER_LIMIT:-200}" python3 benchmarks/gpu/bench_mover_gpu.py
 step bench_dequant "${DEQUANT_LIMIT:-120}" python3 benchmarks/gpu/bench_dequant.py
+step bench_datapath_gpu "${DATAPATH_LIMIT:-150}" python3 benchmarks/gpu/bench_datapath_gpu.py
 exit $status
