@@ -46,25 +46,20 @@ import inspect
 import json
 import math
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
-import yaml
-from bench_service import ADMIN_KEY, admin, quantile
+from bench_service import ADMIN_KEY, admin, quantile, server
 
 from kvtier import KVStore, parse_config
 from kvtier.blocks import KVLayout, blocks_of
@@ -363,39 +358,6 @@ def measure_write_back(figures: Figures, config: dict[str, Any]) -> None:
 # ---- the sidecar ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def serve(config: dict[str, Any], work: Path) -> Iterator[str]:
-    """`kvtier serve` of `config` on a free port; its URL once /readyz is 200; SIGTERM after."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    path = work / "datapath.yaml"
-    path.write_text(
-        yaml.safe_dump({**config, "service": {**config["service"], "state_dir": str(work)}})
-    )
-    log_path = work / "server.log"
-    command = [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(path)]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start: {log_path.read_text()}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(url + "/readyz").status_code == 200:
-                        break
-                time.sleep(0.05)
-            yield url
-        finally:
-            process.send_signal(signal.SIGTERM)
-            if process.wait(60) != 0:
-                print(f"the server exited with {process.returncode}: {log_path.read_text()}")
-
-
 def takes_out(client: Client) -> bool:
     """Whether this `Client.load` can load into the caller's `out` (issue 19)."""
     return "out" in inspect.signature(client.load).parameters
@@ -619,7 +581,7 @@ def measure_geometry(
         client, url = None, ""
         if sidecar:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-dp-")))
-            url = stack.enter_context(serve(geometry.config(capacity, "write_through"), work))
+            url = stack.enter_context(server(work, geometry.config(capacity, "write_through")))
             client = stack.enter_context(Client(url))
             run.sidecar_out = takes_out(client)
         for i, mib in enumerate(sizes):

@@ -85,14 +85,15 @@ def quantile(values: list[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def server(work: Path) -> Iterator[str]:
-    """`kvtier serve` on a free port; its URL once /readyz is 200; SIGTERM (exit 0) after."""
+def server(work: Path, settings: dict[str, Any] = CONFIG) -> Iterator[str]:
+    """`kvtier serve` of `settings` (with a `service` section) on a free port; its URL once
+    /readyz is 200; SIGTERM (exit 0) after. Also `bench_datapath.py`'s server."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = work / "bench.yaml"
     config.write_text(
-        yaml.safe_dump({**CONFIG, "service": {**CONFIG["service"], "state_dir": str(work)}})
+        yaml.safe_dump({**settings, "service": {**settings["service"], "state_dir": str(work)}})
     )
     log = (work / "server.log").open("wb")
     process = subprocess.Popen(

@@ -30,11 +30,14 @@ Contract:
   `count` blocks of `kv`: writes into it land in `kv`.
 - `prefix_of(out, kind, count, block_tokens)` is the part of `out` that holds `count` blocks.
 - `new_kv(layout, kind, count, device)` is an uninitialized tensor of `count` blocks in `kind`.
-- `Destination(layout, kind, device, out)`: where one load writes. `blocks(count)` is asked
-  once, when the prefix's length is known: a view of `out`, or of a tensor made then (no
-  allocation before the count, none when `out` is given). `result(count)` is what the load
-  returns, the part holding the first `count` blocks (fewer than asked when a disk copy failed
-  verification on the way; then a view of the tensor made for the whole prefix).
+- `store_blocks(layout, key, kv, start, kind)`: a store's KV checked (`check_start`,
+  `check_kv_as`): the first block it holds and its full blocks as a view.
+- `Destination(layout, kind, device, out)` (`Destination.of` checks `out` first): where one
+  load writes. `blocks(count, default)` is asked once, when the prefix's length is known: a
+  view of `out`, or of a tensor made then on `device` (else `default`; no allocation before
+  the count, none when `out` is given). `result(count)` is what the load returns, the part
+  holding the first `count` blocks (fewer than asked when a disk copy failed verification on
+  the way; then a view of the tensor made for the whole prefix).
 """
 
 from __future__ import annotations

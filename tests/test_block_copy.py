@@ -84,7 +84,7 @@ def test_runs_pair_slots_that_advance_together() -> None:
     assert contiguous_runs((), ()) == []
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     pairs=st.lists(
         st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=block_copy.LONG, max_size=200
