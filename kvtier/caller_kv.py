@@ -32,12 +32,12 @@ Contract:
 - `new_kv(layout, kind, count, device)` is an uninitialized tensor of `count` blocks in `kind`.
 - `store_blocks(layout, key, kv, start, kind)`: a store's KV checked (`check_start`,
   `check_kv_as`): the first block it holds and its full blocks as a view.
-- `Destination(layout, kind, device, out)` (`Destination.of` checks `out` first): where one
-  load writes. `blocks(count, default)` is asked once, when the prefix's length is known: a
-  view of `out`, or of a tensor made then on `device` (else `default`; no allocation before
-  the count, none when `out` is given). `result(count)` is what the load returns, the part
-  holding the first `count` blocks (fewer than asked when a disk copy failed verification on
-  the way; then a view of the tensor made for the whole prefix).
+- `Destination.of(layout, kind, asked, out, device, default)`: where one load writes, `out`
+  checked first. `blocks(count)` is asked once, when the prefix's length is known: a view of
+  `out`, or of a tensor made then on `device` (else `default`; no allocation before the count,
+  none when `out` is given). `result(count)` is what the load returns, the part holding the
+  first `count` blocks (fewer than asked when a disk copy failed verification on the way;
+  then a view of the tensor made for the whole prefix).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Literal
 
 import torch
 
-from kvtier.blocks import KVLayout, blocks_of, check_kv, check_start
+from kvtier.blocks import TOKEN_NBYTES, KVLayout, blocks_of, check_kv, check_start
 from kvtier.errors import InvalidArgumentError, InvalidKVError
 
 KVKind = Literal["layers", "blocks"]
@@ -60,10 +60,6 @@ def kv_layout(name: object) -> KVKind:
     if name == "blocks":
         return "blocks"
     raise InvalidArgumentError(f"layout: got {name!r}, expected one of {list(LAYOUTS)}")
-
-
-def _page_shape(layout: KVLayout, pages: int) -> tuple[int, ...]:
-    return (pages, *layout.block_shape)
 
 
 def check_kv_as(layout: KVLayout, kv: object, kind: KVKind, num_tokens: int) -> None:
@@ -104,9 +100,8 @@ def check_out(
     full = num_tokens // layout.block_tokens
     if kind == "layers":
         layers, _, _, heads, dim = layout.block_shape
-        ok = out.dim() == 5 and (out.shape[0], out.shape[1], out.shape[3], out.shape[4]) == (
-            layers, 2, heads, dim,
-        ) and out.shape[2] >= full * layout.block_tokens  # fmt: skip
+        ok = out.dim() == 5 and out.shape[2] >= full * layout.block_tokens
+        ok = ok and tuple(out.shape[i] for i in (0, 1, 3, 4)) == (layers, 2, heads, dim)
         want = f"[{layers}, 2, >= {full * layout.block_tokens}, {heads}, {dim}]"
     else:
         ok = out.dim() == 6 and tuple(out.shape[1:]) == layout.block_shape and len(out) >= full
@@ -126,7 +121,7 @@ def store_blocks(
 ) -> tuple[int, torch.Tensor]:
     """A store's KV for the tokens of `key` from `start` on, checked (`check_start`,
     `check_kv_as`): the first block it holds, and its full blocks as a view."""
-    num_tokens, bt = len(key) // 4, layout.block_tokens
+    num_tokens, bt = len(key) // TOKEN_NBYTES, layout.block_tokens
     first = check_start(start, num_tokens, bt)
     check_kv_as(layout, kv, kind, num_tokens - start)
     assert isinstance(kv, torch.Tensor)
@@ -148,7 +143,7 @@ def prefix_of(out: torch.Tensor, kind: KVKind, count: int, block_tokens: int) ->
 def new_kv(layout: KVLayout, kind: KVKind, count: int, device: torch.device) -> torch.Tensor:
     """An uninitialized tensor of `count` blocks in `kind`, on `device`."""
     if kind == "blocks":
-        shape: tuple[int, ...] = _page_shape(layout, count)
+        shape: tuple[int, ...] = (count, *layout.block_shape)
     else:
         layers, _, bt, heads, dim = layout.block_shape
         shape = (layers, 2, count * bt, heads, dim)
@@ -159,13 +154,9 @@ class Destination:
     """Where one load writes its blocks (module doc)."""
 
     def __init__(
-        self,
-        layout: KVLayout,
-        kind: KVKind,
-        device: torch.device | None,
-        out: torch.Tensor | None = None,
+        self, layout: KVLayout, kind: KVKind, device: torch.device, out: torch.Tensor | None = None
     ) -> None:
-        """`device` None: the device of the blocks' first pool, told by `read_prefix`."""
+        """`out` checked already (`check_out`); without it a tensor is made on `device`."""
         self.layout = layout
         self.kind = kind
         self.device = device
@@ -175,27 +166,25 @@ class Destination:
     def of(
         layout: KVLayout,
         kind: KVKind,
-        device: torch.device | None,
+        asked: int,
         out: object,
-        key: bytes,
+        device: torch.device | None,
+        default: torch.device,
     ) -> Destination:
-        """A load's destination for the tokens of `key`: `out` checked (`check_out`), or a
-        tensor made on `device` once the count is known."""
+        """A load's destination for a prompt of `asked` tokens: `out` checked against the
+        layout and `device` (`check_out`), or a tensor made on `device` (else `default`) once
+        the count is known."""
         if out is None:
-            return Destination(layout, kind, device)
-        checked = check_out(layout, out, kind, len(key) // 4, device)
-        return Destination(layout, kind, device, checked)
+            return Destination(layout, kind, device or default)
+        return Destination(layout, kind, default, check_out(layout, out, kind, asked, device))
 
-    def blocks(self, count: int, default: torch.device | None = None) -> torch.Tensor:
-        """A `[count, *block_shape]` view to copy the prefix's blocks into (made on `device`,
-        else on `default`)."""
+    def blocks(self, count: int) -> torch.Tensor:
+        """A `[count, *block_shape]` view to copy the prefix's blocks into."""
         if self.tensor is None:
-            device = self.device or default or torch.device("cpu")
-            self.tensor = new_kv(self.layout, self.kind, count, device)
+            self.tensor = new_kv(self.layout, self.kind, count, self.device)
         return blocks_view(self.tensor, self.kind, self.layout.block_tokens, count)
 
     def result(self, count: int) -> torch.Tensor:
-        """The part of the destination that holds the first `count` blocks."""
-        if self.tensor is None:
-            self.tensor = new_kv(self.layout, self.kind, 0, self.device or torch.device("cpu"))
+        """The part of the destination that holds the first `count` blocks (after `blocks`)."""
+        assert self.tensor is not None, "a load's result is asked after its blocks"
         return prefix_of(self.tensor, self.kind, count, self.layout.block_tokens)

@@ -213,14 +213,14 @@ class KVStore:
         gpu tier's); `layout` "layers" `[num_layers, 2, tokens, kv_heads, head_dim]`, or
         "blocks", pages `[blocks, *block_shape]`."""
         key = encode_tokens(tokens)
-        dest = Destination.of(self.layout, kv_layout(layout), check_device(device), out, key)
+        asked, wanted, gpu = len(key) // TOKEN_NBYTES, check_device(device), self.gpu_pool.device
+        dest = Destination.of(self.layout, kv_layout(layout), asked, out, wanted, gpu)
         self.operations.fill_from_remote(key, tenant)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
             end = self.index.match(namespace, key).end
-            gpu = self.gpu_pool.device  # a new tensor's device unless one is asked
-            count = self.parts.reader.read_prefix(end, lambda n: dest.blocks(n, gpu))
+            count = self.parts.reader.read_prefix(end, dest.blocks)
             self._writes.copy_hot_to_host(end)
             self.operations.count(tenant, loads=1, loaded_tokens=count * self.block_tokens)
             return LoadResult(count * self.block_tokens, dest.result(count))

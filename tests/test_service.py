@@ -173,12 +173,16 @@ def test_the_clients_load_into_a_callers_out_and_store_pages_in_both_paths(
         assert same(client.load(prompt, layout="blocks").kv, pages)  # a new tensor of pages
         with pytest.raises(InvalidKVError, match="out: got shape"):
             client.load(prompt, out=torch.zeros((2, 2, 20, 2, 64), dtype=torch.float16))
+        assert client.layout().block_shape == (2, 2, BT, 2, 64)
     after = route_counts(server)
     body_loads = after.get("/v1/load", 0) - before.get("/v1/load", 0)
     assert body_loads == (0 if shared_memory else 3)  # the refused out asked nothing
+    # the layout is asked once: when the pools were mapped, or at the first page or `out`
+    assert after.get("/v1/pools", 0) == before.get("/v1/pools", 0) + (0 if shared_memory else 1)
 
     async def scenario() -> None:
         async with AsyncClient(server.url, shared_memory=shared_memory) as client:
+            assert (await client.layout()).block_tokens == BT
             pages_out = torch.zeros((6, *pages.shape[1:]), dtype=torch.float16)
             loaded = await client.load(tokens, out=pages_out, layout="blocks")
             assert loaded.num_tokens == 24 and same(pages_out, pages)

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import torch
 
-from kvtier.blocks import Tokens, check_device
-from kvtier.caller_kv import KVKind, kv_layout
+from kvtier.blocks import KVLayout, Tokens, check_device
+from kvtier.caller_kv import kv_layout
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.transport import RequestHeaders, reply_body
 from kvtier.errors import CapacityError
@@ -109,7 +109,8 @@ class AsyncClient:
                 return await self.commit(reservation)
             if reservation.num_tokens:
                 await self.abort(reservation)
-        body = store_body(tokens, kv, start, kind, await self._block_tokens(kind))
+        bt = (await self.layout()).block_tokens if kind == "blocks" else 0  # pages: full ones
+        body = store_body(tokens, kv, start, kind, bt)
         return replies.stored(await self._post("/v1/store", body, tenant))
 
     async def load(
@@ -126,7 +127,7 @@ class AsyncClient:
         await self._map()
         dest = None
         if out is not None or kind != "layers" or "gpu" in self._pools.buffers:
-            await self._block_tokens(kind, True)  # the layout, to check `out` against
+            await self.layout()  # known before `out` is checked against it
             dest = self._pools.destination(len(packed) // 4, out, kind, wanted)
         if "gpu" in self._pools.buffers:
             assert dest is not None
@@ -143,11 +144,12 @@ class AsyncClient:
         body = await self._post("/v1/load", {"tokens": packed}, tenant)
         return self._pools.loaded(body, wanted, len(packed) // 4, dest)
 
-    async def _block_tokens(self, kind: KVKind, needed: bool = False) -> int:
-        """`Client._block_tokens`."""
-        if self._pools.served is None and (needed or kind == "blocks"):
+    async def layout(self) -> KVLayout:
+        """`Client.layout`."""
+        if self._pools.served is None:
             self._pools.map(await self._get("/v1/pools"), mapping=False)
-        return 0 if self._pools.served is None else self._pools.served.layout.block_tokens
+        assert self._pools.served is not None
+        return self._pools.served.layout
 
     async def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None

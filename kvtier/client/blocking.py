@@ -15,7 +15,7 @@ import httpx
 import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device
-from kvtier.caller_kv import KVKind, kv_layout
+from kvtier.caller_kv import kv_layout
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.transport import RequestHeaders, reply_body
 from kvtier.errors import CapacityError
@@ -121,7 +121,8 @@ class Client:
                 return self.commit(reservation)
             if reservation.num_tokens:
                 self.abort(reservation)
-        body = store_body(tokens, kv, start, kind, self._block_tokens(kind))
+        bt = self.layout().block_tokens if kind == "blocks" else 0  # pages: full ones
+        body = store_body(tokens, kv, start, kind, bt)
         return replies.stored(self._post("/v1/store", body, tenant))
 
     def load(
@@ -137,7 +138,7 @@ class Client:
         packed = wire.pack_tokens(tokens)
         dest = None
         if out is not None or kind != "layers" or "gpu" in self._pools.buffers:
-            self._block_tokens(kind, True)  # the layout, to check `out` against
+            self.layout()  # known before `out` is checked against it
             dest = self._pools.destination(len(packed) // 4, out, kind, wanted)
         if "gpu" in self._pools.buffers:
             assert dest is not None
@@ -153,13 +154,6 @@ class Client:
                 return LoadResult(lease.num_tokens, kv)
         body = self._post("/v1/load", {"tokens": packed}, tenant)
         return self._pools.loaded(body, wanted, len(packed) // 4, dest)
-
-    def _block_tokens(self, kind: KVKind, needed: bool = False) -> int:
-        """The served layout's block tokens, asking the server for it if pages are involved
-        (`needed`, or `kind` "blocks") and it is not known yet; 0 when not needed."""
-        if self._pools.served is None and (needed or kind == "blocks"):
-            self._pools.map(self._get("/v1/pools"), mapping=False)
-        return 0 if self._pools.served is None else self._pools.served.layout.block_tokens
 
     def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
@@ -187,9 +181,13 @@ class Client:
         return replies.blocks(self._get("/v1/blocks"))
 
     def layout(self) -> KVLayout:
-        """The server's KV layout (`/v1/pools`, checked; model name "served"): an engine
-        checks its own caches against it before it stores or loads."""
-        return replies.pools(self._get("/v1/pools")).layout
+        """The server's KV layout (`/v1/pools`, checked; model name "served"), asked once: an
+        engine checks its own caches against it before it stores or loads, and pages and a
+        caller's `out` are checked against it."""
+        if self._pools.served is None:
+            self._pools.map(self._get("/v1/pools"), mapping=False)
+        assert self._pools.served is not None
+        return self._pools.served.layout
 
     def pool_buffer(self, tier: str) -> torch.Tensor | None:
         """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None."""

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvtier.blocks import Tokens, check_start, from_blocks, to_blocks
-from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as, check_out
+from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
 from kvtier.errors import ReplyError
 from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.results import Lease, LoadResult, Reservation
@@ -88,10 +88,7 @@ class MappedPools:
         (`InvalidKVError` before anything is asked of the server), or a new tensor on `device`
         (the CPU)."""
         assert self.served is not None, "the layout is known before a load in a caller's layout"
-        layout = self.served.layout
-        if out is not None:
-            check_out(layout, out, kind, asked, device)
-        return Destination(layout, kind, device or torch.device("cpu"), out)
+        return Destination.of(self.served.layout, kind, asked, out, device, torch.device("cpu"))
 
     def loaded(
         self,

@@ -59,14 +59,16 @@ class DiskReader:
                 positions, slots = by_tier.setdefault(whole, ([], []))
                 positions.extend(range(base, base + node.size))
                 slots.extend(node.slots[whole])  # type: ignore[arg-type]
-            for i in range(node.size) if whole is None or whole == DISK else ():
-                tier = node.fastest(i) if whole is None else DISK
-                if tier == DISK:
-                    on_disk.append(BlockRef(node, i))
-                if whole is None:
+                if whole == DISK:
+                    on_disk.extend(BlockRef(node, i) for i in range(node.size))
+            else:  # a node split between tiers: block by block
+                for i in range(node.size):
+                    tier = node.fastest(i)
                     positions, slots = by_tier.setdefault(tier, ([], []))
                     positions.append(base + i)
                     slots.append(_slot(node.slots[tier][i]))
+                    if tier == DISK:
+                        on_disk.append(BlockRef(node, i))
             base += node.size
         count = base
         for tier, (positions, slots) in sorted(by_tier.items()):  # disk last: it may cut
