@@ -282,7 +282,8 @@ def failed_over(cluster: LocalCluster, dead: int, timeout: float = 90.0) -> None
 
 
 def wait_for_replicas(cluster: LocalCluster, timeout: float = 10.0) -> None:
-    """Until every replica has applied all its primary has written."""
+    """Until every replica has applied all its primary has written; then it holds the same
+    keys."""
     deadline = time.monotonic() + timeout
     for port in cluster.ports:
         with Redis(host="127.0.0.1", port=port) as raw:
@@ -297,6 +298,10 @@ def wait_for_replicas(cluster: LocalCluster, timeout: float = 10.0) -> None:
                     assert replica["offset"] >= offset, (port, replica, offset)
                     break
                 time.sleep(0.05)
+            # and holds its primary's keys, not another's (servers sharing one dump.rdb did)
+            with Redis(host="127.0.0.1", port=int(replica["port"])) as copy:
+                copy.execute_command("READONLY")
+                assert sorted(copy.keys("*")) == sorted(raw.keys("*")), (port, replica)
 
 
 def test_a_cluster_start_tries_other_ports_when_one_is_taken_meanwhile(

@@ -123,6 +123,11 @@ class LocalCluster:
                     "--dir", str(self.directory),
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", f"nodes-{port}.conf",
+                    # one snapshot file per server: a replica's full sync writes the RDB it
+                    # receives to this name and loads it back, so servers sharing `--dir`
+                    # and the default dump.rdb could load another's data (seen: a promoted
+                    # replica holding a different primary's keys)
+                    "--dbfilename", f"dump-{port}.rdb",
                     "--cluster-node-timeout", "2000",
                     "--save", "",
                     "--appendonly", "no",
