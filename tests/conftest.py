@@ -283,3 +283,12 @@ def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", str(mount_point)], check=True, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Any:
+    """SmolLM2-135M loaded once for the session (the reference model's and engine's tests only
+    read it): 15 s of the default suite each time it is loaded."""
+    from kvtier.reference import load_smollm2
+
+    return load_smollm2()

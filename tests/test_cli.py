@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import mounted_tmpfs
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -58,6 +59,7 @@ def test_the_default_disk_tier_is_refused_where_it_does_not_fit(tmp_path: Path) 
         assert not list((cwd / "kvtier-data").glob("slab-*"))
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_info_json_matches_the_config_file(tmp_path: Path) -> None:
     path = tmp_path / "small.yaml"
     path.write_text(
@@ -72,6 +74,7 @@ def test_info_json_matches_the_config_file(tmp_path: Path) -> None:
     assert status["tiers"]["host"]["capacity_bytes"] == 131072
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_validate_accepts_every_shipped_config() -> None:
     files = sorted(str(p) for p in CONFIGS.glob("*.yaml"))
     done = run("validate", *files)
@@ -88,6 +91,7 @@ def test_a_bad_file_stops_the_start_naming_field_and_value(tmp_path: Path) -> No
     assert done.stdout == ""
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_validate_names_each_quantized_tier_and_a_group_that_does_not_fit(
     tmp_path: Path,
 ) -> None:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import DISK_HEADER_BYTES, DISK_SLOT_BYTES, disk_config, kv_for, slab_headers
 
 from kvtier import KVStore
@@ -26,6 +27,7 @@ def counts(stdout: str) -> dict[str, int]:
     return found
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_check_finds_damage_and_fix_retires_it(tmp_path: Path) -> None:
     path = tmp_path / "disk"
     store = KVStore(disk_config(path))

@@ -112,7 +112,14 @@ def verify(
         store.close()
 
 
-@pytest.mark.parametrize(("codec", "kills"), [("none", KILLS), ("int4", 8)])
+@pytest.mark.parametrize(
+    ("codec", "kills"),
+    [
+        ("none", 3),  # the default suite's short schedule; the long ones run with `-m slow`
+        pytest.param("none", KILLS, marks=pytest.mark.slow),
+        pytest.param("int4", 8, marks=pytest.mark.slow),
+    ],
+)
 def test_sigkilled_writer_loses_no_acknowledged_block_and_serves_no_torn_one(
     tmp_path: Path, codec: str, kills: int
 ) -> None:

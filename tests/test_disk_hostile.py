@@ -51,6 +51,7 @@ def cpu_seconds(pid: int) -> float:
 # ---- one server per directory ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_second_server_on_one_disk_directory_is_refused_until_the_first_is_killed(
     tmp_path: Path,
 ) -> None:
@@ -215,6 +216,7 @@ def _fill_up(directory: Path) -> Path:
     return filler
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_an_idle_server_backs_off_from_a_full_disk_and_says_so(tmp_path: Path) -> None:
     if shutil.which("fallocate") is None:
         pytest.skip(reason="no fallocate(1) to punch the slab's pages out")
@@ -249,6 +251,7 @@ def _refuse_writes(pid: int, refuse: bool) -> None:
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (0 if refuse else hard, hard))
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_clear_the_disk_cannot_make_durable_says_so_and_a_restart_shows_what_it_said(
     tmp_path: Path,
 ) -> None:

@@ -30,7 +30,14 @@ def load_script(name: str) -> Any:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the scripts run for real")
 @pytest.mark.parametrize(
-    "name", ["bench_mover_gpu", "bench_kernels", "bench_dequant", "bench_datapath_gpu"]
+    "name",
+    [
+        "bench_datapath_gpu",
+        *(  # one script in the default suite, the others with `pytest -m slow` (`.ci/run`)
+            pytest.param(name, marks=pytest.mark.slow)
+            for name in ("bench_mover_gpu", "bench_kernels", "bench_dequant")
+        ),
+    ],
 )
 def test_without_cuda_the_script_says_so_and_exits_2(name: str) -> None:
     script = GPU_DIR / f"{name}.py"

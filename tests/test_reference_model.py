@@ -18,7 +18,6 @@ from kvtier.reference import (
     Llama,
     find_smollm2_gguf,
     generate,
-    load_smollm2,
     load_smollm2_tokenizer,
 )
 
@@ -28,8 +27,8 @@ if find_smollm2_gguf() is None:
 
 
 @pytest.fixture(scope="module")
-def model() -> Llama:
-    return load_smollm2()
+def model(smollm2: Llama) -> Llama:
+    return smollm2  # conftest's, loaded once for the session
 
 
 @pytest.fixture(scope="module")

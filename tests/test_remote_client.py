@@ -219,6 +219,7 @@ def test_over_tls_only_a_client_that_verifies_the_cluster_and_shows_a_certificat
         remote.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_after_a_failover_the_promoted_replica_serves_and_takes_writes(tmp_path: Path) -> None:
     """3 primaries with a replica each: a primary SIGKILLed is replaced by its replica; calls
     meanwhile are misses or right bytes, and afterwards every block written before the kill is
@@ -304,6 +305,7 @@ def wait_for_replicas(cluster: LocalCluster, timeout: float = 10.0) -> None:
                 assert sorted(copy.keys("*")) == sorted(raw.keys("*")), (port, replica)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_cluster_start_tries_other_ports_when_one_is_taken_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

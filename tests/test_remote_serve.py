@@ -98,6 +98,7 @@ def test_a_prefix_stored_on_one_sidecar_is_found_and_loaded_on_another(
         assert line.startswith("remote: connected; 12 hits, 0 misses, 0 failed verification")
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_sidecar_whose_cluster_is_down_is_ready_and_serves_locally(tmp_path: Path) -> None:
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     tokens = tokens_of(2000, 16)
@@ -115,6 +116,7 @@ def test_a_sidecar_whose_cluster_is_down_is_ready_and_serves_locally(tmp_path: P
         assert ready.status_code == 200 and ready.json()["remote"].startswith("not connected: ")
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_across_sidecars_tenants_and_models_never_meet_and_damage_is_a_counted_miss(
     nodes: list[str], tmp_path: Path
 ) -> None:
@@ -170,6 +172,7 @@ def damage(
     cluster.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_primary_killed_mid_run_gives_misses_and_no_errors(tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path / "redis")
     try:
@@ -196,6 +199,7 @@ def test_a_primary_killed_mid_run_gives_misses_and_no_errors(tmp_path: Path) -> 
         cluster.stop()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_blocks_the_cluster_evicts_under_maxmemory_leave_b_s_lookups(tmp_path: Path) -> None:
     """`maxmemory` with `allkeys-lru`: a prefix B's lookup found in the cluster is pushed out by
     other writers; B's next lookups stop reporting what left (the remote run is probed, never

@@ -88,6 +88,7 @@ def test_a_router_rebuilds_a_pod_from_its_snapshot_and_follows_it_from_there(
     admin.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_the_route_needs_msgpack_and_a_store_that_publishes_events(tmp_path: Path) -> None:
     with running(write_config(tmp_path)) as live:
         headers = {"authorization": f"Bearer {ADMIN_KEY}", "content-type": "application/msgpack"}

@@ -555,6 +555,7 @@ def test_the_server_refuses_a_public_address_without_auth(tmp_path: Path) -> Non
 # ---- restarts -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_restart_recovers_what_was_persisted_with_the_same_block_ids(tmp_path: Path) -> None:
     config = write_config(tmp_path, disk="1MiB", write="write_back")
     a, kv_a = tokens_of(100, 32), kv_of(32, seed=1)
@@ -579,6 +580,7 @@ def test_a_restart_recovers_what_was_persisted_with_the_same_block_ids(tmp_path:
     assert secret.read_bytes() == first_secret
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_sigterm_during_transfers_exits_0_and_the_restart_recovers(tmp_path: Path) -> None:
     """Two clients (shared memory and body) store, prefetch and load sequences of 6 blocks into
     tiers of 24 and 32 blocks, so the mover demotes to disk all along; SIGTERM mid-stream. Each

@@ -100,6 +100,7 @@ def probes(kv: torch.Tensor) -> list[bytes]:
     return [raw[i : i + 64] for i in range(0, len(raw), 1024)]
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_hostile_tenant_neither_starves_reads_nor_watches_another(server: Server) -> None:
     rng = random.Random(11)
     prompts = [(tokens_of(1000 + 100 * i, 2 * BT), kv_of(2 * BT, seed=i)) for i in range(PROMPTS)]

@@ -391,6 +391,7 @@ def test_the_last_line_of_defence_answers_an_unexpected_error_with_a_json_500(
 # ---- a corrupt disk block through the sidecar ---------------------------------------------------
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_prefetch_and_load_return_the_intact_part_before_a_corrupt_disk_block(
     tmp_path: Path,
 ) -> None:

@@ -94,6 +94,7 @@ def test_the_sweep_removes_only_segments_of_ours_whose_owner_is_gone(tmp_path: P
     assert sweep_stale(tmp_path) == []
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_killed_servers_segments_are_swept_at_the_next_start_and_a_live_ones_kept(
     tmp_path: Path,
 ) -> None:

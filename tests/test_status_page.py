@@ -114,6 +114,7 @@ def test_the_page_carries_no_inline_script_or_style_and_forbids_them(server: Ser
         assert asset.text.strip()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_the_charts_grow_with_the_history(server: Server) -> None:
     """The server samples every 2 s: the hit-rate chart gains points while lookups go on."""
     client = Client(server.url)
