@@ -135,12 +135,17 @@ def requests_served(url: str) -> float:
     )
 
 
-def timed(run: Callable[[], object], repeat: int) -> float:
-    """Median seconds of `repeat` runs of `run`, after `WARMUP` untimed ones."""
+def timed(
+    run: Callable[[], object], repeat: int, setup: Callable[[], object] = lambda: None
+) -> float:
+    """Median seconds of `repeat` runs of `run`, after `WARMUP` untimed ones; `setup` runs
+    before each, untimed (a store's clear)."""
     for _ in range(WARMUP):
+        setup()
         run()
     seconds = []
     for _ in range(repeat):
+        setup()
         start = time.perf_counter()
         run()
         seconds.append(time.perf_counter() - start)
@@ -155,24 +160,15 @@ def part_b(url: str, mib: int, repeat: int) -> float:
     with Client(url) as client:
         assert client.pool_buffer("gpu") is not None, "the pools are not mapped"
 
-        def shared_store() -> None:
-            admin(url, "/v1/admin/clear")
-            client.store(tokens, kv)
-
         seconds["shared memory"] = (
-            timed(shared_store, repeat),
+            timed(lambda: client.store(tokens, kv), repeat, lambda: admin(url, "/v1/admin/clear")),
             timed(lambda: client.load(tokens), repeat),
         )
         assert client.lookup(tokens).num_tokens == len(tokens)
         assert torch.equal(client.load(tokens).kv, kv), "shared memory: not bit-exact"
     with KVStore(parse_config(CONFIG)) as store:
-
-        def embedded_store() -> None:
-            store.clear()
-            store.store(tokens, kv)
-
         seconds["in-process"] = (
-            timed(embedded_store, repeat),
+            timed(lambda: store.store(tokens, kv), repeat, store.clear),
             timed(lambda: store.load(tokens, device="cpu"), repeat),
         )
         assert torch.equal(store.load(tokens, device="cpu").kv, kv), "in-process: not bit-exact"
