@@ -35,7 +35,6 @@ from kvtier.reference import (
     Llama,
     find_smollm2_gguf,
     generate,
-    load_smollm2,
     load_smollm2_tokenizer,
 )
 from kvtier.reference.engine import Engine, Generation
@@ -85,8 +84,8 @@ def reference_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
 
 
 @pytest.fixture(scope="module")
-def model() -> Llama:
-    return load_smollm2()
+def model(smollm2: Llama) -> Llama:
+    return smollm2  # conftest's, loaded once for the session
 
 
 @pytest.fixture(scope="module")
@@ -226,4 +225,5 @@ def test_through_the_sidecar_a_cached_prefix_is_reused_and_matches_a_cold_run(
         server.admin("/v1/admin/clear")
         cache_a(model, client, prompts)
         run_b_over_cached_a(model, client, prompts, "gpu")
-        assert client.status()["index"]["leases"] == 0
+    with Client(server.url, shared_memory=False) as other:  # the first's close() released all
+        assert other.status()["index"]["leases"] == 0

@@ -1,11 +1,16 @@
 """`AsyncClient`: the asyncio twin of `Client` (`blocking.py`), the same methods as coroutines.
 
 It maps the server's pools at its first request rather than at construction (a constructor
-cannot await); the shared-memory path and its fallback to the body are `Client`'s.
+cannot await); the shared-memory path and its fallback to the body are `Client`'s, and so are
+owed releases (`releases.py`), sent here by a task the event loop starts `RELEASE_AFTER_S`
+after a load rather than by a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import math
 from typing import Any
 
 import httpx
@@ -14,8 +19,9 @@ import torch
 from kvtier.blocks import KVLayout, Tokens, check_device
 from kvtier.caller_kv import kv_layout
 from kvtier.client.pools import MappedPools, store_body
+from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, reply_body
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies, wire
 
@@ -37,6 +43,9 @@ class AsyncClient:
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
         self._shared_memory = shared_memory
         self._mapped = False
+        self._owed = OwedReleases()
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flushes: set[asyncio.Task[None]] = set()  # running flushes, kept referenced
 
     async def _post(
         self, path: str, body: dict[str, Any], tenant: str = "default"
@@ -50,6 +59,45 @@ class AsyncClient:
     async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         response = await self._http.get(path, params=params, headers=self._headers.common)
         return reply_body(response)
+
+    async def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
+        """`_post`, carrying the releases owed for `tenant` (`releases.py`)."""
+        ids = self._owed.take(tenant)
+        try:
+            return await self._post(path, {**body, "release": ids} if ids else body, tenant)
+        except BaseException:
+            if ids:
+                self._owed.give_back(tenant, ids)
+                self._schedule_flush()
+            raise
+
+    # ---- owed releases (`releases.py`) ---------------------------------------------------
+
+    def _schedule_flush(self) -> None:
+        """A flush when the oldest release owed is due (one timer at a time)."""
+        wait = self._owed.next_due_in()
+        if wait is None or self._flush_timer is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._flush_timer = loop.call_later(wait, self._start_flush)
+
+    def _cancel_flush(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+
+    def _start_flush(self) -> None:
+        self._flush_timer = None
+        task = asyncio.get_running_loop().create_task(self._flush(self._owed.take_due()))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self, due: list[tuple[int, str]]) -> None:
+        for lease_id, tenant in due:
+            # as `Client._send_releases`: a LeaseError or a transport error ends nothing
+            with contextlib.suppress(KVTierError, httpx.HTTPError):
+                await self._post("/v1/release", {"lease_id": lease_id}, tenant)
+        self._schedule_flush()  # what was owed meanwhile, or given back
 
     async def _map(self) -> None:
         if self._shared_memory and not self._mapped:
@@ -73,7 +121,7 @@ class AsyncClient:
             request["ttl_s"] = ttl_s
         if not wait:
             request["wait_s"] = 0.0
-        lease = self._pools.lease(await self._post("/v1/prefetch", request, tenant), None)
+        lease = self._pools.lease(await self._post_carrying("/v1/prefetch", request, tenant), None)
         while wait and lease.state is LeaseState.PENDING:
             body = await self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": 30})
             lease = self._pools.lease(body, None)
@@ -138,8 +186,11 @@ class AsyncClient:
             else:
                 try:
                     kv = self._pools.read_blocks(lease, dest, len(packed) // 4)
-                finally:
+                except BaseException:
                     await self.release(lease)
+                    raise
+                self._owed.add(lease, tenant)  # released on the next request's way, or soon
+                self._schedule_flush()
                 return LoadResult(lease.num_tokens, kv)
         body = await self._post("/v1/load", {"tokens": packed}, tenant)
         return self._pools.loaded(body, wanted, len(packed) // 4, dest)
@@ -157,7 +208,7 @@ class AsyncClient:
         request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
         if ttl_s is not None:
             request["ttl_s"] = ttl_s
-        body = await self._post("/v1/reserve", request, tenant)
+        body = await self._post_carrying("/v1/reserve", request, tenant)
         return self._pools.reservation(body, request["tokens"])
 
     async def commit(self, reservation: Reservation) -> StoreResult:
@@ -172,6 +223,12 @@ class AsyncClient:
         return await self._get("/v1/status")
 
     async def aclose(self) -> None:
+        """Release what is owed, then close the connections and unmap the pools."""
+        self._cancel_flush()
+        if self._flushes:
+            await asyncio.gather(*self._flushes, return_exceptions=True)
+        await self._flush(self._owed.take_due(math.inf))
+        self._cancel_flush()  # the one `_flush` may have scheduled: nothing is owed now
         await self._http.aclose()
         self._pools.clear()
 

@@ -2,13 +2,18 @@
 
 Each method is one request, or on the shared-memory path (`pools.py`) a few: `store` is
 reserve + write into the mapped pool + commit (abort if the write fails), `load` is lease +
-copy out of the mapped gpu pool + release. Where a call cannot go that way, its KV travels in
-the body.
+copy out of the mapped gpu pool, its release owed (`releases.py`: carried by the next prefetch
+or reserve, else sent by the flusher thread within `RELEASE_AFTER_S`, or at `close()`). Where a
+call cannot go that way, its KV travels in the body.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import threading
 import time
+import weakref
 from typing import Any
 
 import httpx
@@ -17,10 +22,30 @@ import torch
 from kvtier.blocks import KVLayout, Tokens, check_device
 from kvtier.caller_kv import kv_layout
 from kvtier.client.pools import MappedPools, store_body
+from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, reply_body
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies, wire
+
+
+def _flush_loop(client: weakref.ref[Client], wake: threading.Condition, owed: OwedReleases) -> None:
+    """The flusher thread of a `Client`: sends its releases as they fall due, until it is
+    closed. It holds the client weakly, between waits of at most a second: a client dropped
+    without `close()` is collected, and its thread ends (the server's ttl ends what it owed)."""
+    while True:
+        with wake:
+            while (wait := owed.next_due_in()) != 0.0:
+                live = client()
+                if live is None or live._closed:
+                    return
+                del live
+                wake.wait(1.0 if wait is None else min(wait, 1.0))
+        live = client()
+        if live is None or live._closed:
+            return
+        live._send_releases(owed.take_due())
+        del live
 
 
 class Client:
@@ -41,6 +66,10 @@ class Client:
         self._headers = RequestHeaders(api_key, tenant)
         self._pools = MappedPools()
         self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        self._owed = OwedReleases()
+        self._wake = threading.Condition()
+        self._flusher: threading.Thread | None = None
+        self._closed = False
         if shared_memory:
             self._pools.map(self._get("/v1/pools"))
 
@@ -55,6 +84,43 @@ class Client:
     def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         response = self._http.get(path, params=params, headers=self._headers.common)
         return reply_body(response)
+
+    def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
+        """`_post`, carrying the releases owed for `tenant` (`releases.py`)."""
+        ids = self._owed.take(tenant)
+        try:
+            return self._post(path, {**body, "release": ids} if ids else body, tenant)
+        except BaseException:
+            if ids:
+                self._owed.give_back(tenant, ids)
+                self._poke()
+            raise
+
+    # ---- owed releases (`releases.py`) ---------------------------------------------------
+
+    def _owe(self, lease: Lease, tenant: str) -> None:
+        self._owed.add(lease, tenant)
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the flusher (started with the first release owed)."""
+        with self._wake:
+            if self._flusher is None and not self._closed:
+                self._flusher = threading.Thread(
+                    target=_flush_loop,
+                    args=(weakref.ref(self), self._wake, self._owed),
+                    name="kvtier-client-releases",
+                    daemon=True,
+                )
+                self._flusher.start()
+            self._wake.notify()
+
+    def _send_releases(self, due: list[tuple[int, str]]) -> None:
+        for lease_id, tenant in due:
+            # a LeaseError: released by a failed request that carried it; a transport error:
+            # the server is gone, or will end the lease at its ttl
+            with contextlib.suppress(KVTierError, httpx.HTTPError):
+                self._post("/v1/release", {"lease_id": lease_id}, tenant)
 
     # ---- the engine contract ------------------------------------------------------------
 
@@ -77,7 +143,8 @@ class Client:
             request["ttl_s"] = ttl_s
         if wait:
             del request["wait_s"]
-        lease = self._pools.lease(self._post("/v1/prefetch", request, tenant), self.release)
+        body = self._post_carrying("/v1/prefetch", request, tenant)
+        lease = self._pools.lease(body, self.release)
         return self.wait_for(lease) if wait and not lease.ready() else lease
 
     def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
@@ -149,8 +216,10 @@ class Client:
             else:
                 try:
                     kv = self._pools.read_blocks(lease, dest, len(packed) // 4)
-                finally:
+                except BaseException:
                     self.release(lease)
+                    raise
+                self._owe(lease, tenant)  # released on the next request's way, or soon
                 return LoadResult(lease.num_tokens, kv)
         body = self._post("/v1/load", {"tokens": packed}, tenant)
         return self._pools.loaded(body, wanted, len(packed) // 4, dest)
@@ -161,7 +230,7 @@ class Client:
         request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
         if ttl_s is not None:
             request["ttl_s"] = ttl_s
-        body = self._post("/v1/reserve", request, tenant)
+        body = self._post_carrying("/v1/reserve", request, tenant)
         return self._pools.reservation(body, request["tokens"])
 
     def commit(self, reservation: Reservation) -> StoreResult:
@@ -194,6 +263,14 @@ class Client:
         return self._pools.buffers.get(tier)
 
     def close(self) -> None:
+        """Release what is owed, then close the connections and unmap the pools."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+            flusher = self._flusher
+        if flusher is not None:
+            flusher.join()
+        self._send_releases(self._owed.take_due(math.inf))
         self._http.close()
         self._pools.clear()
 

@@ -22,8 +22,16 @@ def _obj(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str
 
 
 TOKENS = _obj({"tokens": _TOKENS}, ("tokens",))
-PREFETCH = _obj({"tokens": _TOKENS, "ttl_s": _NUM, "wait_s": _NUM}, ("tokens",))
-RESERVE = _obj({"tokens": _TOKENS, "ttl_s": _NUM}, ("tokens",))
+# lease ids a client is done with, released first (`wire.release_field`)
+_RELEASE = {
+    "type": "array",
+    "maxItems": 256,
+    "items": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
+}
+PREFETCH = _obj(
+    {"tokens": _TOKENS, "ttl_s": _NUM, "wait_s": _NUM, "release": _RELEASE}, ("tokens",)
+)
+RESERVE = _obj({"tokens": _TOKENS, "ttl_s": _NUM, "release": _RELEASE}, ("tokens",))
 LEASE_ID = _obj({"lease_id": _INT}, ("lease_id",))
 RESERVATION_ID = _obj({"reservation_id": _INT}, ("reservation_id",))
 STORE = _obj(

@@ -247,6 +247,32 @@ def lease_id_text(text: str) -> int:
     return int(text)
 
 
+MAX_RELEASES = 256
+"""The most lease ids one prefetch or reserve may release on its way (`release_field`)."""
+
+
+def release_field(data: dict[str, Any]) -> list[int]:
+    """The `release` field of a prefetch or reserve: the ids of leases the client is done with
+    (its last loads'), released before the call does its own work, so that a load costs one
+    round trip. Absent: none. A list of at most `MAX_RELEASES` unsigned 64-bit ints, else
+    `WireError` 400 (and nothing is released)."""
+    value = data.get("release", [])
+    if type(value) is not list or len(value) > MAX_RELEASES:
+        raise WireError(
+            400,
+            "invalid_argument",
+            f"release: got {value!r:.80}, expected a list of at most {MAX_RELEASES} lease ids",
+        )
+    for item in value:
+        if type(item) is not int or not 0 <= item <= MAX_LEASE_ID:
+            raise WireError(
+                400,
+                "invalid_argument",
+                f"release: got {item!r:.40}, expected a lease id (an unsigned 64-bit int)",
+            )
+    return value
+
+
 def query_number(text: str) -> float | str:
     """A query parameter as a number, or left a string for `number_field` and the like to
     refuse by name."""
