@@ -89,6 +89,24 @@ class Operations:
                 raise LeaseError(f"lease {lease_id!r}: unknown, released or expired")
             return lease
 
+    def release_done(self, lease_ids: Sequence[int], tenant: str) -> int:
+        """Release those of `lease_ids` that are live leases of `tenant` (the leases a client
+        is done with, carried by its next prefetch or reserve: `service/app.py`); pass over the
+        others (released or expired meanwhile, sent twice after a failed request, another
+        tenant's: never told apart). How many were released."""
+        with self.lock:
+            self.ensure_open()
+            self.expire()
+            book, released = self.mover.book, 0
+            for raw in lease_ids:
+                lease = book.get(LeaseId(raw))
+                if lease is not None and lease.tenant == tenant:
+                    book.release(LeaseId(raw))
+                    released += 1
+            if released:
+                self.mover.executor.mark_engine()  # CUDA: a copy into these slots waits for reads
+            return released
+
     def reservation(self, reservation_id: int, tenant: str | None) -> Reservation:
         with self.lock:
             self.ensure_open()

@@ -12,7 +12,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import httpx
 import pytest
@@ -49,7 +49,7 @@ def live_leases(server: Server) -> int:
     return int(httpx.get(server.url + "/v1/status").json()["index"]["leases"])
 
 
-def post(server: Server, path: str, body: dict, tenant: str) -> httpx.Response:
+def post(server: Server, path: str, body: Mapping[str, object], tenant: str) -> httpx.Response:
     return httpx.post(
         server.url + path,
         content=json.dumps(body),  # JSON: 2**64 has no msgpack form

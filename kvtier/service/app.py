@@ -240,17 +240,6 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         tokens = wire.tokens_field(data, config.max_tokens)
         return store.lookup(tokens, tenant=tenant)._asdict()
 
-    def release_done(store: KVStore, tenant: str, lease_ids: list[int]) -> None:
-        """Release the leases of `tenant` among `lease_ids` (a prefetch's or reserve's
-        `release`). An id that names no live lease of the tenant (released meanwhile, expired,
-        another tenant's) is passed over: the client sends it again after a failed request
-        (`client/releases.py`), and another tenant's lease must not even be told apart."""
-        for lease_id in lease_ids:
-            try:
-                store.release(store.lease(lease_id, tenant=tenant))
-            except LeaseError:
-                continue
-
     async def prefetch(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         """As `store.prefetch(wait=True)` does, within `wait_s`: a lease that FAILED (a corrupt
         disk copy, dropped by the failure) is tried again, up to PREFETCH_ATTEMPTS times, so
@@ -261,7 +250,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         deadline = time.monotonic() + wire.wait_field(data, config.prefetch_wait_s)
         done = wire.release_field(data)
         if done:
-            await run_in_threadpool(release_done, store, tenant, done)
+            await run_in_threadpool(store.operations.release_done, done, tenant)
         for _ in range(PREFETCH_ATTEMPTS):
             lease = await run_in_threadpool(
                 lambda: store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
@@ -291,7 +280,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     def reserve(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         tokens = wire.tokens_field(data, config.max_tokens)
         ttl = wire.number_field(data, "ttl_s", None)
-        release_done(store, tenant, wire.release_field(data))
+        store.operations.release_done(wire.release_field(data), tenant)
         reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl)
         return {**reservation._asdict(), "slots": list(reservation.slots)}
 
