@@ -5,7 +5,7 @@ release as a request of its own made every load two round trips, which is most o
 for prompts of a few MiB. Instead `load` hands its lease here once the copy is done, and:
 
 - the client's next prefetch or reserve of the same tenant carries the ids in its `release`
-  field (the server releases them before its own work: `service/app.py`, `release_done`);
+  field (the server releases them before its own work: `Operations.release_done`);
 - whatever is still owed `RELEASE_AFTER_S` after it was handed in is released by the client's
   flusher (a thread of `Client`, a timer of `AsyncClient`) with `/v1/release`, so an idle
   client holds a lease at most that much longer than its load;
@@ -33,13 +33,11 @@ MAX_CARRIED = 256
 
 
 class OwedReleases:
+    """What one client owes: lease id -> (tenant, when it was handed in)."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owed: dict[int, tuple[str, float]] = {}  # lease id -> (tenant, when handed in)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._owed)
 
     def add(self, lease: Lease, tenant: str) -> None:
         """Owe `lease`'s release; `tenant` as the load that took it named it (the client's

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.service.wire import MAX_RELEASES
+
 _INT = {"type": "integer"}
 _NUM = {"type": "number"}
 _STR = {"type": "string"}
@@ -25,7 +27,7 @@ TOKENS = _obj({"tokens": _TOKENS}, ("tokens",))
 # lease ids a client is done with, released first (`wire.release_field`)
 _RELEASE = {
     "type": "array",
-    "maxItems": 256,
+    "maxItems": MAX_RELEASES,
     "items": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
 }
 PREFETCH = _obj(
