@@ -38,7 +38,7 @@ def umask(value: int) -> Iterator[None]:
         os.umask(old)
 
 
-SLOW = pytest.mark.slow  # more cases of one refusal: run by `.ci/run` (`pytest -m slow`)
+SLOW = pytest.mark.slow  # each starts a server process: run by `.ci/run` (`pytest -m slow`)
 
 
 # ---- keys -----------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def test_one_key_under_two_tenants_is_refused_naming_both_tenants_never_the_key(
     assert not (tmp_path / "state").exists()  # refused before anything was created
 
 
-@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+@SLOW
 def test_the_admin_key_may_not_be_a_tenants_key(tmp_path: Path) -> None:
     config = write_config(
         tmp_path,
@@ -87,7 +87,7 @@ def test_a_rejected_key_is_never_echoed(tmp_path: Path, yaml_tenants: str, place
     assert "short-secret-1" not in error and "987654321" not in error
 
 
-@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+@SLOW
 def test_a_yaml_error_on_a_key_line_does_not_show_the_key(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     text = config.read_text().replace(
@@ -128,7 +128,7 @@ def test_under_umask_0_the_state_and_disk_files_are_private(tmp_path: Path) -> N
             assert {p.name: mode(p) for p in disk.iterdir()} == dict.fromkeys(files, 0o600)
 
 
-@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+@SLOW
 def test_missing_parents_of_the_state_dir_are_made_without_group_or_other_write(
     tmp_path: Path,
 ) -> None:
@@ -140,7 +140,7 @@ def test_missing_parents_of_the_state_dir_are_made_without_group_or_other_write(
     assert mode(tmp_path / "a" / "b" / "state") == 0o700
 
 
-@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+@SLOW
 def test_a_state_dir_others_can_write_is_refused_naming_it_and_its_mode(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
@@ -189,7 +189,7 @@ def test_a_secret_that_is_not_private_whole_and_regular_is_refused(
     assert str(secret) in error and said in error and "service.state_dir" in error
 
 
-@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+@SLOW
 def test_planted_temporary_file_links_are_never_followed(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
