@@ -10,10 +10,12 @@
     waiting, then `lease.wait()`) and release prompts already stored, for `--seconds`, once
     with the mover inline and once in the background (the baseline in the same run); prints
     p50/p99 time from the prefetch call to a ready lease, p50/p99 of store(), and the bandwidth
-    achieved per path. Before each mode's run, the raw write bandwidth of the directory its
-    disk tier uses (`bench_disk.raw_bandwidth`: O_DIRECT 2 MiB writes from 8 threads into a
-    fresh preallocated file, then one fdatasync; the tier's slabs are fresh too) is measured,
-    and the run reports the host->disk path's bandwidth while copying against it, and the share
+    achieved per path. Before and after each mode's run, the raw write bandwidth of the
+    directory its disk tier uses (`bench_disk.raw_bandwidth`: O_DIRECT 2 MiB writes from 8
+    threads into a fresh preallocated file, then one fdatasync; the tier's slabs are fresh too)
+    is measured (a shared disk's bandwidth wanders from minute to minute: one figure taken
+    before the run alone was off by up to 2x), and the run reports the host->disk path's
+    bandwidth while copying against the mean of the two, and the share
     of the offered tokens (new tokens passed to store()) that were lost: refused by store()
     (`dropped_tokens`) or dropped from host by backpressure (`backpressure_drops` blocks). Each
     figure is the median of `--repeat-b` rounds, the modes alternating.
@@ -156,7 +158,7 @@ def part_b(
         "dtype": "bfloat16",
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-mover-") as disk_dir:
-        raw = raw_bandwidth(pathlib.Path(disk_dir), RAW_MIB, 8, 1)["raw_write"] * 1e6
+        before = raw_bandwidth(pathlib.Path(disk_dir), RAW_MIB, 8, 1)["raw_write"] * 1e6
         events_section = {"endpoint": "tcp://127.0.0.1:0"} if events else None
         store = KVStore(
             parse_config(
@@ -184,13 +186,14 @@ def part_b(
         )
         figures = mixed_load(store, seconds, consumers)
         store.close()
-    to_disk = figures["host_disk_bps"]
+        after = raw_bandwidth(pathlib.Path(disk_dir), RAW_MIB, 8, 1)["raw_write"] * 1e6
+    to_disk, raw = figures["host_disk_bps"], (before + after) / 2
     figures["raw_write_bps"] = raw
     figures["disk_ratio"] = to_disk / raw
     print(
-        f"      raw write of this directory {raw / 1e9:6.2f} GB/s; host->disk while copying "
-        f"{to_disk / 1e9:6.2f} GB/s: {figures['disk_ratio']:.2f} of raw; lost "
-        f"{figures['lost_share']:.1%} of the tokens offered"
+        f"      raw write of this directory {before / 1e9:.2f} GB/s before, {after / 1e9:.2f} "
+        f"after; host->disk while copying {to_disk / 1e9:6.2f} GB/s: {figures['disk_ratio']:.2f} "
+        f"of their mean; lost {figures['lost_share']:.1%} of the tokens offered"
     )
     return figures
 

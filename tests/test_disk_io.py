@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -269,3 +270,108 @@ def test_a_forked_child_writes_a_staging_buffer_of_its_own() -> None:
 
     in_a_child(scribble)
     assert bytes(buffer[:6]) == b"parent"
+
+
+class SlowSyncs:
+    """`os.fdatasync` made slow (the real one runs, then `delay_s`), counting its calls and
+    their start times; while `fail` is set, the calls that begin raise EIO after syncing."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.real = os.fdatasync
+        self.delay_s = delay_s
+        self.starts: list[float] = []
+        self.fail = False
+        self.began = threading.Event()
+
+    def __call__(self, fd: int) -> None:
+        self.starts.append(time.monotonic())
+        self.began.set()
+        fail = self.fail
+        self.real(fd)
+        time.sleep(self.delay_s)
+        if fail:
+            raise OSError(errno.EIO, "injected writeback error")
+
+
+def test_concurrent_syncs_share_a_flush(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group commit: eight threads syncing at once cost two `fdatasync`s (the one running when
+    they call, which may have missed their writes, and one for all of them), not eight."""
+    syncs = SlowSyncs(delay_s=0.2)
+    monkeypatch.setattr(os, "fdatasync", syncs)
+    with SlabFile(tmp_path / "slab-0", 16 * ALIGN, direct=False, create=True) as slab:
+        first = threading.Thread(target=slab.sync)
+        first.start()
+        assert syncs.began.wait(5)
+        errors: list[BaseException] = []
+
+        def sync(k: int) -> None:
+            slab.write(k * ALIGN, [filled(ALIGN, seed=k)])
+            try:
+                slab.sync()
+            except BaseException as exc:  # pragma: no cover - the assert below names it
+                errors.append(exc)
+
+        threads = [threading.Thread(target=sync, args=(k,)) for k in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in [first, *threads]:
+            thread.join(10)
+        assert not errors
+        assert len(syncs.starts) == 2, syncs.starts
+        back = aligned_buffer(ALIGN)
+        for k in range(8):
+            slab.read_into(k * ALIGN, back)
+            assert back.tobytes() == filled(ALIGN, seed=k).tobytes()
+
+
+def test_a_sync_running_when_called_does_not_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that finds a sync running waits for one that begins after its call: the one
+    running may have started before the caller's writes completed."""
+    syncs = SlowSyncs(delay_s=0.3)
+    monkeypatch.setattr(os, "fdatasync", syncs)
+    with SlabFile(tmp_path / "slab-0", 16 * ALIGN, direct=False, create=True) as slab:
+        first = threading.Thread(target=slab.sync)
+        first.start()
+        assert syncs.began.wait(5)
+        called = time.monotonic()
+        slab.sync()
+        returned = time.monotonic()
+        first.join(10)
+        assert len(syncs.starts) == 2
+        assert syncs.starts[1] >= called  # its own sync began after its call
+        assert returned - syncs.starts[1] >= 0.3  # and it waited for that one to end
+
+
+def test_a_failed_sync_fails_every_caller_it_covered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux reports a failed writeback to one `fdatasync`: every caller that sync covered gets
+    the error, and a later sync that succeeds does not repeat it."""
+    syncs = SlowSyncs(delay_s=0.2)
+    monkeypatch.setattr(os, "fdatasync", syncs)
+    with SlabFile(tmp_path / "slab-0", 16 * ALIGN, direct=False, create=True) as slab:
+        first = threading.Thread(target=slab.sync)
+        first.start()
+        assert syncs.began.wait(5)
+        syncs.fail = True  # the first sync (running) succeeds; the shared second one fails
+        outcomes: list[BaseException | None] = [None] * 4
+
+        def sync(k: int) -> None:
+            try:
+                slab.sync()
+            except OSError as exc:
+                outcomes[k] = exc
+
+        threads = [threading.Thread(target=sync, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        first.join(10)
+        for thread in threads:
+            thread.join(10)
+        assert len(syncs.starts) == 2
+        assert all(isinstance(o, OSError) and o.errno == errno.EIO for o in outcomes), outcomes
+        syncs.fail = False
+        slab.sync()  # a new sync, and it succeeded
+        assert len(syncs.starts) == 3

@@ -6,7 +6,9 @@
       1. jobs on the I/O threads: encode, checksum, header, then one `pwritev` per job of
          [ header region | payload ] at the slot's offset, or, for a run of copies into
          consecutive slots of one slab, of [ header | payload | header | payload | ... ]
-      2. one sync per slab that took a copy (`fsync: batch`; none under `fsync: none`)
+      2. one sync per slab that took a copy (`fsync: batch`; none under `fsync: none`),
+         shared with the batches other threads write into that slab at the same time
+         (`SlabFile.sync`: group commit across callers)
       3. a copy is reported durable (True) only when its write and its slab's sync returned
 
 Why runs: a copy of a small block is a small I/O (132 KiB for a 128 KiB block), and a virtual

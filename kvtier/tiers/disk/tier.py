@@ -24,8 +24,9 @@ Contract:
   `faults["enospc"]`), never a write that fails later for lack of space.
 - `write_blocks` is a group commit: all copies of the batch are written in parallel, then each
   touched slab is synced once (`fsync: batch`; `fsync: none` skips the sync and accepts losing
-  the tail on power loss). A copy is reported durable only after its sync returned. A failed
-  write or sync makes that copy fail (counted), never raises.
+  the tail on power loss). Batches written at once from several threads into one slab share
+  their syncs (`SlabFile.sync`). A copy is reported durable only after a sync that began after
+  its write returned. A failed write or sync makes that copy fail (counted), never raises.
 - `read_blocks` verifies each copy (header checksum, expected block id, layout, payload
   checksum, codec); a copy that fails is reported so and counted, never returned.
 - `scan()` reads every header region and returns the valid copies; the store rebuilds its index
