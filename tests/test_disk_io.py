@@ -375,3 +375,34 @@ def test_a_failed_sync_fails_every_caller_it_covered(
         syncs.fail = False
         slab.sync()  # a new sync, and it succeeded
         assert len(syncs.starts) == 3
+
+
+def test_callers_behind_a_sync_that_could_not_run_see_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file closed while callers wait for a shared sync: that sync cannot run, and none of
+    the callers it was for may take their writes as durable."""
+    syncs = SlowSyncs(delay_s=0.3)
+    monkeypatch.setattr(os, "fdatasync", syncs)
+    slab = SlabFile(tmp_path / "slab-0", 16 * ALIGN, direct=False, create=True)
+    first = threading.Thread(target=slab.sync)
+    first.start()
+    assert syncs.began.wait(5)
+    outcomes: list[BaseException | None] = [None] * 3
+
+    def sync(k: int) -> None:
+        try:
+            slab.sync()
+        except ClosedError as exc:
+            outcomes[k] = exc
+
+    threads = [threading.Thread(target=sync, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.05)  # they wait behind the first sync, which already has its descriptor
+    slab.close()
+    first.join(10)
+    for thread in threads:
+        thread.join(10)
+    assert len(syncs.starts) == 1
+    assert all(isinstance(o, ClosedError) for o in outcomes), outcomes

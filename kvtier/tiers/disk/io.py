@@ -120,6 +120,16 @@ SYNC_FAILURES = 64
 """Failed syncs a `SlabFile` remembers, for callers still waiting on one (they wake at once)."""
 
 
+def _copy_of(error: BaseException, path: Path) -> BaseException:
+    """The error of a shared sync for another caller it covered: a new exception of the same
+    type and arguments (one object is not raised in two threads), or EIO where it cannot be
+    made again (an interrupt)."""
+    if isinstance(error, Exception):
+        with contextlib.suppress(Exception):
+            return type(error)(*error.args)
+    return OSError(errno.EIO, f"the shared sync of {path} did not finish: {error!r}")
+
+
 class SlabFile:
     """One preallocated file of fixed-size slots.
 
@@ -154,7 +164,7 @@ class SlabFile:
         self._sync_asked = 0  # the calls of `sync` so far, each one's ticket
         self._sync_done = 0  # every ticket up to this one was covered by a finished sync
         self._syncing = False
-        self._sync_failures: list[tuple[int, int, OSError]] = []  # (first, last]: the error
+        self._sync_failures: list[tuple[int, int, BaseException]] = []  # (first, last]
         try:
             fd = os.open(self.path, flags, 0o600)
         except FileExistsError:
@@ -288,29 +298,26 @@ class SlabFile:
             while self._syncing and self._sync_done < ticket:
                 self._sync_cond.wait()
             if self._sync_done >= ticket:  # a sync that began after this call covered it
-                for lo, hi, error in self._sync_failures:
-                    if lo < ticket <= hi:
-                        raise error
+                for first, last, error in self._sync_failures:
+                    if first < ticket <= last:
+                        raise _copy_of(error, self.path) from error
                 return
             self._syncing = True
             first, last = self._sync_done, self._sync_asked  # this sync covers (first, last]
-        error: OSError | None = None
+        failed: BaseException | None = None
         try:
             os.fdatasync(self._open_fd())
-        except OSError as exc:  # ClosedError included: every caller it covered gets it
-            error = exc
-        finally:
-            with self._sync_cond:
-                self._syncing = False
-                self._sync_done = last
-                if error is not None:
-                    self._sync_failures = [
-                        *self._sync_failures[-(SYNC_FAILURES - 1) :],
-                        (first, last, error),
-                    ]
-                self._sync_cond.notify_all()
-        if error is not None:
-            raise error
+        except BaseException as exc:  # ClosedError too: no caller it covered may see success
+            failed = exc
+        with self._sync_cond:
+            self._syncing = False
+            self._sync_done = last
+            if failed is not None:
+                self._sync_failures = self._sync_failures[1 - SYNC_FAILURES :]
+                self._sync_failures.append((first, last, failed))
+            self._sync_cond.notify_all()
+        if failed is not None:
+            raise failed
 
     def close(self) -> None:
         """Close the descriptor; closing twice is allowed. Unsynced writes are not made
