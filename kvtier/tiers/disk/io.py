@@ -43,6 +43,7 @@ from types import TracebackType
 from typing import TypeVar
 
 from kvtier.errors import ClosedError
+from kvtier.tiers.disk.group_sync import GroupSync
 
 ALIGN = 4096
 
@@ -116,20 +117,6 @@ def _bytes_view(buffer: memoryview | bytes) -> memoryview:
     return memoryview(buffer).cast("B")
 
 
-SYNC_FAILURES = 64
-"""Failed syncs a `SlabFile` remembers, for callers still waiting on one (they wake at once)."""
-
-
-def _copy_of(error: BaseException, path: Path) -> BaseException:
-    """The error of a shared sync for another caller it covered: a new exception of the same
-    type and arguments (one object is not raised in two threads), or EIO where it cannot be
-    made again (an interrupt)."""
-    if isinstance(error, Exception):
-        with contextlib.suppress(Exception):
-            return type(error)(*error.args)
-    return OSError(errno.EIO, f"the shared sync of {path} did not finish: {error!r}")
-
-
 class SlabFile:
     """One preallocated file of fixed-size slots.
 
@@ -160,11 +147,7 @@ class SlabFile:
         self.path = Path(path)
         self.direct = direct
         self._fd: int | None = None
-        self._sync_cond = threading.Condition()  # group commit (`sync`)
-        self._sync_asked = 0  # the calls of `sync` so far, each one's ticket
-        self._sync_done = 0  # every ticket up to this one was covered by a finished sync
-        self._syncing = False
-        self._sync_failures: list[tuple[int, int, BaseException]] = []  # (first, last]
+        self._syncs = GroupSync()
         try:
             fd = os.open(self.path, flags, 0o600)
         except FileExistsError:
@@ -276,48 +259,12 @@ class SlabFile:
     def sync(self) -> None:
         """Make every `write` completed before the call durable (`fdatasync`): data and the
         metadata needed to read it back, such as the conversion of preallocated extents.
-        Raises the sync's `OSError` when it failed.
+        Raises the sync's error when it failed. Concurrent callers share syncs (`GroupSync`):
+        several threads committing batches into one slab flush the device's cache once."""
+        self._syncs.run(self._fdatasync)
 
-        Group commit: concurrent callers share syncs. A caller waits for a sync that begins
-        after its call; a sync already running may have missed its writes, so it does not
-        count. The first caller to find no sync running makes one for every caller waiting
-        then, and each of them gets its outcome, an error included (Linux reports a failed
-        writeback to one `fdatasync` only, so the error is handed to every caller it covered).
-        So at most two syncs run one after the other for any number of concurrent callers:
-        background copies that write batches from several threads into one slab pay one flush
-        of the device's cache for many batches (`bench_mover.py` (b): host->disk 0.4-0.6 of the
-        raw write bandwidth with one sync per batch, where a write is a few MiB).
-
-            caller A: write, sync -----------[fdatasync 1]---> ok
-            caller B:   write, sync ---(waits: 1 began before)---[fdatasync 2]---> ok
-            caller C:     write, sync ---(waits)-----------------[   same 2  ]---> ok
-        """
-        with self._sync_cond:
-            self._sync_asked += 1
-            ticket = self._sync_asked
-            while self._syncing and self._sync_done < ticket:
-                self._sync_cond.wait()
-            if self._sync_done >= ticket:  # a sync that began after this call covered it
-                for first, last, error in self._sync_failures:
-                    if first < ticket <= last:
-                        raise _copy_of(error, self.path) from error
-                return
-            self._syncing = True
-            first, last = self._sync_done, self._sync_asked  # this sync covers (first, last]
-        failed: BaseException | None = None
-        try:
-            os.fdatasync(self._open_fd())
-        except BaseException as exc:  # ClosedError too: no caller it covered may see success
-            failed = exc
-        with self._sync_cond:
-            self._syncing = False
-            self._sync_done = last
-            if failed is not None:
-                self._sync_failures = self._sync_failures[1 - SYNC_FAILURES :]
-                self._sync_failures.append((first, last, failed))
-            self._sync_cond.notify_all()
-        if failed is not None:
-            raise failed
+    def _fdatasync(self) -> None:
+        os.fdatasync(self._open_fd())
 
     def close(self) -> None:
         """Close the descriptor; closing twice is allowed. Unsynced writes are not made
