@@ -13,7 +13,10 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 import zmq
 
+from kvtier.blocks import BlockHasher, encode_tokens
 from kvtier.events import EventPublisher, EventSettings
+from kvtier.events.observer import NUMBERS, IndexEvents
+from kvtier.index import RadixIndex
 
 TOPIC = "kv@pod-a@tiny"
 
@@ -174,3 +177,35 @@ def test_the_replay_buffer_is_bounded_in_bytes_too(context: Any) -> None:
     assert 2 <= len(kept) <= 4 and [s for _, s, _, _ in kept] == list(range(30 - len(kept), 30))
     assert kept[-1][3][0]["hashes"] == [29]
     publisher.close()
+
+
+def test_event_numbers_are_never_handed_out_twice_across_the_made_ahead_batches() -> None:
+    """`IndexEvents.marks` hands numbers out of batches made ahead (`NUMBERS` at a time): over
+    more blocks than a batch, and one run longer than a batch, every block gets its own number,
+    each node's numbers consecutive in the order its blocks were told of."""
+    hasher = BlockHasher()
+    index = RadixIndex(("gpu",), 4, hasher)
+    publisher = EventPublisher("tcp://127.0.0.1:0", settings=EventSettings(queue_limit=10**6))
+    try:
+        observer = IndexEvents(publisher, index, lambda namespace: "t")
+        index.observer = observer
+        ns = hasher.seed(b"\0" * 16, b"t")
+        slot = 0
+        sizes = [7] * (NUMBERS // 7 + 3) + [NUMBERS + 5, 3]  # crosses batches; one longer
+        for p, blocks in enumerate(sizes):
+            key = encode_tokens([p * 100_000 + i for i in range(blocks * 4)])
+            match = index.match(ns, key)
+            index.insert(match, key, {0: list(range(slot, slot + blocks))})
+            slot += blocks
+        numbers: list[int] = []
+        for root in index.roots():
+            for node in (root.children or {}).values():
+                marks = observer.marks(node)
+                got = [int.from_bytes(marks[i : i + 8], "big") for i in range(0, len(marks), 8)]
+                assert len(got) == node.size
+                assert got == list(range(got[0], got[0] + node.size))
+                numbers += got
+        assert len(numbers) == sum(sizes) == len(set(numbers))
+        index.check()
+    finally:
+        publisher.close()

@@ -41,6 +41,10 @@ from kvtier.index.node import Node
 if TYPE_CHECKING:
     from kvtier.store import KVStore
 
+NUMBERS = 4096
+"""Event numbers made in one NumPy call and handed out as slices of its bytes: a store's new
+run of blocks takes its numbers without a NumPy call of its own (2.4 us of a 15 us insert)."""
+
 MEDIUM_OF_TIER = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
 
 
@@ -54,6 +58,8 @@ class IndexEvents:
         self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
         self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
         self._next = secrets.randbits(62)
+        self._numbers = b""  # big-endian bytes of numbers made ahead; from `_at` on: `_next` on
+        self._at = 0
         self._last: tuple[tuple[Node, int, int, int], wire.Blocks] | None = None  # (`_blocks`)
 
     def gained(self, node: Node, lo: int, hi: int, tier: int) -> None:
@@ -83,8 +89,14 @@ class IndexEvents:
         have = len(node.marks) >> 3
         size = len(node.key) // self.index.key_nbytes
         if have < size:
-            start, self._next = self._next, self._next + size - have
-            node.marks += np.arange(start, self._next, dtype=np.uint64).astype(">u8").tobytes()
+            count, at = size - have, self._at
+            if len(self._numbers) < at + count * 8:  # the next NUMBERS numbers, made at once
+                many = max(NUMBERS, count)
+                self._numbers = np.arange(self._next, self._next + many, dtype=">u8").tobytes()
+                at = 0
+            node.marks += self._numbers[at : at + count * 8]
+            self._at = at + count * 8
+            self._next += count
         return node.marks
 
     def announce(self) -> int:
