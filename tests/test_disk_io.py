@@ -293,30 +293,50 @@ class SlowSyncs:
             raise OSError(errno.EIO, "injected writeback error")
 
 
+def behind_a_running_sync(
+    slab: SlabFile,
+    syncs: SlowSyncs,
+    callers: int,
+    *,
+    write: bool = False,
+    began: Callable[[], None] | None = None,
+    meanwhile: Callable[[], None] | None = None,
+) -> list[BaseException | None]:
+    """One sync started; once its `fdatasync` runs (then `began()`), `callers` threads that
+    each write slot k (with `write`) and sync, `meanwhile()` while they wait. What each caller
+    raised, or None."""
+    first = threading.Thread(target=slab.sync)
+    first.start()
+    assert syncs.began.wait(5)
+    if began is not None:
+        began()
+    outcomes: list[BaseException | None] = [None] * callers
+
+    def sync(k: int) -> None:
+        if write:
+            slab.write(k * ALIGN, [filled(ALIGN, seed=k)])
+        try:
+            slab.sync()
+        except BaseException as exc:
+            outcomes[k] = exc
+
+    threads = [threading.Thread(target=sync, args=(k,)) for k in range(callers)]
+    for thread in threads:
+        thread.start()
+    if meanwhile is not None:
+        meanwhile()
+    for thread in [first, *threads]:
+        thread.join(10)
+    return outcomes
+
+
 def test_concurrent_syncs_share_a_flush(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Group commit: eight threads syncing at once cost two `fdatasync`s (the one running when
     they call, which may have missed their writes, and one for all of them), not eight."""
     syncs = SlowSyncs(delay_s=0.2)
     monkeypatch.setattr(os, "fdatasync", syncs)
     with SlabFile(tmp_path / "slab-0", 16 * ALIGN, direct=False, create=True) as slab:
-        first = threading.Thread(target=slab.sync)
-        first.start()
-        assert syncs.began.wait(5)
-        errors: list[BaseException] = []
-
-        def sync(k: int) -> None:
-            slab.write(k * ALIGN, [filled(ALIGN, seed=k)])
-            try:
-                slab.sync()
-            except BaseException as exc:  # pragma: no cover - the assert below names it
-                errors.append(exc)
-
-        threads = [threading.Thread(target=sync, args=(k,)) for k in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in [first, *threads]:
-            thread.join(10)
-        assert not errors
+        assert behind_a_running_sync(slab, syncs, 8, write=True) == [None] * 8
         assert len(syncs.starts) == 2, syncs.starts
         back = aligned_buffer(ALIGN)
         for k in range(8):
@@ -351,25 +371,12 @@ def test_a_failed_sync_fails_every_caller_it_covered(
     the error, and a later sync that succeeds does not repeat it."""
     syncs = SlowSyncs(delay_s=0.2)
     monkeypatch.setattr(os, "fdatasync", syncs)
+
+    def fail_from_now() -> None:  # the first sync (running) succeeds; the shared second fails
+        syncs.fail = True
+
     with SlabFile(tmp_path / "slab-0", 16 * ALIGN, direct=False, create=True) as slab:
-        first = threading.Thread(target=slab.sync)
-        first.start()
-        assert syncs.began.wait(5)
-        syncs.fail = True  # the first sync (running) succeeds; the shared second one fails
-        outcomes: list[BaseException | None] = [None] * 4
-
-        def sync(k: int) -> None:
-            try:
-                slab.sync()
-            except OSError as exc:
-                outcomes[k] = exc
-
-        threads = [threading.Thread(target=sync, args=(k,)) for k in range(4)]
-        for thread in threads:
-            thread.start()
-        first.join(10)
-        for thread in threads:
-            thread.join(10)
+        outcomes = behind_a_running_sync(slab, syncs, 4, began=fail_from_now)
         assert len(syncs.starts) == 2
         assert all(isinstance(o, OSError) and o.errno == errno.EIO for o in outcomes), outcomes
         syncs.fail = False
@@ -385,24 +392,11 @@ def test_callers_behind_a_sync_that_could_not_run_see_its_error(
     syncs = SlowSyncs(delay_s=0.3)
     monkeypatch.setattr(os, "fdatasync", syncs)
     slab = SlabFile(tmp_path / "slab-0", 16 * ALIGN, direct=False, create=True)
-    first = threading.Thread(target=slab.sync)
-    first.start()
-    assert syncs.began.wait(5)
-    outcomes: list[BaseException | None] = [None] * 3
 
-    def sync(k: int) -> None:
-        try:
-            slab.sync()
-        except ClosedError as exc:
-            outcomes[k] = exc
+    def close_while_they_wait() -> None:  # the first sync already has its descriptor
+        time.sleep(0.05)
+        slab.close()
 
-    threads = [threading.Thread(target=sync, args=(k,)) for k in range(3)]
-    for thread in threads:
-        thread.start()
-    time.sleep(0.05)  # they wait behind the first sync, which already has its descriptor
-    slab.close()
-    first.join(10)
-    for thread in threads:
-        thread.join(10)
+    outcomes = behind_a_running_sync(slab, syncs, 3, meanwhile=close_while_they_wait)
     assert len(syncs.starts) == 1
     assert all(isinstance(o, ClosedError) for o in outcomes), outcomes
