@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from kvtier.assembly import Parts
-from kvtier.blocks import TOKEN_NBYTES, Tokens, check_device, encode_tokens
+from kvtier.blocks import TOKEN_NBYTES, Tokens, check_device, check_start, encode_tokens
 from kvtier.caller_kv import Destination, kv_layout, store_blocks
 from kvtier.config import KVTierConfig, PolicyConfig, load_config
 from kvtier.errors import InvalidArgumentError, LeaseError
@@ -203,27 +203,30 @@ class KVStore:
         tokens: Tokens,
         *,
         tenant: str = "default",
+        start: int = 0,
         device: torch.device | str | None = None,
         out: torch.Tensor | None = None,
         layout: str = "layers",
     ) -> LoadResult:
-        """The KV of the cached prefix of `tokens`, copied from the fastest copy of each block
-        in one pass (`caller_kv.py`): into `out` (the caller's buffer, with room for every full
-        block of `tokens`; the rest of it untouched) or a new tensor on `device` (default: the
-        gpu tier's); `layout` "layers" `[num_layers, 2, tokens, kv_heads, head_dim]`, or
-        "blocks", pages `[blocks, *block_shape]`."""
-        key = encode_tokens(tokens)
+        """The KV of the cached prefix of `tokens` from token `start` on (a multiple of
+        `block_tokens`: an engine holding the head asks for the tail), in one pass from each
+        block's fastest copy (`caller_kv.py`) into `out` (room for every full block of
+        `tokens[start:]`; the rest untouched) or a new tensor on `device` (default: the gpu
+        tier's), `layout` "layers" or "blocks" (pages). `num_tokens` is where the prefix ends,
+        from token 0: the KV holds tokens start..num_tokens (none if it ends before)."""
+        key, bt = encode_tokens(tokens), self.block_tokens
         asked, wanted, gpu = len(key) // TOKEN_NBYTES, check_device(device), self.gpu_pool.device
-        dest = Destination.of(self.layout, kv_layout(layout), asked, out, wanted, gpu)
+        first = check_start(start, asked, bt)
+        dest = Destination.of(self.layout, kv_layout(layout), asked - start, out, wanted, gpu)
         self.operations.fill_from_remote(key, tenant)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
             end = self.index.match(namespace, key).end
-            count = self.parts.reader.read_prefix(end, dest.blocks)
+            held = self.parts.reader.read_prefix(end, dest.blocks, first)
             self._writes.copy_hot_to_host(end)
-            self.operations.count(tenant, loads=1, loaded_tokens=count * self.block_tokens)
-            return LoadResult(count * self.block_tokens, dest.result(count))
+            self.operations.count(tenant, loads=1, loaded_tokens=max(0, held - first) * bt)
+            return LoadResult(held * bt, dest.result(max(0, held - first)))
 
     def prefetch(
         self,
@@ -289,9 +292,7 @@ class KVStore:
         """Unlock a lease. `LeaseError` if it is unknown, released or expired."""
         raw = lease.lease_id if isinstance(lease, Lease) else lease
         if type(raw) is not int:
-            raise InvalidArgumentError(
-                f"lease: got {lease!r}, expected a Lease or a lease id (int)"
-            )
+            raise InvalidArgumentError(f"lease: got {lease!r}, expected a Lease or an int id")
         with self._lock:
             self.operations.ensure_open()
             self.operations.expire()
@@ -318,11 +319,10 @@ class KVStore:
 
     def clear(self, tenant: str | None = None) -> int:
         """Drop every cached block (of `tenant`, when given) that no lease, pin or reservation
-        holds, in every tier; return how many blocks were dropped. The drop is durable: the
-        dropped blocks' disk copies are retired and synced before this returns. Where the disk
-        refuses that, the blocks are dropped all the same (nothing serves them) and
-        `StorageError` says how many, and how many disk copies may come back at the next start
-        (to be cleared again then)."""
+        holds, in every tier; return how many were dropped. Durable: their disk copies are
+        retired and synced before this returns. Where the disk refuses that, the blocks are
+        dropped all the same (nothing serves them) and `StorageError` says how many, and how
+        many disk copies may come back at the next start (to be cleared again then)."""
         return self.operations.clear(tenant)
 
     def persist(self) -> int:
@@ -343,8 +343,8 @@ class KVStore:
 
     def status(self, tenant: str | None = None) -> dict[str, Any]:
         """A JSON-able snapshot (`status.py`): with `tenant` None, the global one (tiers, index,
-        leases, mover, counters: for the admin); with a tenant, that tenant's own figures only
-        (its blocks, quota use and limits, floors, leases and counters)."""
+        leases, mover, counters: the admin's); with a tenant, its own figures only (blocks,
+        quota use and limits, floors, leases and counters)."""
         return self.operations.status(tenant)
 
     def check(self) -> None:

@@ -178,3 +178,59 @@ def test_a_node_whose_blocks_are_fastest_in_two_tiers_loads_block_by_block(
     assert same(store.load(tokens, out=out).kv, kv)
     assert same(store.load(tokens, layout="blocks").kv, to_blocks(kv, BT))
     store.check()
+
+
+def test_a_load_from_start_copies_only_the_tail_over_three_tiers(
+    tmp_path: Path, open_store: OpenStore
+) -> None:
+    """`load(start=)`: an engine that holds the head of a prompt asks for the rest. Every start
+    on a block boundary of a prefix spread over gpu, host and disk (its head skipped inside a
+    node, at a node's edge, inside the disk tail) gives exactly the full load's tail, into a
+    new tensor, an `out` sized for the tail only, and pages; only the tail is counted."""
+    store = open_store(disk_config(tmp_path / "disk"))
+    long = list(range(16))
+    kv = kv_for(store, 16, seed=43)
+    store.store(long, kv)
+    seqs = [list(range(100 * i, 100 * i + 8)) for i in range(1, 5)]
+    fill(store, seqs[:3])  # the long sequence's leaves go down first (test_disk_store.py)
+    store.lookup(long)
+    fill(store, seqs[3:], seed=10)
+    store.lookup(seqs[3])
+    lease = store.prefetch(list(range(4)))  # its first block back on gpu
+    hit = store.lookup(long)
+    assert (hit.gpu_tokens, hit.host_tokens, hit.disk_tokens) == (4, 4, 8)
+    prompt = [*long, 900, 901]  # two tokens past the cached prefix: not a full block
+    for start in range(0, 20, BT):
+        before = store.status()["ops"]["loaded_tokens"]
+        got = store.load(prompt, start=start)
+        assert got.num_tokens == 16
+        assert same(got.kv, kv[:, :, start:16]), start
+        assert store.status()["ops"]["loaded_tokens"] - before == max(0, 16 - start)
+        layers, _, _, heads, dim = kv.shape  # an out with room for the tail only
+        out = torch.full((layers, 2, max(0, 16 - start), heads, dim), 7.0, dtype=kv.dtype)
+        assert same(store.load(prompt, start=start, out=out).kv, kv[:, :, start:16])
+        assert same(out, kv[:, :, start:16])
+        pages = store.load(prompt, start=start, layout="blocks").kv
+        assert same(pages, to_blocks(kv, BT)[start // BT :])
+        store.check()
+    store.release(lease)
+    store.check()
+
+
+def test_a_load_from_past_the_cached_prefix_gives_no_tokens(make_store: MakeStore) -> None:
+    store = make_store(gpu_blocks=8, host_blocks=16)
+    store.store(list(range(8)), kv_for(store, 8, seed=5))
+    got = store.load(list(range(16)), start=12)  # 8 cached, the caller holds 12
+    assert got.num_tokens == 8 and got.kv.shape[2] == 0
+    store.check()
+
+
+@pytest.mark.parametrize("start", [-4, 2, 20, 4.0, True, "4", None])
+def test_a_bad_load_start_is_a_typed_error_naming_it(make_store: MakeStore, start: object) -> None:
+    store = make_store(gpu_blocks=8, host_blocks=16)
+    store.store(list(range(8)), kv_for(store, 8, seed=6))
+    before = store.status()["ops"]
+    with pytest.raises(InvalidArgumentError, match="start: got"):
+        store.load(list(range(16)), start=start)  # type: ignore[arg-type]
+    assert store.status()["ops"] == before  # nothing read, nothing counted
+    store.check()

@@ -41,7 +41,7 @@ from service_server import (
 
 from kvtier.blocks import from_blocks, to_blocks
 from kvtier.client import AsyncClient, Client, ServiceError
-from kvtier.errors import InvalidKVError, LeaseError
+from kvtier.errors import InvalidArgumentError, InvalidKVError, LeaseError
 from kvtier.results import Lease, LeaseState, LookupResult, StoreResult
 
 MAX_TOKENS = 64
@@ -191,6 +191,58 @@ def test_the_clients_load_into_a_callers_out_and_store_pages_in_both_paths(
             assert same((await client.load(other)).kv, kv[:, :, :8])
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_the_clients_load_from_start_only_the_tail_in_both_paths(
+    server: Server, shared_memory: bool
+) -> None:
+    """`load(start=)`: the tail of the cached prefix, whether copied out of the mapped pools
+    or sent in the body; a start off a block boundary refused before anything is asked."""
+    base = 13000 if shared_memory else 14000
+    tokens, kv = tokens_of(base, 24), kv_of(24, seed=12)
+    prompt = [*tokens, *tokens_of(base + 100, 6)]  # one more full block, not cached
+    with Client(server.url, shared_memory=shared_memory) as client:
+        assert client.store(tokens, kv).stored_tokens == 24
+        for at in (0, 8, 24, 28):
+            got = client.load(prompt, start=at)
+            assert got.num_tokens == 24 and same(got.kv, kv[:, :, at:24]), at
+        out = torch.full((2, 2, 30 - 8, 2, 64), 7.0, dtype=torch.float16)  # the tail's room
+        assert same(client.load(prompt, start=8, out=out).kv, kv[:, :, 8:24])
+        assert bool((out[:, :, 16:] == 7).all())
+        pages = client.load(prompt, start=4, layout="blocks").kv
+        assert same(pages, to_blocks(kv, BT)[1:])
+        before = route_counts(server)
+        with pytest.raises(InvalidArgumentError, match="start: got 3"):
+            client.load(prompt, start=3)
+        assert route_counts(server) == before
+
+    async def scenario() -> None:
+        async with AsyncClient(server.url, shared_memory=shared_memory) as client:
+            got = await client.load(prompt, start=12)
+            assert got.num_tokens == 24 and same(got.kv, kv[:, :, 12:24])
+
+    asyncio.run(scenario())
+
+
+def test_a_load_from_start_sends_only_the_tail_and_a_bad_start_is_a_400(server: Server) -> None:
+    tokens = tokens_of(15000, 16)
+    with Client(server.url, shared_memory=False) as client:
+        assert client.store(tokens, kv_of(16, seed=13)).stored_tokens == 16
+    packed = torch.tensor(tokens, dtype=torch.int32).numpy().tobytes()
+    reply = server.post(
+        "/v1/load", content=msgpack.packb({"tokens": packed, "start": 8}), headers=MSGPACK
+    )
+    body = msgpack.unpackb(reply.content)
+    assert reply.status_code == 200 and body["num_tokens"] == 16
+    assert body["shape"] == [2, 2, 8, 2, 64] and len(body["kv"]) == 2 * 2 * 8 * 2 * 64 * 2
+    for bad in (3, -4, 20, "8", 8.0):
+        reply = server.post(
+            "/v1/load", content=msgpack.packb({"tokens": packed, "start": bad}), headers=MSGPACK
+        )
+        assert reply.status_code == 400, (bad, reply.text)
+        body = msgpack.unpackb(reply.content)
+        assert body["error"] == "invalid_argument" and "start" in body["detail"]
 
 
 def test_a_reservation_is_invisible_until_committed_and_an_abort_leaves_nothing(

@@ -166,17 +166,19 @@ class AsyncClient:
         tokens: Tokens,
         *,
         tenant: str = "default",
+        start: int = 0,
         device: torch.device | str | None = None,
         out: torch.Tensor | None = None,
         layout: str = "layers",
     ) -> LoadResult:
         kind, wanted = kv_layout(layout), check_device(device)
         packed = wire.pack_tokens(tokens)
+        asked = len(packed) // 4
         await self._map()
         dest = None
-        if out is not None or kind != "layers" or "gpu" in self._pools.buffers:
-            await self.layout()  # known before `out` is checked against it
-            dest = self._pools.destination(len(packed) // 4, out, kind, wanted)
+        if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
+            await self.layout()  # known before `start` and `out` are checked against it
+            dest = self._pools.destination(asked, out, kind, wanted, start)
         if "gpu" in self._pools.buffers:
             assert dest is not None
             try:
@@ -185,15 +187,18 @@ class AsyncClient:
                 pass
             else:
                 try:
-                    kv = self._pools.read_blocks(lease, dest, len(packed) // 4)
+                    kv = self._pools.read_blocks(
+                        lease, dest, asked, start // dest.layout.block_tokens
+                    )
                 except BaseException:
                     await self.release(lease)
                     raise
                 self._owed.add(lease, tenant)  # released on the next request's way, or soon
                 self._schedule_flush()
                 return LoadResult(lease.num_tokens, kv)
-        body = await self._post("/v1/load", {"tokens": packed}, tenant)
-        return self._pools.loaded(body, wanted, len(packed) // 4, dest)
+        request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
+        body = await self._post("/v1/load", request, tenant)
+        return self._pools.loaded(body, wanted, asked, dest, start)
 
     async def layout(self) -> KVLayout:
         """`Client.layout`."""

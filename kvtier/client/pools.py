@@ -82,13 +82,20 @@ class MappedPools:
         return replies.reservation(body, self.served, len(tokens) // 4)
 
     def destination(
-        self, asked: int, out: torch.Tensor | None, kind: KVKind, device: torch.device | None
+        self,
+        asked: int,
+        out: torch.Tensor | None,
+        kind: KVKind,
+        device: torch.device | None,
+        start: int = 0,
     ) -> Destination:
-        """Where a load of `asked` tokens writes: `out` checked against the served layout
-        (`InvalidKVError` before anything is asked of the server), or a new tensor on `device`
-        (the CPU)."""
+        """Where a load of `asked` tokens from token `start` writes: `start` and `out` checked
+        against the served layout (`InvalidArgumentError`, `InvalidKVError`, before anything
+        is asked of the server), or a new tensor on `device` (the CPU)."""
         assert self.served is not None, "the layout is known before a load in a caller's layout"
-        return Destination.of(self.served.layout, kind, asked, out, device, torch.device("cpu"))
+        layout = self.served.layout
+        check_start(start, asked, layout.block_tokens)
+        return Destination.of(layout, kind, asked - start, out, device, torch.device("cpu"))
 
     def loaded(
         self,
@@ -96,10 +103,12 @@ class MappedPools:
         device: torch.device | str | None,
         asked: int = 0,
         dest: Destination | None = None,
+        start: int = 0,
     ) -> LoadResult:
-        """A `/v1/load` reply (KV in the body): on `device` (None: the CPU), or into `dest`
-        for a prompt of `asked` tokens."""
-        num_tokens, kv = replies.loaded(body, None if self.served is None else self.served.layout)
+        """A `/v1/load` reply (KV in the body, from token `start`): on `device` (None: the
+        CPU), or into `dest` for a prompt of `asked` tokens."""
+        layout = None if self.served is None else self.served.layout
+        num_tokens, kv = replies.loaded(body, layout, start)
         if dest is None:
             return LoadResult(num_tokens, kv.to(device or "cpu"))
         bt = dest.layout.block_tokens
@@ -108,8 +117,9 @@ class MappedPools:
                 f"load.num_tokens: got {num_tokens}, expected whole blocks of {bt} tokens, at "
                 f"most the {asked} asked"
             )
-        dest.blocks(num_tokens // bt).copy_(to_blocks(kv, bt))
-        return LoadResult(num_tokens, dest.result(num_tokens // bt))
+        count = max(0, num_tokens - start) // bt
+        dest.blocks(count).copy_(to_blocks(kv, bt))
+        return LoadResult(num_tokens, dest.result(count))
 
     def check_kv(
         self, tokens: Tokens, kv: torch.Tensor, start: int = 0, kind: KVKind = "layers"
@@ -146,21 +156,25 @@ class MappedPools:
         if pool.is_cuda:  # complete before the commit lets the server read the slots
             torch.cuda.synchronize(pool.device)
 
-    def read_blocks(self, lease: Lease, dest: Destination, asked: int) -> torch.Tensor:
-        """The leased prefix's KV, copied out of the mapped gpu pool into `dest` in one pass:
-        the part of it that holds the prefix. A lease of more blocks than a prompt of `asked`
-        tokens has is the server's lie (`ReplyError`), refused before a byte is copied."""
+    def read_blocks(
+        self, lease: Lease, dest: Destination, asked: int, first: int = 0
+    ) -> torch.Tensor:
+        """The leased prefix's KV from its block `first` on, copied out of the mapped gpu pool
+        into `dest` in one pass: the part of it that holds them. A lease of more blocks than a
+        prompt of `asked` tokens has is the server's lie (`ReplyError`), refused before a byte
+        is copied."""
         table = list(lease.block_table)
         if len(table) > asked // dest.layout.block_tokens:
             raise ReplyError(
                 f"prefetch.block_table: got {len(table)} blocks, expected at most the "
                 f"{asked // dest.layout.block_tokens} full blocks of the {asked} tokens asked"
             )
+        wanted = table[first:]
         pool = self.buffers["gpu"]
-        copy_blocks_slices(pool, dest.blocks(len(table)), table, range(len(table)))
+        copy_blocks_slices(pool, dest.blocks(len(wanted)), wanted, range(len(wanted)))
         if pool.is_cuda:  # complete before the release lets the server reuse the slots
             torch.cuda.synchronize(pool.device)
-        return dest.result(len(table))
+        return dest.result(len(wanted))
 
 
 def store_body(

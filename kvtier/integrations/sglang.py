@@ -19,8 +19,8 @@ so kvtier's index, prefix closure and tiers hold them as they hold prompts:
   MHA layouts, `paged.host_gather`) and stored below the prefix (`store(..., start=)`): a
   page is stored only under the pages before it, so with `hicache_storage_pass_prefix_keys`
   off, each batch of a sequence is a chain of its own (still exact, fewer hits).
-- `batch_get_v1(keys, host_indices)`: `load` of the chain, the leading pages written into the
-  host slots; per key whether it was.
+- `batch_get_v1(keys, host_indices)`: `load` of the chain's keys' part only (`start=` past
+  the prefix keys), the leading pages written into the host slots; per key whether it was.
 
 Contract:
 - Constructed by SGLang's `StorageBackendFactory` as `cls(storage_config, kwargs)`; options
@@ -38,9 +38,9 @@ Contract:
   all False: SGLang retries the backup later), logged and counted in `stats`, never an
   exception into SGLang's threads.
 
-Not here yet: MLA host pools (`MLATokenToKVPoolHost`), hybrid models' `*_v2` pools, loading
-only the keys' part of a chain (a batch late in a long sequence loads its prefix too), and a
-GPU run.
+Not here yet: MLA host pools (`MLATokenToKVPoolHost`), hybrid models' `*_v2` pools, and a
+GPU run. Through the mapped pools a load still leases the whole chain on the sidecar's gpu
+tier (a lease is a prefix); only the keys' part is copied.
 """
 
 from __future__ import annotations
@@ -147,16 +147,15 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         prefix = _prefix(extra_info)
         pages, host = self._pages(), self.mem_pool_host
-        try:
-            got = self.client.load(pages.tokens(prefix + list(keys)))
+        ps = host.page_size
+        try:  # only the pages asked for: SGLang holds the prefix's
+            got = self.client.load(pages.tokens(prefix + list(keys)), start=len(prefix) * ps)
         except (KVTierError, OSError) as e:
             self._failed("load", e)
             return [False] * len(keys)
-        ps = host.page_size
         served = max(0, min(len(keys), pages.pages(got.num_tokens) - len(prefix)))
         if served:
-            begin = len(prefix) * ps
-            kv = got.kv[:, :, begin : begin + served * ps]
+            kv = got.kv[:, :, : served * ps]
             paged.host_scatter(host.kv_buffer, host.layout, host_indices[: served * ps], ps, kv)
         self.stats["pages_got"] += served
         return [i < served for i in range(len(keys))]

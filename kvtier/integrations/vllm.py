@@ -14,8 +14,9 @@ What runs where. vLLM owns HBM; kvtier keeps what vLLM computed and hands it bac
   vLLM allocated for them, and saves of each request's whole prompt blocks once its prefill is
   done. Plans travel to the workers in `KvtierMetadata`.
 - Each worker (`role` WORKER) copies between vLLM's paged KV (`register_kv_caches`) and the
-  sidecar: a load reads the prefix through a lease on the sidecar's shared-memory pool on the
-  same host (the body path across hosts) and scatters it into the blocks (`paged.py`); a save
+  sidecar: a load reads the part of the prefix past vLLM's own hit (`load(start=)`) through a
+  lease on the sidecar's shared-memory pool on the same host (the body path across hosts) and
+  scatters it into the blocks (`paged.py`); a save
   gathers the blocks and stores them (a reservation written in place on the same host). Loads
   are asynchronous by default (the request waits in WAITING_FOR_REMOTE_KVS while a thread
   copies; `get_finished` reports it), synchronous with `"kvtier.load_async": false` (copied in
@@ -309,13 +310,14 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _load(self, job: LoadJob) -> list[int]:
         """Copy the job's blocks from kvtier; the vLLM block ids it could not fill."""
         try:
-            got = self._client(job.key).load(list(job.tokens))
+            # only the tokens vLLM lacks: its own prefix cache holds those before `start`
+            got = self._client(job.key).load(list(job.tokens), start=job.start)
             whole = (got.num_tokens - job.start) // self.block_size
             filled = max(0, min(len(job.blocks), whole))
             if filled:
-                stop = job.start + filled * self.block_size
-                paged.scatter(self._layers, job.blocks[:filled], got.kv[:, :, job.start : stop])
-                self.stats["loaded_tokens"] += stop - job.start
+                count = filled * self.block_size
+                paged.scatter(self._layers, job.blocks[:filled], got.kv[:, :, :count])
+                self.stats["loaded_tokens"] += count
         except Exception as e:  # a load that fails is vLLM's to recompute, never a crash
             self._error("load", e)
             return list(job.blocks)

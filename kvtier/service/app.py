@@ -274,7 +274,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
 
     def load(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         tokens = wire.tokens_field(data, config.max_tokens)
-        result = store.load(tokens, tenant=tenant, device="cpu")
+        start = wire.int_field(data, "start") if "start" in data else 0
+        result = store.load(tokens, tenant=tenant, start=start, device="cpu")
         return {"num_tokens": result.num_tokens, **wire.kv_to_wire(result.kv)}
 
     def reserve(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -300,7 +301,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         ("/v1/prefetch", prefetch, schemas.PREFETCH, schemas.LEASE, "Lease the prefix on gpu"),
         ("/v1/release", release, schemas.LEASE_ID, schemas.EMPTY, "Release a lease"),
         ("/v1/store", store_kv, schemas.STORE, schemas.STORED, "Store KV (payload in body)"),
-        ("/v1/load", load, schemas.TOKENS, schemas.LOADED, "Load KV (payload in body)"),
+        ("/v1/load", load, schemas.LOAD, schemas.LOADED, "Load KV (payload in body)"),
         ("/v1/reserve", reserve, schemas.RESERVE, schemas.RESERVATION, "Reserve slots"),
         ("/v1/commit", commit, schemas.RESERVATION_ID, schemas.STORED, "Commit a reservation"),
         ("/v1/abort", abort, schemas.RESERVATION_ID, schemas.EMPTY, "Abort a reservation"),

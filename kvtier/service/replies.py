@@ -191,24 +191,28 @@ def stored(body: dict[str, Any]) -> StoreResult:
     return StoreResult(*(_int(body, name, "store", MAX_COUNT) for name in StoreResult._fields))
 
 
-def loaded(body: dict[str, Any], layout: KVLayout | None) -> tuple[int, torch.Tensor]:
-    """A load reply: `(num_tokens, kv)`, the KV `[layers, 2, num_tokens, heads, dim]` of the
+def loaded(
+    body: dict[str, Any], layout: KVLayout | None, start: int = 0
+) -> tuple[int, torch.Tensor]:
+    """A reply to a load from token `start`: `(num_tokens, kv)`, the KV `[layers, 2, tokens,
+    heads, dim]` of tokens start..num_tokens (none when the prefix ends before `start`), of the
     layout's dtype when the layout is known."""
     num_tokens = _int(body, "num_tokens", "load", MAX_COUNT)
+    tokens = max(0, num_tokens - start)
     try:
         kv = wire.kv_from_wire(body)
     except wire.WireError as exc:
         raise ReplyError(f"load: {exc.detail}") from None
     if layout is not None:
         layers, _, _, heads, dim = layout.block_shape
-        expected = (layers, 2, num_tokens, heads, dim)
+        expected = (layers, 2, tokens, heads, dim)
         if kv.dtype != layout.dtype or tuple(kv.shape) != expected:
             raise ReplyError(
                 f"load.kv: got {kv.dtype} {list(kv.shape)}, expected {layout.dtype} "
                 f"{list(expected)}"
             )
-    elif kv.dim() != 5 or kv.shape[2] != num_tokens:
-        raise ReplyError(f"load.kv: shape {list(kv.shape)}, expected 5 dims of {num_tokens} tokens")
+    elif kv.dim() != 5 or kv.shape[2] != tokens:
+        raise ReplyError(f"load.kv: shape {list(kv.shape)}, expected 5 dims of {tokens} tokens")
     return num_tokens, kv
 
 

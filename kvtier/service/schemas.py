@@ -24,6 +24,7 @@ def _obj(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str
 
 
 TOKENS = _obj({"tokens": _TOKENS}, ("tokens",))
+LOAD = _obj({"tokens": _TOKENS, "start": _INT}, ("tokens",))  # start: as STORE's
 # lease ids a client is done with, released first (`wire.release_field`)
 _RELEASE = {
     "type": "array",

@@ -1,6 +1,7 @@
 """Reading a cached prefix in the caller's thread, for `KVStore.load`.
 
-`read_prefix(end, into)` copies the blocks of the path to `end` out of their fastest copies
+`read_prefix(end, into, first)` copies the blocks of the path to `end` (from block `first` on:
+a caller that holds the head asks for the tail only) out of their fastest copies
 (prefix closure: one run per tier) into the caller's memory, in one pass for memory tiers (one
 `copy_` per run of slots into whatever layout `into` views, `caller_kv.py`; into contiguous
 pages, the copy planner's pick: on CUDA, one gather kernel for all blocks); it stops before
@@ -43,26 +44,33 @@ class DiskReader:
         self.executor = executor
         self.ops = ops
 
-    def read_prefix(self, end: Node, into: Callable[[int], torch.Tensor]) -> int:
-        """Copy the blocks of the path to `end` out of their fastest copies into `into(n)` (a
-        `[n, *block_shape]` view of the caller's memory, asked once, any device and strides),
-        one copy per run of slots, up to the first corrupt disk copy (dropped, module doc).
-        Returns how many leading blocks it holds."""
+    def read_prefix(self, end: Node, into: Callable[[int], torch.Tensor], first: int = 0) -> int:
+        """Copy the blocks of the path to `end` from block `first` on (the caller holds those
+        before it: `load(start=)`) out of their fastest copies into `into(n)` (a `[n,
+        *block_shape]` view of the caller's memory, asked once, any device and strides), one
+        copy per run of slots, up to the first corrupt disk copy (dropped, module doc).
+        Returns how many leading blocks of the path are held, the `first` included (fewer
+        than `first` when the path is shorter; then nothing is copied)."""
         nodes = self.index.path(end)
-        dest = into(sum(node.size for node in nodes))
+        total = sum(node.size for node in nodes)
+        dest = into(max(0, total - first))
         by_tier: dict[int, tuple[list[int], list[int]]] = {}
         on_disk: list[BlockRef] = []  # the blocks served from disk (prefix closure: the tail)
-        base = 0
+        base = -first  # the next node's first block, counted in `dest`
         for node in nodes:
+            skip = max(0, -base)  # its blocks before `first`
+            if skip >= node.size:
+                base += node.size
+                continue
             whole = _one_tier(node)
             if whole is not None:  # the common case: one list scan per node, not per block
                 positions, slots = by_tier.setdefault(whole, ([], []))
-                positions.extend(range(base, base + node.size))
-                slots.extend(node.slots[whole])  # type: ignore[arg-type]
+                positions.extend(range(base + skip, base + node.size))
+                slots.extend(node.slots[whole][skip:])  # type: ignore[arg-type]
                 if whole == DISK:
-                    on_disk.extend(BlockRef(node, i) for i in range(node.size))
+                    on_disk.extend(BlockRef(node, i) for i in range(skip, node.size))
             else:  # a node split between tiers: block by block
-                for i in range(node.size):
+                for i in range(skip, node.size):
                     tier = node.fastest(i)
                     positions, slots = by_tier.setdefault(tier, ([], []))
                     positions.append(base + i)
@@ -70,7 +78,7 @@ class DiskReader:
                     if tier == DISK:
                         on_disk.append(BlockRef(node, i))
             base += node.size
-        count = base
+        count = max(0, base)
         for tier, (positions, slots) in sorted(by_tier.items()):  # disk last: it may cut
             if tier == DISK:
                 data, good = self.read_disk(on_disk)
@@ -85,7 +93,7 @@ class DiskReader:
                 self.executor.copier.copy(pool.buffer, dest, slots, positions)
             else:  # straight from the slots into the caller's layout, one copy per run
                 copy_blocks_slices(pool.buffer, dest, slots, positions)
-        return count
+        return first + count if total > first else total
 
     def read_disk(self, refs: list[BlockRef], drop: bool = True) -> tuple[torch.Tensor, int]:
         """Read and verify the disk copies of `refs` (consecutive blocks of one path): the data
