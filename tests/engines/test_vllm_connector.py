@@ -78,6 +78,20 @@ def test_engine_2_loads_what_engine_1_saved_bit_exact_async_and_sync(sidecar: Se
     assert third["loaded_tokens"] == 32 and third["bit_exact"] is True
 
 
+def test_a_request_that_vllm_holds_the_head_of_loads_only_the_tail(sidecar: Server) -> None:
+    """vLLM's own prefix cache holds the first block (a shorter prompt ran first in the same
+    engine), kvtier the first two: the connector loads the second only (`load(start=)`), into
+    the right vLLM block, bit-exact."""
+    prompt = list(range(4000, 4040))
+    engine(sidecar, prompt=prompt, seed=11)
+    assert saved(sidecar, prompt) == 32
+    report = engine(sidecar, prompt=prompt, seed=11, warm=prompt[:20])
+    assert report["loaded_tokens"] == 32 and report["bit_exact"] is True, report
+    assert report["warm_stats"]["loaded_tokens"] == 16  # the warm request's own hit
+    assert report["stats"]["loaded_tokens"] - 16 == 16  # the tail past vLLM's block only
+    assert report["load_errors"] == []
+
+
 def test_a_load_whose_blocks_left_kvtier_is_a_load_error_and_a_recompute(
     sidecar: Server,
 ) -> None:

@@ -14,7 +14,9 @@ it first runs, and compared with what the forward would have written (`bit_exact
 Arguments: url (or urls, one per tensor-parallel rank, with tp_size; this process is rank 0),
 api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt), tenant_keys ({name:
 key}), kv_transfer_params, clear_before_load (the admin key: clear the sidecar between the
-scheduler's lookup and the worker's load, as an eviction would).
+scheduler's lookup and the worker's load, as an eviction would), warm (a prompt run to its end
+first in the same engine, so that vLLM's own prefix cache holds its whole blocks: the request
+then loads from kvtier only the part past them).
 """
 
 from __future__ import annotations
@@ -120,10 +122,35 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     worker.register_kv_caches(layers)
     caches = list(layers.values())
     init_none_hash(sha256)
+    seed = int(args["seed"])
+    warm_stats: dict[str, int] = {}
+    if args.get("warm"):  # run first, to the end: its whole blocks stay in vLLM's prefix cache
+        warm = serve(scheduler, worker, caches, "w", list(args["warm"]), seed, {})
+        assert warm["finished"] == "FINISHED_LENGTH_CAPPED", warm
+        warm_stats = dict(worker.stats)
+    out = serve(scheduler, worker, caches, "r", list(args["prompt"]), seed, args)
+    out["warm_stats"] = warm_stats  # the worker's counters after the warm request
+    out["stats"] = worker.stats
+    out["scheduler_stats"] = scheduler.connector.stats
+    out["hit"] = out["scheduler_stats"]["hit_tokens"]  # what kvtier's lookup gave vLLM
+    worker.shutdown()
+    return out
+
+
+def serve(
+    scheduler: Scheduler,
+    worker: KvtierConnector,
+    caches: list[torch.Tensor],
+    rid: str,
+    prompt: list[int],
+    seed: int,
+    args: dict[str, Any],
+) -> dict[str, Any]:
+    """Run request `rid` to its end through the scheduler and the worker, playing the forward;
+    what it saw (module doc)."""
     params = SamplingParams(max_tokens=2)
     params.update_from_generation_config({}, 2)
-    prompt, seed = list(args["prompt"]), int(args["seed"])
-    request = Request(request_id="r", prompt_token_ids=prompt, sampling_params=params,
+    request = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
                       pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
                       cache_salt=args.get("salt"))  # fmt: skip
     if args.get("kv_transfer_params"):
@@ -153,7 +180,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
             )  # fmt: skip
         for new in so.scheduled_cached_reqs.new_block_ids:
             table += list(new[0]) if new else []
-        count = so.num_scheduled_tokens.get("r", 0)
+        count = so.num_scheduled_tokens.get(rid, 0)
         start = request.num_computed_tokens - count if count else 0
         for p in range(start, min(start + count, len(prompt))):  # the forward
             for layer, cache in enumerate(caches):
@@ -163,7 +190,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         errors = worker.get_block_ids_with_load_errors()
         out["load_errors"] += sorted(errors)
         worker.clear_connector_metadata()
-        ids = ["r"] if count else []
+        ids = [rid] if count else []
         scheduler.update_from_output(so, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
@@ -179,10 +206,6 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
                     kv_at(seed, p)[layer].view(torch.int16))
         for p in range(len(prompt)) for layer, cache in enumerate(caches)
     )  # fmt: skip
-    out["stats"] = worker.stats
-    out["scheduler_stats"] = scheduler.connector.stats
-    out["hit"] = out["scheduler_stats"]["hit_tokens"]  # what kvtier's lookup gave vLLM
-    worker.shutdown()
     return out
 
 
