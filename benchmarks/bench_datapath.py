@@ -264,14 +264,16 @@ class Figures:
         measured: tuple[str, Op],
         baseline: tuple[str, Op],
         warmup: int = WARMUP,
+        nbytes: int | None = None,
     ) -> None:
+        """`nbytes`: the bytes both sides move, when not the whole prompt's."""
         seconds, baseline_seconds = medians([measured[1], baseline[1]], self.repeat, warmup)
         figure = Figure(
             self.geometry.name,
             self.prompt.nbytes // MIB,
             measured[0],
             point,
-            self.prompt.nbytes,
+            self.prompt.nbytes if nbytes is None else nbytes,
             seconds,
             baseline[0],
             baseline_seconds,
@@ -342,10 +344,34 @@ def measure_in_process(figures: Figures, store: KVStore, mismatches: list[str]) 
     for kind, out in (("layers", prompt.out), ("blocks", prompt.pages)):
         op = Op(partial(store.load, prompt.tokens, out=out, layout=kind))
         figures.add("load_out", (f"load out={kind}", op), raw)
+    measure_start(figures, store, mismatches)
     allocating = Op(partial(store.load, prompt.tokens))
     figures.add("load_alloc", ("load (allocating)", allocating), ("clone", Op(prompt.kv.clone)))
     both = ("2 raw copies", raw_copies(prompt, 2))
     figures.add("store", ("store write_through", store_op(store, prompt)), both)
+
+
+def measure_start(figures: Figures, store: KVStore, mismatches: list[str]) -> None:
+    """`load(start=)` of the last fifth of the prompt (an engine holding the rest) into the head
+    of `out`, against one raw contiguous copy of the same bytes; checked first."""
+    prompt = figures.prompt
+    start = prompt.num_blocks * 4 // 5 * prompt.layout.block_tokens
+    tail = len(prompt.tokens) - start
+    out = prompt.out[:, :, :tail]
+    prompt.out.zero_()
+    loaded = store.load(prompt.tokens, start=start, out=out)
+    if loaded.num_tokens != len(prompt.tokens) or not torch.equal(
+        loaded.kv.view(torch.int16), prompt.kv[:, :, start:].view(torch.int16)
+    ):
+        mismatches.append(f"in-process load start={start}: not the prompt's tail")
+    count = prompt.kv[:, :, start:].numel()
+    flat_out, flat_kv = prompt.out.view(-1)[:count], prompt.kv.view(-1)[:count]
+    op = Op(partial(store.load, prompt.tokens, start=start, out=out))
+    raw = Op(lambda: flat_out.copy_(flat_kv))
+    nbytes = count * prompt.kv.element_size()
+    figures.add(
+        "load_out", ("load start=80% out=layers", op), ("raw copy (tail)", raw), nbytes=nbytes
+    )
 
 
 def measure_write_back(figures: Figures, config: dict[str, Any]) -> None:
