@@ -11,6 +11,9 @@ before each one). Per block shape and prompt, each figure against its baseline:
   load out=layers|blocks   into a preallocated, touched `out`   one raw `dst.copy_(src)` of two
                                                                 preallocated, touched contiguous
                                                                 tensors of the same bytes
+  load start=80% out=...   `load(start=)` of the last fifth     one raw contiguous copy of the
+                           into the head of `out`               tail's bytes (counts toward the
+                                                                `out` point: a partial `out`)
   load (allocating)        into a tensor it allocates           `clone()` of the same bytes (both
                                                                 pay first-touch page faults)
   store write_through      writes gpu and host                  2 raw copies

@@ -12,7 +12,9 @@ position), backed up by SGLang's own backup thread (`write_storage`, keys from S
 (`batch_exists`, then `batch_get_v1` into host slots the test allocates, as the scheduler
 does); the pages that came are compared with what the writer wrote (`bit_exact`). The KV is
 written and read slot by slot through SGLang's documented buffer dims for `layout`, code of its
-own, not kvtier's copies.
+own, not kvtier's copies. `held`: the reader holds the first `held` pages already and asks
+for the rest with their keys as prefix keys (`hicache_storage_pass_prefix_keys`), so the
+backend loads from past them (`load(start=)`).
 """
 
 from __future__ import annotations
@@ -110,7 +112,12 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         done = cc.ack_backup_queue.get(timeout=60)
         out.update(acked=done.id == op_id, completed_tokens=done.completed_tokens)
     else:
-        cc.prefetch("r", tokens, last_hash=None)
+        held = int(args.get("held", 0))  # pages this controller holds: passed as prefix keys
+        hashes = get_hash_str(tokens, None, page_size=PAGE)
+        if held:
+            cc.prefetch("r", tokens[held * PAGE :], hashes[held - 1], prefix_keys=hashes[:held])
+        else:
+            cc.prefetch("r", tokens, last_hash=None)
         hit = cc.prefetch_hit_queue.get(timeout=60)
         out["hit_tokens"] = hit.storage_hit_count
         completed = 0
@@ -122,8 +129,8 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
             slots = hit.host_indices[:completed].tolist()
             out["bit_exact"] = all(
                 torch.equal(slot_view(host.kv_buffer, layout, kv, layer, slot).view(torch.int16),
-                            kv_at(seed, position)[kv, layer].view(torch.int16))
-                for position, slot in enumerate(slots) for kv in (0, 1) for layer in range(LAYERS)
+                            kv_at(seed, held * PAGE + i)[kv, layer].view(torch.int16))
+                for i, slot in enumerate(slots) for kv in (0, 1) for layer in range(LAYERS)
             )  # fmt: skip
         out["completed_tokens"] = completed
     out["stats"] = backend.stats

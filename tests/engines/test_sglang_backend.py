@@ -68,6 +68,16 @@ def test_pages_sglang_backs_up_are_prefetched_by_another_controller_bit_exact(
         assert other["completed_tokens"] == 48 and other["bit_exact"] is True, layout
 
 
+def test_a_reader_that_holds_the_first_pages_gets_the_rest_bit_exact(sidecar: Server) -> None:
+    """SGLang passes the keys of the pages it holds (`prefix_keys`): the backend loads only the
+    pages past them (`load(start=)`), and they land in the right host slots."""
+    tokens = list(range(1500, 1548))  # 6 pages
+    assert controller(sidecar, mode="write", tokens=tokens, seed=6)["completed_tokens"] == 48
+    read = controller(sidecar, mode="read", tokens=tokens, seed=6, held=2)
+    assert read["hit_tokens"] == 32 and read["completed_tokens"] == 32  # the 4 pages past 2
+    assert read["bit_exact"] is True and read["stats"]["pages_got"] == 4
+
+
 def test_a_writer_in_another_layout_and_tenants_that_never_meet(sidecar: Server) -> None:
     tokens = list(range(700, 732))  # 4 pages
     controller(sidecar, mode="write", tokens=tokens, seed=8, layout="page_head")
