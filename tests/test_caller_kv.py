@@ -16,7 +16,7 @@ from kvtier.blocks import encode_tokens as key
 from kvtier.blocks import from_blocks, to_blocks
 from kvtier.config import KVTierConfig
 from kvtier.errors import InvalidArgumentError, InvalidKVError
-from kvtier.results import StoreResult
+from kvtier.results import Lease, StoreResult
 from kvtier.store import KVStore
 
 OpenStore = Callable[[KVTierConfig], KVStore]
@@ -62,12 +62,11 @@ def test_pages_stored_load_back_in_either_layout(make_store: MakeStore) -> None:
     assert same(store.load(list(range(20))).kv, torch.cat([kv, tail_kv], dim=2))
 
 
-def test_a_prefix_over_three_tiers_loads_into_out_in_both_layouts(
-    tmp_path: Path, open_store: OpenStore
-) -> None:
-    store = open_store(disk_config(tmp_path / "disk"))
+def over_three_tiers(store: KVStore, seed: int) -> tuple[list[int], torch.Tensor, Lease]:
+    """A 16-token prefix whose blocks are fastest on gpu (1), host (1) and disk (2), held so by
+    a lease on its first block (released by the caller): its tokens, KV and the lease."""
     long = list(range(16))
-    kv = kv_for(store, 16, seed=42)
+    kv = kv_for(store, 16, seed=seed)
     store.store(long, kv)
     seqs = [list(range(100 * i, 100 * i + 8)) for i in range(1, 5)]
     fill(store, seqs[:3])  # the long sequence's leaves go down first (test_disk_store.py)
@@ -77,6 +76,14 @@ def test_a_prefix_over_three_tiers_loads_into_out_in_both_layouts(
     lease = store.prefetch(list(range(4)))  # its first block back on gpu
     hit = store.lookup(long)
     assert (hit.gpu_tokens, hit.host_tokens, hit.disk_tokens) == (4, 4, 8)
+    return long, kv, lease
+
+
+def test_a_prefix_over_three_tiers_loads_into_out_in_both_layouts(
+    tmp_path: Path, open_store: OpenStore
+) -> None:
+    store = open_store(disk_config(tmp_path / "disk"))
+    long, kv, lease = over_three_tiers(store, seed=42)
     out = torch.zeros(kv.shape, dtype=kv.dtype)
     assert same(store.load(long, out=out).kv, kv) and same(out, kv)
     pages = torch.zeros((4, *store.layout.block_shape), dtype=kv.dtype)
@@ -188,17 +195,7 @@ def test_a_load_from_start_copies_only_the_tail_over_three_tiers(
     node, at a node's edge, inside the disk tail) gives exactly the full load's tail, into a
     new tensor, an `out` sized for the tail only, and pages; only the tail is counted."""
     store = open_store(disk_config(tmp_path / "disk"))
-    long = list(range(16))
-    kv = kv_for(store, 16, seed=43)
-    store.store(long, kv)
-    seqs = [list(range(100 * i, 100 * i + 8)) for i in range(1, 5)]
-    fill(store, seqs[:3])  # the long sequence's leaves go down first (test_disk_store.py)
-    store.lookup(long)
-    fill(store, seqs[3:], seed=10)
-    store.lookup(seqs[3])
-    lease = store.prefetch(list(range(4)))  # its first block back on gpu
-    hit = store.lookup(long)
-    assert (hit.gpu_tokens, hit.host_tokens, hit.disk_tokens) == (4, 4, 8)
+    long, kv, lease = over_three_tiers(store, seed=43)
     prompt = [*long, 900, 901]  # two tokens past the cached prefix: not a full block
     for start in range(0, 20, BT):
         before = store.status()["ops"]["loaded_tokens"]
