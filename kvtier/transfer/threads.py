@@ -46,8 +46,9 @@ DISK_WRITERS = 8
 """Workers of a path into the disk tier, at least: one flight's writes overlap another's sync,
 and syncs are shared. `bench_mover.py` (b), background, 4 rounds alternated, host->disk against
 raw write: 3 workers 0.49 of raw (one sync per batch, 301-380 syncs in 8 s), 5 workers 0.62,
-8 workers 0.63-0.71 (126 syncs); the cost: a prefetch from disk waits behind more writes
-(time to ready p50 69 -> 92 ms with 3 -> 8 workers; none lost either way)."""
+8 workers 0.63-0.71 (126 syncs), 12 no better; the cost: a prefetch from disk waits behind more
+writes (time to ready p50 69 -> 92-104 ms with 3 -> 8 workers; 0-4 % of tokens lost, no trend
+with the workers)."""
 
 
 class _Throttle:
