@@ -93,7 +93,7 @@ class DiskReader:
                 self.executor.copier.copy(pool.buffer, dest, slots, positions)
             else:  # straight from the slots into the caller's layout, one copy per run
                 copy_blocks_slices(pool.buffer, dest, slots, positions)
-        return first + count if total > first else total
+        return min(total, first) + count
 
     def read_disk(self, refs: list[BlockRef], drop: bool = True) -> tuple[torch.Tensor, int]:
         """Read and verify the disk copies of `refs` (consecutive blocks of one path): the data
