@@ -140,6 +140,27 @@ def test_bad_free_raises_and_frees_nothing(to_free: list[int], message: str) -> 
     p.check()
 
 
+def test_free_of_a_run_is_checked_like_any_free() -> None:
+    """A run of consecutive slots in any order is checked and freed in C (`SlotAllocator.free`):
+    the same refusals as slot by slot, nothing freed by a refused call, the same free list."""
+    p = pool(6)
+    p.allocate(6)
+    p.free([1])
+    for run, message in (
+        ([2, 1, 0], "slot 1, it is not allocated"),  # spans 3 ids, one of them free
+        ([4, 3, 3], "slot 3, it is repeated"),  # 3 slots over 2 ids
+        ([5, 4, 6], r"slot 6, outside \[0, 6\)"),
+    ):
+        with pytest.raises(InvariantError, match=message):
+            p.free(run)
+        assert p.num_used == 5 and all(p.is_allocated(s) for s in (0, 2, 3, 4, 5))
+    p.free([5, 4, 3])  # a node's tail, last block first
+    assert p.num_used == 2 and not any(p.is_allocated(s) for s in (3, 4, 5))
+    p.check()
+    assert p.allocate(4) == [3, 4, 5, 1]  # last freed first, as freeing one by one would give
+    p.check()
+
+
 def test_double_free_raises() -> None:
     p = pool(4)
     p.allocate(2)

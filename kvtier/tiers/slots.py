@@ -68,10 +68,22 @@ class SlotAllocator:
         return slots
 
     def free(self, slots: Sequence[int]) -> None:
-        """Return `slots`; all are validated first, so a bad call frees nothing."""
-        self.validate(slots, "free")
-        for slot in slots:
-            self._allocated[slot] = 0
+        """Return `slots`; all are validated first, so a bad call frees nothing. A run of
+        consecutive slots in any order (what eviction frees: a node's tail, last block first)
+        is checked and cleared in C, with no loop per slot."""
+        n = len(slots)
+        lo, hi = (min(slots), max(slots) + 1) if n > 1 else (0, 0)
+        if (
+            hi - lo == n  # n distinct slots spanning n ids are exactly lo .. hi - 1
+            and 0 <= lo < hi <= self.num_slots
+            and self._allocated.find(0, lo, hi) < 0
+            and len(set(slots)) == n
+        ):
+            self._allocated[lo:hi] = bytes(n)
+        else:
+            self.validate(slots, "free")
+            for slot in slots:
+                self._allocated[slot] = 0
         self._freed.extend(slots)
         self._num_used -= len(slots)
 
