@@ -59,23 +59,34 @@ class Canaries:
         element = math.gcd(WORD_BYTES, block_bytes)
         self._dtype = _ELEMENTS[element]
         width = min(WORD_BYTES, block_bytes)  # bytes of one canary
-        self._pages = -(-block_bytes // PAGE_BYTES)  # per slot
-        count = len(self.slots) * self._pages
-        assert count > 0, "a reservation has slots"
+        per = width // element  # elements of one canary
+        self._pages = pages = -(-block_bytes // PAGE_BYTES)  # per slot
+        assert self.slots, "a reservation has slots"
         # seeded from the OS for each reservation; the words need not resist prediction (see
         # the module doc: who could use a prediction can read them anyway), only be fresh, and
-        # reading the OS source for every page cost more than the rest of the reservation
+        # reading the OS source for every page cost more than the rest of the reservation.
+        # Drawn as 64-bit integers (`rng.bytes` took 7x as long) and laid out [slot, page],
+        # the per-page arithmetic done once for all slots, one index per canary when it is one
+        # element (measured, 256 MiB of 1 MiB blocks, 65,536 canaries, three alternating runs:
+        # planted in 5.9-6.3 -> 4.2-4.3 ms, checked in 3.7-4.1 -> 3.0-3.3 ms; the scatter and
+        # the gather themselves, about 2 and 2.5 ms, are one cache miss per page)
         rng = np.random.default_rng(secrets.randbits(128))
-        values = np.frombuffer(bytearray(rng.bytes(count * width)), dtype=self._dtype)
-        values = values.reshape(count, width // element)
-        page = np.arange(count, dtype=np.int64) % self._pages
-        page_len = np.minimum(block_bytes - page * PAGE_BYTES, PAGE_BYTES)
+        shape = (len(self.slots), pages)
+        raw = rng.integers(0, 1 << 64, size=(*shape, -(-width // WORD_BYTES)), dtype=np.uint64)
+        values = raw.view(self._dtype)[..., :per].reshape((-1, per) if per > 1 else (-1,))
+        page_start = np.arange(pages, dtype=np.int64) * PAGE_BYTES
+        page_len = np.minimum(block_bytes - page_start, PAGE_BYTES)
+        # a canary's place in its page, in words: any of the `words` that fit in the page (so
+        # no canary crosses the block's end: a page shorter than a word is a whole block)
         words = np.maximum((page_len - width) // WORD_BYTES + 1, 1)
-        draws = rng.integers(0, 1 << 16, size=count, dtype=np.int64)
-        offset = np.minimum(page * PAGE_BYTES + (draws % words) * WORD_BYTES, block_bytes - width)
-        slot = np.repeat(np.asarray(self.slots, dtype=np.int64), self._pages)
-        starts = (slot * block_bytes + offset) // element  # in elements
-        index = starts[:, None] + np.arange(width // element, dtype=np.int64)
+        if (words == words[0]).all():  # one bound for all (whole pages): a draw 4x as fast
+            draws = rng.integers(0, int(words[0]), size=shape)
+        else:
+            draws = (rng.random(shape) * words).astype(np.int64)
+        slot_start = np.asarray(self.slots, dtype=np.int64)[:, None] * (block_bytes // element)
+        page_offset = page_start // element + draws * (WORD_BYTES // element)
+        starts = (slot_start + page_offset).reshape(-1)  # in elements, [slot, page]
+        index = starts if per == 1 else starts[:, None] + np.arange(per, dtype=np.int64)
         device = pool.buffer.device
         if device.type == "cpu":
             self._index: np.ndarray | torch.Tensor = index
@@ -92,11 +103,12 @@ class Canaries:
         per_slot: list[bool]
         if isinstance(self._index, np.ndarray):
             equal = np.equal(self._host_elements()[self._index], self._values)
-            kept = np.asarray(equal).all(axis=1).reshape(len(self.slots), self._pages)
-            per_slot = [bool(kept[i].any()) for i in range(len(self.slots))]
+            kept = equal if equal.ndim == 1 else equal.all(axis=1)
+            per_slot = kept.reshape(len(self.slots), self._pages).any(axis=1).tolist()
         else:
             assert isinstance(self._values, torch.Tensor)
-            left = torch.eq(self._device_elements()[self._index], self._values).all(dim=1)
+            equal_t = torch.eq(self._device_elements()[self._index], self._values)
+            left = equal_t if equal_t.dim() == 1 else equal_t.all(dim=1)
             per_slot = left.view(len(self.slots), self._pages).any(dim=1).tolist()
         return [slot for slot, kept in zip(self.slots, per_slot, strict=True) if kept]
 
