@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from service_server import Server, running, write_config
 
@@ -103,3 +104,14 @@ def test_headers_just_under_the_limit_are_served(server: Server) -> None:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + near + b"\r\n\r\n")
         reply = _healthz_reply(sock)
     assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+
+
+def test_x_forwarded_headers_from_a_local_client_rewrite_nothing(server: Server) -> None:
+    """The sidecar sits behind no proxy: a local process's X-Forwarded-Proto / -For must not
+    change the scheme or peer the app sees (uvicorn trusted them from 127.0.0.1 by default; a
+    redirect then pointed at https, which this server does not speak)."""
+    forged = {"x-forwarded-proto": "https", "x-forwarded-for": "203.0.113.9"}
+    reply = httpx.get(server.url + "/v1/status/", headers=forged, follow_redirects=False)
+    assert reply.status_code == 307
+    assert reply.headers["location"] == server.url + "/v1/status"
+    _still_serving(server)
