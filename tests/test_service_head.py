@@ -3,7 +3,8 @@ real `kvtier serve` (`kvtier/service/protocol.py`).
 
 Before the bound, a client that sent half a request line and stalled held its connection
 forever, and a 100 KiB header was read whole; both now get a JSON refusal and a closed
-connection, and the server keeps serving.
+connection, and the server keeps serving. A head's forwarding headers are not trusted either
+(the sidecar sits behind no proxy).
 """
 
 from __future__ import annotations
