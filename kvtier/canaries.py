@@ -72,14 +72,14 @@ class Canaries:
         # the gather themselves, about 2 and 2.5 ms, are one cache miss per page)
         rng = np.random.default_rng(secrets.randbits(128))
         shape = (len(self.slots), pages)
-        raw = rng.integers(0, 1 << 64, size=(*shape, -(-width // WORD_BYTES)), dtype=np.uint64)
+        raw = rng.integers(0, 1 << 64, size=(*shape, 1), dtype=np.uint64)  # a word a canary
         values = raw.view(self._dtype)[..., :per].reshape((-1, per) if per > 1 else (-1,))
         page_start = np.arange(pages, dtype=np.int64) * PAGE_BYTES
         page_len = np.minimum(block_bytes - page_start, PAGE_BYTES)
         # a canary's place in its page, in words: any of the `words` that fit in the page (so
         # no canary crosses the block's end: a page shorter than a word is a whole block)
         words = np.maximum((page_len - width) // WORD_BYTES + 1, 1)
-        if (words == words[0]).all():  # one bound for all (whole pages): a draw 4x as fast
+        if (words == words[0]).all():  # whole pages: one bound, drawn 3x as fast (0.35 ms)
             draws = rng.integers(0, int(words[0]), size=shape)
         else:
             draws = (rng.random(shape) * words).astype(np.int64)

@@ -85,7 +85,7 @@ class SlotAllocator:
             for slot in slots:
                 self._allocated[slot] = 0
         self._freed.extend(slots)
-        self._num_used -= len(slots)
+        self._num_used -= n
 
     def claim(self, slots: Iterable[int]) -> None:
         """Mark free slots as allocated (recovery hands back the slots it keeps)."""
