@@ -39,6 +39,7 @@ from kvtier.blocks import BlockHasher, BlockId, encode_tokens
 from kvtier.config import parse_config
 from kvtier.events import EventPublisher
 from kvtier.index import RadixIndex
+from kvtier.index.node import Node
 from kvtier.store import KVStore
 
 BT = 16
@@ -157,10 +158,10 @@ class NoEvents:
     rows (issue 16's 5 % is measured against the index's own Python, a few microseconds an
     edit: an event of any kind built in Python is one more such edit)."""
 
-    def gained(self, node: object, lo: int, hi: int, tier: int) -> None:
+    def gained(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None:
         pass
 
-    def lost(self, node: object, lo: int, hi: int, tier: int) -> None:
+    def lost(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None:
         pass
 
 

@@ -14,9 +14,10 @@ import pytest
 import zmq
 
 from kvtier.blocks import BlockHasher, encode_tokens
-from kvtier.events import EventPublisher, EventSettings
-from kvtier.events.observer import NUMBERS, IndexEvents
+from kvtier.events import EventPublisher, EventSettings, wire
+from kvtier.events.observer import IndexEvents
 from kvtier.index import RadixIndex
+from kvtier.index.node import Node
 
 TOPIC = "kv@pod-a@tiny"
 
@@ -179,33 +180,105 @@ def test_the_replay_buffer_is_bounded_in_bytes_too(context: Any) -> None:
     publisher.close()
 
 
-def test_event_numbers_are_never_handed_out_twice_across_the_made_ahead_batches() -> None:
-    """`IndexEvents.marks` hands numbers out of batches made ahead (`NUMBERS` at a time): over
-    more blocks than a batch, and one run longer than a batch, every block gets its own number,
-    each node's numbers consecutive in the order its blocks were told of."""
+def test_event_numbers_name_each_live_block_once_and_stay_with_it_through_splits(
+    context: Any,
+) -> None:
+    """A node's blocks take the numbers ev, ev + 1, ... of a range of their own (`node.ev`): over
+    many prompts, splits and a run longer than a range (`node_blocks`: a chain of nodes), every
+    live block has a number no other live block has, a split keeps each block's number, and
+    the events a subscriber reads name exactly those numbers, each run after its parent's last
+    block."""
     hasher = BlockHasher()
-    index = RadixIndex(("gpu",), 4, hasher)
-    publisher = EventPublisher("tcp://127.0.0.1:0", settings=EventSettings(queue_limit=10**6))
-    try:
-        observer = IndexEvents(publisher, index, lambda namespace: "t")
-        index.observer = observer
-        ns = hasher.seed(b"\0" * 16, b"t")
-        slot = 0
-        sizes = [7] * (NUMBERS // 7 + 3) + [NUMBERS + 5, 3]  # crosses batches; one longer
-        for p, blocks in enumerate(sizes):
-            key = encode_tokens([p * 100_000 + i for i in range(blocks * 4)])
-            match = index.match(ns, key)
-            index.insert(match, key, {0: list(range(slot, slot + blocks))})
-            slot += blocks
-        numbers: list[int] = []
+    index = RadixIndex(("gpu",), 1, hasher, node_blocks=8)  # a node holds 8 blocks at most
+    settings = EventSettings(TOPIC, queue_limit=10**6, flush_s=0.0)
+    publisher = EventPublisher("tcp://127.0.0.1:0", settings=settings)
+    sub = subscriber(context, publisher.endpoint)
+    observer = IndexEvents(publisher, index, lambda namespace: "t")
+    index.observer = observer
+    ns = hasher.seed(b"\0" * 16, b"t")
+    slot = 0
+
+    def store(tokens: list[int]) -> None:
+        nonlocal slot
+        key = encode_tokens(tokens)
+        match = index.match(ns, key)
+        count = len(tokens) - match.num_blocks
+        index.insert(match, key, {0: list(range(slot, slot + count))})
+        slot += count
+
+    def numbers() -> dict[bytes, tuple[int, int, bytes | None]]:
+        """Each live block's (number, token, id of the block before it), keyed by its id (a
+        chain of its tokens from the namespace root: the same before and after a split)."""
+        out: dict[bytes, tuple[int, int, bytes | None]] = {}
+        ds = index.digest_size
+        stack: list[tuple[Node, bytes | None]] = []
         for root in index.roots():
-            for node in (root.children or {}).values():
-                marks = observer.marks(node)
-                got = [int.from_bytes(marks[i : i + 8], "big") for i in range(0, len(marks), 8)]
-                assert len(got) == node.size
-                assert got == list(range(got[0], got[0] + node.size))
-                numbers += got
-        assert len(numbers) == sum(sizes) == len(set(numbers))
-        index.check()
-    finally:
-        publisher.close()
+            stack += [(child, None) for child in (root.children or {}).values()]
+        while stack:
+            node, above = stack.pop()
+            ids, tokens = index.forest.ids_of(node), memoryview(node.key).cast("I")
+            for i in range(node.size):
+                before = above if i == 0 else ids[(i - 1) * ds : i * ds]
+                out[ids[i * ds : (i + 1) * ds]] = (node.ev + i, tokens[i], before)
+            stack += [(child, ids[-ds:]) for child in (node.children or {}).values()]
+        return out
+
+    for p in range(40):
+        store([p % 4] + [p * 1000 + i for i in range(6)])  # 4 first blocks shared, then own
+    before = numbers()
+    store([0] + [0 * 1000 + i for i in range(3)] + [999_999])  # splits the first prompt's node
+    index.check()
+    after = numbers()
+    assert all(after[block][0] == number for block, (number, _, _) in before.items())
+    long = [7_000_000 + i for i in range(2 * 8 + 3)]
+    store(long)  # longer than a node may be: a chain of three nodes, told of parents first
+    chain = index.match(ns, encode_tokens(long)).end
+    assert chain.size == 3 and chain.parent is not None and chain.parent.size == 8
+    store([*long, 1, 2, 3])  # the leaf grows to 6 blocks
+    store([*long, 1, 2, 3, 4, 5, 6])  # 9 would be too many: a child hangs below it instead
+    grown = index.match(ns, encode_tokens([*long, 1, 2, 3, 4, 5, 6])).end
+    assert grown.size == 3 and grown.parent is chain and chain.size == 6
+    index.check()
+    live = numbers()
+    assert len({number for number, _, _ in live.values()}) == len(live) == index.num_blocks
+
+    told: dict[int, tuple[int, int | None]] = {}  # number -> (token, number before it)
+    while len(told) < index.num_blocks:
+        for event in decode(sub.recv_multipart())[3]:
+            if event["type"] == "BlockStored":
+                assert event["medium"] == "GPU" and event["block_size"] == 1
+                for i, number in enumerate(event["hashes"]):
+                    parent = event["parent"] if i == 0 else event["hashes"][i - 1]
+                    told[number] = (event["tokens"][i], parent)
+    publisher.close()
+    assert len(told) == len(live)
+    for number, token, before_id in live.values():  # its token, after the block before it
+        assert told[number] == (token, None if before_id is None else live[before_id][0])
+
+
+def test_a_batch_packs_in_order_and_merges_removals_next_to_each_other() -> None:
+    """`Packer.pack_all` over what the observer queues: a BlockStored per tier a store wrote
+    (one body), removals in a row in one medium as one BlockRemoved, a new event wherever the
+    medium or the kind changes, every hash at the top of uint64 too; decoded by msgpack."""
+    key = bytes(range(40))  # 10 tokens of 4 bytes, 4 a block at kb = 16
+    specs: list[wire.Spec] = [
+        wire.told_stored(key, 16, 2**64 - 3, 0, 2, None, 4, (0, 2), ["GPU", "CPU", "DISK"]),
+        wire.told_removed(2**64 - 2, 2, "CPU"),
+        wire.told_removed(5, 1, "CPU"),
+        wire.Removed((9).to_bytes(8, "big"), "CPU"),
+        wire.told_removed(6, 3, "GPU"),
+        wire.CLEARED,
+        wire.told_removed(7, 1, "GPU"),
+        wire.told_stored(key, 16, 100, 1, 2, 7, 4, (1,), ["GPU", "CPU"]),
+    ]
+    events = [msgpack.unpackb(event) for event in wire.Packer().pack_all(specs)]
+    tokens = [int.from_bytes(key[i : i + 4], "little") for i in range(0, 32, 4)]
+    assert events == [
+        ["BlockStored", [2**64 - 3, 2**64 - 2], None, tokens, 4, None, "GPU", None],
+        ["BlockStored", [2**64 - 3, 2**64 - 2], None, tokens, 4, None, "DISK", None],
+        ["BlockRemoved", [2**64 - 2, 2**64 - 1, 5, 9], "CPU"],
+        ["BlockRemoved", [6, 7, 8], "GPU"],
+        ["AllBlocksCleared"],
+        ["BlockRemoved", [7], "GPU"],
+        ["BlockStored", [101], 7, tokens[4:], 4, None, "CPU", None],
+    ]

@@ -2,20 +2,22 @@
 or loses in a tier into a BlockStored or BlockRemoved event of that tier's medium, for the
 tenant whose namespace holds the block (`tenant_of`; a namespace it does not know is skipped).
 
-Hashes. An event names a block by a number of this publisher's: the node keeps its blocks'
-numbers in `node.marks` (8 bytes each, big-endian, a prefix of its blocks, like its ids), and
-a block without one gets the next of a counter when it is first told of (`marks`). Splits and
-cuts keep a block's number with it (`forest.py`); a number is never handed out twice, so a
-block evicted and stored again is a new block to a router, as it is to the index. The counter
-starts at a random 62-bit number, so that two publishers' numbers do not meet (a router keys
-blocks by tokens anyway: `kvtier.routing`). Not the block's id: an id is a BLAKE2b chain that
-the index computes only when something needs it, and a store that must compute 63 of them to
-tell of a prompt costs 1.3x one that does not (`benchmarks/bench_events.py`).
+Hashes. An event names a block by a number of this publisher's: a node's first block has
+`node.ev`, block i `node.ev + i`; a node gets a range of `EVENT_RANGE` numbers when one of its
+blocks is first told of (`number`), and a split hands the tail `ev + at` (`forest.py`), so a
+block keeps its number while it lives, and no two live blocks share one. A block cut off a leaf
+and stored there again takes the same number back: the router was told of its removal first,
+in order, as vLLM's content hashes come back when a block is stored again. Not the block's id:
+an id is a BLAKE2b chain that the index computes only when something needs it, and a store
+that must compute 63 of them to tell of a prompt costs 1.3x one that does not
+(`benchmarks/bench_events.py`).
 
-Cost. Called under the store's lock, it slices `node.key` and `node.marks` into a `wire.Stored`
-or `wire.Removed` and queues it; the publisher's thread packs it with numpy (`wire.py`): no
-Python object per token, and none of the packing under the store's lock. A store writing new
-blocks to two tiers tells of them twice: the same `wire.Blocks`, packed once.
+Cost. Called under the store's lock, once per edit whatever the tiers, it appends one tuple
+of references and numbers to the publisher's queue (`wire.told_stored`, `wire.told_removed`):
+no slice, no allocation but the tuple, no NumPy call. The publisher's thread slices the
+node's key (immutable bytes: an edit replaces it, never changes it) and packs the hashes and
+tokens with numpy (`wire.py`), one body for the tiers a store wrote its new blocks to, and
+removals next to each other in one medium as one event.
 
 `announce()` tells of every block the index holds, each tier a run at a time: the publisher's
 first words after a restart (recovery rebuilt the index from disk before events were on).
@@ -35,15 +37,18 @@ import numpy as np
 from kvtier.errors import InvalidArgumentError
 from kvtier.events import wire
 from kvtier.events.publisher import EventPublisher
+from kvtier.events.wire import TOLD_REMOVED, TOLD_STORED
 from kvtier.index import RadixIndex
 from kvtier.index.node import Node
 
 if TYPE_CHECKING:
     from kvtier.store import KVStore
 
-NUMBERS = 4096
-"""Event numbers made in one NumPy call and handed out as slices of its bytes: a store's new
-run of blocks takes its numbers without a NumPy call of its own (2.4 us of a 15 us insert)."""
+FIRST_SERIALS = 1 << 42
+"""Event hashes are `serial * EVENT_RANGE + i` (uint64), the first serial drawn at random below
+this, so that two publishers' hashes seldom meet (a router keys blocks by tokens anyway:
+`kvtier.routing`): at least 1.3e13 nodes (41 years at 10,000 new nodes a second) before the
+serials wrap around to 1."""
 
 MEDIUM_OF_TIER = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
 
@@ -57,60 +62,76 @@ class IndexEvents:
     ) -> None:
         self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
         self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
-        self._next = secrets.randbits(62)
-        self._numbers = b""  # big-endian bytes of numbers made ahead; from `_at` on: `_next` on
-        self._at = 0
-        self._last: tuple[tuple[Node, int, int, int], wire.Blocks] | None = None  # (`_blocks`)
+        self.range = index.forest.node_blocks  # numbers a node takes (`EVENT_RANGE`)
+        self._next = (secrets.randbelow(FIRST_SERIALS) + 1) * self.range  # never 0
+        self.pending = publisher.pending  # appended to directly (`EventPublisher._put`)
+        self.kb, self.bs = index.key_nbytes, index.block_tokens
 
-    def gained(self, node: Node, lo: int, hi: int, tier: int) -> None:
-        tenant = self.tenant_of(node.root.ids)
-        if tenant is not None:
-            blocks = self._blocks(node, lo, hi)
-            self.publisher.publish(tenant, wire.Stored(blocks, self.media[tier]))
-
-    def lost(self, node: Node, lo: int, hi: int, tier: int) -> None:
-        run = node.slots[tier][lo:hi]
-        missing = run.count(None)  # in C: most often all held or none
-        if missing == hi - lo:
-            return
+    def gained(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None:
         tenant = self.tenant_of(node.root.ids)
         if tenant is None:
             return
-        marks = node.marks if len(node.marks) >= hi * 8 else self.marks(node)
-        if not missing:
-            hashes = marks[lo * 8 : hi * 8]
+        ev = node.ev or self.number(node)
+        above = None  # the hash of the block before the run, when there is one
+        if lo:
+            above = ev + lo - 1
         else:
-            held = [lo + j for j, slot in enumerate(run) if slot is not None]
-            hashes = b"".join(marks[i * 8 : i * 8 + 8] for i in held)
-        self.publisher.publish(tenant, wire.Removed(hashes, self.media[tier]))
+            parent = node.parent
+            if parent is not None and parent.parent is not None:
+                above = (parent.ev or self.number(parent)) + len(parent.slots[0]) - 1
+        pending = self.pending
+        if len(pending) < self.publisher.queue_limit:
+            spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, above, self.bs, tiers, self.media)
+            pending.append((tenant, spec))
+        else:
+            self.publisher.overflow(tenant)
 
-    def marks(self, node: Node) -> bytes:
-        """The event hashes of all of `node`'s blocks (module doc), handed out where missing."""
-        have = len(node.marks) >> 3
-        size = len(node.key) // self.index.key_nbytes
-        if have < size:
-            count, at = size - have, self._at
-            if len(self._numbers) < at + count * 8:  # the next NUMBERS numbers, made at once
-                many = max(NUMBERS, count)
-                self._numbers = np.arange(self._next, self._next + many, dtype=">u8").tobytes()
-                at = 0
-            node.marks += self._numbers[at : at + count * 8]
-            self._at = at + count * 8
-            self._next += count
-        return node.marks
+    def lost(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None:
+        tenant = None
+        slots = node.slots
+        for tier in tiers:
+            run = slots[tier][lo:hi]
+            missing = run.count(None)  # in C: most often all held or none
+            if missing == hi - lo:
+                continue
+            if tenant is None:
+                tenant = self.tenant_of(node.root.ids)
+                if tenant is None:
+                    return
+            ev = node.ev or self.number(node)
+            spec: wire.Spec
+            if not missing:
+                spec = (TOLD_REMOVED, ev + lo, hi - lo, self.media[tier])
+            else:
+                held = [ev + lo + j for j, slot in enumerate(run) if slot is not None]
+                spec = wire.Removed(np.array(held, ">u8").tobytes(), self.media[tier])
+            if len(self.pending) < self.publisher.queue_limit:
+                self.pending.append((tenant, spec))
+            else:
+                self.publisher.overflow(tenant)
+
+    def number(self, node: Node) -> int:
+        """The event hash of `node`'s first block (`node.ev`), its range handed out if it has
+        none yet (module doc)."""
+        if not node.ev:
+            if (self._next + self.range) >> 64:  # hashes are uint64s: wrap around (module doc)
+                self._next = self.range
+            node.ev = self._next
+            self._next += self.range
+        return node.ev
 
     def announce(self) -> int:
         """Tell of every block the index holds (module doc); the events queued."""
         told = 0
         for node, lo, hi, tier in self._runs():
-            self.gained(node, lo, hi, tier)
+            self.gained(node, lo, hi, (tier,))
             told += 1
         return told
 
-    def told(self, tenant: str | None) -> list[tuple[str, wire.Spec]]:
+    def told(self, tenant: str | None) -> list[tuple[str, wire.Stored]]:
         """(tenant, event) for every run of blocks held in a tier, parents first; `tenant`'s
         blocks only unless None. Under the store's lock."""
-        out: list[tuple[str, wire.Spec]] = []
+        out: list[tuple[str, wire.Stored]] = []
         for node, lo, hi, tier in self._runs():
             owner = self.tenant_of(node.root.ids)
             if owner is not None and tenant in (None, owner):
@@ -135,22 +156,15 @@ class IndexEvents:
                 stack.extend(node.children.values() if node.children else ())
 
     def _blocks(self, node: Node, lo: int, hi: int) -> wire.Blocks:
-        """The fields of a BlockStored of blocks lo..hi-1 of `node`; the last answer is kept,
-        since a store tells of the same new blocks once per tier it wrote them to."""
-        key = (node, lo, hi, len(node.key))
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        marks = self.marks(node)
+        """The fields of a BlockStored of blocks lo..hi-1 of `node`."""
+        ev = self.number(node)
         parent = None
         if lo:
-            parent = int.from_bytes(marks[lo * 8 - 8 : lo * 8], "big")
+            parent = ev + lo - 1
         elif node.parent is not None and node.parent.parent is not None:
-            parent = int.from_bytes(self.marks(node.parent)[-8:], "big")
-        kb = self.index.key_nbytes
-        tokens = node.key[lo * kb : hi * kb]
-        blocks = wire.Blocks(marks[lo * 8 : hi * 8], parent, tokens, self.index.block_tokens)
-        self._last = (key, blocks)
-        return blocks
+            parent = self.number(node.parent) + node.parent.size - 1
+        tokens = node.key[lo * self.kb : hi * self.kb]
+        return wire.Blocks(wire.numbers(ev + lo, hi - lo), parent, tokens, self.bs)
 
 
 def snapshot(store: KVStore, tenant: str | None) -> dict[str, Any]:

@@ -17,9 +17,10 @@ in which each event is a positional array, its class name first:
 A hash is a uint64 naming one block of this publisher while it lives (`observer.py` hands them
 out), not a content hash: a router keys blocks by their tokens (`kvtier.routing`, and llm-d
 does the same). The medium names the tier: "GPU", "CPU" (host), "DISK", "REMOTE" (`MEDIUM`).
-A block that gains or loses a tier is one event for that medium. The queue holds what a store
-told (`wire.Spec`: bytes of the event's fields, no Python object per token); the thread packs
-them (`wire.Packer`).
+A block that gains or loses a tier is one event for that medium; removals queued one after
+another in one medium go out as one event (`wire.Packer.pack_all`: eviction tells of a run at a
+time). The queue holds what a store told (`wire.Spec`: numbers and references to immutable
+bytes, no Python object per token); the thread packs a whole batch at once (`wire.Packer`).
 
 Replay (a ROUTER socket, vLLM's protocol): a client (DEALER) sends `[b"", start_seq]` (8 bytes,
 big-endian) and gets `[b"", topic, seq, payload]` for each message of the publisher's topic
@@ -97,7 +98,8 @@ class EventPublisher:
     ) -> None:
         self.settings = settings = settings or EventSettings()
         self.topic, self.clock = settings.topic, clock
-        self._pending: collections.deque[Event] = collections.deque()  # appended by callers
+        self.pending: collections.deque[Event] = collections.deque()  # appended by callers
+        self.queue_limit = settings.queue_limit
         self._stopping = False
         self._topics: dict[str, _Topic] = {}
         self._lock = threading.RLock()
@@ -173,10 +175,16 @@ class EventPublisher:
 
     def _put(self, tenant: str, event: wire.Spec) -> None:
         """Queue an event: one append (atomic under the GIL), no lock, no wake-up; the thread
-        looks every `flush_s`."""
-        if len(self._pending) < self.settings.queue_limit:
-            self._pending.append((tenant, event))
+        looks every `flush_s`. The index's observer appends to `pending` itself the same way
+        (`IndexEvents`: one call less per event under the store's lock)."""
+        if len(self.pending) < self.queue_limit:
+            self.pending.append((tenant, event))
             return
+        self.overflow(tenant)
+
+    def overflow(self, tenant: str) -> None:
+        """Count an event of `tenant`'s dropped by a full queue (`queue_limit`): that topic's
+        next message starts with AllBlocksCleared."""
         with self._lock:
             self._stats["dropped_events"] += 1
             self._topic(tenant).lost = True
@@ -206,19 +214,19 @@ class EventPublisher:
 
     def _drain(self) -> None:
         with self._sending:
-            while self._pending:
+            while self.pending:
                 with self._lock:  # taken while draining, so that a holder stalls the sender
-                    take = min(len(self._pending), self.settings.max_batch)
-                    batch = [self._pending.popleft() for _ in range(take)]
+                    take = min(len(self.pending), self.settings.max_batch)
+                    batch = [self.pending.popleft() for _ in range(take)]
                 self._send(batch)
 
     def _send(self, batch: list[Event]) -> None:
-        grouped: dict[str, list[bytes]] = {}
-        pack = self._packer.pack
+        grouped: dict[str, list[wire.Spec]] = {}
         for tenant, event in batch:
-            grouped.setdefault(tenant if self.settings.per_tenant else "", []).append(pack(event))
+            grouped.setdefault(tenant if self.settings.per_tenant else "", []).append(event)
         now = self.clock()
-        for tenant, events in grouped.items():
+        for tenant, specs in grouped.items():
+            events = self._packer.pack_all(specs)
             with self._lock:
                 topic = self._topic(tenant)
                 if topic.lost or topic.seq == 0:  # forget what is lost, or a past life's

@@ -1,6 +1,7 @@
 """The msgpack bytes of KV events, built without a Python object per token, and the specs a
-store queues for the publisher's thread to pack (`Stored`, `Removed`: the store's lock is held
-while it tells of events, so the packing is left to the thread).
+store queues for the publisher's thread to pack (`told_stored`, `told_removed`: plain tuples of
+numbers and references, what the index's observer can afford under the store's lock; `Stored`,
+`Removed`: the same with their bytes, from the publisher's own calls and snapshots).
 
 A store tells of a new run of blocks once per tier it wrote them to, each event holding every
 token of the run: packed the usual way (a list of ints for `msgpack.packb`) that is a Python
@@ -12,7 +13,8 @@ and nil are `msgpack.packb`'s. `tests/test_events.py` decodes them with `msgpack
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
@@ -37,18 +39,12 @@ _UINT32 = np.dtype([("tag", "u1"), ("value", ">u4")])  # uint 32: 5 bytes
 
 def uint64s(be_bytes: bytes) -> bytes:
     """A msgpack array of the big-endian uint64s in `be_bytes`."""
-    out = np.empty(len(be_bytes) >> 3, _UINT64)
-    out["tag"] = 0xCF
-    out["value"] = np.frombuffer(be_bytes, ">u8")
-    return array_header(len(out)) + out.tobytes()
+    return array_header(len(be_bytes) >> 3) + tagged_u64(be_bytes)
 
 
 def uint32s(le_bytes: bytes) -> bytes:
     """A msgpack array of the little-endian uint32s in `le_bytes` (the index's key bytes)."""
-    out = np.empty(len(le_bytes) >> 2, _UINT32)
-    out["tag"] = 0xCE
-    out["value"] = np.frombuffer(le_bytes, "<u4")  # swapped to big-endian as it is copied
-    return array_header(len(out)) + out.tobytes()
+    return array_header(len(le_bytes) >> 2) + tagged_tokens(le_bytes)
 
 
 def stored_body(hashes: bytes, parent: int | None, tokens: bytes, block_size: int) -> bytes:
@@ -116,17 +112,54 @@ class Removed(NamedTuple):
     medium: str
 
 
-Spec = Stored | Removed | bytes  # bytes: an event packed already
+TOLD_STORED, TOLD_REMOVED = 1, 2
+"""Tags of the plain tuples the index's observer queues under the store's lock (`told_stored`,
+`told_removed`): numbers, and a reference to the node's immutable key bytes, sliced and packed
+on the publisher's thread (a NamedTuple alone costs 0.5 us to make on CPython 3.11)."""
+
+
+def told_stored(
+    key: bytes,
+    kb: int,
+    ev: int,
+    lo: int,
+    hi: int,
+    parent: int | None,
+    bs: int,
+    tiers: tuple[int, ...],
+    media: Sequence[str],
+) -> tuple[Any, ...]:
+    """A BlockStored in the medium of each of `tiers` (`media`: by tier) of blocks lo..hi-1 of
+    a node whose key is `key` (`kb` bytes a block) and whose block i has the hash `ev + i`,
+    after the block whose hash is `parent` (None: the first block of a namespace). The observer
+    builds this tuple inline; the function names its fields."""
+    return (TOLD_STORED, key, kb, ev, lo, hi, parent, bs, tiers, media)
+
+
+def told_removed(first: int, count: int, medium: str) -> tuple[Any, ...]:
+    """A BlockRemoved in `medium` of the blocks whose hashes are first, first + 1, ..."""
+    return (TOLD_REMOVED, first, count, medium)
+
+
+def numbers(first: int, count: int) -> bytes:
+    """The big-endian uint64s first, first + 1, ..., count of them."""
+    if count == 1:
+        return first.to_bytes(8, "big")
+    return np.arange(first, first + count, dtype=np.uint64).astype(">u8").tobytes()
+
+
+Spec = Stored | Removed | bytes | tuple[Any, ...]  # bytes: packed already; tuple: `told_*`
 
 
 class Packer:
     """Packs specs; a `Blocks` told of again (the same object: one store writing to two
-    tiers) reuses its packed fields."""
+    tiers) reuses its packed fields, and removals next to each other in one medium are packed
+    as one BlockRemoved (`pack_all`)."""
 
     def __init__(self) -> None:
         self._last: tuple[Blocks, bytes] | None = None
 
-    def pack(self, spec: Spec) -> bytes:
+    def pack(self, spec: Stored | Removed | bytes) -> bytes:
         if isinstance(spec, Stored):
             if self._last is None or self._last[0] is not spec.blocks:
                 self._last = (spec.blocks, stored_body(*spec.blocks))
@@ -134,3 +167,110 @@ class Packer:
         if isinstance(spec, Removed):
             return removed(spec.hashes, spec.medium)
         return spec
+
+    def pack_all(self, specs: list[Spec]) -> list[bytes]:
+        """The events of `specs`, in order: a `told_stored` of n tiers is n events (one body),
+        and removals next to each other in one medium merge into one BlockRemoved (eviction
+        tells of a run, or a block, at a time; a router applies the hashes alike). The hashes
+        and tokens of every `told_*` spec are packed in one NumPy pass for the whole batch: per
+        event, NumPy's calls cost more than the bytes (5-7 us for a 63-block BlockStored)."""
+        firsts: list[int] = []
+        counts: list[int] = []
+        keys: list[bytes] = []
+        for spec in specs:
+            if type(spec) is tuple:
+                if spec[0] == TOLD_STORED:
+                    _, key, kb, ev, lo, hi = spec[:6]
+                    firsts.append(ev + lo)
+                    counts.append(hi - lo)
+                    keys.append(key[lo * kb : hi * kb])
+                else:
+                    firsts.append(spec[1])
+                    counts.append(spec[2])
+        hashes = tagged_numbers(firsts, counts)
+        tokens = tagged_tokens(b"".join(keys)) if keys else b""
+        at_hash = at_token = 0
+        out: list[bytes] = []
+        group: list[bytes] = []  # tagged hashes of the removals in a row, in `medium`
+        size, medium = 0, ""
+        for spec in specs:
+            if type(spec) is tuple and spec[0] == TOLD_REMOVED:
+                _, _, n, this = spec
+                piece = hashes[at_hash : at_hash + n * 9]
+                at_hash += n * 9
+            elif isinstance(spec, Removed):
+                n, this = len(spec.hashes) >> 3, spec.medium
+                piece = tagged_u64(spec.hashes)
+            else:
+                if group:
+                    out.append(removed_tagged(group, size, medium))
+                    group, size = [], 0
+                if isinstance(spec, (Stored, bytes)):
+                    out.append(self.pack(spec))
+                else:  # a `told_stored`
+                    _, key, kb, ev, lo, hi, parent, bs, tiers, media = spec
+                    n, count = hi - lo, (hi - lo) * kb >> 2
+                    body = b"".join(
+                        (
+                            b"\x98",  # an array of 8 fields
+                            _STORED,
+                            array_header(n),
+                            hashes[at_hash : at_hash + n * 9],
+                            NIL if parent is None else b"\xcf" + parent.to_bytes(8, "big"),
+                            array_header(count),
+                            tokens[at_token : at_token + count * 5],
+                            msgpack.packb(bs),
+                            NIL,  # lora_id
+                        )
+                    )
+                    at_hash, at_token = at_hash + n * 9, at_token + count * 5
+                    out.extend(stored(body, media[tier]) for tier in tiers)
+                continue
+            if group and this != medium:
+                out.append(removed_tagged(group, size, medium))
+                group, size = [], 0
+            group.append(piece)
+            size += n
+            medium = this
+        if group:
+            out.append(removed_tagged(group, size, medium))
+        return out
+
+
+def tagged_u64(be_bytes: bytes) -> bytes:
+    """The big-endian uint64s of `be_bytes` as msgpack's uint 64 items (no array header)."""
+    out = np.empty(len(be_bytes) >> 3, _UINT64)
+    out["tag"] = 0xCF
+    out["value"] = np.frombuffer(be_bytes, ">u8")
+    return out.tobytes()
+
+
+def tagged_numbers(firsts: list[int], counts: list[int]) -> bytes:
+    """msgpack's uint 64 items (no array header) of the runs first, first + 1, ... (`counts`
+    of each), one run after another."""
+    total = sum(counts)
+    if not total:
+        return b""
+    out = np.empty(total, _UINT64)
+    out["tag"] = 0xCF
+    starts = np.array(firsts, dtype=np.uint64)
+    if total == len(firsts):  # runs of one: eviction a block at a time
+        out["value"] = starts
+    else:  # each run's first, repeated, plus the place in its run (uint64: wraps alike)
+        before = np.cumsum(counts, dtype=np.uint64) - np.array(counts, dtype=np.uint64)
+        place = np.arange(total, dtype=np.uint64) - np.repeat(before, counts)
+        out["value"] = np.repeat(starts, counts) + place
+    return out.tobytes()
+
+
+def tagged_tokens(le_bytes: bytes) -> bytes:
+    """The little-endian uint32s of `le_bytes` as msgpack's uint 32 items (no array header)."""
+    out = np.empty(len(le_bytes) >> 2, _UINT32)
+    out["tag"] = 0xCE
+    out["value"] = np.frombuffer(le_bytes, "<u4")  # swapped to big-endian as it is copied
+    return out.tobytes()
+
+
+def removed_tagged(pieces: list[bytes], count: int, medium: str) -> bytes:
+    """A BlockRemoved of `count` hashes, given as uint 64 items in `pieces`."""
+    return b"\x93" + _REMOVED + array_header(count) + b"".join(pieces) + _medium(medium)

@@ -71,11 +71,13 @@ def check_index(index: RadixIndex) -> None:
                 _expect(
                     len(node.key) == size * kb
                     and len(node.ids) <= size * ds
-                    and len(node.ids) % ds == 0  # the ids of a prefix of its blocks
-                    and len(node.marks) <= size * 8
-                    and len(node.marks) % 8 == 0,  # and the event numbers of one
-                    f"node key/ids/marks lengths {len(node.key)}/{len(node.ids)}/"
-                    f"{len(node.marks)} for {size} blocks",
+                    and len(node.ids) % ds == 0,  # the ids of a prefix of its blocks
+                    f"node key/ids lengths {len(node.key)}/{len(node.ids)} for {size} blocks",
+                )
+                _expect(
+                    size <= index.forest.node_blocks and node.ev >= 0,
+                    f"node of {size} blocks (at most {index.forest.node_blocks}), "
+                    f"event number {node.ev}",
                 )
                 _expect(
                     all(len(f) == size for f in node.slots),

@@ -26,7 +26,15 @@ from typing import cast
 
 from kvtier.blocks import BlockHasher, BlockId
 from kvtier.index.eviction import CandidateSets
-from kvtier.index.node import InsertResult, Match, Node, Residency, Slot, slowest_counts
+from kvtier.index.node import (
+    EVENT_RANGE,
+    InsertResult,
+    Match,
+    Node,
+    Residency,
+    Slot,
+    slowest_counts,
+)
 
 
 class Forest:
@@ -37,8 +45,10 @@ class Forest:
         hasher: BlockHasher,
         candidates: CandidateSets,
         residency: Residency,
+        node_blocks: int = EVENT_RANGE,
     ) -> None:
         self.num_tiers = num_tiers
+        self.node_blocks = node_blocks  # the most blocks a node holds (node.py: `EVENT_RANGE`)
         self.key_nbytes = key_nbytes
         self.digest_size = hasher.digest_size
         self.hasher = hasher
@@ -76,7 +86,12 @@ class Forest:
         ]
         fastest = min(slots)  # every new block has copies in exactly the tiers of `slots`
         added = [count if t >= fastest else 0 for t in range(num_tiers)]
-        if parent.parent is not None and parent.children is None and not any(parent.locks or ()):
+        if (
+            parent.parent is not None
+            and parent.children is None
+            and not any(parent.locks or ())
+            and parent.size + count <= self.node_blocks
+        ):
             # extend a leaf instead of hanging a one-child chain under it; never a locked leaf:
             # its leases end at its last block and must not grow to cover the new ones
             node = parent
@@ -86,17 +101,32 @@ class Forest:
             node.depth = [d + a for d, a in zip(node.depth, added, strict=True)]
             node.tick = tick
         else:
-            node = Node(parent, new_key, b"", fields, added, tick)
-            if parent.parent is None:
-                self.roots.setdefault(parent.ids, parent)
-            if parent.children is None:
-                parent.children = {}
-            parent.children[new_key[:kb]] = node
-            self.num_nodes += 1
-            for tier, depth in enumerate(node.depth):
-                if depth:
-                    parent.child_res[tier] += 1
-            self.candidates.refresh(parent)
+            at = 0
+            while at < count:  # a chain of nodes of at most `node_blocks` blocks each
+                n = min(count - at, self.node_blocks)
+                if n == count:
+                    node = Node(parent, new_key, b"", fields, added, tick)
+                else:
+                    part = [f[at : at + n] for f in fields]
+                    node = Node(
+                        parent,
+                        new_key[at * kb : (at + n) * kb],
+                        b"",
+                        part,
+                        [n if a else 0 for a in added],
+                        tick,
+                    )
+                if parent.parent is None:
+                    self.roots.setdefault(parent.ids, parent)
+                if parent.children is None:
+                    parent.children = {}
+                parent.children[node.key[:kb]] = node
+                self.num_nodes += 1
+                for tier, depth in enumerate(node.depth):
+                    if depth:
+                        parent.child_res[tier] += 1
+                self.candidates.refresh(parent)
+                parent, at = node, at + n
         namespace = node.root.ids
         for tier in slots:
             self.residency.add(namespace, tier, count)
@@ -141,7 +171,7 @@ class Forest:
             node.tick,
         )
         head.hits = node.hits
-        head.marks = node.marks[: at * 8]
+        head.ev = node.ev
         node.parent.children[head.key[:kb]] = head  # type: ignore[index]
         head.children = {node.key[at * kb : (at + 1) * kb]: node}
         head.locks = list(node.locks) if node.locks is not None else None
@@ -149,7 +179,7 @@ class Forest:
         node.parent = head
         node.key = node.key[at * kb :]
         node.ids = node.ids[at * ds :]
-        node.marks = node.marks[at * 8 :]
+        node.ev = node.ev + at if node.ev else 0
         node.slots = [fields[at:] for fields in node.slots]
         node.depth = [d - h for d, h in zip(node.depth, head.depth, strict=True)]
         head.child_res = [1 if d else 0 for d in node.depth]
@@ -204,7 +234,6 @@ class Forest:
             del fields[keep:]
         node.key = node.key[: keep * self.key_nbytes]
         node.ids = node.ids[: keep * self.digest_size]
-        node.marks = node.marks[: keep * 8]
         node.depth = [min(d, keep) for d in node.depth]  # closure: the first depth[t] are <= t
         self.candidates.refresh(node)
         return cast("list[list[int]]", freed)
@@ -228,7 +257,6 @@ class Forest:
         self.num_blocks -= 1
         node.key = node.key[: -self.key_nbytes]
         node.ids = node.ids[: len(node.key) // self.key_nbytes * self.digest_size]
-        node.marks = node.marks[: len(node.key) // self.key_nbytes * 8]
         depth = node.depth
         for tier in range(fastest, num_tiers):  # closure: the block was in these tiers' runs
             depth[tier] -= 1

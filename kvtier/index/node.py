@@ -27,9 +27,10 @@ and matches that walked through it (for the `selective` write policy).
 node; None until the node is first locked, to keep unleased nodes small. `held` counts the locks
 taken for a tenant (its leases and reservations, not the store's own pins) that cover it: the
 tenant's quota counts the blocks of the nodes where it is > 0 (`tenancy.py`).
-`marks` holds the KV-event hashes of its first k blocks, 8 bytes each, a prefix like `ids`:
-numbers the events observer hands out when it first tells of a block (`IndexEvents.marks`),
-which splits and cuts keep with their blocks; empty while no events are published.
+`ev` is the KV-event hash of its first block, block i's being `ev + i` (0: none yet): the
+events observer gives a node a range of `EVENT_RANGE` numbers when it first tells of one of its
+blocks (`IndexEvents`), and a split gives the tail `ev + at`, so every block keeps its number.
+A node never holds more than `EVENT_RANGE` blocks (`Forest.grow`), so ranges never meet.
 `root` is the namespace root the node hangs from (itself for a root), so the per-namespace
 counts that fair shares need cost O(1) per change.
 
@@ -85,17 +86,22 @@ from kvtier.blocks import BlockId
 Slot = int | None
 
 
+EVENT_RANGE = 1 << 20
+"""KV-event numbers a node's blocks may use (`ev`), and so the most blocks a node holds: a
+longer run of new blocks hangs as a chain of nodes (`Forest.grow`)."""
+
+
 class Node:
     __slots__ = (
         "child_res",
         "children",
         "depth",
+        "ev",
         "held",
         "hits",
         "ids",
         "key",
         "locks",
-        "marks",
         "parent",
         "root",
         "slots",
@@ -114,7 +120,7 @@ class Node:
         self.parent = parent
         self.key = key
         self.ids = ids
-        self.marks = b""
+        self.ev = 0
         self.slots = slots
         self.children: dict[bytes, Node] | None = None
         self.depth = depth

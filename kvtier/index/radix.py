@@ -49,6 +49,7 @@ from kvtier.index.forest import Forest
 from kvtier.index.helpers import common_blocks, shift_depth, subtree_tails
 from kvtier.index.leases import LeaseTable
 from kvtier.index.node import (
+    EVENT_RANGE,
     BlockRef,
     InsertResult,
     Match,
@@ -65,20 +66,31 @@ from kvtier.index.queries import EvictionQueries
 
 class TierObserver(Protocol):
     """Told of each change of where blocks live (`RadixIndex.observer`; KV events): blocks
-    lo..hi-1 of `node` gained a copy in `tier` (after the edit), or those of them that have a
-    copy in `tier` are about to lose it (before the edit, so their ids can still be read)."""
+    lo..hi-1 of `node` gained a copy in each of `tiers` (after the edit), or those of them that
+    have a copy in one of `tiers` are about to lose it (before the edit, so their ids can still
+    be read). One call per edit, whatever the number of tiers: the call is most of the cost."""
 
-    def gained(self, node: Node, lo: int, hi: int, tier: int) -> None: ...
+    def gained(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None: ...
 
-    def lost(self, node: Node, lo: int, hi: int, tier: int) -> None: ...
+    def lost(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None: ...
 
 
 class RadixIndex(EvictionQueries):
     """The index of every namespace, and the one object its users hold (module doc)."""
 
-    def __init__(self, tiers: Sequence[str], block_tokens: int, hasher: BlockHasher) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[str],
+        block_tokens: int,
+        hasher: BlockHasher,
+        node_blocks: int = EVENT_RANGE,
+    ) -> None:
+        """`node_blocks`: the most blocks a node holds, and so the numbers of the KV-event range
+        a node's blocks take (`node.py`); smaller in tests of long runs."""
+        assert 1 <= node_blocks <= EVENT_RANGE
         assert len(tiers) >= 1 and block_tokens >= 1
         self.tiers = tuple(tiers)
+        self.tier_numbers = tuple(range(len(self.tiers)))
         self.block_tokens = block_tokens
         self.hasher = hasher
         self.key_nbytes = block_tokens * TOKEN_NBYTES
@@ -86,7 +98,9 @@ class RadixIndex(EvictionQueries):
         num_tiers = len(self.tiers)
         self._candidates = CandidateSets(num_tiers)
         self.residency = Residency(num_tiers)
-        self.forest = Forest(num_tiers, self.key_nbytes, hasher, self._candidates, self.residency)
+        self.forest = Forest(
+            num_tiers, self.key_nbytes, hasher, self._candidates, self.residency, node_blocks
+        )
         self.leases = LeaseTable(num_tiers, self._candidates)
         self._tick = 0
         self.observer: TierObserver | None = None  # told of every copy gained or lost
@@ -220,9 +234,17 @@ class RadixIndex(EvictionQueries):
         self._tick += 1
         result = self.forest.grow(match, key, slots, self._tick)
         if self.observer is not None and result.new_blocks:
-            end = result.end
-            for tier in slots:
-                self.observer.gained(end, end.size - result.new_blocks, end.size, tier)
+            end, new = result.end, result.new_blocks
+            if new <= end.size:
+                self.observer.gained(end, end.size - new, end.size, tuple(slots))
+            else:  # a chain of new nodes (more than `EVENT_RANGE` blocks): told parents first
+                chain = []
+                while new > 0:
+                    chain.append(end)
+                    new -= end.size
+                    end = end.parent  # type: ignore[assignment]
+                for node in reversed(chain):
+                    self.observer.gained(node, 0, node.size, tuple(slots))
         return result
 
     def set_slot(self, ref: BlockRef, tier: int, slot: int) -> None:
@@ -248,7 +270,7 @@ class RadixIndex(EvictionQueries):
         if tier < old:
             shift_depth(self._candidates, node, i, tier, old, +1)
         if self.observer is not None:
-            self.observer.gained(node, i, i + 1, tier)
+            self.observer.gained(node, i, i + 1, (tier,))
 
     can_clear = staticmethod(can_clear)
 
@@ -261,7 +283,7 @@ class RadixIndex(EvictionQueries):
         slot = fields[i]
         assert slot is not None
         if self.observer is not None:
-            self.observer.lost(node, i, i + 1, tier)
+            self.observer.lost(node, i, i + 1, (tier,))
         fields[i] = None
         self.residency.add(node.root.ids, tier, -1)
         if tier == copies[-1]:  # it was the slowest copy: the one before it is now
@@ -288,7 +310,7 @@ class RadixIndex(EvictionQueries):
             return []
         news, lo = news[len(news) - count :], hi - count
         if self.observer is not None:
-            self.observer.lost(node, lo, hi, tier)
+            self.observer.lost(node, lo, hi, (tier,))
         fields = node.slots[tier]
         freed = fields[lo:hi]
         freed.reverse()
@@ -323,7 +345,7 @@ class RadixIndex(EvictionQueries):
         residency.slowest_counted(slowest_counts(node.slots, lo, hi), +1)
         residency.add(node.root.ids, tier, len(slots))
         if self.observer is not None:
-            self.observer.gained(node, lo, hi, tier)
+            self.observer.gained(node, lo, hi, (tier,))
 
     def drop(self, ref: BlockRef) -> list[tuple[int, int]]:
         """Remove a leaf block (the last block of a node without children, not locked) from
@@ -342,8 +364,7 @@ class RadixIndex(EvictionQueries):
         assert node.parent is not None and node.children is None and 0 < count <= node.size
         assert not any(node.locks or ()), "dropping a leased block"
         if self.observer is not None:
-            for tier in range(len(self.tiers)):
-                self.observer.lost(node, node.size - count, node.size, tier)
+            self.observer.lost(node, node.size - count, node.size, self.tier_numbers)
         return self.forest.cut(node, count)
 
     def drop_subtree(self, ref: BlockRef) -> list[tuple[int, int]]:
