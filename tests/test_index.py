@@ -7,10 +7,11 @@ Keys are written one letter per block: `key("ABD")` is the tokens A A A A B B B 
 from __future__ import annotations
 
 import pytest
-from letters import DISK, GPU, HASHER, HOST, KB, NS, NS_BOB, key, new_index, put, ref
+from letters import BT, DISK, GPU, HASHER, HOST, KB, NS, NS_BOB, key, new_index, put, ref
 
 from kvtier.blocks import BlockId, tenant_salt
 from kvtier.index import InsertResult, PrefixHit, RadixIndex
+from kvtier.index.restore import RestoreEntry, restore_namespace
 
 
 def hit(ix: RadixIndex, blocks: str, extra: int = 0, ns: BlockId = NS) -> PrefixHit:
@@ -272,3 +273,44 @@ def test_matching_in_an_unknown_namespace_leaves_no_namespace_behind() -> None:
     ix.insert(match, key("AB"), {GPU: [0, 1]})
     ix.check()
     assert (ix.num_namespaces, hit(ix, "AB")) == (1, PrefixHit(2, (2, 0, 0)))
+
+
+def test_a_node_never_holds_more_blocks_than_its_event_range() -> None:
+    """`node_blocks` (`EVENT_RANGE` by default: a node's blocks take event numbers ev + i of a
+    range of that size) bounds every node: an insert of a longer run hangs a chain of nodes, a
+    leaf grows only while it fits, and recovery's restore cuts a long chain of entries alike;
+    lookups see the same blocks either way."""
+    ix = RadixIndex(("gpu", "host", "disk"), block_tokens=BT, hasher=HASHER, node_blocks=4)
+    letters = "ABCDEFGHIJ"  # 10 blocks: nodes of 4, 4 and 2
+    put(ix, letters, {GPU: list(range(10))})
+    end = ix.match(NS, key(letters)).end
+    sizes = []
+    node = end
+    while node.parent is not None:
+        sizes.append(node.size)
+        node = node.parent
+    assert sizes == [2, 4, 4]
+    put(ix, letters + "KL", {GPU: [10, 11]})  # the last node grows to 4
+    assert ix.match(NS, key(letters + "KL")).end is end and end.size == 4
+    put(ix, letters + "KLM", {GPU: [12]})  # 5 would not fit: a child
+    assert ix.match(NS, key(letters + "KLM")).end.parent is end
+    assert hit(ix, letters + "KLM") == PrefixHit(13, (13, 0, 0))
+    ix.check()
+
+    restored = RadixIndex(("gpu", "host", "disk"), block_tokens=BT, hasher=HASHER, node_blocks=4)
+    tokens = key(letters)
+    ids = HASHER.chain(NS, tokens, KB)
+    ds = HASHER.digest_size
+    entries = [
+        RestoreEntry(
+            ids[i * ds : (i + 1) * ds],
+            ids[(i - 1) * ds : i * ds] if i else bytes(NS),
+            tokens[i * KB : (i + 1) * KB],
+            {DISK: 100 + i},
+        )
+        for i in range(10)
+    ]
+    report = restore_namespace(restored, NS, entries)
+    assert len(report.restored) == 10 and not report.orphans and not report.bad_ids
+    assert restored.num_nodes == 3 and hit(restored, letters, ns=NS) == PrefixHit(10, (0, 0, 10))
+    restored.check()

@@ -72,14 +72,18 @@ def restore_namespace(
             chain = chain[:good]
             if not chain or (parent.children is not None and chain[0].tokens in parent.children):
                 continue
-            key = b"".join(e.tokens for e in chain)
-            ids = b"".join(e.block_id for e in chain)
-            fields: list[list[Slot]] = [[e.slots.get(t) for e in chain] for t in range(num_tiers)]
-            node = Node(parent, key, ids, fields, depth_of(fields), 0)
-            if parent.children is None:
-                parent.children = {}
-            parent.children[key[:kb]] = node
-            created.append(node)
+            node, most = parent, index.forest.node_blocks  # a node holds at most `most` blocks
+            tiers = range(num_tiers)
+            for at in range(0, len(chain), most):
+                part = chain[at : at + most]
+                key = b"".join(e.tokens for e in part)
+                ids = b"".join(e.block_id for e in part)
+                fields: list[list[Slot]] = [[e.slots.get(t) for e in part] for t in tiers]
+                above, node = node, Node(node, key, ids, fields, depth_of(fields), 0)
+                if above.children is None:
+                    above.children = {}
+                above.children[key[:kb]] = node
+                created.append(node)
             restored.extend(chain)
             if len(chain) == good:  # the whole chain verified: its last block may branch
                 stack.append((node, ids[-ds:]))
