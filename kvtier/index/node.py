@@ -86,9 +86,7 @@ from kvtier.blocks import BlockId
 Slot = int | None
 
 
-EVENT_RANGE = 1 << 20
-"""KV-event numbers a node's blocks may use (`ev`), and so the most blocks a node holds: a
-longer run of new blocks hangs as a chain of nodes (`Forest.grow`)."""
+EVENT_RANGE = 1 << 20  # KV-event numbers of a node (`ev`): the most blocks it holds
 
 
 class Node:

@@ -75,6 +75,23 @@ class TierObserver(Protocol):
     def lost(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None: ...
 
 
+def tell_inserted(observer: TierObserver, result: InsertResult, tiers: tuple[int, ...]) -> None:
+    """Tell `observer` of an insert's new blocks: the tail of `result.end`, or a chain of new
+    nodes ending there (a run longer than a node may be, `Forest.grow`), parents first."""
+    end, new = result.end, result.new_blocks
+    if new <= end.size:
+        observer.gained(end, end.size - new, end.size, tiers)
+        return
+    chain = []
+    while new > 0:
+        chain.append(end)
+        new -= end.size
+        assert end.parent is not None
+        end = end.parent
+    for link in reversed(chain):
+        observer.gained(link, 0, link.size, tiers)
+
+
 class RadixIndex(EvictionQueries):
     """The index of every namespace, and the one object its users hold (module doc)."""
 
@@ -85,9 +102,7 @@ class RadixIndex(EvictionQueries):
         hasher: BlockHasher,
         node_blocks: int = EVENT_RANGE,
     ) -> None:
-        """`node_blocks`: the most blocks a node holds, and so the numbers of the KV-event range
-        a node's blocks take (`node.py`); smaller in tests of long runs."""
-        assert 1 <= node_blocks <= EVENT_RANGE
+        assert 1 <= node_blocks <= EVENT_RANGE  # the most blocks a node holds (node.py)
         assert len(tiers) >= 1 and block_tokens >= 1
         self.tiers = tuple(tiers)
         self.tier_numbers = tuple(range(len(self.tiers)))
@@ -234,17 +249,7 @@ class RadixIndex(EvictionQueries):
         self._tick += 1
         result = self.forest.grow(match, key, slots, self._tick)
         if self.observer is not None and result.new_blocks:
-            end, new = result.end, result.new_blocks
-            if new <= end.size:
-                self.observer.gained(end, end.size - new, end.size, tuple(slots))
-            else:  # a chain of new nodes (more than `EVENT_RANGE` blocks): told parents first
-                chain = []
-                while new > 0:
-                    chain.append(end)
-                    new -= end.size
-                    end = end.parent  # type: ignore[assignment]
-                for node in reversed(chain):
-                    self.observer.gained(node, 0, node.size, tuple(slots))
+            tell_inserted(self.observer, result, tuple(slots))
         return result
 
     def set_slot(self, ref: BlockRef, tier: int, slot: int) -> None:
