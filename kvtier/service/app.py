@@ -3,7 +3,7 @@
     create_app(config, factory, host=None) -> FastAPI; the store is built on a thread at
     start-up, so that /healthz answers during recovery and /readyz turns 200 when it is done
 
-Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `guard.py`):
+Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `guard.py`, `hot.py`):
 
     GET  /healthz /readyz                     alive / recovered and serving
     GET  /                                    the status page (`page.py`), for a browser
@@ -60,6 +60,7 @@ from kvtier.service.admission import (
 from kvtier.service.admission import admit as _admit
 from kvtier.service.body import Disconnected, read_body
 from kvtier.service.guard import Guard, HostCheck
+from kvtier.service.hot import Endpoint, HotRoutes
 from kvtier.service.page import add_page
 from kvtier.store import PREFETCH_ATTEMPTS, KVStore
 
@@ -87,9 +88,9 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
     )
     app.state.service = service
     bound = config.service.host if host is None else host
-    app.add_middleware(Guard, hosts=HostCheck(bound, config.service.allowed_hosts))
     app.add_exception_handler(HTTPException, _http_error)
-    _add_routes(app, service)
+    app.add_middleware(HotRoutes, routes=_add_routes(app, service))  # inside Guard (`hot.py`)
+    app.add_middleware(Guard, hosts=HostCheck(bound, config.service.allowed_hosts))
     add_page(app, service)
     return app
 
@@ -124,7 +125,8 @@ async def _await_lease(lease: Lease, wait_s: float) -> None:
         await asyncio.wait_for(lease.wait_async(), wait_s)
 
 
-def _add_routes(app: FastAPI, service: Service) -> None:
+def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
+    """Add the routes; return the data plane's POST endpoints, by path (`hot.py`)."""
     config = service.config.service
 
     async def call(
@@ -306,8 +308,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         ("/v1/commit", commit, schemas.RESERVATION_ID, schemas.STORED, "Commit a reservation"),
         ("/v1/abort", abort, schemas.RESERVATION_ID, schemas.EMPTY, "Abort a reservation"),
     ]
-    for path, handler, request_schema, response_schema, summary in routes:
-        _post(app, path, handler, call, request_schema, response_schema, summary)
+    hot = {path: _post(app, path, handler, call, request_schema, response_schema, summary)
+           for path, handler, request_schema, response_schema, summary in routes}  # fmt: skip
 
     @app.get(
         "/v1/leases/{lease_id}",
@@ -344,7 +346,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         """Run every invariant check of the store now."""
         if not service.auth.is_admin(request.headers.get("authorization")):
             return _error(403, "forbidden", "admin endpoints need the admin key")
-        return await _admin(request, service, _checked)
+        return await _admin(request, service, bodies.checked)
 
     @app.post(
         "/v1/admin/persist", responses=schemas.responses(schemas.PERSISTED, 400, *schemas.ADMIN)
@@ -356,13 +358,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             return _error(403, "forbidden", "admin endpoints need the admin key")
         return await _admin(request, service, lambda store: {"persisted_blocks": store.persist()})
 
-
-def _checked(store: KVStore) -> dict[str, Any]:
-    try:
-        store.check()
-    except KVTierError as exc:
-        return {"ok": False, "detail": str(exc)}
-    return {"ok": True, "detail": ""}
+    return hot
 
 
 async def _admin(
@@ -385,7 +381,7 @@ def _post(
     request_schema: dict[str, Any],
     response_schema: dict[str, Any],
     summary: str,
-) -> None:
+) -> Endpoint:
     async def endpoint(request: Request) -> Response:
         return await call(request, handler)  # type: ignore[no-any-return]
 
@@ -398,3 +394,4 @@ def _post(
         ),
         openapi_extra=schemas.request_body(request_schema),
     )(endpoint)
+    return endpoint

@@ -1,14 +1,24 @@
 """Response bodies built from the store's objects: a lease, the pools a same-host client may
-map, the effective configuration with its keys redacted."""
+map, the effective configuration with its keys redacted, the store's checks."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kvtier.config import KVTierConfig
+from kvtier.errors import KVTierError
 from kvtier.results import Lease
 from kvtier.service.cuda_ipc import export_pool
 from kvtier.store import KVStore
+
+
+def checked(store: KVStore) -> dict[str, Any]:
+    """What `/v1/admin/check` answers: every invariant check of the store, run now."""
+    try:
+        store.check()
+    except KVTierError as exc:
+        return {"ok": False, "detail": str(exc)}
+    return {"ok": True, "detail": ""}
 
 
 def lease(lease: Lease) -> dict[str, Any]:
