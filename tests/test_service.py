@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import torch
@@ -40,7 +39,7 @@ from service_server import (
 )
 
 from kvtier.blocks import from_blocks, to_blocks
-from kvtier.client import AsyncClient, Client, ServiceError
+from kvtier.client import AsyncClient, Client, ServiceError, TransportError
 from kvtier.errors import InvalidArgumentError, InvalidKVError, LeaseError
 from kvtier.results import Lease, LeaseState, LookupResult, StoreResult
 
@@ -677,7 +676,7 @@ def test_sigterm_during_transfers_exits_0_and_the_restart_recovers(tmp_path: Pat
         assert not thread.is_alive()
     assert all(when >= signalled for when, _ in failures), failures  # none before the signal
     for _, exc in failures:  # the connection went away, or the store had closed
-        assert isinstance(exc, httpx.TransportError) or (
+        assert isinstance(exc, TransportError) or (
             isinstance(exc, ServiceError) and exc.status == 503
         ), failures
 

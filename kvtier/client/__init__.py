@@ -30,16 +30,20 @@ symlink, another owner or mode, another size: `tiers/shm.py`) stays unmapped, an
 in the body.
 
 Errors come back as the same `kvtier.errors` types the store raises (their message is the
-server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready).
+server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready), and
+from `Client`, `TransportError` when the server cannot be reached or its reply read
+(`AsyncClient` raises httpx's errors there).
 
-    blocking.py      `Client`: the calls over one keep-alive connection pool, from threads
-    asynchronous.py  `AsyncClient`: the same calls as coroutines
+    blocking.py      `Client`: the calls from threads, over `connections.py`'s keep-alive
+                     connections (the standard library's http.client)
+    asynchronous.py  `AsyncClient`: the same calls as coroutines (httpx)
     pools.py         `MappedPools`: the server's pools mapped here, blocks written and read
     transport.py     request headers, and a response read as its body or the error it reports
 """
 
 from kvtier.client.asynchronous import AsyncClient
 from kvtier.client.blocking import Client
+from kvtier.client.connections import TransportError
 from kvtier.client.transport import ServiceError
 
-__all__ = ["AsyncClient", "Client", "ServiceError"]
+__all__ = ["AsyncClient", "Client", "ServiceError", "TransportError"]

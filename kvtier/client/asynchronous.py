@@ -20,7 +20,7 @@ from kvtier.blocks import KVLayout, Tokens, check_device
 from kvtier.caller_kv import kv_layout
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
-from kvtier.client.transport import RequestHeaders, reply_body
+from kvtier.client.transport import RequestHeaders, httpx_reply, reply_body
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies, wire
@@ -54,11 +54,11 @@ class AsyncClient:
         response = await self._http.post(
             path, content=wire.encode(body, True), headers=self._headers.for_tenant(tenant)
         )
-        return reply_body(response)
+        return reply_body(httpx_reply(response))
 
     async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         response = await self._http.get(path, params=params, headers=self._headers.common)
-        return reply_body(response)
+        return reply_body(httpx_reply(response))
 
     async def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
         """`_post`, carrying the releases owed for `tenant` (`releases.py`)."""

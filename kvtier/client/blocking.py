@@ -13,14 +13,15 @@ import contextlib
 import math
 import threading
 import time
+import urllib.parse
 import weakref
 from typing import Any
 
-import httpx
 import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device
 from kvtier.caller_kv import kv_layout
+from kvtier.client.connections import Connections
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, reply_body
@@ -49,7 +50,8 @@ def _flush_loop(client: weakref.ref[Client], wake: threading.Condition, owed: Ow
 
 
 class Client:
-    """A blocking client (one keep-alive connection pool, safe to share between threads)."""
+    """A blocking client (keep-alive connections, `connections.py`; safe to share between
+    threads)."""
 
     def __init__(
         self,
@@ -65,7 +67,7 @@ class Client:
         server's pools when they are on this host."""
         self._headers = RequestHeaders(api_key, tenant)
         self._pools = MappedPools()
-        self._http = httpx.Client(base_url=url, timeout=timeout_s)
+        self._http = Connections(url, timeout_s)
         self._owed = OwedReleases()
         self._wake = threading.Condition()
         self._flusher: threading.Thread | None = None
@@ -76,14 +78,12 @@ class Client:
     # ---- transport ---------------------------------------------------------------------
 
     def _post(self, path: str, body: dict[str, Any], tenant: str = "default") -> dict[str, Any]:
-        response = self._http.post(
-            path, content=wire.encode(body, True), headers=self._headers.for_tenant(tenant)
-        )
-        return reply_body(response)
+        headers = self._headers.for_tenant(tenant)
+        return reply_body(self._http.request("POST", path, wire.encode(body, True), headers))
 
     def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        response = self._http.get(path, params=params, headers=self._headers.common)
-        return reply_body(response)
+        query = "?" + urllib.parse.urlencode(params) if params else ""
+        return reply_body(self._http.request("GET", path + query, None, self._headers.common))
 
     def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
         """`_post`, carrying the releases owed for `tenant` (`releases.py`)."""
@@ -119,7 +119,7 @@ class Client:
         for lease_id, tenant in due:
             # a LeaseError: released by a failed request that carried it; a transport error:
             # the server is gone, or will end the lease at its ttl
-            with contextlib.suppress(KVTierError, httpx.HTTPError):
+            with contextlib.suppress(KVTierError):
                 self._post("/v1/release", {"lease_id": lease_id}, tenant)
 
     # ---- the engine contract ------------------------------------------------------------

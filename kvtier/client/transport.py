@@ -1,7 +1,7 @@
 """What both clients put on the wire and read back from it, their transport aside.
 
 Requests: `RequestHeaders`, the headers of every request (msgpack bodies both ways, the API
-key as a bearer token, the tenant where no key names it). Replies: `reply_body(response)`, a
+key as a bearer token, the tenant where no key names it). Replies: `reply_body(reply)`, a
 success's decoded body, or the error the server reported raised as the store's own error type
 (`ERROR_TYPES`), else as a `ServiceError`; a body that does not decode is a `ReplyError`. What a
 body holds is checked later, field by field (`service/replies.py`).
@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from kvtier.client.connections import Reply
 from kvtier.errors import ClosedError, KVTierError, ReplyError
 from kvtier.service import wire
 
@@ -54,20 +55,26 @@ class RequestHeaders:
         return {**self.common, "x-kvtier-tenant": tenant}
 
 
-def reply_body(response: httpx.Response) -> dict[str, Any]:
+def httpx_reply(response: httpx.Response) -> Reply:
+    """An httpx response (`AsyncClient`'s) as the `Reply` that `reply_body` reads."""
+    content_type = response.headers.get("content-type")
+    return Reply(response.status_code, content_type, response.content, response.request.url.path)
+
+
+def reply_body(response: Reply) -> dict[str, Any]:
     """The body of a successful response; the error it reports raised (`ERROR_TYPES`, else
     `ServiceError`), or `ReplyError` if it is no map."""
-    if response.status_code >= 400:
+    if response.status >= 400:
         try:
-            body = wire.decode(response.content, response.headers.get("content-type"))
+            body = wire.decode(response.content, response.content_type)
             kind, detail = str(body.get("error"))[:64], str(body.get("detail"))[:2000]
         except wire.WireError:
-            kind, detail = "http", response.text[:200]
+            kind, detail = "http", response.content[:200].decode("utf-8", "replace")
         cls = ERROR_TYPES.get(kind)
-        if cls is not None and response.status_code not in (401, 403, 413):
+        if cls is not None and response.status not in (401, 403, 413):
             raise cls(detail)
-        raise ServiceError(response.status_code, kind, detail)
+        raise ServiceError(response.status, kind, detail)
     try:
-        return wire.decode(response.content, response.headers.get("content-type"))
+        return wire.decode(response.content, response.content_type)
     except wire.WireError as exc:
-        raise ReplyError(f"{response.request.url.path}: {exc.detail}") from None
+        raise ReplyError(f"{response.path}: {exc.detail}") from None

@@ -1,0 +1,147 @@
+"""The blocking client's keep-alive connections (`kvtier/client/connections.py`) against real
+HTTP servers on loopback: connections reused across calls and threads, an idle connection the
+server closed replaced before it is used, and every way a call can fail at the transport as a
+`TransportError` naming the call."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvtier.client import Client, TransportError
+from kvtier.client.connections import Connections
+
+
+class Echo(BaseHTTPRequestHandler):
+    """HTTP/1.1 keep-alive: answers each request with its method, path and body; closes the
+    connection after `close_after` requests on it without saying so (as a server closes one
+    idle too long)."""
+
+    protocol_version = "HTTP/1.1"
+    close_after = 0  # 0: never
+    connections: list[int] = []  # noqa: RUF012 (one list per test: `echo` resets it)
+
+    def setup(self) -> None:
+        super().setup()
+        type(self).connections.append(id(self))
+        self.served = 0
+
+    def answer(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        reply = f"{self.command} {self.path} ".encode() + body
+        self.send_response(200)
+        self.send_header("content-type", "text/plain")
+        self.send_header("content-length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+        self.served += 1
+        if self.close_after and self.served >= self.close_after:
+            self.close_connection = True
+
+    do_GET = do_POST = answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def echo() -> Iterator[tuple[str, type[Echo]]]:
+    handler = type("EchoOnce", (Echo,), {"connections": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_calls_reuse_a_connection_and_threads_each_take_their_own(
+    echo: tuple[str, type[Echo]],
+) -> None:
+    url, handler = echo
+    conns = Connections(url, 10.0)
+    for i in range(5):
+        reply = conns.request("POST", f"/a/{i}", b"x" * i, {"content-type": "text/plain"})
+        assert (reply.status, reply.content, reply.path) == (
+            200,
+            f"POST /a/{i} ".encode() + b"x" * i,
+            f"/a/{i}",
+        )
+    assert len(handler.connections) == 1  # one connection, kept alive
+
+    errors: list[BaseException] = []
+
+    def hammer(t: int) -> None:
+        try:
+            for i in range(40):
+                body = f"{t}-{i}".encode()
+                reply = conns.request("POST", f"/t/{t}", body, {})
+                assert reply.content == f"POST /t/{t} ".encode() + body  # its own reply
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(t,)) for t in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    assert 1 < len(handler.connections) <= 7  # at most one more per thread in flight
+    conns.close()
+
+
+def test_an_idle_connection_the_server_closed_is_replaced_before_it_is_used(
+    echo: tuple[str, type[Echo]],
+) -> None:
+    url, handler = echo
+    handler.close_after = 1  # the server hangs up after each answer, saying nothing
+    conns = Connections(url, 10.0)
+    for i in range(4):
+        time.sleep(0.05)  # the close reaches the client's socket
+        assert conns.request("GET", f"/{i}", None, {}).content == f"GET /{i} ".encode()
+    assert len(handler.connections) == 4  # a fresh connection each time, none sent dead
+
+
+def _one_shot_server(answer: bytes | None) -> tuple[str, socket.socket]:
+    """A listener that reads one request and sends `answer` (None: nothing, ever) on it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        if answer is not None:
+            conn.sendall(answer)
+            conn.close()
+        else:
+            time.sleep(3)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", listener
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [(b"hello, this is not HTTP\r\n\r\n", "BadStatusLine"), (b"", "RemoteDisconnected"),
+     (None, "TimeoutError")],
+)  # fmt: skip
+def test_a_failed_call_is_a_transport_error_naming_it(answer: bytes | None, why: str) -> None:
+    url, listener = _one_shot_server(answer)
+    conns = Connections(url, 0.5)
+    with pytest.raises(TransportError, match=f"POST /v1/lookup: .*{why}"):
+        conns.request("POST", "/v1/lookup", b"{}", {})
+    listener.close()
+
+
+def test_a_client_of_a_server_that_is_not_there_raises_a_transport_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # free, and nobody listens once it is closed
+    with pytest.raises(TransportError, match="GET /v1/pools: ConnectionRefusedError"):
+        Client(f"http://127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="expected http://host:port"):
+        Connections("ftp://127.0.0.1:1", 1.0)
