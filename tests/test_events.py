@@ -238,6 +238,13 @@ def test_event_numbers_name_each_live_block_once_and_stay_with_it_through_splits
     store([*long, 1, 2, 3, 4, 5, 6])  # 9 would be too many: a child hangs below it instead
     grown = index.match(ns, encode_tokens([*long, 1, 2, 3, 4, 5, 6])).end
     assert grown.size == 3 and grown.parent is chain and chain.size == 6
+    split = [8_000_000 + i for i in range(8)]
+    store(split)  # one node of 8: a whole range
+    store([*split[:4], 9_000_000])  # split after 4: the tail keeps numbers ev + 4 .. ev + 7
+    tail = index.match(ns, encode_tokens(split)).end
+    assert tail.size == 4 and tail.ev % 8 == 4
+    store([*split, 1, 2])  # the tail may not grow past its range: a child hangs below it
+    assert tail.size == 4 and index.match(ns, encode_tokens([*split, 1, 2])).end.parent is tail
     index.check()
     live = numbers()
     assert len({number for number, _, _ in live.values()}) == len(live) == index.num_blocks

@@ -74,10 +74,11 @@ def check_index(index: RadixIndex) -> None:
                     and len(node.ids) % ds == 0,  # the ids of a prefix of its blocks
                     f"node key/ids lengths {len(node.key)}/{len(node.ids)} for {size} blocks",
                 )
+                most = index.forest.node_blocks  # its blocks' event numbers stay in its range
                 _expect(
-                    size <= index.forest.node_blocks and node.ev >= 0,
-                    f"node of {size} blocks (at most {index.forest.node_blocks}), "
-                    f"event number {node.ev}",
+                    node.ev >= 0 and node.ev % most + size <= most,
+                    f"node of {size} blocks from event number {node.ev}: past its range of "
+                    f"{most} (node.py)",
                 )
                 _expect(
                     all(len(f) == size for f in node.slots),

@@ -90,7 +90,7 @@ class Forest:
             parent.parent is not None
             and parent.children is None
             and not any(parent.locks or ())
-            and parent.size + count <= self.node_blocks
+            and parent.ev % self.node_blocks + parent.size + count <= self.node_blocks
         ):
             # extend a leaf instead of hanging a one-child chain under it; never a locked leaf:
             # its leases end at its last block and must not grow to cover the new ones

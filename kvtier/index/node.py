@@ -27,10 +27,10 @@ and matches that walked through it (for the `selective` write policy).
 node; None until the node is first locked, to keep unleased nodes small. `held` counts the locks
 taken for a tenant (its leases and reservations, not the store's own pins) that cover it: the
 tenant's quota counts the blocks of the nodes where it is > 0 (`tenancy.py`).
-`ev` is the KV-event hash of its first block, block i's being `ev + i` (0: none yet): the
-events observer gives a node a range of `EVENT_RANGE` numbers when it first tells of one of its
-blocks (`IndexEvents`), and a split gives the tail `ev + at`, so every block keeps its number.
-A node never holds more than `EVENT_RANGE` blocks (`Forest.grow`), so ranges never meet.
+`ev` is the KV-event hash of its first block, block i's `ev + i` (0: none yet): the events
+observer gives a node a range of `EVENT_RANGE` numbers, from a multiple of it, when it first
+tells of one of its blocks (`IndexEvents`); a split gives the tail `ev + at`, and a leaf grows
+only within its range (`ev % EVENT_RANGE + n <= EVENT_RANGE`, `Forest.grow`): ranges never meet.
 `root` is the namespace root the node hangs from (itself for a root), so the per-namespace
 counts that fair shares need cost O(1) per change.
 
