@@ -15,6 +15,7 @@ import pytest
 
 from kvtier.client import Client, TransportError
 from kvtier.client.connections import Connections
+from kvtier.errors import ClosedError
 
 
 class Echo(BaseHTTPRequestHandler):
@@ -92,6 +93,8 @@ def test_calls_reuse_a_connection_and_threads_each_take_their_own(
     assert not errors, errors
     assert 1 < len(handler.connections) <= 7  # at most one more per thread in flight
     conns.close()
+    with pytest.raises(ClosedError, match="the client is closed"):
+        conns.request("GET", "/after", None, {})
 
 
 def test_an_idle_connection_the_server_closed_is_replaced_before_it_is_used(

@@ -17,7 +17,8 @@ Contract:
   a connection known dead; a request is never sent twice.
 - Every failure to connect, send or read, a timeout (`timeout_s`, each socket operation) and a
   reply that is not HTTP is a `TransportError` naming the call; its connection is closed.
-- `close()` closes the idle connections; one in use is closed when its request ends.
+- `close()` closes the idle connections; one in use is closed when its request ends. A request
+  after it is a `ClosedError`, as httpx's closed client refused one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 import urllib.parse
 from typing import NamedTuple
 
-from kvtier.errors import KVTierError
+from kvtier.errors import ClosedError, KVTierError
 
 
 class TransportError(KVTierError):
@@ -84,6 +85,8 @@ class Connections:
     def _take(self) -> http.client.HTTPConnection:
         while True:
             with self._lock:
+                if self._closed:
+                    raise ClosedError("the client is closed: no request is sent")
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
