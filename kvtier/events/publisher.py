@@ -99,7 +99,7 @@ class EventPublisher:
         self.settings = settings = settings or EventSettings()
         self.topic, self.clock = settings.topic, clock
         self.pending: collections.deque[Event] = collections.deque()  # appended by callers
-        self.queue_limit = settings.queue_limit
+        self.queue_limit = settings.queue_limit  # read per event by the observer: one lookup
         self._stopping = False
         self._topics: dict[str, _Topic] = {}
         self._lock = threading.RLock()

@@ -37,27 +37,30 @@ _UINT64 = np.dtype([("tag", "u1"), ("value", ">u8")])  # msgpack's uint 64, pack
 _UINT32 = np.dtype([("tag", "u1"), ("value", ">u4")])  # uint 32: 5 bytes
 
 
-def uint64s(be_bytes: bytes) -> bytes:
-    """A msgpack array of the big-endian uint64s in `be_bytes`."""
-    return array_header(len(be_bytes) >> 3) + tagged_u64(be_bytes)
-
-
-def uint32s(le_bytes: bytes) -> bytes:
-    """A msgpack array of the little-endian uint32s in `le_bytes` (the index's key bytes)."""
-    return array_header(len(le_bytes) >> 2) + tagged_tokens(le_bytes)
-
-
 def stored_body(hashes: bytes, parent: int | None, tokens: bytes, block_size: int) -> bytes:
     """A BlockStored's fields up to its medium: `hashes` big-endian uint64s, `tokens`
     little-endian uint32s."""
+    return stored_fields(
+        len(hashes) >> 3, tagged_u64(hashes), parent, len(tokens) >> 2, tagged_tokens(tokens),
+        block_size,
+    )  # fmt: skip
+
+
+def stored_fields(
+    count: int, hashes: bytes, parent: int | None, num_tokens: int, tokens: bytes, bs: int
+) -> bytes:
+    """`stored_body` of `count` hashes and `num_tokens` tokens already tagged (`tagged_u64`,
+    `tagged_tokens`, `tagged_numbers`)."""
     return b"".join(
         (
             b"\x98",  # an array of 8 fields
             _STORED,
-            uint64s(hashes),
+            array_header(count),
+            hashes,
             NIL if parent is None else b"\xcf" + parent.to_bytes(8, "big"),
-            uint32s(tokens),
-            msgpack.packb(block_size),
+            array_header(num_tokens),
+            tokens,
+            msgpack.packb(bs),
             NIL,  # lora_id
         )
     )
@@ -76,13 +79,6 @@ def _medium(medium: str) -> bytes:
 def stored(body: bytes, medium: str) -> bytes:
     """The BlockStored of `stored_body` in `medium` (no LoRA name)."""
     return body + _medium(medium) + NIL
-
-
-def removed(hashes: bytes, medium: str) -> bytes:
-    """A BlockRemoved of the big-endian uint64s in `hashes` (one, most often: eviction takes
-    a block at a time)."""
-    packed = b"\x91\xcf" + hashes if len(hashes) == 8 else uint64s(hashes)
-    return b"\x93" + _REMOVED + packed + _medium(medium)
 
 
 def batch(ts: float, events: list[bytes], dp_rank: int | None) -> bytes:
@@ -159,13 +155,13 @@ class Packer:
     def __init__(self) -> None:
         self._last: tuple[Blocks, bytes] | None = None
 
-    def pack(self, spec: Stored | Removed | bytes) -> bytes:
+    def pack(self, spec: Stored | bytes) -> bytes:
+        """The event of one `Stored` (a snapshot's), or bytes packed already; `pack_all` for
+        the rest."""
         if isinstance(spec, Stored):
             if self._last is None or self._last[0] is not spec.blocks:
                 self._last = (spec.blocks, stored_body(*spec.blocks))
             return stored(self._last[1], spec.medium)
-        if isinstance(spec, Removed):
-            return removed(spec.hashes, spec.medium)
         return spec
 
     def pack_all(self, specs: list[Spec]) -> list[bytes]:
@@ -210,18 +206,9 @@ class Packer:
                 else:  # a `told_stored`
                     _, key, kb, ev, lo, hi, parent, bs, tiers, media = spec
                     n, count = hi - lo, (hi - lo) * kb >> 2
-                    body = b"".join(
-                        (
-                            b"\x98",  # an array of 8 fields
-                            _STORED,
-                            array_header(n),
-                            hashes[at_hash : at_hash + n * 9],
-                            NIL if parent is None else b"\xcf" + parent.to_bytes(8, "big"),
-                            array_header(count),
-                            tokens[at_token : at_token + count * 5],
-                            msgpack.packb(bs),
-                            NIL,  # lora_id
-                        )
+                    own = hashes[at_hash : at_hash + n * 9]
+                    body = stored_fields(
+                        n, own, parent, count, tokens[at_token : at_token + count * 5], bs
                     )
                     at_hash, at_token = at_hash + n * 9, at_token + count * 5
                     out.extend(stored(body, media[tier]) for tier in tiers)
