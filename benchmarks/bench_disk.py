@@ -49,7 +49,8 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.tiers import SlotPool
 from kvtier.tiers.disk import BlockMeta, DiskTier
-from kvtier.tiers.disk.io import IOPool, SlabFile, aligned_buffer, probe_direct
+from kvtier.tiers.disk.io import SlabFile, aligned_buffer, probe_direct
+from kvtier.tiers.disk.io_pool import IOPool
 
 MIB = 1 << 20
 CHUNK = 2 * MIB

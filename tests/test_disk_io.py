@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import os
 import stat
 import threading
@@ -16,7 +17,8 @@ import pytest
 from conftest import mounted_tmpfs
 
 from kvtier.errors import ClosedError
-from kvtier.tiers.disk.io import ALIGN, IOPool, SlabFile, align_up, aligned_buffer, probe_direct
+from kvtier.tiers.disk.io import ALIGN, SlabFile, align_up, aligned_buffer, probe_direct
+from kvtier.tiers.disk.io_pool import IOPool
 
 MIB = 1 << 20
 
@@ -191,6 +193,107 @@ def test_pool_returns_os_errors_in_place_and_in_order(tmp_path: Path) -> None:
         errno.EIO,
         4,
     ]
+
+
+class Occupied:
+    """Every worker thread of a pool held by a job of its own call until `release()`."""
+
+    def __init__(self, pool: IOPool) -> None:
+        self.gate = threading.Event()
+        self.results: list[list[object]] = []
+        started = threading.Semaphore(0)
+
+        def held() -> str:
+            started.release()
+            assert self.gate.wait(10), "the test never opened the gate"
+            return "held"
+
+        def call() -> None:
+            self.results.append(pool.run([held, lambda: "own"]))
+
+        self.threads = [threading.Thread(target=call) for _ in range(pool.workers)]
+        for thread in self.threads:
+            thread.start()
+        for _ in self.threads:
+            assert started.acquire(timeout=10), "a worker never took its job"
+
+    def release(self) -> None:
+        self.gate.set()
+        for thread in self.threads:
+            thread.join(10)
+        assert self.results == [["held", "own"]] * len(self.threads)
+
+
+def wait_for(pool: IOPool, waiting: tuple[int, int]) -> None:
+    deadline = time.monotonic() + 10
+    while pool.waiting() != waiting:
+        assert time.monotonic() < deadline, f"queued: {pool.waiting()}, expected {waiting}"
+        time.sleep(0.001)
+
+
+def test_an_urgent_call_goes_ahead_of_plain_lanes_queued_before_it() -> None:
+    """Reads are urgent (`IOPool`): with every worker busy, a plain call's lane queued first
+    and an urgent call's lane queued second, the next free worker takes the urgent one; both
+    calls still get every result, in job order."""
+    order: list[str] = []
+
+    def mark(name: str) -> str:
+        order.append(name)
+        return name
+
+    results: dict[str, list[object]] = {}
+
+    def call(name: str, urgent: bool) -> None:
+        jobs = [partial(mark, name), partial(mark, name + "-own")]
+        results[name] = pool.run(jobs, urgent=urgent)
+
+    with IOPool(workers=2) as pool:
+        occupied = Occupied(pool)
+        plain = threading.Thread(target=call, args=("plain", False))
+        plain.start()
+        wait_for(pool, (0, 1))  # the plain lane queued first
+        urgent = threading.Thread(target=call, args=("urgent", True))
+        urgent.start()
+        wait_for(pool, (1, 1))
+        occupied.release()
+        plain.join(10)
+        urgent.join(10)
+    assert order.index("urgent") < order.index("plain"), order
+    assert results == {"plain": ["plain", "plain-own"], "urgent": ["urgent", "urgent-own"]}
+    assert pool.waiting() == (0, 0)
+
+
+def test_close_lets_queued_lanes_run_then_refuses_calls() -> None:
+    pool = IOPool(workers=2)
+    occupied = Occupied(pool)
+    results: list[object] = []
+    queued = threading.Thread(target=lambda: results.extend(pool.run([lambda: 2, lambda: 3])))
+    queued.start()
+    wait_for(pool, (0, 1))  # its lane waits for a busy worker
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    closer.join(0.05)
+    assert closer.is_alive(), "close() returned while lanes were still running"
+    occupied.release()
+    for thread in (closer, queued):
+        thread.join(10)
+    assert not closer.is_alive()
+    assert results == [2, 3]  # the queued lane ran
+    with pytest.raises(ClosedError):
+        pool.run([lambda: 4])
+    pool.close()  # twice is allowed
+
+
+def test_a_pool_dropped_without_close_lets_its_workers_end() -> None:
+    pool = IOPool(workers=3)
+    assert pool.run([lambda: 0, lambda: 1, lambda: 2]) == [0, 1, 2]
+    threads = list(pool._threads)
+    assert len(threads) == 3 and all(t.is_alive() for t in threads)
+    del pool
+    gc.collect()
+    for thread in threads:
+        thread.join(10)
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_pool_raises_other_errors_only_after_every_job_finished() -> None:

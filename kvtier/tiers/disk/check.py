@@ -39,7 +39,8 @@ from kvtier.tiers.disk.format import (
     decode_header,
     empty_header,
 )
-from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct, staging_buffer
+from kvtier.tiers.disk.io import SlabFile, probe_direct, staging_buffer
+from kvtier.tiers.disk.io_pool import IOPool
 from kvtier.tiers.disk.lock import DirectoryLock
 from kvtier.tiers.disk.slabs import (
     SUPERBLOCK,

@@ -1,4 +1,5 @@
-"""Raw I/O of the disk tier: aligned buffers, preallocated slab files, a pool of I/O threads.
+"""Raw I/O of the disk tier: aligned buffers, preallocated slab files (its I/O threads:
+`io_pool.py`).
 
 Why `os.preadv`/`os.pwritev` on a thread pool, not aiofiles: aiofiles wraps Python's buffered
 file objects and runs each call on a thread of its own. That rules out O_DIRECT (a buffered
@@ -10,8 +11,8 @@ O_DIRECT `pwritev` + one fdatasync about 4.3 GB/s, buffered `pwritev` + fdatasyn
 0.8 GB/s (0.4-3 GB/s from run to run), cold O_DIRECT `preadv` about 1.4 GB/s.
 `preadv`/`pwritev` are positional (no shared file offset, so many threads can use one
 descriptor) and release the GIL for the whole system call, so a handful of plain threads keeps
-several I/Os in flight in the device queue; `IOPool` is that handful. An asyncio caller
-awaits `loop.run_in_executor` on it.
+several I/Os in flight in the device queue; `IOPool` (`io_pool.py`) is that handful. An
+asyncio caller awaits `loop.run_in_executor` on it.
 
 O_DIRECT rules (Linux): the file offset, the length of every buffer and the address of every
 buffer must be multiples of the logical block size of the device. `ALIGN = 4096` covers every
@@ -36,18 +37,14 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
 
 from kvtier.errors import ClosedError
 from kvtier.tiers.disk.group_sync import GroupSync
 
 ALIGN = 4096
-
-T = TypeVar("T")
 
 # Linux caps the iovec count of one call (UIO_MAXIOV); longer lists go in several calls.
 _IOV_MAX = 1024
@@ -287,88 +284,3 @@ class SlabFile:
     def __repr__(self) -> str:
         state = "closed" if self._fd is None else f"fd={self._fd}"
         return f"SlabFile({str(self.path)!r}, size={self.size}, direct={self.direct}, {state})"
-
-
-def _run_lane(
-    jobs: Sequence[Callable[[], T]],
-) -> tuple[list[T | OSError], BaseException | None]:
-    """Run one worker's jobs in order: their results or OSErrors, and the first other error
-    (after which the lane's remaining jobs are reported as not run, with EIO)."""
-    outcomes: list[T | OSError] = []
-    for job in jobs:
-        try:
-            outcomes.append(job())
-        except OSError as exc:
-            outcomes.append(exc)
-        except BaseException as exc:  # our bug: finish the bookkeeping, then let it surface
-            outcomes.extend(OSError(errno.EIO, "not run") for _ in range(len(jobs) - len(outcomes)))
-            return outcomes, exc
-    return outcomes, None
-
-
-class IOPool:
-    """Runs I/O jobs on worker threads, several in flight.
-
-    A job is a function of no arguments, typically a `SlabFile.write` or `read_into` bound with
-    `functools.partial`. `run` is safe to call from several threads at once; calling it from
-    inside one of its own jobs can deadlock (the job would wait for a worker it occupies)."""
-
-    def __init__(self, workers: int = 4) -> None:
-        """A pool of `workers` (>= 1) threads, started lazily by the first jobs."""
-        if workers < 1:
-            raise ValueError(f"IOPool workers: got {workers}, expected an integer >= 1")
-        self.workers = workers
-        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="kvtier-io"
-        )
-
-    def run(self, jobs: Sequence[Callable[[], T]]) -> list[T | OSError]:
-        """Run all `jobs` concurrently (up to `workers` at a time) and wait for every one.
-
-        Returns, in job order, each job's result or the `OSError` it raised, so that one
-        failed I/O does not hide the others. Any other exception (our bug) is raised after all
-        jobs have finished; no job is still running when `run` returns or raises. Jobs are
-        dealt to lanes in turn (job j to lane j % lanes, `lanes` = min(workers, jobs)), one task
-        per lane: a future per job costs a thread hand-off each, which at 2 MiB per job was a
-        quarter of the bandwidth. The calling thread runs the last lane itself rather than
-        only wait, so one job (the small batches of an inline store) costs no hand-off."""
-        executor = self._executor
-        if executor is None:
-            raise ClosedError("IOPool is closed")
-        lanes = min(self.workers, len(jobs))
-        futures = []
-        mine: tuple[list[T | OSError], BaseException | None] = ([], None)
-        try:
-            for lane in range(lanes - 1):
-                futures.append(executor.submit(_run_lane, jobs[lane::lanes]))
-            if lanes:
-                mine = _run_lane(jobs[lanes - 1 :: lanes])
-        finally:
-            wait(futures)
-        results: list[T | OSError] = [OSError()] * len(jobs)
-        failure: BaseException | None = None
-        outcomes_by_lane = [future.result() for future in futures] + ([mine] if lanes else [])
-        for lane, (outcomes, error) in enumerate(outcomes_by_lane):
-            results[lane::lanes] = outcomes
-            if error is not None and failure is None:
-                failure = error
-        if failure is not None:
-            raise failure
-        return results
-
-    def close(self) -> None:
-        """Wait for running jobs and stop the threads; closing twice is allowed."""
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
-
-    def __enter__(self) -> IOPool:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

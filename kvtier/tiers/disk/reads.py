@@ -21,6 +21,8 @@ Contract:
 - Plain payloads land in place when the destination is page-aligned and exactly one payload
   long; others go through an aligned staging buffer and are copied (decoded) into place.
 - Reads change nothing on disk and no state of the tier but its fault counters.
+- Reads are urgent on the I/O threads (`IOPool`): a request waits on them, so their lanes go
+  ahead of the writes, syncs and retires waiting for a worker.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class VerifiedReader:
             for run in runs
         ]
         ok = [False] * len(slots)
-        for run, result in zip(runs, self._slabs.run(jobs), strict=True):
+        for run, result in zip(runs, self._slabs.run(jobs, urgent=True), strict=True):
             if isinstance(result, OSError):
                 self._health.count("read_errors", len(run))
                 continue

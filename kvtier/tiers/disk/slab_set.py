@@ -13,8 +13,9 @@ Contract:
 - `runs(slots, joinable)` groups a batch for its I/O: the joinable slots that follow each other
   in one slab go together, at most `RUN_BYTES` of slots, so that one system call moves them
   (the writes' and the reads' runs, `copies.py` and `reads.py`); every other slot goes alone.
-- `run(jobs)` runs I/O jobs on the tier's `IOPool`: results in job order, an `OSError` in place
-  of a failed job's result (`IOPool.run`).
+- `run(jobs, urgent)` runs I/O jobs on the tier's `IOPool`: results in job order, an `OSError`
+  in place of a failed job's result; `urgent` ones (the reads) ahead of the others waiting
+  (`IOPool.run`).
 - `sync_slabs_of(slots)` makes a batch durable as `fsync` says: under `batch` every slab that
   holds one of `slots` is synced once; under `none` nothing is synced and nothing fails. It
   names the slabs whose sync failed, so that a caller fails exactly the copies in them.
@@ -53,7 +54,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvtier.tiers.disk.io import IOPool, SlabFile
+from kvtier.tiers.disk.io import SlabFile
+from kvtier.tiers.disk.io_pool import IOPool
 
 T = TypeVar("T")
 
@@ -126,9 +128,10 @@ class SlabSet:
             runs.append(run)
         return runs
 
-    def run(self, jobs: Sequence[Callable[[], T]]) -> list[T | OSError]:
-        """Run `jobs` on the I/O threads and wait for all (`IOPool.run`)."""
-        return self.io.run(jobs)
+    def run(self, jobs: Sequence[Callable[[], T]], urgent: bool = False) -> list[T | OSError]:
+        """Run `jobs` on the I/O threads and wait for all; `urgent`: ahead of the plain calls
+        waiting (`IOPool.run`)."""
+        return self.io.run(jobs, urgent)
 
     def sync_slabs_of(self, slots: Sequence[int]) -> SlabSync:
         """Sync each slab that holds one of `slots` once (`fsync: batch`; nothing under

@@ -69,7 +69,8 @@ from kvtier.tiers.disk import slabs
 from kvtier.tiers.disk.codec import Codec, get_codec
 from kvtier.tiers.disk.copies import BlockMeta, BlockWriter
 from kvtier.tiers.disk.format import header_region_size, slot_size
-from kvtier.tiers.disk.io import IOPool, SlabFile, probe_direct
+from kvtier.tiers.disk.io import SlabFile, probe_direct
+from kvtier.tiers.disk.io_pool import IOPool
 from kvtier.tiers.disk.lock import DirectoryLock
 from kvtier.tiers.disk.reads import VerifiedReader
 from kvtier.tiers.disk.retire import CopyRetirer
