@@ -15,7 +15,9 @@
     threads into a fresh preallocated file, then one fdatasync; the tier's slabs are fresh too)
     is measured (a shared disk's bandwidth wanders from minute to minute: one figure taken
     before the run alone was off by up to 2x), and the run reports the host->disk path's
-    bandwidth while copying against the mean of the two, and the share
+    bandwidth while copying against the mean of the two (and, since the prefetches read the
+    same disk meanwhile, the disk's reads and writes together, over the time either ran:
+    whether the device itself was busy), and the share
     of the offered tokens (new tokens passed to store()) that were lost: refused by store()
     (`dropped_tokens`) or dropped from host by backpressure (`backpressure_drops` blocks). Each
     figure is the median of `--repeat-b` rounds, the modes alternating.
@@ -190,6 +192,7 @@ def part_b(
     to_disk, raw = figures["host_disk_bps"], (before + after) / 2
     figures["raw_write_bps"] = raw
     figures["disk_ratio"] = to_disk / raw
+    figures["disk_busy_ratio"] = figures["disk_bps"] / raw
     print(
         f"      raw write of this directory {before / 1e9:.2f} GB/s before, {after / 1e9:.2f} "
         f"after; host->disk while copying {to_disk / 1e9:6.2f} GB/s: {figures['disk_ratio']:.2f} "
@@ -265,6 +268,11 @@ def mixed_load(store: KVStore, seconds: float, consumers: int) -> dict[str, floa
             f"      {path:<12}{moved['bytes'] / 1e6:10.1f} MB moved, "
             f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s while copying"
         )
+    # the paths that read or write the disk share one device: together, is it busy?
+    disk_paths = [(src, dst) for src, dst in (p.split("->") for p in status["paths"])]
+    disk_paths = [path for path in disk_paths if "disk" in path]
+    disk_bps = store.parts.executor.recent_bandwidth(*disk_paths) if disk_paths else 0.0
+    print(f"      disk reads and writes together {disk_bps / 1e9:6.2f} GB/s while either ran")
     return {
         "store_p50": statistics.median(store_ms),
         "ready_p50": median(ready_ms),
@@ -273,6 +281,7 @@ def mixed_load(store: KVStore, seconds: float, consumers: int) -> dict[str, floa
         "stored": ops["stored_tokens"],
         "lost_share": lost / max(offered[0], 1),
         "host_disk_bps": status["paths"].get("host->disk", {}).get("recent_bytes_per_s", 0.0),
+        "disk_bps": disk_bps,
     }
 
 
@@ -311,7 +320,8 @@ def main() -> None:
         print(
             f"    {label:<10} medians: lost {figures['lost_share']:6.1%} of tokens offered; "
             f"host->disk {figures['host_disk_bps'] / 1e9:5.2f} GB/s of raw "
-            f"{figures['raw_write_bps'] / 1e9:5.2f}: {figures['disk_ratio']:.2f}"
+            f"{figures['raw_write_bps'] / 1e9:5.2f}: {figures['disk_ratio']:.2f}; the disk's reads "
+            f"and writes together {figures['disk_busy_ratio']:.2f} of raw write"
         )
     print(
         f"    store() p99, background / inline: "

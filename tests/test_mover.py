@@ -38,7 +38,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import CapacityError, LeaseError
 from kvtier.results import LeaseState
 from kvtier.store import KVStore
-from kvtier.transfer.copy import Ledger
+from kvtier.transfer.copy import RECENT_TRANSFERS, Ledger
 from kvtier.transfer.stepped import SteppedExecutor
 
 BLOCK = 512  # bytes of a tiny float32 block (conftest.build_store)
@@ -376,6 +376,26 @@ def test_recent_bandwidth_counts_overlapping_copies_time_once() -> None:
     ledger.record(path, 300, now - 3.0)
     assert ledger.recent_bandwidth(path) == pytest.approx(400 / 4.0, rel=0.01)
     assert ledger.recent_bandwidth(("gpu", "host")) == 0.0
+
+
+def test_recent_bandwidth_of_several_paths_counts_their_common_time_once() -> None:
+    """A disk's reads and writes together: the union of their copies' time, over the span
+    every path still remembers."""
+    ledger = Ledger()
+    now = time.monotonic()
+    write, read = ("host", "disk"), ("disk", "host")
+    ledger.record(write, 100, now - 4.0)  # [now-4, now]
+    ledger.record(read, 300, now - 2.0)  # [now-2, now]: inside it
+    assert ledger.recent_bandwidth(write, read) == pytest.approx(400 / 4.0, rel=0.01)
+    assert ledger.recent_bandwidth(read) == pytest.approx(300 / 2.0, rel=0.01)
+    assert ledger.recent_bandwidth(write, ("gpu", "host")) == ledger.recent_bandwidth(write)
+    # the read path's memory fills with recent copies: the write path's old copy, from before
+    # the oldest read remembered, no longer counts (each path seen over the same span)
+    for _ in range(RECENT_TRANSFERS):
+        ledger.record(read, 10, time.monotonic() - 0.001)
+    both = ledger.recent_bandwidth(write, read)
+    assert both == pytest.approx(ledger.recent_bandwidth(read), rel=0.01)
+    assert both > 1000  # 10 bytes a ms, not diluted by the 4 s write
 
 
 def test_background_demotion_keeps_host_under_its_watermark_through_a_real_disk(

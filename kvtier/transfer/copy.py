@@ -110,14 +110,21 @@ class Ledger:
         with self._lock:
             return dict(self._bytes)
 
-    def recent_bandwidth(self, path: tuple[str, str], window_s: float = 60.0) -> float:
-        """Bytes per second of copying on `path`, over the copies that ended in the last
-        `window_s` seconds: their bytes over the time at least one of them ran (copies that
-        overlap, on several workers, count their common time once; idle time not at all). 0.0
-        when there were none."""
+    def recent_bandwidth(self, *paths: tuple[str, str], window_s: float = 60.0) -> float:
+        """Bytes per second of copying on `paths` together, over the copies that ended in the
+        last `window_s` seconds: their bytes over the time at least one of them ran (copies that
+        overlap, on several workers or paths, count their common time once; idle time not at
+        all). 0.0 when there were none. With several paths (a disk's reads and writes: is the
+        device busy?), only copies since the oldest one that each path whose memory is full
+        still remembers count, so that every path is seen over the same span."""
         horizon = time.monotonic() - window_s
         with self._lock:
-            recent = [(e - s, e, n) for e, n, s in self._recent.get(path, ()) if e >= horizon]
+            kept = [copies for path in paths if (copies := self._recent.get(path)) is not None]
+            if len(paths) > 1:
+                for copies in kept:
+                    if len(copies) == copies.maxlen:
+                        horizon = max(horizon, copies[0][0])
+            recent = [(e - s, e, n) for copies in kept for e, n, s in copies if e >= horizon]
         busy, reach = 0.0, -math.inf  # time covered so far, and where the covered time ends
         for start, end, _ in sorted(recent):
             busy += max(0.0, end - max(start, reach))
@@ -222,8 +229,8 @@ class InlineExecutor:
     def record(self, path: tuple[str, str], nbytes: int, started: float) -> None:
         self.ledger.record(path, nbytes, started)
 
-    def recent_bandwidth(self, path: tuple[str, str], window_s: float = 60.0) -> float:
-        return self.ledger.recent_bandwidth(path, window_s)
+    def recent_bandwidth(self, *paths: tuple[str, str], window_s: float = 60.0) -> float:
+        return self.ledger.recent_bandwidth(*paths, window_s=window_s)
 
     def _copy_memory(self, src_pool: SlotPool, dst_pool: SlotPool, transfer: Transfer) -> None:
         src, dst = src_pool.buffer, dst_pool.buffer
