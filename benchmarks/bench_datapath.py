@@ -27,6 +27,10 @@ after `WARMUP` untimed rounds (`PLANNER_WARMUP` for the sidecar store); medians 
 rounds; the ratio is the baseline's median seconds over the figure's. Each load is checked byte
 for byte against the stored KV (into a zeroed `out`) once per prompt, outside the timing.
 
+Per block shape, the sidecar's round trip: a one-block lookup through the client after a raw
+copy of 16 MiB each round, what a sidecar call pays besides its copies (a load makes one, a
+store two: at 16 MiB this bounds the sidecar figures, not the copies).
+
 Then `CLIENTS` concurrent clients (threads, a `Client` each) store then load their own 16 MiB
 prompts through the sidecar, `--rounds` each, against one client doing the same work alone:
 aggregate GB/s and p50/p99 per call; no client starves when p99 < `STARVATION` x p50.
@@ -563,6 +567,7 @@ class Run:
     )
     mismatches: list[str] = dataclasses.field(default_factory=list)
     sidecar_out: bool | None = None  # whether the client loaded into `out` (None: not run)
+    round_trips: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds, by block
 
     def verdicts(self) -> dict[str, bool | None]:
         """Each acceptance point: met, missed, or None when nothing measured it."""
@@ -585,6 +590,7 @@ class Run:
                 for block, (one, many) in self.concurrency.items()
             },
             "sidecar_load_into_out": self.sidecar_out,
+            "sidecar_round_trip_s": self.round_trips,
             "acceptance": self.verdicts(),
             "mismatches": self.mismatches,
         }
@@ -599,6 +605,16 @@ def measure_prompt(
         measure_in_process(figures, store, run.mismatches)
         if client is not None:
             measure_sidecar(figures, store, client, url, run.mismatches)
+
+
+def round_trip(client: Client, layout: KVLayout) -> float:
+    """Median seconds of a one-block lookup through `client`, each round after a raw copy of
+    `CLIENT_MIB` MiB (the state a sidecar call of the figures meets: caches full of other
+    bytes): what a sidecar call pays besides its copies."""
+    prompt = prompt_of(layout, CLIENT_MIB, 1 << 40, 7)
+    tokens = prompt.tokens[: layout.block_tokens]
+    lookup, copy = Op(partial(client.lookup, tokens)), raw_copies(prompt, 1)
+    return medians([lookup, copy], 9)[0]
 
 
 def measure_geometry(
@@ -622,6 +638,11 @@ def measure_geometry(
             run.figures += figures.done
             del figures  # the prompt: the next one's memory
         if client is not None:
+            run.round_trips[geometry.name] = seconds = round_trip(client, geometry.layout)
+            print(
+                f"sidecar round trip (a one-block lookup, between {CLIENT_MIB} MiB copies): "
+                f"{seconds * 1e3:.2f} ms; a sidecar load makes one, a store two (reserve, commit)"
+            )
             print(
                 f"{CLIENTS} concurrent clients through the sidecar, {geometry.name} blocks, "
                 f"{CLIENT_MIB} MiB prompts, store then load each round:"
