@@ -51,6 +51,12 @@ writes (time to ready p50 69 -> 92-104 ms with 3 -> 8 workers; 0-4 % of tokens l
 with the workers)."""
 
 
+DISK_READERS = 4
+"""Workers of a path out of the disk tier, at least: the prefetches of several requests read at
+once, as the inline mover's callers do in their own threads (with one worker they queued, and
+a prefetch from disk took about 3x as long as inline in `bench_mover.py` (b))."""
+
+
 class _Throttle:
     """Paces one path at `bytes_per_s` (infinite: no wait)."""
 
@@ -200,6 +206,8 @@ class ThreadExecutor:
                 workers = self.workers_per_path
                 if isinstance(transfer.dst, DiskTier):
                     workers = max(workers, DISK_WRITERS)
+                elif isinstance(transfer.src, DiskTier):
+                    workers = max(workers, DISK_READERS)
                 path = self._paths[transfer.path] = _PathQueue(
                     self, transfer.path, workers, self._rate
                 )
