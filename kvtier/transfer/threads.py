@@ -10,7 +10,8 @@ never wait behind each other; a path's workers start with its first transfer. A 
 writes to disk has at least `DISK_WRITERS` workers: a group commit ends in a sync, and with one
 worker the disk idles while it waits (`bench_mover.py` (b): 1.8x the bytes written with 3), and
 the batches that several workers write into one slab at once share one sync
-(`SlabFile.sync`), so more workers flush the device's cache fewer times per byte.
+(`SlabFile.sync`), so more workers flush the device's cache fewer times per byte. A path that
+reads from disk has at least `DISK_READERS`: the prefetches of several requests read at once.
 The copies are `InlineExecutor.run` (one `InlineExecutor` per worker, all counting in one
 `Ledger`, which may be shared with the store's inline executor), so threads and the synchronous
 store move bytes
