@@ -88,6 +88,11 @@ def store_status(parts: Parts) -> dict[str, Any]:
         tiers["disk"].update(
             parts.state.disk.write_status()
         )  # refused_writes, backoff_s, last error
+        # reads and writes share the device: together, over the time either ran, is it busy?
+        disk_paths = [path for path in parts.executor.bytes_moved if "disk" in path]
+        tiers["disk"]["recent_bytes_per_s"] = round(
+            parts.executor.recent_bandwidth(*disk_paths) if disk_paths else 0.0
+        )
     lookups = parts.state.ops["lookup_tokens"]
     remote = {"remote": parts.remote.status()} if parts.remote is not None else {}
     return {

@@ -352,6 +352,13 @@ def test_status_counts_bytes_per_path(open_store: OpenStore, tmp_path: Path) -> 
         "disk->host": 2 * kib4,
     }
     assert all(figures["recent_bytes_per_s"] > 0 for figures in paths.values())
+    # the disk's reads and writes together: their bytes over the time either ran, which lies
+    # between the slower path's rate and the two paths' bytes over the longer one's time
+    both = [paths[p] for p in ("host->disk", "disk->host")]
+    seconds = [p["bytes"] / p["recent_bytes_per_s"] for p in both]
+    disk = store.status()["tiers"]["disk"]["recent_bytes_per_s"]
+    slower = min(p["recent_bytes_per_s"] for p in both)
+    assert slower * 0.99 <= disk <= sum(p["bytes"] for p in both) / max(seconds) * 1.01
     store.check()
 
 
