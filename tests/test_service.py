@@ -629,6 +629,11 @@ def test_a_restart_recovers_what_was_persisted_with_the_same_block_ids(tmp_path:
         assert same(client.load(a).kv, kv_a)  # through shared memory: disk -> gpu, then read
         with Client(second.url, shared_memory=False) as body:
             assert same(body.load(b).kv, kv_b)
+        # the disk's reads, in the status and in the metrics
+        busy = client.status()["tiers"]["disk"]["recent_bytes_per_s"]
+        found = {(name, tuple(labels.items())): v for name, labels, v in samples(second)}
+        scraped = found[("kvtier_tier_bandwidth_bytes_per_second", (("tier", "disk"),))]
+        assert busy > 0 and scraped > 0
         assert second.admin("/v1/admin/check").json() == {"ok": True, "detail": ""}
     assert secret.read_bytes() == first_secret
 

@@ -15,6 +15,8 @@ latency is the service's own (a histogram per route). Names:
                                                          unquantizable
     kvtier_tier_refused_writes_total{tier}               disk writes refused while backing off
     kvtier_tier_write_backoff_seconds{tier}              the disk's current write backoff
+    kvtier_tier_bandwidth_bytes_per_second{tier}         the disk's reads and writes together,
+                                                         over the last minute of their copies
     kvtier_recovery_slots{outcome}                       the last start's recovery: scanned,
                                                          recovered, corrupt, orphans, ...
     kvtier_recovery_seconds                              how long that recovery took
@@ -159,8 +161,8 @@ def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
 
 
 def _faults(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
-    """A disk tier's fault counts, refused writes and backoff (the families exist, empty,
-    without one, so that alert rules always find them)."""
+    """A disk tier's fault counts, refused writes, backoff and bandwidth (the families exist,
+    empty, without one, so that alert rules always find them)."""
     faults = CounterMetricFamily(
         "kvtier_tier_faults", "Disk faults by kind", labels=["tier", "kind"]
     )
@@ -170,6 +172,11 @@ def _faults(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
     backoff = GaugeMetricFamily(
         "kvtier_tier_write_backoff_seconds", "Current disk write backoff", labels=["tier"]
     )
+    busy = GaugeMetricFamily(
+        "kvtier_tier_bandwidth_bytes_per_second",
+        "A disk's reads and writes together over the last minute of their copies",
+        labels=["tier"],
+    )
     for tier, figures in tiers.items():
         if "faults" not in figures:
             continue
@@ -177,9 +184,11 @@ def _faults(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
             faults.add_metric([tier, kind], count)
         refused.add_metric([tier], figures["refused_writes"])
         backoff.add_metric([tier], figures["backoff_s"])
+        busy.add_metric([tier], figures["recent_bytes_per_s"])
     yield faults
     yield refused
     yield backoff
+    yield busy
 
 
 def _recovery(recovery: dict[str, Any]) -> Iterator[Any]:
