@@ -256,9 +256,16 @@ def _encode_array(array: np.ndarray[Any, Any]) -> bytes:
         # Read as unsigned of the same size and byte order, a negative id is at least
         # 2**(8 * size - 1): one max() checks both ends without a temporary array.
         limit = 2**32 if size > TOKEN_NBYTES else 2 ** (8 * size - 1)
-        if int(array.view(array.dtype.str.replace("i", "u")).max()) >= limit:
+        if int(array.view(_unsigned(array.dtype)).max()) >= limit:
             _raise_out_of_range(array.tolist())
     return array.astype(_LE_U32, copy=False).tobytes()
+
+
+@lru_cache(maxsize=32)
+def _unsigned(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The unsigned integer dtype of `dtype`'s size and byte order (made once: building a dtype
+    from its string cost a third of encoding a short prompt)."""
+    return np.dtype(dtype.str.replace("i", "u"))
 
 
 def _encode_sequence(tokens: Sequence[int]) -> bytes:
