@@ -111,9 +111,10 @@ def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
 def medium(buffer: torch.Tensor) -> str:
     """Where a buffer lives, as the strategies tell memories apart: its CUDA device ('cuda:0'),
     'pinned' (page-locked host memory, addressable by a GPU) or 'cpu' (pageable)."""
-    if buffer.device.type == "cuda":
-        return str(buffer.device)
-    return "pinned" if buffer.is_pinned() else buffer.device.type
+    device = buffer.device  # a new torch.device each time it is read
+    if device.type == "cuda":
+        return str(device)
+    return "pinned" if buffer.is_pinned() else device.type
 
 
 # -- the three strategies ---------------------------------------------------------------------
