@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack  # type: ignore[import-untyped]
+import numpy as np
 import pytest
 import torch
 from conftest import same
@@ -38,9 +39,9 @@ from service_server import (
     write_config,
 )
 
-from kvtier.blocks import from_blocks, to_blocks
+from kvtier.blocks import Tokens, from_blocks, to_blocks
 from kvtier.client import AsyncClient, Client, ServiceError, TransportError
-from kvtier.errors import InvalidArgumentError, InvalidKVError, LeaseError
+from kvtier.errors import InvalidArgumentError, InvalidKVError, InvalidTokensError, LeaseError
 from kvtier.results import Lease, LeaseState, LookupResult, StoreResult
 
 MAX_TOKENS = 64
@@ -110,6 +111,33 @@ def test_store_and_load_through_shared_memory_send_no_kv_over_the_socket(server:
     assert after.get("/v1/load", 0) == before.get("/v1/load", 0)  # prefetch + read + release
     assert after["/v1/reserve"] == before.get("/v1/reserve", 0) + 1
     assert after["/v1/commit"] == before.get("/v1/commit", 0) + 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.array([5, 2**32 + 5], dtype=np.int64),  # would wrap to token 5 as uint32
+        np.array([5, -1], dtype=np.int64),
+        torch.tensor([7, 2**33]),
+        [5, 2**32],
+    ],
+    ids=["int64 past 2**32", "negative", "tensor", "list"],
+)
+def test_the_client_refuses_token_ids_out_of_range_before_sending(
+    server: Server, bad: Tokens
+) -> None:
+    """As the in-process store does: a typed error naming the id; never a wrapped id that
+    would name another prompt's blocks."""
+    with Client(server.url) as client:
+        before = route_counts(server)
+        for call in (client.lookup, client.prefetch, client.load):
+            with pytest.raises(InvalidTokensError, match=r"tokens\[1\]: got -?\d+"):
+                call(bad)
+        with pytest.raises(InvalidTokensError):
+            client.store(bad, kv_of(2, seed=4))
+    after = route_counts(server)
+    for route in ("/v1/lookup", "/v1/prefetch", "/v1/load", "/v1/reserve", "/v1/store"):
+        assert after.get(route, 0) == before.get(route, 0), route
 
 
 def test_kv_stored_through_the_body_loads_through_shared_memory_and_back(server: Server) -> None:

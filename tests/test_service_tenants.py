@@ -24,6 +24,7 @@ import pytest
 import torch
 from service_server import ADMIN_KEY, BT, Server, kv_of, running, tokens_of, write_config
 
+from kvtier.blocks import encode_tokens
 from kvtier.client import Client
 from kvtier.service import wire
 
@@ -90,7 +91,7 @@ class Hostile:
 
 
 def tokens(base: int, blocks: int) -> bytes:
-    return wire.pack_tokens(tokens_of(base, blocks * BT))
+    return encode_tokens(tokens_of(base, blocks * BT))
 
 
 def probes(kv: torch.Tensor) -> list[bytes]:
@@ -143,8 +144,8 @@ def _campaign(b: Hostile, rng: random.Random, a_lease_id: int, a_prompts: list[l
     """B's hostile calls (about 2000), each answer asserted."""
     # reads of A's prompts: nothing of A, for B
     for toks in a_prompts:
-        assert b.post("/v1/lookup", {"tokens": wire.pack_tokens(toks)})[1]["num_tokens"] == 0
-        assert b.post("/v1/load", {"tokens": wire.pack_tokens(toks)})[1]["num_tokens"] == 0
+        assert b.post("/v1/lookup", {"tokens": encode_tokens(toks)})[1]["num_tokens"] == 0
+        assert b.post("/v1/load", {"tokens": encode_tokens(toks)})[1]["num_tokens"] == 0
     # blind reservations: reserve, commit without writing (409: canaries), load, abort
     for i in range(150):
         status, reservation = b.post("/v1/reserve", {"tokens": tokens(50_000 + 10 * i, 2)})

@@ -14,6 +14,7 @@ import pytest
 from conftest import kv_for, same
 from service_server import Server, kv_of, running, tokens_of, write_config
 
+from kvtier.blocks import encode_tokens
 from kvtier.client import AsyncClient, Client
 from kvtier.errors import InvalidArgumentError
 from kvtier.results import StoreResult
@@ -71,7 +72,7 @@ def test_both_clients_store_a_tail_through_the_sidecar_bit_exact(server: Server)
 def test_a_hostile_start_on_the_wire_is_a_400_naming_it(server: Server) -> None:
     tokens, kv = tokens_of(8000, 8), kv_of(8, seed=8)
     for start in ("4", -4, 3, 12, 2**64 - 1, None):
-        body = {"tokens": wire.pack_tokens(tokens), **wire.kv_to_wire(kv[:, :, 4:]), "start": start}
+        body = {"tokens": encode_tokens(tokens), **wire.kv_to_wire(kv[:, :, 4:]), "start": start}
         reply = httpx.post(
             f"{server.url}/v1/store",
             content=msgpack.packb(body),

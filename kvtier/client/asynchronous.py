@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import torch
 
-from kvtier.blocks import KVLayout, Tokens, check_device
+from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
 from kvtier.caller_kv import kv_layout
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
@@ -105,7 +105,7 @@ class AsyncClient:
             self._pools.map(await self._get("/v1/pools"))
 
     async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        body = await self._post("/v1/lookup", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        body = await self._post("/v1/lookup", {"tokens": encode_tokens(tokens)}, tenant)
         return replies.lookup(body)
 
     async def prefetch(
@@ -116,7 +116,7 @@ class AsyncClient:
         ttl_s: float | None = None,
         wait: bool = True,
     ) -> Lease:
-        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
         if ttl_s is not None:
             request["ttl_s"] = ttl_s
         if not wait:
@@ -172,7 +172,7 @@ class AsyncClient:
         layout: str = "layers",
     ) -> LoadResult:
         kind, wanted = kv_layout(layout), check_device(device)
-        packed = wire.pack_tokens(tokens)
+        packed = encode_tokens(tokens)
         asked = len(packed) // 4
         await self._map()
         dest = None
@@ -210,7 +210,7 @@ class AsyncClient:
     async def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
     ) -> Reservation:
-        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
         if ttl_s is not None:
             request["ttl_s"] = ttl_s
         body = await self._post_carrying("/v1/reserve", request, tenant)

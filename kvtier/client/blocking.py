@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvtier.blocks import KVLayout, Tokens, check_device
+from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
 from kvtier.caller_kv import kv_layout
 from kvtier.client.connections import Connections
 from kvtier.client.pools import MappedPools, store_body
@@ -125,7 +125,7 @@ class Client:
     # ---- the engine contract ------------------------------------------------------------
 
     def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        body = self._post("/v1/lookup", {"tokens": wire.pack_tokens(tokens)}, tenant)
+        body = self._post("/v1/lookup", {"tokens": encode_tokens(tokens)}, tenant)
         return replies.lookup(body)
 
     def prefetch(
@@ -138,7 +138,7 @@ class Client:
     ) -> Lease:
         """Lease the cached prefix on the server's gpu tier. With `wait`, return it READY
         (waiting on the server, which bounds each wait); else as it is (`wait_for`)."""
-        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens), "wait_s": 0.0}
+        request: dict[str, Any] = {"tokens": encode_tokens(tokens), "wait_s": 0.0}
         if ttl_s is not None:
             request["ttl_s"] = ttl_s
         if wait:
@@ -203,7 +203,7 @@ class Client:
         layout: str = "layers",
     ) -> LoadResult:
         kind, wanted = kv_layout(layout), check_device(device)
-        packed = wire.pack_tokens(tokens)
+        packed = encode_tokens(tokens)
         asked = len(packed) // 4
         dest = None
         if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
@@ -232,7 +232,7 @@ class Client:
     def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
     ) -> Reservation:
-        request: dict[str, Any] = {"tokens": wire.pack_tokens(tokens)}
+        request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
         if ttl_s is not None:
             request["ttl_s"] = ttl_s
         body = self._post_carrying("/v1/reserve", request, tenant)

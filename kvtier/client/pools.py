@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvtier.blocks import Tokens, check_start, from_blocks, to_blocks
+from kvtier.blocks import Tokens, check_start, encode_tokens, from_blocks, to_blocks
 from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
 from kvtier.errors import ReplyError
 from kvtier.kernels.block_copy import copy_blocks_slices
@@ -128,7 +128,7 @@ class MappedPools:
         `start` on, in `kind`): the shared-memory path writes it into the pool before the
         server sees it, so it is checked here."""
         assert self.served is not None, "pools are mapped with their layout"
-        num_tokens = len(wire.pack_tokens(tokens)) // 4
+        num_tokens = len(encode_tokens(tokens)) // 4
         check_start(start, num_tokens, self.served.layout.block_tokens)
         check_kv_as(self.served.layout, kv, kind, num_tokens - start)
 
@@ -182,7 +182,7 @@ def store_body(
 ) -> dict[str, Any]:
     """A `/v1/store` body: the KV travels layer-major; pages give their full blocks only, and
     the tokens past them are left out (a partly filled page is never stored)."""
-    packed = wire.pack_tokens(tokens)
+    packed = encode_tokens(tokens)
     if kind == "blocks":
         full = (len(packed) // 4 - start) // block_tokens
         packed = packed[: (start + full * block_tokens) * 4]

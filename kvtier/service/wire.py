@@ -159,13 +159,6 @@ def tokens_field(data: dict[str, Any], max_tokens: int) -> np.ndarray | list[int
     return tokens
 
 
-def pack_tokens(tokens: Any) -> bytes:
-    """Token ids (list, array or tensor) as packed little-endian uint32 bytes."""
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.cpu().numpy()
-    return np.asarray(tokens, dtype="<u4").tobytes()
-
-
 def number_field(data: dict[str, Any], name: str, default: float | None) -> float | None:
     """`data[name]` as a finite float (`default` when absent); `WireError` 400 for anything
     else: a bool, a string, nan, inf, an int too large for a float."""
