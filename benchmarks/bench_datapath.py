@@ -611,7 +611,7 @@ def round_trip(client: Client, layout: KVLayout) -> float:
     """Median seconds of a one-block lookup through `client`, each round after a raw copy of
     `CLIENT_MIB` MiB (the state a sidecar call of the figures meets: caches full of other
     bytes): what a sidecar call pays besides its copies."""
-    prompt = prompt_of(layout, CLIENT_MIB, 1 << 40, 7)
+    prompt = prompt_of(layout, CLIENT_MIB, 1 << 31, 7)  # token ids no figure's prompt uses
     tokens = prompt.tokens[: layout.block_tokens]
     lookup, copy = Op(partial(client.lookup, tokens)), raw_copies(prompt, 1)
     return medians([lookup, copy], 9)[0]

@@ -269,9 +269,7 @@ def mixed_load(store: KVStore, seconds: float, consumers: int) -> dict[str, floa
             f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s while copying"
         )
     # the paths that read or write the disk share one device: together, is it busy?
-    disk_paths = [(src, dst) for src, dst in (p.split("->") for p in status["paths"])]
-    disk_paths = [path for path in disk_paths if "disk" in path]
-    disk_bps = store.parts.executor.recent_bandwidth(*disk_paths) if disk_paths else 0.0
+    disk_bps = status["tiers"]["disk"]["recent_bytes_per_s"]
     print(f"      disk reads and writes together {disk_bps / 1e9:6.2f} GB/s while either ran")
     return {
         "store_p50": statistics.median(store_ms),

@@ -89,7 +89,8 @@ def store_status(parts: Parts) -> dict[str, Any]:
             parts.state.disk.write_status()
         )  # refused_writes, backoff_s, last error
         # reads and writes share the device: together, over the time either ran, is it busy?
-        disk_paths = [path for path in parts.executor.bytes_moved if "disk" in path]
+        disk = parts.state.disk.name
+        disk_paths = [path for path in parts.executor.bytes_moved if disk in path]
         tiers["disk"]["recent_bytes_per_s"] = round(
             parts.executor.recent_bandwidth(*disk_paths) if disk_paths else 0.0
         )

@@ -49,8 +49,8 @@ def bucket(n: int) -> int:
 
 class CopyKey(NamedTuple):
     """What a copy's cost depends on; `runs` and `blocks` are `bucket`s, as upper bounds. A
-    tuple: made and hashed once per copy, in C (a frozen dataclass took 3 us of a small
-    load's 13 us here)."""
+    tuple, made and hashed once per copy in C: `copy_key` took 12.9 us here with a frozen
+    dataclass, 9.0 us as a tuple with `medium` and `block_bytes` also cheaper."""
 
     src: str  # block_copy.medium of the source buffer
     dst: str
