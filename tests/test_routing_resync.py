@@ -120,3 +120,27 @@ def test_a_periodic_resync_repairs_what_drifted_unseen(tmp_path: Path) -> None:
     index.check()
     sub.close()
     store.close()
+
+
+def test_a_snapshot_numbers_every_event_of_the_calls_before_it_below_its_seq(
+    tmp_path: Path,
+) -> None:
+    """The publisher's thread sends every 5 ms; a snapshot taken right after a store must not
+    leave that store's events at or above its `seq` (the router would replay them again, and
+    a test reading `seq` would race the thread)."""
+    from test_events_store import make
+
+    from kvtier.events.observer import snapshot
+
+    store = make(tmp_path)
+    publisher = store.parts.events
+    assert publisher is not None
+    for i in range(20):
+        before = publisher.sent()
+        prompt = list(range(100 + 16 * i, 116 + 16 * i))
+        store.store(prompt, kv_for(store, 16, seed=i), tenant="alice")
+        snap = snapshot(store, None)
+        assert snap["topics"][0]["seq"] > before
+        assert len(publisher.pending) == 0
+    store.check()
+    store.close()

@@ -169,12 +169,18 @@ class IndexEvents:
 
 def snapshot(store: KVStore, tenant: str | None) -> dict[str, Any]:
     """What `GET /v1/blocks` answers: per topic, its sequence number when the snapshot was
-    taken (`seq`: the next message's) and an event batch telling of every block held
+    taken (`seq`: the next message's; every event of a call that returned before this one was
+    sent below it) and an event batch telling of every block held
     (`events`, the wire's bytes: `PrefixIndex.apply` takes it), `tenant`'s blocks only unless
     None; `InvalidArgumentError` when the store publishes no events."""
     publisher, observer = store.parts.events, store.index.observer
     if publisher is None or not isinstance(observer, IndexEvents):
         raise InvalidArgumentError("GET /v1/blocks: this store publishes no events (`events`)")
+    # Send what is queued first: the events of every call that returned before this one are
+    # then below `seq`, so a router that rebuilds from the snapshot replays only what came after
+    # it (events queued between here and the lock are in the snapshot and at or above `seq`:
+    # telling a router twice of a block is harmless, and the order of edits is kept).
+    publisher.flush()
     with store.parts.state.lock:
         told = observer.told(tenant)
         names = {publisher.topic_of(owner) for owner, _ in told}
