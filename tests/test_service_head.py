@@ -18,14 +18,19 @@ import httpx
 import pytest
 from service_server import Server, running, write_config
 
+from kvtier.service.protocol import LINGER_S
 from kvtier.service.server import MAX_HEAD_BYTES
 
 TIMEOUT_S = 1.0
+MAX_BODY = 64 * 1024
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = write_config(tmp_path_factory.mktemp("head"), service={"body_timeout_s": TIMEOUT_S})
+    config = write_config(
+        tmp_path_factory.mktemp("head"),
+        service={"body_timeout_s": TIMEOUT_S, "max_body_bytes": MAX_BODY},
+    )
     with running(config) as live:
         yield live
 
@@ -115,4 +120,43 @@ def test_x_forwarded_headers_from_a_local_client_rewrite_nothing(server: Server)
     reply = httpx.get(server.url + "/v1/status/", headers=forged, follow_redirects=False)
     assert reply.status_code == 307
     assert reply.headers["location"] == server.url + "/v1/status"
+    _still_serving(server)
+
+
+def _refused_head(length: int) -> bytes:
+    return (
+        f"POST /v1/lookup HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {length}\r\n\r\n"
+    ).encode()
+
+
+def test_a_body_refused_by_its_length_can_be_sent_whole_and_the_413_read_after(
+    server: Server,
+) -> None:
+    """The server answers 413 before reading the body, and reads on (lingers) rather than
+    closing on unread bytes, which would reset the connection under a client still sending:
+    32 MiB sent after the head all arrive, and the answer is there to read."""
+    body = b" " * (32 << 20)
+    with _connect(server) as sock:
+        sock.sendall(_refused_head(len(body)) + body)  # raised a reset before the lingering
+        status, answer = _answer(sock)
+    assert (status, answer["error"]) == (413, "body_too_large"), answer
+    _still_serving(server)
+
+
+def test_a_refused_client_that_keeps_sending_is_cut_off_after_the_linger(server: Server) -> None:
+    """Lingering is bounded: a client that goes on sending after its 413 (slowly, under the
+    byte bound) finds the connection reset once `LINGER_S` have passed."""
+    with _connect(server) as sock:
+        sock.sendall(_refused_head(1 << 40))
+        started = time.monotonic()
+        cut = None
+        while time.monotonic() - started < LINGER_S + 5:
+            try:
+                sock.sendall(b" " * 16384)
+            except OSError:
+                cut = time.monotonic() - started
+                break
+            time.sleep(0.01)
+    assert cut is not None and LINGER_S * 0.5 < cut < LINGER_S + 3, cut
     _still_serving(server)

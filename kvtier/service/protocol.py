@@ -14,8 +14,16 @@ the same protocol with both bounds:
   connection closes. The body has its own deadline in the app (`body.py`); between requests
   uvicorn's keep-alive timeout closes an idle connection.
 
+- a refusal sent before the client has sent all it means to (a 413 for a body over the limit,
+  a 408 or 431 mid-head) closes the connection by lingering: the server half-closes (its
+  answer, then FIN) and reads and discards what still arrives, for `LINGER_S` or `LINGER_BYTES`
+  at most, before it closes. Closing at once, with the client's bytes unread, makes the kernel
+  reset the connection, and a client still sending then loses the answer: the blocking client
+  saw a broken pipe and httpx a `ReadError` where the server had said 413. A close with
+  nothing left to read (keep-alive off, an idle connection at shutdown) is immediate.
+
 Where httptools is not installed, uvicorn's h11 protocol runs instead (`protocol_class`): it
-bounds a head's size (h11's 16 KiB default) but not its time.
+bounds a head's size (h11's 16 KiB default) but not its time, and closes without lingering.
 """
 
 from __future__ import annotations
@@ -23,9 +31,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+from collections.abc import Callable
+from typing import Any
 
 HEAD_TOO_LARGE = 431
 HEAD_TIMEOUT = 408
+LINGER_S = 2.0  # how long a refused client may go on sending before the connection is reset
+LINGER_BYTES = 256 << 20  # and how much of it is read and discarded at most
 
 
 def protocol_class(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol] | str:
@@ -52,18 +64,35 @@ def bounded(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol]:
         _head_bytes = 0
         _refusal: bytes | None = None
         _deadline: asyncio.TimerHandle | None = None
+        _in_head = False  # a head begun and not complete, or one the parser refused
+        _lingering: Lingering | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._lingering = Lingering(transport, self._input_pending)
+            self.transport = self._lingering  # type: ignore[assignment]  # the cycles' too
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._lingering is not None:
+                self._lingering.ended()
             super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._lingering is not None and self._lingering.draining:
+                self._lingering.discard(len(data))
+                return
+            super().data_received(data)
+
+        def _input_pending(self) -> bool:
+            """Whether the client may still be sending the current request."""
+            return self._in_head or (self.cycle is not None and self.cycle.more_body)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head_bytes = 0
+            self._in_head = True
             self._arm()
 
         def on_url(self, url: bytes) -> None:
@@ -76,9 +105,11 @@ def bounded(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol]:
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            self._in_head = False
             super().on_headers_complete()
 
         def send_400_response(self, msg: str) -> None:
+            self._in_head = True  # a head the parser stopped reading: more of it may come
             if self._refusal is None:  # a malformed request: uvicorn's own answer
                 super().send_400_response(msg)
                 return
@@ -114,3 +145,47 @@ def bounded(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol]:
             self.transport.close()
 
     return BoundedHead
+
+
+class Lingering:
+    """A connection's transport whose `close()` lingers while `input_pending()` (module doc):
+    write EOF after what is buffered, read on and discard (`discard`, from the protocol's
+    `data_received`) until the client closes, `LINGER_S` pass or `LINGER_BYTES` arrive. All
+    else is the transport's own. `is_closing()` is true from the first `close()`, so nothing
+    more is written."""
+
+    def __init__(self, transport: asyncio.Transport, input_pending: Callable[[], bool]) -> None:
+        self._transport = transport
+        self._input_pending = input_pending
+        self.draining = False
+        self._drained = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.draining or self._transport.is_closing()
+
+    def close(self) -> None:
+        transport = self._transport
+        if self.draining or transport.is_closing():
+            return
+        if not self._input_pending() or not transport.can_write_eof():
+            transport.close()
+            return
+        self.draining = True
+        transport.write_eof()  # the answer, then FIN
+        transport.resume_reading()
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def discard(self, nbytes: int) -> None:
+        self._drained += nbytes
+        if self._drained > LINGER_BYTES:
+            self._transport.close()
+
+    def ended(self) -> None:
+        """The connection is gone: no timer left behind."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
