@@ -148,3 +148,28 @@ def test_a_client_of_a_server_that_is_not_there_raises_a_transport_error() -> No
         Client(f"http://127.0.0.1:{port}")
     with pytest.raises(ValueError, match="expected http://host:port"):
         Connections("ftp://127.0.0.1:1", 1.0)
+
+
+def test_an_answer_sent_before_the_body_was_read_is_returned_not_the_broken_pipe() -> None:
+    """A server that refuses a body by its length (413), answers at once and closes with the
+    body unread: the kernel resets the connection and the client's send fails. The answer is
+    there to read all the same, and is what the call returns."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    answer = b"HTTP/1.1 413 Too Large\r\ncontent-length: 4\r\nconnection: close\r\n\r\nbig!"
+
+    def refuse() -> None:
+        conn, _ = listener.accept()
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += conn.recv(4096)
+        conn.sendall(answer)
+        conn.close()  # with the body unread: a reset
+
+    thread = threading.Thread(target=refuse, daemon=True)
+    thread.start()
+    conns = Connections(f"http://127.0.0.1:{listener.getsockname()[1]}", 10.0)
+    reply = conns.request("POST", "/v1/store", b"x" * (64 << 20), {"content-type": "a/b"})
+    assert (reply.status, reply.content) == (413, b"big!")
+    thread.join(5)
+    listener.close()
+    conns.close()

@@ -15,6 +15,9 @@ Contract:
 - An idle connection the server has closed (uvicorn ends one idle for 5 s) is found before it
   is used (its socket reads as ready: end of file) and replaced, so a request is never sent on
   a connection known dead; a request is never sent twice.
+- A server that answers before it has read the whole body (a 413 for a body over its limit)
+  and closes: the send fails, and the answer sent is read and returned all the same, so the
+  caller gets the refusal rather than a broken pipe.
 - Every failure to connect, send or read, a timeout (`timeout_s`, each socket operation) and a
   reply that is not HTTP is a `TransportError` naming the call; its connection is closed.
 - `close()` closes the idle connections; one in use is closed when its request ends. A request
@@ -59,17 +62,28 @@ class Connections:
 
     def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Reply:
         conn = self._take()
+        sent: OSError | None = None  # the send's failure, when the server stopped reading
         try:
-            conn.request(method, self._base + path, body=body, headers=headers)
-            response = conn.getresponse()
-            content = response.read()
+            try:
+                conn.request(method, self._base + path, body=body, headers=headers)
+            except OSError as exc:
+                if conn.sock is None or isinstance(exc, TimeoutError):
+                    raise  # never connected, or a server that stopped reading: no answer
+                sent = exc  # the server may have answered before it stopped reading (413)
+            try:
+                response = conn.getresponse()
+                content = response.read()
+            except (OSError, http.client.HTTPException):
+                if sent is not None:
+                    raise sent from None  # no early answer: the send's failure is the news
+                raise
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from None
         except BaseException:
             conn.close()  # interrupted mid-request: the connection's state is unknown
             raise
-        if response.will_close:
+        if response.will_close or sent is not None:  # a body half sent: the connection is done
             conn.close()
         else:
             self._give(conn)
