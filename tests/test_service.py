@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -436,6 +437,39 @@ def test_the_clients_raise_typed_errors_for_what_the_server_refuses(server: Serv
             with pytest.raises(LeaseError):
                 client.release(12345)
             assert client.lookup(tokens_of(7100, 8)) == LookupResult(0, 0, 0, 0)
+
+
+def test_a_body_far_over_the_limit_is_a_413_for_both_clients(server: Server) -> None:
+    """4 MiB against 64 KiB: the server answers before it has read the body; it lingers
+    (`protocol.py`), so the clients read that answer rather than a reset (the blocking client
+    raised a broken pipe, httpx a `ReadError`)."""
+    tokens, kv = tokens_of(7000, 4096), kv_of(4096, seed=72)
+    with Client(server.url, shared_memory=False) as client:
+        with pytest.raises(ServiceError) as refused:
+            client.store(tokens, kv)
+        assert (refused.value.status, refused.value.kind) == (413, "body_too_large")
+        assert client.lookup(tokens_of(7000, 8)) == LookupResult(0, 0, 0, 0)  # still served
+
+    async def scenario() -> None:
+        async with AsyncClient(server.url, shared_memory=False) as client:
+            with pytest.raises(ServiceError) as refused:
+                await client.store(tokens, kv)
+            assert (refused.value.status, refused.value.kind) == (413, "body_too_large")
+
+    asyncio.run(scenario())
+
+
+def test_the_async_client_raises_transport_errors_as_the_blocking_one() -> None:
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+
+        async def scenario() -> None:
+            async with AsyncClient(url, shared_memory=False) as client:
+                with pytest.raises(TransportError, match="POST /v1/lookup: ConnectError"):
+                    await client.lookup([1, 2, 3])
+
+        asyncio.run(scenario())
 
 
 def test_bad_requests_leave_what_was_stored_intact(server: Server) -> None:

@@ -3,7 +3,8 @@
 It maps the server's pools at its first request rather than at construction (a constructor
 cannot await); the shared-memory path and its fallback to the body are `Client`'s, and so are
 owed releases (`releases.py`), sent here by a task the event loop starts `RELEASE_AFTER_S`
-after a load rather than by a thread.
+after a load rather than by a thread. Its failures are `Client`'s too: a connection refused,
+reset or timed out is a `TransportError`, not httpx's own exception.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
 from kvtier.caller_kv import kv_layout
+from kvtier.client.connections import TransportError
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, httpx_reply, reply_body
@@ -51,13 +53,19 @@ class AsyncClient:
         self, path: str, body: dict[str, Any], tenant: str = "default"
     ) -> dict[str, Any]:
         await self._map()
-        response = await self._http.post(
-            path, content=wire.encode(body, True), headers=self._headers.for_tenant(tenant)
-        )
+        try:
+            response = await self._http.post(
+                path, content=wire.encode(body, True), headers=self._headers.for_tenant(tenant)
+            )
+        except httpx.TransportError as exc:
+            raise TransportError(f"POST {path}: {type(exc).__name__}: {exc}") from None
         return reply_body(httpx_reply(response))
 
     async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        response = await self._http.get(path, params=params, headers=self._headers.common)
+        try:
+            response = await self._http.get(path, params=params, headers=self._headers.common)
+        except httpx.TransportError as exc:
+            raise TransportError(f"GET {path}: {type(exc).__name__}: {exc}") from None
         return reply_body(httpx_reply(response))
 
     async def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
