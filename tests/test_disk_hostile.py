@@ -185,6 +185,7 @@ def test_a_slab_path_that_is_not_a_regular_file_is_refused_never_followed(
     assert victim.read_bytes() == b"precious"
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_readyz_names_a_damaged_superblock(tmp_path: Path) -> None:
     config = write_config(tmp_path, disk="256KiB")
     with running(config):

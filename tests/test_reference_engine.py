@@ -164,6 +164,7 @@ def test_a_prefix_demoted_to_host_is_reused_and_matches_a_cold_run(
         store.check()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_prefix_recovered_from_disk_after_a_restart_matches_a_cold_run(
     model: Llama, prompts: tuple[list[int], list[int]], tmp_path: Path
 ) -> None:
@@ -216,6 +217,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield live
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["pools-mapped", "load"])
 def test_through_the_sidecar_a_cached_prefix_is_reused_and_matches_a_cold_run(
     model: Llama, prompts: tuple[list[int], list[int]], server: Server, shared_memory: bool

@@ -66,6 +66,7 @@ def node_config(directory: Path, nodes: list[str], model: str = "tiny", **remote
     return path
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_prefix_stored_on_one_sidecar_is_found_and_loaded_on_another(
     nodes: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

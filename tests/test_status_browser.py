@@ -139,6 +139,7 @@ def counters(page: dict[str, Any]) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_the_status_page_in_a_browser(tmp_path: Path) -> None:
     driver = browser()
     try:
