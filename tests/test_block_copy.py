@@ -386,3 +386,24 @@ def test_the_cuda_executor_measures_slices_against_the_kernel() -> None:
     assert_copied(host.buffer, gpu.buffer, src_slots, dst_slots)
     key = CopyKey("pinned", str(cuda), LAYOUT.block_bytes, runs=8, blocks=8)
     assert executor.planner.choices[key] in {"slices", "kernel"}
+
+
+def test_a_decided_copy_hands_its_strategy_the_runs_it_found() -> None:
+    """`BlockCopier` finds a copy's runs for its key; a strategy that takes runs gets those
+    rather than finding them again (a pass over the slots: 37 us for 63 blocks here)."""
+    given: list[list[tuple[int, int, int]]] = []
+
+    def by_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+        given.append(list(runs))
+        block_copy.copy_runs(src, dst, runs)
+
+    def never(*args: object) -> None:
+        raise AssertionError("the runs were known: copy_runs should have been called")
+
+    strategy = CopyStrategy("runs", never, applies_anywhere, by_runs)
+    copier = BlockCopier(CopyPlanner([strategy]))
+    src, dst = random_pool(), poisoned_pool()
+    src_slots, dst_slots = (0, 1, 2, 6, 7, 3), (9, 10, 11, 4, 5, 0)
+    assert copier.copy(src.buffer, dst.buffer, src_slots, dst_slots) == "runs"
+    assert given == [[(0, 9, 3), (6, 4, 2), (3, 0, 1)]]
+    assert_copied(src.buffer, dst.buffer, src_slots, dst_slots)

@@ -124,7 +124,12 @@ def copy_blocks_slices(
     src: torch.Tensor, dst: torch.Tensor, src_slots: Sequence[int], dst_slots: Sequence[int]
 ) -> None:
     """One `copy_` per run of slots consecutive on both sides."""
-    for s, d, n in contiguous_runs(src_slots, dst_slots):
+    copy_runs(src, dst, contiguous_runs(src_slots, dst_slots))
+
+
+def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None:
+    """`copy_blocks_slices` of runs already found (`contiguous_runs`)."""
+    for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n])
 
 
@@ -202,6 +207,8 @@ class CopyStrategy:
     name: str
     copy: CopyFn
     applies: Callable[[str, str], bool]
+    copy_runs: Callable[[torch.Tensor, torch.Tensor, Sequence[Run]], None] | None = None
+    """The same copy from the runs of its slots, for a caller that has found them already."""
 
 
 def kernel_available() -> bool:
@@ -221,7 +228,7 @@ def applies_anywhere(src_medium: str, dst_medium: str) -> bool:
 
 
 STRATEGIES: tuple[CopyStrategy, ...] = (
-    CopyStrategy("slices", copy_blocks_slices, applies_anywhere),
+    CopyStrategy("slices", copy_blocks_slices, applies_anywhere, copy_runs),
     CopyStrategy("gather", copy_blocks_gather, applies_anywhere),
     CopyStrategy("kernel", _copy_blocks_kernel_complete, kernel_applies),
 )

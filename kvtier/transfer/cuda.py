@@ -50,6 +50,7 @@ import torch
 from kvtier.errors import ClosedError, ConfigError, InvalidArgumentError, InvalidKVError
 from kvtier.kernels.block_copy import (
     CopyStrategy,
+    Run,
     applies_anywhere,
     contiguous_runs,
     copy_blocks_kernel,
@@ -78,12 +79,16 @@ def _slices_on_stream(
     src: torch.Tensor, dst: torch.Tensor, src_slots: Sequence[int], dst_slots: Sequence[int]
 ) -> None:
     """One `copy_(non_blocking=True)` per run, enqueued on the current stream."""
-    for s, d, n in contiguous_runs(src_slots, dst_slots):
+    _runs_on_stream(src, dst, contiguous_runs(src_slots, dst_slots))
+
+
+def _runs_on_stream(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None:
+    for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
 
 
 _STREAM_STRATEGIES = (
-    CopyStrategy("slices", _slices_on_stream, applies_anywhere),
+    CopyStrategy("slices", _slices_on_stream, applies_anywhere, _runs_on_stream),
     CopyStrategy("kernel", copy_blocks_kernel, kernel_applies),
 )
 """What the planner chooses from for whole blocks; both only enqueue on the current stream."""
@@ -251,7 +256,10 @@ class CudaExecutor:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record(stream)
             sample = _Sample(key, pick.strategy.name, blocks, start)
-        pick.strategy.copy(src, dst, transfer.src_slots, transfer.dst_slots)
+        if pick.strategy.copy_runs is not None:  # the runs are found: not twice
+            pick.strategy.copy_runs(src, dst, runs)
+        else:
+            pick.strategy.copy(src, dst, transfer.src_slots, transfer.dst_slots)
         return sample
 
     def run(self, transfer: Transfer) -> list[bool]:

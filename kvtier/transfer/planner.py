@@ -168,18 +168,22 @@ class BlockCopier:
         complete as `Tensor.copy_` leaves a copy (block_copy's module doc); returns the name of
         the strategy used. Nothing else of `dst` is written. At least one block."""
         assert src_slots, "a copy of no blocks"
-        runs = len(contiguous_runs(src_slots, dst_slots))
-        key = copy_key(src, dst, runs, len(src_slots))
+        runs = contiguous_runs(src_slots, dst_slots)
+        key = copy_key(src, dst, len(runs), len(src_slots))
         pick = self.planner.pick(key)
+        strategy = pick.strategy
         if not pick.measure:
-            pick.strategy.copy(src, dst, src_slots, dst_slots)
-            return pick.strategy.name
+            if strategy.copy_runs is not None:  # the runs are found: not twice
+                strategy.copy_runs(src, dst, runs)
+            else:
+                strategy.copy(src, dst, src_slots, dst_slots)
+            return strategy.name
         _wait_for_devices(src, dst)
         started = self._clock()
-        pick.strategy.copy(src, dst, src_slots, dst_slots)
+        strategy.copy(src, dst, src_slots, dst_slots)
         _wait_for_devices(src, dst)
-        self.planner.record(key, pick.strategy.name, self._clock() - started, len(src_slots))
-        return pick.strategy.name
+        self.planner.record(key, strategy.name, self._clock() - started, len(src_slots))
+        return strategy.name
 
 
 def _wait_for_devices(*buffers: torch.Tensor) -> None:
