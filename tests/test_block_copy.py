@@ -84,6 +84,20 @@ def test_runs_pair_slots_that_advance_together() -> None:
     assert contiguous_runs((), ()) == []
 
 
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 300])
+def test_slots_that_all_advance_together_are_one_run_whatever_their_sequence(n: int) -> None:
+    for src in (list(range(7, 7 + n)), tuple(range(7, 7 + n)), range(7, 7 + n)):
+        assert contiguous_runs(src, range(n)) == [(7, 0, n)]
+        assert contiguous_runs(src, list(range(3, 3 + n))) == [(7, 3, n)]
+    if n > 2:  # the same ends, one pair swapped inside: no longer one run
+        swapped = list(range(7, 7 + n))
+        swapped[1], swapped[2] = swapped[2], swapped[1]
+        runs = contiguous_runs(swapped, range(n))
+        assert runs[:3] == [(7, 0, 1), (9, 1, 1), (8, 2, 1)] and sum(r[2] for r in runs) == n
+    with pytest.raises((AssertionError, ValueError)):  # one destination per block, still
+        contiguous_runs(range(7, 7 + n), range(n + 1))
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     pairs=st.lists(
