@@ -31,8 +31,7 @@ in the body.
 
 Errors come back as the same `kvtier.errors` types the store raises (their message is the
 server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready), and
-from `Client`, `TransportError` when the server cannot be reached or its reply read
-(`AsyncClient` raises httpx's errors there).
+`TransportError` when the server cannot be reached or its reply read (both clients).
 
     blocking.py      `Client`: the calls from threads, over `connections.py`'s keep-alive
                      connections (the standard library's http.client)
