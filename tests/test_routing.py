@@ -89,6 +89,8 @@ BAD_EVENTS = [
     ["BlockStored", [1.5], None, PROMPT[:4], BS, None, "GPU", None],  # a float hash
     ["BlockStored", [1], None, [-5, 1, 2, 3], BS, None, "GPU", None],  # token out of range
     ["BlockStored", [1], None, ["a", 1, 2, 3], BS, None, "GPU", None],
+    ["BlockStored", [1], None, [t + 0.25 for t in PROMPT[:4]], BS, None, "GPU", None],  # floats
+    ["BlockStored", [1], None, [2**64 - 1, -1, 2, 3], BS, None, "GPU", None],  # no one dtype
     ["BlockStored", [1], None, PROMPT[:4], BS, None, {"x": 1}, None],  # medium not a string
     ["BlockStored", [1], None, PROMPT[:4], BS, None, "GPU", 7],  # lora name not a string
     ["BlockStored", "ab", None, PROMPT[:4], BS, None, "GPU", None],

@@ -173,11 +173,14 @@ class PrefixIndex:
         if not isinstance(tokens, list) or len(tokens) != len(hashes) * block_size:
             raise BadEvent(f"token_ids: expected {len(hashes)} blocks of {block_size}")
         try:
-            array = np.array(tokens, dtype=np.int64)
+            array = np.array(tokens)  # its own dtype: a float is not cast to an id
         except (TypeError, ValueError, OverflowError):
             raise BadEvent("token_ids: expected integers") from None
+        if array.size and array.dtype.kind not in "iu":
+            raise BadEvent(f"token_ids: got {array.dtype} values, expected integers")
         if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
             raise BadEvent("token_ids: expected integers in [0, 2**32)")
+        array = array.astype(np.int64)
         lora = event[7] if len(event) > 7 else None
         if lora is not None and not isinstance(lora, str):
             raise BadEvent("lora_name: expected a string or nil")
