@@ -90,7 +90,7 @@ LONG = 64
 
 def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     """(src_start, dst_start, length) runs where both sides advance by one slot together."""
-    if src and _one_run(src) and _one_run(dst) and len(src) == len(dst):
+    if len(src) and _one_run(src) and _one_run(dst) and len(src) == len(dst):
         return [(src[0], dst[0], len(src))]  # the common case: blocks stored together
     if len(src) >= LONG:
         froms, tos = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
