@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.errors import InvalidTokensError
 from kvtier.events import EventPublisher, EventSettings
 from kvtier.routing import BadEvent, PrefixIndex, Router, Subscriber
 
@@ -305,3 +306,18 @@ def test_a_snapshot_that_is_stale_or_fails_ends_in_a_reset_not_a_loop() -> None:
     index.check()
     sub.close()
     pub.close()
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[*PROMPT[:7], -1], [*PROMPT[:7], 2**32 + PROMPT[7]], [float(t) for t in PROMPT], [PROMPT]],
+    ids=["negative", "past 32 bits", "floats", "2-D"],
+)
+def test_a_score_of_tokens_that_are_no_ids_is_refused_not_wrapped(tokens: Any) -> None:
+    """-1 would be 0xFFFFFFFF and 2**32 + t would be t once cast to uint32: another prompt."""
+    index = PrefixIndex(BS)
+    index.apply(A, batch(stored([1, 2], None, PROMPT[:8])))
+    assert index.score(PROMPT[:8]) == {"pod-a": 8.0}
+    with pytest.raises(InvalidTokensError, match="tokens"):
+        index.score(tokens)
+    assert index.score(np.array(PROMPT[:8], dtype=np.uint32)) == {"pod-a": 8.0}

@@ -41,6 +41,8 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
+from kvtier.errors import InvalidTokensError
+
 # Per medium, about the share of a recomputation a hit from it saves (1: all of it). kvtier's
 # TTFT benchmark (`benchmarks/bench_ttft.py`: SmolLM2-135M, 2000-token prompt, 1900 shared:
 # cold 10.0 s; hits from gpu 0.47 s, host 0.46 s, disk 0.53 s) measures 1.0, 1.0, 0.99; the
@@ -60,6 +62,21 @@ def chain(previous: bytes, tokens: np.ndarray, block_size: int) -> Iterator[byte
     for start in range(0, len(data) - step + 1, step):
         previous = hashlib.blake2b(previous + data[start : start + step], digest_size=8).digest()
         yield previous
+
+
+def _token_ids(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    try:
+        array = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidTokensError("tokens: expected a sequence of integer ids") from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidTokensError(
+            f"tokens: got {array.dtype} of shape {array.shape}, expected a 1-D sequence of ids"
+        )
+    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+        bad = array[(array < 0) | (array > 0xFFFFFFFF)][0]
+        raise InvalidTokensError(f"tokens: got id {bad}, expected ids in [0, 2**32)")
+    return array
 
 
 def seed(lora_name: str | None) -> bytes:
@@ -248,8 +265,10 @@ class PrefixIndex:
     def score(
         self, tokens: Sequence[int] | np.ndarray, lora_name: str | None = None
     ) -> dict[str, float]:
-        """`{pod: weighted prefix length in tokens}` for every pod holding the first block."""
-        keys = chain(seed(lora_name), np.asarray(tokens, dtype=np.int64), self.block_size)
+        """`{pod: weighted prefix length in tokens}` for every pod holding the first block;
+        `InvalidTokensError` unless `tokens` are ids in [0, 2**32) (a cast would wrap -1 or
+        2**32 + 5 into another prompt's ids)."""
+        keys = chain(seed(lora_name), _token_ids(tokens), self.block_size)
         scores: dict[str, float] = {}
         with self._lock:
             alive: set[str] | None = None
