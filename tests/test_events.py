@@ -289,3 +289,27 @@ def test_a_batch_packs_in_order_and_merges_removals_next_to_each_other() -> None
         ["BlockRemoved", [7], "GPU"],
         ["BlockStored", [101], 7, tokens[4:], 4, None, "CPU", None],
     ]
+
+
+def test_the_replay_endpoint_drops_a_peer_that_sends_more_than_a_request(context: Any) -> None:
+    """Anyone who can connect may send to the replay ROUTER: a frame larger than any request is
+    refused by ZMQ (the peer disconnected) before it is buffered whole, and honest requests are
+    still answered."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    publisher = EventPublisher(
+        "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", EventSettings(TOPIC, flush_s=0.0)
+    )
+    assert publisher.replay_endpoint is not None
+    publisher.removed("alice", [1], "GPU")
+    hostile = context.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.RECONNECT_IVL, -1)  # once dropped, it stays dropped
+    monitor = hostile.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    monitor.setsockopt(zmq.RCVTIMEO, 5000)
+    hostile.connect(publisher.replay_endpoint)
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_CONNECTED
+    hostile.send_multipart([b"", (0).to_bytes(8, "big"), b"x" * (8 << 20)])
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    assert [s for _, s, _, _ in replay(context, publisher.replay_endpoint, 0)] == [0]
+    hostile.disable_monitor()
+    publisher.close()

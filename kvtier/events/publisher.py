@@ -63,6 +63,7 @@ from kvtier.events import wire
 
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_REPLAY_REQUEST = 4096  # bytes of one frame of a replay request (a topic name at most)
 
 Event = tuple[str, wire.Spec]  # (tenant, the event)
 
@@ -116,6 +117,9 @@ class EventPublisher:
         if replay_endpoint is not None:
             self._replay = self._context.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            # a request is a sequence number and a topic: a peer that sends more is dropped
+            # before the message is buffered whole (anyone who can connect may send)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST)
             self._replay.bind(replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
