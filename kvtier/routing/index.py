@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
-import numpy as np
 
+from kvtier.blocks import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.errors import InvalidTokensError
 
 # Per medium, about the share of a recomputation a hit from it saves (1: all of it). kvtier's
@@ -54,29 +54,14 @@ MAX_MEDIA = 16  # distinct medium names an index tracks; an event naming another
 KEY_BYTES = 8
 
 
-def chain(previous: bytes, tokens: np.ndarray, block_size: int) -> Iterator[bytes]:
-    """The keys of the full blocks of `tokens` (uint32), chained from `previous`, one at a
-    time: `score` stops hashing at the first block no pod holds."""
-    data = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
-    step = block_size * 4
+def chain(previous: bytes, data: bytes, block_size: int) -> Iterator[bytes]:
+    """The keys of the full blocks of `data` (token ids as `encode_tokens` packs them: uint32
+    little-endian), chained from `previous`, one at a time: `score` stops hashing at the first
+    block no pod holds."""
+    step = block_size * TOKEN_NBYTES
     for start in range(0, len(data) - step + 1, step):
         previous = hashlib.blake2b(previous + data[start : start + step], digest_size=8).digest()
         yield previous
-
-
-def _token_ids(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    try:
-        array = np.asarray(tokens)
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidTokensError("tokens: expected a sequence of integer ids") from None
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidTokensError(
-            f"tokens: got {array.dtype} of shape {array.shape}, expected a 1-D sequence of ids"
-        )
-    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
-        bad = array[(array < 0) | (array > 0xFFFFFFFF)][0]
-        raise InvalidTokensError(f"tokens: got id {bad}, expected ids in [0, 2**32)")
-    return array
 
 
 def seed(lora_name: str | None) -> bytes:
@@ -189,15 +174,10 @@ class PrefixIndex:
             raise BadEvent(f"block_size: got {block_size!r}, expected {self.block_size}")
         if not isinstance(tokens, list) or len(tokens) != len(hashes) * block_size:
             raise BadEvent(f"token_ids: expected {len(hashes)} blocks of {block_size}")
-        try:
-            array = np.array(tokens)  # its own dtype: a float is not cast to an id
-        except (TypeError, ValueError, OverflowError):
-            raise BadEvent("token_ids: expected integers") from None
-        if array.size and array.dtype.kind not in "iu":
-            raise BadEvent(f"token_ids: got {array.dtype} values, expected integers")
-        if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
-            raise BadEvent("token_ids: expected integers in [0, 2**32)")
-        array = array.astype(np.int64)
+        try:  # the store's own check: an id is an int in [0, 2**32), never cast to one
+            data = encode_tokens(tokens) if tokens else b""
+        except InvalidTokensError as e:
+            raise BadEvent(f"token_ids: {e}") from None
         lora = event[7] if len(event) > 7 else None
         if lora is not None and not isinstance(lora, str):
             raise BadEvent("lora_name: expected a string or nil")
@@ -210,7 +190,7 @@ class PrefixIndex:
                 self._stats["orphans"] += 1
                 raise BadEvent("parent_block_hash: not a block this source holds")
             previous = found
-        for h, key in zip(hashes, chain(previous, array, block_size), strict=True):
+        for h, key in zip(hashes, chain(previous, data, block_size), strict=True):
             old = src.keys.get(h)
             if old is not None and old != key:  # a hash reused for other tokens: move it
                 self._drop(name, src, h, -1)
@@ -262,13 +242,13 @@ class PrefixIndex:
 
     # ---- answering ---------------------------------------------------------------------
 
-    def score(
-        self, tokens: Sequence[int] | np.ndarray, lora_name: str | None = None
-    ) -> dict[str, float]:
+    def score(self, tokens: Tokens, lora_name: str | None = None) -> dict[str, float]:
         """`{pod: weighted prefix length in tokens}` for every pod holding the first block;
         `InvalidTokensError` unless `tokens` are ids in [0, 2**32) (a cast would wrap -1 or
         2**32 + 5 into another prompt's ids)."""
-        keys = chain(seed(lora_name), _token_ids(tokens), self.block_size)
+        if len(tokens) == 0:
+            return {}
+        keys = chain(seed(lora_name), encode_tokens(tokens), self.block_size)
         scores: dict[str, float] = {}
         with self._lock:
             alive: set[str] | None = None
