@@ -223,6 +223,21 @@ class CopyStrategy:
     copy_runs: Callable[[torch.Tensor, torch.Tensor, Sequence[Run]], None] | None = None
     """The same copy from the runs of its slots, for a caller that has found them already."""
 
+    def copy_found(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        src_slots: Sequence[int],
+        dst_slots: Sequence[int],
+        runs: Sequence[Run],
+    ) -> None:
+        """`copy`, given the `runs` of the slots found already: handed over where the strategy
+        takes them (`copy_runs`), so that they are not found twice."""
+        if self.copy_runs is not None:
+            self.copy_runs(src, dst, runs)
+        else:
+            self.copy(src, dst, src_slots, dst_slots)
+
 
 def kernel_available() -> bool:
     """Whether `copy_blocks_kernel` can run here: CUDA is available and CuPy imports."""

@@ -256,10 +256,7 @@ class CudaExecutor:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record(stream)
             sample = _Sample(key, pick.strategy.name, blocks, start)
-        if pick.strategy.copy_runs is not None:  # the runs are found: not twice
-            pick.strategy.copy_runs(src, dst, runs)
-        else:
-            pick.strategy.copy(src, dst, transfer.src_slots, transfer.dst_slots)
+        pick.strategy.copy_found(src, dst, transfer.src_slots, transfer.dst_slots, runs)
         return sample
 
     def run(self, transfer: Transfer) -> list[bool]:

@@ -173,14 +173,11 @@ class BlockCopier:
         pick = self.planner.pick(key)
         strategy = pick.strategy
         if not pick.measure:
-            if strategy.copy_runs is not None:  # the runs are found: not twice
-                strategy.copy_runs(src, dst, runs)
-            else:
-                strategy.copy(src, dst, src_slots, dst_slots)
+            strategy.copy_found(src, dst, src_slots, dst_slots, runs)
             return strategy.name
         _wait_for_devices(src, dst)
         started = self._clock()
-        strategy.copy(src, dst, src_slots, dst_slots)
+        strategy.copy_found(src, dst, src_slots, dst_slots, runs)
         _wait_for_devices(src, dst)
         self.planner.record(key, strategy.name, self._clock() - started, len(src_slots))
         return strategy.name
