@@ -216,7 +216,11 @@ def _events(
         return None
     topic = events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
     settings = EventSettings(
-        topic, events.per_tenant_topic, events.buffer, buffer_bytes=events.buffer_bytes
+        topic,
+        events.per_tenant_topic,
+        events.buffer,
+        buffer_bytes=events.buffer_bytes,
+        max_message_bytes=events.max_message_bytes,
     )
     try:
         publisher = EventPublisher(events.endpoint, events.replay_endpoint, settings)

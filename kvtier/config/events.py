@@ -16,10 +16,11 @@ _WHERE = "a ZMQ address to bind: tcp://HOST:PORT or ipc://PATH"
 
 class EventsConfig(Section):
     """A ZMQ PUB at `endpoint` in vLLM's KV-event wire format (llm-d reads it); a ROUTER at
-        `replay_endpoint` answers replay requests from the last `buffer` messages per topic (and
-    `buffer_bytes` of them at most).
-        `topic` defaults to `kv@<host name>@<model name>`; with `per_tenant_topic` each tenant's
-        events go to `<topic>@<tenant>` only."""
+    `replay_endpoint` answers replay requests from the last `buffer` messages per topic (and
+    `buffer_bytes` of them at most). No message's payload passes `max_message_bytes`: longer
+    runs of blocks go out as several events (a router refuses messages past its own bound:
+    `kvtier.routing.Subscriber`). `topic` defaults to `kv@<host name>@<model name>`; with
+    `per_tenant_topic` each tenant's events go to `<topic>@<tenant>` only."""
 
     endpoint: Annotated[str, matching(_ENDPOINT, _WHERE)]
     replay_endpoint: Annotated[str | None, matching(_ENDPOINT, _WHERE, True)] = None
@@ -29,3 +30,4 @@ class EventsConfig(Section):
     per_tenant_topic: Annotated[bool, one_of((True, False))] = False
     buffer: Annotated[int, int_in(1, 1_000_000)] = 10_000
     buffer_bytes: Annotated[int, int_in(1 << 16, 1 << 36)] = 64 << 20
+    max_message_bytes: Annotated[int, int_in(1 << 16, 1 << 30)] = 8 << 20

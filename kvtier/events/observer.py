@@ -62,6 +62,7 @@ class IndexEvents:
     ) -> None:
         self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
         self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
+        assert all(len(wire.medium_bytes(m)) <= wire.MEDIUM_ROOM for m in self.media)
         self.range = index.forest.node_blocks  # numbers a node takes (`EVENT_RANGE`)
         self._next = (secrets.randbelow(FIRST_SERIALS) + 1) * self.range  # never 0
         self.pending = publisher.pending  # appended to directly (`EventPublisher._put`)
@@ -190,7 +191,12 @@ def snapshot(store: KVStore, tenant: str | None) -> dict[str, Any]:
     packer = wire.Packer()
     topics = []
     for name in sorted(seqs):
-        events = [packer.pack(spec) for owner, spec in told if publisher.topic_of(owner) == name]
-        batch = wire.batch(time.time(), events, publisher.settings.dp_rank)
+        events = [
+            e
+            for owner, spec in told
+            if publisher.topic_of(owner) == name
+            for e in packer.pack(spec)
+        ]
+        batch = wire.batch(time.time(), events, None)
         topics.append({"topic": name, "seq": seqs[name], "events": batch})
     return {"block_size": store.index.block_tokens, "topics": topics}

@@ -5,7 +5,8 @@ Wire (vLLM 0.33 `distributed/kv_events.py`; llm-d `pkg/kvevents`): ZMQ PUB, each
 frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, from 0, one more per
 message of that topic), and a msgpack payload, an event batch
 
-    [ts (float, seconds), [event, ...], dp_rank (int or nil)]
+    [ts (float, seconds), [event, ...], dp_rank (int or nil: kvtier's is nil, it is no
+     data-parallel rank of an engine)]
 
 in which each event is a positional array, its class name first:
 
@@ -31,7 +32,10 @@ gets that topic's messages only.
 Contract:
 - `stored`, `removed`, `cleared` and `publish` (a `wire.Spec`) never block and never touch a
   socket: they append to a queue, and the publisher's thread, every `flush_s`, packs and sends
-  what is queued as messages of at most `max_batch` events, one topic each. The queue is
+  what is queued as messages of at most `max_batch` events and `max_message_bytes` of payload,
+  one topic each (a router may refuse longer ones: `kvtier.routing.Subscriber`); an event
+  that would not fit is cut into several, each BlockStored chained to the one before by its
+  parent hash (`wire.Packer`), so a router learns the same blocks. The queue is
   bounded (`queue_limit` events); an event past it is dropped and counted, and that topic's
   next message starts with AllBlocksCleared, so that a router forgets what it can no longer
   trust. A topic's first message starts with it too: a router forgets what the publisher's
@@ -41,8 +45,8 @@ Contract:
   `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
   to `topic` (an operator who must not mix tenants turns it on).
 - The replay buffer keeps the last `buffer` messages of each topic, and no more than
-  `buffer_bytes` of payload per topic (a message holds up to `max_batch` events of whole
-  prompts: 10,000 of them unbounded by bytes could hold gigabytes).
+  `buffer_bytes` of payload per topic (10,000 messages of `max_message_bytes` could hold
+  gigabytes).
 - `flush()` sends what is queued from the caller's thread (a replay that routes on events
   waits for a store's); `sent(topic)` is the number of messages a topic has had.
 - `close()` sends what is queued, then closes the sockets.
@@ -53,17 +57,22 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
+from kvtier.errors import InvalidArgumentError
 from kvtier.events import wire
 
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_REPLAY_REQUEST = 4096  # bytes of one frame of a replay request (a topic name at most)
+MIN_MESSAGE_BYTES = 1 << 16
+MESSAGE_OVERHEAD = 64
+"""Payload bytes of a message besides its events but AllBlocksCleared (at most: a batch's
+array, timestamp and dp_rank take 24)."""
 
 Event = tuple[str, wire.Spec]  # (tenant, the event)
 
@@ -85,8 +94,8 @@ class EventSettings:
     buffer_bytes: int = 64 << 20  # and payload bytes kept per topic at most
     queue_limit: int = 100_000  # events queued at most; past it, dropped and counted
     max_batch: int = 512  # events per message at most
+    max_message_bytes: int = 8 << 20  # payload bytes per message at most (`MESSAGE_OVERHEAD`+)
     flush_s: float = 0.005  # how long a message waits for more events
-    dp_rank: int | None = None
 
 
 class EventPublisher:
@@ -106,7 +115,13 @@ class EventPublisher:
         self._lock = threading.RLock()
         self._stats = {"events": 0, "messages": 0, "dropped_events": 0, "replays": 0}
         self._sending = threading.Lock()  # held by whoever drains the queue into the PUB
-        self._packer = wire.Packer()  # used under `_sending`
+        if settings.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise InvalidArgumentError(
+                f"max_message_bytes: got {settings.max_message_bytes}, expected at least "
+                f"{MIN_MESSAGE_BYTES} (a block of 4096 tokens and the fields around it)"
+            )
+        limit = settings.max_message_bytes - MESSAGE_OVERHEAD - len(wire.CLEARED)
+        self._packer = wire.Packer(limit)  # used under `_sending`
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
@@ -230,25 +245,42 @@ class EventPublisher:
             grouped.setdefault(tenant if self.settings.per_tenant else "", []).append(event)
         now = self.clock()
         for tenant, specs in grouped.items():
-            events = self._packer.pack_all(specs)
-            with self._lock:
-                topic = self._topic(tenant)
-                if topic.lost or topic.seq == 0:  # forget what is lost, or a past life's
-                    events = [wire.CLEARED, *events]
-                    topic.lost = False
-                seq = topic.seq
-                topic.seq += 1
-            payload = wire.batch(now, events, self.settings.dp_rank)
-            self._pub.send_multipart((topic.name, seq.to_bytes(8, "big"), payload))
-            with self._lock:
-                topic.sent.append((seq, payload))
-                topic.sent_bytes += len(payload)
-                while len(topic.sent) > self.settings.buffer or (
-                    topic.sent_bytes > self.settings.buffer_bytes and len(topic.sent) > 1
-                ):
-                    topic.sent_bytes -= len(topic.sent.popleft()[1])
-                self._stats["messages"] += 1
-                self._stats["events"] += len(events)
+            for events in self._messages(self._packer.pack_all(specs)):
+                self._send_message(tenant, events, now)
+
+    def _messages(self, events: list[bytes]) -> Iterator[list[bytes]]:
+        """`events` cut into the events of messages of at most `max_batch` events and
+        `max_message_bytes` bytes (the packer cut every event to fit one); one empty message
+        when there are none."""
+        limit, most = self.settings.max_message_bytes - MESSAGE_OVERHEAD, self.settings.max_batch
+        start, size = 0, 0
+        for i, event in enumerate(events):
+            if i > start and (i - start == most or size + len(event) > limit):
+                yield events[start:i]
+                start, size = i, 0
+            size += len(event)
+        if start < len(events) or not events:
+            yield events[start:]
+
+    def _send_message(self, tenant: str, events: list[bytes], now: float) -> None:
+        with self._lock:
+            topic = self._topic(tenant)
+            if topic.lost or topic.seq == 0:  # forget what is lost, or a past life's
+                events = [wire.CLEARED, *events]
+                topic.lost = False
+            seq = topic.seq
+            topic.seq += 1
+        payload = wire.batch(now, events, None)
+        self._pub.send_multipart((topic.name, seq.to_bytes(8, "big"), payload))
+        with self._lock:
+            topic.sent.append((seq, payload))
+            topic.sent_bytes += len(payload)
+            while len(topic.sent) > self.settings.buffer or (
+                topic.sent_bytes > self.settings.buffer_bytes and len(topic.sent) > 1
+            ):
+                topic.sent_bytes -= len(topic.sent.popleft()[1])
+            self._stats["messages"] += 1
+            self._stats["events"] += len(events)
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

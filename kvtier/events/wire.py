@@ -20,6 +20,7 @@ import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 NIL = b"\xc0"
+TOKEN_BYTES = 4  # a token id on the wire's input: a little-endian uint32 (`encode_tokens`)
 CLEARED: bytes = msgpack.packb(["AllBlocksCleared"])
 _STORED: bytes = msgpack.packb("BlockStored")
 _REMOVED: bytes = msgpack.packb("BlockRemoved")
@@ -69,7 +70,8 @@ def stored_fields(
 _MEDIA: dict[str, bytes] = {}  # medium -> its msgpack string
 
 
-def _medium(medium: str) -> bytes:
+def medium_bytes(medium: str) -> bytes:
+    """`medium` as msgpack packs it, kept."""
     packed = _MEDIA.get(medium)
     if packed is None:
         packed = _MEDIA[medium] = bytes(msgpack.packb(medium))
@@ -78,7 +80,7 @@ def _medium(medium: str) -> bytes:
 
 def stored(body: bytes, medium: str) -> bytes:
     """The BlockStored of `stored_body` in `medium` (no LoRA name)."""
-    return body + _medium(medium) + NIL
+    return body + medium_bytes(medium) + NIL
 
 
 def batch(ts: float, events: list[bytes], dp_rank: int | None) -> bytes:
@@ -125,7 +127,8 @@ def told_stored(
     tiers: tuple[int, ...],
     media: Sequence[str],
 ) -> tuple[Any, ...]:
-    """A BlockStored in the medium of each of `tiers` (`media`: by tier) of blocks lo..hi-1 of
+    """A BlockStored in the medium of each of `tiers` (`media`: by tier, each `MEDIUM_ROOM`
+    bytes at most once packed) of blocks lo..hi-1 of
     a node whose key is `key` (`kb` bytes a block) and whose block i has the hash `ev + i`,
     after the block whose hash is `parent` (None: the first block of a namespace). The observer
     builds this tuple inline; the function names its fields."""
@@ -147,29 +150,53 @@ def numbers(first: int, count: int) -> bytes:
 Spec = Stored | Removed | bytes | tuple[Any, ...]  # bytes: packed already; tuple: `told_*`
 
 
+EVENT_OVERHEAD = 96
+"""Bytes of a BlockStored or BlockRemoved besides its hashes, tokens and medium (at most: the
+fixed fields at their longest)."""
+MEDIUM_ROOM = 64
+"""Bytes a medium of a `told_stored` takes at most, packed (a tier's: `IndexEvents.media`)."""
+
+
+def blocks_per_event(max_bytes: int, block_size: int, medium: str) -> int:
+    """The most blocks a BlockStored of `block_size`-token blocks in `medium` may hold in
+    `max_bytes` (each block: a uint 64 hash, 9 bytes, and its tokens, 5 bytes each); at least
+    one."""
+    room = max_bytes - EVENT_OVERHEAD - len(medium_bytes(medium))
+    return max(1, room // (9 + 5 * block_size))
+
+
 class Packer:
     """Packs specs; a `Blocks` told of again (the same object: one store writing to two
     tiers) reuses its packed fields, and removals next to each other in one medium are packed
-    as one BlockRemoved (`pack_all`)."""
+    as one BlockRemoved (`pack_all`). No event is longer than `max_event_bytes`: a run of blocks
+    that would be is told as several events, each chained to the one before by its parent hash
+    (a router applies them alike), so that a publisher can bound its messages."""
 
-    def __init__(self) -> None:
-        self._last: tuple[Blocks, bytes] | None = None
+    def __init__(self, max_event_bytes: int = 1 << 62) -> None:
+        self.max_event_bytes = max_event_bytes
+        # a `told_stored` whose hashes and tokens take this many bytes at most fits one event
+        self._quick = max_event_bytes - EVENT_OVERHEAD - MEDIUM_ROOM
+        self._rooms: dict[str, int] = {}  # medium -> `removals_per_event`
+        self._last: tuple[Blocks, list[bytes]] | None = None
 
-    def pack(self, spec: Stored | bytes) -> bytes:
-        """The event of one `Stored` (a snapshot's), or bytes packed already; `pack_all` for
-        the rest."""
+    def pack(self, spec: Stored | bytes) -> list[bytes]:
+        """The events of one `Stored` (one unless it is longer than `max_event_bytes`), or
+        bytes packed already; `pack_all` for the rest."""
         if isinstance(spec, Stored):
-            if self._last is None or self._last[0] is not spec.blocks:
-                self._last = (spec.blocks, stored_body(*spec.blocks))
-            return stored(self._last[1], spec.medium)
-        return spec
+            blocks = spec.blocks
+            if self._last is None or self._last[0] is not blocks:
+                per = blocks_per_event(self.max_event_bytes, blocks.block_size, spec.medium)
+                self._last = (blocks, [stored_body(*part) for part in split_blocks(blocks, per)])
+            return [stored(body, spec.medium) for body in self._last[1]]
+        return [spec]
 
     def pack_all(self, specs: list[Spec]) -> list[bytes]:
         """The events of `specs`, in order: a `told_stored` of n tiers is n events (one body),
         and removals next to each other in one medium merge into one BlockRemoved (eviction
-        tells of a run, or a block, at a time; a router applies the hashes alike). The hashes
-        and tokens of every `told_*` spec are packed in one NumPy pass for the whole batch: per
-        event, NumPy's calls cost more than the bytes (5-7 us for a 63-block BlockStored)."""
+        tells of a run, or a block, at a time; a router applies the hashes alike), both cut
+        where an event would pass `max_event_bytes`. The hashes and tokens of every `told_*`
+        spec are packed in one NumPy pass for the whole batch: per event, NumPy's calls cost
+        more than the bytes (5-7 us for a 63-block BlockStored)."""
         firsts: list[int] = []
         counts: list[int] = []
         keys: list[bytes] = []
@@ -188,7 +215,7 @@ class Packer:
         at_hash = at_token = 0
         out: list[bytes] = []
         group: list[bytes] = []  # tagged hashes of the removals in a row, in `medium`
-        size, medium = 0, ""
+        size, medium, room = 0, "", 0  # room: hashes the group may still take
         for spec in specs:
             if type(spec) is tuple and spec[0] == TOLD_REMOVED:
                 _, _, n, this = spec
@@ -202,26 +229,88 @@ class Packer:
                     out.append(removed_tagged(group, size, medium))
                     group, size = [], 0
                 if isinstance(spec, (Stored, bytes)):
-                    out.append(self.pack(spec))
+                    out.extend(self.pack(spec))
                 else:  # a `told_stored`
                     _, key, kb, ev, lo, hi, parent, bs, tiers, media = spec
                     n, count = hi - lo, (hi - lo) * kb >> 2
-                    own = hashes[at_hash : at_hash + n * 9]
-                    body = stored_fields(
-                        n, own, parent, count, tokens[at_token : at_token + count * 5], bs
-                    )
+                    if n * (9 + 5 * bs) <= self._quick:  # one event (the common case)
+                        own = hashes[at_hash : at_hash + n * 9]
+                        body = stored_fields(
+                            n, own, parent, count, tokens[at_token : at_token + count * 5], bs
+                        )
+                        out.extend(stored(body, media[tier]) for tier in tiers)
+                    else:
+                        self._cut(out, spec, hashes[at_hash:], tokens[at_token:])
                     at_hash, at_token = at_hash + n * 9, at_token + count * 5
-                    out.extend(stored(body, media[tier]) for tier in tiers)
                 continue
             if group and this != medium:
                 out.append(removed_tagged(group, size, medium))
                 group, size = [], 0
+            if not group:
+                medium, room = this, self._rooms.get(this) or self._room(this)
+            while n > room:  # the group is full before this piece ends: cut it there
+                group.append(piece[: room * 9])
+                out.append(removed_tagged(group, size + room, medium))
+                piece, n = piece[room * 9 :], n - room
+                group, size, room = [], 0, self._room(medium)
             group.append(piece)
             size += n
-            medium = this
+            room -= n
         if group:
             out.append(removed_tagged(group, size, medium))
         return out
+
+    def _cut(self, out: list[bytes], spec: tuple[Any, ...], hashes: bytes, tokens: bytes) -> None:
+        """The events of a `told_stored` too long for one, each chained to the one before,
+        appended to `out`; `hashes` and `tokens` tagged, from the spec's first block on."""
+        _, _, _, ev, lo, hi, parent, bs, tiers, media = spec
+        n = hi - lo
+        per = min(blocks_per_event(self.max_event_bytes, bs, media[tier]) for tier in tiers)
+        for a in range(0, n, per):
+            b = min(n, a + per)
+            body = stored_fields(
+                b - a,
+                hashes[a * 9 : b * 9],
+                parent if a == 0 else ev + lo + a - 1,
+                (b - a) * bs,
+                tokens[a * bs * 5 : b * bs * 5],
+                bs,
+            )
+            out.extend(stored(body, media[tier]) for tier in tiers)
+
+    def _room(self, medium: str) -> int:
+        """The most hashes a BlockRemoved in `medium` holds (`removals_per_event`), kept."""
+        room = self._rooms[medium] = removals_per_event(self.max_event_bytes, medium)
+        return room
+
+
+def removals_per_event(max_bytes: int, medium: str) -> int:
+    """The most hashes a BlockRemoved in `medium` may hold in `max_bytes`; at least one."""
+    return max(1, (max_bytes - EVENT_OVERHEAD - len(medium_bytes(medium))) // 9)
+
+
+def split_blocks(blocks: Blocks, per: int) -> list[Blocks]:
+    """`blocks` as runs of at most `per` blocks, each chained to the last block of the one
+    before (`per` >= 1)."""
+    count = len(blocks.hashes) >> 3
+    if count <= per:
+        return [blocks]
+    step = blocks.block_size * TOKEN_BYTES
+    parts = []
+    for a in range(0, count, per):
+        b = min(count, a + per)
+        parent = (
+            blocks.parent if a == 0 else int.from_bytes(blocks.hashes[a * 8 - 8 : a * 8], "big")
+        )
+        parts.append(
+            Blocks(
+                blocks.hashes[a * 8 : b * 8],
+                parent,
+                blocks.tokens[a * step : b * step],
+                blocks.block_size,
+            )
+        )
+    return parts
 
 
 def tagged_u64(be_bytes: bytes) -> bytes:
@@ -260,4 +349,4 @@ def tagged_tokens(le_bytes: bytes) -> bytes:
 
 def removed_tagged(pieces: list[bytes], count: int, medium: str) -> bytes:
     """A BlockRemoved of `count` hashes, given as uint 64 items in `pieces`."""
-    return b"\x93" + _REMOVED + array_header(count) + b"".join(pieces) + _medium(medium)
+    return b"\x93" + _REMOVED + array_header(count) + b"".join(pieces) + medium_bytes(medium)

@@ -23,6 +23,13 @@ sequence number applied is kept:
 With `resync_s`, each publisher with a snapshot is resynced that often too, repairing whatever
 drifted unseen.
 
+Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is not events): a
+message longer than `max_message_bytes` is refused by ZMQ before it is buffered (the connection
+is dropped and made again, and the messages lost meanwhile are a gap like any other); a replay
+ends after `replay_timeout` in all, and after `max_replay_bytes` whatever the endpoint keeps
+sending, and a gap too long to fit in it is not asked for (a sequence number near 2**64 is a gap
+too): the topic is then forgotten, as for any gap nobody can fill.
+
 The first message of a topic is a gap from 0 unless it is number 0.
 
 `wait(topic, count, timeout)` returns once `count` messages of `topic` are applied (a replay
@@ -31,6 +38,7 @@ routing on events waits for the store it just used). `close()` stops the thread.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -50,23 +58,50 @@ Snapshot = Callable[[], dict[str, Any]]  # {block_size, topics: [{topic, seq, ev
 @dataclass
 class _Publisher:
     socket: zmq.Socket[bytes]
+    endpoint: str
+    monitor: zmq.Socket[bytes]  # the SUB's disconnections
     replay_endpoint: str | None
     snapshot: Snapshot | None = None
     resynced_at: float = 0.0
 
 
+MAX_MESSAGE_BYTES = 64 << 20
+"""The longest message a subscriber takes by default (a kvtier publisher sends 8 MiB at most by
+default, `events.max_message_bytes`; vLLM's are one engine step's events)."""
+MAX_REPLAY_BYTES = 256 << 20
+"""What one replay may bring back by default, counting `REPLAY_ENTRY` per message besides
+its bytes (a kvtier publisher keeps 64 MiB per topic by default, `events.buffer_bytes`)."""
+REPLAY_ENTRY = 256
+
+
 class Subscriber:
     def __init__(
-        self, index: PrefixIndex, replay_timeout: float = 2.0, resync_s: float | None = None
+        self,
+        index: PrefixIndex,
+        replay_timeout: float = 2.0,
+        resync_s: float | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_replay_bytes: int = MAX_REPLAY_BYTES,
     ) -> None:
         self.index, self.replay_timeout, self.resync_s = index, replay_timeout, resync_s
+        self.max_message_bytes, self.max_replay_bytes = max_message_bytes, max_replay_bytes
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._added: list[tuple[str, str | None, Snapshot | None]] = []
         self._applied: dict[str, int] = {}  # topic -> messages applied (its next number)
         self._floors: dict[str, int] = {}  # topic -> a snapshot's number: below it, reflected
         self._cond = threading.Condition()
         self._stats = dict.fromkeys(
-            ("messages", "gaps", "replayed", "resets", "bad", "resyncs", "resync_errors"), 0
+            (
+                "messages",
+                "gaps",
+                "replayed",
+                "resets",
+                "bad",
+                "resyncs",
+                "resync_errors",
+                "disconnects",
+            ),
+            0,
         )
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvtier-route-sub", daemon=True)
@@ -103,16 +138,26 @@ class Subscriber:
     def _run(self) -> None:
         poller = zmq.Poller()
         by_socket: dict[zmq.Socket[bytes], _Publisher] = {}
+        by_monitor: dict[zmq.Socket[bytes], _Publisher] = {}
         while not self._stopping:
             with self._cond:
                 added, self._added = self._added, []
             for endpoint, replay_endpoint, snapshot in added:
                 sub = self._context.socket(zmq.SUB)
+                sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
+                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 sub.connect(endpoint)
-                by_socket[sub] = _Publisher(sub, replay_endpoint, snapshot, time.monotonic())
+                publisher = _Publisher(
+                    sub, endpoint, monitor, replay_endpoint, snapshot, time.monotonic()
+                )
+                by_socket[sub], by_monitor[monitor] = publisher, publisher
                 poller.register(sub, zmq.POLLIN)
+                poller.register(monitor, zmq.POLLIN)
             for sock, _ in poller.poll(20):
+                if sock in by_monitor:
+                    self._reconnect(by_monitor[sock])
+                    continue
                 publisher = by_socket[sock]
                 while publisher.socket.poll(0):
                     self._receive(publisher, publisher.socket.recv_multipart())
@@ -121,6 +166,21 @@ class Subscriber:
                 for publisher in by_socket.values():
                     if publisher.snapshot and now - publisher.resynced_at >= self.resync_s:
                         self._resync(publisher)
+        for publisher in by_socket.values():
+            publisher.socket.disable_monitor()
+            publisher.monitor.close()
+
+    def _reconnect(self, publisher: _Publisher) -> None:
+        """The SUB lost its connection: connect again. ZMQ does so itself after a network
+        error, but not after a protocol error such as a message past `max_message_bytes`, and
+        a publisher that sent one long message must not go unheard from then on (one that
+        sends only those is dropped each time, at the message's header)."""
+        while publisher.monitor.poll(0):
+            publisher.monitor.recv_multipart()  # the event: what it was does not matter
+        self._count("disconnects")
+        with contextlib.suppress(zmq.ZMQError):  # not connected any more: nothing to undo
+            publisher.socket.disconnect(publisher.endpoint)
+        publisher.socket.connect(publisher.endpoint)
 
     def _receive(self, publisher: _Publisher, frames: list[bytes], resync: bool = True) -> None:
         """Apply one message (module doc); `resync`: a gap may be filled from a snapshot (once
@@ -179,21 +239,31 @@ class Subscriber:
         return True
 
     def _fill(self, publisher: _Publisher, topic: str, start: int, stop: int) -> bool:
-        """Apply messages start..stop-1 of `topic` from the replay endpoint; all of them?"""
-        if publisher.replay_endpoint is None:
+        """Apply messages start..stop-1 of `topic` from the replay endpoint; all of them?
+        Bounded whatever the endpoint sends: `replay_timeout` in all, `max_replay_bytes`
+        (a gap that could not fit is not asked for), `max_message_bytes` a message."""
+        if publisher.replay_endpoint is None or (stop - start) * REPLAY_ENTRY > (
+            self.max_replay_bytes
+        ):
             return False
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         dealer.connect(publisher.replay_endpoint)
+        deadline = time.monotonic() + self.replay_timeout
+        budget = self.max_replay_bytes
         try:
             dealer.send_multipart([b"", start.to_bytes(8, "big"), topic.encode()])
             got: dict[int, bytes] = {}
-            while dealer.poll(int(self.replay_timeout * 1000)):
+            while (left := deadline - time.monotonic()) > 0 and dealer.poll(int(left * 1000) + 1):
                 frames = dealer.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8 or frames[2] == END_SEQ:
                     break
                 seq = int.from_bytes(frames[2], "big")
-                if frames[1] == topic.encode() and start <= seq < stop:
+                if frames[1] == topic.encode() and start <= seq < stop and seq not in got:
+                    budget -= len(frames[3]) + REPLAY_ENTRY
+                    if budget < 0:
+                        break
                     got[seq] = frames[3]
         finally:
             dealer.close()
