@@ -1,10 +1,12 @@
 """The blocking client's keep-alive connections (`kvtier/client/connections.py`) against real
 HTTP servers on loopback: connections reused across calls and threads, an idle connection the
 server closed replaced before it is used, and every way a call can fail at the transport as a
-`TransportError` naming the call."""
+`TransportError` naming the call. Both clients against a server whose reply never ends: a
+`ReplyError` at `max_reply_bytes`, with no more than that read."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -15,7 +17,7 @@ import pytest
 
 from kvtier.client import Client, TransportError
 from kvtier.client.connections import Connections
-from kvtier.errors import ClosedError
+from kvtier.errors import ClosedError, ReplyError
 
 
 class Echo(BaseHTTPRequestHandler):
@@ -173,3 +175,122 @@ def test_an_answer_sent_before_the_body_was_read_is_returned_not_the_broken_pipe
     thread.join(5)
     listener.close()
     conns.close()
+
+
+# ---- a reply longer than the client's bound ----------------------------------------------
+
+
+class EndlessReply:
+    """A hostile HTTP server on a raw socket: each request gets a 200 whose body is `size`
+    bytes (then the connection closes) or, with `size` None, never ends; framed by a
+    Content-Length (a lying one, 1 TiB, when endless), by chunks, or by the close alone."""
+
+    def __init__(self, framing: str, size: int | None) -> None:
+        self.framing, self.size = framing, size
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sent = 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(4096)
+                with contextlib.suppress(OSError):  # the client stopped reading: as it should
+                    self.answer(conn)
+
+    def answer(self, conn: socket.socket) -> None:
+        length = {"length": f"content-length: {self.size or 1 << 40}\r\n"}.get(self.framing, "")
+        chunked = "transfer-encoding: chunked\r\n" if self.framing == "chunks" else ""
+        conn.sendall(
+            f"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\n{length}{chunked}"
+            "connection: close\r\n\r\n".encode()
+        )
+        piece = b"\x90" * 65536
+        left = self.size if self.size is not None else 1 << 62
+        while left > 0:
+            data = piece[: min(left, len(piece))]
+            conn.sendall(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            self.sent += len(data)
+            left -= len(data)
+        if chunked:
+            conn.sendall(b"0\r\n\r\n")
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+LIMIT = 1 << 20
+
+
+@pytest.mark.parametrize("framing", ["length", "chunks", "close"])
+def test_a_reply_past_max_reply_bytes_is_refused_having_read_no_more(framing: str) -> None:
+    """Both clients against a server whose reply never ends (with a Content-Length of 1 TiB,
+    in chunks, or until the connection closes): a `ReplyError` naming `max_reply_bytes`,
+    soon, with no more than the bound held in memory; a reply of exactly the bound is read
+    whole (one byte more is refused)."""
+    import asyncio
+    import tracemalloc
+
+    from kvtier.client import AsyncClient
+
+    endless = EndlessReply(framing, None)
+    tracemalloc.start()
+    started = time.monotonic()
+    client = Client(endless.url, shared_memory=False, timeout_s=10, max_reply_bytes=LIMIT)
+    with pytest.raises(ReplyError, match=r"GET /v1/status: a reply of .*max_reply_bytes"):
+        client.status()
+    client.close()
+
+    async def status() -> None:
+        async with AsyncClient(
+            endless.url, shared_memory=False, timeout_s=10, max_reply_bytes=LIMIT
+        ) as aclient:
+            await aclient.status()
+
+    with pytest.raises(ReplyError, match=r"GET /v1/status: a reply of .*max_reply_bytes"):
+        asyncio.run(status())
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert time.monotonic() - started < 5
+    assert peak < 8 * LIMIT, peak  # the bound, not what the server would send
+    endless.close()
+
+    for size, refused in ((LIMIT, False), (LIMIT + 1, True)):
+        server = EndlessReply(framing, size)
+        for read in (read_blocking, read_async):
+            if refused:
+                with pytest.raises(ReplyError, match="max_reply_bytes"):
+                    read(server.url)
+            else:
+                assert read(server.url) == b"\x90" * LIMIT
+        server.close()
+
+
+def read_blocking(url: str) -> bytes:
+    connections = Connections(url, 10, LIMIT)
+    try:
+        return connections.request("GET", "/x", None, {}).content
+    finally:
+        connections.close()
+
+
+def read_async(url: str) -> bytes:
+    import asyncio
+
+    import httpx
+
+    from kvtier.client.transport import httpx_send
+
+    async def send() -> bytes:
+        async with httpx.AsyncClient(base_url=url) as http:
+            reply = await httpx_send(http, http.build_request("GET", "/x"), LIMIT)
+        return reply.content
+
+    return asyncio.run(send())

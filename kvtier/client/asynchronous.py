@@ -19,10 +19,10 @@ import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
 from kvtier.caller_kv import kv_layout
-from kvtier.client.connections import TransportError
+from kvtier.client.connections import MAX_REPLY_BYTES
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
-from kvtier.client.transport import RequestHeaders, httpx_reply, reply_body
+from kvtier.client.transport import RequestHeaders, httpx_send, reply_body
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies, wire
@@ -39,8 +39,11 @@ class AsyncClient:
         tenant: str | None = None,
         shared_memory: bool = True,
         timeout_s: float = 120.0,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
+        """As `Client`'s."""
         self._headers = RequestHeaders(api_key, tenant)
+        self._max_reply = max_reply_bytes
         self._pools = MappedPools()
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
         self._shared_memory = shared_memory
@@ -53,20 +56,13 @@ class AsyncClient:
         self, path: str, body: dict[str, Any], tenant: str = "default"
     ) -> dict[str, Any]:
         await self._map()
-        try:
-            response = await self._http.post(
-                path, content=wire.encode(body, True), headers=self._headers.for_tenant(tenant)
-            )
-        except httpx.TransportError as exc:
-            raise TransportError(f"POST {path}: {type(exc).__name__}: {exc}") from None
-        return reply_body(httpx_reply(response))
+        content, headers = wire.encode(body, True), self._headers.for_tenant(tenant)
+        request = self._http.build_request("POST", path, content=content, headers=headers)
+        return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        try:
-            response = await self._http.get(path, params=params, headers=self._headers.common)
-        except httpx.TransportError as exc:
-            raise TransportError(f"GET {path}: {type(exc).__name__}: {exc}") from None
-        return reply_body(httpx_reply(response))
+        request = self._http.build_request("GET", path, params=params, headers=self._headers.common)
+        return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
         """`_post`, carrying the releases owed for `tenant` (`releases.py`)."""

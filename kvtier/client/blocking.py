@@ -21,7 +21,7 @@ import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
 from kvtier.caller_kv import kv_layout
-from kvtier.client.connections import Connections
+from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, reply_body
@@ -61,13 +61,15 @@ class Client:
         tenant: str | None = None,
         shared_memory: bool = True,
         timeout_s: float = 120.0,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
         """`api_key` (default `$KVTIER_API_KEY`) selects the tenant when the server has auth;
         without auth `tenant` (or each call's `tenant=`) does. `shared_memory`: map the
-        server's pools when they are on this host."""
+        server's pools when they are on this host. A reply longer than `max_reply_bytes` is a
+        `ReplyError`, read no further (a load sent in the body is the longest a server sends)."""
         self._headers = RequestHeaders(api_key, tenant)
         self._pools = MappedPools()
-        self._http = Connections(url, timeout_s)
+        self._http = Connections(url, timeout_s, max_reply_bytes)
         self._owed = OwedReleases()
         self._wake = threading.Condition()
         self._flusher: threading.Thread | None = None

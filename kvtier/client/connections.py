@@ -20,6 +20,8 @@ Contract:
   caller gets the refusal rather than a broken pipe.
 - Every failure to connect, send or read, a timeout (`timeout_s`, each socket operation) and a
   reply that is not HTTP is a `TransportError` naming the call; its connection is closed.
+- A reply body longer than `max_reply_bytes` (a Content-Length that says so, or bytes that
+  keep coming) is a `ReplyError`: no more than that is read, and the connection is closed.
 - `close()` closes the idle connections; one in use is closed when its request ends. A request
   after it is a `ClosedError`, as httpx's closed client refused one.
 """
@@ -32,7 +34,11 @@ import threading
 import urllib.parse
 from typing import NamedTuple
 
-from kvtier.errors import ClosedError, KVTierError
+from kvtier.errors import ClosedError, KVTierError, ReplyError
+
+MAX_REPLY_BYTES = (1 << 30) + (1 << 20)
+"""The longest reply body a client reads by default: a KV as long as the server's default
+`service.max_body_bytes` takes in (a load sent in the body), and room for the fields around it."""
 
 
 class TransportError(KVTierError):
@@ -48,7 +54,7 @@ class Reply(NamedTuple):
 
 
 class Connections:
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url: got {url!r}, expected http://host:port")
@@ -56,6 +62,7 @@ class Connections:
         self._host, self._port = parts.hostname, parts.port
         self._base = parts.path.rstrip("/")
         self._timeout = timeout_s
+        self._max_reply = max_reply_bytes
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -72,7 +79,7 @@ class Connections:
                 sent = exc  # the server may have answered before it stopped reading (413)
             try:
                 response = conn.getresponse()
-                content = response.read()
+                content = read_reply(response, self._max_reply, f"{method} {path}")
             except (OSError, http.client.HTTPException):
                 if sent is not None:
                     raise sent from None  # no early answer: the send's failure is the news
@@ -81,7 +88,7 @@ class Connections:
             conn.close()
             raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from None
         except BaseException:
-            conn.close()  # interrupted mid-request: the connection's state is unknown
+            conn.close()  # interrupted mid-request, or a reply too long: its state is unknown
             raise
         if response.will_close or sent is not None:  # a body half sent: the connection is done
             conn.close()
@@ -116,3 +123,17 @@ class Connections:
                 self._idle.append(conn)
                 return
         conn.close()
+
+
+def read_reply(response: http.client.HTTPResponse, limit: int, call: str) -> bytes:
+    """`response`'s body, or `ReplyError` once it is known to pass `limit` bytes (before
+    reading any when its Content-Length says so; after `limit` + 1 bytes when it does not)."""
+    length = response.getheader("content-length")
+    if length is not None and length.strip().isdigit() and int(length) > limit:
+        raise ReplyError(
+            f"{call}: a reply of {int(length)} bytes, more than {limit} (max_reply_bytes)"
+        )
+    content = response.read(limit + 1)
+    if len(content) > limit:
+        raise ReplyError(f"{call}: a reply of more than {limit} bytes (max_reply_bytes)")
+    return content

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.client.connections import Reply
+from kvtier.client.connections import Reply, TransportError
 from kvtier.errors import ClosedError, KVTierError, ReplyError
 from kvtier.service import wire
 
@@ -41,7 +41,11 @@ class RequestHeaders:
         """`api_key` (None: `$KVTIER_API_KEY`) selects the tenant when the server has auth;
         without a key, `tenant` names the tenant of every request that names none itself."""
         key = api_key if api_key is not None else os.environ.get("KVTIER_API_KEY")
-        self.common = {"content-type": wire.MSGPACK, "accept": wire.MSGPACK}
+        self.common = {
+            "content-type": wire.MSGPACK,
+            "accept": wire.MSGPACK,
+            "accept-encoding": "identity",  # nothing to inflate (`httpx_send`)
+        }
         if key:
             self.common["authorization"] = f"Bearer {key}"
         if tenant:
@@ -55,10 +59,35 @@ class RequestHeaders:
         return {**self.common, "x-kvtier-tenant": tenant}
 
 
-def httpx_reply(response: httpx.Response) -> Reply:
-    """An httpx response (`AsyncClient`'s) as the `Reply` that `reply_body` reads."""
+async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: int) -> Reply:
+    """Send `request` (`AsyncClient`'s) and read its reply as the `Reply` that `reply_body`
+    reads: `limit` bytes of it at most, a `ReplyError` past them (as the blocking client's
+    `read_reply`), raw (a content encoding is not undone: kvtier's server sends none, and
+    asks for none); httpx's transport failures as `TransportError`."""
+    call = f"{request.method} {request.url.path}"
+    chunks: list[bytes] = []
+    try:
+        response = await client.send(request, stream=True)
+        try:
+            length = response.headers.get("content-length", "")
+            if length.strip().isdigit() and int(length) > limit:
+                raise ReplyError(
+                    f"{call}: a reply of {int(length)} bytes, more than {limit} (max_reply_bytes)"
+                )
+            size = 0
+            async for chunk in response.aiter_raw():
+                size += len(chunk)
+                if size > limit:
+                    raise ReplyError(
+                        f"{call}: a reply of more than {limit} bytes (max_reply_bytes)"
+                    )
+                chunks.append(chunk)
+        finally:
+            await response.aclose()
+    except httpx.TransportError as exc:
+        raise TransportError(f"{call}: {type(exc).__name__}: {exc}") from None
     content_type = response.headers.get("content-type")
-    return Reply(response.status_code, content_type, response.content, response.request.url.path)
+    return Reply(response.status_code, content_type, b"".join(chunks), request.url.path)
 
 
 def reply_body(response: Reply) -> dict[str, Any]:
