@@ -38,7 +38,6 @@ routing on events waits for the store it just used). `close()` stops the thread.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -137,50 +136,83 @@ class Subscriber:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        by_socket: dict[zmq.Socket[bytes], _Publisher] = {}
-        by_monitor: dict[zmq.Socket[bytes], _Publisher] = {}
+        publishers: list[_Publisher] = []
+        by_socket: dict[zmq.Socket[bytes], _Publisher] = {}  # a SUB, or its monitor
         while not self._stopping:
             with self._cond:
                 added, self._added = self._added, []
             for endpoint, replay_endpoint, snapshot in added:
-                sub = self._context.socket(zmq.SUB)
-                sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-                sub.setsockopt(zmq.SUBSCRIBE, b"")
-                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                sub.connect(endpoint)
+                sub, monitor = self._open(endpoint)
                 publisher = _Publisher(
                     sub, endpoint, monitor, replay_endpoint, snapshot, time.monotonic()
                 )
-                by_socket[sub], by_monitor[monitor] = publisher, publisher
-                poller.register(sub, zmq.POLLIN)
-                poller.register(monitor, zmq.POLLIN)
+                publishers.append(publisher)
+                self._watch(poller, by_socket, publisher)
             for sock, _ in poller.poll(20):
-                if sock in by_monitor:
-                    self._reconnect(by_monitor[sock])
-                    continue
                 publisher = by_socket[sock]
+                if sock is publisher.monitor:  # the SUB lost its connection
+                    self._reopen(poller, by_socket, publisher)
+                    continue
                 while publisher.socket.poll(0):
                     self._receive(publisher, publisher.socket.recv_multipart())
             if self.resync_s is not None:
                 now = time.monotonic()
-                for publisher in by_socket.values():
+                for publisher in publishers:
                     if publisher.snapshot and now - publisher.resynced_at >= self.resync_s:
                         self._resync(publisher)
-        for publisher in by_socket.values():
-            publisher.socket.disable_monitor()
-            publisher.monitor.close()
+        for publisher in publishers:
+            self._unwatch(poller, by_socket, publisher)
 
-    def _reconnect(self, publisher: _Publisher) -> None:
-        """The SUB lost its connection: connect again. ZMQ does so itself after a network
-        error, but not after a protocol error such as a message past `max_message_bytes`, and
-        a publisher that sent one long message must not go unheard from then on (one that
-        sends only those is dropped each time, at the message's header)."""
-        while publisher.monitor.poll(0):
-            publisher.monitor.recv_multipart()  # the event: what it was does not matter
+    def _open(self, endpoint: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """A SUB connected to `endpoint`, refusing messages past `max_message_bytes`, and the
+        monitor that tells of its disconnections."""
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(endpoint)
+        return sub, monitor
+
+    def _reopen(
+        self,
+        poller: zmq.Poller,
+        by_socket: dict[zmq.Socket[bytes], _Publisher],
+        publisher: _Publisher,
+    ) -> None:
+        """The SUB lost its connection: a new SUB in its place. ZMQ connects again by itself
+        after a network error, but not after a protocol error such as a message past
+        `max_message_bytes`, and a publisher that sent one long message must not go unheard
+        from then on (one that sends only those is dropped each time, at the message's
+        header). A new socket rather than a second `connect` on the old one: that would hold
+        two connections to a publisher that ZMQ did reconnect, and take each message twice."""
         self._count("disconnects")
-        with contextlib.suppress(zmq.ZMQError):  # not connected any more: nothing to undo
-            publisher.socket.disconnect(publisher.endpoint)
-        publisher.socket.connect(publisher.endpoint)
+        self._unwatch(poller, by_socket, publisher)
+        publisher.socket, publisher.monitor = self._open(publisher.endpoint)
+        self._watch(poller, by_socket, publisher)
+
+    @staticmethod
+    def _watch(
+        poller: zmq.Poller,
+        by_socket: dict[zmq.Socket[bytes], _Publisher],
+        publisher: _Publisher,
+    ) -> None:
+        for sock in (publisher.socket, publisher.monitor):
+            by_socket[sock] = publisher
+            poller.register(sock, zmq.POLLIN)
+
+    @staticmethod
+    def _unwatch(
+        poller: zmq.Poller,
+        by_socket: dict[zmq.Socket[bytes], _Publisher],
+        publisher: _Publisher,
+    ) -> None:
+        for sock in (publisher.socket, publisher.monitor):
+            poller.unregister(sock)
+            del by_socket[sock]
+        publisher.socket.disable_monitor()
+        publisher.monitor.close(linger=0)
+        publisher.socket.close(linger=0)
 
     def _receive(self, publisher: _Publisher, frames: list[bytes], resync: bool = True) -> None:
         """Apply one message (module doc); `resync`: a gap may be filled from a snapshot (once
