@@ -70,6 +70,7 @@ MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, rem
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_REPLAY_REQUEST = 4096  # bytes of one frame of a replay request (a topic name at most)
 MIN_MESSAGE_BYTES = 1 << 16
+LOOK_S = 0.05  # the longest the thread waits before it looks at `close` and the queue again
 MESSAGE_OVERHEAD = 64
 """Payload bytes of a message besides its events but AllBlocksCleared (at most: a batch's
 array, timestamp and dp_rank take 24)."""
@@ -111,8 +112,9 @@ class EventPublisher:
         self.pending: collections.deque[Event] = collections.deque()  # appended by callers
         self.queue_limit = settings.queue_limit  # read per event by the observer: one lookup
         self._stopping = False
+        self._closing = threading.Event()  # wakes the thread's wait at `close`
         self._topics: dict[str, _Topic] = {}
-        self._lock = threading.RLock()
+        self.lock = self._lock = threading.RLock()  # `IndexEvents` extends the queue under it
         self._stats = {"events": 0, "messages": 0, "dropped_events": 0, "replays": 0}
         self._sending = threading.Lock()  # held by whoever drains the queue into the PUB
         if settings.max_message_bytes < MIN_MESSAGE_BYTES:
@@ -184,6 +186,7 @@ class EventPublisher:
     def close(self) -> None:
         if self._thread.is_alive():
             self._stopping = True  # the thread sends what is queued, then ends
+            self._closing.set()
             self._thread.join(timeout=10)
         self._pub.close()
         if self._replay is not None:
@@ -193,13 +196,15 @@ class EventPublisher:
     # ---- inside -------------------------------------------------------------------------
 
     def _put(self, tenant: str, event: wire.Spec) -> None:
-        """Queue an event: one append (atomic under the GIL), no lock, no wake-up; the thread
-        looks every `flush_s`. The index's observer appends to `pending` itself the same way
-        (`IndexEvents`: one call less per event under the store's lock)."""
-        if len(self.pending) < self.queue_limit:
-            self.pending.append((tenant, event))
-            return
-        self.overflow(tenant)
+        """Queue an event: one append under the lock, no wake-up; the thread looks every
+        `flush_s`. The index's observer appends to `pending` itself the same way, or extends
+        the entry it queued last (`IndexEvents`: one call less per event under the store's
+        lock)."""
+        with self._lock:  # the observer may be replacing the queue's last entry
+            if len(self.pending) < self.queue_limit:
+                self.pending.append((tenant, event))
+                return
+            self.overflow(tenant)
 
     def overflow(self, tenant: str) -> None:
         """Count an event of `tenant`'s dropped by a full queue (`queue_limit`): that topic's
@@ -220,14 +225,20 @@ class EventPublisher:
         return topic
 
     def _run(self) -> None:
+        flush_s = self.settings.flush_s
+        due = time.monotonic() + flush_s
         while True:
             stopping = self._stopping  # read before the drain: nothing queued before is left
+            # look at least every `LOOK_S` (a long `flush_s` must not hold `close` up)
+            wait = min(max(0.0, due - time.monotonic()), LOOK_S)
             if self._replay is not None:
-                if self._replay.poll(int(self.settings.flush_s * 1000) or 1):
+                if self._replay.poll(max(1, int(wait * 1000))):
                     self._serve_replay()
             else:
-                time.sleep(self.settings.flush_s or 0.001)
-            self._drain()
+                self._closing.wait(wait or 0.001)
+            if stopping or time.monotonic() >= due:
+                self._drain()
+                due = time.monotonic() + flush_s
             if stopping:
                 return
 

@@ -1,0 +1,131 @@
+"""Edits of one block at a time (the mover's paths: a prefetch published block by block,
+eviction and demotion from a node's end) join the event queued just before them when they
+continue it, so a run of them is one event, not one per block. The sending thread drains the
+queue all the while (`flush_s` 0): however the two meet, a subscriber that applies what it reads,
+decoded by field position, ends with exactly the residency the index holds, and no block is
+told of twice in a row."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import numpy as np
+import zmq
+
+from kvtier.blocks import BlockHasher, encode_tokens
+from kvtier.events import EventPublisher, EventSettings
+from kvtier.events.observer import IndexEvents
+from kvtier.index import BlockRef, RadixIndex
+from kvtier.index.node import Node
+
+MEDIA = ("GPU", "CPU")
+BLOCKS = 8  # per prompt
+
+
+def residency(index: RadixIndex) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    stack: list[Node] = [c for r in index.roots() for c in (r.children or {}).values()]
+    while stack:
+        node = stack.pop()
+        for i in range(node.size):
+            media = {MEDIA[t] for t in range(2) if node.slots[t][i] is not None}
+            if media:
+                out[node.ev + i] = media
+        stack += list((node.children or {}).values())
+    return out
+
+
+def test_blocks_promoted_and_demoted_one_by_one_are_one_event_each_way() -> None:
+    """Nothing drains meanwhile here (`flush_s` long), so what joins is certain: 8 blocks
+    promoted in order are one BlockStored of 8, chained to the prompt's parent as a store of
+    the 8 would be, and 8 cleared from the end one BlockRemoved."""
+    hasher = BlockHasher()
+    index = RadixIndex(("gpu", "host"), 4, hasher)
+    settings = EventSettings("kv@pod@m", queue_limit=10**6, flush_s=1000.0)
+    publisher = EventPublisher("tcp://127.0.0.1:0", settings=settings)
+    index.observer = IndexEvents(publisher, index, lambda namespace: "t")
+    ns = hasher.seed(b"\0" * 16, b"t")
+    key = encode_tokens(np.arange(4 * BLOCKS))
+    end = index.insert(index.match(ns, key), key, {1: list(range(BLOCKS))}).end
+    for i in range(BLOCKS):
+        index.set_slot(BlockRef(end, i), 0, 100 + i)
+    for i in reversed(range(BLOCKS)):
+        index.clear_slot(BlockRef(end, i), 0)
+    index.check()
+    specs = [spec for _, spec in publisher.pending]
+    assert len(specs) == 3  # the insert's BlockStored in CPU, then one each way in GPU
+    (_, _, _, ev, lo, hi, parent, _, tiers, _), removed = specs[1], specs[2]
+    assert (ev, lo, hi, parent, tiers) == (end.ev, 0, BLOCKS, None, (0,))
+    assert removed[1:] == (end.ev, BLOCKS, "GPU")
+    publisher.close()
+
+
+def test_a_block_at_a_time_is_told_in_runs_and_exactly() -> None:
+    hasher = BlockHasher()
+    index = RadixIndex(("gpu", "host"), 4, hasher)
+    settings = EventSettings("kv@pod@m", queue_limit=10**6, flush_s=0.0)
+    publisher = EventPublisher("tcp://127.0.0.1:0", settings=settings)
+    ctx: Any = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVTIMEO, 200)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(publisher.endpoint)
+    time.sleep(0.3)
+    index.observer = IndexEvents(publisher, index, lambda namespace: "t")
+    ns = hasher.seed(b"\0" * 16, b"t")
+    rng = random.Random(7)
+    free = {0: list(range(10_000)), 1: list(range(10_000))}
+    edits = 0
+    for p in range(60):
+        tokens = np.arange(p * 1000, p * 1000 + 4 * BLOCKS)
+        key = encode_tokens(tokens)
+        end = index.insert(index.match(ns, key), key, {1: free[1][-BLOCKS:]}).end
+        del free[1][-BLOCKS:]
+        refs = [BlockRef(end, i) for i in range(BLOCKS)]
+        for ref in refs[: rng.randint(1, BLOCKS)]:  # promoted in order, as a prefetch does
+            index.set_slot(ref, 0, free[0].pop())
+            edits += 1
+        for ref in reversed(refs):  # demoted from the end while gpu holds the block
+            if ref.node.slots[0][ref.i] is None or rng.random() < 0.3:
+                continue
+            if not index.can_clear(ref, 0):
+                break
+            free[0].append(index.clear_slot(ref, 0))
+            edits += 1
+        if rng.random() < 0.5:  # dropped a block at a time from the end, as eviction does
+            for _ in range(rng.randint(1, BLOCKS)):
+                node = refs[0].node
+                for tier, slot in index.drop(BlockRef(node, node.size - 1)):
+                    free[tier].append(slot)
+                edits += 1
+                if node.parent is None:
+                    break
+        index.check()
+    publisher.flush()
+    held: dict[int, set[str]] = {}
+    events = 0
+    last: list[Any] | None = None
+    for _ in range(publisher.sent("kv@pod@m")):
+        _ts, batch, _rank = msgpack.unpackb(sub.recv_multipart()[2])
+        for event in batch:
+            events += 1
+            if event[0] == "BlockStored":
+                for h in event[1]:
+                    held.setdefault(h, set()).add(event[6])
+            elif event[0] == "BlockRemoved":
+                for h in event[1]:
+                    held[h].discard(event[2])
+                    if not held[h]:
+                        del held[h]
+            else:
+                held.clear()
+            assert event != last  # a block told of once per change, not twice in a row
+            last = event
+    assert held == residency(index)
+    assert events < edits, (events, edits)  # runs of single-block edits went as one
+    publisher.close()
+    sub.close()
+    ctx.destroy(linger=0)
