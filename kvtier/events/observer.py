@@ -98,12 +98,12 @@ class IndexEvents:
             and last[5] == lo
             and last[3] == ev
             and last[8] == tiers
-            and self._replace(last, tenant, (*last[:5], hi, *last[6:]))
+            and self._join(last, tenant, (*last[:5], hi, *last[6:]))
         ):  # the next blocks of the run queued last: one event (module doc)
             return
         if len(pending) < self.publisher.queue_limit:
             spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, above, self.bs, tiers, self.media)
-            pending.append((tenant, spec))  # one append: atomic, no lock (`_replace`)
+            pending.append((tenant, spec))  # one append: atomic, no lock (`_join`)
         else:
             self.publisher.overflow(tenant)
 
@@ -145,7 +145,7 @@ class IndexEvents:
             elif last[1] + last[2] == number:  # the block after
                 start = last[1]
             spec = (TOLD_REMOVED, start, last[2] + 1, medium)
-            if start is not None and self._replace(last, tenant, spec):
+            if start is not None and self._join(last, tenant, spec):
                 return
         if len(self.pending) < self.publisher.queue_limit:
             self.pending.append((tenant, (TOLD_REMOVED, number, 1, medium)))
@@ -154,14 +154,14 @@ class IndexEvents:
 
     def _last(self) -> tuple[Any, ...] | None:
         """The `told_*` spec queued last, if that is one (looked at without the lock: the
-        sender may take it meanwhile, which `_replace` sees)."""
+        sender may take it meanwhile, which `_join` sees)."""
         try:
             _, last = self.pending[-1]
         except IndexError:
             return None
         return last if type(last) is tuple else None
 
-    def _replace(self, last: tuple[Any, ...], tenant: str, spec: tuple[Any, ...]) -> bool:
+    def _join(self, last: tuple[Any, ...], tenant: str, spec: tuple[Any, ...]) -> bool:
         """Put `spec` in place of `last` if `last` of `tenant` is still the queue's last entry
         (the sender pops from the other end under the same lock, and the store's lock keeps
         other observers' calls out); whether it did. Appends take no lock: only this thread
