@@ -103,6 +103,8 @@ class Subscriber:
             0,
         )
         self._stopping = False
+        self._poller = zmq.Poller()  # the thread's, as are the sockets it polls
+        self._by_socket: dict[zmq.Socket[bytes], _Publisher] = {}  # a SUB, or its monitor
         self._thread = threading.Thread(target=self._run, name="kvtier-route-sub", daemon=True)
         self._thread.start()
 
@@ -135,9 +137,7 @@ class Subscriber:
     # ---- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        poller = zmq.Poller()
         publishers: list[_Publisher] = []
-        by_socket: dict[zmq.Socket[bytes], _Publisher] = {}  # a SUB, or its monitor
         while not self._stopping:
             with self._cond:
                 added, self._added = self._added, []
@@ -147,11 +147,11 @@ class Subscriber:
                     sub, endpoint, monitor, replay_endpoint, snapshot, time.monotonic()
                 )
                 publishers.append(publisher)
-                self._watch(poller, by_socket, publisher)
-            for sock, _ in poller.poll(20):
-                publisher = by_socket[sock]
+                self._watch(publisher)
+            for sock, _ in self._poller.poll(20):
+                publisher = self._by_socket[sock]
                 if sock is publisher.monitor:  # the SUB lost its connection
-                    self._reopen(poller, by_socket, publisher)
+                    self._reopen(publisher)
                     continue
                 while publisher.socket.poll(0):
                     self._receive(publisher, publisher.socket.recv_multipart())
@@ -161,7 +161,7 @@ class Subscriber:
                     if publisher.snapshot and now - publisher.resynced_at >= self.resync_s:
                         self._resync(publisher)
         for publisher in publishers:
-            self._unwatch(poller, by_socket, publisher)
+            self._unwatch(publisher)
 
     def _open(self, endpoint: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         """A SUB connected to `endpoint`, refusing messages past `max_message_bytes`, and the
@@ -174,12 +174,7 @@ class Subscriber:
         sub.connect(endpoint)
         return sub, monitor
 
-    def _reopen(
-        self,
-        poller: zmq.Poller,
-        by_socket: dict[zmq.Socket[bytes], _Publisher],
-        publisher: _Publisher,
-    ) -> None:
+    def _reopen(self, publisher: _Publisher) -> None:
         """The SUB lost its connection: a new SUB in its place. ZMQ connects again by itself
         after a network error, but not after a protocol error such as a message past
         `max_message_bytes`, and a publisher that sent one long message must not go unheard
@@ -187,29 +182,21 @@ class Subscriber:
         header). A new socket rather than a second `connect` on the old one: that would hold
         two connections to a publisher that ZMQ did reconnect, and take each message twice."""
         self._count("disconnects")
-        self._unwatch(poller, by_socket, publisher)
+        self._unwatch(publisher)
         publisher.socket, publisher.monitor = self._open(publisher.endpoint)
-        self._watch(poller, by_socket, publisher)
+        self._watch(publisher)
 
-    @staticmethod
-    def _watch(
-        poller: zmq.Poller,
-        by_socket: dict[zmq.Socket[bytes], _Publisher],
-        publisher: _Publisher,
-    ) -> None:
+    def _watch(self, publisher: _Publisher) -> None:
+        """Poll `publisher`'s SUB and its monitor (the thread's)."""
         for sock in (publisher.socket, publisher.monitor):
-            by_socket[sock] = publisher
-            poller.register(sock, zmq.POLLIN)
+            self._by_socket[sock] = publisher
+            self._poller.register(sock, zmq.POLLIN)
 
-    @staticmethod
-    def _unwatch(
-        poller: zmq.Poller,
-        by_socket: dict[zmq.Socket[bytes], _Publisher],
-        publisher: _Publisher,
-    ) -> None:
+    def _unwatch(self, publisher: _Publisher) -> None:
+        """Stop polling `publisher`'s sockets, and close them."""
         for sock in (publisher.socket, publisher.monitor):
-            poller.unregister(sock)
-            del by_socket[sock]
+            self._poller.unregister(sock)
+            del self._by_socket[sock]
         publisher.socket.disable_monitor()
         publisher.monitor.close(linger=0)
         publisher.socket.close(linger=0)
