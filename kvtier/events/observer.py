@@ -16,12 +16,12 @@ Cost. Called under the store's lock, once per edit whatever the tiers, it append
 of references and numbers to the publisher's queue (`wire.told_stored`, `wire.told_removed`):
 no slice, no allocation but the tuple, no NumPy call. An edit of one block that continues the
 one queued last replaces it instead: the next block of a node stored in the same tiers, or a
-removal from one medium whose number runs on from (or up to) the last one's (0.5 us more a
-call; edits of runs are queued as they are). The mover's per-block paths
-(a prefetch's copies published block by block, eviction and demotion a block at a time from a
-node's end) would otherwise queue an event per block, about 9,000 a second in
-`bench_mover.py` (b), each costing the sending thread 6 us to pack and the store's threads
-its turn on the GIL: a store there took 1.13x as long with events on.
+removal from one medium whose number runs on from (or up to) the last one's (about 0.7 us more
+a joined block, under the publisher's lock; edits of runs are queued as they are). The mover's
+per-block paths (a prefetch's copies published block by block, eviction and demotion a block
+at a time from a node's end) otherwise queued an event per block: 55,893 events in 6 s of
+`bench_mover.py` (b), 2 blocks an event, each packed by the sending thread and applied by
+every router; 2,172 now.
 
 The publisher's thread slices the node's key (immutable bytes: an edit replaces it, never
 changes it) and packs the hashes and tokens with numpy (`wire.py`), one body for the tiers a
