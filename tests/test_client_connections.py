@@ -117,7 +117,13 @@ def _one_shot_server(answer: bytes | None) -> tuple[str, socket.socket]:
 
     def serve() -> None:
         conn, _ = listener.accept()
-        conn.recv(65536)
+        request = b""  # the whole request: a close with bytes unread would reset, not end
+        while b"\r\n\r\n" not in request:
+            request += conn.recv(65536)
+        head, _, body = request.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        while len(body) < length:
+            body += conn.recv(65536)
         if answer is not None:
             conn.sendall(answer)
             conn.close()
