@@ -177,17 +177,24 @@ def test_a_message_past_the_subscribers_bound_is_never_taken_and_the_rest_still_
     sub = Subscriber(index, max_message_bytes=1 << 20)
     sub.add(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)
-    # 2 MiB of one-byte ints: 72 MiB of Python objects once decoded, were it taken
-    huge = msgpack.packb([time.time(), [["BlockStored", [1], None, [5] * (2 << 20), 4]], None])
+    # a valid BlockStored of 200,000 blocks of [5, 5, 5, 5] (about 1.4 MiB): had it been
+    # taken, the pod would hold the prompt [5] * 8
+    blocks = 200_000
+    event = ["BlockStored", list(range(1, blocks + 1)), None, [5] * (4 * blocks), 4, None, "GPU"]
+    huge = msgpack.packb([time.time(), [[*event, None]], None])
+    assert len(huge) > 1 << 20
     pub.send_multipart([TOPIC.encode(), (0).to_bytes(8, "big"), huge])
     honest = stored_batch(2, [1, 2, 3, 4])
 
-    def taken() -> bool:  # sent until the dropped connection is made again
-        pub.send_multipart([TOPIC.encode(), (1).to_bytes(8, "big"), honest])
+    seq = iter(range(1, 10**6))
+
+    def taken() -> bool:  # sent, in sequence, until the dropped connection is made again
+        pub.send_multipart([TOPIC.encode(), next(seq).to_bytes(8, "big"), honest])
         return index.score([1, 2, 3, 4]) == {"pod-a": 4.0}
 
     assert wait_until(taken)
     assert index.score([5] * 8) == {}  # the long message's blocks never arrived
+    assert sub.stats()["bad"] == 0
     stats = sub.stats()
     assert stats["disconnects"] >= 1  # ZMQ dropped the connection; the subscriber made it again
     assert stats["resets"] >= 1  # the lost message 0 was a gap nobody could fill

@@ -128,12 +128,22 @@ class Connections:
 def read_reply(response: http.client.HTTPResponse, limit: int, call: str) -> bytes:
     """`response`'s body, or `ReplyError` once it is known to pass `limit` bytes (before
     reading any when its Content-Length says so; after `limit` + 1 bytes when it does not)."""
-    length = response.getheader("content-length")
+    check_declared_length(response.getheader("content-length"), limit, call)
+    content = response.read(limit + 1)
+    if len(content) > limit:
+        raise reply_too_long(limit, call)
+    return content
+
+
+def check_declared_length(length: str | None, limit: int, call: str) -> None:
+    """`ReplyError` when a reply's Content-Length header says it passes `limit` bytes (both
+    clients, before they read the body)."""
     if length is not None and length.strip().isdigit() and int(length) > limit:
         raise ReplyError(
             f"{call}: a reply of {int(length)} bytes, more than {limit} (max_reply_bytes)"
         )
-    content = response.read(limit + 1)
-    if len(content) > limit:
-        raise ReplyError(f"{call}: a reply of more than {limit} bytes (max_reply_bytes)")
-    return content
+
+
+def reply_too_long(limit: int, call: str) -> ReplyError:
+    """The error of a reply whose bytes passed `limit` as they came (both clients)."""
+    return ReplyError(f"{call}: a reply of more than {limit} bytes (max_reply_bytes)")

@@ -14,7 +14,12 @@ from typing import Any
 
 import httpx
 
-from kvtier.client.connections import Reply, TransportError
+from kvtier.client.connections import (
+    Reply,
+    TransportError,
+    check_declared_length,
+    reply_too_long,
+)
 from kvtier.errors import ClosedError, KVTierError, ReplyError
 from kvtier.service import wire
 
@@ -69,18 +74,12 @@ async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: i
     try:
         response = await client.send(request, stream=True)
         try:
-            length = response.headers.get("content-length", "")
-            if length.strip().isdigit() and int(length) > limit:
-                raise ReplyError(
-                    f"{call}: a reply of {int(length)} bytes, more than {limit} (max_reply_bytes)"
-                )
+            check_declared_length(response.headers.get("content-length"), limit, call)
             size = 0
             async for chunk in response.aiter_raw():
                 size += len(chunk)
                 if size > limit:
-                    raise ReplyError(
-                        f"{call}: a reply of more than {limit} bytes (max_reply_bytes)"
-                    )
+                    raise reply_too_long(limit, call)
                 chunks.append(chunk)
         finally:
             await response.aclose()
