@@ -15,6 +15,7 @@ from kvtier.blocks import KVLayout, blocks_of, to_blocks
 from kvtier.errors import CapacityError, ClosedError, ConfigError, InvalidKVError, InvariantError
 from kvtier.tiers import GpuPool, HostPool, SlotPool, available_host_bytes, free_device_bytes
 from kvtier.tiers.memory import parse_mem_available
+from kvtier.tiers.shm import segment_prefix
 
 CPU = torch.device("cpu")
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -238,6 +239,41 @@ def test_gpu_pool_on_cuda_without_cuda_is_a_config_error(device: str) -> None:
 def test_gpu_pool_on_unknown_device_is_a_config_error(device: str) -> None:
     with pytest.raises(ConfigError, match=r"tiers\.gpu\.device"):
         GpuPool.create(tiny(), 256, device=device)
+
+
+def vm_flags(address: int) -> list[str]:
+    """The kernel's flags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+    reason="a kernel without transparent huge pages",
+)
+@pytest.mark.parametrize("shared", [False, True])
+def test_cpu_pools_ask_for_huge_pages_and_pinned_ones_do_not(shared: bool) -> None:
+    name = f"{segment_prefix('kvtier_test')}-host" if shared else None
+    big = SlotPool("host", tiny(), 16384, CPU, shared_name=name)  # 4 MiB: two huge pages
+    try:
+        assert "hg" in vm_flags(big.buffer.data_ptr())  # VM_HUGEPAGE: MADV_HUGEPAGE was taken
+        slots = big.allocate(16384)
+        blocks = random_blocks(tiny(), 2)
+        big.write(slots[-2:], blocks)  # the last huge page: the advice changed no byte we keep
+        assert torch.equal(bits(big.read(slots[-2:])), bits(blocks))
+        big.check()
+    finally:
+        big.close()
+    plain = torch.empty(1 << 22, dtype=torch.uint8)  # torch's own memory: no advice from us
+    assert "hg" not in vm_flags(plain.data_ptr())
 
 
 def test_host_pool_pinning() -> None:
