@@ -74,6 +74,7 @@ class IndexEvents:
         self.range = index.forest.node_blocks  # numbers a node takes (`EVENT_RANGE`)
         self._next = (secrets.randbelow(FIRST_SERIALS) + 1) * self.range  # never 0
         self.pending = publisher.pending  # appended to directly (`EventPublisher._put`)
+        self.queue_limit = publisher.queue_limit  # fixed by the settings
         self.lock = publisher.lock  # held to look at or change the queue's last entry
         self.kb, self.bs = index.key_nbytes, index.block_tokens
 
@@ -101,7 +102,7 @@ class IndexEvents:
             and self._join(last, tenant, (*last[:5], hi, *last[6:]))
         ):  # the next blocks of the run queued last: one event (module doc)
             return
-        if len(pending) < self.publisher.queue_limit:
+        if len(pending) < self.queue_limit:
             spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, above, self.bs, tiers, self.media)
             pending.append((tenant, spec))  # one append: atomic, no lock (`_join`)
         else:
@@ -129,7 +130,7 @@ class IndexEvents:
             else:
                 held = [ev + lo + j for j, slot in enumerate(run) if slot is not None]
                 spec = wire.Removed(np.array(held, ">u8").tobytes(), self.media[tier])
-            if len(self.pending) < self.publisher.queue_limit:
+            if len(self.pending) < self.queue_limit:
                 self.pending.append((tenant, spec))
             else:
                 self.publisher.overflow(tenant)
@@ -147,7 +148,7 @@ class IndexEvents:
             spec = (TOLD_REMOVED, start, last[2] + 1, medium)
             if start is not None and self._join(last, tenant, spec):
                 return
-        if len(self.pending) < self.publisher.queue_limit:
+        if len(self.pending) < self.queue_limit:
             self.pending.append((tenant, (TOLD_REMOVED, number, 1, medium)))
         else:
             self.publisher.overflow(tenant)

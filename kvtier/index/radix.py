@@ -248,8 +248,13 @@ class RadixIndex(EvictionQueries):
         Their ids chain from the last matched block, computed when first read (`block_id`)."""
         self._tick += 1
         result = self.forest.grow(match, key, slots, self._tick)
-        if self.observer is not None and result.new_blocks:
-            tell_inserted(self.observer, result, tuple(slots))
+        observer, new = self.observer, result.new_blocks
+        if observer is not None and new:
+            end = result.end
+            if new <= len(end.slots[0]):  # the common case, one node: no frame of its own
+                observer.gained(end, len(end.slots[0]) - new, len(end.slots[0]), tuple(slots))
+            else:
+                tell_inserted(observer, result, tuple(slots))
         return result
 
     def set_slot(self, ref: BlockRef, tier: int, slot: int) -> None:
