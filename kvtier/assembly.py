@@ -226,7 +226,7 @@ def _events(
         publisher = EventPublisher(events.endpoint, events.replay_endpoint, settings)
     except zmq.ZMQError as e:
         raise ConfigError("events.endpoint", events.endpoint, f"an address to bind ({e})") from None
-    observer = IndexEvents(publisher, index, namespaces.tenant_lookup)
+    observer = IndexEvents(publisher, index, namespaces.tenant_of)
     index.observer = observer
     observer.announce()  # what recovery brought back: a restarted store's first words
     return publisher

@@ -192,6 +192,10 @@ class Namespaces:
             tenant: hasher.seed(fingerprint, tenant_salt(tenant, secret)) for tenant in tenants
         }
         self._tenants: dict[bytes, str] = {seed: tenant for tenant, seed in self._seeds.items()}
+        # The tenant whose namespace a namespace is, or None (another server secret's, or a
+        # tenant no longer configured): the mapping's own `get`, no Python frame per call (the
+        # KV events' observer asks once per edit of the index); the tenants are fixed here.
+        self.tenant_of: Callable[[bytes], str | None] = self._tenants.get
 
     @property
     def seeds(self) -> Mapping[str, BlockId]:
@@ -206,17 +210,6 @@ class Namespaces:
                 f"tenant {tenant!r}: unknown, expected one of {sorted(self._seeds)}"
             )
         return seed
-
-    def tenant_of(self, namespace: bytes) -> str | None:
-        """The tenant whose namespace `namespace` is, or None (another server secret's, or a
-        tenant no longer configured)."""
-        return self._tenants.get(namespace)
-
-    @property
-    def tenant_lookup(self) -> Callable[[bytes], str | None]:
-        """`tenant_of` as the mapping's own `get`: no Python frame per call (the KV events'
-        observer asks once per edit of the index). The tenants are fixed at construction."""
-        return self._tenants.get
 
     def describe(self, index: RadixIndex, refs: Iterable[BlockRef]) -> tuple[BlockMeta, ...]:
         """The `BlockMeta` of each of `refs`, in order; a node's ids are read once per run of it."""

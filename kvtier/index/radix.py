@@ -243,16 +243,15 @@ class RadixIndex(EvictionQueries):
 
     def insert(self, match: Match, key: bytes, slots: dict[int, list[int]]) -> InsertResult:
         """Add the whole blocks of `key` after `match` (which must be current), each with a copy
-        in the tiers of `slots` (tier -> one slot per new block). The new blocks must not be in
-        a faster tier than the last matched block (prefix closure); the caller places them so.
-        Their ids chain from the last matched block, computed when first read (`block_id`)."""
+        in the tiers of `slots` (tier -> one slot per new block), none in a faster tier than the
+        last matched block (prefix closure: the caller places them so); their ids chain from
+        it, computed when first read (`block_id`)."""
         self._tick += 1
         result = self.forest.grow(match, key, slots, self._tick)
-        observer, new = self.observer, result.new_blocks
-        if observer is not None and new:
-            end = result.end
-            if new <= len(end.slots[0]):  # the common case, one node: no frame of its own
-                observer.gained(end, len(end.slots[0]) - new, len(end.slots[0]), tuple(slots))
+        observer, new, end = self.observer, result.new_blocks, result.end
+        if observer is not None and new:  # one node (most often): told without a frame more
+            if new <= (size := len(end.slots[0])):
+                observer.gained(end, size - new, size, tuple(slots))
             else:
                 tell_inserted(observer, result, tuple(slots))
         return result
@@ -378,9 +377,8 @@ class RadixIndex(EvictionQueries):
         return self.forest.cut(node, count)
 
     def drop_subtree(self, ref: BlockRef) -> list[tuple[int, int]]:
-        """Remove a block and everything cached below it, leaf-first (e.g. a copy found corrupt
-        takes its descendants with it: they would be orphans). Nothing in it may be locked.
-        Returns the freed copies as (tier, slot) pairs."""
+        """Remove a block and everything cached below it (none locked), leaf-first, e.g. a copy
+        found corrupt with the orphans it would leave; the freed copies as (tier, slot) pairs."""
         freed: list[tuple[int, int]] = []
         for tail, count in subtree_tails(ref):
             for tier, slots in enumerate(self.drop_tail(tail, count)):
