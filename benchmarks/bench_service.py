@@ -8,7 +8,8 @@ It starts its own server process on a free port (gpu 512 MiB and host 1 GiB, bot
     in-process `KVStore` of the same config, in the same run, clearing between runs; medians
     of `--repeat` runs after `WARMUP` untimed ones, bit-exact checked;
 (a) looks up an 8192-token prompt (its first 4096 tokens cached) over HTTP with a `Client`
-    (msgpack), `--calls` times after 100 untimed calls: p50 and p99;
+    (msgpack; one that maps nothing) and over the local lane (one that maps the pools), the
+    two alternated, `--calls` times each after 100 untimed calls: p50 and p99 of each;
 (c) runs `--clients` threads, each with its own `Client`, for `--seconds`, mixing lookup,
     prefetch + release, store and load of 128-token sequences (a 64-token prefix shared by
     each group of 4 clients); every call must succeed; throughput (client calls and HTTP requests
@@ -185,22 +186,31 @@ def part_b(url: str, mib: int, repeat: int) -> float:
 
 
 def part_a(url: str, calls: int) -> tuple[float, float]:
+    """Lookups over HTTP (a client that maps nothing) and over the local lane (a client that
+    maps the pools, `kvtier/service/lane.py`), alternated call by call; returns HTTP's p50 and
+    p99, which the targets name."""
     prompt = tokens_of(0, 8192)  # (b) left its sequence cached: the prompt's first part
-    seconds = []
-    with Client(url) as client:
-        cached = client.lookup(prompt).num_tokens
+    seconds: dict[str, list[float]] = {"HTTP": [], "the local lane": []}
+    with Client(url, shared_memory=False) as http, Client(url) as near:
+        clients = {"HTTP": http, "the local lane": near}
+        cached = http.lookup(prompt).num_tokens
         for _ in range(100):
-            client.lookup(prompt)
-        for _ in range(calls):
-            start = time.perf_counter()
-            client.lookup(prompt)
-            seconds.append(time.perf_counter() - start)
-    p50, p99 = quantile(seconds, 0.5), quantile(seconds, 0.99)
-    print(
-        f"(a) lookup of an 8192-token prompt ({cached} cached), {calls} calls over HTTP: "
-        f"p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms"
-    )
-    return p50, p99
+            http.lookup(prompt)
+            near.lookup(prompt)
+        for call in range(calls):
+            for name in sorted(clients, reverse=call % 2 == 1):
+                start = time.perf_counter()
+                clients[name].lookup(prompt)
+                seconds[name].append(time.perf_counter() - start)
+        assert near._lane is not None and near._lane.calls > calls, "the lane was not taken"
+    for name, taken in seconds.items():
+        print(
+            f"(a) lookup of an 8192-token prompt ({cached} cached), {calls} calls over {name}: "
+            f"p50 {quantile(taken, 0.5) * 1e3:.2f} ms, p99 {quantile(taken, 0.99) * 1e3:.2f} ms"
+        )
+    lane_p50 = quantile(seconds["the local lane"], 0.5)
+    print(f"    p50 HTTP / lane: {quantile(seconds['HTTP'], 0.5) / lane_p50:.2f}")
+    return quantile(seconds["HTTP"], 0.5), quantile(seconds["HTTP"], 0.99)
 
 
 def sequences(index: int) -> tuple[list[list[int]], list[torch.Tensor]]:

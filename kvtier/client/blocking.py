@@ -22,6 +22,7 @@ import torch
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
 from kvtier.caller_kv import kv_layout
 from kvtier.client.connections import MAX_REPLY_BYTES, Connections
+from kvtier.client.lane import LaneConnections
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, reply_body
@@ -74,14 +75,21 @@ class Client:
         self._wake = threading.Condition()
         self._flusher: threading.Thread | None = None
         self._closed = False
+        self._lane: LaneConnections | None = None  # the small calls' Unix socket (`lane.py`)
         if shared_memory:
-            self._pools.map(self._get("/v1/pools"))
+            pools = self._get("/v1/pools")
+            self._pools.map(pools)
+            self._lane = LaneConnections.of(pools.get("lane"), timeout_s, max_reply_bytes)
 
     # ---- transport ---------------------------------------------------------------------
 
     def _post(self, path: str, body: dict[str, Any], tenant: str = "default") -> dict[str, Any]:
-        headers = self._headers.for_tenant(tenant)
-        return reply_body(self._http.request("POST", path, wire.encode(body, True), headers))
+        headers, encoded = self._headers.for_tenant(tenant), wire.encode(body, True)
+        if self._lane is not None and path in wire.LANE_PATHS:
+            reply = self._lane.request(path, encoded, headers)
+            if reply is not None:  # None: the lane cannot be reached, and nothing was sent
+                return reply_body(reply)
+        return reply_body(self._http.request("POST", path, encoded, headers))
 
     def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         query = "?" + urllib.parse.urlencode(params) if params else ""
@@ -279,6 +287,8 @@ class Client:
             flusher.join()
         self._send_releases(self._owed.take_due(math.inf))
         self._http.close()
+        if self._lane is not None:
+            self._lane.close()
         self._pools.clear()
 
     def __enter__(self) -> Client:

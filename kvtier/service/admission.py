@@ -3,6 +3,7 @@
     service.ready_store()              the store, or `WireError` 503 not_ready (with the reason)
     admit(request, service)            the store and the tenant of the caller's key (or the
                                        tenant it names, without auth); 401/403 otherwise
+    tenant_of_key(service, key, named) the same from the values alone (the local lane's)
     admit_viewer(request, service)     for figures: None (global) for the admin key or without
                                        auth, else the key's tenant
     viewer_refusal(request, service)   for global-only routes (/v1/config, /metrics): None for
@@ -42,6 +43,7 @@ class Service:
         self.store: KVStore | None = None
         self.failure = ""
         self.ready = threading.Event()
+        self.lane: str | None = None  # the local lane's name while it listens (`lane.py`)
 
     def start(self) -> None:
         """Build the store (recovery included) on this thread; `ready` when it is done."""
@@ -71,11 +73,19 @@ class Service:
 def admit(request: Request, service: Service) -> tuple[KVStore, str]:
     """The store and the tenant of the caller's key (or the named tenant, without auth)."""
     store = service.ready_store()
-    authorization = request.headers.get("authorization")
-    tenant = service.auth.tenant(authorization, request.headers.get("x-kvtier-tenant"))
+    headers = request.headers
+    return store, tenant_of_key(
+        service, headers.get("authorization"), headers.get("x-kvtier-tenant")
+    )
+
+
+def tenant_of_key(service: Service, authorization: str | None, named: str | None) -> str:
+    """The tenant an `Authorization` value admits (or `named`, the `x-kvtier-tenant` value,
+    without auth); 401/403 otherwise. HTTP's headers or the local lane's fields (`lane.py`)."""
+    tenant = service.auth.tenant(authorization, named)
     if tenant is None:
         raise unauthorized(authorization, "unknown API key")
-    return store, tenant
+    return tenant
 
 
 def admit_viewer(request: Request, service: Service) -> tuple[KVStore, str | None]:

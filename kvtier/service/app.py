@@ -9,7 +9,7 @@ Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `gu
     GET  /                                    the status page (`page.py`), for a browser
     GET  /v1/status                           live figures: a tenant key sees its tenant's
     GET  /v1/config /metrics                  config with keys redacted; Prometheus text
-    GET  /v1/pools                            what a same-host client maps (shared memory)
+    GET  /v1/pools                            what a same-host client maps: /dev/shm, the lane
     GET  /v1/blocks                           every block held, as KV events (a router's resync)
     POST /v1/lookup /v1/prefetch /v1/release /v1/store /v1/load /v1/reserve /v1/commit
          /v1/abort                            the data plane, as the tenant of the caller's key
@@ -46,9 +46,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from kvtier.config import KVTierConfig
-from kvtier.errors import KVTierError, LeaseError
+from kvtier.errors import KVTierError
 from kvtier.events.observer import snapshot as events_snapshot
-from kvtier.results import Lease, LeaseState
+from kvtier.results import LeaseState
 from kvtier.service import bodies, schemas, wire
 from kvtier.service.admission import (
     Admit,
@@ -61,8 +61,10 @@ from kvtier.service.admission import admit as _admit
 from kvtier.service.body import Disconnected, read_body
 from kvtier.service.guard import Guard, HostCheck
 from kvtier.service.hot import Endpoint, HotRoutes
+from kvtier.service.lane import Lane
 from kvtier.service.page import add_page
-from kvtier.store import PREFETCH_ATTEMPTS, KVStore
+from kvtier.service.plane import Plane, await_lease
+from kvtier.store import KVStore
 
 log = logging.getLogger("kvtier.service")
 
@@ -76,7 +78,11 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starter = threading.Thread(target=_start_quietly, args=(service,), name="kvtier-start")
         starter.start()
+        lane = Lane(service, Plane(config.service).sync_handlers())  # small calls (`lane.py`)
+        service.lane = lane.start() if config.service.shared_memory else None
         yield
+        service.lane = None
+        await run_in_threadpool(lane.stop)
         await run_in_threadpool(starter.join)
         await run_in_threadpool(service.stop)
 
@@ -118,11 +124,6 @@ def _error(status: int, kind: str, detail: str, msgpack_body: bool = False) -> R
     return Response(
         body, status, headers=headers, media_type=wire.MSGPACK if msgpack_body else wire.JSON
     )
-
-
-async def _await_lease(lease: Lease, wait_s: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError, LeaseError):
-        await asyncio.wait_for(lease.wait_async(), wait_s)
 
 
 def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
@@ -233,80 +234,21 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         """The memory pools a client on this host can map: shared-memory name, slots, layout."""
         share = config.shared_memory
         return await call(
-            request, lambda store, tenant, data: bodies.pools(store, share), reads_body=False
+            request, lambda s, tenant, data: bodies.pools(s, share, service.lane), reads_body=False
         )
 
-    # ---- data plane -----------------------------------------------------------------------
+    # ---- data plane (`plane.py`) ---------------------------------------------------------
 
-    def lookup(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        tokens = wire.tokens_field(data, config.max_tokens)
-        return store.lookup(tokens, tenant=tenant)._asdict()
-
-    async def prefetch(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        """As `store.prefetch(wait=True)` does, within `wait_s`: a lease that FAILED (a corrupt
-        disk copy, dropped by the failure) is tried again, up to PREFETCH_ATTEMPTS times, so
-        that the intact leading part comes back leased. The leases in `release` are released
-        first (once the body is known good)."""
-        tokens = wire.tokens_field(data, config.max_tokens)
-        ttl = wire.number_field(data, "ttl_s", None)
-        deadline = time.monotonic() + wire.wait_field(data, config.prefetch_wait_s)
-        done = wire.release_field(data)
-        if done:
-            await run_in_threadpool(store.operations.release_done, done, tenant)
-        for _ in range(PREFETCH_ATTEMPTS):
-            lease = await run_in_threadpool(
-                lambda: store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
-            )
-            left = deadline - time.monotonic()
-            if left > 0:
-                await _await_lease(lease, left)
-            if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
-                break
-        return bodies.lease(lease)
-
-    def release(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        lease = store.lease(wire.int_field(data, "lease_id"), tenant=tenant)
-        store.release(lease)
-        return {}
-
-    def store_kv(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        tokens = wire.tokens_field(data, config.max_tokens)
-        start = wire.int_field(data, "start") if "start" in data else 0
-        return store.store(tokens, wire.kv_from_wire(data), tenant=tenant, start=start)._asdict()
-
-    def load(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        tokens = wire.tokens_field(data, config.max_tokens)
-        start = wire.int_field(data, "start") if "start" in data else 0
-        result = store.load(tokens, tenant=tenant, start=start, device="cpu")
-        return {"num_tokens": result.num_tokens, **wire.kv_to_wire(result.kv)}
-
-    def reserve(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        tokens = wire.tokens_field(data, config.max_tokens)
-        ttl = wire.number_field(data, "ttl_s", None)
-        store.operations.release_done(wire.release_field(data), tenant)
-        reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl)
-        return {**reservation._asdict(), "slots": list(reservation.slots)}
-
-    def commit(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        rid = wire.int_field(data, "reservation_id")
-        store.reservation(rid, tenant=tenant)
-        return store.commit(rid)._asdict()
-
-    def abort(store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        rid = wire.int_field(data, "reservation_id")
-        store.reservation(rid, tenant=tenant)
-        store.abort(rid)
-        return {}
-
+    p = Plane(config)
     routes: list[tuple[str, Callable[..., Any], dict[str, Any], dict[str, Any], str]] = [
-        ("/v1/lookup", lookup, schemas.TOKENS, schemas.LOOKUP, "Cached prefix, by tier"),
-        ("/v1/prefetch", prefetch, schemas.PREFETCH, schemas.LEASE, "Lease the prefix on gpu"),
-        ("/v1/release", release, schemas.LEASE_ID, schemas.EMPTY, "Release a lease"),
-        ("/v1/store", store_kv, schemas.STORE, schemas.STORED, "Store KV (payload in body)"),
-        ("/v1/load", load, schemas.LOAD, schemas.LOADED, "Load KV (payload in body)"),
-        ("/v1/reserve", reserve, schemas.RESERVE, schemas.RESERVATION, "Reserve slots"),
-        ("/v1/commit", commit, schemas.RESERVATION_ID, schemas.STORED, "Commit a reservation"),
-        ("/v1/abort", abort, schemas.RESERVATION_ID, schemas.EMPTY, "Abort a reservation"),
+        ("/v1/lookup", p.lookup, schemas.TOKENS, schemas.LOOKUP, "Cached prefix, by tier"),
+        ("/v1/prefetch", p.prefetch, schemas.PREFETCH, schemas.LEASE, "Lease the prefix on gpu"),
+        ("/v1/release", p.release, schemas.LEASE_ID, schemas.EMPTY, "Release a lease"),
+        ("/v1/store", p.store_kv, schemas.STORE, schemas.STORED, "Store KV (payload in body)"),
+        ("/v1/load", p.load, schemas.LOAD, schemas.LOADED, "Load KV (payload in body)"),
+        ("/v1/reserve", p.reserve, schemas.RESERVE, schemas.RESERVATION, "Reserve slots"),
+        ("/v1/commit", p.commit, schemas.RESERVATION_ID, schemas.STORED, "Commit a reservation"),
+        ("/v1/abort", p.abort, schemas.RESERVATION_ID, schemas.EMPTY, "Abort a reservation"),
     ]
     hot = {path: _post(app, path, handler, call, request_schema, response_schema, summary)
            for path, handler, request_schema, response_schema, summary in routes}  # fmt: skip
@@ -327,7 +269,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
             wait_s = wire.wait_field(wait, config.prefetch_wait_s)
             lease = await run_in_threadpool(store.lease, lease_id, tenant=tenant)
             if wait_s > 0 and lease.state is LeaseState.PENDING:
-                await _await_lease(lease, wait_s)
+                await await_lease(lease, wait_s)
             return bodies.lease(lease)
 
         return await call(request, handler, reads_body=False)

@@ -35,10 +35,11 @@ def lease(lease: Lease) -> dict[str, Any]:
     }
 
 
-def pools(store: KVStore, share: bool) -> dict[str, Any]:
+def pools(store: KVStore, share: bool, lane: str | None = None) -> dict[str, Any]:
     """What a same-host client may map. With `service.shared_memory` off nothing is offered,
     a CUDA pool's IPC handle included: whoever opens that handle reads and writes every
-    tenant's gpu pages, so it follows the same switch as the /dev/shm pools."""
+    tenant's gpu pages, so it follows the same switch as the /dev/shm pools; so does `lane`,
+    the name of the local lane the small calls may take (`lane.py`; None: not listening)."""
     layout = store.layout
     return {
         "layout": {
@@ -59,6 +60,7 @@ def pools(store: KVStore, share: bool) -> dict[str, Any]:
             }
             for pool in store.memory
         ],
+        "lane": lane,
     }
 
 

@@ -86,7 +86,13 @@ RESERVATION = _obj(
     },
     ("reservation_id", "num_tokens", "tier", "slots"),
 )
-POOLS = _obj({"layout": ANY_OBJECT, "pools": {"type": "array", "items": ANY_OBJECT}})
+POOLS = _obj(
+    {
+        "layout": ANY_OBJECT,
+        "pools": {"type": "array", "items": ANY_OBJECT},
+        "lane": {"type": ["string", "null"]},  # the local lane's name (`lane.py`)
+    }
+)
 CLEARED = _obj({"dropped_blocks": _INT}, ("dropped_blocks",))
 PERSISTED = _obj({"persisted_blocks": _INT}, ("persisted_blocks",))
 CHECKED = _obj({"ok": {"type": "boolean"}, "detail": _STR}, ("ok",))

@@ -1,0 +1,158 @@
+"""`LaneConnections`: the blocking client's connections to its server's local lane, a Unix
+socket the data plane's small calls take past HTTP (`kvtier/service/lane.py` has the frames).
+
+Contract:
+- `LaneConnections.of(name, ...)`: `name` comes from the server's `/v1/pools` (untrusted):
+  None (no lane) gives None; anything but a lane name (`wire.LANE_NAME`) is a `ReplyError`.
+- `request(path, body, headers)` sends one call of `wire.LANE_PATHS` and returns its `Reply`,
+  read as an HTTP reply is (`transport.reply_body`), or None when the lane cannot be reached:
+  a connection refused, or one that does not open with the server's hello (a server at its
+  connection limit, or another user's). Nothing was sent then, so the caller takes HTTP, and
+  so does every later call of this client (`dead`). Safe from any number of threads: each
+  call holds a connection of its own, taken from the idle ones or opened.
+- Once a request is sent, every failure (a reset, a timeout after `timeout_s`, a reply cut
+  short) is a `TransportError` and its connection is closed; a request is never sent twice.
+  An idle connection the server has closed (it ends one idle for 10 minutes) is found before
+  it is used and replaced.
+- A reply is untrusted: a frame longer than `max_reply_bytes`, or that is not
+  `[status, body bytes]`, is a `ReplyError` (no more than the limit is read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import struct
+import threading
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+
+from kvtier.client.connections import Reply, TransportError, reply_too_long
+from kvtier.errors import ClosedError, ReplyError
+from kvtier.service import wire
+
+LENGTH = struct.Struct("<I")
+
+
+class LaneConnections:
+    def __init__(self, name: str, timeout_s: float, max_reply_bytes: int) -> None:
+        self.address = "\0" + name  # an abstract socket: Linux only
+        self.timeout_s, self.limit = timeout_s, max_reply_bytes
+        self.dead = False
+        self.calls = 0  # requests answered through the lane
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def of(cls, name: object, timeout_s: float, max_reply_bytes: int) -> LaneConnections | None:
+        if name is None or not hasattr(socket, "AF_UNIX"):
+            return None
+        if not isinstance(name, str) or wire.LANE_NAME.fullmatch(name) is None:
+            raise ReplyError(
+                f"GET /v1/pools: lane {name!r:.80}, expected kvtier-lane-<pid>-<8 hex> or null"
+            )
+        return cls(name, timeout_s, max_reply_bytes)
+
+    def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
+        sock = self._take()
+        if sock is None:
+            return None
+        call = f"POST {path} (lane)"
+        request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
+        try:
+            sock.sendall(_frame(request))
+            reply = _read_frame(sock, self.limit, call)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"{call}: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            sock.close()  # interrupted, or a reply too long: its state is unknown
+            raise
+        self._give(sock)
+        status, content = _reply(reply, call)
+        return Reply(status, wire.MSGPACK, content, path)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def _take(self) -> socket.socket | None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise ClosedError("the client is closed: no request is sent")
+                if self.dead:
+                    return None
+                sock = self._idle.pop() if self._idle else None
+            if sock is None:
+                return self._open()
+            if not select.select([sock], [], [], 0)[0]:
+                return sock  # open, and nothing to read: the server has not closed it
+            sock.close()
+
+    def _open(self) -> socket.socket | None:
+        """A new connection past the server's hello, or None (and `dead`) without one."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.address)
+            hello = _read_frame(sock, 64, "the lane's hello")
+        except (OSError, ReplyError):
+            hello = None
+        if hello != wire.LANE_HELLO:
+            sock.close()
+            self.dead = True
+            return None
+        return sock
+
+    def _give(self, sock: socket.socket) -> None:
+        """Keep `sock` for the next request, its request answered (counted in `calls`)."""
+        with self._lock:
+            self.calls += 1
+            if not self._closed:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+
+def _frame(data: Any) -> bytes:
+    body: bytes = msgpack.packb(data, use_bin_type=True)
+    return LENGTH.pack(len(body)) + body
+
+
+def _read_frame(sock: socket.socket, limit: int, call: str) -> Any:
+    """The next frame's decoded value; `ReplyError` for one longer than `limit` (unread) or
+    not msgpack; `OSError` (EOF included) when the connection ends first."""
+    (length,) = LENGTH.unpack(_read_exactly(sock, LENGTH.size))
+    if length > limit:
+        raise reply_too_long(limit, call)
+    payload = _read_exactly(sock, length)
+    try:
+        return msgpack.unpackb(payload, raw=False)
+    except (ValueError, RecursionError) as exc:
+        raise ReplyError(f"{call}: a reply that is not msgpack ({type(exc).__name__})") from None
+
+
+def _read_exactly(sock: socket.socket, count: int) -> bytes:
+    buffer = bytearray(count)
+    view, got = memoryview(buffer), 0
+    while got < count:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionResetError("the lane closed mid-frame")
+        got += n
+    return bytes(buffer)
+
+
+def _reply(reply: Any, call: str) -> tuple[int, bytes]:
+    with contextlib.suppress(TypeError, ValueError):
+        status, content = reply
+        if type(status) is int and 100 <= status <= 599 and isinstance(content, bytes):
+            return status, content
+    raise ReplyError(f"{call}: a reply frame that is not [status, body bytes]")

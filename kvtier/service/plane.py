@@ -1,0 +1,131 @@
+"""The data plane's handlers, one per POST route: `handler(store, tenant, body) -> reply body`,
+shared by the HTTP routes (`app.py`) and the local lane (`lane.py`).
+
+Each reads its fields from the decoded body (`wire.py`: a bad one is a `WireError`), calls the
+store as the tenant its caller was admitted as, and returns the reply's body; a store error
+propagates for the caller to classify. They run on a worker thread (HTTP) or on the lane
+connection's thread, never on the event loop; the one exception is HTTP's `prefetch`, a
+coroutine that awaits its lease without holding a thread (`sync_handlers` gives the lane a
+blocking twin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from kvtier.config.service import ServiceConfig
+from kvtier.errors import LeaseError
+from kvtier.results import Lease, LeaseState
+from kvtier.service import bodies, wire
+from kvtier.store import PREFETCH_ATTEMPTS, KVStore
+
+Handler = Callable[[KVStore, str, dict[str, Any]], Any]
+
+
+class Plane:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+
+    def lookup(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, self.config.max_tokens)
+        return store.lookup(tokens, tenant=tenant)._asdict()
+
+    async def prefetch(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        """As `store.prefetch(wait=True)` does, within `wait_s`: a lease that FAILED (a corrupt
+        disk copy, dropped by the failure) is tried again, up to PREFETCH_ATTEMPTS times, so
+        that the intact leading part comes back leased. The leases in `release` are released
+        first (once the body is known good)."""
+        tokens, ttl, deadline, done = self._prefetch_fields(data)
+        if done:
+            await run_in_threadpool(store.operations.release_done, done, tenant)
+        for _ in range(PREFETCH_ATTEMPTS):
+            lease = await run_in_threadpool(
+                lambda: store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
+            )
+            left = deadline - time.monotonic()
+            if left > 0:
+                await await_lease(lease, left)
+            if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
+                break
+        return bodies.lease(lease)
+
+    def prefetch_blocking(
+        self, store: KVStore, tenant: str, data: dict[str, Any]
+    ) -> dict[str, Any]:
+        """`prefetch`, waiting for the lease on the calling thread (the lane's)."""
+        tokens, ttl, deadline, done = self._prefetch_fields(data)
+        if done:
+            store.operations.release_done(done, tenant)
+        for _ in range(PREFETCH_ATTEMPTS):
+            lease = store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
+            left = deadline - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(LeaseError):
+                    lease.wait(left)
+            if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
+                break
+        return bodies.lease(lease)
+
+    def _prefetch_fields(self, data: dict[str, Any]) -> tuple[Any, float | None, float, list[int]]:
+        tokens = wire.tokens_field(data, self.config.max_tokens)
+        ttl = wire.number_field(data, "ttl_s", None)
+        deadline = time.monotonic() + wire.wait_field(data, self.config.prefetch_wait_s)
+        return tokens, ttl, deadline, wire.release_field(data)
+
+    def release(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        lease = store.lease(wire.int_field(data, "lease_id"), tenant=tenant)
+        store.release(lease)
+        return {}
+
+    def store_kv(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, self.config.max_tokens)
+        start = wire.int_field(data, "start") if "start" in data else 0
+        return store.store(tokens, wire.kv_from_wire(data), tenant=tenant, start=start)._asdict()
+
+    def load(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, self.config.max_tokens)
+        start = wire.int_field(data, "start") if "start" in data else 0
+        result = store.load(tokens, tenant=tenant, start=start, device="cpu")
+        return {"num_tokens": result.num_tokens, **wire.kv_to_wire(result.kv)}
+
+    def reserve(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        tokens = wire.tokens_field(data, self.config.max_tokens)
+        ttl = wire.number_field(data, "ttl_s", None)
+        store.operations.release_done(wire.release_field(data), tenant)
+        reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl)
+        return {**reservation._asdict(), "slots": list(reservation.slots)}
+
+    def commit(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        rid = wire.int_field(data, "reservation_id")
+        store.reservation(rid, tenant=tenant)
+        return store.commit(rid)._asdict()
+
+    def abort(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        rid = wire.int_field(data, "reservation_id")
+        store.reservation(rid, tenant=tenant)
+        store.abort(rid)
+        return {}
+
+    def sync_handlers(self) -> dict[str, Handler]:
+        """The handlers of the calls the lane carries (`wire.LANE_PATHS`), all blocking."""
+        return {
+            "/v1/lookup": self.lookup,
+            "/v1/prefetch": self.prefetch_blocking,
+            "/v1/release": self.release,
+            "/v1/reserve": self.reserve,
+            "/v1/commit": self.commit,
+            "/v1/abort": self.abort,
+        }
+
+
+async def await_lease(lease: Lease, wait_s: float) -> None:
+    """Wait up to `wait_s` for `lease` to leave PENDING, without a thread; a timeout or a
+    failure is the caller's to read from the lease's state."""
+    with contextlib.suppress(asyncio.TimeoutError, LeaseError):
+        await asyncio.wait_for(lease.wait_async(), wait_s)

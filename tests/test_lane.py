@@ -1,0 +1,230 @@
+"""The local lane (`kvtier/service/lane.py`, `kvtier/client/lane.py`) against a real `kvtier
+serve`: a same-host client takes it for the small calls and gets what HTTP gives; hostile
+frames are answered or cut off and the store stays whole; another user is closed before a byte;
+a lane that cannot be reached leaves the client on HTTP; a stopping server ends its
+connections."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]
+import pytest
+import torch
+from service_server import Server, kv_of, running, start, tokens_of, write_config
+
+from kvtier.client import Client
+from kvtier.client.lane import LaneConnections
+from kvtier.errors import LeaseError, ReplyError
+from kvtier.service import wire
+
+KEY = "lane-tenant-key-0123456789"
+AUTH = f"Bearer {KEY}"
+MAX_TOKENS = 256
+MAX_BODY = 4096
+TIMEOUT_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = write_config(
+        tmp_path_factory.mktemp("lane"),
+        service={
+            "max_tokens": MAX_TOKENS,
+            "max_body_bytes": MAX_BODY,
+            "body_timeout_s": TIMEOUT_S,
+            "prefetch_wait_s": 1.0,
+        },
+        tenants={"default": {"api_keys": [KEY]}},
+    )
+    with running(config) as live:
+        yield live
+
+
+def lane_of(server: Server) -> str:
+    name = server.get("/v1/pools", headers={"authorization": AUTH}).json()["lane"]
+    assert isinstance(name, str) and wire.LANE_NAME.fullmatch(name), name
+    return name
+
+
+def connect(name: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + name)
+    return sock
+
+
+def read_exactly(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            raise EOFError(f"the lane closed after {len(data)} of {count} bytes")
+        data += chunk
+    return data
+
+
+def read_frame(sock: socket.socket) -> Any:
+    (length,) = struct.unpack("<I", read_exactly(sock, 4))
+    return msgpack.unpackb(read_exactly(sock, length), raw=False)
+
+
+def send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack("<I", len(payload)) + payload)
+
+
+def call(sock: socket.socket, request: Any) -> tuple[int, dict[str, Any]]:
+    send(sock, msgpack.packb(request, use_bin_type=True))
+    status, body = read_frame(sock)
+    return status, msgpack.unpackb(body, raw=False)
+
+
+def opened(name: str) -> socket.socket:
+    """A lane connection past its hello."""
+    sock = connect(name)
+    assert read_frame(sock) == wire.LANE_HELLO
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def check_store(server: Server) -> None:
+    assert server.admin("/v1/admin/check").json()["ok"] is True
+
+
+def test_a_same_host_client_takes_the_lane_and_gets_what_http_gives(server: Server) -> None:
+    tokens = tokens_of(1000, 48)
+    kv = kv_of(48, seed=1)
+    with (
+        Client(server.url, api_key=KEY) as near,
+        Client(server.url, api_key=KEY, shared_memory=False) as far,
+    ):
+        lane = near._lane
+        assert lane is not None and not lane.dead and far._lane is None
+        stored = near.store(tokens, kv)  # reserve + the mapped pool + commit: two lane calls
+        assert stored.stored_tokens == 48 and lane.calls == 2
+        assert near.lookup(tokens) == far.lookup(tokens)
+        assert near.lookup(tokens).num_tokens == 48
+        loaded = near.load(tokens)  # a prefetch over the lane, the copy from the mapped pool
+        assert torch.equal(loaded.kv.view(torch.int16), kv.view(torch.int16))
+        over_http = far.load(tokens)
+        assert torch.equal(over_http.kv.view(torch.int16), kv.view(torch.int16))
+        assert lane.calls >= 5
+        with pytest.raises(LeaseError):
+            near.release(10**9)  # a typed error comes back over the lane as over HTTP
+    check_store(server)
+
+
+def test_hostile_frames_are_answered_or_cut_off_and_the_store_stays_whole(
+    server: Server,
+) -> None:
+    name = lane_of(server)
+    tokens = struct.pack("<4I", 1, 2, 3, 4)
+    good_body = msgpack.packb({"tokens": tokens}, use_bin_type=True)
+    sock = opened(name)
+    try:
+        status, body = call(sock, ["/v1/lookup", AUTH, None, good_body])
+        assert status == 200 and body["num_tokens"] == 0
+        send(sock, b"\xc1 not msgpack")
+        status, body = msgpack.unpackb(read_frame(sock)[1]), None
+        assert status["error"] == "malformed_frame"
+        for bad in (["/v1/lookup"], {"path": 1}, ["/v1/lookup", 7, None, good_body],
+                    ["/v1/lookup", AUTH, None, "not bytes"], 12):  # fmt: skip
+            status, body = call(sock, bad)
+            assert (status, body["error"]) == (400, "malformed_frame"), bad
+        status, body = call(sock, ["/v1/store", AUTH, None, good_body])
+        assert (status, body["error"]) == (404, "not_found")  # KV bodies stay on HTTP
+        status, body = call(sock, ["/v1/lookup", None, None, good_body])
+        assert (status, body["error"]) == (401, "unauthorized")
+        status, body = call(sock, ["/v1/lookup", "Bearer wrong", None, good_body])
+        assert (status, body["error"]) == (403, "forbidden") and "wrong" not in body["detail"]
+        status, body = call(sock, ["/v1/lookup", AUTH, None, b"\x93\x01"])  # cut short
+        assert (status, body["error"]) == (400, "malformed_body")
+        status, body = call(sock, ["/v1/lookup", AUTH, None, b"\x00" * (MAX_BODY + 1)])
+        assert (status, body["error"]) == (413, "body_too_large")
+        too_many = msgpack.packb({"tokens": b"\x00" * 4 * (MAX_TOKENS + 1)}, use_bin_type=True)
+        status, body = call(sock, ["/v1/lookup", AUTH, None, too_many])
+        assert status == 413, body
+        status, body = call(sock, ["/v1/release", AUTH, None, msgpack.packb({"lease_id": -1})])
+        assert status in (400, 404), body
+        status, body = call(sock, ["/v1/lookup", AUTH, None, good_body])
+        assert status == 200  # the connection went on through every refusal
+        sock.sendall(struct.pack("<I", (1 << 32) - 1))  # a frame past the limit: cut off
+        assert closed_by_server(sock)
+    finally:
+        sock.close()
+    slow = opened(name)
+    try:
+        slow.sendall(struct.pack("<I", 100) + b"\x00" * 10)  # 10 of 100 bytes, then nothing
+        started = time.monotonic()
+        assert closed_by_server(slow)
+        assert time.monotonic() - started < TIMEOUT_S + 5
+    finally:
+        slow.close()
+    check_store(server)
+    with Client(server.url, api_key=KEY) as client:
+        assert client.lookup(tokens_of(1, 8)).num_tokens == 0
+        assert client._lane is not None and client._lane.calls == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_another_user_is_closed_before_a_byte(server: Server) -> None:
+    name = lane_of(server)
+    pid = os.fork()
+    if pid == 0:  # the child: another user, who may not use the lane
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = connect(name)
+            code = 0 if closed_by_server(sock) else 1
+        except BaseException:
+            code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    sock = opened(name)  # the server's own user still gets the hello
+    sock.close()
+
+
+def test_a_lane_name_from_the_server_is_checked_and_one_out_of_reach_leaves_http(
+    server: Server,
+) -> None:
+    assert LaneConnections.of(None, 1.0, 1 << 20) is None
+    for bad in ("../../x", "kvtier-lane-0-deadbeef", "kvtier-lane-1-DEADBEEF", 7, b"x"):
+        with pytest.raises(ReplyError, match="lane"):
+            LaneConnections.of(bad, 1.0, 1 << 20)
+    gone = LaneConnections.of("kvtier-lane-1-00000000", 1.0, 1 << 20)
+    assert gone is not None
+    assert gone.request("/v1/lookup", b"", {}) is None and gone.dead
+    with Client(server.url, api_key=KEY) as client:
+        client._lane = gone  # a lane that cannot be reached: nothing sent, HTTP instead
+        assert client.lookup(tokens_of(5000, 8)).num_tokens == 0
+        assert gone.calls == 0
+
+
+def test_a_stopping_server_ends_its_lane_connections(tmp_path: Path) -> None:
+    live = start(write_config(tmp_path))
+    try:
+        sock = opened(lane_of(live))
+        started = time.monotonic()
+        assert live.stop() == 0
+        assert time.monotonic() - started < 20
+        assert closed_by_server(sock)
+        sock.close()
+    finally:
+        if live.process.poll() is None:
+            live.process.kill()
+            live.process.wait()
