@@ -33,10 +33,11 @@ client reads a lane reply as it reads an HTTP one.
 
 Hostile input: a frame longer than `frame_limit(config)` (the tokens `service.max_tokens`
 allows, and 1 MiB of fields) closes the connection before its body is read; a frame that does
-not arrive whole within `service.body_timeout_s` closes it; a frame that is not that array,
-or names a path the lane does not carry, is answered 400 or 404 as `{error, detail}`, and the
-connection goes on. Past `MAX_CONNECTIONS` a connection is closed before the hello (its client
-stays on HTTP); a connection idle for `IDLE_S` is closed.
+not arrive whole within `service.body_timeout_s`, or a reply its client does not take within
+that long, closes it; a frame that is not that array, or names a path the lane does not carry,
+is answered 400 or 404 as `{error, detail}`, and the connection goes on. Past
+`MAX_CONNECTIONS` a connection is closed before the hello (its client stays on HTTP); a
+connection idle for `IDLE_S` is closed.
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ class Lane:
                 if length > self.limit:
                     return  # its body is not read: the connection is done
                 payload = _read(conn, length, time.monotonic() + self.timeout_s)
-                conn.sendall(frame(list(self.answer(payload))))
+                reply = frame(list(self.answer(payload)))
+                conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
+                conn.sendall(reply)
         except (OSError, EOFError):
             return  # gone, idle, too slow, or stopped: nothing to answer
         finally:
