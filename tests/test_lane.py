@@ -17,7 +17,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import torch
-from service_server import Server, kv_of, running, start, tokens_of, write_config
+from service_server import ADMIN_KEY, Server, kv_of, running, start, tokens_of, write_config
 
 from kvtier.client import Client
 from kvtier.client.lane import LaneConnections
@@ -123,7 +123,18 @@ def test_a_same_host_client_takes_the_lane_and_gets_what_http_gives(server: Serv
         assert lane.calls >= 5
         with pytest.raises(LeaseError):
             near.release(10**9)  # a typed error comes back over the lane as over HTTP
+        metrics = server.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
+        assert metric(metrics, "kvtier_lane_connections") >= 1  # `near`'s, still open
+        assert metric(metrics, "kvtier_lane_requests_total") >= lane.calls
     check_store(server)
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled series in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no series {name} in /metrics")
 
 
 def test_hostile_frames_are_answered_or_cut_off_and_the_store_stays_whole(

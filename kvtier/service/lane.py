@@ -138,6 +138,8 @@ class Lane:
 
     def _serve(self, conn: socket.socket) -> None:
         """One connection (module doc), until it ends, idles or sends a frame too long."""
+        metrics = self.service.metrics
+        metrics.lane_connections.inc()
         try:
             conn.sendall(frame(wire.LANE_HELLO))
             while True:
@@ -153,6 +155,7 @@ class Lane:
         except (OSError, EOFError):
             return  # gone, idle, too slow, or stopped: nothing to answer
         finally:
+            metrics.lane_connections.dec()
             with self._lock:
                 self._open.pop(conn, None)
             conn.close()
@@ -200,6 +203,7 @@ class Lane:
             return _refusal(500, "internal", detail)
         finally:
             self.service.metrics.observe(path, time.perf_counter() - started)
+            self.service.metrics.lane_requests.inc()
 
 
 def _read(conn: socket.socket, count: int, deadline: float | None) -> bytes:

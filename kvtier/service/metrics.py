@@ -47,6 +47,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -79,6 +80,14 @@ class Metrics:
             "kvtier_client_disconnects",
             "Clients that hung up before their request body was complete",
             registry=self.registry,
+        )
+        self.lane_requests = Counter(
+            "kvtier_lane_requests",
+            "Requests answered over the local lane (`kvtier_request_seconds` has them too)",
+            registry=self.registry,
+        )
+        self.lane_connections = Gauge(
+            "kvtier_lane_connections", "Open connections of the local lane", registry=self.registry
         )
         self.registry.register(_StoreCollector(service))
 
