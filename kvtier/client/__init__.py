@@ -18,9 +18,9 @@ mapped gpu pool and owes the release, which rides on the next prefetch or reserv
 host, a CUDA pool) or a call cannot go that way (new blocks below a disk-only prefix, a prefix
 larger than the gpu tier), the KV travels in the body instead. A CUDA gpu pool is opened
 through its CUDA IPC description (`service/cuda_ipc.py`). `pool_buffer(tier)` is the mapped
-buffer, for an engine that reads leased pages itself. `Client` then also sends the small calls
-(lookup, prefetch, release, reserve, commit, abort) over the server's local lane, a Unix
-socket past HTTP (`lane.py`; about a third of an HTTP round trip), and stays on HTTP where it
+buffer, for an engine that reads leased pages itself. Both clients then also send the small
+calls (lookup, prefetch, release, reserve, commit, abort) over the server's local lane, a Unix
+socket past HTTP (`lane.py`; about a third of an HTTP round trip), and stay on HTTP where they
 cannot reach it.
 
 The client trusts nothing its server says (`service/replies.py`): every reply is checked before
@@ -40,7 +40,8 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
                      connections (the standard library's http.client)
     asynchronous.py  `AsyncClient`: the same calls as coroutines (httpx)
     pools.py         `MappedPools`: the server's pools mapped here, blocks written and read
-    lane.py          `LaneConnections`: `Client`'s connections to the server's local lane
+    lane.py          `LaneConnections` / `AsyncLaneConnections`: the clients' connections to
+                     the server's local lane
     transport.py     request headers, and a response read as its body or the error it reports
 """
 

@@ -20,6 +20,7 @@ import torch
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
 from kvtier.caller_kv import kv_layout
 from kvtier.client.connections import MAX_REPLY_BYTES
+from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, httpx_send, reply_body
@@ -51,12 +52,18 @@ class AsyncClient:
         self._owed = OwedReleases()
         self._flush_timer: asyncio.TimerHandle | None = None
         self._flushes: set[asyncio.Task[None]] = set()  # running flushes, kept referenced
+        self._timeout_s = timeout_s
+        self._lane: AsyncLaneConnections | None = None  # the small calls' socket (`lane.py`)
 
     async def _post(
         self, path: str, body: dict[str, Any], tenant: str = "default"
     ) -> dict[str, Any]:
         await self._map()
         content, headers = wire.encode(body, True), self._headers.for_tenant(tenant)
+        if self._lane is not None and path in wire.LANE_PATHS:
+            reply = await self._lane.request(path, content, headers)
+            if reply is not None:  # None: the lane cannot be reached, and nothing was sent
+                return reply_body(reply)
         request = self._http.build_request("POST", path, content=content, headers=headers)
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
@@ -106,7 +113,10 @@ class AsyncClient:
     async def _map(self) -> None:
         if self._shared_memory and not self._mapped:
             self._mapped = True
-            self._pools.map(await self._get("/v1/pools"))
+            pools = await self._get("/v1/pools")
+            self._pools.map(pools)
+            lane = pools.get("lane")
+            self._lane = AsyncLaneConnections.of(lane, self._timeout_s, self._max_reply)
 
     async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
         body = await self._post("/v1/lookup", {"tokens": encode_tokens(tokens)}, tenant)
@@ -239,6 +249,8 @@ class AsyncClient:
         await self._flush(self._owed.take_due(math.inf))
         self._cancel_flush()  # the one `_flush` may have scheduled: nothing is owed now
         await self._http.aclose()
+        if self._lane is not None:
+            await self._lane.aclose()
         self._pools.clear()
 
     async def __aenter__(self) -> AsyncClient:

@@ -1,5 +1,6 @@
-"""`LaneConnections`: the blocking client's connections to its server's local lane, a Unix
-socket the data plane's small calls take past HTTP (`kvtier/service/lane.py` has the frames).
+"""`LaneConnections` (`Client`) and `AsyncLaneConnections` (`AsyncClient`, the same over
+asyncio streams): a client's connections to its server's local lane, a Unix socket the data
+plane's small calls take past HTTP (`kvtier/service/lane.py` has the frames).
 
 Contract:
 - `LaneConnections.of(name, ...)`: `name` comes from the server's `/v1/pools` (untrusted):
@@ -20,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import select
 import socket
@@ -48,13 +50,8 @@ class LaneConnections:
 
     @classmethod
     def of(cls, name: object, timeout_s: float, max_reply_bytes: int) -> LaneConnections | None:
-        if name is None or not hasattr(socket, "AF_UNIX"):
-            return None
-        if not isinstance(name, str) or wire.LANE_NAME.fullmatch(name) is None:
-            raise ReplyError(
-                f"GET /v1/pools: lane {name!r:.80}, expected kvtier-lane-<pid>-<8 hex> or null"
-            )
-        return cls(name, timeout_s, max_reply_bytes)
+        checked = checked_name(name)
+        return None if checked is None else cls(checked, timeout_s, max_reply_bytes)
 
     def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
         sock = self._take()
@@ -121,6 +118,99 @@ class LaneConnections:
         sock.close()
 
 
+class AsyncLaneConnections:
+    """`LaneConnections` for `AsyncClient`: the same frames, contract and errors over asyncio
+    streams (`request` is a coroutine; `aclose` closes the idle connections)."""
+
+    def __init__(self, name: str, timeout_s: float, max_reply_bytes: int) -> None:
+        self.address = "\0" + name
+        self.timeout_s, self.limit = timeout_s, max_reply_bytes
+        self.dead = False
+        self.calls = 0
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._closed = False
+
+    @classmethod
+    def of(
+        cls, name: object, timeout_s: float, max_reply_bytes: int
+    ) -> AsyncLaneConnections | None:
+        checked = checked_name(name)
+        return None if checked is None else cls(checked, timeout_s, max_reply_bytes)
+
+    async def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
+        stream = await self._take()
+        if stream is None:
+            return None
+        reader, writer = stream
+        call = f"POST {path} (lane)"
+        request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                writer.write(_frame(request))
+                await writer.drain()
+                reply = await _read_frame_async(reader, self.limit, call)
+        except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
+            writer.close()
+            raise TransportError(f"{call}: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            writer.close()
+            raise
+        if self._closed:
+            writer.close()
+        else:
+            self._idle.append(stream)
+        self.calls += 1
+        status, content = _reply(reply, call)
+        return Reply(status, wire.MSGPACK, content, path)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()
+
+    async def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        if self._closed:
+            raise ClosedError("the client is closed: no request is sent")
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer  # the server has not closed it
+            writer.close()
+        if self.dead:
+            return None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                reader, writer = await asyncio.open_unix_connection(self.address)
+                hello = await _read_frame_async(reader, 64, "the lane's hello")
+        except (OSError, EOFError, asyncio.IncompleteReadError, ReplyError):
+            hello = None
+        if hello != wire.LANE_HELLO:
+            self.dead = True
+            return None
+        return reader, writer
+
+
+def checked_name(name: object) -> str | None:
+    """A lane name from `/v1/pools` (untrusted), None for none (or no Unix sockets here);
+    anything but a lane name is a `ReplyError`."""
+    if name is None or not hasattr(socket, "AF_UNIX"):
+        return None
+    if not isinstance(name, str) or wire.LANE_NAME.fullmatch(name) is None:
+        raise ReplyError(
+            f"GET /v1/pools: lane {name!r:.80}, expected kvtier-lane-<pid>-<8 hex> or null"
+        )
+    return name
+
+
+async def _read_frame_async(reader: asyncio.StreamReader, limit: int, call: str) -> Any:
+    """`_read_frame` on a stream."""
+    (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+    if length > limit:
+        raise reply_too_long(limit, call)
+    return _decoded(await reader.readexactly(length), call)
+
+
 def _frame(data: Any) -> bytes:
     body: bytes = msgpack.packb(data, use_bin_type=True)
     return LENGTH.pack(len(body)) + body
@@ -132,7 +222,10 @@ def _read_frame(sock: socket.socket, limit: int, call: str) -> Any:
     (length,) = LENGTH.unpack(_read_exactly(sock, LENGTH.size))
     if length > limit:
         raise reply_too_long(limit, call)
-    payload = _read_exactly(sock, length)
+    return _decoded(_read_exactly(sock, length), call)
+
+
+def _decoded(payload: bytes, call: str) -> Any:
     try:
         return msgpack.unpackb(payload, raw=False)
     except (ValueError, RecursionError) as exc:
