@@ -222,6 +222,10 @@ def test_a_lane_name_from_the_server_is_checked_and_one_out_of_reach_leaves_http
     gone = LaneConnections.of("kvtier-lane-1-00000000", 1.0, 1 << 20)
     assert gone is not None
     assert gone.request("/v1/lookup", b"", {}) is None and gone.dead
+    assert gone.retry_at > time.monotonic() + 20  # HTTP for the next half minute
+    gone.retry_at = 0.0  # the half minute passed: it tries once more, and fails again
+    assert not gone.dead
+    assert gone.request("/v1/lookup", b"", {}) is None and gone.dead
     with Client(server.url, api_key=KEY) as client:
         client._lane = gone  # a lane that cannot be reached: nothing sent, HTTP instead
         assert client.lookup(tokens_of(5000, 8)).num_tokens == 0

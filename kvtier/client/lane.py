@@ -9,7 +9,8 @@ Contract:
   read as an HTTP reply is (`transport.reply_body`), or None when the lane cannot be reached:
   a connection refused, or one that does not open with the server's hello (a server at its
   connection limit, or another user's). Nothing was sent then, so the caller takes HTTP, and
-  so does every later call of this client (`dead`). Safe from any number of threads: each
+  so does every call of this client for `RETRY_S` (`dead`), when it tries once more (a server
+  that had no connection to spare may have one then). Safe from any number of threads: each
   call holds a connection of its own, taken from the idle ones or opened.
 - Once a request is sent, every failure (a reset, a timeout after `timeout_s`, a reply cut
   short) is a `TransportError` and its connection is closed; a request is never sent twice.
@@ -27,6 +28,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -36,14 +38,24 @@ from kvtier.errors import ClosedError, ReplyError
 from kvtier.service import wire
 
 LENGTH = struct.Struct("<I")
+RETRY_S = 30.0
 
 
-class LaneConnections:
+class _Dead:
+    retry_at: float
+
+    @property
+    def dead(self) -> bool:
+        """Whether calls take HTTP for now: the lane was out of reach less than `RETRY_S` ago."""
+        return time.monotonic() < self.retry_at
+
+
+class LaneConnections(_Dead):
     def __init__(self, name: str, timeout_s: float, max_reply_bytes: int) -> None:
         self.address = "\0" + name  # an abstract socket: Linux only
         self.timeout_s, self.limit = timeout_s, max_reply_bytes
-        self.dead = False
         self.calls = 0  # requests answered through the lane
+        self.retry_at = 0.0  # while `time.monotonic()` is below it, calls take HTTP
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -104,7 +116,7 @@ class LaneConnections:
             hello = None
         if hello != wire.LANE_HELLO:
             sock.close()
-            self.dead = True
+            self.retry_at = time.monotonic() + RETRY_S
             return None
         return sock
 
@@ -118,15 +130,15 @@ class LaneConnections:
         sock.close()
 
 
-class AsyncLaneConnections:
+class AsyncLaneConnections(_Dead):
     """`LaneConnections` for `AsyncClient`: the same frames, contract and errors over asyncio
     streams (`request` is a coroutine; `aclose` closes the idle connections)."""
 
     def __init__(self, name: str, timeout_s: float, max_reply_bytes: int) -> None:
         self.address = "\0" + name
         self.timeout_s, self.limit = timeout_s, max_reply_bytes
-        self.dead = False
         self.calls = 0
+        self.retry_at = 0.0
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._closed = False
 
@@ -186,7 +198,7 @@ class AsyncLaneConnections:
         except (OSError, EOFError, asyncio.IncompleteReadError, ReplyError):
             hello = None
         if hello != wire.LANE_HELLO:
-            self.dead = True
+            self.retry_at = time.monotonic() + RETRY_S
             return None
         return reader, writer
 
