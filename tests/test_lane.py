@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 import struct
 import time
@@ -210,6 +211,32 @@ def test_another_user_is_closed_before_a_byte(server: Server) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     sock = opened(name)  # the server's own user still gets the hello
     sock.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_a_lane_served_by_another_user_is_not_taken() -> None:
+    name = f"kvtier-lane-{os.getpid()}-{secrets.token_hex(4)}"
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another user, listening under a lane name with a good hello
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            impostor.bind("\0" + name)
+            impostor.listen(1)
+            os.write(ready_w, b"1")
+            impostor.settimeout(10)
+            conn, _ = impostor.accept()
+            conn.sendall(struct.pack("<I", len(hello := msgpack.packb(wire.LANE_HELLO))) + hello)
+            conn.recv(1)
+        finally:
+            os._exit(0)
+    assert os.read(ready_r, 1) == b"1"
+    lane = LaneConnections.of(name, 5.0, 1 << 20)
+    assert lane is not None
+    assert lane.request("/v1/lookup", b"", {}) is None and lane.dead  # nothing sent to it
+    os.waitpid(pid, 0)
 
 
 def test_a_lane_name_from_the_server_is_checked_and_one_out_of_reach_leaves_http(

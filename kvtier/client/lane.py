@@ -7,11 +7,12 @@ Contract:
   None (no lane) gives None; anything but a lane name (`wire.LANE_NAME`) is a `ReplyError`.
 - `request(path, body, headers)` sends one call of `wire.LANE_PATHS` and returns its `Reply`,
   read as an HTTP reply is (`transport.reply_body`), or None when the lane cannot be reached:
-  a connection refused, or one that does not open with the server's hello (a server at its
-  connection limit, or another user's). Nothing was sent then, so the caller takes HTTP, and
-  so does every call of this client for `RETRY_S` (`dead`), when it tries once more (a server
-  that had no connection to spare may have one then). Safe from any number of threads: each
-  call holds a connection of its own, taken from the idle ones or opened.
+  a connection refused, a peer of another user (SO_PEERCRED), or one that does not open with
+  the server's hello (a server at its connection limit, or another user's). Nothing was sent
+  then, so the caller takes HTTP, and so does every call of this client for `RETRY_S`
+  (`dead`), when it tries once more (a server that had no connection to spare may have one
+  then). Safe from any number of threads: each call holds a connection of its own, taken from
+  the idle ones or opened.
 - Once a request is sent, every failure (a reset, a timeout after `timeout_s`, a reply cut
   short) is a `TransportError` and its connection is closed; a request is never sent twice.
   An idle connection the server has closed (it ends one idle for 10 minutes) is found before
@@ -111,10 +112,10 @@ class LaneConnections(_Dead):
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.address)
-            hello = _read_frame(sock, 64, "the lane's hello")
+            hello = _read_frame(sock, 64, "the lane's hello") if wire.same_user(sock) else None
         except (OSError, ReplyError):
             hello = None
-        if hello != wire.LANE_HELLO:
+        if hello != wire.LANE_HELLO:  # not there, not our user's, or not a lane
             sock.close()
             self.retry_at = time.monotonic() + RETRY_S
             return None
@@ -185,22 +186,26 @@ class AsyncLaneConnections(_Dead):
         if self._closed:
             raise ClosedError("the client is closed: no request is sent")
         while self._idle:
-            reader, writer = self._idle.pop()
-            if not reader.at_eof() and not writer.is_closing():
-                return reader, writer  # the server has not closed it
-            writer.close()
+            idle = self._idle.pop()
+            if not idle[0].at_eof() and not idle[1].is_closing():
+                return idle  # the server has not closed it
+            idle[1].close()
         if self.dead:
             return None
+        stream = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                reader, writer = await asyncio.open_unix_connection(self.address)
-                hello = await _read_frame_async(reader, 64, "the lane's hello")
+                stream = await asyncio.open_unix_connection(self.address)
+                ours = wire.same_user(stream[1].get_extra_info("socket"))
+                hello = await _read_frame_async(stream[0], 64, "the lane's hello") if ours else None
         except (OSError, EOFError, asyncio.IncompleteReadError, ReplyError):
             hello = None
-        if hello != wire.LANE_HELLO:
+        if stream is None or hello != wire.LANE_HELLO:  # not there, not our user's, not a lane
+            if stream is not None:
+                stream[1].close()
             self.retry_at = time.monotonic() + RETRY_S
             return None
-        return reader, writer
+        return stream
 
 
 def checked_name(name: object) -> str | None:

@@ -127,7 +127,7 @@ class Lane:
                 return  # closed by `stop`
             with self._lock:
                 full = len(self._open) >= MAX_CONNECTIONS
-                if not full and _same_user(conn) and self._listener is not None:
+                if not full and wire.same_user(conn) and self._listener is not None:
                     thread = threading.Thread(
                         target=self._serve, args=(conn,), name="kvtier-lane-conn", daemon=True
                     )
@@ -222,16 +222,6 @@ def _read(conn: socket.socket, count: int, deadline: float | None) -> bytes:
             raise EOFError
         got += n
     return bytes(buffer)
-
-
-def _same_user(sock: socket.socket) -> bool:
-    """Whether the peer of `sock` runs as this process's user (SO_PEERCRED: pid, uid, gid)."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return False
-    uid: int = struct.unpack("3i", creds)[1]
-    return uid == os.geteuid()
 
 
 def _refusal(status: int, kind: str, detail: str) -> tuple[int, bytes]:
