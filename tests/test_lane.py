@@ -19,6 +19,8 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from service_server import ADMIN_KEY, Server, kv_of, running, start, tokens_of, write_config
 
 from kvtier.client import AsyncClient, Client
@@ -190,6 +192,46 @@ def test_hostile_frames_are_answered_or_cut_off_and_the_store_stays_whole(
     with Client(server.url, api_key=KEY) as client:
         assert client.lookup(tokens_of(1, 8)).num_tokens == 0
         assert client._lane is not None and client._lane.calls == 1
+
+
+PARTS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=8),
+    st.binary(max_size=64), st.sampled_from(sorted(wire.LANE_PATHS)), st.just(AUTH),
+)  # fmt: skip
+FIELDS = ("tokens", "lease_id", "reservation_id", "ttl_s", "wait_s", "release")
+FRAMES = st.one_of(
+    st.binary(max_size=256),  # any bytes
+    st.lists(PARTS, max_size=6).map(lambda parts: msgpack.packb(parts, use_bin_type=True)),
+    st.tuples(  # the right shape around a hostile body
+        st.sampled_from(sorted(wire.LANE_PATHS)),
+        st.one_of(st.none(), st.just(AUTH), st.text(max_size=40)),
+        st.one_of(st.none(), st.text(max_size=12)),
+        st.one_of(
+            st.binary(max_size=256),
+            st.dictionaries(st.sampled_from(FIELDS), PARTS, max_size=4).map(
+                lambda body: msgpack.packb(body, use_bin_type=True)
+            ),
+        ),
+    ).map(lambda request: msgpack.packb(list(request), use_bin_type=True)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payloads=st.lists(FRAMES, min_size=1, max_size=4))
+def test_any_frame_is_answered_with_a_status_and_never_a_500(
+    server: Server, payloads: list[bytes]
+) -> None:
+    sock = opened(lane_of(server))
+    try:
+        for payload in payloads:
+            send(sock, payload)
+            status, body = read_frame(sock)
+            assert isinstance(status, int) and 200 <= status < 500, (status, body)
+            reply = msgpack.unpackb(body, raw=False)
+            assert status == 200 or set(reply) == {"error", "detail"}, reply
+    finally:
+        sock.close()
+    check_store(server)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")

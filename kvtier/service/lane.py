@@ -164,7 +164,7 @@ class Lane:
         """The status and body bytes of one request frame (module doc)."""
         try:
             request = msgpack.unpackb(payload, raw=False)
-        except (ValueError, RecursionError) as exc:
+        except Exception as exc:  # msgpack's errors, RecursionError, a map key it cannot hash
             return _refusal(400, "malformed_frame", f"not msgpack: {type(exc).__name__}")
         if not (
             isinstance(request, list)
