@@ -27,7 +27,8 @@ the store's. Store calls run on worker threads (the store's lock may be held for
 big store or the mover), never on the event loop; waiting for a lease awaits it without a
 thread. Bodies are read by `body.py` (bounded in size and time). Every answer that is not a 200
 is `{error, detail}` with a status its route documents (`schemas.py`): the routes' own, the
-edge's (415, 421), and FastAPI's 404/405 for unknown paths and methods.
+edge's (415, 421), and FastAPI's 404/405 for unknown paths and methods. The lifespan also runs
+the local lane (`lane.py`), the data plane's small calls past HTTP.
 """
 
 from __future__ import annotations
