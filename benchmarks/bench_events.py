@@ -55,7 +55,8 @@ def observe(index: RadixIndex) -> EventPublisher:
     """Events on for a bare index (`bench_index.py`): its observer feeding a publisher on a
     loopback PUB nobody reads, every block told of as tenant "bench"'s."""
     publisher = EventPublisher("tcp://127.0.0.1:0")
-    every = defaultdict(lambda: "bench")  # a dict's get, as the store's (`Namespaces.tenant_of`)
+    # a dict's lookup, as the store's (`Namespaces.tenant_of`)
+    every: defaultdict[bytes, str] = defaultdict(lambda: "bench")
     index.observer = IndexEvents(publisher, index, every.__getitem__)
     return publisher
 

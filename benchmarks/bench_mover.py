@@ -355,8 +355,8 @@ def events_b(seconds: float, consumers: int, rounds: int) -> None:
         {key: statistics.median(run[key] for run in runs[events]) for key in runs[events][0]}
         for events in (False, True)
     )
-    keys = ("store_p50", "store_cpu_p50", "store_p99", "ready_p50", "ready_p99", "stored")
-    keys += ("host_disk_bps",)
+    keys: tuple[str, ...] = ("store_p50", "store_cpu_p50", "store_p99", "ready_p50")
+    keys += ("ready_p99", "stored", "host_disk_bps")
     print("    on / off: " + ", ".join(f"{key} {on[key] / off[key]:.3f}" for key in keys))
 
 
