@@ -26,7 +26,7 @@ from service_server import ADMIN_KEY, Server, kv_of, running, start, tokens_of, 
 from kvtier.client import AsyncClient, Client
 from kvtier.client.lane import AsyncLaneConnections, LaneConnections
 from kvtier.errors import LeaseError, ReplyError
-from kvtier.service import wire
+from kvtier.service import frames
 
 KEY = "lane-tenant-key-0123456789"
 AUTH = f"Bearer {KEY}"
@@ -53,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def lane_of(server: Server) -> str:
     name = server.get("/v1/pools", headers={"authorization": AUTH}).json()["lane"]
-    assert isinstance(name, str) and wire.LANE_NAME.fullmatch(name), name
+    assert isinstance(name, str) and frames.NAME.fullmatch(name), name
     return name
 
 
@@ -92,7 +92,7 @@ def call(sock: socket.socket, request: Any) -> tuple[int, dict[str, Any]]:
 def opened(name: str) -> socket.socket:
     """A lane connection past its hello."""
     sock = connect(name)
-    assert read_frame(sock) == wire.LANE_HELLO
+    assert read_frame(sock) == frames.HELLO
     return sock
 
 
@@ -196,14 +196,14 @@ def test_hostile_frames_are_answered_or_cut_off_and_the_store_stays_whole(
 
 PARTS = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=8),
-    st.binary(max_size=64), st.sampled_from(sorted(wire.LANE_PATHS)), st.just(AUTH),
+    st.binary(max_size=64), st.sampled_from(sorted(frames.PATHS)), st.just(AUTH),
 )  # fmt: skip
 FIELDS = ("tokens", "lease_id", "reservation_id", "ttl_s", "wait_s", "release")
 FRAMES = st.one_of(
     st.binary(max_size=256),  # any bytes
     st.lists(PARTS, max_size=6).map(lambda parts: msgpack.packb(parts, use_bin_type=True)),
     st.tuples(  # the right shape around a hostile body
-        st.sampled_from(sorted(wire.LANE_PATHS)),
+        st.sampled_from(sorted(frames.PATHS)),
         st.one_of(st.none(), st.just(AUTH), st.text(max_size=40)),
         st.one_of(st.none(), st.text(max_size=12)),
         st.one_of(
@@ -270,7 +270,7 @@ def test_a_lane_served_by_another_user_is_not_taken() -> None:
             os.write(ready_w, b"1")
             impostor.settimeout(10)
             conn, _ = impostor.accept()
-            conn.sendall(struct.pack("<I", len(hello := msgpack.packb(wire.LANE_HELLO))) + hello)
+            conn.sendall(struct.pack("<I", len(hello := msgpack.packb(frames.HELLO))) + hello)
             conn.recv(1)
         finally:
             os._exit(0)

@@ -26,7 +26,7 @@ from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, httpx_send, reply_body
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
-from kvtier.service import replies, wire
+from kvtier.service import frames, replies, wire
 
 
 class AsyncClient:
@@ -60,7 +60,7 @@ class AsyncClient:
     ) -> dict[str, Any]:
         await self._map()
         content, headers = wire.encode(body, True), self._headers.for_tenant(tenant)
-        if self._lane is not None and path in wire.LANE_PATHS:
+        if self._lane is not None and path in frames.PATHS:
             reply = await self._lane.request(path, content, headers)
             if reply is not None:  # None: the lane cannot be reached, and nothing was sent
                 return reply_body(reply)

@@ -28,7 +28,7 @@ from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, reply_body
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
-from kvtier.service import replies, wire
+from kvtier.service import frames, replies, wire
 
 
 def _flush_loop(client: weakref.ref[Client], wake: threading.Condition, owed: OwedReleases) -> None:
@@ -85,7 +85,7 @@ class Client:
 
     def _post(self, path: str, body: dict[str, Any], tenant: str = "default") -> dict[str, Any]:
         headers, encoded = self._headers.for_tenant(tenant), wire.encode(body, True)
-        if self._lane is not None and path in wire.LANE_PATHS:
+        if self._lane is not None and path in frames.PATHS:
             reply = self._lane.request(path, encoded, headers)
             if reply is not None:  # None: the lane cannot be reached, and nothing was sent
                 return reply_body(reply)

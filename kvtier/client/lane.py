@@ -4,8 +4,8 @@ plane's small calls take past HTTP (`kvtier/service/lane.py` has the frames).
 
 Contract:
 - `LaneConnections.of(name, ...)`: `name` comes from the server's `/v1/pools` (untrusted):
-  None (no lane) gives None; anything but a lane name (`wire.LANE_NAME`) is a `ReplyError`.
-- `request(path, body, headers)` sends one call of `wire.LANE_PATHS` and returns its `Reply`,
+  None (no lane) gives None; anything but a lane name (`frames.NAME`) is a `ReplyError`.
+- `request(path, body, headers)` sends one call of `frames.PATHS` and returns its `Reply`,
   read as an HTTP reply is (`transport.reply_body`), or None when the lane cannot be reached:
   a connection refused, a peer of another user (SO_PEERCRED), or one that does not open with
   the server's hello (a server at its connection limit, or another user's). Nothing was sent
@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
@@ -36,9 +35,8 @@ import msgpack  # type: ignore[import-untyped]
 
 from kvtier.client.connections import Reply, TransportError, reply_too_long
 from kvtier.errors import ClosedError, ReplyError
-from kvtier.service import wire
+from kvtier.service import frames, wire
 
-LENGTH = struct.Struct("<I")
 RETRY_S = 30.0
 
 
@@ -73,7 +71,7 @@ class LaneConnections(_Dead):
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
         try:
-            sock.sendall(_frame(request))
+            sock.sendall(frames.frame(request))
             reply = _read_frame(sock, self.limit, call)
         except OSError as exc:
             sock.close()
@@ -112,10 +110,10 @@ class LaneConnections(_Dead):
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.address)
-            hello = _read_frame(sock, 64, "the lane's hello") if wire.same_user(sock) else None
+            hello = _read_frame(sock, 64, "the lane's hello") if frames.same_user(sock) else None
         except (OSError, ReplyError):
             hello = None
-        if hello != wire.LANE_HELLO:  # not there, not our user's, or not a lane
+        if hello != frames.HELLO:  # not there, not our user's, or not a lane
             sock.close()
             self.retry_at = time.monotonic() + RETRY_S
             return None
@@ -159,7 +157,7 @@ class AsyncLaneConnections(_Dead):
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
         try:
             async with asyncio.timeout(self.timeout_s):
-                writer.write(_frame(request))
+                writer.write(frames.frame(request))
                 await writer.drain()
                 reply = await _read_frame_async(reader, self.limit, call)
         except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
@@ -196,11 +194,11 @@ class AsyncLaneConnections(_Dead):
         try:
             async with asyncio.timeout(self.timeout_s):
                 stream = await asyncio.open_unix_connection(self.address)
-                ours = wire.same_user(stream[1].get_extra_info("socket"))
+                ours = frames.same_user(stream[1].get_extra_info("socket"))
                 hello = await _read_frame_async(stream[0], 64, "the lane's hello") if ours else None
         except (OSError, EOFError, asyncio.IncompleteReadError, ReplyError):
             hello = None
-        if stream is None or hello != wire.LANE_HELLO:  # not there, not our user's, not a lane
+        if stream is None or hello != frames.HELLO:  # not there, not our user's, not a lane
             if stream is not None:
                 stream[1].close()
             self.retry_at = time.monotonic() + RETRY_S
@@ -213,7 +211,7 @@ def checked_name(name: object) -> str | None:
     anything but a lane name is a `ReplyError`."""
     if name is None or not hasattr(socket, "AF_UNIX"):
         return None
-    if not isinstance(name, str) or wire.LANE_NAME.fullmatch(name) is None:
+    if not isinstance(name, str) or frames.NAME.fullmatch(name) is None:
         raise ReplyError(
             f"GET /v1/pools: lane {name!r:.80}, expected kvtier-lane-<pid>-<8 hex> or null"
         )
@@ -222,24 +220,19 @@ def checked_name(name: object) -> str | None:
 
 async def _read_frame_async(reader: asyncio.StreamReader, limit: int, call: str) -> Any:
     """`_read_frame` on a stream."""
-    (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+    (length,) = frames.LENGTH.unpack(await reader.readexactly(frames.LENGTH.size))
     if length > limit:
         raise reply_too_long(limit, call)
     return _decoded(await reader.readexactly(length), call)
 
 
-def _frame(data: Any) -> bytes:
-    body: bytes = msgpack.packb(data, use_bin_type=True)
-    return LENGTH.pack(len(body)) + body
-
-
 def _read_frame(sock: socket.socket, limit: int, call: str) -> Any:
     """The next frame's decoded value; `ReplyError` for one longer than `limit` (unread) or
     not msgpack; `OSError` (EOF included) when the connection ends first."""
-    (length,) = LENGTH.unpack(_read_exactly(sock, LENGTH.size))
+    (length,) = frames.LENGTH.unpack(frames.read_exactly(sock, frames.LENGTH.size))
     if length > limit:
         raise reply_too_long(limit, call)
-    return _decoded(_read_exactly(sock, length), call)
+    return _decoded(frames.read_exactly(sock, length), call)
 
 
 def _decoded(payload: bytes, call: str) -> Any:
@@ -247,17 +240,6 @@ def _decoded(payload: bytes, call: str) -> Any:
         return msgpack.unpackb(payload, raw=False)
     except (ValueError, RecursionError) as exc:
         raise ReplyError(f"{call}: a reply that is not msgpack ({type(exc).__name__})") from None
-
-
-def _read_exactly(sock: socket.socket, count: int) -> bytes:
-    buffer = bytearray(count)
-    view, got = memoryview(buffer), 0
-    while got < count:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionResetError("the lane closed mid-frame")
-        got += n
-    return bytes(buffer)
 
 
 def _reply(reply: Any, call: str) -> tuple[int, bytes]:

@@ -12,7 +12,7 @@ took 0.03 ms. A client that maps the server's pools (same host, same user:
     Lane(service, handlers).start() -> name    listens; `stop()` closes it and its connections
 
 Where: an abstract Unix socket (Linux: no file, nothing left behind by a SIGKILL), named
-`kvtier-lane-<pid>-<8 hex>` (`wire.LANE_NAME`). Who: a peer whose uid (SO_PEERCRED) is not the
+`kvtier-lane-<pid>-<8 hex>` (`frames.NAME`). Who: a peer whose uid (SO_PEERCRED) is not the
 server's is closed before a byte is read or sent: the trust boundary of the /dev/shm segments
 (mode 0600, the server's user), which such a peer could map anyway. Auth and tenants are the
 HTTP routes': each request carries its key, admitted as a header would be (`admission.py`).
@@ -23,7 +23,7 @@ loop, no hop to a worker thread. The store is thread-safe, as the HTTP routes' w
 already rely on.
 
 Frames: a 4-byte little-endian length, then msgpack.
-    the server's hello, once, on accepting:  "kvtier-lane 1" (`wire.LANE_HELLO`)
+    the server's hello, once, on accepting:  "kvtier-lane 1" (`frames.HELLO`)
     request                                  [path, authorization, tenant, body]
                                              (str; str or nil; str or nil; msgpack bytes)
     reply                                    [status, body]  (int; the HTTP reply's body bytes)
@@ -47,22 +47,19 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
-from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
-from kvtier.service import wire
+from kvtier.service import frames, wire
 from kvtier.service.admission import Service, tenant_of_key
 from kvtier.service.plane import Handler
 
 log = logging.getLogger("kvtier.service")
 
-LENGTH = struct.Struct("<I")
 MAX_CONNECTIONS = 256
 IDLE_S = 600.0
 STOP_S = 5.0  # how long `stop` waits for the connections' threads
@@ -71,11 +68,6 @@ STOP_S = 5.0  # how long `stop` waits for the connections' threads
 def frame_limit(config: KVTierConfig) -> int:
     """The longest request frame the lane reads: the tokens allowed, and 1 MiB of fields."""
     return 4 * config.service.max_tokens + (1 << 20)
-
-
-def frame(data: Any) -> bytes:
-    body: bytes = msgpack.packb(data, use_bin_type=True)
-    return LENGTH.pack(len(body)) + body
 
 
 class Lane:
@@ -127,7 +119,7 @@ class Lane:
                 return  # closed by `stop`
             with self._lock:
                 full = len(self._open) >= MAX_CONNECTIONS
-                if not full and wire.same_user(conn) and self._listener is not None:
+                if not full and frames.same_user(conn) and self._listener is not None:
                     thread = threading.Thread(
                         target=self._serve, args=(conn,), name="kvtier-lane-conn", daemon=True
                     )
@@ -141,18 +133,18 @@ class Lane:
         metrics = self.service.metrics
         metrics.lane_connections.inc()
         try:
-            conn.sendall(frame(wire.LANE_HELLO))
+            conn.sendall(frames.frame(frames.HELLO))
             while True:
                 conn.settimeout(IDLE_S)
-                head = _read(conn, LENGTH.size, None)
-                (length,) = LENGTH.unpack(head)
+                (length,) = frames.LENGTH.unpack(frames.read_exactly(conn, frames.LENGTH.size))
                 if length > self.limit:
                     return  # its body is not read: the connection is done
-                payload = _read(conn, length, time.monotonic() + self.timeout_s)
-                reply = frame(list(self.answer(payload)))
+                deadline = time.monotonic() + self.timeout_s
+                payload = frames.read_exactly(conn, length, deadline)
+                reply = frames.frame(list(self.answer(payload)))
                 conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
                 conn.sendall(reply)
-        except (OSError, EOFError):
+        except OSError:
             return  # gone, idle, too slow, or stopped: nothing to answer
         finally:
             metrics.lane_connections.dec()
@@ -204,24 +196,6 @@ class Lane:
         finally:
             self.service.metrics.observe(path, time.perf_counter() - started)
             self.service.metrics.lane_requests.inc()
-
-
-def _read(conn: socket.socket, count: int, deadline: float | None) -> bytes:
-    """`count` bytes, by `deadline` (monotonic; None: the socket's own timeout per read);
-    `EOFError` when the peer ends first, `TimeoutError` past the deadline."""
-    buffer = bytearray(count)
-    view, got = memoryview(buffer), 0
-    while got < count:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("a frame slower than service.body_timeout_s")
-            conn.settimeout(left)
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise EOFError
-        got += n
-    return bytes(buffer)
 
 
 def _refusal(status: int, kind: str, detail: str) -> tuple[int, bytes]:

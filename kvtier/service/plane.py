@@ -113,7 +113,7 @@ class Plane:
         return {}
 
     def sync_handlers(self) -> dict[str, Handler]:
-        """The handlers of the calls the lane carries (`wire.LANE_PATHS`), all blocking."""
+        """The handlers of the calls the lane carries (`frames.PATHS`), all blocking."""
         return {
             "/v1/lookup": self.lookup,
             "/v1/prefetch": self.prefetch_blocking,

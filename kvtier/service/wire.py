@@ -27,10 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import re
-import socket
-import struct
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -81,29 +77,6 @@ def classify(exc: KVTierError) -> tuple[int, str]:
         if isinstance(exc, cls):
             return found
     return 400, "invalid_argument"
-
-
-LANE_HELLO = b"kvtier-lane 1"
-"""The local lane's first frame, the server's (`lane.py`), which the client checks."""
-LANE_PATHS = frozenset(
-    ("/v1/lookup", "/v1/prefetch", "/v1/release", "/v1/reserve", "/v1/commit", "/v1/abort")
-)
-"""The calls the local lane carries: the small ones. A store or load whose KV travels in the
-body stays on HTTP."""
-LANE_NAME = re.compile(r"kvtier-lane-[1-9][0-9]{0,9}-[0-9a-f]{8}")
-"""A lane's name: an abstract Unix socket's, `kvtier-lane-<pid>-<8 hex>`."""
-
-
-def same_user(sock: socket.socket) -> bool:
-    """Whether the peer of the Unix socket `sock` runs as this process's user (SO_PEERCRED:
-    pid, uid, gid): what each end of the lane asks of the other, the boundary of the 0600
-    shared-memory pools."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return False
-    uid: int = struct.unpack("3i", creds)[1]
-    return uid == os.geteuid()
 
 
 class WireError(Exception):
