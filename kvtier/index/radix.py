@@ -75,13 +75,11 @@ class TierObserver(Protocol):
     def lost(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None: ...
 
 
-def tell_inserted(observer: TierObserver, result: InsertResult, tiers: tuple[int, ...]) -> None:
-    """Tell `observer` of an insert's new blocks: the tail of `result.end`, or a chain of new
-    nodes ending there (a run longer than a node may be, `Forest.grow`), parents first."""
+def tell_chain(observer: TierObserver, result: InsertResult, tiers: tuple[int, ...]) -> None:
+    """Tell `observer` of an insert's new blocks when they are more than `result.end` holds: a
+    chain of new nodes ending there (a run longer than a node may be, `Forest.grow`), parents
+    first. (New blocks within one node are told by `RadixIndex.insert` itself.)"""
     end, new = result.end, result.new_blocks
-    if new <= end.size:
-        observer.gained(end, end.size - new, end.size, tiers)
-        return
     chain = []
     while new > 0:
         chain.append(end)
@@ -253,7 +251,7 @@ class RadixIndex(EvictionQueries):
             if new <= (size := len(end.slots[0])):
                 observer.gained(end, size - new, size, tuple(slots))
             else:
-                tell_inserted(observer, result, tuple(slots))
+                tell_chain(observer, result, tuple(slots))
         return result
 
     def set_slot(self, ref: BlockRef, tier: int, slot: int) -> None:
