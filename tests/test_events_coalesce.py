@@ -18,6 +18,7 @@ import zmq
 from kvtier.blocks import BlockHasher, encode_tokens
 from kvtier.events import EventPublisher, EventSettings
 from kvtier.events.observer import IndexEvents
+from kvtier.events.wire import TOLD_REMOVED, TOLD_STORED
 from kvtier.index import BlockRef, RadixIndex
 from kvtier.index.node import Node
 
@@ -95,6 +96,17 @@ def test_a_block_at_a_time_is_told_in_runs_and_exactly() -> None:
                 break
             free[0].append(index.clear_slot(ref, 0))
             edits += 1
+        if rng.random() < 0.5:  # another prompt on gpu only, demoted to host from the end
+            key = encode_tokens(np.arange(p * 1000 + 500, p * 1000 + 500 + 4 * BLOCKS))
+            top = index.insert(index.match(ns, key), key, {0: free[0][-BLOCKS:]}).end
+            del free[0][-BLOCKS:]
+            for i in reversed(range(BLOCKS - rng.randint(0, BLOCKS), BLOCKS)):
+                ref = BlockRef(top, i)
+                if not index.can_clear(ref, 0):
+                    break
+                index.set_slot(ref, 1, free[1].pop())
+                free[0].append(index.clear_slot(ref, 0))
+                edits += 2
         if rng.random() < 0.5:  # dropped a block at a time from the end, as eviction does
             for _ in range(rng.randint(1, BLOCKS)):
                 node = refs[0].node
@@ -129,3 +141,47 @@ def test_a_block_at_a_time_is_told_in_runs_and_exactly() -> None:
     publisher.close()
     sub.close()
     ctx.destroy(linger=0)
+
+
+def test_a_block_moved_between_two_media_at_a_time_joins_a_run_in_each() -> None:
+    """A demotion a block at a time from a node's end gains the copy below, then loses the one
+    above; a drop of a block held in both loses both copies. Each medium's edits join their
+    own run past the other medium's entry: an event a medium each way, not one a block and medium;
+    an event queued by the publisher itself (a clear) is never joined past."""
+    hasher = BlockHasher()
+    index = RadixIndex(("gpu", "host"), 4, hasher)
+    settings = EventSettings("kv@pod@m", queue_limit=10**6, flush_s=1000.0)
+    publisher = EventPublisher("tcp://127.0.0.1:0", settings=settings)
+    index.observer = IndexEvents(publisher, index, lambda namespace: "t")
+    ns = hasher.seed(b"\0" * 16, b"t")
+    key = encode_tokens(np.arange(4 * BLOCKS))
+    end = index.insert(index.match(ns, key), key, {0: list(range(BLOCKS))}).end
+    for i in reversed(range(BLOCKS)):  # demoted from the end: host gains, then gpu loses
+        index.set_slot(BlockRef(end, i), 1, 100 + i)
+        index.clear_slot(BlockRef(end, i), 0)
+    for i in range(BLOCKS // 2):  # promoted again in order: gpu gains, host keeps its copy
+        index.set_slot(BlockRef(end, i), 0, 200 + i)
+    for i in reversed(range(BLOCKS // 2, BLOCKS)):  # host-only blocks dropped from the end
+        index.drop(BlockRef(end, i))
+    index.check()
+    specs = [spec for _, spec in publisher.pending]
+    assert len(specs) == 5, specs  # the insert, then one event a medium each way
+    stored_cpu, removed_gpu, stored_gpu, removed_cpu = specs[1:5]
+    kind, lo, hi, parent, tiers = (stored_cpu[k] for k in (0, 4, 5, 6, 8))
+    assert (kind, lo, hi, parent, tiers) == (TOLD_STORED, 0, BLOCKS, None, (1,))
+    assert removed_gpu == (TOLD_REMOVED, end.ev, BLOCKS, "GPU")
+    assert (stored_gpu[4], stored_gpu[5], stored_gpu[8]) == (0, BLOCKS // 2, (0,))
+    assert removed_cpu == (TOLD_REMOVED, end.ev + BLOCKS // 2, BLOCKS // 2, "CPU")
+    publisher.cleared("t")  # queued by the publisher: what follows starts afresh
+    index.drop(BlockRef(end, BLOCKS // 2 - 1))  # held in both: a removal from each
+    after = [spec for _, spec in publisher.pending][len(specs) + 1 :]
+    assert after == [
+        (TOLD_REMOVED, end.ev + BLOCKS // 2 - 1, 1, "GPU"),
+        (TOLD_REMOVED, end.ev + BLOCKS // 2 - 1, 1, "CPU"),
+    ]
+    index.drop(BlockRef(end, BLOCKS // 2 - 2))  # the next one joins both, past each other
+    assert [spec for _, spec in publisher.pending][len(specs) + 1 :] == [
+        (TOLD_REMOVED, end.ev + BLOCKS // 2 - 2, 2, "GPU"),
+        (TOLD_REMOVED, end.ev + BLOCKS // 2 - 2, 2, "CPU"),
+    ]
+    publisher.close()

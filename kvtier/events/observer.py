@@ -12,16 +12,23 @@ an id is a BLAKE2b chain that the index computes only when something needs it, a
 that must compute 63 of them to tell of a prompt costs 1.3x one that does not
 (`benchmarks/bench_events.py`).
 
-Cost. Called under the store's lock, once per edit whatever the tiers, it appends one tuple
-of references and numbers to the publisher's queue (`wire.told_stored`, `wire.told_removed`):
-no slice, no allocation but the tuple, no NumPy call. An edit of one block that continues the
-one queued last replaces it instead: the next block of a node stored in the same tiers, or a
-removal from one medium whose number runs on from (or up to) the last one's (about 0.7 us more
-a joined block, under the publisher's lock; edits of runs are queued as they are). The mover's
-per-block paths (a prefetch's copies published block by block, eviction and demotion a block
-at a time from a node's end) otherwise queued an event per block: 55,893 events in 6 s of
-`bench_mover.py` (b), 2 blocks an event, each packed by the sending thread and applied by
-every router; 2,172 now.
+Cost. Called under the store's lock, once per edit whatever the tiers, it appends one tuple of
+references and numbers to the publisher's queue (`wire.told_stored`, `wire.told_removed`): no
+slice, no allocation but the tuple, no NumPy call. An edit of one block that continues the entry
+queued last in its medium (`open`) replaces that entry instead: the next (or the previous) block of
+a node stored in the same tiers, or a removal from one medium whose number runs on from (or up to)
+that entry's. The entry need not be the queue's last: entries of other media may follow it (up to
+`JOIN_DEPTH`), because a block moved a block at a time is edited in two media in turn (a demotion
+gains the copy below, then loses the one above; a drop loses each copy), and edits in different
+media commute for a router that keeps media apart (llm-d's pod entries carry the medium, as
+`kvtier.routing`'s do); an event the publisher queued itself (`EventPublisher._put`: a clear) is
+never joined past. A join costs about 1 us more than an append on the store's thread (the
+publisher's lock, a new tuple; edits of runs are queued as they are) and saves the sending thread
+packing an event and every router applying one. The mover's per-block paths (a prefetch's copies
+published block by block, eviction and demotion a block at a time from a node's end) otherwise
+queued an event per block: 55,893 events in 6 s of `bench_mover.py` (b), 2 blocks an event; 2,172
+with joins of the queue's last entry. A node of 64 blocks demoted a block at a time, then promoted
+again: 256 events before joins past another medium's entry (one a block and medium), 4 since.
 
 The publisher's thread slices the node's key (immutable bytes: an edit replaces it, never
 changes it) and packs the hashes and tokens with numpy (`wire.py`), one body for the tiers a
@@ -58,6 +65,12 @@ this, so that two publishers' hashes seldom meet (a router keys blocks by tokens
 `kvtier.routing`): at least 1.3e13 nodes (41 years at 10,000 new nodes a second) before the
 serials wrap around to 1."""
 
+JOIN_DEPTH = 4
+"""Entries at the queue's end that an edit of one block may join (module doc), past entries of
+other media only: one per medium, so that a block edited in two or three media in turn (a
+demotion gains the copy below, then loses the one above; a drop loses every copy) still joins
+the run of each medium."""
+
 MEDIUM_OF_TIER = {"gpu": "GPU", "host": "CPU", "disk": "DISK", "remote": "REMOTE"}
 
 
@@ -75,7 +88,9 @@ class IndexEvents:
         self._next = (secrets.randbelow(FIRST_SERIALS) + 1) * self.range  # never 0
         self.pending = publisher.pending  # appended to directly (`EventPublisher._put`)
         self.queue_limit = publisher.queue_limit  # fixed by the settings
-        self.lock = publisher.lock  # held to look at or change the queue's last entry
+        self.lock = publisher.lock  # held to change an entry of the queue (`_replace`)
+        # per tier, the entry queued last of its medium: an edit of one block may join it
+        self.open: list[tuple[str, wire.Spec] | None] = [None] * len(index.tiers)
         self.kb, self.bs = index.key_nbytes, index.block_tokens
 
     def gained(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None:
@@ -90,23 +105,26 @@ class IndexEvents:
             parent = node.parent
             if parent is not None and parent.parent is not None:
                 above = (parent.ev or self.number(parent)) + len(parent.slots[0]) - 1
-        pending = self.pending
-        last = self._last() if hi - lo == 1 else None  # a block at a time: the mover's paths
-        if (
-            last is not None
-            and last[0] == TOLD_STORED
-            and last[1] is node.key
-            and last[5] == lo
-            and last[3] == ev
-            and last[8] == tiers
-            and self._join(last, tenant, (*last[:5], hi, *last[6:]))
-        ):  # the next blocks of the run queued last: one event (module doc)
-            return
-        if len(pending) < self.queue_limit:
-            spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, above, self.bs, tiers, self.media)
-            pending.append((tenant, spec))  # one append: atomic, no lock (`_join`)
-        else:
-            self.publisher.overflow(tenant)
+        if hi - lo == 1:  # a block at a time (the mover's paths): it may continue a run
+            entry = self.open[tiers[0]]
+            if entry is not None and entry[0] == tenant:
+                last = entry[1]
+                if (
+                    type(last) is tuple
+                    and last[0] == TOLD_STORED
+                    and last[1] is node.key
+                    and last[3] == ev
+                    and last[8] == tiers
+                ):
+                    spec = None
+                    if last[5] == lo:  # the block after the run
+                        spec = (*last[:5], hi, *last[6:])
+                    elif last[4] == hi:  # the block before it (taken from the end)
+                        spec = (*last[:4], lo, last[5], above, *last[7:])
+                    if spec is not None and self._replace(entry, (tenant, spec), tiers):
+                        return
+        spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, above, self.bs, tiers, self.media)
+        self._append((tenant, spec), tiers)
 
     def lost(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None:
         tenant = None
@@ -122,59 +140,61 @@ class IndexEvents:
                     return
             ev = node.ev or self.number(node)
             spec: wire.Spec
-            if hi - lo == 1:  # a block at a time: the mover's paths
-                self._removed(tenant, ev + lo, self.media[tier])
-                continue
+            medium = self.media[tier]
+            if hi - lo == 1:  # a block at a time (the mover's paths): it may continue a run
+                entry = self.open[tier]
+                if entry is not None and entry[0] == tenant:
+                    last, number = entry[1], ev + lo
+                    if type(last) is tuple and last[0] == TOLD_REMOVED and last[3] == medium:
+                        joined = None
+                        if last[1] == number + 1:  # the block before (eviction: from the end)
+                            joined = (TOLD_REMOVED, number, last[2] + 1, medium)
+                        elif last[1] + last[2] == number:  # the block after
+                            joined = (TOLD_REMOVED, last[1], last[2] + 1, medium)
+                        if joined is not None and self._replace(entry, (tenant, joined), (tier,)):
+                            continue
             if not missing:
-                spec = (TOLD_REMOVED, ev + lo, hi - lo, self.media[tier])
+                spec = (TOLD_REMOVED, ev + lo, hi - lo, medium)
             else:
                 held = [ev + lo + j for j, slot in enumerate(run) if slot is not None]
-                spec = wire.Removed(np.array(held, ">u8").tobytes(), self.media[tier])
-            if len(self.pending) < self.queue_limit:
-                self.pending.append((tenant, spec))
-            else:
-                self.publisher.overflow(tenant)
+                spec = wire.Removed(np.array(held, ">u8").tobytes(), medium)
+            self._append((tenant, spec), (tier,))
 
-    def _removed(self, tenant: str, number: int, medium: str) -> None:
-        """Queue the removal of block `number` from `medium`, in the removal queued last when
-        the two make one run of numbers (module doc)."""
-        last = self._last()
-        if last is not None and last[0] == TOLD_REMOVED and last[3] == medium:
-            start = None
-            if last[1] == number + 1:  # the block before (eviction: from the end)
-                start = number
-            elif last[1] + last[2] == number:  # the block after
-                start = last[1]
-            spec = (TOLD_REMOVED, start, last[2] + 1, medium)
-            if start is not None and self._join(last, tenant, spec):
-                return
+    def _append(self, entry: tuple[str, wire.Spec], tiers: tuple[int, ...]) -> None:
+        """Queue `entry` (one append: atomic, no lock; see `_replace`), now the last of
+        `tiers`' media."""
         if len(self.pending) < self.queue_limit:
-            self.pending.append((tenant, (TOLD_REMOVED, number, 1, medium)))
+            self.pending.append(entry)
+            for tier in tiers:
+                self.open[tier] = entry
         else:
-            self.publisher.overflow(tenant)
+            self.publisher.overflow(entry[0])
 
-    def _last(self) -> tuple[Any, ...] | None:
-        """The `told_*` spec queued last, if that is one (looked at without the lock: the
-        sender may take it meanwhile, which `_join` sees)."""
-        try:
-            _, last = self.pending[-1]
-        except IndexError:
-            return None
-        return last if type(last) is tuple else None
+    def _replace(
+        self, entry: tuple[str, wire.Spec], new: tuple[str, wire.Spec], tiers: tuple[int, ...]
+    ) -> bool:
+        """Put `new` in place of `entry`, the last entry of `tiers`' media, if it is among the
+        queue's last `JOIN_DEPTH` entries and only this observer's entries (of other media)
+        follow it; whether it did (module doc).
 
-    def _join(self, last: tuple[Any, ...], tenant: str, spec: tuple[Any, ...]) -> bool:
-        """Put `spec` in place of `last` if `last` of `tenant` is still the queue's last entry
-        (the sender pops from the other end under the same lock, and the store's lock keeps
-        other observers' calls out); whether it did. Appends take no lock: only this thread
-        and `EventPublisher._put` (under the lock) add to the queue."""
+        Under the publisher's lock: the sender pops from the other end under it too, and the
+        store's lock keeps other observers' calls out. Appends take no lock, but only this
+        thread and `EventPublisher._put` (under the lock) add to the queue, and an event `_put`
+        queued (a clear, say) ends the search: nothing moves ahead of it."""
+        pending = self.pending
         with self.lock:
-            if not self.pending:
+            back = 1
+            try:
+                while pending[-back] is not entry:
+                    if back == JOIN_DEPTH or type(pending[-back][1]) is not tuple:
+                        return False
+                    back += 1
+            except IndexError:  # sent meanwhile
                 return False
-            owner, now = self.pending[-1]
-            if now is not last or owner != tenant:
-                return False
-            self.pending[-1] = (tenant, spec)
-            return True
+            pending[-back] = new
+        for tier in tiers:
+            self.open[tier] = new
+        return True
 
     def number(self, node: Node) -> int:
         """The event hash of `node`'s first block (`node.ev`), its range handed out if it has
