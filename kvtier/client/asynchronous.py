@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import torch
 
-from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
+from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_array
 from kvtier.caller_kv import kv_layout
 from kvtier.client.connections import MAX_REPLY_BYTES
 from kvtier.client.lane import AsyncLaneConnections
@@ -158,6 +158,7 @@ class AsyncClient:
         layout: str = "layers",
     ) -> StoreResult:
         kind = kv_layout(layout)
+        tokens = token_array(tokens)  # checked once: the pools' check, reserve and body reuse it
         await self._map()
         if self._pools.buffers:
             self._pools.check_kv(tokens, kv, start, kind)
@@ -186,6 +187,7 @@ class AsyncClient:
         layout: str = "layers",
     ) -> LoadResult:
         kind, wanted = kv_layout(layout), check_device(device)
+        tokens = token_array(tokens)  # checked once: the prefetch reuses it
         packed = encode_tokens(tokens)
         asked = len(packed) // 4
         await self._map()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens
+from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_array
 from kvtier.caller_kv import kv_layout
 from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.lane import LaneConnections
@@ -186,6 +186,7 @@ class Client:
         layout: str = "layers",
     ) -> StoreResult:
         kind = kv_layout(layout)
+        tokens = token_array(tokens)  # checked once: the pools' check, reserve and body reuse it
         if self._pools.buffers:
             self._pools.check_kv(tokens, kv, start, kind)
             reservation = self.reserve(tokens, tenant=tenant)
@@ -213,6 +214,7 @@ class Client:
         layout: str = "layers",
     ) -> LoadResult:
         kind, wanted = kv_layout(layout), check_device(device)
+        tokens = token_array(tokens)  # checked once: the prefetch reuses it
         packed = encode_tokens(tokens)
         asked = len(packed) // 4
         dest = None
