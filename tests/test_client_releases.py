@@ -21,6 +21,7 @@ from service_server import Server, kv_of, running, tokens_of, write_config
 
 from kvtier.client import AsyncClient, Client
 from kvtier.client import releases as owed_module
+from kvtier.errors import LeaseError
 from kvtier.service import wire
 
 
@@ -170,3 +171,29 @@ def test_a_client_dropped_without_close_leaves_no_thread_behind(server: Server) 
     while flushers() > before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert flushers() == before
+
+
+def test_waiting_on_a_lease_asks_as_the_leases_tenant_over_the_lane_and_over_http(
+    server: Server,
+) -> None:
+    """`Client.wait_for` (a lease still pending past the prefetch's own wait) asks as the
+    lease's tenant, whatever tenant the client was made for: over the local lane where the
+    client reaches it, else with `GET /v1/leases/{id}`; an ended lease is a `LeaseError`."""
+    for shared in (True, False):
+        with Client(server.url, shared_memory=shared) as client:  # made for "default"
+            tokens, kv = tokens_of(7000 + shared, 8), kv_of(8, 7)
+            client.store(tokens, kv, tenant="bob")
+            lease = client.prefetch(tokens, tenant="bob", wait=False)
+            lane = client._lane
+            assert (lane is not None) == shared
+            calls = lane.calls if lane is not None else 0
+            again = client.wait_for(lease, timeout_s=5)
+            assert (again.lease_id, again.tenant, again.block_table) == (
+                lease.lease_id, "bob", lease.block_table,
+            )  # fmt: skip
+            assert again.ready() and again.num_tokens == 8
+            if lane is not None:
+                assert lane.calls == calls + 1  # the wait went over the lane
+            client.release(again)
+            with pytest.raises(LeaseError):
+                client.wait_for(again, timeout_s=0)

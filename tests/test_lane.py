@@ -174,6 +174,10 @@ def test_hostile_frames_are_answered_or_cut_off_and_the_store_stays_whole(
         assert status == 413, body
         status, body = call(sock, ["/v1/release", AUTH, None, msgpack.packb({"lease_id": -1})])
         assert status in (400, 404), body
+        for fields, refused in (({"lease_id": "1"}, 400), ({"lease_id": 1, "wait_s": -1.0}, 400),
+                                ({"lease_id": 2**64 - 1, "wait_s": 0.5}, 404)):  # fmt: skip
+            status, body = call(sock, ["/v1/leases", AUTH, None, msgpack.packb(fields)])
+            assert status == refused, (fields, body)  # the lease's state, as GET answers it
         status, body = call(sock, ["/v1/lookup", AUTH, None, good_body])
         assert status == 200  # the connection went on through every refusal
         sock.sendall(struct.pack("<I", (1 << 32) - 1))  # a frame past the limit: cut off

@@ -10,18 +10,17 @@ between embedded and sidecar by configuration alone:
         kv.store(tokens, kv_tensor)
         out = kv.load(tokens).kv
 
-On the same host (`shared_memory=True`, the default) the client maps the server's memory
-pools from /dev/shm: `store` reserves slots, writes the blocks straight into the mapped pool
-and commits; `load` leases the prefix, copies the pages asked for (from `start` on) out of the
-mapped gpu pool and owes the release, which rides on the next prefetch or reserve
-(`releases.py`). No KV byte crosses the socket. Where the pools cannot be mapped (another
-host, a CUDA pool) or a call cannot go that way (new blocks below a disk-only prefix, a prefix
-larger than the gpu tier), the KV travels in the body instead. A CUDA gpu pool is opened
-through its CUDA IPC description (`service/cuda_ipc.py`). `pool_buffer(tier)` is the mapped
-buffer, for an engine that reads leased pages itself. Both clients then also send the small
-calls (lookup, prefetch, release, reserve, commit, abort) over the server's local lane, a Unix
-socket past HTTP (`lane.py`; about a third of an HTTP round trip), and stay on HTTP where they
-cannot reach it.
+On the same host (`shared_memory=True`, the default) the client maps the server's memory pools from
+/dev/shm: `store` reserves slots, writes the blocks straight into the mapped pool and commits;
+`load` leases the prefix, copies the pages asked for (from `start` on) out of the mapped gpu pool
+and owes the release, which rides on the next prefetch or reserve (`releases.py`). No KV byte
+crosses the socket. Where the pools cannot be mapped (another host, a CUDA pool) or a call cannot
+go that way (new blocks below a disk-only prefix, a prefix larger than the gpu tier), the KV
+travels in the body instead. A CUDA gpu pool is opened through its CUDA IPC description
+(`service/cuda_ipc.py`). `pool_buffer(tier)` is the mapped buffer, for an engine that reads leased
+pages itself. Both clients then also send the small calls (lookup, prefetch, release, reserve,
+commit, abort, a wait on a lease) over the server's local lane, a Unix socket past HTTP (`lane.py`;
+about a third of an HTTP round trip), and stay on HTTP where they cannot reach it.
 
 The client trusts nothing its server says (`service/replies.py`): every reply is checked before
 it is used, and a malformed one is a `ReplyError` naming the field: a `/v1/pools` reply whose

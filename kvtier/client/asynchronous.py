@@ -67,8 +67,8 @@ class AsyncClient:
         request = self._http.build_request("POST", path, content=content, headers=headers)
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
-    async def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        request = self._http.build_request("GET", path, params=params, headers=self._headers.common)
+    async def _get(self, path: str) -> dict[str, Any]:
+        request = self._http.build_request("GET", path, headers=self._headers.common)
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
@@ -137,11 +137,23 @@ class AsyncClient:
             request["wait_s"] = 0.0
         lease = self._pools.lease(await self._post_carrying("/v1/prefetch", request, tenant), None)
         while wait and lease.state is LeaseState.PENDING:
-            body = await self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": 30})
-            lease = self._pools.lease(body, None)
+            lease = self._pools.lease(await self._lease_state(lease, 30.0), None)
         if wait:
             lease.wait(0)  # raises LeaseError for an ended lease
         return lease
+
+    async def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
+        """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is
+        reached (`frames.PATHS`)."""
+        headers = self._headers.for_tenant(lease.tenant)
+        if self._lane is not None:
+            asked = wire.encode({"lease_id": lease.lease_id, "wait_s": wait_s}, True)
+            reply = await self._lane.request("/v1/leases", asked, headers)
+            if reply is not None:  # None: the lane cannot be reached, and nothing was sent
+                return reply_body(reply)
+        path, params = f"/v1/leases/{lease.lease_id}", {"wait_s": wait_s}
+        request = self._http.build_request("GET", path, params=params, headers=headers)
+        return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def release(self, lease: Lease | int) -> None:
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease

@@ -91,9 +91,8 @@ class Client:
                 return reply_body(reply)
         return reply_body(self._http.request("POST", path, encoded, headers))
 
-    def _get(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        query = "?" + urllib.parse.urlencode(params) if params else ""
-        return reply_body(self._http.request("GET", path + query, None, self._headers.common))
+    def _get(self, path: str) -> dict[str, Any]:
+        return reply_body(self._http.request("GET", path, None, self._headers.common))
 
     def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
         """`_post`, carrying the releases owed for `tenant` (`releases.py`)."""
@@ -163,13 +162,26 @@ class Client:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            body = self._get(f"/v1/leases/{lease.lease_id}", {"wait_s": wait_s})
+            body = self._lease_state(lease, wait_s)
             fresh = self._pools.lease(body, self.release)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
                 return fresh
             if deadline is not None and time.monotonic() >= deadline:
                 return fresh
+
+    def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
+        """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is
+        reached (`frames.PATHS`)."""
+        headers = self._headers.for_tenant(lease.tenant)
+        if self._lane is not None:
+            request = wire.encode({"lease_id": lease.lease_id, "wait_s": wait_s}, True)
+            reply = self._lane.request("/v1/leases", request, headers)
+            if reply is not None:  # None: the lane cannot be reached, and nothing was sent
+                return reply_body(reply)
+        query = urllib.parse.urlencode({"wait_s": wait_s})
+        path = f"/v1/leases/{lease.lease_id}?{query}"
+        return reply_body(self._http.request("GET", path, None, headers))
 
     def release(self, lease: Lease | int) -> None:
         lease_id = lease.lease_id if isinstance(lease, Lease) else lease

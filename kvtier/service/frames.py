@@ -24,9 +24,14 @@ LENGTH = struct.Struct("<I")
 HELLO = b"kvtier-lane 1"
 """The server's first frame on a connection, which the client checks."""
 PATHS = frozenset(
-    ("/v1/lookup", "/v1/prefetch", "/v1/release", "/v1/reserve", "/v1/commit", "/v1/abort")
-)
-"""The calls the lane carries: the small ones. A store or load whose KV travels in the body
+    (
+        "/v1/lookup", "/v1/prefetch", "/v1/release", "/v1/reserve", "/v1/commit", "/v1/abort",
+        "/v1/leases",
+    )
+)  # fmt: skip
+"""The calls the lane carries: the small ones, each as its POST is over HTTP; `/v1/leases` is
+`GET /v1/leases/{id}?wait_s=` with `{lease_id, wait_s}` in the body (a client waiting on a
+lease still PENDING past the prefetch's own wait). A store or load whose KV travels in the body
 stays on HTTP."""
 NAME = re.compile(r"kvtier-lane-[1-9][0-9]{0,9}-[0-9a-f]{8}")
 """A lane's name: an abstract Unix socket's, `kvtier-lane-<pid>-<8 hex>`."""

@@ -27,7 +27,8 @@ Frames: a 4-byte little-endian length, then msgpack.
     request                                  [path, authorization, tenant, body]
                                              (str; str or nil; str or nil; msgpack bytes)
     reply                                    [status, body]  (int; the HTTP reply's body bytes)
-A request is answered as its POST is over HTTP: the same handler, body limit
+A request is answered as its POST is over HTTP (`/v1/leases`: as `GET /v1/leases/{id}`, the id
+and `wait_s` in the body; `frames.PATHS`): the same handler, body limit
 (`service.max_body_bytes`: 413), decoding, typed errors (`wire.classify`) and metrics, so a
 client reads a lane reply as it reads an HTTP one.
 

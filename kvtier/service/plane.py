@@ -72,6 +72,19 @@ class Plane:
                 break
         return bodies.lease(lease)
 
+    def lease_blocking(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        """`GET /v1/leases/{id}?wait_s=` for the lane (`frames.PATHS`): the lease's state,
+        waiting on the calling thread up to `wait_s` (0 if absent, as over HTTP; bounded by
+        `prefetch_wait_s`) while it is PENDING; an unknown (or another tenant's) lease is a
+        `LeaseError` (404)."""
+        lease_id = wire.int_field(data, "lease_id")
+        wait_s = wire.wait_field({"wait_s": data.get("wait_s", 0)}, self.config.prefetch_wait_s)
+        lease = store.lease(lease_id, tenant=tenant)
+        if wait_s > 0 and lease.state is LeaseState.PENDING:
+            with contextlib.suppress(LeaseError):  # an ended lease: its state tells
+                lease.wait(wait_s)
+        return bodies.lease(lease)
+
     def _prefetch_fields(self, data: dict[str, Any]) -> tuple[Any, float | None, float, list[int]]:
         tokens = wire.tokens_field(data, self.config.max_tokens)
         ttl = wire.number_field(data, "ttl_s", None)
@@ -121,6 +134,7 @@ class Plane:
             "/v1/reserve": self.reserve,
             "/v1/commit": self.commit,
             "/v1/abort": self.abort,
+            "/v1/leases": self.lease_blocking,
         }
 
 
