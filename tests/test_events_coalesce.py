@@ -39,10 +39,9 @@ def residency(index: RadixIndex) -> dict[int, set[str]]:
     return out
 
 
-def test_blocks_promoted_and_demoted_one_by_one_are_one_event_each_way() -> None:
-    """Nothing drains meanwhile here (`flush_s` long), so what joins is certain: 8 blocks
-    promoted in order are one BlockStored of 8, chained to the prompt's parent as a store of
-    the 8 would be, and 8 cleared from the end one BlockRemoved."""
+def one_prompt(tier: int) -> tuple[RadixIndex, EventPublisher, Node]:
+    """An index (gpu, host) with events queued and never sent (`flush_s` long), holding one
+    prompt of `BLOCKS` blocks in `tier`; its node."""
     hasher = BlockHasher()
     index = RadixIndex(("gpu", "host"), 4, hasher)
     settings = EventSettings("kv@pod@m", queue_limit=10**6, flush_s=1000.0)
@@ -50,7 +49,15 @@ def test_blocks_promoted_and_demoted_one_by_one_are_one_event_each_way() -> None
     index.observer = IndexEvents(publisher, index, lambda namespace: "t")
     ns = hasher.seed(b"\0" * 16, b"t")
     key = encode_tokens(np.arange(4 * BLOCKS))
-    end = index.insert(index.match(ns, key), key, {1: list(range(BLOCKS))}).end
+    end = index.insert(index.match(ns, key), key, {tier: list(range(BLOCKS))}).end
+    return index, publisher, end
+
+
+def test_blocks_promoted_and_demoted_one_by_one_are_one_event_each_way() -> None:
+    """Nothing drains meanwhile here (`flush_s` long), so what joins is certain: 8 blocks
+    promoted in order are one BlockStored of 8, chained to the prompt's parent as a store of
+    the 8 would be, and 8 cleared from the end one BlockRemoved."""
+    index, publisher, end = one_prompt(tier=1)
     for i in range(BLOCKS):
         index.set_slot(BlockRef(end, i), 0, 100 + i)
     for i in reversed(range(BLOCKS)):
@@ -148,14 +155,7 @@ def test_a_block_moved_between_two_media_at_a_time_joins_a_run_in_each() -> None
     above; a drop of a block held in both loses both copies. Each medium's edits join their
     own run past the other medium's entry: an event a medium each way, not one a block and medium;
     an event queued by the publisher itself (a clear) is never joined past."""
-    hasher = BlockHasher()
-    index = RadixIndex(("gpu", "host"), 4, hasher)
-    settings = EventSettings("kv@pod@m", queue_limit=10**6, flush_s=1000.0)
-    publisher = EventPublisher("tcp://127.0.0.1:0", settings=settings)
-    index.observer = IndexEvents(publisher, index, lambda namespace: "t")
-    ns = hasher.seed(b"\0" * 16, b"t")
-    key = encode_tokens(np.arange(4 * BLOCKS))
-    end = index.insert(index.match(ns, key), key, {0: list(range(BLOCKS))}).end
+    index, publisher, end = one_prompt(tier=0)
     for i in reversed(range(BLOCKS)):  # demoted from the end: host gains, then gpu loses
         index.set_slot(BlockRef(end, i), 1, 100 + i)
         index.clear_slot(BlockRef(end, i), 0)
