@@ -88,7 +88,7 @@ class IndexEvents:
         self._next = (secrets.randbelow(FIRST_SERIALS) + 1) * self.range  # never 0
         self.pending = publisher.pending  # appended to directly (`EventPublisher._put`)
         self.queue_limit = publisher.queue_limit  # fixed by the settings
-        self.lock = publisher.lock  # held to change an entry of the queue (`_replace`)
+        self.lock = publisher.lock  # held to change an entry of the queue (`_join_into`)
         # per tier, the entry queued last of its medium: an edit of one block may join it
         self.open: list[tuple[str, wire.Spec] | None] = [None] * len(index.tiers)
         self.kb, self.bs = index.key_nbytes, index.block_tokens
@@ -121,7 +121,7 @@ class IndexEvents:
                         spec = (*last[:5], hi, *last[6:])
                     elif last[4] == hi:  # the block before it (taken from the end)
                         spec = (*last[:4], lo, last[5], above, *last[7:])
-                    if spec is not None and self._replace(entry, (tenant, spec), tiers):
+                    if spec is not None and self._join_into(entry, (tenant, spec), tiers):
                         return
         spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, above, self.bs, tiers, self.media)
         self._append((tenant, spec), tiers)
@@ -151,7 +151,7 @@ class IndexEvents:
                             joined = (TOLD_REMOVED, number, last[2] + 1, medium)
                         elif last[1] + last[2] == number:  # the block after
                             joined = (TOLD_REMOVED, last[1], last[2] + 1, medium)
-                        if joined is not None and self._replace(entry, (tenant, joined), (tier,)):
+                        if joined is not None and self._join_into(entry, (tenant, joined), (tier,)):
                             continue
             if not missing:
                 spec = (TOLD_REMOVED, ev + lo, hi - lo, medium)
@@ -161,7 +161,7 @@ class IndexEvents:
             self._append((tenant, spec), (tier,))
 
     def _append(self, entry: tuple[str, wire.Spec], tiers: tuple[int, ...]) -> None:
-        """Queue `entry` (one append: atomic, no lock; see `_replace`), now the last of
+        """Queue `entry` (one append: atomic, no lock; see `_join_into`), now the last of
         `tiers`' media."""
         if len(self.pending) < self.queue_limit:
             self.pending.append(entry)
@@ -170,7 +170,7 @@ class IndexEvents:
         else:
             self.publisher.overflow(entry[0])
 
-    def _replace(
+    def _join_into(
         self, entry: tuple[str, wire.Spec], new: tuple[str, wire.Spec], tiers: tuple[int, ...]
     ) -> bool:
         """Put `new` in place of `entry`, the last entry of `tiers`' media, if it is among the
