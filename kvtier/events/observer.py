@@ -123,8 +123,16 @@ class IndexEvents:
                         spec = (*last[:4], lo, last[5], above, *last[7:])
                     if spec is not None and self._join_into(entry, (tenant, spec), tiers):
                         return
-        spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, above, self.bs, tiers, self.media)
-        self._append((tenant, spec), tiers)
+        entry = (
+            tenant,
+            (TOLD_STORED, node.key, self.kb, ev, lo, hi, above, self.bs, tiers, self.media),
+        )
+        if len(self.pending) < self.queue_limit:  # `_append`, without its frame (every insert)
+            self.pending.append(entry)
+            for tier in tiers:
+                self.open[tier] = entry
+        else:
+            self.publisher.overflow(tenant)
 
     def lost(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None:
         tenant = None
