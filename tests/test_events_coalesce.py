@@ -185,3 +185,27 @@ def test_a_block_moved_between_two_media_at_a_time_joins_a_run_in_each() -> None
         (TOLD_REMOVED, end.ev + BLOCKS // 2 - 2, 2, "CPU"),
     ]
     publisher.close()
+
+
+def test_a_block_gained_in_two_media_never_joins_past_a_newer_edit_in_either() -> None:
+    """The observer called as the index would: a run stored in host and disk, then block 8's
+    disk copy lost, then block 8 stored in both. Joining the store into the run would move the
+    disk copy's arrival ahead of its loss; it is queued after it instead."""
+    hasher = BlockHasher()
+    index = RadixIndex(("gpu", "host", "disk"), 4, hasher)
+    settings = EventSettings("kv@pod@m", queue_limit=10**6, flush_s=1000.0)
+    publisher = EventPublisher("tcp://127.0.0.1:0", settings=settings)
+    observer = IndexEvents(publisher, index, lambda namespace: "t")
+    ns = hasher.seed(b"\0" * 16, b"t")
+    key = encode_tokens(np.arange(4 * 9))
+    end = index.insert(index.match(ns, key), key, {1: list(range(9)), 2: list(range(9))}).end
+    observer.gained(end, 0, 8, (1, 2))
+    observer.lost(end, 8, 9, (2,))
+    observer.gained(end, 8, 9, (1, 2))
+    specs = [spec for _, spec in publisher.pending]
+    assert [(s[0], s[4], s[5]) if s[0] == TOLD_STORED else s for s in specs] == [
+        (TOLD_STORED, 0, 8),
+        (TOLD_REMOVED, end.ev + 8, 1, "DISK"),
+        (TOLD_STORED, 8, 9),
+    ]
+    publisher.close()

@@ -107,7 +107,11 @@ class IndexEvents:
                 above = (parent.ev or self.number(parent)) + len(parent.slots[0]) - 1
         if hi - lo == 1:  # a block at a time (the mover's paths): it may continue a run
             entry = self.open[tiers[0]]
-            if entry is not None and entry[0] == tenant:
+            if (
+                entry is not None
+                and entry[0] == tenant
+                and all(self.open[t] is entry for t in tiers[1:])  # the last of each medium
+            ):
                 last = entry[1]
                 if (
                     type(last) is tuple
@@ -188,7 +192,8 @@ class IndexEvents:
         Under the publisher's lock: the sender pops from the other end under it too, and the
         store's lock keeps other observers' calls out. Appends take no lock, but only this
         thread and `EventPublisher._put` (under the lock) add to the queue, and an event `_put`
-        queued (a clear, say) ends the search: nothing moves ahead of it."""
+        queued (a clear, a packed event: never a `told_*` tuple, which are this observer's)
+        ends the search: nothing moves ahead of it."""
         pending = self.pending
         with self.lock:
             back = 1
