@@ -104,6 +104,8 @@ class LeaseTable:
         now hold the whole prefix: a prefetch locks its path in every tier while copies run,
         then holds it resident on gpu."""
         record = self.get(lease_id)
+        if record.tiers == tiers and record.resident:  # held so from the start
+            return record
         self._lock(record.end, tiers, +1, False)  # held counts stay: the same lease holds
         self._lock(record.end, record.tiers, -1, False)
         narrowed = replace(record, tiers=tiers, resident=True)

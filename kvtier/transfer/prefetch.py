@@ -26,11 +26,12 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from kvtier.blocks import BlockId
 from kvtier.errors import CapacityError, InvariantError
 from kvtier.index import BlockRef, Match
-from kvtier.index.node import Node
+from kvtier.index.node import Node, path
 from kvtier.results import Lease
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.transfer.copy import Transfer
@@ -93,12 +94,15 @@ class Prefetcher:
     ) -> Lease:
         """Plan the promotion of `match` (from `match`, with the lock held since) and lease it
         for `tenant` (see the module doc)."""
-        all_tiers = self.state.all_tiers
+        table, joined, new = self._missing(match.end)
+        if new or joined:  # copies to wait for: every tier locked until they land
+            tiers, resident = self.state.all_tiers, False
+        else:  # all on gpu already: held there from the start (`LeaseBook.settle` narrows)
+            tiers, resident = (GPU,), True
         record = self.index.leases.acquire(
-            match.end, all_tiers, expires_at, match.num_blocks, resident=False, held=True
+            match.end, tiers, expires_at, match.num_blocks, resident=resident, held=True
         )
         try:
-            table, joined, new = self._missing(match.end)
             if joined:
                 self.stats["joined_prefetches"] += 1
             flights = list(joined)
@@ -123,17 +127,22 @@ class Prefetcher:
         table: list[int] = []
         joined: dict[PrefetchFlight, None] = {}
         new: list[tuple[int, BlockRef]] = []
-        for position, ref in enumerate(self.index.blocks(end)):
-            slot = ref.node.slots[GPU][ref.i]
-            if slot is None:
-                entry = self._to_gpu.get(self.index.block_id(ref))
-                if entry is not None:
-                    joined[entry[0]] = None
-                    slot = entry[1]
-                else:
-                    new.append((position, ref))
-                    slot = -1
-            table.append(slot)
+        for node in path(end):
+            slots = node.slots[GPU]
+            if None not in slots:  # in C: a node held on gpu whole, most often
+                table += cast("list[int]", slots)
+                continue
+            for i, slot in enumerate(slots):
+                if slot is None:
+                    ref = BlockRef(node, i)
+                    entry = self._to_gpu.get(self.index.block_id(ref))
+                    if entry is not None:
+                        joined[entry[0]] = None
+                        slot = entry[1]
+                    else:
+                        new.append((len(table), ref))
+                        slot = -1
+                table.append(slot)
         return table, list(joined), new
 
     def _plan(
