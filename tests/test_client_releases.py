@@ -197,3 +197,32 @@ def test_waiting_on_a_lease_asks_as_the_leases_tenant_over_the_lane_and_over_htt
             client.release(again)
             with pytest.raises(LeaseError):
                 client.wait_for(again, timeout_s=0)
+
+
+def test_the_async_client_waits_on_a_lease_as_its_tenant_over_the_lane_and_over_http(
+    server: Server,
+) -> None:
+    """`AsyncClient.wait_for`, as `Client.wait_for`: the lease's tenant, the lane where it is
+    reached, a `LeaseError` for an ended lease."""
+
+    async def run(shared: bool) -> None:
+        async with AsyncClient(server.url, shared_memory=shared) as client:
+            tokens, kv = tokens_of(7100 + shared, 8), kv_of(8, 8)
+            await client.store(tokens, kv, tenant="bob")
+            lease = await client.prefetch(tokens, tenant="bob", wait=False)
+            lane = client._lane
+            assert (lane is not None) == shared
+            calls = lane.calls if lane is not None else 0
+            again = await client.wait_for(lease, timeout_s=5)
+            assert (again.lease_id, again.tenant, again.block_table) == (
+                lease.lease_id, "bob", lease.block_table,
+            )  # fmt: skip
+            assert again.ready() and again.num_tokens == 8
+            if lane is not None:
+                assert lane.calls == calls + 1  # the wait went over the lane
+            await client.release(again)
+            with pytest.raises(LeaseError):
+                await client.wait_for(again, timeout_s=0)
+
+    for shared in (True, False):
+        asyncio.run(run(shared))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from typing import Any
 
 import httpx
@@ -136,11 +137,25 @@ class AsyncClient:
         if not wait:
             request["wait_s"] = 0.0
         lease = self._pools.lease(await self._post_carrying("/v1/prefetch", request, tenant), None)
-        while wait and lease.state is LeaseState.PENDING:
-            lease = self._pools.lease(await self._lease_state(lease, 30.0), None)
+        if wait and lease.state is LeaseState.PENDING:
+            lease = await self.wait_for(lease)
         if wait:
             lease.wait(0)  # raises LeaseError for an ended lease
         return lease
+
+    async def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
+        """As `Client.wait_for`: wait for a pending lease on the server; the lease as it is
+        then (READY, or ended: `LeaseError` names the state; still pending after `timeout_s`:
+        returned pending)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            fresh = self._pools.lease(await self._lease_state(lease, wait_s), None)
+            if fresh.state is not LeaseState.PENDING:
+                fresh.wait(0)  # raises LeaseError for an ended lease
+                return fresh
+            if deadline is not None and time.monotonic() >= deadline:
+                return fresh
 
     async def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
         """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is
