@@ -21,7 +21,9 @@ from service_server import Server, kv_of, running, tokens_of, write_config
 
 from kvtier.client import AsyncClient, Client
 from kvtier.client import releases as owed_module
+from kvtier.client.lane import AsyncLaneConnections, LaneConnections
 from kvtier.errors import LeaseError
+from kvtier.results import Lease
 from kvtier.service import wire
 
 
@@ -173,6 +175,19 @@ def test_a_client_dropped_without_close_leaves_no_thread_behind(server: Server) 
     assert flushers() == before
 
 
+def check_waited(
+    lease: Lease, again: Lease, lane: LaneConnections | AsyncLaneConnections | None, calls: int
+) -> None:
+    """`again`, a wait's answer for bob's 8-token `lease`, is that lease READY; the wait went
+    over `lane` (one call more than `calls`) when the client has one."""
+    assert (again.lease_id, again.tenant, again.block_table) == (
+        lease.lease_id, "bob", lease.block_table,
+    )  # fmt: skip
+    assert again.ready() and again.num_tokens == 8
+    if lane is not None:
+        assert lane.calls == calls + 1
+
+
 def test_waiting_on_a_lease_asks_as_the_leases_tenant_over_the_lane_and_over_http(
     server: Server,
 ) -> None:
@@ -188,12 +203,7 @@ def test_waiting_on_a_lease_asks_as_the_leases_tenant_over_the_lane_and_over_htt
             assert (lane is not None) == shared
             calls = lane.calls if lane is not None else 0
             again = client.wait_for(lease, timeout_s=5)
-            assert (again.lease_id, again.tenant, again.block_table) == (
-                lease.lease_id, "bob", lease.block_table,
-            )  # fmt: skip
-            assert again.ready() and again.num_tokens == 8
-            if lane is not None:
-                assert lane.calls == calls + 1  # the wait went over the lane
+            check_waited(lease, again, lane, calls)
             client.release(again)
             with pytest.raises(LeaseError):
                 client.wait_for(again, timeout_s=0)
@@ -214,12 +224,7 @@ def test_the_async_client_waits_on_a_lease_as_its_tenant_over_the_lane_and_over_
             assert (lane is not None) == shared
             calls = lane.calls if lane is not None else 0
             again = await client.wait_for(lease, timeout_s=5)
-            assert (again.lease_id, again.tenant, again.block_table) == (
-                lease.lease_id, "bob", lease.block_table,
-            )  # fmt: skip
-            assert again.ready() and again.num_tokens == 8
-            if lane is not None:
-                assert lane.calls == calls + 1  # the wait went over the lane
+            check_waited(lease, again, lane, calls)
             await client.release(again)
             with pytest.raises(LeaseError):
                 await client.wait_for(again, timeout_s=0)
