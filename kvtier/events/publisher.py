@@ -30,16 +30,16 @@ bytes, signed), b""]`. With `per_tenant` topics, a client adds the topic as a th
 gets that topic's messages only.
 
 Contract:
-- `stored`, `removed`, `cleared` and `publish` (a `wire.Spec`) never block and never touch a
-  socket: they append to a queue, and the publisher's thread, every `flush_s`, packs and sends
-  what is queued as messages of at most `max_batch` events and `max_message_bytes` of payload,
-  one topic each (a router may refuse longer ones: `kvtier.routing.Subscriber`); an event
-  that would not fit is cut into several, each BlockStored chained to the one before by its
-  parent hash (`wire.Packer`), so a router learns the same blocks. The queue is
-  bounded (`queue_limit` events); an event past it is dropped and counted, and that topic's
-  next message starts with AllBlocksCleared, so that a router forgets what it can no longer
-  trust. A topic's first message starts with it too: a router forgets what the publisher's
-  past life (before a restart) told it; the store then tells of what it holds
+- `stored`, `removed` and `cleared` never block and never touch a socket: they append to a queue
+  (as the index's observer does, `IndexEvents`), and the publisher's thread, every `flush_s`,
+  packs and sends what is queued as messages of at most `max_batch` events and
+  `max_message_bytes` of payload, one topic each (a router may refuse longer ones:
+  `kvtier.routing.Subscriber`); an event that would not fit is cut into several, each
+  BlockStored chained to the one before by its parent hash (`wire.Packer`), so a router learns
+  the same blocks. The queue is bounded (`queue_limit` events); an event past it is dropped and
+  counted, and that topic's next message starts with AllBlocksCleared, so that a router forgets
+  what it can no longer trust. A topic's first message starts with it too: a router forgets what
+  the publisher's past life (before a restart) told it; the store then tells of what it holds
   (`IndexEvents.announce`).
 - Tenants: an event holds one tenant's blocks. With `per_tenant`, each tenant's events go to
   `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
@@ -161,10 +161,6 @@ class EventPublisher:
 
     def cleared(self, tenant: str) -> None:
         self._put(tenant, wire.CLEARED)
-
-    def publish(self, tenant: str, event: wire.Spec) -> None:
-        """Queue an event (`wire.Spec`), packed by the sending thread."""
-        self._put(tenant, event)
 
     # ---- state --------------------------------------------------------------------------
 
