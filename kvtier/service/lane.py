@@ -38,7 +38,9 @@ not arrive whole within `service.body_timeout_s`, or a reply its client does not
 that long, closes it; a frame that is not that array, or names a path the lane does not carry,
 is answered 400 or 404 as `{error, detail}`, and the connection goes on. Past
 `MAX_CONNECTIONS` a connection is closed before the hello (its client stays on HTTP); a
-connection idle for `IDLE_S` is closed.
+connection idle for `IDLE_S` is closed. An accept that fails (the process out of file
+descriptors, which a peer opening connections can bring about) is tried again every
+`ACCEPT_RETRY_S`: the lane serves again once it can.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ log = logging.getLogger("kvtier.service")
 MAX_CONNECTIONS = 256
 IDLE_S = 600.0
 STOP_S = 5.0  # how long `stop` waits for the connections' threads
+ACCEPT_RETRY_S = 0.1  # how long the lane waits after an accept fails (EMFILE)
 
 
 def frame_limit(config: KVTierConfig) -> int:
@@ -113,11 +116,19 @@ class Lane:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
+        failing = False
         while (listener := self._listener) is not None:
             try:
                 conn, _ = listener.accept()
-            except OSError:
-                return  # closed by `stop`
+            except OSError as exc:
+                if self._listener is not listener:
+                    return  # closed by `stop`
+                if not failing:  # out of descriptors (a peer can cause it): wait, not end
+                    log.warning("kvtier: the local lane cannot accept (%s); retrying", exc)
+                failing = True
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            failing = False
             with self._lock:
                 full = len(self._open) >= MAX_CONNECTIONS
                 if not full and frames.same_user(conn) and self._listener is not None:
@@ -137,10 +148,12 @@ class Lane:
             conn.sendall(frames.frame(frames.HELLO))
             while True:
                 conn.settimeout(IDLE_S)
-                (length,) = frames.LENGTH.unpack(frames.read_exactly(conn, frames.LENGTH.size))
+                first = frames.read_exactly(conn, 1)  # a frame's time runs from its first byte
+                deadline = time.monotonic() + self.timeout_s
+                rest = frames.read_exactly(conn, frames.LENGTH.size - 1, deadline)
+                (length,) = frames.LENGTH.unpack(first + rest)
                 if length > self.limit:
                     return  # its body is not read: the connection is done
-                deadline = time.monotonic() + self.timeout_s
                 payload = frames.read_exactly(conn, length, deadline)
                 reply = frames.frame(list(self.answer(payload)))
                 conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
