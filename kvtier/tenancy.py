@@ -206,8 +206,11 @@ class Namespaces:
         """The namespace of `tenant`; `UnknownTenantError` naming the tenants there are."""
         seed = self._seeds.get(tenant)
         if seed is None:
+            named = f"{tenant[:64]!r}" + (
+                f" (of {len(tenant)} characters)" if len(tenant) > 64 else ""
+            )
             raise UnknownTenantError(
-                f"tenant {tenant!r}: unknown, expected one of {sorted(self._seeds)}"
+                f"tenant {named}: unknown, expected one of {sorted(self._seeds)}"
             )
         return seed
 

@@ -174,6 +174,15 @@ def test_unknown_tenant_error_is_a_key_error_with_a_plain_message(store: KVStore
     assert str(info.value) == "tenant '': unknown, expected one of ['default']"
 
 
+def test_an_unknown_tenant_of_a_megabyte_is_named_by_its_head_and_length(store: KVStore) -> None:
+    # a name can be as long as a lane frame (about 1 MiB): the refusal must not echo it whole
+    with pytest.raises(UnknownTenantError) as info:
+        store.lookup(GOOD, tenant="m" * (1 << 20))
+    assert str(info.value) == (
+        f"tenant {'m' * 64!r} (of {1 << 20} characters): unknown, expected one of ['default']"
+    )
+
+
 # ---- other arguments ---------------------------------------------------------------------------
 
 
