@@ -206,11 +206,9 @@ class Namespaces:
         """The namespace of `tenant`; `UnknownTenantError` naming the tenants there are."""
         seed = self._seeds.get(tenant)
         if seed is None:
-            named = f"{tenant[:64]!r}" + (
-                f" (of {len(tenant)} characters)" if len(tenant) > 64 else ""
-            )
+            more = f" (of {len(tenant)} characters)" if len(tenant) > 64 else ""
             raise UnknownTenantError(
-                f"tenant {named}: unknown, expected one of {sorted(self._seeds)}"
+                f"tenant {tenant[:64]!r}{more}: unknown, expected one of {sorted(self._seeds)}"
             )
         return seed
 
