@@ -214,11 +214,13 @@ def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
         isinstance(shape, list)
         and len(shape) <= MAX_KV_DIMS
         and all(type(n) is int and n >= 0 for n in shape)
+        and math.prod(max(n, 1) for n in shape) < 2**62  # strides in int64, even of 0 bytes
     ):
         raise WireError(
             400,
             "invalid_kv",
-            f"shape: got {shape!r:.80}, expected a list of at most {MAX_KV_DIMS} sizes",
+            f"shape: got {shape!r:.80}, expected a list of at most {MAX_KV_DIMS} sizes whose "
+            "nonzero ones multiply to less than 2**62",
         )
     torch_dtype = DTYPES[dtype]
     expected = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
