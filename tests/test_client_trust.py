@@ -311,7 +311,7 @@ def lease(**fields: Any) -> Reply:
         ({"block_table": [0, 0]}, "lease.block_table"),
         ({"block_table": None}, "lease.block_table"),
         ({"num_tokens": 3 * BT}, "lease.num_tokens"),
-        ({"num_tokens": 3 * BT, "block_table": [0, 1, 2]}, "prefetch.block_table"),  # > asked
+        ({"num_tokens": 3 * BT, "block_table": [0, 1, 2]}, "lease.num_tokens"),  # > asked
         ({"state": "owned"}, "lease.state"),
         ({"state": ["ready"]}, "lease.state"),
         ({"lease_id": -9}, "lease.lease_id"),
@@ -365,7 +365,7 @@ def test_a_lookup_reply_without_remote_tokens_is_one_without_a_remote_tier(
         assert client.lookup(TOKENS) == LookupResult(8, 8, 0, 0, 0)
     server = fake(lookup=(200, {**LOOKUP_8, "num_tokens": 12, "remote_tokens": 4}))
     with Client(server.url, shared_memory=False) as client:
-        assert client.lookup(TOKENS) == LookupResult(12, 8, 0, 0, 4)
+        assert client.lookup(tokens_of(0, 3 * BT)) == LookupResult(12, 8, 0, 0, 4)
 
 
 @pytest.mark.parametrize(

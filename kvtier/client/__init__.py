@@ -26,10 +26,12 @@ The client trusts nothing its server says (`service/replies.py`): every reply is
 it is used, and a malformed one is a `ReplyError` naming the field: a `/v1/pools` reply whose
 layout, slot counts, shared-memory names or CUDA IPC descriptions are not what a kvtier server
 sends fails `Client(url)` itself, and a lease or reservation whose slots fall outside the pools
-is refused before anything is read or written. A well-formed pool that is not there to map
-(another host, another user) or whose segment is not exactly the file its server made (a
-symlink, another owner or mode, another size: `tiers/shm.py`) stays unmapped, and its KV travels
-in the body.
+is refused before anything is read or written, as is a reply of more tokens than were sent
+or about another lease than the one waited on (`pools.py`). A well-formed pool that is not
+there to map (another host, another user) or whose segment is not exactly the file its server
+made (a symlink, another owner or mode, another size: `tiers/shm.py`) stays unmapped, and its
+KV travels in the body. A status other than 2xx is never a success: a redirect is a
+`ServiceError`, not followed.
 
 Errors come back as the same `kvtier.errors` types the store raises (their message is the
 server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready), and

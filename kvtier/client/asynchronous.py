@@ -27,7 +27,7 @@ from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, httpx_send, reply_body
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
-from kvtier.service import frames, replies, wire
+from kvtier.service import frames, wire
 
 
 class AsyncClient:
@@ -120,8 +120,9 @@ class AsyncClient:
             self._lane = AsyncLaneConnections.of(lane, self._timeout_s, self._max_reply)
 
     async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        body = await self._post("/v1/lookup", {"tokens": encode_tokens(tokens)}, tenant)
-        return replies.lookup(body)
+        packed = encode_tokens(tokens)
+        body = await self._post("/v1/lookup", {"tokens": packed}, tenant)
+        return self._pools.lookup(body, len(packed) // 4)
 
     async def prefetch(
         self,
@@ -136,7 +137,8 @@ class AsyncClient:
             request["ttl_s"] = ttl_s
         if not wait:
             request["wait_s"] = 0.0
-        lease = self._pools.lease(await self._post_carrying("/v1/prefetch", request, tenant), None)
+        body = await self._post_carrying("/v1/prefetch", request, tenant)
+        lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
         if wait and lease.state is LeaseState.PENDING:
             lease = await self.wait_for(lease)
         if wait:
@@ -150,7 +152,7 @@ class AsyncClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            fresh = self._pools.lease(await self._lease_state(lease, wait_s), None)
+            fresh = self._pools.waited(await self._lease_state(lease, wait_s), lease, None)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
                 return fresh
@@ -201,7 +203,7 @@ class AsyncClient:
                 await self.abort(reservation)
         bt = (await self.layout()).block_tokens if kind == "blocks" else 0  # pages: full ones
         body = store_body(tokens, kv, start, kind, bt)
-        return replies.stored(await self._post("/v1/store", body, tenant))
+        return self._pools.stored(await self._post("/v1/store", body, tenant), len(tokens))
 
     async def load(
         self,
@@ -230,9 +232,7 @@ class AsyncClient:
                 pass
             else:
                 try:
-                    kv = self._pools.read_blocks(
-                        lease, dest, asked, start // dest.layout.block_tokens
-                    )
+                    kv = self._pools.read_blocks(lease, dest, start // dest.layout.block_tokens)
                 except BaseException:
                     await self.release(lease)
                     raise
@@ -261,7 +261,8 @@ class AsyncClient:
 
     async def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
-        return replies.stored(await self._post("/v1/commit", body, reservation.tenant))
+        reply = await self._post("/v1/commit", body, reservation.tenant)
+        return self._pools.stored(reply, reservation.cached_tokens + reservation.num_tokens)
 
     async def abort(self, reservation: Reservation) -> None:
         body = {"reservation_id": reservation.reservation_id}

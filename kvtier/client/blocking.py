@@ -134,8 +134,9 @@ class Client:
     # ---- the engine contract ------------------------------------------------------------
 
     def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        body = self._post("/v1/lookup", {"tokens": encode_tokens(tokens)}, tenant)
-        return replies.lookup(body)
+        packed = encode_tokens(tokens)
+        body = self._post("/v1/lookup", {"tokens": packed}, tenant)
+        return self._pools.lookup(body, len(packed) // 4)
 
     def prefetch(
         self,
@@ -153,7 +154,7 @@ class Client:
         if wait:
             del request["wait_s"]
         body = self._post_carrying("/v1/prefetch", request, tenant)
-        lease = self._pools.lease(body, self.release)
+        lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
         return self.wait_for(lease) if wait and not lease.ready() else lease
 
     def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
@@ -163,7 +164,7 @@ class Client:
         while True:
             wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
             body = self._lease_state(lease, wait_s)
-            fresh = self._pools.lease(body, self.release)
+            fresh = self._pools.waited(body, lease, self.release)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
                 return fresh
@@ -213,7 +214,7 @@ class Client:
                 self.abort(reservation)
         bt = self.layout().block_tokens if kind == "blocks" else 0  # pages: full ones
         body = store_body(tokens, kv, start, kind, bt)
-        return replies.stored(self._post("/v1/store", body, tenant))
+        return self._pools.stored(self._post("/v1/store", body, tenant), len(tokens))
 
     def load(
         self,
@@ -241,9 +242,7 @@ class Client:
                 pass  # larger than the gpu tier can lease: through the body
             else:
                 try:
-                    kv = self._pools.read_blocks(
-                        lease, dest, asked, start // dest.layout.block_tokens
-                    )
+                    kv = self._pools.read_blocks(lease, dest, start // dest.layout.block_tokens)
                 except BaseException:
                     self.release(lease)
                     raise
@@ -264,7 +263,8 @@ class Client:
 
     def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
-        return replies.stored(self._post("/v1/commit", body, reservation.tenant))
+        reply = self._post("/v1/commit", body, reservation.tenant)
+        return self._pools.stored(reply, reservation.cached_tokens + reservation.num_tokens)
 
     def abort(self, reservation: Reservation) -> None:
         self._post("/v1/abort", {"reservation_id": reservation.reservation_id}, reservation.tenant)

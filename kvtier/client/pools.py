@@ -12,6 +12,9 @@ Invariants:
 - Nothing is mapped unless the whole reply passed its checks (`ReplyError` naming the field);
   leases and reservations are checked against the served pools before a slot of them is read
   or written (`service/replies.py`).
+- Every reply is checked against its request too: no more tokens than were sent (lookup,
+  lease, store, commit, load), the lease waited on and no other, and tenants that the next
+  request can send back in a header (`ReplyError`).
 - A KV is checked against the served layout before it is written into a pool (`check_kv`), as
   the server never sees it before the commit.
 - Writes into a CUDA pool are complete when `write_blocks` returns, before the commit lets the
@@ -19,8 +22,9 @@ Invariants:
   the server reuse them.
 - Blocks move between a mapped pool and the caller's tensor in one pass, in the layout the
   caller asked for (`caller_kv.py`: one copy per run of slots): no temporary, no transpose.
-- A load reply in the body is checked against the prompt before a byte of it lands in the
-  caller's `out`: whole blocks, no more tokens than were asked (`ReplyError`).
+- A load reply in the body is checked against the prompt before it is returned or a byte of
+  it lands in the caller's `out`: no more tokens than were asked, in whole blocks where the
+  layout is known (`ReplyError`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from kvtier.blocks import Tokens, check_start, encode_tokens, from_blocks, to_bl
 from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
 from kvtier.errors import ReplyError
 from kvtier.kernels.block_copy import copy_blocks_slices
-from kvtier.results import Lease, LoadResult, Reservation
+from kvtier.results import Lease, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies, wire
 from kvtier.service.cuda_ipc import import_pool
 from kvtier.tiers.shm import map_shared
@@ -73,13 +77,53 @@ class MappedPools:
         """Forget every mapping (the client is closed)."""
         self.buffers.clear()
 
-    def lease(self, body: dict[str, Any], canceller: Callable[[Lease], None] | None) -> Lease:
-        """A lease reply, checked against the served pools."""
-        return replies.lease(body, self.served, canceller)
+    def lease(
+        self, body: dict[str, Any], canceller: Callable[[Lease], None] | None, asked: int
+    ) -> Lease:
+        """A lease reply to a prefetch of `asked` tokens, checked against the served pools: a
+        prefix of them."""
+        lease = replies.lease(body, self.served, canceller)
+        _at_most(lease.num_tokens, asked, "lease.num_tokens", "tokens asked")
+        _sendable(lease.tenant, "lease.tenant")
+        return lease
+
+    def waited(
+        self, body: dict[str, Any], waited: Lease, canceller: Callable[[Lease], None] | None
+    ) -> Lease:
+        """A reply to a wait on the lease `waited`: that lease (id, tokens and slots), in the
+        state it is in now."""
+        lease = self.lease(body, canceller, waited.num_tokens)
+        got = (lease.lease_id, lease.num_tokens, lease.block_table)
+        if got != (waited.lease_id, waited.num_tokens, waited.block_table):
+            raise ReplyError(
+                f"lease: got lease {lease.lease_id} of {lease.num_tokens} tokens in slots "
+                f"{list(lease.block_table)!r:.80}, expected the lease waited on: "
+                f"{waited.lease_id} of {waited.num_tokens} tokens in "
+                f"{list(waited.block_table)!r:.80}"
+            )
+        return lease
 
     def reservation(self, body: dict[str, Any], tokens: bytes) -> Reservation:
         """A reservation reply for the packed `tokens`, checked against the served pools."""
-        return replies.reservation(body, self.served, len(tokens) // 4)
+        reservation = replies.reservation(body, self.served, len(tokens) // 4)
+        _sendable(reservation.tenant, "reservation.tenant")
+        return reservation
+
+    def lookup(self, body: dict[str, Any], asked: int) -> LookupResult:
+        """A lookup reply for `asked` tokens: a prefix of them."""
+        result = replies.lookup(body)
+        _at_most(result.num_tokens, asked, "lookup.num_tokens", "tokens asked")
+        return result
+
+    def stored(self, body: dict[str, Any], sent: int) -> StoreResult:
+        """A store or commit reply for a sequence of `sent` tokens: what it reports cached,
+        dropped and pending adds up to no more than them."""
+        result = replies.stored(body)
+        for name, count in result._asdict().items():
+            _at_most(count, sent, f"store.{name}", "tokens sent")
+        cached, _, dropped, pending = result
+        _at_most(cached + dropped + pending, sent, "store: cached + dropped + pending", "sent")
+        return result
 
     def destination(
         self,
@@ -101,7 +145,7 @@ class MappedPools:
         self,
         body: dict[str, Any],
         device: torch.device | str | None,
-        asked: int = 0,
+        asked: int,
         dest: Destination | None = None,
         start: int = 0,
     ) -> LoadResult:
@@ -109,14 +153,14 @@ class MappedPools:
         CPU), or into `dest` for a prompt of `asked` tokens."""
         layout = None if self.served is None else self.served.layout
         num_tokens, kv = replies.loaded(body, layout, start)
+        bt = 1 if layout is None else layout.block_tokens
+        if num_tokens % bt or num_tokens > asked:
+            blocks = "" if layout is None else f"whole blocks of {bt} tokens, "
+            raise ReplyError(
+                f"load.num_tokens: got {num_tokens}, expected {blocks}at most the {asked} asked"
+            )
         if dest is None:
             return LoadResult(num_tokens, kv.to(device or "cpu"))
-        bt = dest.layout.block_tokens
-        if num_tokens % bt or num_tokens > asked:
-            raise ReplyError(
-                f"load.num_tokens: got {num_tokens}, expected whole blocks of {bt} tokens, at "
-                f"most the {asked} asked"
-            )
         count = max(0, num_tokens - start) // bt
         dest.blocks(count).copy_(to_blocks(kv, bt))
         return LoadResult(num_tokens, dest.result(count))
@@ -156,25 +200,27 @@ class MappedPools:
         if pool.is_cuda:  # complete before the commit lets the server read the slots
             torch.cuda.synchronize(pool.device)
 
-    def read_blocks(
-        self, lease: Lease, dest: Destination, asked: int, first: int = 0
-    ) -> torch.Tensor:
+    def read_blocks(self, lease: Lease, dest: Destination, first: int = 0) -> torch.Tensor:
         """The leased prefix's KV from its block `first` on, copied out of the mapped gpu pool
-        into `dest` in one pass: the part of it that holds them. A lease of more blocks than a
-        prompt of `asked` tokens has is the server's lie (`ReplyError`), refused before a byte
-        is copied."""
-        table = list(lease.block_table)
-        if len(table) > asked // dest.layout.block_tokens:
-            raise ReplyError(
-                f"prefetch.block_table: got {len(table)} blocks, expected at most the "
-                f"{asked // dest.layout.block_tokens} full blocks of the {asked} tokens asked"
-            )
-        wanted = table[first:]
+        into `dest` in one pass: the part of it that holds them (a lease checked by `lease`
+        holds no more blocks than its prompt)."""
+        wanted = list(lease.block_table)[first:]
         pool = self.buffers["gpu"]
         copy_blocks_slices(pool, dest.blocks(len(wanted)), wanted, range(len(wanted)))
         if pool.is_cuda:  # complete before the release lets the server reuse the slots
             torch.cuda.synchronize(pool.device)
         return dest.result(len(wanted))
+
+
+def _at_most(count: int, bound: int, field: str, what: str) -> None:
+    if count > bound:
+        raise ReplyError(f"{field}: got {count}, expected at most the {bound} {what}")
+
+
+def _sendable(tenant: str, field: str) -> None:
+    """`ReplyError` for a tenant that no request header can carry back to the server."""
+    if not (tenant.isascii() and tenant.isprintable()):
+        raise ReplyError(f"{field}: got {tenant!r:.80}, expected printable ASCII (a tenant id)")
 
 
 def store_body(

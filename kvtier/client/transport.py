@@ -90,16 +90,18 @@ async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: i
 
 
 def reply_body(response: Reply) -> dict[str, Any]:
-    """The body of a successful response; the error it reports raised (`ERROR_TYPES`, else
-    `ServiceError`), or `ReplyError` if it is no map."""
-    if response.status >= 400:
+    """The body of a successful (2xx) response; the error it reports raised (`ERROR_TYPES`,
+    else `ServiceError`), or `ReplyError` if it is no map. Any other status is a `ServiceError`
+    too: a redirect is not followed (kvtier's server sends none), nor its body taken for the
+    answer."""
+    if not 200 <= response.status < 300:
         try:
             body = wire.decode(response.content, response.content_type)
             kind, detail = str(body.get("error"))[:64], str(body.get("detail"))[:2000]
         except wire.WireError:
             kind, detail = "http", response.content[:200].decode("utf-8", "replace")
         cls = ERROR_TYPES.get(kind)
-        if cls is not None and response.status not in (401, 403, 413):
+        if cls is not None and response.status >= 400 and response.status not in (401, 403, 413):
             raise cls(detail)
         raise ServiceError(response.status, kind, detail)
     try:
