@@ -305,7 +305,7 @@ def _int(data: dict[str, Any], name: str, where: str, maximum: int, minimum: int
 
 def _time(data: dict[str, Any], name: str, where: str) -> float:
     value = data.get(name)
-    if type(value) not in (int, float) or not abs(value) < 1e300:  # NaN, inf, 10**400 too
+    if not (isinstance(value, int | float) and type(value) is not bool and abs(value) < 1e300):
         raise ReplyError(f"{where}.{name}: got {value!r:.80}, expected a finite number below 1e300")
     return float(value)
 
