@@ -4,6 +4,8 @@ calls to send a request to the replica that already holds its prefix.
 - `index.py`: `PrefixIndex` (events in, `score(tokens) -> {pod: weighted prefix length}`);
 - `subscriber.py`: `Subscriber`, the thread that feeds it from ZMQ publishers and recovers
   lost messages through their replay endpoints;
+- `allowance.py`: what one publisher may make the subscriber do (the pod it speaks for, the
+  time its recoveries may take);
 - `policies.py`: how a replica is chosen from the scores (round robin, prefix, prefix-load).
 """
 

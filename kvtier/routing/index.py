@@ -21,10 +21,16 @@ naming nothing stored; a BlockStored whose parent hash the source never stored i
 an orphan and skipped (its keys cannot be known); a block size other than the index's is
 counted and skipped. Nothing a payload holds is executed or taken as a path.
 
+Bounds. What one source says stays its own and is bounded: a pod maps at most `max_blocks`
+hashes over all its sources (a BlockStored past it is skipped whole, counted as `full`), and
+each source names at most `MAX_MEDIA` media, in a table of its own. At a source a key has one
+hash, the last to store it (vLLM hashes the same tokens otherwise under another cache salt).
+
 Invariants (`check()`):
 - `_where[key][source]` is the media bitmask of `key` at `source`, never 0; the same pairs as
   every source's `held`;
-- every hash a source maps leads to a key it holds, and every key it holds has a hash.
+- every hash a source maps leads to a key it holds, and every key it holds has a hash;
+- `_blocks[pod]` is the number of hashes the pod's sources map.
 
 Thread safety: every method takes the index's lock (a subscriber's thread applies, the router
 scores).
@@ -50,7 +56,9 @@ from kvtier.errors import InvalidTokensError
 # (`bench_remote.py` / `bench_disk.py`). The weights keep that order with a small step per
 # tier, so that of two pods holding the same prefix, the one holding it faster scores higher.
 DEFAULT_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.99, "DISK": 0.98, "REMOTE": 0.95}
-MAX_MEDIA = 16  # distinct medium names an index tracks; an event naming another is skipped
+MAX_MEDIA = 16  # distinct medium names a source may name; an event naming another is skipped
+MAX_BLOCKS = 1 << 21
+"""The blocks a pod may make an index hold by default (about 500 bytes each: some 1 GiB)."""
 KEY_BYTES = 8
 
 
@@ -80,19 +88,29 @@ class _Source:
     keys: dict[Any, bytes] = field(default_factory=dict)  # the source's hash -> key
     held: dict[bytes, int] = field(default_factory=dict)  # key -> media bitmask
     hashes: dict[bytes, Any] = field(default_factory=dict)  # key -> the source's hash
+    media: dict[str, int] = field(default_factory=dict)  # medium name -> bit, its own
+    weight_of: dict[int, float] = field(default_factory=lambda: {0: 0.0})  # mask -> best weight
 
 
 class PrefixIndex:
-    def __init__(self, block_size: int, weights: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        weights: Mapping[str, float] | None = None,
+        max_blocks: int = MAX_BLOCKS,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: got {block_size}, expected >= 1")
-        self.block_size = block_size
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks: got {max_blocks}, expected >= 1")
+        self.block_size, self.max_blocks = block_size, max_blocks
         self.weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
-        self._media: dict[str, int] = {}  # medium name -> bit
-        self._weight_of: dict[int, float] = {0: 0.0}  # media bitmask -> best weight (cached)
         self._sources: dict[str, _Source] = {}
         self._where: dict[bytes, dict[str, int]] = {}  # key -> {source: media bitmask}
-        self._stats = {"events": 0, "bad": 0, "orphans": 0, "block_size": 0, "cleared": 0}
+        self._blocks: dict[str, int] = {}  # pod -> hashes its sources map
+        self._stats = dict.fromkeys(
+            ("events", "bad", "orphans", "block_size", "full", "cleared"), 0
+        )
         self._lock = threading.Lock()
 
     # ---- learning ----------------------------------------------------------------------
@@ -147,8 +165,8 @@ class PrefixIndex:
     def _source(self, source: str) -> _Source:
         found = self._sources.get(source)
         if found is None:
-            parts = source.split("@")
-            found = self._sources[source] = _Source(parts[1] if len(parts) > 1 else source)
+            found = self._sources[source] = _Source(pod_of(source))
+            self._blocks.setdefault(found.pod, 0)
         return found
 
     def _apply_one(self, name: str, src: _Source, event: Any) -> None:
@@ -159,8 +177,8 @@ class PrefixIndex:
             self._stored(name, src, event)
         elif kind == "BlockRemoved" and len(event) >= 2:
             hashes = _hashes(event[1])
-            bit = self._bit(_medium(event[2] if len(event) > 2 else None))
-            for h in hashes:
+            bit = src.media.get(_medium(event[2] if len(event) > 2 else None), 0)
+            for h in hashes:  # a medium the source never named holds none of them
                 self._drop(name, src, h, bit)
         elif kind == "AllBlocksCleared":
             self._clear(name)
@@ -181,7 +199,7 @@ class PrefixIndex:
         lora = event[7] if len(event) > 7 else None
         if lora is not None and not isinstance(lora, str):
             raise BadEvent("lora_name: expected a string or nil")
-        bit = self._bit(_medium(event[6]))
+        bit = _bit(src, _medium(event[6]))
         if parent is None:
             previous = seed(lora)
         else:
@@ -190,10 +208,20 @@ class PrefixIndex:
                 self._stats["orphans"] += 1
                 raise BadEvent("parent_block_hash: not a block this source holds")
             previous = found
+        new = len({h for h in hashes if h not in src.keys})
+        if self._blocks[src.pod] + new > self.max_blocks:
+            self._stats["full"] += 1
+            raise BadEvent(f"pod {src.pod!r}: {new} blocks more, past the {self.max_blocks}")
         for h, key in zip(hashes, chain(previous, data, block_size), strict=True):
             old = src.keys.get(h)
             if old is not None and old != key:  # a hash reused for other tokens: move it
                 self._drop(name, src, h, -1)
+            other = src.hashes.get(key)
+            if other is not None and other != h:  # these tokens under another hash: move them
+                del src.keys[other]
+                self._blocks[src.pod] -= 1
+            if h not in src.keys:
+                self._blocks[src.pod] += 1
             src.keys[h] = key
             src.hashes[key] = h
             src.held[key] = src.held.get(key, 0) | bit
@@ -212,6 +240,7 @@ class PrefixIndex:
         src.held.pop(key, None)
         src.hashes.pop(key, None)
         del src.keys[h]
+        self._blocks[src.pod] -= 1
         holders.pop(name, None)
         if not holders:
             self._where.pop(key, None)
@@ -227,18 +256,10 @@ class PrefixIndex:
                 holders.pop(name, None)
                 if not holders:
                     del self._where[key]
+        self._blocks[src.pod] -= len(src.keys)
         src.keys.clear()  # emptied in place: a batch that goes on after it still holds `src`
         src.held.clear()
         src.hashes.clear()
-
-    def _bit(self, medium: str) -> int:
-        bit = self._media.get(medium)
-        if bit is None:
-            if len(self._media) >= MAX_MEDIA:
-                raise BadEvent(f"medium: {medium!r} past the {MAX_MEDIA} media tracked")
-            bit = self._media[medium] = 1 << len(self._media)
-            self._weight_of = {0: 0.0}
-        return bit
 
     # ---- answering ---------------------------------------------------------------------
 
@@ -255,9 +276,9 @@ class PrefixIndex:
             for key in keys:
                 best: dict[str, float] = {}
                 for name, mask in self._where.get(key, {}).items():
-                    pod = self._sources[name].pod
-                    if alive is None or pod in alive:
-                        best[pod] = max(best.get(pod, 0.0), self._weight(mask))
+                    src = self._sources[name]
+                    if alive is None or src.pod in alive:
+                        best[src.pod] = max(best.get(src.pod, 0.0), self._weight(src, mask))
                 if not best:
                     break
                 for pod, weight in best.items():
@@ -265,13 +286,13 @@ class PrefixIndex:
                 alive = set(best)
         return scores
 
-    def _weight(self, mask: int) -> float:
-        weight = self._weight_of.get(mask)
+    def _weight(self, src: _Source, mask: int) -> float:
+        weight = src.weight_of.get(mask)
         if weight is None:
-            held = [medium for medium, bit in self._media.items() if mask & bit]
+            held = [medium for medium, bit in src.media.items() if mask & bit]
             # a medium without a weight counts as GPU does (as llm-d weighs one)
             weight = max((self.weights.get(medium, 1.0) for medium in held), default=0.0)
-            self._weight_of[mask] = weight
+            src.weight_of[mask] = weight
         return weight
 
     def pods(self) -> dict[str, int]:
@@ -292,9 +313,29 @@ class PrefixIndex:
             held = {(k, n): m for n, s in self._sources.items() for k, m in s.held.items()}
             assert pairs == held, "_where and the sources' held media differ"
             assert all(pairs.values()), "a key held in no medium"
+            mapped = dict.fromkeys(self._blocks, 0)
             for src in self._sources.values():
                 assert set(src.keys.values()) == set(src.held) == set(src.hashes), src.pod
                 assert all(src.keys[h] == k for k, h in src.hashes.items()), src.pod
+                mapped[src.pod] += len(src.keys)
+            assert mapped == self._blocks, f"blocks per pod {self._blocks}, mapped {mapped}"
+
+
+def pod_of(topic: str) -> str:
+    """The pod a topic speaks for: its second field (`kv@<pod>@<model>[@<tenant>]`), or the
+    whole topic when it has none."""
+    parts = topic.split("@")
+    return parts[1] if len(parts) > 1 else topic
+
+
+def _bit(src: _Source, medium: str) -> int:
+    """The bit of `medium` in `src`'s own table (a source cannot use up another's)."""
+    bit = src.media.get(medium)
+    if bit is None:
+        if len(src.media) >= MAX_MEDIA:
+            raise BadEvent(f"medium: {medium!r} past the {MAX_MEDIA} media a source may name")
+        bit = src.media[medium] = 1 << len(src.media)
+    return bit
 
 
 def _hash(value: Any) -> Any:

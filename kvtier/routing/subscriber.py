@@ -23,12 +23,19 @@ sequence number applied is kept:
 With `resync_s`, each publisher with a snapshot is resynced that often too, repairing whatever
 drifted unseen.
 
-Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is not events): a
-message longer than `max_message_bytes` is refused by ZMQ before it is buffered (the connection
-is dropped and made again, and the messages lost meanwhile are a gap like any other); a replay
-ends after `replay_timeout` in all, and after `max_replay_bytes` whatever the endpoint keeps
-sending, and a gap too long to fit in it is not asked for (a sequence number near 2**64 is a gap
-too): the topic is then forgotten, as for any gap nobody can fill.
+Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is not events):
+- a frame longer than `max_message_bytes` is refused by ZMQ before it is buffered (the
+  connection is dropped and made again, and the messages lost meanwhile are a gap like any
+  other). ZMQ bounds frames, not messages: one of many frames is buffered whole, then counted
+  as `bad`;
+- a publisher speaks for one pod, on at most `max_topics` topics (`allowance.Voice`); a
+  message, or a snapshot's topic, past that is dropped, counted as `refused`;
+- a replay ends after `replay_timeout` in all, and after `max_replay_bytes` whatever the
+  endpoint keeps sending, and a gap too long to fit in it is not asked for (a sequence number
+  near 2**64 is a gap too): the topic is then forgotten, as for any gap nobody can fill;
+- a publisher's recoveries on a gap (replay, snapshot) are rationed (`allowance.Ration`):
+  past its share, a gap is forgotten without asking;
+- a snapshot's answer is checked as the client checks one (`replies.blocks`), whatever gave it.
 
 The first message of a topic is a gap from 0 unless it is number 0.
 
@@ -46,7 +53,9 @@ from typing import Any
 
 import zmq
 
+from kvtier.routing.allowance import Ration, Voice
 from kvtier.routing.index import BadEvent, PrefixIndex
+from kvtier.service import replies
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -60,6 +69,8 @@ class _Publisher:
     endpoint: str
     monitor: zmq.Socket[bytes]  # the SUB's disconnections
     replay_endpoint: str | None
+    voice: Voice
+    ration: Ration
     snapshot: Snapshot | None = None
     resynced_at: float = 0.0
 
@@ -71,6 +82,8 @@ MAX_REPLAY_BYTES = 256 << 20
 """What one replay may bring back by default, counting `REPLAY_ENTRY` per message besides
 its bytes (a kvtier publisher keeps 64 MiB per topic by default, `events.buffer_bytes`)."""
 REPLAY_ENTRY = 256
+MAX_TOPICS = 4096
+"""The topics one publisher may send on by default (as many as a sidecar's snapshot lists)."""
 
 
 class Subscriber:
@@ -81,13 +94,16 @@ class Subscriber:
         resync_s: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         max_replay_bytes: int = MAX_REPLAY_BYTES,
+        max_topics: int = MAX_TOPICS,
     ) -> None:
         self.index, self.replay_timeout, self.resync_s = index, replay_timeout, resync_s
         self.max_message_bytes, self.max_replay_bytes = max_message_bytes, max_replay_bytes
+        self.max_topics = max_topics
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._added: list[tuple[str, str | None, Snapshot | None]] = []
         self._applied: dict[str, int] = {}  # topic -> messages applied (its next number)
         self._floors: dict[str, int] = {}  # topic -> a snapshot's number: below it, reflected
+        self._owners: dict[str, Voice] = {}  # pod -> the voice of the publisher speaking for it
         self._cond = threading.Condition()
         self._stats = dict.fromkeys(
             (
@@ -96,6 +112,7 @@ class Subscriber:
                 "replayed",
                 "resets",
                 "bad",
+                "refused",
                 "resyncs",
                 "resync_errors",
                 "disconnects",
@@ -143,8 +160,9 @@ class Subscriber:
                 added, self._added = self._added, []
             for endpoint, replay_endpoint, snapshot in added:
                 sub, monitor = self._open(endpoint)
+                voice, ration = Voice(self.max_topics), Ration(self.replay_timeout)
                 publisher = _Publisher(
-                    sub, endpoint, monitor, replay_endpoint, snapshot, time.monotonic()
+                    sub, endpoint, monitor, replay_endpoint, voice, ration, snapshot, ration.at
                 )
                 publishers.append(publisher)
                 self._watch(publisher)
@@ -212,6 +230,8 @@ class Subscriber:
         except UnicodeDecodeError:
             self._count("bad")
             return
+        if not self._admit(publisher, topic):
+            return
         seq = int.from_bytes(frames[1], "big")
         floor = self._floors.get(topic)
         if floor is not None:
@@ -226,13 +246,37 @@ class Subscriber:
             expected = 0
         if seq > expected:
             self._count("gaps")
-            if not self._fill(publisher, topic, expected, seq):
-                if resync and self._resync(publisher) and topic in self._floors:
-                    self._receive(publisher, frames, resync=False)  # against its number
-                    return
+            filled, resynced = self._recover(publisher, topic, expected, seq, resync)
+            if resynced:
+                self._receive(publisher, frames, resync=False)  # against its number
+                return
+            if not filled:
                 self._count("resets")
                 self.index.clear(topic)
         self._apply(topic, seq, frames[2])
+
+    def _admit(self, publisher: _Publisher, topic: str) -> bool:
+        """May `publisher` speak on `topic` (module doc)? Counted when not."""
+        if publisher.voice.admits(topic, self._owners):
+            return True
+        self._count("refused")
+        return False
+
+    def _recover(
+        self, publisher: _Publisher, topic: str, start: int, stop: int, resync: bool
+    ) -> tuple[bool, bool]:
+        """Messages start..stop-1 of `topic` were lost: `(filled, resynced)`, filled from the
+        replay endpoint, else (`resync`) a snapshot that covers `topic` taken; neither when
+        the publisher's recoveries have had their share (`allowance.RECOVERY_SHARE`)."""
+        if not publisher.ration.allows():
+            return False, False
+        started = time.monotonic()
+        try:
+            if self._fill(publisher, topic, start, stop):
+                return True, False
+            return False, resync and self._resync(publisher) and topic in self._floors
+        finally:
+            publisher.ration.spent(started)
 
     def _resync(self, publisher: _Publisher) -> bool:
         """Replace each topic's blocks by the publisher's snapshot (module doc); done?"""
@@ -240,12 +284,14 @@ class Subscriber:
         if publisher.snapshot is None:
             return False
         try:
-            reply = publisher.snapshot()
-            topics = [(t["topic"], t["seq"], t["events"]) for t in reply["topics"]]
+            reply = replies.blocks(publisher.snapshot())
         except Exception:  # a server down, a reply of another shape: no snapshot this time
             self._count("resync_errors")
             return False
-        for topic, seq, events in topics:
+        for entry in reply["topics"]:
+            topic, seq, events = entry["topic"], entry["seq"], entry["events"]
+            if not self._admit(publisher, topic):
+                continue
             try:
                 self.index.reset(topic, events)
             except BadEvent:
