@@ -22,7 +22,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import KVTierConfig, default_config, format_size, load_config
+from kvtier.config import (
+    KVTierConfig,
+    default_config,
+    format_size,
+    load_config,
+    parse_config,
+)
 from kvtier.errors import KVTierError
 from kvtier.store import KVStore
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
@@ -37,7 +43,13 @@ def _config(path: str | None) -> KVTierConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvtier.service.server import serve
 
-    return serve(_config(args.config), args.host, args.port)
+    config = _config(args.config)
+    given = {"host": args.host, "port": args.port}
+    if any(value is not None for value in given.values()):  # checked as service.host/port are
+        data = config.to_dict()
+        data["service"].update({k: v for k, v in given.items() if v is not None})
+        config = parse_config(data, "--host/--port")
+    return serve(config)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

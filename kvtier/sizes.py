@@ -4,8 +4,8 @@ Contract:
 - `parse_size(text)` turns a size into an exact, positive number of bytes. Units are
   case-sensitive: binary `KiB MiB GiB TiB PiB` (powers of 1024), decimal `kB KB MB GB TB PB`
   (powers of 1000), `B` or none for bytes. A decimal number with a unit larger than a byte is
-  rounded down to whole bytes (`1.5GiB` -> 1610612736 exactly); bytes must be whole.
-  Anything else, zero or negative raises `ConfigError`.
+  rounded down to whole bytes (`1.5GiB` -> 1610612736 exactly); bytes must be whole. Digits
+  are ASCII. Anything else, zero, negative or more than `MAX_SIZE` raises `ConfigError`.
 - `format_size(n)` is for people (status output): the largest binary unit, at most two
   decimals, so it may round (`123456789` -> `117.74MiB`).
 - `Capacity` is a tier size: exact bytes, or a fraction in (0, 1] of the memory that is free
@@ -38,15 +38,21 @@ _UNITS: dict[str, int] = {
     "PB": 10**15,
 }
 _BINARY = ("PiB", "TiB", "GiB", "MiB", "KiB")
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-SIZE_EXPECTED = "a positive size like '8GiB', '512MiB', '1.5GiB', '8GB' or a whole number of bytes"
+_SIZE = re.compile(r"\s*([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([A-Za-z]*)\s*")
+MAX_SIZE = 2**60
+"""The largest size, 1024PiB: beyond any tier, and within the 64 bits that files and `mmap`
+take (a size of 100 digits would pass validation and fail at start)."""
+SIZE_EXPECTED = (
+    "a positive size like '8GiB', '512MiB', '1.5GiB', '8GB' or a whole number of bytes, "
+    "at most 1024PiB"
+)
 FRACTION_EXPECTED = "a size like '8GiB' or a fraction in (0, 1]"
 
 
 def parse_size(text: str | int) -> int:
     """Bytes in `text` (`'8GiB'`, `'500MB'`, `'4096'`, or an int). Raises `ConfigError`."""
     if type(text) is int:
-        if text <= 0:
+        if not 0 < text <= MAX_SIZE:
             raise ConfigError("size", text, SIZE_EXPECTED)
         return text
     match = _SIZE.fullmatch(text) if isinstance(text, str) else None
@@ -56,7 +62,7 @@ def parse_size(text: str | int) -> int:
     if unit == 1 and number.denominator != 1:
         raise ConfigError("size", text, SIZE_EXPECTED)
     nbytes = math.floor(number * unit)
-    if nbytes <= 0:
+    if not 0 < nbytes <= MAX_SIZE:
         raise ConfigError("size", text, SIZE_EXPECTED)
     return nbytes
 
@@ -90,7 +96,9 @@ class Capacity:
     def __post_init__(self) -> None:
         if (self.nbytes is None) == (self.fraction is None):
             raise ConfigError("capacity", (self.nbytes, self.fraction), "bytes or a fraction")
-        if self.nbytes is not None and (type(self.nbytes) is not int or self.nbytes <= 0):
+        if self.nbytes is not None and (
+            type(self.nbytes) is not int or not 0 < self.nbytes <= MAX_SIZE
+        ):
             raise ConfigError("capacity", self.nbytes, SIZE_EXPECTED)
         if self.fraction is not None and not (
             type(self.fraction) is float and 0.0 < self.fraction <= 1.0

@@ -81,8 +81,8 @@ def number_in(low: float, high: float, expected: str) -> BeforeValidator:
 def one_of(choices: tuple[object, ...]) -> BeforeValidator:
     """One of `choices`, compared with its type, so that 1 is not taken for True."""
     shown = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
-    typed = {(type(c), c) for c in choices}
-    return rule(lambda v: (type(v), v) in typed, f"one of {shown}")
+    # compared one by one: a list or a mapping from the file is refused, not a TypeError
+    return rule(lambda v: any(type(v) is type(c) and v == c for c in choices), f"one of {shown}")
 
 
 def _capacity(value: object, expected: str) -> Capacity:

@@ -5,7 +5,9 @@ Contract:
   whose `field` is the dotted path of the bad value (`tiers.gpu.capacity`), whose `value` is the
   bad input and whose `expected` says what would do, naming the source. No pydantic, YAML or OS
   exception escapes; only the first fault is reported.
-- YAML is read safely, and a key repeated in one mapping is an error rather than last-wins.
+- YAML is read safely, and a key repeated in one mapping is an error rather than last-wins
+  (merge keys, `<<: *anchor`, may be overridden). A file is at most `MAX_FILE_CHARS` long and
+  its values, with every alias written out, at most `MAX_VALUES`: no "billion laughs".
 - An error never shows an API key or secret: a value under `api_keys`, `admin_key`,
   `secret` or `password` (the remote tier's cluster secret and AUTH password), or one that shows
   any of the keys given there, is replaced by `HiddenKey()`; in a YAML error, which comes
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import yaml
@@ -99,8 +101,37 @@ def _key_values(data: object) -> set[str]:
     return {key for key in found if key}
 
 
+MAX_VALUES = 100_000
+"""The most values a config holds once its aliases are written out (a config has about 80)."""
+
+
+def _expanded_size(item: object, sizes: dict[int, int], inside: set[int]) -> int:
+    """The values in `item` as if every part it shares (a YAML alias) were written out, each
+    shared part counted once (`sizes`, by id); a part inside itself counts 1, as repr shows it."""
+    if not isinstance(item, (Mapping, list, tuple)):
+        return 1
+    key = id(item)
+    if key in inside:
+        return 1
+    if key not in sizes:
+        inside.add(key)
+        children = item.values() if isinstance(item, Mapping) else item
+        sizes[key] = 1 + sum(_expanded_size(child, sizes, inside) for child in children)
+        inside.discard(key)
+    return sizes[key]
+
+
 def parse_config(mapping: object, source: str = "<dict>") -> KVTierConfig:
     """Validate a mapping (as read from YAML or JSON). Raises `ConfigError`."""
+    try:
+        values = _expanded_size(mapping, {}, set())
+    except RecursionError:
+        raise ConfigError(
+            "<top level>", "values nested too deeply", f"a config (in {source})"
+        ) from None
+    if values > MAX_VALUES:
+        raise ConfigError("<top level>", f"{values} values with its aliases written out",
+                          f"at most {MAX_VALUES} values (in {source})")  # fmt: skip
     if not isinstance(mapping, Mapping):
         raise ConfigError("<top level>", mapping, f"a mapping of config sections (in {source})")
     try:
@@ -117,12 +148,24 @@ to know whether it is a key."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """Safe YAML that refuses a key repeated in one mapping instead of keeping the last."""
+    """Safe YAML that refuses a key repeated in one mapping instead of keeping the last, and
+    a scalar Python cannot convert (an int of 5000 digits, a 13th month) with its line."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as exc:
+            problem = f"a value that cannot be read ({exc})"
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[object] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<`: merged keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # the SafeLoader refuses it, with its line
+                continue
             if key in seen:
                 problem = f"repeated key {key!r} (each key once per mapping)"
                 raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
@@ -130,14 +173,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+MAX_FILE_CHARS = 2**20
+"""The longest config file read (the shipped ones are under 6,000 characters)."""
+
+
 def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
     """Read and validate a YAML config file. Raises `ConfigError`, never a YAML or OS error."""
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as file:
-            text = file.read()
+            text = file.read(MAX_FILE_CHARS + 1)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError("<file>", source, "a readable YAML file") from exc
+    if len(text) > MAX_FILE_CHARS:
+        raise ConfigError("<file>", source, f"a YAML file of at most {MAX_FILE_CHARS} characters")
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.MarkedYAMLError as exc:
@@ -149,6 +198,8 @@ def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
         raise ConfigError("<yaml>", shown, expected) from exc
     except yaml.YAMLError as exc:
         raise ConfigError("<yaml>", source, f"valid YAML: {exc}") from exc
+    except RecursionError:
+        raise ConfigError("<yaml>", source, "valid YAML nested less deeply") from None
     return parse_config(data, source)
 
 

@@ -29,9 +29,11 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from kvtier.blocks import KVLayout
 from kvtier.config import KVTierConfig, load_config
+from kvtier.errors import InvalidArgumentError
 from kvtier.replay.codecs import codec_sizing, fit, parse_codecs
 from kvtier.replay.parallel import Workload, default_jobs, replay_all, task_count
 from kvtier.replay.replicas import cluster_nodes, format_fleet, replay_fleet
@@ -49,6 +51,12 @@ from kvtier.replay.trace import Ceiling, TraceRequest, ceiling, read_trace
 
 SWEEP_SCALES = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """`--sweep`: each run's tier sizes are the given ones times one of these."""
+
+MAX_REPLICAS = 1024
+"""`--replicas`: the most stores one run builds (each is a whole `KVStore`, all open at once)."""
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+"""`--plot`: the image formats it writes, by the file's suffix."""
 
 
 def add_arguments(cmd: argparse.ArgumentParser) -> None:
@@ -95,7 +103,10 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         "tasks are perturbed: --jobs 1 for clean ones. --replicas and --route run in-process",
     )
     cmd.add_argument(
-        "--replicas", type=int, default=1, help="N stores behind a round-robin router (1)"
+        "--replicas",
+        type=int,
+        default=1,
+        help=f"N stores behind a round-robin router (1; at most {MAX_REPLICAS})",
     )
     cmd.add_argument(
         "--remote", action="store_true", help="also run the N stores sharing a remote tier"
@@ -156,12 +167,15 @@ def run_replay(args: argparse.Namespace) -> int:
         speed=args.speed,
         directory=args.dir,
     )
-    if args.replicas < 1:
-        print(f"kvtier: --replicas: got {args.replicas}, expected >= 1", file=sys.stderr)
+    if not 1 <= args.replicas <= MAX_REPLICAS:
+        print(f"kvtier: --replicas: got {args.replicas}, expected 1 to {MAX_REPLICAS}",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.jobs is not None and args.jobs < 1:
         print(f"kvtier: --jobs: got {args.jobs}, expected >= 1", file=sys.stderr)
         return 2
+    if args.plot:
+        _check_plot(args.plot, [args.trace, args.config])
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("kvtier: --plot: matplotlib is not installed; pip install 'kvtier[plot]'",
               file=sys.stderr)  # fmt: skip
@@ -224,6 +238,24 @@ def run_replay(args: argparse.Namespace) -> int:
         f"{typed.ratio:.3f}" + (f" ({others})" if others else "")
     )
     return 0
+
+
+def _check_plot(path: str, inputs: list[str | None]) -> None:
+    """`InvalidArgumentError` unless `--plot` names a new or existing image file, by its
+    suffix, in an existing directory, and none of the command's `inputs`: checked before the
+    replay, not found out when it is drawn."""
+    target = Path(path)
+    problem = None
+    if target.suffix.lower() not in PLOT_SUFFIXES:
+        problem = f"a file ending in {', '.join(PLOT_SUFFIXES)}"
+    elif not target.parent.is_dir():
+        problem = f"a file in an existing directory ({str(target.parent)!r} is not one)"
+    elif target.is_dir():
+        problem = "a file, not a directory"
+    elif target.exists() and any(p and Path(p).exists() and target.samefile(p) for p in inputs):
+        problem = "a file other than the command's trace and config"
+    if problem is not None:
+        raise InvalidArgumentError(f"--plot: got {path!r}, expected {problem}")
 
 
 def _typed(results: list[ReplayResult], args: argparse.Namespace) -> ReplayResult:

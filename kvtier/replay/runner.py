@@ -28,7 +28,8 @@ size of the one-cache simulations it is compared with.
 
 Pacing. With `speed`, request i is due `(t_i - t_0) / speed` seconds after the first request
 starts (the store is open by then); the replay sleeps until it is due, or starts it late when
-the previous requests ran past it, and reports how far behind it fell (`Pacing`).
+the previous requests ran past it, and reports how far behind it fell (`Pacing`). A schedule
+longer than `MAX_PACED_S` is refused before the store opens.
 
 Threads. The replay runs with one torch intra-op thread (restored afterwards): its copies are
 of a few KiB, and on 2 cores the default pool doubled the replay's time for the same figures.
@@ -36,6 +37,7 @@ of a few KiB, and on 2 cores the default pool doubled the replay's time for the 
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +59,13 @@ _BYTES_PER_HEAD_DIM = 2 * TRACE_BLOCK_TOKENS * 2  # K and V, 512 tokens, float16
 LATE_S = 0.01
 """A paced request that starts more than this after it was due counts as late."""
 
+MAX_PACED_S = 7 * 86_400
+"""The longest schedule a paced replay keeps (a week): longer is a tiny `speed` or a gap in
+the trace, refused before the store opens rather than slept through."""
+
+MAX_BLOCK_BYTES = 64 * 2**20
+"""The largest `block_bytes`: a 512-token block of Llama-3.1-8B, the real size at the top."""
+
 
 @dataclass(frozen=True)
 class ReplayOptions:
@@ -66,8 +75,8 @@ class ReplayOptions:
     the same code as the background mover, without thread timing, so a replay as fast as
     possible neither outruns nor waits for the disk and two runs give the same figures.
     `speed`: None replays without sleeping; x > 0 keeps the trace's clock, x times faster.
-    `directory`: where the disk tier's temporary directory is made (the system's default when
-    None); it is removed after the run."""
+    `directory`: the existing directory where the disk tier's temporary directory is made (the
+    system's default when None); it is removed after the run."""
 
     block_tokens: int = TRACE_BLOCK_TOKENS
     block_bytes: int = 4096
@@ -85,15 +94,20 @@ class ReplayOptions:
             )
         if (
             type(self.block_bytes) is not int
-            or self.block_bytes < _BYTES_PER_HEAD_DIM
+            or not _BYTES_PER_HEAD_DIM <= self.block_bytes <= MAX_BLOCK_BYTES
             or self.block_bytes % _BYTES_PER_HEAD_DIM
         ):
             raise InvalidArgumentError(
                 f"block_bytes: got {self.block_bytes!r}, expected a positive multiple of "
-                f"{_BYTES_PER_HEAD_DIM} (K and V of 512 float16 tokens per unit of head_dim)"
+                f"{_BYTES_PER_HEAD_DIM} (K and V of 512 float16 tokens per unit of head_dim) "
+                f"up to {MAX_BLOCK_BYTES}"
             )
         if self.speed is not None and not self.speed > 0:
             raise InvalidArgumentError(f"speed: got {self.speed!r}, expected a number > 0")
+        if self.directory is not None and not os.path.isdir(self.directory):
+            raise InvalidArgumentError(
+                f"directory: got {self.directory!r}, expected an existing directory"
+            )
 
     @property
     def blocks_per_trace_block(self) -> int:
@@ -154,7 +168,13 @@ class _Clock:
     """The trace's clock `speed` times faster, from the first request's start (module doc);
     without a speed it never waits and measures nothing."""
 
-    def __init__(self, speed: float | None, first_ms: int) -> None:
+    def __init__(self, speed: float | None, first_ms: int, last_ms: int) -> None:
+        if speed is not None and not (last_ms - first_ms) / 1e3 / speed <= MAX_PACED_S:
+            raise InvalidArgumentError(
+                f"speed: got {speed!r}, which stretches the trace's {last_ms - first_ms} ms to "
+                f"{(last_ms - first_ms) / 1e3 / speed:.3g} s; expected a speed that keeps the "
+                f"schedule within {MAX_PACED_S} s"
+            )
         self.speed, self.first_ms = speed, first_ms
         self.origin: float | None = None
         self.due_s = self.max_lag_s = 0.0
@@ -242,7 +262,7 @@ def replay(
     prefetch_s: list[float] = []
     refused = dropped = 0
     longest = max(r.num_tokens for r in requests)
-    clock = _Clock(options.speed, requests[0].timestamp_ms)
+    clock = _Clock(options.speed, requests[0].timestamp_ms, requests[-1].timestamp_ms)
     with (
         _one_torch_thread(),
         tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=options.directory) as tmp,

@@ -16,7 +16,6 @@ a request counts as one full block (the trace hashed its partial last block too)
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,12 @@ TRACE_BLOCK_TOKENS = 512
 
 MAX_HASH_ID = 2**32 // TRACE_BLOCK_TOKENS - 1
 """The largest id whose synthetic tokens stay below 2**32."""
+
+MAX_LINE_BYTES = 2**20
+"""The longest line read (a request of ~100k ids); a longer one is refused unread."""
+
+MAX_FIELD = 2**63
+"""Every number of a line is below it (an int64)."""
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -76,9 +81,22 @@ class Ceiling:
 
 def _int_field(record: dict[str, object], name: str, error: _LineError) -> int:
     value = record[name]
-    if type(value) is not int or value < 0:
-        raise error(f"{name}: got {value!r}, expected an integer >= 0")
+    if type(value) is not int or not 0 <= value < MAX_FIELD:
+        raise error(f"{name}: got {value!r:.80}, expected an integer in [0, 2**63)")
     return value
+
+
+class _Malformed(ValueError):
+    """JSON that no trace line holds, found while decoding (`_json_object`)."""
+
+
+def _json_object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        names = [name for name, _ in pairs]
+        repeated = next(name for name in names if names.count(name) > 1)
+        raise _Malformed(f"key {repeated!r} given twice, expected each key once")
+    return record
 
 
 class _LineError:
@@ -93,9 +111,13 @@ def parse_line(text: str, path: str = "<trace>", line: int = 1) -> TraceRequest:
     """One trace line as a request; `TraceError` naming `path:line` if it is not valid."""
     error = _LineError(path, line)
     try:
-        record = json.loads(text)
+        record = json.loads(text, object_pairs_hook=_json_object)
     except json.JSONDecodeError as exc:
         raise error(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # `_Malformed`, or an int of more digits than Python converts
+        raise error(f"not a request: {exc}") from None
+    except RecursionError:
+        raise error("not a request: JSON nested too deeply, expected a flat object") from None
     if not isinstance(record, dict):
         raise error(f"got {type(record).__name__}, expected a JSON object")
     missing = [name for name in _FIELDS if name not in record]
@@ -106,31 +128,34 @@ def parse_line(text: str, path: str = "<trace>", line: int = 1) -> TraceRequest:
     )
     ids = record["hash_ids"]
     if not isinstance(ids, list) or not ids:
-        raise error(f"hash_ids: got {ids!r}, expected a non-empty list of ints")
+        raise error(f"hash_ids: got {ids!r:.80}, expected a non-empty list of ints")
     for position, value in enumerate(ids):
         if type(value) is not int or not 0 <= value <= MAX_HASH_ID:
             raise error(
-                f"hash_ids[{position}]: got {value!r}, expected an int in [0, {MAX_HASH_ID}]"
+                f"hash_ids[{position}]: got {value!r:.80}, expected an int in [0, {MAX_HASH_ID}]"
             )
-    if len(ids) != math.ceil(input_length / TRACE_BLOCK_TOKENS):
+    expected = -(-input_length // TRACE_BLOCK_TOKENS)  # ceil, in ints: no float to overflow
+    if len(ids) != expected:
         raise error(
             f"hash_ids: got {len(ids)} ids for input_length {input_length}, expected "
-            f"ceil({input_length} / {TRACE_BLOCK_TOKENS}) = "
-            f"{math.ceil(input_length / TRACE_BLOCK_TOKENS)}"
+            f"ceil({input_length} / {TRACE_BLOCK_TOKENS}) = {expected}"
         )
     return TraceRequest(timestamp, input_length, output_length, tuple(ids))
 
 
 def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
     """The first `limit` requests (all when None) of the trace at `path`. Raises `TraceError`
-    naming the first bad line: unreadable, not a request, or earlier than the line before."""
+    naming the first bad line: unreadable, longer than `MAX_LINE_BYTES`, not UTF-8, not a
+    request, or earlier than the line before."""
     source = os.fspath(path)
     requests: list[TraceRequest] = []
     try:
-        with open(source, encoding="utf-8") as file:
-            for number, text in enumerate(file, start=1):
+        with open(source, "rb") as file:
+            lines = iter(lambda: file.readline(MAX_LINE_BYTES + 1), b"")
+            for number, line in enumerate(lines, start=1):
                 if limit is not None and len(requests) >= limit:
                     break
+                text = _decode(line, source, number)
                 if not text.strip():
                     continue
                 request = parse_line(text, source, number)
@@ -142,11 +167,22 @@ def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[T
                         f"{requests[-1].timestamp_ms} (the lines are sorted by time)",
                     )
                 requests.append(request)
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise TraceError(source, 0, f"cannot be read ({exc})") from exc
     if not requests:
         raise TraceError(source, 0, "holds no request, expected one JSON object per line")
     return requests
+
+
+def _decode(line: bytes, source: str, number: int) -> str:
+    """Line `number` of the trace as text; `TraceError` if it is too long or not UTF-8."""
+    if len(line) > MAX_LINE_BYTES:
+        raise TraceError(source, number, f"longer than {MAX_LINE_BYTES} bytes, expected one "
+                         "request per line")  # fmt: skip
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceError(source, number, f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 def ceiling(requests: Sequence[TraceRequest]) -> Ceiling:

@@ -22,6 +22,8 @@ Contract:
   (`slot_bytes == block_bytes`) but in a pool that keeps its blocks quantized (`QuantPool`,
   `tiers/quantized.py`: a slot is the codec's payload).
 - The pool never decides what to evict; that is the index's business.
+- A buffer the machine cannot allocate (out of memory or address space) is a `ConfigError`
+  naming `tiers.<name>.capacity`, raised before anything is kept.
 - After `close()` the buffer is dropped and every method but `close` raises `ClosedError`.
 - A pool in POSIX shared memory (`shared_name`, `tiers/shm.py`) unlinks its segment at `close`,
   or failing that when it is collected or the interpreter exits (a SIGKILL leaves it behind for
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import math
 import mmap
 import os
@@ -50,6 +53,9 @@ from kvtier.tiers.shm import SHM_DIR, create_shared
 from kvtier.tiers.slots import SlotAllocator
 
 _Pool = TypeVar("_Pool", bound="SlotPool")
+
+_NO_ROOM = (errno.ENOMEM, errno.EFBIG, errno.ENOSPC)
+"""What a buffer too large for the machine fails with: a capacity error of the config."""
 
 
 def _huge_pages(mapping: mmap.mmap) -> None:
@@ -106,7 +112,15 @@ class SlotPool:
         self.slot_shape, self.slot_dtype = self._slot_format()
         self.slot_bytes = math.prod(self.slot_shape) * self.slot_dtype.itemsize
         self._mapping: mmap.mmap | None = None  # the memory behind a CPU buffer
-        self._buffer: torch.Tensor | None = self._allocate_buffer()
+        try:
+            self._buffer: torch.Tensor | None = self._allocate_buffer()
+        except (OSError, OverflowError, RuntimeError) as exc:  # RuntimeError: torch's allocators
+            if isinstance(exc, OSError) and exc.errno not in _NO_ROOM:
+                raise
+            nbytes = num_slots * self.slot_bytes
+            raise ConfigError(
+                f"tiers.{name}.capacity", nbytes, f"a capacity this machine can allocate ({exc})"
+            ) from None
         self._block_shape, self._dtype = self.slot_shape, self.slot_dtype  # read by every write
         self._slots = SlotAllocator(f"pool {name!r}", num_slots)
 
