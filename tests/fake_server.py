@@ -26,6 +26,36 @@ Reply = tuple[int, Any]
 a KV), or bytes sent as they are."""
 
 
+def ready_lease(block_tokens: int, layers: int, **fields: Any) -> dict[str, Any]:
+    """A well-formed READY lease body of two blocks in gpu slots 0 and 1, `fields` replaced."""
+    body = {
+        "lease_id": 9,
+        "tenant": "default",
+        "num_tokens": 2 * block_tokens,
+        "block_table": [0, 1],
+        "expires_at": 1e9,
+        "state": "ready",
+        "layers_ready": layers,
+        "reason": "",
+    }
+    return {**body, **fields}
+
+
+def host_reservation(block_tokens: int, **fields: Any) -> dict[str, Any]:
+    """A well-formed reservation body of two new blocks in host slots 0 and 1, `fields`
+    replaced."""
+    body = {
+        "reservation_id": 7,
+        "tenant": "default",
+        "cached_tokens": 0,
+        "num_tokens": 2 * block_tokens,
+        "tier": "host",
+        "slots": [0, 1],
+        "expires_at": 1e9,
+    }
+    return {**body, **fields}
+
+
 def _has_bytes(data: Any) -> bool:
     return isinstance(data, dict) and any(isinstance(v, bytes) for v in data.values())
 

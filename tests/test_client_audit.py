@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_server import FakeServer, Reply, fake_servers
+from fake_server import FakeServer, Reply, fake_servers, host_reservation, ready_lease
 from service_server import BLOCK_BYTES, BT, DIM, HEADS, LAYERS, kv_of, tokens_of
 
 from kvtier.client import AsyncClient, Client, ServiceError
@@ -39,24 +39,8 @@ LAYOUT = {
     "block_bytes": BLOCK_BYTES,
     "block_tokens": BT,
 }
-LEASE = {
-    "lease_id": 9,
-    "tenant": "default",
-    "num_tokens": 2 * BT,
-    "block_table": [0, 1],
-    "expires_at": 1e9,
-    "state": "ready",
-    "reason": "",
-}
-RESERVATION = {
-    "reservation_id": 7,
-    "tenant": "default",
-    "cached_tokens": 0,
-    "num_tokens": 2 * BT,
-    "tier": "host",
-    "slots": [0, 1],
-    "expires_at": 1e9,
-}
+LEASE = ready_lease(BT, LAYERS)
+RESERVATION = host_reservation(BT)
 STORED = {
     "cached_tokens": 2 * BT,
     "stored_tokens": 2 * BT,

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_server import FakeServer, Reply, fake_servers
+from fake_server import FakeServer, Reply, fake_servers, host_reservation, ready_lease
 from service_server import BLOCK_BYTES, BT, DIM, HEADS, LAYERS, kv_of, tokens_of
 
 from kvtier.client import Client, ServiceError
@@ -70,16 +70,7 @@ def pools_reply(name: object, tier: str = "host", num_slots: object = SLOTS) -> 
 
 
 def reservation(**fields: Any) -> Reply:
-    body = {
-        "reservation_id": 7,
-        "tenant": "default",
-        "cached_tokens": 0,
-        "num_tokens": 2 * BT,
-        "tier": "host",
-        "slots": [0, 1],
-        "expires_at": 1e9,
-    }
-    return 200, {**body, **fields}
+    return 200, host_reservation(BT, **fields)
 
 
 STORED = (200, {"cached_tokens": 8, "stored_tokens": 8, "dropped_tokens": 0, "pending_tokens": 0})
@@ -290,17 +281,7 @@ def test_a_reservation_outside_the_pool_is_refused_before_anything_is_written(
 
 
 def lease(**fields: Any) -> Reply:
-    body = {
-        "lease_id": 9,
-        "tenant": "default",
-        "num_tokens": 2 * BT,
-        "block_table": [0, 1],
-        "expires_at": 1e9,
-        "state": "ready",
-        "layers_ready": LAYERS,
-        "reason": "",
-    }
-    return 200, {**body, **fields}
+    return 200, ready_lease(BT, LAYERS, **fields)
 
 
 @pytest.mark.parametrize(

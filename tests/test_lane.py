@@ -16,11 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lane_peer
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lane_peer import closed_by_server, connect, opened, read_frame, send
 from service_server import ADMIN_KEY, Server, kv_of, running, start, tokens_of, write_config
 
 from kvtier.client import AsyncClient, Client
@@ -52,55 +54,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def lane_of(server: Server) -> str:
-    name = server.get("/v1/pools", headers={"authorization": AUTH}).json()["lane"]
-    assert isinstance(name, str) and frames.NAME.fullmatch(name), name
-    return name
-
-
-def connect(name: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect("\0" + name)
-    return sock
-
-
-def read_exactly(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise EOFError(f"the lane closed after {len(data)} of {count} bytes")
-        data += chunk
-    return data
-
-
-def read_frame(sock: socket.socket) -> Any:
-    (length,) = struct.unpack("<I", read_exactly(sock, 4))
-    return msgpack.unpackb(read_exactly(sock, length), raw=False)
-
-
-def send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(struct.pack("<I", len(payload)) + payload)
+    return lane_peer.lane_of(server, AUTH)
 
 
 def call(sock: socket.socket, request: Any) -> tuple[int, dict[str, Any]]:
     send(sock, msgpack.packb(request, use_bin_type=True))
     status, body = read_frame(sock)
     return status, msgpack.unpackb(body, raw=False)
-
-
-def opened(name: str) -> socket.socket:
-    """A lane connection past its hello."""
-    sock = connect(name)
-    assert read_frame(sock) == frames.HELLO
-    return sock
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def check_store(server: Server) -> None:

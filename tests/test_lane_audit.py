@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lane_peer
 import msgpack  # type: ignore[import-untyped]
 import pytest
+from lane_peer import closed_by_server, connect, opened, read_frame, send
 from service_server import Server, kv_of, running, start, tokens_of, write_config
 
 from kvtier.client import Client
@@ -42,53 +44,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def lane_of(server: Server) -> str:
-    name = server.get("/v1/pools", headers={"authorization": AUTH_A}).json()["lane"]
-    assert isinstance(name, str) and frames.NAME.fullmatch(name), name
-    return name
-
-
-def read_exactly(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise EOFError(f"the lane closed after {len(data)} of {count} bytes")
-        data += chunk
-    return data
-
-
-def read_frame(sock: socket.socket) -> Any:
-    (length,) = struct.unpack("<I", read_exactly(sock, 4))
-    return msgpack.unpackb(read_exactly(sock, length), raw=False)
-
-
-def opened(name: str, timeout_s: float = 10.0) -> socket.socket:
-    """A lane connection past its hello."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout_s)
-    sock.connect("\0" + name)
-    assert read_frame(sock) == frames.HELLO
-    return sock
+    return lane_peer.lane_of(server, AUTH_A)
 
 
 def call(sock: socket.socket, path: str, auth: str | None, fields: dict[str, Any],
          tenant: str | None = None) -> tuple[int, dict[str, Any]]:  # fmt: skip
     body = msgpack.packb(fields, use_bin_type=True)
     payload = msgpack.packb([path, auth, tenant, body], use_bin_type=True)
-    sock.sendall(struct.pack("<I", len(payload)) + payload)
+    send(sock, payload)
     status, reply = read_frame(sock)
     return status, msgpack.unpackb(reply, raw=False)
 
 
 def packed(tokens: list[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def check_store(server: Server) -> None:
@@ -199,9 +168,7 @@ def test_a_lane_that_ran_out_of_descriptors_accepts_again(tmp_path: Path) -> Non
             now_open = len(os.listdir(f"/proc/{pid}/fd"))
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (now_open, hard))  # no fd to spare
             for _ in range(16):  # until one is not accepted (EMFILE)
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(1.0)
-                sock.connect("\0" + name)
+                sock = connect(name, timeout_s=1.0)
                 held.append(sock)
                 try:
                     assert read_frame(sock) == frames.HELLO
