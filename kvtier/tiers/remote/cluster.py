@@ -9,7 +9,8 @@ Contract:
   different lengths) is an `InvalidArgumentError`.
 - `get` serves a payload only when `entry.decode_value` accepted it against the block the
   caller expected; a value that fails is deleted (it can never become right) and counted in
-  `verify_failures`.
+  `verify_failures`. It reads at most `entry.max_value_nbytes` of each value (GETRANGE), so a
+  huge value written under a key costs a reader no more memory than a block.
 - `put` writes with `SET ... NX`: a block some node stored already is left as it is (same id,
   same bytes: ids are chained from the tokens) and counted in `already_present`. A value
   larger than `max_value_bytes` is not sent (`too_large`). A value may be an
@@ -37,20 +38,29 @@ from typing import Any, TypeVar
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Connection, SSLConnection
-from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvtier.errors import InvalidArgumentError
-from kvtier.tiers.remote.entry import RemoteValueError, SplitValue, ValueMeta, decode_value
+from kvtier.tiers.remote.entry import (
+    RemoteValueError,
+    SplitValue,
+    ValueMeta,
+    decode_value,
+    max_value_nbytes,
+)
+from kvtier.tiers.remote.paced import PacedSocket
 
 T = TypeVar("T")
 
 REFRESH_S = 1.0
 """After a failed round trip, the slot table is read again at most this often (module doc)."""
 
-CLUSTER_FAILURES = (RedisError, RedisClusterException, OSError)
-"""What the cluster client raises when the cluster fails (RedisClusterException, e.g. no node
-reachable at start, is not a RedisError)."""
+CLUSTER_FAILURES = (Exception,)
+"""What a call into the cluster client may raise because of the cluster: its own errors
+(`RedisError`; `RedisClusterException`, e.g. no node reachable at start; `OSError`) and
+whatever else its handling of a broken or hostile reply raises. Seen with redis-py 8: an error
+`-MOVED abc` or `-ASK x y` is a ValueError, an ASK to a node outside its slot table an
+AttributeError, a bulk length past 2**63 an OverflowError. Each is a failure of the cluster."""
 
 COUNTERS = (
     "puts",
@@ -99,7 +109,22 @@ class SplitValueConnection(Connection):
     """A redis-py connection that also sends `SplitValue` arguments, as their parts: the RESP
     bulk string `$<n>CRLF<head><payload>CRLF` as chunks, the payload a memoryview sent as it
     is. Other commands are packed as redis-py packs them; small chunks are joined (as redis-py
-    does) so a pipeline of probes is still one send."""
+    does) so a pipeline of probes is still one send. Its socket is a `paced.PacedSocket`: a
+    reply dripped slower than `paced.MIN_REPLY_RATE` is a timeout."""
+
+    def _connect(self) -> Any:
+        sock = super()._connect()
+        return sock if self.socket_timeout is None else PacedSocket(sock, self.socket_timeout)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        sock: object = self._sock
+        if isinstance(sock, PacedSocket):
+            sock.start_reply()
+        try:
+            return super().read_response(*args, **kwargs)
+        finally:
+            if isinstance(sock, PacedSocket):
+                sock.end_reply()
 
     def pack_command(self, *args: Any) -> list[bytes | memoryview]:
         if not any(isinstance(arg, SplitValue) for arg in args):
@@ -166,7 +191,7 @@ class RemoteCluster:
         replies = self._pipelined([("SET", *entries[i], "NX") for i in sendable])
         for i, reply in zip(sendable, replies or [], strict=False):
             if isinstance(reply, Exception):
-                self._count("errors", 1)
+                self._failed(reply)
                 continue
             done[i] = True
             if reply:
@@ -186,15 +211,16 @@ class RemoteCluster:
                 f"remote get: {len(keys)} keys for {len(expect)} expected blocks"
             )
 
-        replies = self._pipelined([("GET", key) for key in keys])
+        ends = [max_value_nbytes(meta) - 1 for meta in expect]
+        replies = self._pipelined([("GETRANGE", k, 0, e) for k, e in zip(keys, ends, strict=True)])
         out: list[tuple[str, memoryview] | None] = []
         bad: list[bytes] = []
         for i, key in enumerate(keys):
             reply = replies[i] if replies is not None and i < len(replies) else None
             if isinstance(reply, Exception):
-                self._count("errors", 1)
+                self._failed(reply)
                 reply = None
-            if not isinstance(reply, bytes):
+            if not isinstance(reply, bytes) or not reply:  # GETRANGE of no key: b""
                 out.append(None)
                 continue
             try:
@@ -217,7 +243,10 @@ class RemoteCluster:
         replies = self._pipelined([("EXISTS", key) for key in keys])
         count = 0
         for reply in replies or []:
-            if isinstance(reply, Exception) or not reply:
+            if isinstance(reply, Exception):
+                self._failed(reply)
+                break
+            if not reply:
                 break
             count += 1
         return count
@@ -258,6 +287,11 @@ class RemoteCluster:
         if n:
             with self._lock:
                 self._stats[name] += n
+
+    def _failed(self, error: Exception) -> None:
+        """A command of a round trip failed (its reply is `error`): counted, and said."""
+        self.last_error = f"{type(error).__name__}: {error}"
+        self._count("errors", 1)
 
     def _connect(self) -> RedisCluster | None:
         with self._lock:

@@ -42,7 +42,8 @@ Contract:
   `expect` describes (block id, parent id, layout fingerprint, raw size), with both checksums
   right and no byte left over; otherwise it raises `RemoteValueError`, whose `reason` says what
   failed. It raises nothing else, whatever the bytes, and never allocates more than the value's
-  own length. The payload is a view into `value` (no copy).
+  own length. The payload is a view into `value` (no copy). No value of the block is longer
+  than `max_value_nbytes(expect)`, so a reader asks for no more bytes than that.
 - No token, tenant name or secret is in a value: the ids are chained from a namespace seed
   (`blocks.py`), which is all a reader needs to ask for the value, and all it learns.
 
@@ -125,6 +126,12 @@ def path_keys(
 def header_nbytes(id_len: int, codec: str) -> int:
     """Bytes of a value before its payload."""
     return _FIXED.size + 2 * id_len + len(codec) + CHECKSUM_BYTES
+
+
+def max_value_nbytes(meta: ValueMeta) -> int:
+    """The longest value the block `meta` describes can have (the longest codec name, a plain
+    payload): what a reader asks the cluster for at most."""
+    return header_nbytes(len(meta.block_id), "x" * MAX_CODEC_CHARS) + meta.raw_nbytes
 
 
 def encode_value(meta: ValueMeta, codec: str, payload: bytes | memoryview) -> bytes:
