@@ -23,11 +23,12 @@ another in one medium go out as one event (`wire.Packer.pack_all`: eviction tell
 time). The queue holds what a store told (`wire.Spec`: numbers and references to immutable
 bytes, no Python object per token); the thread packs a whole batch at once (`wire.Packer`).
 
-Replay (a ROUTER socket, vLLM's protocol): a client (DEALER) sends `[b"", start_seq]` (8 bytes,
-big-endian) and gets `[b"", topic, seq, payload]` for each message of the publisher's topic
-still buffered with a sequence number >= start_seq, then the end marker `[b"", b"", -1 (8
-bytes, signed), b""]`. With `per_tenant` topics, a client adds the topic as a third frame and
-gets that topic's messages only.
+Replay (a ROUTER socket, vLLM's protocol; `replay.py`): a client (DEALER) sends `[b"",
+start_seq]` (8 bytes, big-endian) and gets `[b"", topic, seq, payload]` for each message of the
+publisher's topic still buffered with a sequence number >= start_seq, then the end marker
+`[b"", b"", -1 (8 bytes, signed), b""]`. With `per_tenant` topics, a client adds the topic as a
+third frame and gets that topic's messages only. The thread serves replays a little at a time,
+so that a peer that asks again and again and never reads costs a bounded queue.
 
 Contract:
 - `stored`, `removed` and `cleared` never block and never touch a socket: they append to a queue
@@ -58,17 +59,16 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.events import wire
+from kvtier.events.replay import Backlog, ReplayServer
 
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-MAX_REPLAY_REQUEST = 4096  # bytes of one frame of a replay request (a topic name at most)
 MIN_MESSAGE_BYTES = 1 << 16
 LOOK_S = 0.05  # the longest the thread waits before it looks at `close` and the queue again
 MESSAGE_OVERHEAD = 64
@@ -82,8 +82,6 @@ Event = tuple[str, wire.Spec]  # (tenant, the event)
 class _Topic:
     name: bytes
     seq: int = 0
-    sent: collections.deque[tuple[int, bytes]] = field(default_factory=collections.deque)
-    sent_bytes: int = 0  # payload bytes in `sent`
     lost: bool = False  # events dropped since the last message
 
 
@@ -129,16 +127,12 @@ class EventPublisher:
         self._pub.setsockopt(zmq.LINGER, 1000)
         self._pub.bind(endpoint)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._replay: zmq.Socket[bytes] | None = None
+        self._backlog = Backlog(settings.buffer, settings.buffer_bytes)
+        self._replay: ReplayServer | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            # a request is a sequence number and a topic: a peer that sends more is dropped
-            # before the message is buffered whole (anyone who can connect may send)
-            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST)
-            self._replay.bind(replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._replay = ReplayServer(self._context, replay_endpoint, self._backlog, self.topic)
+            self.replay_endpoint = self._replay.endpoint
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
 
@@ -228,8 +222,9 @@ class EventPublisher:
             # look at least every `LOOK_S` (a long `flush_s` must not hold `close` up)
             wait = min(max(0.0, due - time.monotonic()), LOOK_S)
             if self._replay is not None:
-                if self._replay.poll(max(1, int(wait * 1000))):
-                    self._serve_replay()
+                if taken := self._replay.turn(wait):
+                    with self._lock:
+                        self._stats["replays"] += taken
             else:
                 self._closing.wait(wait or 0.001)
             if stopping or time.monotonic() >= due:
@@ -279,28 +274,7 @@ class EventPublisher:
             topic.seq += 1
         payload = wire.batch(now, events, None)
         self._pub.send_multipart((topic.name, seq.to_bytes(8, "big"), payload))
+        self._backlog.add(topic.name.decode(), seq, payload)
         with self._lock:
-            topic.sent.append((seq, payload))
-            topic.sent_bytes += len(payload)
-            while len(topic.sent) > self.settings.buffer or (
-                topic.sent_bytes > self.settings.buffer_bytes and len(topic.sent) > 1
-            ):
-                topic.sent_bytes -= len(topic.sent.popleft()[1])
             self._stats["messages"] += 1
             self._stats["events"] += len(events)
-
-    def _serve_replay(self) -> None:
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) not in (3, 4) or len(frames[2]) != 8:
-            return  # not a replay request: nothing to answer
-        client, start = frames[0], int.from_bytes(frames[2], "big")
-        wanted = frames[3].decode(errors="replace") if len(frames) == 4 else self.topic
-        with self._lock:
-            self._stats["replays"] += 1
-            topic = self._topics.get(wanted)
-            kept = [item for item in topic.sent if item[0] >= start] if topic else []
-            name = topic.name if topic else wanted.encode()
-        for seq, payload in kept:
-            self._replay.send_multipart((client, b"", name, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
