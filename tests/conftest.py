@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -292,3 +293,35 @@ def smollm2() -> Any:
     from kvtier.reference import load_smollm2
 
     return load_smollm2()
+
+
+@pytest.fixture(scope="module")
+def redis_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """The Redis Cluster CI started (`KVTIER_REDIS_NODES`), or one of the module's own (a
+    3-primary `LocalCluster`; skipped without redis-server unless `KVTIER_REQUIRE_REDIS`)."""
+    from redis_cluster import LocalCluster, require_redis
+
+    if os.environ.get("KVTIER_REDIS_NODES"):
+        yield os.environ["KVTIER_REDIS_NODES"].split(",")
+        return
+    require_redis()
+    with LocalCluster(Path(tmp_path_factory.mktemp("redis")), primaries=3) as running:
+        yield running.nodes
+
+
+@pytest.fixture
+def ctx() -> Iterator[Any]:
+    """A ZMQ context for the test's own sockets (a peer, a hostile publisher), destroyed after."""
+    import zmq
+
+    context: Any = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll `predicate` every 10 ms until it holds or `timeout` s pass; whether it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(predicate())

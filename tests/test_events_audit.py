@@ -10,31 +10,16 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
-import pytest
 import zmq
+from conftest import wait_until
 
 from kvtier.events import EventPublisher, EventSettings
 
 TOPIC = "kv@pod-a@tiny"
 END = (-1).to_bytes(8, "big", signed=True)
-
-
-@pytest.fixture
-def ctx() -> Iterator[Any]:
-    context: Any = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(predicate())
 
 
 def publisher_with(messages: int, tokens: int, **settings: Any) -> EventPublisher:

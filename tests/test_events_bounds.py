@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,20 +26,6 @@ from kvtier.events import EventPublisher, EventSettings, wire
 from kvtier.routing import PrefixIndex, Subscriber
 
 TOPIC = "kv@pod-a@tiny"
-
-
-@pytest.fixture
-def ctx() -> Iterator[Any]:
-    context: Any = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(predicate())
 
 
 # ---- the packer cuts long runs -----------------------------------------------------------

@@ -6,13 +6,11 @@ subscriber that joins late recovers through replay, and per-tenant topics keep t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
-import pytest
 import zmq
 from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, kv_for, tiny_block_bytes
 
@@ -109,13 +107,6 @@ def residency(store: KVStore, tokens: dict[int, list[int]] | None = None) -> dic
                 assert tokens[h] == keys[i], (h, tokens[h], keys[i])
         stack.extend(node.children.values() if node.children else ())
     return out
-
-
-@pytest.fixture
-def ctx() -> Iterator[Any]:
-    context: Any = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def settle(listener: Listener, store: KVStore) -> None:

@@ -18,13 +18,11 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import BinaryIO
 
 import pytest
 import torch
 from redis.cluster import RedisCluster
-from redis_cluster import LocalCluster, require_redis
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster
@@ -50,33 +48,22 @@ def meta_of(seed: bytes, ids: list[bytes], p: int) -> ValueMeta:
 # ---- a real cluster, written to by a hostile writer ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """The cluster CI started (KVTIER_REDIS_NODES), or one of our own for this module."""
-    if os.environ.get("KVTIER_REDIS_NODES"):
-        yield os.environ["KVTIER_REDIS_NODES"].split(",")
-        return
-    require_redis()
-    with LocalCluster(Path(tmp_path_factory.mktemp("redis")), primaries=3) as running:
-        yield running.nodes
-
-
 @pytest.fixture
-def attacker(nodes: list[str]) -> Iterator[RedisCluster]:
+def attacker(redis_nodes: list[str]) -> Iterator[RedisCluster]:
     """A plain client of the cluster: whoever can write to it."""
-    host, port = nodes[0].split(":")
+    host, port = redis_nodes[0].split(":")
     client = RedisCluster(host=host, port=int(port))
     yield client
     client.close()
 
 
 def test_a_huge_value_under_our_key_costs_a_reader_no_more_memory_than_a_block(
-    nodes: list[str], attacker: RedisCluster
+    redis_nodes: list[str], attacker: RedisCluster
 ) -> None:
     seed, ids = path("alice", 0, 2)
     keys = path_keys("audit", ids, 0, 2, 4)
     attacker.set(keys[0], os.urandom(2**20) * 16)  # 16 MiB for a 128-byte block
-    remote = RemoteCluster(ClusterSettings(tuple(nodes), timeout_s=5.0))
+    remote = RemoteCluster(ClusterSettings(tuple(redis_nodes), timeout_s=5.0))
     remote.present(keys)  # connected, slot table read: not part of the measure
     tracemalloc.start()
     try:
@@ -92,12 +79,12 @@ def test_a_huge_value_under_our_key_costs_a_reader_no_more_memory_than_a_block(
 
 
 def test_another_tenants_values_copied_under_our_keys_are_misses_and_leave_ours_unwritten(
-    nodes: list[str], attacker: RedisCluster
+    redis_nodes: list[str], attacker: RedisCluster
 ) -> None:
     """Same tokens, another tenant: the attacker copies alice's values under bob's keys. Bob's
     reader gets none of her bytes; hers still read bit-exact."""
-    alice = RemoteTier(RemoteCluster(ClusterSettings(tuple(nodes))), LAYOUT, "audit", 4)
-    bob = RemoteTier(RemoteCluster(ClusterSettings(tuple(nodes))), LAYOUT, "audit", 4)
+    alice = RemoteTier(RemoteCluster(ClusterSettings(tuple(redis_nodes))), LAYOUT, "audit", 4)
+    bob = RemoteTier(RemoteCluster(ClusterSettings(tuple(redis_nodes))), LAYOUT, "audit", 4)
     a_seed, a_ids = path("alice", 1000, 6)
     b_seed, b_ids = path("bob", 1000, 6)
     blocks = [torch.randn(LAYOUT.block_shape).to(LAYOUT.dtype) for _ in range(6)]

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, ResponseError
-from redis_cluster import LocalCluster, require_redis
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster
@@ -36,20 +34,9 @@ SEED = HASHER.seed(LAYOUT.fingerprint, tenant_salt("alice"))
 GROUP = 4
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """The cluster CI started (KVTIER_REDIS_NODES), or one of our own for this module."""
-    if os.environ.get("KVTIER_REDIS_NODES"):
-        yield os.environ["KVTIER_REDIS_NODES"].split(",")
-        return
-    require_redis()
-    with LocalCluster(Path(tmp_path_factory.mktemp("redis")), primaries=3) as running:
-        yield running.nodes
-
-
 @pytest.fixture
-def client(nodes: list[str]) -> Iterator[RedisCluster]:
-    host, port = nodes[0].split(":")
+def client(redis_nodes: list[str]) -> Iterator[RedisCluster]:
+    host, port = redis_nodes[0].split(":")
     redis = RedisCluster(startup_nodes=[ClusterNode(host, int(port))])
     yield redis
     redis.close()
@@ -106,12 +93,12 @@ def test_values_come_back_bit_exact_and_a_damaged_one_is_a_miss(client: RedisClu
 
 
 def test_a_split_value_is_stored_as_the_bytes_of_the_joined_value(
-    client: RedisCluster, nodes: list[str]
+    client: RedisCluster, redis_nodes: list[str]
 ) -> None:
     """`RemoteCluster.put` sends a `SplitValue`'s header and payload one after the other (no
     joined copy): the cluster must hold exactly `encode_value`'s bytes, for payloads below and
     above redis-py's 6000-byte chunking cutoff, in one pipeline with plain values."""
-    remote = RemoteCluster(ClusterSettings(tuple(nodes), timeout_s=5.0))
+    remote = RemoteCluster(ClusterSettings(tuple(redis_nodes), timeout_s=5.0))
     ids = ids_of(list(range(200, 232)))  # 8 blocks, 2 groups
     keys = keys_of("kvtier-split", ids, 0, 8, GROUP)
     metas = [

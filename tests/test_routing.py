@@ -13,6 +13,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 import pytest
+from conftest import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -197,13 +198,6 @@ def announce(pub: EventPublisher, blocks: range, base: int = 0) -> None:
     for b in blocks:
         pub.stored("", [base + b], base + b - 1 if b else None, tokens_of(b), BS, "GPU")
     pub.flush()
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(predicate())
 
 
 PROMPT8 = [t for b in range(8) for t in tokens_of(b)]

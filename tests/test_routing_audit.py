@@ -13,19 +13,13 @@ from typing import Any, TypeVar
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import zmq
-from test_routing import BS, PROMPT, batch, removed, stored, wait_until
+from conftest import wait_until
+from test_routing import BS, PROMPT, batch, removed, stored
 
 from kvtier.routing import PrefixIndex, Subscriber
 
 A, B = "kv@pod-a@m", "kv@pod-b@m"
 T = TypeVar("T")
-
-
-@pytest.fixture
-def ctx() -> Iterator[Any]:
-    context: Any = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture
