@@ -27,6 +27,7 @@ from service_server import BLOCK_BYTES, BT, DIM, HEADS, LAYERS, kv_of, tokens_of
 
 from kvtier.client import AsyncClient, Client, ServiceError
 from kvtier.errors import ReplyError
+from kvtier.results import StoreResult
 from kvtier.service import wire
 from kvtier.tiers.shm import SHM_DIR, create_shared
 
@@ -348,3 +349,27 @@ def test_a_segment_name_that_is_no_regular_file_stays_unmapped(
         assert server.paths == ["/v1/pools", "/v1/store"]  # the KV went in the body
     finally:
         os.rmdir(path) if kind == "directory" else path.unlink()
+
+
+def test_an_async_client_whose_first_pools_call_failed_maps_them_at_the_next(
+    fake: Callable[..., FakeServer], segments: Callable[[str], str]
+) -> None:
+    """An engine that starts beside its sidecar meets a 503 first: the pools are asked again at
+    the next call, not given up for the body path for good (the sync client asks in its
+    constructor, which fails as a whole)."""
+    server = fake(
+        pools=(503, {"error": "not_ready", "detail": "starting"}),
+        reserve=(200, RESERVATION),
+        commit=(200, STORED),
+        store=(200, STORED),
+    )
+
+    async def run() -> None:
+        async with AsyncClient(server.url) as client:
+            with pytest.raises(ServiceError, match="starting"):
+                await client.store(TOKENS, KV)
+            server.replies["/v1/pools"] = pools(segments("host"))
+            assert await client.store(TOKENS, KV) == StoreResult(**STORED)
+
+    asyncio.run(run())
+    assert server.paths == ["/v1/pools", "/v1/pools", "/v1/reserve", "/v1/commit"]

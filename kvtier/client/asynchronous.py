@@ -112,12 +112,15 @@ class AsyncClient:
         self._schedule_flush()  # what was owed meanwhile, or given back
 
     async def _map(self) -> None:
+        """Map the server's pools before the first call that may use them; a failed
+        `/v1/pools` (a sidecar still starting) is asked again at the next call."""
         if self._shared_memory and not self._mapped:
-            self._mapped = True
             pools = await self._get("/v1/pools")
-            self._pools.map(pools)
-            lane = pools.get("lane")
-            self._lane = AsyncLaneConnections.of(lane, self._timeout_s, self._max_reply)
+            if not self._mapped:  # another call of this client may have mapped them meanwhile
+                self._pools.map(pools)
+                lane = pools.get("lane")
+                self._lane = AsyncLaneConnections.of(lane, self._timeout_s, self._max_reply)
+                self._mapped = True
 
     async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
         packed = encode_tokens(tokens)
