@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import zmq
 
 from kvtier.blocks import BlockHasher, BlockId, KVLayout
 from kvtier.config import KVTierConfig
@@ -32,6 +31,7 @@ from kvtier.config.tiers import (
 )
 from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.events import EventPublisher, EventSettings, IndexEvents
+from kvtier.events.publisher import BindError
 from kvtier.index import RadixIndex
 from kvtier.policy import write_policy
 from kvtier.recovery import recover
@@ -224,8 +224,10 @@ def _events(
     )
     try:
         publisher = EventPublisher(events.endpoint, events.replay_endpoint, settings)
-    except zmq.ZMQError as e:
-        raise ConfigError("events.endpoint", events.endpoint, f"an address to bind ({e})") from None
+    except BindError as e:
+        raise ConfigError(
+            f"events.{e.name}", e.address, f"an address to bind ({e.reason})"
+        ) from None
     observer = IndexEvents(publisher, index, namespaces.tenant_of)
     index.observer = observer
     observer.announce()  # what recovery brought back: a restarted store's first words

@@ -13,12 +13,20 @@ import time
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import pytest
 import zmq
-from conftest import wait_until
+from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, tiny_block_bytes, wait_until
 
+from kvtier import KVStore, parse_config
+from kvtier.errors import ConfigError
 from kvtier.events import EventPublisher, EventSettings
 
 TOPIC = "kv@pod-a@tiny"
+TINY_CONFIG: dict[str, Any] = {
+    "model": {**TINY_MODEL, "dtype": "float32"},
+    "block_tokens": TINY_BLOCK_TOKENS,
+    "tiers": {"gpu": {"capacity": 4 * tiny_block_bytes(), "device": "cpu"}, "host": None},
+}
 END = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -205,3 +213,27 @@ def test_the_pub_keeps_publishing_while_peers_flood_the_replay_endpoint(ctx: Any
     for peer in hostile:
         peer.close()
     publisher.close()
+
+
+@pytest.mark.parametrize("taken", ["endpoint", "replay_endpoint"])
+def test_an_address_taken_stops_the_start_naming_it_and_leaves_nothing_bound(
+    ctx: Any, taken: str
+) -> None:
+    """A store whose events address is taken does not start, and the error names that field;
+    the other address, bound first, is free again at once (the operator fixes one line)."""
+    holder = ctx.socket(zmq.PUB)
+    port = holder.bind_to_random_port("tcp://127.0.0.1")
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    free_port = free.getsockname()[1]
+    free.close()
+    addresses = {"endpoint": f"tcp://127.0.0.1:{free_port}", taken: f"tcp://127.0.0.1:{port}"}
+    if taken == "endpoint":
+        addresses["replay_endpoint"] = f"tcp://127.0.0.1:{free_port}"
+    config = {**TINY_CONFIG, "events": {**addresses, "topic": TOPIC}}
+    with pytest.raises(ConfigError, match=rf"events\.{taken}.*an address to bind"):
+        KVStore(parse_config(config))
+    again = ctx.socket(zmq.PUB)
+    again.bind(f"tcp://127.0.0.1:{free_port}")  # raises if the failed start left it bound
+    again.close(linger=0)
+    holder.close(linger=0)

@@ -97,6 +97,15 @@ class EventSettings:
     flush_s: float = 0.005  # how long a message waits for more events
 
 
+class BindError(InvalidArgumentError):
+    """An address the publisher could not bind: `name` ("endpoint" or "replay_endpoint"),
+    `address`, and ZMQ's `reason`."""
+
+    def __init__(self, name: str, address: str, reason: str) -> None:
+        super().__init__(f"{name}: cannot bind {address!r} ({reason})")
+        self.name, self.address, self.reason = name, address, reason
+
+
 class EventPublisher:
     def __init__(
         self,
@@ -125,14 +134,22 @@ class EventPublisher:
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
-        self._pub.bind(endpoint)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._backlog = Backlog(settings.buffer, settings.buffer_bytes)
         self._replay: ReplayServer | None = None
         self.replay_endpoint: str | None = None
-        if replay_endpoint is not None:
-            self._replay = ReplayServer(self._context, replay_endpoint, self._backlog, self.topic)
-            self.replay_endpoint = self._replay.endpoint
+        name, address = "endpoint", endpoint
+        try:  # nothing stays bound when either address fails
+            self._pub.bind(endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if replay_endpoint is not None:
+                name, address = "replay_endpoint", replay_endpoint
+                self._replay = ReplayServer(
+                    self._context, replay_endpoint, self._backlog, self.topic
+                )
+                self.replay_endpoint = self._replay.endpoint
+        except zmq.ZMQError as e:
+            self._context.destroy(linger=0)
+            raise BindError(name, address, str(e)) from None
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
 
