@@ -34,9 +34,13 @@ Contract:
   counted in `stats`; it never fails a request.
 - Tenants: the sidecar decides a call's tenant by its API key. `kvtier.api_key` is the
   engine's own; `kvtier.tenant_keys` maps a name to the key of another tenant, and a request
-  names it in `kv_transfer_params` (`{"kvtier_tenant": name}`) or by its `cache_salt`. A
-  request whose name has no key there neither reads nor writes kvtier: salted prompts never
-  share blocks with anyone else's.
+  names it by its `cache_salt`, or in `kv_transfer_params` (`{"kvtier_tenant": name}`) when
+  `kvtier.trust_tenant_param` is true. A request whose name has no key there neither reads
+  nor writes kvtier: salted prompts never share blocks with anyone else's. vLLM's OpenAI
+  server takes both fields from the client's request body, so a name there is a credential:
+  a salt is one by vLLM's own rule (random, secret), while `kvtier_tenant` is honoured only
+  when the operator says a gateway in front of vLLM sets or strips it; otherwise a request
+  carrying it does not use kvtier at all (it could name any tenant).
 - Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size` (checked when the
   worker registers its caches, a `ConfigError` otherwise), and the sidecar's model layout must
   match the caches (layers, KV heads, head size, dtype).
@@ -113,12 +117,16 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             str(salt): resolve_key(str(ref), f"kvtier.tenant_keys.{salt}")
             for salt, ref in salts.items()
         }
+        trust = extra.get("kvtier.trust_tenant_param", False)
+        if not isinstance(trust, bool):
+            raise ConfigError("kvtier.trust_tenant_param", trust, "true or false")
+        self.trust_tenant_param = trust
         self.load_async = bool(extra.get("kvtier.load_async", True))
         self.block_size = int(vllm_config.cache_config.block_size)
         self._clients: dict[str, Client] = {}
         self._clients_lock = threading.Lock()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_tokens": 0, "saved_tokens": 0,
-                      "failed_loads": 0, "errors": 0}  # fmt: skip
+                      "failed_loads": 0, "errors": 0, "untrusted_names": 0}  # fmt: skip
         # scheduler side
         self._requests: dict[str, Planned] = {}
         self._failed: set[str] = set()  # loads that failed: never claimed again
@@ -347,11 +355,18 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, size
 
     def _key_for(self, request: Any) -> str | None:
-        """The API key of the request's tenant: `kv_transfer_params["kvtier_tenant"]`, else
-        its `cache_salt`, looked up in `kvtier.tenant_keys` (None: kvtier is not used for
-        it); neither: the engine's own key."""
+        """The API key of the request's tenant: `kv_transfer_params["kvtier_tenant"]` (only
+        with `kvtier.trust_tenant_param`: a client can write any name there; without it such a
+        request does not use kvtier), else its `cache_salt`, looked up in `kvtier.tenant_keys`
+        (None: kvtier is not used for it); neither: the engine's own key."""
         params = getattr(request, "kv_transfer_params", None) or {}
         named = params.get("kvtier_tenant") if isinstance(params, dict) else None
+        if named is not None and not self.trust_tenant_param:
+            if not self.stats["untrusted_names"]:
+                log.warning("a request named kvtier_tenant, which kvtier.trust_tenant_param "
+                            "does not allow: such requests do not use kvtier")  # fmt: skip
+            self.stats["untrusted_names"] += 1
+            return None
         if named is None:
             named = getattr(request, "cache_salt", None)
         if named is None:

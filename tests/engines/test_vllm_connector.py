@@ -116,10 +116,20 @@ def test_tenants_by_key_and_by_cache_salt_never_share_blocks(sidecar: Server) ->
     assert saved(sidecar, prompt, BOB) == 32  # bob's own copy, saved by the salted request
     bob = engine(sidecar, prompt=prompt, seed=3, api_key=BOB)
     assert bob["loaded_tokens"] == 32 and bob["bit_exact"] is True
+    # a client writes kv_transfer_params itself: a name there counts only when the operator
+    # trusts it (a gateway sets or strips it); otherwise the request does not use kvtier
+    untrusted = engine(sidecar, prompt=prompt, seed=3, kv_transfer_params={"kvtier_tenant": "b"},
+                       tenant_keys={"b": BOB})  # fmt: skip
+    assert untrusted["hit"] == 0 and untrusted["stats"]["saved_tokens"] == 0
+    assert untrusted["scheduler_stats"]["untrusted_names"] >= 1
+    salted_too = engine(sidecar, prompt=prompt, seed=3, salt="team-b", tenant_keys={"b": BOB,
+                        "team-b": BOB}, kv_transfer_params={"kvtier_tenant": "b"})  # fmt: skip
+    assert salted_too["hit"] == 0  # the name does not fall back to the salt's tenant either
     named = engine(sidecar, prompt=prompt, seed=3, kv_transfer_params={"kvtier_tenant": "b"},
-                   tenant_keys={"b": BOB})  # fmt: skip
+                   tenant_keys={"b": BOB}, trust_tenant_param=True)  # fmt: skip
     assert named["loaded_tokens"] == 32 and named["bit_exact"] is True  # bob's, by name
-    unnamed = engine(sidecar, prompt=prompt, seed=3, kv_transfer_params={"kvtier_tenant": "x"})
+    unnamed = engine(sidecar, prompt=prompt, seed=3, kv_transfer_params={"kvtier_tenant": "x"},
+                     trust_tenant_param=True)  # fmt: skip
     assert unnamed["hit"] == 0 and unnamed["stats"]["saved_tokens"] == 0  # no key: no kvtier
 
 

@@ -13,10 +13,10 @@ it first runs, and compared with what the forward would have written (`bit_exact
 
 Arguments: url (or urls, one per tensor-parallel rank, with tp_size; this process is rank 0),
 api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt), tenant_keys ({name:
-key}), kv_transfer_params, clear_before_load (the admin key: clear the sidecar between the
-scheduler's lookup and the worker's load, as an eviction would), warm (a prompt run to its end
-first in the same engine, so that vLLM's own prefix cache holds its whole blocks: the request
-then loads from kvtier only the part past them).
+key}), kv_transfer_params, trust_tenant_param (bool), clear_before_load (the admin key: clear
+the sidecar between the scheduler's lookup and the worker's load, as an eviction would), warm (a
+prompt run to its end first in the same engine, so that vLLM's own prefix cache holds its whole
+blocks: the request then loads from kvtier only the part past them).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
         "kvtier.api_key": args["api_key"],
         "kvtier.load_async": args.get("load_async", True),
         "kvtier.tenant_keys": args.get("tenant_keys", {}),
+        "kvtier.trust_tenant_param": args.get("trust_tenant_param", False),
     }
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir),
