@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -26,8 +27,9 @@ from fake_server import FakeServer, Reply, fake_servers, host_reservation, ready
 from service_server import BLOCK_BYTES, BT, DIM, HEADS, LAYERS, kv_of, tokens_of
 
 from kvtier.client import AsyncClient, Client, ServiceError
+from kvtier.client.transport import WaitPacer
 from kvtier.errors import ReplyError
-from kvtier.results import StoreResult
+from kvtier.results import LeaseState, StoreResult
 from kvtier.service import wire
 from kvtier.tiers.shm import SHM_DIR, create_shared
 
@@ -198,6 +200,44 @@ def test_waiting_on_a_lease_answers_with_that_lease_or_a_reply_error(
     with pytest.raises(ReplyError, match=r"lease: got lease"):
         call(server.url, "prefetch", TOKENS, asynchronous=asynchronous)
     assert "/v1/leases/9" in server.paths
+
+
+@BOTH
+def test_a_server_that_answers_pending_at_once_is_asked_at_a_growing_pause(
+    fake: Callable[..., FakeServer], asynchronous: bool
+) -> None:
+    """A wait asks the server to hold it; a PENDING answer that comes back at once (a server
+    that does not wait: broken, hostile, or one with a tiny `prefetch_wait_s`) is asked again
+    after a pause that doubles (`WaitPacer`), not in a loop as fast as the server answers."""
+    pending = {**LEASE, "state": "pending"}
+    server = fake(prefetch=(200, pending), **{"leases/9": (200, pending)})
+
+    def wait_blocking() -> Any:
+        with Client(server.url, shared_memory=False) as client:
+            return client.wait_for(client.prefetch(TOKENS, wait=False), timeout_s=1.0)
+
+    async def wait_async() -> Any:
+        async with AsyncClient(server.url, shared_memory=False) as client:
+            return await client.wait_for(await client.prefetch(TOKENS, wait=False), 1.0)
+
+    started = time.monotonic()
+    lease = asyncio.run(wait_async()) if asynchronous else wait_blocking()
+    took = time.monotonic() - started
+    asks = server.paths.count("/v1/leases/9")
+    assert lease.state is LeaseState.PENDING and 0.95 <= took < 5.0
+    assert 3 <= asks <= 15, asks  # pauses of 1, 2, 4 ... 512 ms: about 11 asks in 1 s
+
+
+def test_the_wait_pacer_resets_after_a_held_answer_and_never_passes_the_deadline() -> None:
+    pacer = WaitPacer(deadline=None)
+    now = time.monotonic()
+    pauses = [pacer.after(now, 30.0) for _ in range(12)]
+    assert pauses[:3] == [0.001, 0.002, 0.004] and pauses[-1] == WaitPacer.MOST_S
+    assert pacer.after(time.monotonic() - 1.0, 30.0) == 0.0  # held for a second: a real wait
+    assert pacer.after(time.monotonic(), 30.0) == 0.001  # and the pauses start again
+    assert pacer.after(time.monotonic(), 0.0) == 0.0  # no wait asked: none expected
+    soon = WaitPacer(deadline=time.monotonic() + 0.01)
+    assert all(soon.after(time.monotonic(), 30.0) <= 0.01 for _ in range(12))
 
 
 @BOTH

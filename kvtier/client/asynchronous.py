@@ -24,7 +24,7 @@ from kvtier.client.connections import MAX_REPLY_BYTES
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
-from kvtier.client.transport import RequestHeaders, httpx_send, reply_body
+from kvtier.client.transport import RequestHeaders, WaitPacer, httpx_send, reply_body
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import frames, wire
@@ -153,14 +153,17 @@ class AsyncClient:
         then (READY, or ended: `LeaseError` names the state; still pending after `timeout_s`:
         returned pending)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pacer = WaitPacer(deadline)
         while True:
-            wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            asked_at = time.monotonic()
+            wait_s = 30.0 if deadline is None else max(0.0, deadline - asked_at)
             fresh = self._pools.waited(await self._lease_state(lease, wait_s), lease, None)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
                 return fresh
             if deadline is not None and time.monotonic() >= deadline:
                 return fresh
+            await asyncio.sleep(pacer.after(asked_at, wait_s))
 
     async def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
         """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is

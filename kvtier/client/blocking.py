@@ -25,7 +25,7 @@ from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.lane import LaneConnections
 from kvtier.client.pools import MappedPools, store_body
 from kvtier.client.releases import OwedReleases
-from kvtier.client.transport import RequestHeaders, reply_body
+from kvtier.client.transport import RequestHeaders, WaitPacer, reply_body
 from kvtier.errors import CapacityError, KVTierError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import frames, replies, wire
@@ -161,8 +161,10 @@ class Client:
         """Wait for a pending lease on the server; the lease as it is then (READY, or ended:
         `LeaseError` names the state; still pending after `timeout_s`: returned pending)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pacer = WaitPacer(deadline)
         while True:
-            wait_s = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            asked_at = time.monotonic()
+            wait_s = 30.0 if deadline is None else max(0.0, deadline - asked_at)
             body = self._lease_state(lease, wait_s)
             fresh = self._pools.waited(body, lease, self.release)
             if fresh.state is not LeaseState.PENDING:
@@ -170,6 +172,7 @@ class Client:
                 return fresh
             if deadline is not None and time.monotonic() >= deadline:
                 return fresh
+            time.sleep(pacer.after(asked_at, wait_s))
 
     def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
         """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is

@@ -10,6 +10,7 @@ body holds is checked later, field by field (`service/replies.py`).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import httpx
@@ -108,3 +109,34 @@ def reply_body(response: Reply) -> dict[str, Any]:
         return wire.decode(response.content, response.content_type)
     except wire.WireError as exc:
         raise ReplyError(f"{response.path}: {exc.detail}") from None
+
+
+class WaitPacer:
+    """The pauses between the asks of one wait on a pending lease (`Client.wait_for`).
+
+    The server holds each ask up to the wait asked for (bounded by its `prefetch_wait_s`), so
+    an answer of PENDING that comes back well before that came from a server whose bound is
+    short, or that does not wait at all (a broken or hostile one): asking again at once would
+    spin. After such an answer the next ask waits a pause that doubles from `FIRST_S` to
+    `MOST_S`; an answer that was held for its wait resets it. A pause never runs past the
+    caller's deadline."""
+
+    FIRST_S = 0.001
+    MOST_S = 0.5
+    HELD_S = 0.05  # an answer held this long (or the whole wait asked) was a real wait
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self._pause = 0.0
+
+    def after(self, asked_at: float, wait_s: float) -> float:
+        """The pause before the next ask, for an answer of PENDING to an ask sent at
+        `asked_at` (monotonic) that asked to wait `wait_s`."""
+        now = time.monotonic()
+        if now - asked_at >= min(wait_s, self.HELD_S):
+            self._pause = 0.0
+            return 0.0
+        self._pause = min(max(2 * self._pause, self.FIRST_S), self.MOST_S)
+        if self.deadline is not None:
+            return max(0.0, min(self._pause, self.deadline - now))
+        return self._pause
