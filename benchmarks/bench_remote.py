@@ -21,8 +21,10 @@ deletes them after, so `SET NX` never skips. Raw and tier alternate group by gro
 first on every other group: the two clients share 2 cores with the cluster, and a side that ran
 its whole round first measured 10-30% slower, whichever side it was. Figures are medians of
 `--repeat` rounds, GB/s of payload bytes (1e9). The last lines give tier / raw for put and get
-(issue 14's target: 0.8 or more).
-Run: `python benchmarks/bench_remote.py [--quick] [--mib N] [--repeat N] [--nodes h:p,...]`.
+(issue 14's target: 0.8 or more). `--authenticate`: the tier's values carry MACs (HMAC-SHA256
+of the header and the payload, `tiers.remote.authenticate`) instead of xxh3 checksums.
+Run: `python benchmarks/bench_remote.py [--quick] [--mib N] [--repeat N] [--nodes h:p,...]
+[--authenticate]`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, parse_node
-from kvtier.tiers.remote.entry import ValueMeta, encode_value_parts, path_keys
+from kvtier.tiers.remote.entry import ValueMeta, encode_value_parts, mac_key_of, path_keys
 from kvtier.tiers.remote.local import LocalCluster, have_redis
 
 BIG = KVLayout("Llama-3.1-8B", 32, 8, 128, "bfloat16", 16)  # 2 MiB blocks
@@ -64,7 +66,7 @@ def cluster_nodes(nodes: str | None) -> Iterator[list[str]]:
 
 
 def workload(
-    layout: KVLayout, count: int, group: int, round_: int
+    layout: KVLayout, count: int, group: int, round_: int, mac_key: bytes | None = None
 ) -> tuple[list[list[bytes]], list[list[ValueMeta]], list[list[bytes]]]:
     """`count` blocks of one path, fresh for `round_`, cut in groups: keys, metas, payloads."""
     seed = HASHER.seed(layout.fingerprint, tenant_salt(f"bench-{round_}"))
@@ -73,7 +75,7 @@ def workload(
     keys = path_keys("kvtier-bench", ids, 0, count, group)
     parents = [seed, *ids[:-1]]
     metas = [
-        ValueMeta(i, p, layout.fingerprint, layout.block_bytes)
+        ValueMeta(i, p, layout.fingerprint, layout.block_bytes, mac_key)
         for i, p in zip(ids, parents, strict=True)
     ]
     # a payload of its own per block, as pool slots are: one shared buffer would stay in the
@@ -111,9 +113,17 @@ class Tier:
     """One group at a time through `RemoteCluster`, each value encoded as the tier's writer
     does (`encode_value_parts`) and verified when read."""
 
-    def __init__(self, remote: RemoteCluster, layout: KVLayout, count: int, group: int, seed: int):
+    def __init__(
+        self,
+        remote: RemoteCluster,
+        layout: KVLayout,
+        count: int,
+        group: int,
+        seed: int,
+        mac_key: bytes | None,
+    ):
         self.remote = remote
-        self.keys, self.metas, self.payloads = workload(layout, count, group, seed)
+        self.keys, self.metas, self.payloads = workload(layout, count, group, seed, mac_key)
 
     def put(self, g: int) -> None:
         values = [
@@ -148,8 +158,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--group", type=int, default=16, help="blocks per pipelined round trip")
     parser.add_argument("--nodes", help="an existing cluster: host:port,... (else one is started)")
+    parser.add_argument("--authenticate", action="store_true", help="MACs, not checksums")
     args = parser.parse_args()
     mib, repeat = (64, 3) if args.quick else (args.mib, args.repeat)
+    mac_key = mac_key_of(b"bench-remote-cluster-secret") if args.authenticate else None
     with cluster_nodes(args.nodes) as nodes:
         settings = ClusterSettings(tuple(nodes), timeout_s=5.0)
         remote = RemoteCluster(settings)
@@ -161,6 +173,7 @@ def main() -> None:
         print(
             f"cluster: {len(nodes)} primaries {','.join(nodes)}; {mib} MiB each way per round, "
             f"{args.group} blocks per round trip, medians of {repeat} rounds (GB/s of payload)"
+            f"; the tier's values {'with MACs' if mac_key else 'with xxh3 checksums'}"
         )
         ratios = {}
         for layout, label in ((BIG, "2 MiB"), (SMALL, "64 KiB")):
@@ -174,7 +187,7 @@ def main() -> None:
             }
             for round_ in range(repeat):
                 raw_side = Raw(raw, layout, count, args.group, 2 * round_)
-                tier_side = Tier(remote, layout, count, args.group, 2 * round_ + 1)
+                tier_side = Tier(remote, layout, count, args.group, 2 * round_ + 1, mac_key)
                 for op in ("put", "get"):
                     raw_s, tier_s = interleaved(raw_side, tier_side, op)
                     figures[f"raw {op}"].append(nbytes / raw_s / 1e9)

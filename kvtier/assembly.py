@@ -51,6 +51,7 @@ from kvtier.tiers.disk.codec import Codec, QuantBytes, tier_codec
 from kvtier.tiers.gpu import resolve_device
 from kvtier.tiers.quantized import QuantPool
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster, TlsSettings
+from kvtier.tiers.remote.entry import mac_key_of
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.remote.writer import RemoteWriter
 from kvtier.tiers.shm import segment_prefix
@@ -270,7 +271,13 @@ def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> Rem
         )
     )
     codec = _codec(remote, config.layout, "tiers.remote")
-    tier = RemoteTier(cluster, config.layout, remote.key_prefix, remote.group_blocks, codec)
+    mac_key = None
+    if remote.authenticate:  # the config refuses it without a secret
+        assert remote.secret is not None
+        mac_key = mac_key_of(resolve_key(remote.secret, "tiers.remote.secret").encode())
+    tier = RemoteTier(
+        cluster, config.layout, remote.key_prefix, remote.group_blocks, codec, mac_key
+    )
     writer = RemoteWriter(tier, remote.max_pending_bytes.resolve(0))
 
     def store_blocks(

@@ -12,6 +12,7 @@ node's tests need no server."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -26,7 +27,7 @@ from redis.cluster import RedisCluster
 
 from kvtier.blocks import BlockHasher, KVLayout, encode_tokens, tenant_salt
 from kvtier.tiers.remote.cluster import ClusterSettings, RemoteCluster
-from kvtier.tiers.remote.entry import ValueMeta, encode_value, path_keys
+from kvtier.tiers.remote.entry import ValueMeta, encode_value, mac_key_of, path_keys
 from kvtier.tiers.remote.tier import RemoteTier
 
 LAYOUT = KVLayout("tiny", 1, 1, 8, "float16", 4)
@@ -105,6 +106,56 @@ def test_another_tenants_values_copied_under_our_keys_are_misses_and_leave_ours_
     assert all(torch.equal(x, y) for x, y in zip(mine, blocks, strict=True))
     alice.cluster.close()
     bob.cluster.close()
+
+
+def test_a_forged_value_passes_plain_checksums_but_not_a_reader_that_authenticates(
+    redis_nodes: list[str], attacker: RedisCluster
+) -> None:
+    """A writer without the secret replaces a block's payload. The value itself names the ids
+    and layout, so the writer rebuilds every plain checksum: a plain reader serves its bytes.
+    With MACs keyed by the cluster secret, the same forgery (and one keyed with a guess) is a
+    counted miss, the reader's tensor untouched, and honest values still read bit-exact."""
+    seed, ids = path("alice", 2000, 2)
+    blocks = [torch.randn(LAYOUT.block_shape).to(LAYOUT.dtype) for _ in range(2)]
+    evil = torch.full(LAYOUT.block_shape, 66.0, dtype=LAYOUT.dtype)
+    forged = encode_value(meta_of(seed, ids, 1), "none", evil.view(torch.uint8).numpy().tobytes())
+    key = mac_key_of(b"the cluster secret, 16+ chars")
+    guess = encode_value(
+        dataclasses.replace(meta_of(seed, ids, 1), mac_key=mac_key_of(b"a guess at it")),
+        "none",
+        evil.view(torch.uint8).numpy().tobytes(),
+    )
+    for prefix, mac_key, served in (("plain", None, True), ("macs", key, False)):
+        tier = RemoteTier(
+            RemoteCluster(ClusterSettings(tuple(redis_nodes))), LAYOUT, prefix, 4, None, mac_key
+        )
+        assert tier.write(seed, ids, 0, blocks) == [True, True]
+        for value in (forged, guess) if mac_key is not None else (forged,):
+            attacker.set(path_keys(prefix, ids, 1, 2, 4)[0], value)
+            out = [torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.dtype) for _ in range(2)]
+            assert tier.read(seed, ids, 0, out) == [True, served]
+            assert torch.equal(out[0], blocks[0])
+            assert bool((out[1] == 66.0).all()) is served  # plain: the forgery is served
+        if mac_key is not None:
+            assert tier.stats()["verify_failures"] == 2
+            tier.write(seed, ids, 1, blocks[1:])  # the honest value again
+            out = [torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.dtype) for _ in range(2)]
+            assert tier.read(seed, ids, 0, out) == [True, True]
+            assert torch.equal(out[1], blocks[1])
+        tier.cluster.close()
+
+
+def test_the_cluster_client_takes_no_maintenance_notices_from_a_node(
+    redis_nodes: list[str],
+) -> None:
+    """redis-py 8 speaks RESP3 and, by default, lets a node push "maintenance" notices that
+    move connections and stretch timeouts on the node's word: off."""
+    remote = RemoteCluster(ClusterSettings(tuple(redis_nodes)))
+    assert remote.present([b"audit:none"]) == 0  # connected
+    client = remote._client
+    assert client is not None and client.maint_notifications_config is not None
+    assert client.maint_notifications_config.enabled is False
+    remote.close()
 
 
 # ---- a hostile node --------------------------------------------------------------------------

@@ -134,6 +134,29 @@ def test_without_the_shared_secret_nodes_share_nothing(cluster: LocalCluster) ->
         assert b.load(tokens).num_tokens == 0
 
 
+def test_authenticated_nodes_share_blocks_and_a_plain_one_serves_none_of_them(
+    cluster: LocalCluster,
+) -> None:
+    """`authenticate`: values carry MACs keyed by the shared secret. Two such nodes share
+    bit-exact; a node with the same secret that does not authenticate serves none of them (it
+    cannot tell them from a forgery, and deletes them: a prefix agrees on the setting)."""
+    tokens = list(range(600, 640))
+    kv = kv_for(tokens)
+    keyed = config(cluster.nodes, authenticate=True)
+    with node(keyed) as a, node(keyed) as b, node(config(cluster.nodes)) as plain:
+        a.store(tokens, kv)
+        assert a.drain()
+        loaded = b.load(tokens)
+        assert loaded.num_tokens == 40
+        assert torch.equal(loaded.kv.view(torch.int16), kv.view(torch.int16))
+        assert plain.load(tokens).num_tokens == 0
+        assert plain.status()["remote"]["verify_failures"] >= 1
+    with pytest.raises(ConfigError) as info:
+        parse_config(config(cluster.nodes, authenticate=True, secret=None))
+    assert info.value.field == "tiers.remote.authenticate"
+    assert "tiers.remote.secret" in str(info.value)
+
+
 def test_a_damaged_value_ends_the_fill_there(cluster: LocalCluster) -> None:
     tokens = list(range(300, 340))
     kv = kv_for(tokens)

@@ -166,7 +166,11 @@ class RemoteTierConfig(_CodecFields):
     finds the blocks the others wrote; nodes without it never see each other's blocks.
     `username` / `password` authenticate to the cluster (Redis AUTH, or an ACL user); the
     password is a secret as `secret` is ('env:NAME', or a literal of 16+ characters: Redis
-    answers about a million AUTH attempts a second, so a short password protects nothing)."""
+    answers about a million AUTH attempts a second, so a short password protects nothing).
+    `authenticate` (needs `secret`) writes and accepts only values whose checksums are MACs
+    keyed by the secret (`tiers/remote/entry.py`), so that whoever can write to the cluster
+    without the secret cannot make a node serve its bytes; every node of a `key_prefix` must
+    agree on it (a node deletes the values it cannot verify)."""
 
     nodes: Annotated[tuple[str, ...], BeforeValidator(_nodes)]
     key_prefix: Annotated[str, matching(_PREFIX, "1 to 64 of A-Z a-z 0-9 _ . -")] = "kvtier"
@@ -180,6 +184,14 @@ class RemoteTierConfig(_CodecFields):
     timeout_s: Annotated[float, number_in(0, 60, "seconds in (0, 60]")] = 0.5
     max_value_bytes: DiskCapacity = Capacity(nbytes=512 * 2**20)
     max_pending_bytes: DiskCapacity = Capacity(nbytes=256 * 2**20)
+    authenticate: Annotated[bool, one_of((True, False))] = False
+
+    @model_validator(mode="after")
+    def _keyed(self) -> RemoteTierConfig:
+        if self.authenticate and self.secret is None:
+            expected = "a secret (tiers.remote.secret) to key the MACs, or authenticate: false"
+            raise InvalidValue(True, expected, key="authenticate")
+        return self
 
 
 class TiersConfig(Section):

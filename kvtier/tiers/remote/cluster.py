@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import Connection, SSLConnection
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
 from kvtier.errors import InvalidArgumentError
@@ -326,6 +327,9 @@ class RemoteCluster:
                 username=self.settings.username,
                 password=self.settings.password,
                 retry=Retry(NoBackoff(), 1),  # one retry: a miss is cheaper than a wait
+                # a node's pushed "maintenance" notices would move connections and stretch
+                # timeouts on its word alone: a node is as untrusted as its replies
+                maint_notifications_config=MaintNotificationsConfig(enabled=False),
                 **secure,
             )
         except CLUSTER_FAILURES as e:

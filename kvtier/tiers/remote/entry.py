@@ -54,10 +54,22 @@ Invariants:
   wrong key (a bug, a collision, a hostile writer) is a miss.
 - Changing the layout of the bytes needs a new `VALUE_VERSION`; changing the key scheme, a new
   `KEY_VERSION` (it is part of every key, so old keys are simply never asked for).
+
+Authenticated values (`tiers.remote.authenticate`). xxh3 catches damage, not forgery: whoever
+can write to the cluster can read a value, change its payload and recompute both checksums.
+With a MAC key (`ValueMeta.mac_key`, derived from the cluster secret that kvtier nodes share,
+`mac_key_of`), a value is version `KEYED_VERSION`, its two checksums are HMAC-SHA256 truncated
+to 16 bytes (the payload's, and the header's over every byte before it, the payload's
+included), and a reader that holds the key accepts only such values: a value written without
+the key (or with another) is a miss, so a writer without the secret cannot make a node serve
+its bytes. It costs a SHA-256 pass over each payload on both sides (about 1.6 GB/s a core on
+this machine, against xxh3's 57).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -71,6 +83,7 @@ TAG_BYTES = 8
 PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 MAGIC = b"KVTR"
 VALUE_VERSION = 1
+KEYED_VERSION = 2  # the checksums are MACs (module doc)
 CHECKSUM_BYTES = 16
 LAYOUT_BYTES = 16
 MAX_CODEC_CHARS = 8
@@ -96,6 +109,20 @@ class ValueMeta:
     parent_id: bytes  # the previous block's id, or the namespace seed for a first block
     layout: bytes  # KVLayout.fingerprint
     raw_nbytes: int  # the block's bytes before the codec (KVLayout.block_bytes)
+    mac_key: bytes | None = None  # checksums keyed by it (module doc), else plain xxh3
+
+
+def mac_key_of(secret: bytes) -> bytes:
+    """The MAC key of values from the cluster `secret` (which also keys tenant salts: the two
+    uses get keys of their own)."""
+    return hmac.digest(secret, b"kvtier remote value MAC v2", hashlib.sha256)
+
+
+def _digest(data: bytes | bytearray | memoryview, key: bytes | None) -> bytes:
+    """A value's checksum of `data`: xxh3-128, or HMAC-SHA256 truncated to 16 bytes."""
+    if key is None:
+        return xxhash.xxh3_128_digest(data)
+    return hmac.digest(key, data, hashlib.sha256)[:CHECKSUM_BYTES]
 
 
 def check_prefix(prefix: str) -> str:
@@ -163,7 +190,7 @@ def encode_value_parts(
 ) -> SplitValue:
     """`encode_value` as its parts: the header is built, the payload only viewed."""
     header = _header(meta, codec, payload)
-    return SplitValue(header + xxhash.xxh3_128_digest(header), memoryview(payload).cast("B"))
+    return SplitValue(header + _digest(header, meta.mac_key), memoryview(payload).cast("B"))
 
 
 def _header(meta: ValueMeta, codec: str, payload: bytes | bytearray | memoryview) -> bytes:
@@ -190,12 +217,12 @@ def _header(meta: ValueMeta, codec: str, payload: bytes | bytearray | memoryview
     return (
         _FIXED.pack(
             MAGIC,
-            VALUE_VERSION,
+            VALUE_VERSION if meta.mac_key is None else KEYED_VERSION,
             id_len,
             len(codec),
             meta.raw_nbytes,
             payload_nbytes,
-            xxhash.xxh3_128_digest(payload),
+            _digest(payload, meta.mac_key),
             meta.layout,
         )
         + meta.block_id
@@ -214,8 +241,11 @@ def decode_value(value: bytes | memoryview, expect: ValueMeta) -> tuple[str, mem
     )
     if magic != MAGIC:
         raise RemoteValueError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != VALUE_VERSION:
-        raise RemoteValueError(f"value version {version}, this build reads {VALUE_VERSION}")
+    key = expect.mac_key
+    wanted = VALUE_VERSION if key is None else KEYED_VERSION
+    if version != wanted:
+        how = "plain checksums: authenticate off" if key is None else "MACs: authenticate on"
+        raise RemoteValueError(f"value version {version}, expected {wanted} ({how})")
     if id_len != len(expect.block_id) or not 1 <= codec_len <= MAX_CODEC_CHARS:
         raise RemoteValueError(f"id length {id_len} or codec length {codec_len} out of range")
     head = header_nbytes(id_len, "x" * codec_len)
@@ -223,7 +253,9 @@ def decode_value(value: bytes | memoryview, expect: ValueMeta) -> tuple[str, mem
         raise RemoteValueError(
             f"length {len(view)} bytes, expected {head} of header + {payload_nbytes} of payload"
         )
-    if xxhash.xxh3_128_digest(view[: head - CHECKSUM_BYTES]) != view[head - CHECKSUM_BYTES : head]:
+    if not hmac.compare_digest(
+        _digest(view[: head - CHECKSUM_BYTES], key), view[head - CHECKSUM_BYTES : head]
+    ):
         raise RemoteValueError("header checksum mismatch")
     at = _FIXED.size
     block_id, parent_id = view[at : at + id_len], view[at + id_len : at + 2 * id_len]
@@ -239,6 +271,6 @@ def decode_value(value: bytes | memoryview, expect: ValueMeta) -> tuple[str, mem
     if not codec_bytes.isascii() or not codec_bytes.decode("ascii").isprintable():
         raise RemoteValueError("codec name is not printable ASCII")
     payload = view[head:]
-    if xxhash.xxh3_128_digest(payload) != payload_sum:
+    if not hmac.compare_digest(_digest(payload, key), payload_sum):
         raise RemoteValueError("payload checksum mismatch")
     return codec_bytes.decode("ascii"), payload

@@ -28,6 +28,7 @@ Contract:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ class RemoteTier:
         prefix: str = "kvtier",
         group_blocks: int = 16,
         codec: Codec | None = None,
+        mac_key: bytes | None = None,
     ) -> None:
         if not 1 <= group_blocks <= 4096:
             raise InvalidArgumentError(f"group_blocks: got {group_blocks}, expected 1 to 4096")
@@ -62,7 +64,9 @@ class RemoteTier:
         self.prefix = check_prefix(prefix)
         self.group_blocks = group_blocks
         self.codec = codec if codec is not None else NoneCodec()
-        self._decode_failures = 0
+        self.mac_key = mac_key  # values authenticated with it (`entry`), else checksummed
+        self._decode_failures = 0  # under `_lock`: the mover's threads read at once
+        self._lock = threading.Lock()
 
     def probe(self, seed: bytes, ids: Sequence[bytes], start: int) -> int:
         """How many blocks of the path from `start` on the cluster holds, in a row."""
@@ -115,7 +119,8 @@ class RemoteTier:
                 codec = codec_for(name, self.layout)
                 raw = codec.decode(payload, self.layout.block_bytes, self.layout.itemsize)
             except CorruptPayload:
-                self._decode_failures += 1
+                with self._lock:
+                    self._decode_failures += 1
                 bad.append(key)
                 served.append(False)
                 continue
@@ -129,7 +134,8 @@ class RemoteTier:
     def stats(self) -> dict[str, Any]:
         """The cluster's counters, with payloads that did not decode in `verify_failures`."""
         figures = self.cluster.stats()
-        figures["verify_failures"] += self._decode_failures
+        with self._lock:
+            figures["verify_failures"] += self._decode_failures
         return figures
 
     def check(self) -> None:
@@ -144,7 +150,7 @@ class RemoteTier:
     def _metas(self, seed: bytes, ids: Sequence[bytes], start: int, count: int) -> list[ValueMeta]:
         fingerprint, nbytes = self.layout.fingerprint, self.layout.block_bytes
         return [
-            ValueMeta(ids[p], ids[p - 1] if p else seed, fingerprint, nbytes)
+            ValueMeta(ids[p], ids[p - 1] if p else seed, fingerprint, nbytes, self.mac_key)
             for p in range(start, start + count)
         ]
 
