@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import mounted_tmpfs
 
 from kvtier.cli import main
 from kvtier.config import load_config, parse_config, parse_size
@@ -205,6 +206,21 @@ def test_a_plot_path_is_checked_before_the_replay(
     assert main(["replay", str(path), "--plot", target, "--jobs", "1"]) == 2
     assert f"--plot: got {target!r}, expected {problem}" in capsys.readouterr().err
     assert path.read_bytes() == before
+
+
+def test_a_plot_where_kvtier_may_not_write_is_refused_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found out before the replay, not after minutes of it (a read-only tmpfs: root ignores
+    permission bits, not a read-only mount)."""
+    path = trace(tmp_path / "t.jsonl")
+    with mounted_tmpfs(tmp_path / "ro", "64k") as mount:
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, timeout=30)
+        target = str(mount / "out.png")
+        assert main(["replay", str(path), "--plot", target, "--jobs", "1"]) == 2
+        captured = capsys.readouterr()
+        assert f"--plot: got {target!r}, expected a file kvtier may write" in captured.err
+        assert captured.out == ""  # no replay ran
 
 
 # ---- config files --------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -252,6 +253,8 @@ def _check_plot(path: str, inputs: list[str | None]) -> None:
         problem = f"a file in an existing directory ({str(target.parent)!r} is not one)"
     elif target.is_dir():
         problem = "a file, not a directory"
+    elif not os.access(target if target.exists() else target.parent, os.W_OK):
+        problem = "a file kvtier may write (this one, or its directory, is read-only to it)"
     elif target.exists() and any(p and Path(p).exists() and target.samefile(p) for p in inputs):
         problem = "a file other than the command's trace and config"
     if problem is not None:
