@@ -12,7 +12,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -33,12 +33,14 @@ def refused_start(config: Path, env: Mapping[str, str] | None = None) -> str:
     return done.stderr
 
 
-def unready_detail(config: Path) -> str:
-    """Start `kvtier serve`, whose store is expected to fail: the detail of its /readyz 503."""
+def unready_detail(config: Path, wrap: Sequence[str] = ()) -> str:
+    """Start `kvtier serve` (its command after `wrap`, e.g. a namespace's `unshare`), whose
+    store is expected to fail: the detail of its /readyz 503."""
     port = free_port()
     log = config.with_name(f"server-{port}.log")
     with log.open("wb") as out:
-        process = subprocess.Popen(serve_command(config, port), stdout=out, stderr=out)
+        command = [*wrap, *serve_command(config, port)]
+        process = subprocess.Popen(command, stdout=out, stderr=out)
     try:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:

@@ -20,7 +20,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_server import free_port, kv_of, running, serve_command, start, tokens_of, write_config
+from refusals import unready_detail
+from service_server import (
+    BLOCK_BYTES,
+    free_port,
+    kv_of,
+    running,
+    serve_command,
+    start,
+    tokens_of,
+    write_config,
+)
 
 from kvtier.client import Client
 from kvtier.config import load_config
@@ -163,3 +173,18 @@ def test_a_start_that_fails_after_the_pools_exist_leaves_no_segment(tmp_path: Pa
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
+
+
+def test_a_dev_shm_too_small_for_the_pools_is_refused_at_start_naming_the_capacity(
+    tmp_path: Path,
+) -> None:
+    """docker's default /dev/shm is 64 MiB: a server whose pools do not fit reports, on
+    /readyz, the tier's capacity and the remedies, instead of serving until its first write
+    past the room kills it with SIGBUS (a real 1 MiB tmpfs over /dev/shm, in a mount
+    namespace of the server's own)."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -m is not permitted here (not root)")
+    config = write_config(tmp_path, gpu_blocks=8, host_blocks=4 * 2**20 // BLOCK_BYTES)
+    mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
+    detail = unready_detail(config, wrap=["unshare", "-m", "sh", "-c", mount, "sh"])
+    assert "tiers.host.capacity" in detail and "--shm-size" in detail, detail

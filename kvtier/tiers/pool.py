@@ -153,7 +153,8 @@ class SlotPool:
         """The pool's memory, `[num_slots, *slot_shape]`, contiguous; override for other media.
 
         Called once from `__init__`, after `name`, `layout`, `num_slots`, `device` and
-        `pin_memory` are set. Capacity that is never written costs nothing. Plain CPU memory
+        `pin_memory` are set. Capacity that is never written costs nothing, except in shared
+        memory, whose pages are reserved at once (`create_shared`: no SIGBUS). Plain CPU memory
         comes from an anonymous mmap, so that every slot whose size is a multiple of 4 KiB is
         page-aligned and the disk tier can write it with O_DIRECT without a copy (torch's own
         CPU allocator aligns to 64 bytes only); CUDA and pinned memory are page-aligned already.

@@ -9,8 +9,9 @@ stores of one process differ), `tier` is `gpu` or `host`. Nothing else is ever a
 `NAME` is the only pattern accepted, so a name has no `/`, no `..`, and a bounded length.
 
 Contract:
-- `create_shared` makes a new segment (O_EXCL, mode 0600, exactly `nbytes`); the creator
-  unlinks it when its pool closes (`SlotPool.close`).
+- `create_shared` makes a new segment (O_EXCL, mode 0600, exactly `nbytes`, its pages
+  reserved: no SIGBUS later when /dev/shm runs short); the creator unlinks it when its pool
+  closes (`SlotPool.close`).
 - `map_shared` maps an existing segment only if it is exactly what its creator made: a name
   matching `NAME` (else `InvalidArgumentError`), a regular file (not a symlink: O_NOFOLLOW),
   owned by this process's user, mode 0600, one link, exactly the size of the expected tensor.
@@ -24,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -71,15 +73,41 @@ def check_name(name: object) -> str:
 
 
 def create_shared(name: str, nbytes: int) -> mmap.mmap:
-    """A new shared mapping of `nbytes` at /dev/shm/`name` (mode 0600; it must not exist)."""
+    """A new shared mapping of `nbytes` at /dev/shm/`name` (mode 0600; it must not exist).
+
+    Its pages are reserved here (`posix_fallocate`): a /dev/shm with less room (docker gives a
+    container 64 MiB unless `--shm-size` says more), or one that others fill later, would
+    otherwise kill the process with SIGBUS when it first writes a page past the room. Too
+    little room is an `OSError` (ENOSPC) naming what is free, and no segment is left."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(SHM_DIR / check_name(name), flags, 0o600)
+    path = SHM_DIR / check_name(name)
+    fd = os.open(path, flags, 0o600)
     try:
         os.fchmod(fd, 0o600)  # exactly, whatever the umask
         os.ftruncate(fd, nbytes)
+        if nbytes:
+            _reserve(fd, nbytes)
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     finally:
         os.close(fd)
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        room = os.statvfs(SHM_DIR)
+        free = room.f_bavail * room.f_frsize
+        raise OSError(
+            errno.ENOSPC,
+            f"{SHM_DIR} has {free} bytes free for a pool of {nbytes} in shared memory: enlarge "
+            "it (docker: --shm-size), lower the capacity, or set service.shared_memory: false",
+        ) from None
 
 
 def map_shared(name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
