@@ -101,6 +101,33 @@ def test_a_publisher_cannot_clear_restart_or_add_to_another_pods_blocks(
     index.check()
 
 
+def test_a_pod_named_when_its_publisher_is_added_cannot_be_taken_by_one_heard_first(
+    ctx: Any, closing: Any
+) -> None:
+    """First come wins a pod nobody named; a router that names each publisher's pod at `add`
+    is not at the mercy of which publisher it hears first."""
+    hostile, honest = Pub(ctx), Pub(ctx)
+    index = PrefixIndex(BS)
+    sub = closing(Subscriber(index))
+    sub.add(hostile.endpoint, pod="pod-a")  # it may speak for pod a only
+    sub.add(honest.endpoint, pod="pod-b")
+    with pytest.raises(ValueError, match="pod-b"):
+        sub.add(Pub(ctx).endpoint, pod="pod-b")
+    for _ in range(20):  # the hostile one speaks first, as pod b, again and again
+        hostile.send(B, 0, batch(stored([7, 8], None, PROMPT[:8])))
+        time.sleep(0.01)
+    start = joined(sub, [honest, hostile], [B, A])
+    honest.send(B, 2, batch(stored([1, 2], None, PROMPT[:8])))
+    assert sub.wait(B, 3)
+    assert index.score(PROMPT) == {"pod-b": 8.0}
+    hostile.send(B, 3, batch(["AllBlocksCleared"]))
+    hostile.send(A, 2, batch(stored([5], None, PROMPT[:4])))
+    assert sub.wait(A, 3)
+    assert index.score(PROMPT) == {"pod-a": 4.0, "pod-b": 8.0}
+    assert since(sub, start)["refused"] == 1
+    index.check()
+
+
 def test_a_snapshot_cannot_replace_another_pods_blocks(ctx: Any, closing: Any) -> None:
     """A sidecar's `/v1/blocks` naming another pod's topic: that topic is refused, its own
     is taken."""

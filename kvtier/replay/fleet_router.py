@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.routing import PrefixIndex, Router, Subscriber
+from kvtier.routing.index import pod_of
 from kvtier.store import KVStore
 
 SETTLE_TIMEOUT_S = 10.0
@@ -34,11 +35,11 @@ class FleetRouter:
         self.stores = list(stores)
         self.index = PrefixIndex(block_tokens)
         self.subscriber = Subscriber(self.index)
-        for store in self.stores:
+        pods = [pod_of(topic(i)) for i in range(len(self.stores))]
+        for store, pod in zip(self.stores, pods, strict=True):
             publisher = store.parts.events
             assert publisher is not None, "a routed replica publishes events"
-            self.subscriber.add(publisher.endpoint, publisher.replay_endpoint)
-        pods = [topic(i).split("@")[1] for i in range(len(self.stores))]
+            self.subscriber.add(publisher.endpoint, publisher.replay_endpoint, pod=pod)
         self._replica = {pod: i for i, pod in enumerate(pods)}
         self.router = Router(pods, policy, self.index)
         self._joined = False

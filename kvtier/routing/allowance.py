@@ -3,8 +3,9 @@
 - `Voice`: the pod it speaks for and the topics it speaks on. A publisher speaks for one pod
   (`index.pod_of` its topic), the first it names that no other publisher spoke for, on at most
   a set number of topics of at most `MAX_TOPIC_CHARS` characters: one pod's publisher cannot
-  clear, restart or add to another pod's blocks, nor hold topics without end. First come: a
-  pod's own publisher is to be added, and heard, before any other could name it.
+  clear, restart or add to another pod's blocks, nor hold topics without end. First come,
+  unless the router names each publisher's pod when it adds it (`Subscriber.add(pod=...)`):
+  then no other publisher can take that pod, whoever is heard first.
 - `Ration`: the time its recoveries (a replay, a snapshot asked on a gap) may take, about
   `RECOVERY_SHARE` of the subscriber's thread in the long run: a publisher whose endpoints let
   every request run to its timeout cannot keep the other publishers waiting.

@@ -29,7 +29,9 @@ Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is no
   other). ZMQ bounds frames, not messages: one of many frames is buffered whole, then counted
   as `bad`;
 - a publisher speaks for one pod, on at most `max_topics` topics (`allowance.Voice`); a
-  message, or a snapshot's topic, past that is dropped, counted as `refused`;
+  message, or a snapshot's topic, past that is dropped, counted as `refused`. The pod is the
+  one `add(pod=...)` names, claimed at once; else the first it names that no other publisher
+  did (then a hostile publisher heard first could take a pod's name: name the pods);
 - a replay ends after `replay_timeout` in all, and after `max_replay_bytes` whatever the
   endpoint keeps sending, and a gap too long to fit in it is not asked for (a sequence number
   near 2**64 is a gap too): the topic is then forgotten, as for any gap nobody can fill;
@@ -100,7 +102,7 @@ class Subscriber:
         self.max_message_bytes, self.max_replay_bytes = max_message_bytes, max_replay_bytes
         self.max_topics = max_topics
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._added: list[tuple[str, str | None, Snapshot | None]] = []
+        self._added: list[tuple[str, str | None, Snapshot | None, str | None]] = []
         self._applied: dict[str, int] = {}  # topic -> messages applied (its next number)
         self._floors: dict[str, int] = {}  # topic -> a snapshot's number: below it, reflected
         self._owners: dict[str, Voice] = {}  # pod -> the voice of the publisher speaking for it
@@ -126,12 +128,23 @@ class Subscriber:
         self._thread.start()
 
     def add(
-        self, endpoint: str, replay_endpoint: str | None = None, snapshot: Snapshot | None = None
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        snapshot: Snapshot | None = None,
+        pod: str | None = None,
     ) -> None:
         """Subscribe to the publisher at `endpoint` (its replay ROUTER at `replay_endpoint`;
-        `snapshot`: module doc)."""
+        `snapshot`: module doc). `pod`: the pod it speaks for, claimed now: no other publisher
+        may speak for it, whoever is heard first, and this one for no other (without it, the
+        first pod it names that no other publisher named). A pod named by two adds is a
+        `ValueError`."""
         with self._cond:
-            self._added.append((endpoint, replay_endpoint, snapshot))
+            if pod is not None:
+                if pod in self._owners:
+                    raise ValueError(f"pod {pod!r}: already claimed by another publisher")
+                self._owners[pod] = Voice(self.max_topics, pod)
+            self._added.append((endpoint, replay_endpoint, snapshot, pod))
 
     def applied(self, topic: str) -> int:
         with self._cond:
@@ -158,9 +171,11 @@ class Subscriber:
         while not self._stopping:
             with self._cond:
                 added, self._added = self._added, []
-            for endpoint, replay_endpoint, snapshot in added:
+            for endpoint, replay_endpoint, snapshot, pod in added:
                 sub, monitor = self._open(endpoint)
-                voice, ration = Voice(self.max_topics), Ration(self.replay_timeout)
+                ration = Ration(self.replay_timeout)
+                with self._cond:  # a claimed pod's voice was made by `add`
+                    voice = self._owners[pod] if pod is not None else Voice(self.max_topics)
                 publisher = _Publisher(
                     sub, endpoint, monitor, replay_endpoint, voice, ration, snapshot, ration.at
                 )
@@ -257,10 +272,11 @@ class Subscriber:
 
     def _admit(self, publisher: _Publisher, topic: str) -> bool:
         """May `publisher` speak on `topic` (module doc)? Counted when not."""
-        if publisher.voice.admits(topic, self._owners):
-            return True
-        self._count("refused")
-        return False
+        with self._cond:  # `add` claims pods from the caller's thread
+            admitted = publisher.voice.admits(topic, self._owners)
+        if not admitted:
+            self._count("refused")
+        return admitted
 
     def _recover(
         self, publisher: _Publisher, topic: str, start: int, stop: int, resync: bool
