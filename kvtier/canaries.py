@@ -54,6 +54,8 @@ class Canaries:
         """Plant: write a fresh random word into every page of each of `slots` (allocated,
         owned by the caller) now."""
         block_bytes = pool.layout.block_bytes
+        buffer = pool.buffer  # slots of whole blocks (not a quantized tier's payloads)
+        assert buffer.stride(0) * buffer.element_size() == block_bytes, "a pool of blocks"
         self.pool = pool
         self.slots = tuple(slots)
         element = math.gcd(WORD_BYTES, block_bytes)

@@ -91,9 +91,12 @@ class Operations:
 
     def release_done(self, lease_ids: Sequence[int], tenant: str) -> int:
         """Release those of `lease_ids` that are live leases of `tenant` (the leases a client
-        is done with, carried by its next prefetch or reserve: `service/app.py`); pass over the
-        others (released or expired meanwhile, sent twice after a failed request, another
-        tenant's: never told apart). How many were released."""
+        is done with, carried by its next prefetch or reserve: `KVStore.prefetch`); pass over
+        the others (released or expired meanwhile, sent twice after a failed request, another
+        tenant's: never told apart). How many were released. `InvalidArgumentError`, and
+        nothing released, unless `lease_ids` is a list or tuple of ints."""
+        if not isinstance(lease_ids, (list, tuple)) or any(type(r) is not int for r in lease_ids):
+            raise InvalidArgumentError(f"release: got {lease_ids!r:.60}, expected lease ids (ints)")
         with self.lock:
             self.ensure_open()
             self.expire()

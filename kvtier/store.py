@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -152,26 +152,26 @@ class KVStore:
             )
             return result
 
-    def reserve(
-        self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
-    ) -> Reservation:
+    def reserve(self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None,
+                release: Sequence[int] = ()) -> Reservation:  # fmt: skip
         """Slots for the new full blocks of `tokens`, for a zero-copy writer: write block i's
         KV (`[num_layers, 2, block_tokens, kv_heads, head_dim]`) into slot `slots[i]` of tier
         `tier`'s pool buffer, then `commit` (or `abort`). Placement is `store`'s; nothing is
         visible before the commit. A reservation that cannot be placed (no room, or new blocks
-        below a disk-only prefix, which need `store`) reserves nothing (`num_tokens` 0, id 0).
+        below a prefix that lives on disk or in a quantized host tier, which need `store`)
+        reserves nothing (`num_tokens` 0, id 0).
 
         The id is random (`blocks.py`). Before returning, a random canary word is planted in every
         4 KiB page of each slot to write (`canaries.py`): `commit` refuses slots that still hold
         one, so a slot never publishes what an earlier user left there. Unclaimed reservations
         expire like leases; their slots stay allocated in quarantine for
         `policy.reservation_quarantine_s`, so that a late writer writes where no one reads
-        (`tenancy.py`)."""
+        (`tenancy.py`). `release`: as `prefetch`'s."""
         key = encode_tokens(tokens)
         ttl = _ttl(self.config.policy, ttl_s)
         with self._lock:
             namespace = self.operations.namespace(tenant)
-            self.operations.expire()
+            self.operations.release_done(release, tenant)
             return self._writes.reserve(namespace, tenant, key, self._clock() + ttl)
 
     def commit(self, reservation: Reservation | int) -> StoreResult:
@@ -228,14 +228,8 @@ class KVStore:
             self.operations.count(tenant, loads=1, loaded_tokens=max(0, held - first) * bt)
             return LoadResult(held * bt, dest.result(max(0, held - first)))
 
-    def prefetch(
-        self,
-        tokens: Tokens,
-        *,
-        tenant: str = "default",
-        ttl_s: float | None = None,
-        wait: bool = True,
-    ) -> Lease:
+    def prefetch(self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None,
+                 wait: bool = True, release: Sequence[int] = ()) -> Lease:  # fmt: skip
         """Bring the whole cached prefix of `tokens` to the gpu tier and lease it there.
 
         All or nothing: if the gpu tier cannot hold the prefix beside what is leased, raise
@@ -246,7 +240,8 @@ class KVStore:
         way is dropped and the prefix shrinks to what is intact. With `wait=False` return the
         lease at once, PENDING while its copies run: `lease.wait(timeout)`, `await lease` and
         `lease.wait_layer(l)` wait for it (`results.Lease`); a prefix already in flight is
-        joined, not copied twice."""
+        joined, not copied twice. `release`: `tenant`'s leases it is done with, released once
+        every argument is known good, before its quota is checked (`Operations.release_done`)."""
         key = encode_tokens(tokens)
         ttl = _ttl(self.config.policy, ttl_s)
         if type(wait) is not bool:
@@ -255,7 +250,7 @@ class KVStore:
         for attempt in range(PREFETCH_ATTEMPTS):
             with self._lock:
                 namespace = self.operations.namespace(tenant)
-                self.operations.expire()
+                self.operations.release_done(release if attempt == 0 else (), tenant)
                 match = self.mover.match_prefix(namespace, key)
                 self.shares.admit_lease(
                     tenant,

@@ -85,7 +85,7 @@ from kvtier.errors import (
     QuotaError,
     UnknownTenantError,
 )
-from kvtier.index import BlockRef, LeaseId, LeaseTable, RadixIndex
+from kvtier.index import BlockRef, LeaseId, LeaseTable, RadixIndex, push_expiry
 from kvtier.results import Reservation
 from kvtier.sizes import Capacity
 from kvtier.tiers.disk import BlockMeta
@@ -288,7 +288,7 @@ class ReservationTable:
         canaries = Canaries(self._memory[tier], slots[tier])
         rid = reservation.reservation_id
         self._live[rid] = Reserved(reservation, namespace, key, pin, slots, canaries)
-        heapq.heappush(self._expiry, (reservation.expires_at, rid))
+        push_expiry(self._expiry, reservation.expires_at, rid, self._live, len(self._live))
         return reservation
 
     def get(self, reservation: Reservation | int, tenant: str | None = None) -> Reserved:

@@ -7,8 +7,10 @@ Contract:
   no tier can: nothing moved. Room is made for the namespace of the prefix (fair shares). For a
   reservation, the slots count against the reserver's quota (`QuotaError`, nothing moved, when
   the tier it would take is full to it; a write_through host copy over its host quota is left
-  out). `take_free` is the same placement when it needs only free slots: taken at once, no
-  demoter asked, nothing moved (None when room must be made).
+  out), and never goes to a quantized host tier (`QuantPool`: its slots hold payloads, not
+  blocks a writer could write, and canaries planted as in blocks would land in other slots).
+  `take_free` is the same placement when it needs only free slots: taken at once, no demoter
+  asked, nothing moved (None when room must be made).
 - `store_new`: the new full blocks of a call, written into their slots and inserted (DESIGN
   invariant 1: the index learns of them once written). The match is pinned only while room is
   made (`take_free` moves nothing, so it needs no pin). Below a prefix that lives only on disk
@@ -37,6 +39,7 @@ from kvtier.policy import WritePolicy
 from kvtier.results import Reservation, StoreResult
 from kvtier.tenancy import ReservationTable, Reserved, TenantShares
 from kvtier.tiers.base import DISK, GPU, HOST
+from kvtier.tiers.quantized import QuantPool
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter
 from kvtier.transfer.mover import Mover
@@ -77,6 +80,8 @@ class Writes:
         """Slots for `count` new blocks after `match` (module doc); None when no tier can."""
         owner = match.end.root.ids
         for tier in range(match.end.fastest_last(), min(len(self.state.pools), DISK)):
+            if reserver is not None and isinstance(self.state.pools[tier], QuantPool):
+                continue  # its slots hold payloads: a writer cannot write blocks there
             if not self.demoter.can_make_room(tier, count, owner):
                 continue
             if reserver is not None:

@@ -5,7 +5,8 @@ release as a request of its own made every load two round trips, which is most o
 for prompts of a few MiB. Instead `load` hands its lease here once the copy is done, and:
 
 - the client's next prefetch or reserve of the same tenant carries the ids in its `release`
-  field (the server releases them before its own work: `Operations.release_done`);
+  field (the server releases them once the request is known good, before its own work:
+  `KVStore.prefetch` / `reserve`);
 - whatever is still owed `RELEASE_AFTER_S` after it was handed in is released by the client's
   flusher (a thread of `Client`, a timer of `AsyncClient`) with `/v1/release`, so an idle
   client holds a lease at most that much longer than its load;

@@ -1,6 +1,6 @@
 """The radix index: token prefixes -> blocks -> per-tier residency; pure Python, no I/O."""
 
-from kvtier.index.leases import LeaseRecord, LeaseTable
+from kvtier.index.leases import LeaseRecord, LeaseTable, push_expiry
 from kvtier.index.node import BlockRef, InsertResult, LeaseId, Match, Node, PrefixHit
 from kvtier.index.radix import RadixIndex
 
@@ -14,4 +14,5 @@ __all__ = [
     "Node",
     "PrefixHit",
     "RadixIndex",
+    "push_expiry",
 ]

@@ -23,13 +23,33 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from kvtier.blocks import fresh_id
 from kvtier.errors import LeaseError
 from kvtier.index.eviction import CandidateSets
 from kvtier.index.node import LeaseId, Node
+
+K = TypeVar("K", bound=int)
+
+STALE_SLACK = 64
+"""Stale entries an expiry heap may carry beyond as many as it has live ones (`push_expiry`)."""
+
+
+def push_expiry(
+    heap: list[tuple[float, K]], expires_at: float, key: K, live: Container[K], num_live: int
+) -> None:
+    """Push `(expires_at, key)` onto a lazy expiry heap whose live keys are `live` (`num_live`
+    of them). An entry ended before its time stays until it is popped; once such stale entries
+    outnumber the live ones (and `STALE_SLACK`), the heap keeps only live keys' entries, so that
+    its memory follows what is live, not the rate of calls times the ttl (a caller that leases
+    and releases, or reserves and aborts, in a loop). Amortized O(log n) a push."""
+    heapq.heappush(heap, (expires_at, key))
+    if len(heap) > 2 * num_live + STALE_SLACK:
+        heap[:] = [entry for entry in heap if entry[1] in live]
+        heapq.heapify(heap)
 
 
 @dataclass(frozen=True)
@@ -87,7 +107,7 @@ class LeaseTable:
         record = LeaseRecord(lease_id, end, tiers, expires_at, num_blocks, resident, held)
         self._records[record.lease_id] = record
         if expires_at != math.inf:
-            heapq.heappush(self._expiry, (expires_at, record.lease_id))
+            push_expiry(self._expiry, expires_at, lease_id, self._records, len(self._records))
         self._lock(end, tiers, +1, held)
         return record
 

@@ -40,14 +40,13 @@ class Plane:
         """As `store.prefetch(wait=True)` does, within `wait_s`: a lease that FAILED (a corrupt
         disk copy, dropped by the failure) is tried again, up to PREFETCH_ATTEMPTS times, so
         that the intact leading part comes back leased. The leases in `release` are released
-        first (once the body is known good)."""
+        by the first attempt, once every field is known good (the store's `release`)."""
         tokens, ttl, deadline, done = self._prefetch_fields(data)
-        if done:
-            await run_in_threadpool(store.operations.release_done, done, tenant)
         for _ in range(PREFETCH_ATTEMPTS):
             lease = await run_in_threadpool(
-                lambda: store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
+                store.prefetch, tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done
             )
+            done = []
             left = deadline - time.monotonic()
             if left > 0:
                 await await_lease(lease, left)
@@ -60,10 +59,9 @@ class Plane:
     ) -> dict[str, Any]:
         """`prefetch`, waiting for the lease on the calling thread (the lane's)."""
         tokens, ttl, deadline, done = self._prefetch_fields(data)
-        if done:
-            store.operations.release_done(done, tenant)
         for _ in range(PREFETCH_ATTEMPTS):
-            lease = store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False)
+            lease = store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done)
+            done = []
             left = deadline - time.monotonic()
             if left > 0:
                 with contextlib.suppress(LeaseError):
@@ -110,8 +108,8 @@ class Plane:
     def reserve(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         tokens = wire.tokens_field(data, self.config.max_tokens)
         ttl = wire.number_field(data, "ttl_s", None)
-        store.operations.release_done(wire.release_field(data), tenant)
-        reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl)
+        done = wire.release_field(data)
+        reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl, release=done)
         return {**reservation._asdict(), "slots": list(reservation.slots)}
 
     def commit(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:

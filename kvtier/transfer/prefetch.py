@@ -163,10 +163,12 @@ class Prefetcher:
         if not self.demoter.room(
             {GPU: count, HOST: len(from_disk)} if stage else {GPU: count}, owner
         ):
+            # how many could be freed moves with other tenants' use: told only to a sole tenant
             freeable = self.gpu.num_free + self.demoter.evictable(GPU, owner)
+            shown = f"only {freeable} of" if len(self.state.namespaces.seeds) == 1 else "not all"
             raise CapacityError(
-                f"prefetch: {count} blocks must come up to gpu, but only "
-                f"{freeable} of {self.gpu.num_slots} gpu slots "
+                f"prefetch: {count} blocks must come up to gpu, but {shown} "
+                f"{self.gpu.num_slots} gpu slots "
                 "can be freed (the rest hold leased, pinned or in-flight blocks, or other "
                 "tenants' blocks within their floors)"
             )
