@@ -64,6 +64,7 @@ from kvtier.service.guard import Guard, HostCheck
 from kvtier.service.hot import Endpoint, HotRoutes
 from kvtier.service.lane import Lane
 from kvtier.service.page import add_page
+from kvtier.service.peer import same_user
 from kvtier.service.plane import Plane, await_lease
 from kvtier.store import KVStore
 
@@ -232,10 +233,15 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
 
     @app.get("/v1/pools", responses=schemas.responses(schemas.POOLS, *schemas.GET_STATUSES))
     async def pools(request: Request) -> Response:
-        """The memory pools a client on this host can map: shared-memory name, slots, layout."""
-        share = config.shared_memory
+        """The memory pools a client on this host can map: shared-memory name, slots, layout;
+        a CUDA pool's IPC handle only to a peer of the server's own Unix user (`peer.py`)."""
+        client, server = request.client, request.scope.get("server")
+        peer = (client.host, client.port) if client is not None else None
+        ours = await run_in_threadpool(same_user, peer, tuple(server) if server else None)
         return await call(
-            request, lambda s, tenant, data: bodies.pools(s, share, service.lane), reads_body=False
+            request,
+            lambda s, tenant, data: bodies.pools(s, config.shared_memory, service.lane, ours),
+            reads_body=False,
         )
 
     # ---- data plane (`plane.py`) ---------------------------------------------------------

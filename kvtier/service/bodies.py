@@ -35,11 +35,14 @@ def lease(lease: Lease) -> dict[str, Any]:
     }
 
 
-def pools(store: KVStore, share: bool, lane: str | None = None) -> dict[str, Any]:
+def pools(
+    store: KVStore, share: bool, lane: str | None = None, same_user: bool = False
+) -> dict[str, Any]:
     """What a same-host client may map. With `service.shared_memory` off nothing is offered,
-    a CUDA pool's IPC handle included: whoever opens that handle reads and writes every
-    tenant's gpu pages, so it follows the same switch as the /dev/shm pools; so does `lane`,
-    the name of the local lane the small calls may take (`lane.py`; None: not listening)."""
+    a CUDA pool's IPC handle included; so is `lane`, the name of the local lane the small calls
+    may take (`lane.py`; None: not listening). Whoever opens the handle reads and writes every
+    tenant's gpu pages, and CUDA checks no Unix user, so it goes only to a peer known to run as
+    the server's user (`same_user`, `peer.py`), as the 0600 /dev/shm files do."""
     layout = store.layout
     return {
         "layout": {
@@ -56,7 +59,7 @@ def pools(store: KVStore, share: bool, lane: str | None = None) -> dict[str, Any
                 "device": str(pool.device),
                 "num_slots": pool.num_slots,
                 "shared_memory": pool.shared_name,
-                "cuda_ipc": export_pool(pool.buffer) if share else None,
+                "cuda_ipc": export_pool(pool.buffer) if share and same_user else None,
             }
             for pool in store.memory
         ],
