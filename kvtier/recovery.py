@@ -10,6 +10,14 @@ server secret (`unknown_namespace`), older copies of a block id (`duplicates`), 
 parent is missing (`orphans`), and copies whose id is not the hash of their parent id and
 tokens (`bad_ids`). Payloads are verified when read (a recovered copy that fails its checksum
 then is dropped and counted), so recovery reads only the header regions: seconds for 100k blocks.
+
+Duplicates, orphans and bad ids are retired at once, durably (`DiskTier.free_durably`; a
+refusal is counted in the tier's faults): no later start may bring them back. Left on disk as
+free slots, they did: a duplicate outlived a durable `clear` of its block (the clear retires
+the copy the index holds) and came back at the next start, and an orphan came back as soon as
+its parent was stored again. Copies of unknown namespaces are left as they are (a tenant taken
+out of the config and put back finds them), as are corrupt and foreign slots (nothing can
+bring those back); all of them are free slots, overwritten as the tier needs room.
 """
 
 from __future__ import annotations
@@ -57,12 +65,16 @@ def recover(disk: DiskTier, index: RadixIndex, namespaces: Namespaces) -> dict[s
             RestoreEntry(header.block_id, header.parent_id, header.tokens, {DISK: copy.slot})
         )
     claimed: list[int] = []
+    stale = [copy.slot for copy in report.copies if newest[copy.header.block_id] is not copy]
     for namespace, entries in by_namespace.items():
         restored = restore_namespace(index, BlockId(namespace), entries)
         claimed.extend(entry.slots[DISK] for entry in restored.restored)
+        stale.extend(entry.slots[DISK] for entry in restored.orphans + restored.bad_ids)
         counts["orphans"] += len(restored.orphans)
         counts["bad_ids"] += len(restored.bad_ids)
-    disk.claim(claimed)
+    disk.claim(claimed + stale)
+    if stale:
+        disk.free_durably(stale)
     counts["recovered"] = len(claimed)
     counts["seconds"] = round(time.perf_counter() - start, 3)
     return counts

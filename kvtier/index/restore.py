@@ -9,7 +9,9 @@ What it refuses, and counts:
 - orphans: entries whose chain of parents does not reach the seed (DESIGN invariant 2);
 - forged or mismatched ids: an entry whose id is not H(parent id || tokens), or whose tokens
   are not one block long; it and everything below it are refused, since the index names
-  blocks by their tokens and a wrong id would break the chain for every descendant.
+  blocks by their tokens and a wrong id would break the chain for every descendant. An entry
+  whose id is the namespace seed itself is refused before the walk: its children would be the
+  seed's, so the walk from the seed would run in a cycle (and grow a chain without end).
 
 Preconditions: the namespace holds no block yet; ids are unique (the caller keeps the newest
 copy of a duplicated id). Entries below a refused one are counted as orphans.
@@ -55,12 +57,14 @@ def restore_namespace(
     num_tiers = len(index.tiers)
     by_parent: dict[bytes, list[RestoreEntry]] = defaultdict(list)
     everything = list(entries)
+    seed = bytes(namespace)
+    bad: list[RestoreEntry] = [entry for entry in everything if entry.block_id == seed]
     for entry in everything:
-        by_parent[entry.parent_id].append(entry)
+        if entry.block_id != seed:  # unique ids, none the seed: the walk visits each once
+            by_parent[entry.parent_id].append(entry)
     restored: list[RestoreEntry] = []
-    bad: list[RestoreEntry] = []
     created: list[Node] = []
-    stack: list[tuple[Node, bytes]] = [(root, bytes(namespace))]
+    stack: list[tuple[Node, bytes]] = [(root, seed)]
     while stack:
         parent, parent_id = stack.pop()
         for first in by_parent.get(parent_id, ()):

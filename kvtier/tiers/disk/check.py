@@ -15,10 +15,18 @@ A running store would discard or refuse every one of these anyway (at recovery o
 not scan them again and `kvtier check` comes back clean. The store must not be running: the
 check takes the directory's lock (`lock.py`) and is refused, naming the holder's pid, while a
 store has it. The superblock is validated like any disk bytes (`slabs.read_superblock`): a
-damaged one, or a slab path that is not a regular file, is a `DamagedDiskError` naming the
-file, which `kvtier check` reports as a problem (exit status 1). A slab is read up to
-`slots_per_slab` slots, so a slab longer than its geometry never sends a retire elsewhere.
-Block ids are not re-hashed here (the hash algorithm is a store setting); recovery does that.
+damaged one, or a slab path that is not a regular file of one link (`slabs.own_slab`), is a
+`DamagedDiskError` naming the file, which `kvtier check` reports as a problem (exit status 1).
+A slab is read up to `slots_per_slab` slots, so a slab longer than its geometry never sends a
+retire elsewhere. Block ids are not re-hashed here (the hash algorithm is a store setting);
+recovery does that.
+
+Every header is untrusted, as at recovery: a copy is valid only as the store would take it.
+A raw size larger than a block of this geometry can be (`_raw_bound`) is a corrupt payload,
+never decoded (a size read off a disk never sizes an allocation); a sequence number the store's
+scan refuses (`scan.MAX_SEQ`) is a corrupt header; a parent chain that runs in a cycle (a
+block id equal to its namespace seed) reaches no seed, so its copies are orphans. Only the
+files `slabs.slab_files` names are slabs: a stray copy beside them is never read or retired.
 """
 
 from __future__ import annotations
@@ -42,12 +50,14 @@ from kvtier.tiers.disk.format import (
 from kvtier.tiers.disk.io import SlabFile, probe_direct, staging_buffer
 from kvtier.tiers.disk.io_pool import IOPool
 from kvtier.tiers.disk.lock import DirectoryLock
+from kvtier.tiers.disk.scan import MAX_SEQ
 from kvtier.tiers.disk.slabs import (
     SUPERBLOCK,
     DamagedDiskError,
+    own_slab,
     quant_layout,
     read_superblock,
-    regular_file,
+    slab_files,
 )
 
 PROBLEMS = ("corrupt_headers", "corrupt_payloads", "foreign", "duplicates", "orphans")
@@ -91,25 +101,25 @@ def _check(
     itemsize = geometry["itemsize"]
     quant = quant_layout(geometry["quant"]) if "quant" in geometry else None
     sizes = (slot_bytes, region, itemsize)
-    paths = [p for p in sorted(path.glob("slab-*.kvt")) if regular_file(p, "PATH")]
+    paths = {n: p for n, p in slab_files(path).items() if own_slab(p, "PATH")}
     direct = probe_direct(path)
-    slabs: list[SlabFile] = []
-    for slab_path in paths:
+    slabs: dict[int, SlabFile] = {}
+    for number, slab_path in paths.items():
         try:
             slab = SlabFile(slab_path, 0, direct=direct, create=False)
         except OSError as exc:
-            for opened in slabs:
+            for opened in slabs.values():
                 opened.close()
             expected = f"a slab file it can open ({exc.strerror})"
             raise DamagedDiskError("PATH", str(slab_path), expected) from None
         slab.size = min(slab.size // slot_bytes, per_slab) * slot_bytes
-        slabs.append(slab)
+        slabs[number] = slab
     report = DiskCheckReport()
     valid: dict[int, BlockHeader] = {}
     show = sys.stderr.isatty() if progress is None else progress
     with IOPool() as pool:
         jobs: list[Callable[[], tuple[int, str, BlockHeader | None]]] = []
-        for number, slab in enumerate(slabs):
+        for number, slab in slabs.items():
             for index in range(slab.size // slot_bytes):
                 slot = number * per_slab + index
                 jobs.append(_inspect(slab, index * slot_bytes, slot, sizes, layout, quant))
@@ -143,11 +153,18 @@ def _check(
                 for s in report.bad_slots
             ]
             report.retired = sum(not isinstance(r, OSError) for r in pool.run(retire))
-            for slab in slabs:
+            for slab in slabs.values():
                 slab.sync()
-    for slab in slabs:
+    for slab in slabs.values():
         slab.close()
     return report
+
+
+def _raw_bound(payload_region: int, quant: KVLayout | None) -> int:
+    """The most raw bytes a copy in a slot of `payload_region` bytes can stand for: a lossless
+    copy's block fills the payload region (less its sector padding), a quantized one is a
+    block of the superblock's `quant` layout."""
+    return max(payload_region, quant.block_bytes if quant is not None else 0)
 
 
 def _inspect(
@@ -171,7 +188,11 @@ def _inspect(
             return slot, "corrupt_headers", None
         if header is None:
             return slot, "empty", None
+        if header.seq > MAX_SEQ:  # the store's scan refuses it (`scan.py`)
+            return slot, "corrupt_headers", None
         if header.payload_nbytes > slot_bytes - region:
+            return slot, "corrupt_payloads", header
+        if header.raw_nbytes > _raw_bound(slot_bytes - region, quant):
             return slot, "corrupt_payloads", header
         stored = image[region : region + header.payload_nbytes]
         if checksum(stored) != header.payload_checksum:
@@ -188,7 +209,11 @@ def _inspect(
 
 
 def _sort_valid(valid: dict[int, BlockHeader], report: DiskCheckReport) -> None:
-    """Count duplicates (older copies of one id) and orphans among the valid copies."""
+    """Count duplicates (older copies of one id) and orphans among the valid copies, as
+    recovery does: a copy hangs only from a parent of its own namespace, and one whose id is
+    its namespace seed hangs from nothing (no hash gives the seed; its children would be the
+    seed's, a cycle). So ids are unique, each copy has one parent and none is a seed: the walk
+    pushes each copy once."""
     newest: dict[bytes, int] = {}
     for slot, header in valid.items():
         held = newest.get(header.block_id)
@@ -200,15 +225,16 @@ def _sort_valid(valid: dict[int, BlockHeader], report: DiskCheckReport) -> None:
         else:
             report.duplicates += 1
             report.bad_slots.append(slot)
-    children: dict[bytes, list[int]] = {}
-    for slot in newest.values():
-        children.setdefault(valid[slot].parent_id, []).append(slot)
+    children: dict[tuple[bytes, bytes], list[int]] = {}
+    hung = [slot for slot in newest.values() if valid[slot].block_id != valid[slot].namespace]
+    for slot in hung:
+        children.setdefault((valid[slot].namespace, valid[slot].parent_id), []).append(slot)
     reached: set[int] = set()
-    stack = [slot for slot in newest.values() if valid[slot].parent_id == valid[slot].namespace]
+    stack = [slot for slot in hung if valid[slot].parent_id == valid[slot].namespace]
     while stack:
         slot = stack.pop()
         reached.add(slot)
-        stack.extend(children.get(valid[slot].block_id, ()))
+        stack.extend(children.get((valid[slot].namespace, valid[slot].block_id), ()))
     for slot in newest.values():
         if slot not in reached:
             report.orphans += 1

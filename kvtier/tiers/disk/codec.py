@@ -119,7 +119,7 @@ class Lz4Codec:
             )
         try:
             planes: bytes = lz4.block.decompress(stored, uncompressed_size=raw_nbytes)
-        except (lz4.block.LZ4BlockError, ValueError) as e:
+        except (lz4.block.LZ4BlockError, ValueError, OverflowError) as e:  # 2**31: Overflow
             raise CorruptPayload(f"lz4 payload does not decode: {e}") from e
         if len(planes) != raw_nbytes:
             raise CorruptPayload(f"lz4 payload decodes to {len(planes)} bytes, not {raw_nbytes}")

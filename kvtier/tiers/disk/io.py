@@ -35,6 +35,7 @@ import contextlib
 import errno
 import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Sequence
@@ -134,7 +135,9 @@ class SlabFile:
         `fchmod`, whatever the umask) and `size` bytes are allocated at once with
         `posix_fallocate`, so that `du` counts them and a full disk fails here (OSError
         ENOSPC) rather than on a later write. A file that fails to allocate is removed again.
-        Without `create`, the file must exist and keeps its current size, which `.size`
+        Without `create`, the file must exist, be a regular file (checked on the open
+        descriptor, so a FIFO or device put in place of a file checked before is refused with
+        an `OSError`, never written through) and keeps its current size, which `.size`
         reports (`size` is ignored)."""
         flags = os.O_RDWR | os.O_NOFOLLOW
         if create:
@@ -166,7 +169,11 @@ class SlabFile:
                 raise
             self.size = size
         else:
-            self.size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                os.close(fd)
+                raise OSError(errno.EINVAL, "not a regular file", str(self.path))
+            self.size = info.st_size
         self._fd = fd
 
     def _open_fd(self) -> int:

@@ -12,6 +12,10 @@ Contract:
 - The copies it returns are valid headers of this layout; their payloads are checked when read
   (`copies.py`). The store rebuilds its index from them (`index/restore.py`) and hands
   back the slots it keeps (`DiskTier.claim`).
+- A header numbered above `MAX_SEQ` counts as corrupt: the tier numbers its next copies above
+  the newest one found, and a header holds at most 2**64-1, so one planted copy numbered near
+  that would have every later write refused (the disk tier silently taking nothing more).
+  No tier writes 2**63 copies (at a million a second, 292,000 years).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from kvtier.tiers.disk.io import aligned_buffer
 from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
 
 SCAN_BATCH = 1024
+MAX_SEQ = 2**63 - 1
+"""The highest copy number a scan takes (module doc); `kvtier check` agrees (`check.py`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,8 @@ def scan_slots(
                 continue
             if header is None:
                 report.empty += 1
+            elif header.seq > MAX_SEQ:
+                report.corrupt += 1
             elif header.layout != layout:
                 report.foreign += 1
             else:

@@ -10,7 +10,15 @@ at most `SUPERBLOCK_MAX_BYTES`, and must be a JSON object of exactly the geometr
 values of their types and ranges; anything else is a `DamagedDiskError` naming the file and
 what is wrong. It is written whole (`private_files.write_atomically`: a fresh 0600 temporary
 file, never a planted one, synced and renamed over it). A slab path that is not a regular file
-(a link, a directory) is a `DamagedDiskError` too, never followed or written through.
+(a link, a directory) is a `DamagedDiskError` too, never followed or written through, and so is
+an existing slab the tier cannot open read-write (a read-only copy restored from a backup) or
+that has another name (a hard link: writing it would write the other file too, `own_slab`).
+
+A slab is a file named exactly `slab_path` gives (`slab-00000.kvt`, five digits or more, as
+`f"{n:05d}"` writes them); any other name in the directory, however like one (`slab-00000
+(copy).kvt`, `slab-1.kvt`), is not a slab: it is never read, written, counted or deleted
+(`slab_files`). Sorting names instead put such a copy before the slab it copied, so that the
+stale-slab sweep deleted the real one.
 
 Slabs are `posix_fallocate`d when they are opened, so capacity is bytes allocated on disk, and
 a filesystem without room shows up at start rather than as a failed write later. Before anything
@@ -23,8 +31,10 @@ Slots per slab depend on the geometry alone, so a change of capacity moves no sl
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -82,7 +92,9 @@ def quant_layout(value: object) -> KVLayout | None:
         return None
     if not (isinstance(shape, list) and len(shape) == 5 and shape[1] == 2):
         return None
-    if not all(type(n) is int and 1 <= n <= 1 << 20 for n in shape) or dtype not in DTYPES:
+    if not all(type(n) is int and 1 <= n <= 1 << 20 for n in shape):
+        return None
+    if not (isinstance(dtype, str) and dtype in DTYPES):  # a list or an object is not hashable
         return None
     layers, _, tokens, heads, dim = shape
     try:
@@ -139,7 +151,7 @@ def check_superblock(path: Path, geometry: dict[str, Any]) -> bool:
     had neither a superblock nor any slab file (nor a link named like one) before."""
     have = read_superblock(path, "tiers.disk.path")
     if have is None:
-        new = not any(os.path.lexists(found) for found in path.glob("slab-*.kvt"))
+        new = not slab_files(path)
         write_atomically(path / SUPERBLOCK, json.dumps(geometry).encode())
         return new
     if have != geometry:
@@ -150,6 +162,25 @@ def check_superblock(path: Path, geometry: dict[str, Any]) -> bool:
             "use another path or delete this one",
         )
     return False
+
+
+_SLAB_NAME = re.compile(r"slab-([0-9]{5,})\.kvt")
+
+
+def slab_path(path: Path, number: int) -> Path:
+    """The file of slab `number` in the tier directory `path`."""
+    return path / f"slab-{number:05d}.kvt"
+
+
+def slab_files(path: Path) -> dict[int, Path]:
+    """The slabs in `path` by number, links and other non-files among them (each caller
+    refuses those): only names exactly as `slab_path` gives them (the module doc)."""
+    found: dict[int, Path] = {}
+    for candidate in path.glob("slab-*.kvt"):
+        match = _SLAB_NAME.fullmatch(candidate.name)
+        if match is not None and candidate == slab_path(path, int(match[1])):
+            found[int(match[1])] = candidate
+    return dict(sorted(found.items()))
 
 
 RESERVE_SHARE = 0.05
@@ -172,7 +203,7 @@ def check_room(path: Path, capacity_bytes: int, field: str) -> None:
     whose slabs, beyond those already allocated in `path`, would leave the filesystem under its
     reserve."""
     held = 0
-    for slab in path.glob("slab-*.kvt"):
+    for slab in slab_files(path).values():
         if regular_file(slab, field):
             held += os.stat(slab, follow_symlinks=False).st_blocks * 512
     free, size = free_bytes(path)
@@ -199,28 +230,66 @@ def open_slabs(
     `slots_per_slab`, the last one shorter. Where the filesystem runs out of space, a new slab
     is halved until it fits and an existing short one is kept as it is; no slab follows it
     (each refusal counted in `faults["enospc"]`). Existing slabs are never deleted for lack of
-    space; slabs beyond the capacity (it shrank since the last start) are."""
+    space; slabs beyond the capacity (it shrank since the last start) are. An existing slab it
+    cannot open read-write is a `DamagedDiskError` (the slabs opened before it are closed)."""
     found: list[SlabFile] = []
     remaining = total_slots
-    while remaining > 0:
-        want = min(slots_per_slab, remaining)
-        slab_path = path / f"slab-{len(found):05d}.kvt"
-        if regular_file(slab_path, "tiers.disk.path"):
-            slots = _open_existing(slab_path, want, slot_bytes, faults)
-        else:
-            slots = _create(slab_path, want, slot_bytes, direct, faults)
-        if slots == 0:
-            break
-        slab = SlabFile(slab_path, slots * slot_bytes, direct=direct, create=False)
-        slab.size = slots * slot_bytes  # a longer file (capacity shrank) is cut here
-        found.append(slab)
-        remaining -= slots
-        if slots < want:
-            break
-    for stale in sorted(path.glob("slab-*.kvt"))[len(found) :]:
-        if stale.is_symlink() or regular_file(stale, "tiers.disk.path"):
-            stale.unlink()
+    try:
+        while remaining > 0:
+            want = min(slots_per_slab, remaining)
+            slots = _open_slab(slab_path(path, len(found)), want, slot_bytes, direct, faults)
+            if slots == 0:
+                break
+            found.append(_opened(slab_path(path, len(found)), slots * slot_bytes, direct))
+            remaining -= slots
+            if slots < want:
+                break
+        for number, stale in slab_files(path).items():
+            if number >= len(found) and (
+                stale.is_symlink() or regular_file(stale, "tiers.disk.path")
+            ):
+                stale.unlink()
+    except BaseException:
+        for slab in found:
+            slab.close()
+        raise
     return found
+
+
+def _open_slab(path: Path, want: int, slot_bytes: int, direct: bool, faults: dict[str, int]) -> int:
+    """The slots slab `path` holds once opened or created: `want`, or fewer (out of space)."""
+    if own_slab(path, "tiers.disk.path"):
+        return _open_existing(path, want, slot_bytes, faults)
+    return _create(path, want, slot_bytes, direct, faults)
+
+
+def _opened(path: Path, size: int, direct: bool) -> SlabFile:
+    """Slab `path` opened read-write and seen as `size` bytes (a longer file, whose capacity
+    shrank, is cut here); `DamagedDiskError` when it cannot be opened (a read-only copy)."""
+    try:
+        slab = SlabFile(path, size, direct=direct, create=False)
+    except OSError as exc:
+        raise _unopenable(path, exc) from None
+    slab.size = size
+    return slab
+
+
+def _unopenable(path: Path, exc: OSError) -> DamagedDiskError:
+    expected = f"a slab file it can open read-write ({exc.strerror})"
+    return DamagedDiskError("tiers.disk.path", str(path), expected)
+
+
+def own_slab(path: Path, field: str) -> bool:
+    """`regular_file`, and a file of one name: a slab hard-linked elsewhere (a backup made or
+    restored with `cp -al`) is a `DamagedDiskError`, since every write to it would change the
+    file behind its other name too."""
+    if not regular_file(path, field):
+        return False
+    links = os.lstat(path).st_nlink
+    if links != 1:
+        expected = f"a slab file of one link, found {links} (copy it rather than link it)"
+        raise DamagedDiskError(field, str(path), expected)
+    return True
 
 
 def regular_file(path: Path, field: str) -> bool:
@@ -237,13 +306,15 @@ def regular_file(path: Path, field: str) -> bool:
 
 def _open_existing(path: Path, want: int, slot_bytes: int, faults: dict[str, int]) -> int:
     """Slots of an existing slab: `want`, or what it holds when it cannot grow to that."""
-    have = path.stat().st_size // slot_bytes
+    have = os.stat(path, follow_symlinks=False).st_size // slot_bytes
     if have >= want:
         return want
     try:
         _reallocate(path, want * slot_bytes)  # truncated, or capacity grew
         return want
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # not for lack of room
+            raise _unopenable(path, exc) from None
         faults["enospc"] += 1
         return have
 
