@@ -41,6 +41,11 @@ Contract:
   a salt is one by vLLM's own rule (random, secret), while `kvtier_tenant` is honoured only
   when the operator says a gateway in front of vLLM sets or strips it; otherwise a request
   carrying it does not use kvtier at all (it could name any tenant).
+- Inputs: kvtier keys a block by its tokens (and tenant, model, shard). A request whose KV
+  depends on more (a LoRA adapter, multimodal inputs, whose placeholder tokens are the same
+  for every image, or prompt embeddings), as vLLM's own block hashes say, neither reads nor
+  writes kvtier (counted in `other_inputs`): another request's KV for the same tokens would
+  be wrong for it.
 - Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size` (checked when the
   worker registers its caches, a `ConfigError` otherwise), and the sidecar's model layout must
   match the caches (layers, KV heads, head size, dtype).
@@ -126,7 +131,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._clients: dict[str, Client] = {}
         self._clients_lock = threading.Lock()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_tokens": 0, "saved_tokens": 0,
-                      "failed_loads": 0, "errors": 0, "untrusted_names": 0}  # fmt: skip
+                      "failed_loads": 0, "errors": 0, "untrusted_names": 0,
+                      "other_inputs": 0}  # fmt: skip
         # scheduler side
         self._requests: dict[str, Planned] = {}
         self._failed: set[str] = set()  # loads that failed: never claimed again
@@ -149,6 +155,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         req_id = request.request_id
+        if not _tokens_say_all(request):
+            self.stats["other_inputs"] += 1
+            return 0, False
         key = self._key_for(request)
         if key is None or req_id in self._failed:
             return 0, False
@@ -384,3 +393,14 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats["errors"] += 1
         unexpected = not isinstance(error, KVTierError | OSError)  # a bug: keep its traceback
         log.warning("kvtier %s failed: %s", what, error, exc_info=error if unexpected else None)
+
+
+def _tokens_say_all(request: Any) -> bool:
+    """Whether the request's KV is a function of its token ids alone (module doc, Inputs):
+    no LoRA adapter, no multimodal input, no prompt embeddings, the extra keys of vLLM's block
+    hashes besides the cache salt."""
+    return (
+        not getattr(request, "lora_request", None)
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "prompt_embeds", None) is None
+    )

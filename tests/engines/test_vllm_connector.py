@@ -133,6 +133,18 @@ def test_tenants_by_key_and_by_cache_salt_never_share_blocks(sidecar: Server) ->
     assert unnamed["hit"] == 0 and unnamed["stats"]["saved_tokens"] == 0  # no key: no kvtier
 
 
+def test_a_request_with_a_lora_adapter_neither_reads_nor_writes_kvtier(sidecar: Server) -> None:
+    """kvtier keys blocks by tokens; an adapter's KV for the same tokens differs (vLLM's own
+    block hashes carry it), so the base model's blocks must not be loaded for it."""
+    prompt = list(range(4000, 4040))
+    engine(sidecar, prompt=prompt, seed=4)  # the base model's KV
+    assert saved(sidecar, prompt) == 32
+    adapted = engine(sidecar, prompt=prompt, seed=5, lora=["adapter", 1, "/adapters/a"])
+    assert adapted["hit"] == 0 and adapted.get("loaded_tokens", 0) == 0
+    assert adapted["scheduler_stats"]["other_inputs"] >= 1
+    assert adapted["stats"]["saved_tokens"] == 0  # nor is its KV saved under the tokens
+
+
 def test_a_sidecar_of_another_block_size_or_model_is_refused_at_start(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -13,10 +13,11 @@ it first runs, and compared with what the forward would have written (`bit_exact
 
 Arguments: url (or urls, one per tensor-parallel rank, with tp_size; this process is rank 0),
 api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt), tenant_keys ({name:
-key}), kv_transfer_params, trust_tenant_param (bool), clear_before_load (the admin key: clear
-the sidecar between the scheduler's lookup and the worker's load, as an eviction would), warm (a
-prompt run to its end first in the same engine, so that vLLM's own prefix cache holds its whole
-blocks: the request then loads from kvtier only the part past them).
+key}), kv_transfer_params, trust_tenant_param (bool), lora ([name, id, path]), clear_before_load
+(the admin key: clear the sidecar between the scheduler's lookup and the worker's load, as an
+eviction would), warm (a prompt run to its end first in the same engine, so that vLLM's own
+prefix cache holds its whole blocks: the request then loads from kvtier only the part past
+them).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -156,6 +158,8 @@ def serve(
                       cache_salt=args.get("salt"))  # fmt: skip
     if args.get("kv_transfer_params"):
         request.kv_transfer_params = dict(args["kv_transfer_params"])
+    if args.get("lora"):  # an adapter's KV differs for the same tokens
+        request.lora_request = LoRARequest(*args["lora"])
     scheduler.add_request(request)
     out: dict[str, Any] = {"statuses": [], "bit_exact": None, "load_errors": []}
     table: list[int] = []
