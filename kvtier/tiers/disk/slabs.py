@@ -229,8 +229,11 @@ def open_slabs(
     """Open (or create and preallocate) the slabs for `total_slots` slots: full slabs of
     `slots_per_slab`, the last one shorter. Where the filesystem runs out of space, a new slab
     is halved until it fits and an existing short one is kept as it is; no slab follows it
-    (each refusal counted in `faults["enospc"]`). Existing slabs are never deleted for lack of
-    space; slabs beyond the capacity (it shrank since the last start) are. An existing slab it
+    (each refusal counted in `faults["enospc"]`). Slabs past the last one opened are deleted:
+    those beyond the capacity (it shrank since the last start), and, where an earlier slab was
+    short (truncated) and could not grow back for lack of space, the slabs after it, whose
+    copies are lost with them (slots are numbered slab by slab, so none may follow a hole;
+    their space goes to the short one next time). An existing slab it
     cannot open read-write is a `DamagedDiskError` (the slabs opened before it are closed)."""
     found: list[SlabFile] = []
     remaining = total_slots
