@@ -1,11 +1,12 @@
 """The vLLM connector's plans (`vllm.py`): what its scheduler side asks its workers to copy
 (`LoadJob`, `SaveJob`, sent in `KvtierMetadata`), and what it follows of each request
-(`Planned`). Plain data without vLLM: vLLM pickles the metadata from its scheduler process to
-its workers."""
+(`Planned`), and which requests it plans for at all (`keyed_by_tokens`). Plain data without
+vLLM: vLLM pickles the metadata from its scheduler process to its workers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,14 @@ class Planned:
     local: int = 0  # vLLM's own prefix hit when kvtier was asked
     external: int = 0  # tokens kvtier loads
     saved: bool = False
+
+
+def keyed_by_tokens(request: Any) -> bool:
+    """Whether a vLLM request's KV is a function of its token ids alone (`vllm.py`, Inputs): no
+    LoRA adapter, no multimodal input, no prompt embeddings, the extra keys of vLLM's block
+    hashes besides the cache salt."""
+    return (
+        not getattr(request, "lora_request", None)
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "prompt_embeds", None) is None
+    )

@@ -80,7 +80,7 @@ from kvtier.client import Client
 from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
-from kvtier.integrations.plans import LoadJob, Planned, SaveJob
+from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -155,7 +155,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         req_id = request.request_id
-        if not _tokens_say_all(request):
+        if not keyed_by_tokens(request):
             self.stats["other_inputs"] += 1
             return 0, False
         key = self._key_for(request)
@@ -393,14 +393,3 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.stats["errors"] += 1
         unexpected = not isinstance(error, KVTierError | OSError)  # a bug: keep its traceback
         log.warning("kvtier %s failed: %s", what, error, exc_info=error if unexpected else None)
-
-
-def _tokens_say_all(request: Any) -> bool:
-    """Whether the request's KV is a function of its token ids alone (module doc, Inputs):
-    no LoRA adapter, no multimodal input, no prompt embeddings, the extra keys of vLLM's block
-    hashes besides the cache salt."""
-    return (
-        not getattr(request, "lora_request", None)
-        and not getattr(request, "mm_features", None)
-        and getattr(request, "prompt_embeds", None) is None
-    )
