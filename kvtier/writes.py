@@ -18,7 +18,8 @@ Contract:
   call returns with an inline mover, pending behind it with a background one.
 - `publish_reserved`: a committed reservation's blocks enter the index (under write_through
   the host copy is made first, from the written slots); blocks someone stored meanwhile are
-  skipped and their slots freed.
+  skipped and their slots freed, and where those have since left a tier (unpinned, demoted),
+  ours keep no copy in it (prefix closure), none at all if no tier is left (`dropped_tokens`).
 - `copy_hot_to_host`: under the `selective` policy, a gpu block hit often enough gets its host
   copy now, so that its demotion later costs no copy and no drop.
 - `after_write`: wakes the background mover, which keeps dirty data under the watermarks.
@@ -204,18 +205,25 @@ class Writes:
                 )
         match = self.index.match(namespace, key)
         skip = max(0, match.num_blocks - first_block)  # stored meanwhile by someone else
+        # prefix closure (DESIGN invariant 3): the reserve's pin holds the prefix it matched,
+        # but blocks stored by someone else since then hang below it unpinned and may have left
+        # the faster tiers; our blocks keep only their copies in tiers that prefix still
+        # reaches (none: dropped, and said so), never a gpu block below a host-only parent
+        reach = match.end.fastest_last()
         for t, tier_slots in slots.items():
-            self.state.free(t, tier_slots[:skip])
-        new = {t: tier_slots[skip:] for t, tier_slots in slots.items()}
-        count = len(new[tier])
+            self.state.free(t, tier_slots[:skip] if t >= reach else tier_slots)
+        new = {t: tier_slots[skip:] for t, tier_slots in slots.items() if t >= reach}
+        kept = min(new) if new else tier
+        count = len(new[kept]) if new else 0
+        dropped = max(0, len(slots[tier]) - skip) - count
         if count:
             end = self.index.insert(match, key, new).end
             self.mover.executor.mark_engine()
             if self.remote is not None:  # the writer's blocks, read from their memory slots
-                written = (self.state.gpu, self.state.host)[tier].read(new[tier])
+                written = (self.state.gpu, self.state.host)[kept].read(new[kept])
                 self.remote.after_store(namespace, end, match.num_blocks, written)
         self.after_write()
-        return StoreResult((match.num_blocks + count) * bt, count * bt, 0)
+        return StoreResult((match.num_blocks + count) * bt, count * bt, dropped * bt)
 
     def copy_hot_to_host(self, end: Node) -> None:
         """`selective` write policy: a gpu block hit `selective_hits` times gets its host copy
