@@ -46,6 +46,8 @@ Contract:
   for every image, or prompt embeddings), as vLLM's own block hashes say, neither reads nor
   writes kvtier (counted in `other_inputs`): another request's KV for the same tokens would
   be wrong for it.
+- One KV cache group (vLLM turns its hybrid manager off for us): the block ids are group 0's,
+  another group's layers would be written through them, so more groups are refused.
 - Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size` (checked when the
   worker registers its caches, a `ConfigError` otherwise), and the sidecar's model layout must
   match the caches (layers, KV heads, head size, dtype).
@@ -99,6 +101,9 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1
+        if groups != 1:  # block ids are group 0's: another group's layers would take them
+            raise ConfigError("kv_cache_groups", groups, "1 (vLLM's hybrid manager turned off)")
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.tp_rank, self.tp_size = self._shard(vllm_config)
         urls = extra.get("kvtier.urls") or [extra.get("kvtier.url", "http://127.0.0.1:8750")]

@@ -161,6 +161,13 @@ def test_a_sidecar_of_another_block_size_or_model_is_refused_at_start(
         assert done.returncode != 0 and f"config field '{field}'" in done.stderr, done.stderr[-800:]
 
 
+def test_a_hybrid_kv_cache_of_two_groups_is_refused_at_start(sidecar: Server) -> None:
+    """Block ids are one group's; a second group's layers must not be written through them."""
+    done = launch(sidecar, prompt=list(range(8)), seed=1, groups=2)
+    refused = "config field 'kv_cache_groups'" in done.stderr
+    assert done.returncode != 0 and refused, done.stderr[-800:]
+
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
     """Two sidecars, each holding one tensor-parallel rank's shard of the tiny model."""

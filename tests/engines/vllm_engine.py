@@ -13,11 +13,11 @@ it first runs, and compared with what the forward would have written (`bit_exact
 
 Arguments: url (or urls, one per tensor-parallel rank, with tp_size; this process is rank 0),
 api_key, prompt (token ids), seed, load_async (bool), salt (cache_salt), tenant_keys ({name:
-key}), kv_transfer_params, trust_tenant_param (bool), lora ([name, id, path]), clear_before_load
-(the admin key: clear the sidecar between the scheduler's lookup and the worker's load, as an
-eviction would), warm (a prompt run to its end first in the same engine, so that vLLM's own
-prefix cache holds its whole blocks: the request then loads from kvtier only the part past
-them).
+key}), kv_transfer_params, trust_tenant_param (bool), lora ([name, id, path]), groups (KV cache
+groups, 1), clear_before_load (the admin key: clear the sidecar between the scheduler's lookup
+and the worker's load, as an eviction would), warm (a prompt run to its end first in the same
+engine, so that vLLM's own prefix cache holds its whole blocks: the request then loads from
+kvtier only the part past them).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
     )  # fmt: skip
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
                              dtype=torch.float16)  # fmt: skip
-    groups = [KVCacheGroupSpec(["layers"], spec)]
+    groups = [KVCacheGroupSpec([f"layers-{g}"], spec) for g in range(args.get("groups", 1))]
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                                     kv_cache_groups=groups)  # fmt: skip
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
