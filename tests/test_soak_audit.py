@@ -27,7 +27,7 @@ What must hold:
   tier's free slots are its capacity; the mover's steps raised nothing.
 
 The default suite runs each case for 2 x 0.9 s; `-m slow` runs the long one
-(`KVTIER_SOAK_AUDIT_S` seconds per case, 60 by default). A finding is minimized into a
+(`KVTIER_SOAK_AUDIT_S` seconds per case, 20 by default). A finding is minimized into a
 deterministic test of its own, below `# ---- what the soak found`.
 """
 
@@ -58,7 +58,7 @@ from kvtier.store import KVStore
 BT = 4
 BLOCK_BYTES = 4096  # 2 layers, K|V, 4 tokens, 2 heads, 64 dims, fp16
 MODEL = {"name": "soak", "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16"}
-SLOW_S = float(os.environ.get("KVTIER_SOAK_AUDIT_S", "60"))
+SLOW_S = float(os.environ.get("KVTIER_SOAK_AUDIT_S", "20"))
 THREADS = 4
 QUARANTINE_S = 0.3
 
