@@ -43,6 +43,8 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
     pools.py         `MappedPools`: the server's pools mapped here, blocks written and read
     lane.py          `LaneConnections` / `AsyncLaneConnections`: the clients' connections to
                      the server's local lane
+    releases.py      `OwedReleases`: the releases of loads, carried by later requests
+    calls.py         `Calls`: the calls under way that `close()` waits for
     transport.py     request headers, and a response read as its body or the error it reports
 """
 

@@ -20,6 +20,7 @@ import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_array
 from kvtier.caller_kv import kv_layout
+from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.pools import MappedPools, store_body
@@ -48,6 +49,7 @@ class AsyncClient:
         self._max_reply = max_reply_bytes
         self._pools = MappedPools()
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+        self._calls = Calls()  # what `aclose()` waits for
         self._shared_memory = shared_memory
         self._mapped = False
         self._owed = OwedReleases()
@@ -135,18 +137,19 @@ class AsyncClient:
         ttl_s: float | None = None,
         wait: bool = True,
     ) -> Lease:
-        request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
-        if ttl_s is not None:
-            request["ttl_s"] = ttl_s
-        if not wait:
-            request["wait_s"] = 0.0
-        body = await self._post_carrying("/v1/prefetch", request, tenant)
-        lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
-        if wait and lease.state is LeaseState.PENDING:
-            lease = await self.wait_for(lease)
-        if wait:
-            lease.wait(0)  # raises LeaseError for an ended lease
-        return lease
+        with self._calls.call():
+            request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
+            if ttl_s is not None:
+                request["ttl_s"] = ttl_s
+            if not wait:
+                request["wait_s"] = 0.0
+            body = await self._post_carrying("/v1/prefetch", request, tenant)
+            lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
+            if wait and lease.state is LeaseState.PENDING:
+                lease = await self.wait_for(lease)
+            if wait:
+                lease.wait(0)  # raises LeaseError for an ended lease
+            return lease
 
     async def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """As `Client.wait_for`: wait for a pending lease on the server; the lease as it is
@@ -192,24 +195,25 @@ class AsyncClient:
         start: int = 0,
         layout: str = "layers",
     ) -> StoreResult:
-        kind = kv_layout(layout)
-        tokens = token_array(tokens)  # checked once: the pools' check, reserve and body reuse it
-        await self._map()
-        if self._pools.buffers:
-            self._pools.check_kv(tokens, kv, start, kind)
-            reservation = await self.reserve(tokens, tenant=tenant)
-            if self._pools.writable(reservation, start):
-                try:
-                    self._pools.write_blocks(reservation, kv, start, kind)
-                except Exception:
+        with self._calls.call():
+            kind = kv_layout(layout)
+            tokens = token_array(tokens)  # checked once: the pools' check, reserve and body
+            await self._map()
+            if self._pools.buffers:
+                self._pools.check_kv(tokens, kv, start, kind)
+                reservation = await self.reserve(tokens, tenant=tenant)
+                if self._pools.writable(reservation, start):
+                    try:
+                        self._pools.write_blocks(reservation, kv, start, kind)
+                    except Exception:
+                        await self.abort(reservation)
+                        raise
+                    return await self.commit(reservation)
+                if reservation.num_tokens:
                     await self.abort(reservation)
-                    raise
-                return await self.commit(reservation)
-            if reservation.num_tokens:
-                await self.abort(reservation)
-        bt = (await self.layout()).block_tokens if kind == "blocks" else 0  # pages: full ones
-        body = store_body(tokens, kv, start, kind, bt)
-        return self._pools.stored(await self._post("/v1/store", body, tenant), len(tokens))
+            bt = (await self.layout()).block_tokens if kind == "blocks" else 0  # pages: full ones
+            body = store_body(tokens, kv, start, kind, bt)
+            return self._pools.stored(await self._post("/v1/store", body, tenant), len(tokens))
 
     async def load(
         self,
@@ -221,33 +225,35 @@ class AsyncClient:
         out: torch.Tensor | None = None,
         layout: str = "layers",
     ) -> LoadResult:
-        kind, wanted = kv_layout(layout), check_device(device)
-        tokens = token_array(tokens)  # checked once: the prefetch reuses it
-        packed = encode_tokens(tokens)
-        asked = len(packed) // 4
-        await self._map()
-        dest = None
-        if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
-            await self.layout()  # known before `start` and `out` are checked against it
-            dest = self._pools.destination(asked, out, kind, wanted, start)
-        if "gpu" in self._pools.buffers:
-            assert dest is not None
-            try:
-                lease = await self.prefetch(tokens, tenant=tenant)
-            except CapacityError:
-                pass
-            else:
+        with self._calls.call():
+            kind, wanted = kv_layout(layout), check_device(device)
+            tokens = token_array(tokens)  # checked once: the prefetch reuses it
+            packed = encode_tokens(tokens)
+            asked = len(packed) // 4
+            await self._map()
+            dest = None
+            if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
+                await self.layout()  # known before `start` and `out` are checked against it
+                dest = self._pools.destination(asked, out, kind, wanted, start)
+            if "gpu" in self._pools.buffers:
+                assert dest is not None
                 try:
-                    kv = self._pools.read_blocks(lease, dest, start // dest.layout.block_tokens)
-                except BaseException:
-                    await self.release(lease)
-                    raise
-                self._owed.add(lease, tenant)  # released on the next request's way, or soon
-                self._schedule_flush()
-                return LoadResult(lease.num_tokens, kv)
-        request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
-        body = await self._post("/v1/load", request, tenant)
-        return self._pools.loaded(body, wanted, asked, dest, start)
+                    lease = await self.prefetch(tokens, tenant=tenant)
+                except CapacityError:
+                    pass
+                else:
+                    try:
+                        first = start // dest.layout.block_tokens
+                        kv = self._pools.read_blocks(lease, dest, first)
+                    except BaseException:
+                        await self.release(lease)
+                        raise
+                    self._owed.add(lease, tenant)  # released on a later request's way
+                    self._schedule_flush()
+                    return LoadResult(lease.num_tokens, kv)
+            request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
+            body = await self._post("/v1/load", request, tenant)
+            return self._pools.loaded(body, wanted, asked, dest, start)
 
     async def layout(self) -> KVLayout:
         """`Client.layout`."""
@@ -259,11 +265,12 @@ class AsyncClient:
     async def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
     ) -> Reservation:
-        request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
-        if ttl_s is not None:
-            request["ttl_s"] = ttl_s
-        body = await self._post_carrying("/v1/reserve", request, tenant)
-        return self._pools.reservation(body, request["tokens"])
+        with self._calls.call():
+            request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
+            if ttl_s is not None:
+                request["ttl_s"] = ttl_s
+            body = await self._post_carrying("/v1/reserve", request, tenant)
+            return self._pools.reservation(body, request["tokens"])
 
     async def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
@@ -278,7 +285,9 @@ class AsyncClient:
         return await self._get("/v1/status")
 
     async def aclose(self) -> None:
-        """Release what is owed, then close the connections and unmap the pools."""
+        """As `Client.close`: wait for the calls under way that may owe a release, release
+        what is owed, then close the connections and unmap the pools."""
+        await self._calls.aclose(self._timeout_s)
         self._cancel_flush()
         if self._flushes:
             await asyncio.gather(*self._flushes, return_exceptions=True)

@@ -21,6 +21,7 @@ import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_array
 from kvtier.caller_kv import kv_layout
+from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.lane import LaneConnections
 from kvtier.client.pools import MappedPools, store_body
@@ -71,6 +72,7 @@ class Client:
         self._headers = RequestHeaders(api_key, tenant)
         self._pools = MappedPools()
         self._http = Connections(url, timeout_s, max_reply_bytes)
+        self._calls, self._timeout_s = Calls(), timeout_s  # what `close()` waits for
         self._owed = OwedReleases()
         self._wake = threading.Condition()
         self._flusher: threading.Thread | None = None
@@ -148,14 +150,15 @@ class Client:
     ) -> Lease:
         """Lease the cached prefix on the server's gpu tier. With `wait`, return it READY
         (waiting on the server, which bounds each wait); else as it is (`wait_for`)."""
-        request: dict[str, Any] = {"tokens": encode_tokens(tokens), "wait_s": 0.0}
-        if ttl_s is not None:
-            request["ttl_s"] = ttl_s
-        if wait:
-            del request["wait_s"]
-        body = self._post_carrying("/v1/prefetch", request, tenant)
-        lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
-        return self.wait_for(lease) if wait and not lease.ready() else lease
+        with self._calls.call():
+            request: dict[str, Any] = {"tokens": encode_tokens(tokens), "wait_s": 0.0}
+            if ttl_s is not None:
+                request["ttl_s"] = ttl_s
+            if wait:
+                del request["wait_s"]
+            body = self._post_carrying("/v1/prefetch", request, tenant)
+            lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
+            return self.wait_for(lease) if wait and not lease.ready() else lease
 
     def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """Wait for a pending lease on the server; the lease as it is then (READY, or ended:
@@ -201,23 +204,24 @@ class Client:
         start: int = 0,
         layout: str = "layers",
     ) -> StoreResult:
-        kind = kv_layout(layout)
-        tokens = token_array(tokens)  # checked once: the pools' check, reserve and body reuse it
-        if self._pools.buffers:
-            self._pools.check_kv(tokens, kv, start, kind)
-            reservation = self.reserve(tokens, tenant=tenant)
-            if self._pools.writable(reservation, start):
-                try:
-                    self._pools.write_blocks(reservation, kv, start, kind)
-                except Exception:
+        with self._calls.call():
+            kind = kv_layout(layout)
+            tokens = token_array(tokens)  # checked once: the pools' check, reserve and body
+            if self._pools.buffers:
+                self._pools.check_kv(tokens, kv, start, kind)
+                reservation = self.reserve(tokens, tenant=tenant)
+                if self._pools.writable(reservation, start):
+                    try:
+                        self._pools.write_blocks(reservation, kv, start, kind)
+                    except Exception:
+                        self.abort(reservation)
+                        raise
+                    return self.commit(reservation)
+                if reservation.num_tokens:
                     self.abort(reservation)
-                    raise
-                return self.commit(reservation)
-            if reservation.num_tokens:
-                self.abort(reservation)
-        bt = self.layout().block_tokens if kind == "blocks" else 0  # pages: full ones
-        body = store_body(tokens, kv, start, kind, bt)
-        return self._pools.stored(self._post("/v1/store", body, tenant), len(tokens))
+            bt = self.layout().block_tokens if kind == "blocks" else 0  # pages: full ones
+            body = store_body(tokens, kv, start, kind, bt)
+            return self._pools.stored(self._post("/v1/store", body, tenant), len(tokens))
 
     def load(
         self,
@@ -229,40 +233,43 @@ class Client:
         out: torch.Tensor | None = None,
         layout: str = "layers",
     ) -> LoadResult:
-        kind, wanted = kv_layout(layout), check_device(device)
-        tokens = token_array(tokens)  # checked once: the prefetch reuses it
-        packed = encode_tokens(tokens)
-        asked = len(packed) // 4
-        dest = None
-        if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
-            self.layout()  # known before `start` and `out` are checked against it
-            dest = self._pools.destination(asked, out, kind, wanted, start)
-        if "gpu" in self._pools.buffers:
-            assert dest is not None
-            try:
-                lease = self.prefetch(tokens, tenant=tenant)
-            except CapacityError:
-                pass  # larger than the gpu tier can lease: through the body
-            else:
+        with self._calls.call():
+            kind, wanted = kv_layout(layout), check_device(device)
+            tokens = token_array(tokens)  # checked once: the prefetch reuses it
+            packed = encode_tokens(tokens)
+            asked = len(packed) // 4
+            dest = None
+            if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
+                self.layout()  # known before `start` and `out` are checked against it
+                dest = self._pools.destination(asked, out, kind, wanted, start)
+            if "gpu" in self._pools.buffers:
+                assert dest is not None
                 try:
-                    kv = self._pools.read_blocks(lease, dest, start // dest.layout.block_tokens)
-                except BaseException:
-                    self.release(lease)
-                    raise
-                self._owe(lease, tenant)  # released on the next request's way, or soon
-                return LoadResult(lease.num_tokens, kv)
-        request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
-        body = self._post("/v1/load", request, tenant)
-        return self._pools.loaded(body, wanted, asked, dest, start)
+                    lease = self.prefetch(tokens, tenant=tenant)
+                except CapacityError:
+                    pass  # larger than the gpu tier can lease: through the body
+                else:
+                    try:
+                        first = start // dest.layout.block_tokens
+                        kv = self._pools.read_blocks(lease, dest, first)
+                    except BaseException:
+                        self.release(lease)
+                        raise
+                    self._owe(lease, tenant)  # released on a later request's way
+                    return LoadResult(lease.num_tokens, kv)
+            request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
+            body = self._post("/v1/load", request, tenant)
+            return self._pools.loaded(body, wanted, asked, dest, start)
 
     def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
     ) -> Reservation:
-        request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
-        if ttl_s is not None:
-            request["ttl_s"] = ttl_s
-        body = self._post_carrying("/v1/reserve", request, tenant)
-        return self._pools.reservation(body, request["tokens"])
+        with self._calls.call():
+            request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
+            if ttl_s is not None:
+                request["ttl_s"] = ttl_s
+            body = self._post_carrying("/v1/reserve", request, tenant)
+            return self._pools.reservation(body, request["tokens"])
 
     def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
@@ -295,7 +302,10 @@ class Client:
         return self._pools.buffers.get(tier)
 
     def close(self) -> None:
-        """Release what is owed, then close the connections and unmap the pools."""
+        """Wait for the loads, stores, prefetches and reserves under way (up to `timeout_s`;
+        one called after is a `ClosedError`: `calls.py`), release what is owed, then close the
+        connections and unmap the pools."""
+        self._calls.close(self._timeout_s)
         with self._wake:
             self._closed = True
             self._wake.notify()

@@ -13,7 +13,8 @@ Contract:
   connection of its own, taken from the idle ones or opened, and given back when its reply is
   read whole and the server keeps it open.
 - An idle connection the server has closed (uvicorn ends one idle for 5 s) is found before it
-  is used (its socket reads as ready: end of file) and replaced, so a request is never sent on
+  is used (its socket reads as ready: end of file; `still_open`, whatever the descriptor's
+  number) and replaced, so a request is never sent on
   a connection known dead; a request is never sent twice.
 - A server that answers before it has read the whole body (a 413 for a body over its limit)
   and closes: the send fails, and the answer sent is read and returned all the same, so the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import http.client
 import select
+import socket
 import threading
 import urllib.parse
 from typing import NamedTuple
@@ -113,8 +115,8 @@ class Connections:
                 kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
                 return kind(self._host, self._port, timeout=self._timeout)
             sock = conn.sock
-            if sock is not None and not select.select([sock], [], [], 0)[0]:
-                return conn  # open, and nothing to read: the server has not closed it
+            if sock is not None and still_open(sock):
+                return conn
             conn.close()
 
     def _give(self, conn: http.client.HTTPConnection) -> None:
@@ -123,6 +125,17 @@ class Connections:
                 self._idle.append(conn)
                 return
         conn.close()
+
+
+def still_open(sock: socket.socket) -> bool:
+    """Whether an idle connection can take a request: nothing to read on it (a server that
+    closed it reads as ready: end of file). `poll`, not `select`: `select` refuses a descriptor
+    past FD_SETSIZE (1024) with a ValueError, and an engine process with many files and
+    sockets open is handed such descriptors; every request after the first on a connection
+    then failed untyped (both clients' blocking connections, `lane.py` too)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)  # POLLHUP and POLLERR come back unasked: not open either
 
 
 def read_reply(response: http.client.HTTPResponse, limit: int, call: str) -> bytes:

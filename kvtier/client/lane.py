@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import select
 import socket
 import threading
 import time
@@ -33,7 +32,7 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from kvtier.client.connections import Reply, TransportError, reply_too_long
+from kvtier.client.connections import Reply, TransportError, reply_too_long, still_open
 from kvtier.errors import ClosedError, ReplyError
 from kvtier.service import frames, wire
 
@@ -100,8 +99,8 @@ class LaneConnections(_Dead):
                 sock = self._idle.pop() if self._idle else None
             if sock is None:
                 return self._open()
-            if not select.select([sock], [], [], 0)[0]:
-                return sock  # open, and nothing to read: the server has not closed it
+            if still_open(sock):
+                return sock  # the server has not closed it
             sock.close()
 
     def _open(self) -> socket.socket | None:

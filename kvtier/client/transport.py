@@ -69,8 +69,11 @@ async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: i
     """Send `request` (`AsyncClient`'s) and read its reply as the `Reply` that `reply_body`
     reads: `limit` bytes of it at most, a `ReplyError` past them (as the blocking client's
     `read_reply`), raw (a content encoding is not undone: kvtier's server sends none, and
-    asks for none); httpx's transport failures as `TransportError`."""
+    asks for none); httpx's transport failures as `TransportError`, a call after `aclose()` as
+    `ClosedError`."""
     call = f"{request.method} {request.url.path}"
+    if client.is_closed:  # httpx refuses with a bare RuntimeError: the blocking client's error
+        raise ClosedError(f"{call}: the client is closed: no request is sent")
     chunks: list[bytes] = []
     try:
         response = await client.send(request, stream=True)
