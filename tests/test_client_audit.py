@@ -228,6 +228,39 @@ def test_a_server_that_answers_pending_at_once_is_asked_at_a_growing_pause(
     assert 3 <= asks <= 15, asks  # pauses of 1, 2, 4 ... 512 ms: about 11 asks in 1 s
 
 
+@BOTH
+def test_a_lease_whose_wait_fails_is_released_not_left_to_its_ttl(
+    fake: Callable[..., FakeServer], asynchronous: bool
+) -> None:
+    """The server granted a lease and the wait for it failed (here a 503): the lease is still
+    the client's, and it is released (by the flusher, within moments), not held to its ttl."""
+    pending = {**LEASE, "state": "pending"}
+    busy = (503, {"error": "not_ready", "detail": "busy"})
+    server = fake(prefetch=(200, pending), release=(200, {}), **{"leases/9": busy})
+    with pytest.raises(ServiceError):
+        call(server.url, "prefetch", TOKENS, asynchronous=asynchronous, shared=False)
+    assert "/v1/release" in server.paths  # at the latest by close()
+
+
+def test_a_cancelled_async_wait_releases_its_lease() -> None:
+    """An engine cancels a task waiting on its prefetch: the lease is released soon."""
+    pending = {**LEASE, "state": "pending"}
+    with fake_servers() as fake:
+        server = fake(prefetch=(200, pending), release=(200, {}), **{"leases/9": (200, pending)})
+
+        async def run() -> None:
+            async with AsyncClient(server.url, shared_memory=False) as client:
+                task = asyncio.ensure_future(client.prefetch(TOKENS))
+                await asyncio.sleep(0.2)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await asyncio.sleep(0.3)  # the flusher's 50 ms, then its request
+                assert "/v1/release" in server.paths  # before close(), not only at it
+
+        asyncio.run(run())
+
+
 def test_the_wait_pacer_resets_after_a_held_answer_and_never_passes_the_deadline() -> None:
     pacer = WaitPacer(deadline=None)
     now = time.monotonic()

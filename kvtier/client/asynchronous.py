@@ -146,7 +146,12 @@ class AsyncClient:
             body = await self._post_carrying("/v1/prefetch", request, tenant)
             lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
             if wait and lease.state is LeaseState.PENDING:
-                lease = await self.wait_for(lease)
+                try:
+                    lease = await self.wait_for(lease)
+                except BaseException:  # cancelled, or the wait failed: the lease is still ours
+                    self._owed.add(lease, tenant)  # released soon, never left to its ttl
+                    self._schedule_flush()
+                    raise
             if wait:
                 lease.wait(0)  # raises LeaseError for an ended lease
             return lease

@@ -158,7 +158,13 @@ class Client:
                 del request["wait_s"]
             body = self._post_carrying("/v1/prefetch", request, tenant)
             lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
-            return self.wait_for(lease) if wait and not lease.ready() else lease
+            if not wait or lease.ready():
+                return lease
+            try:
+                return self.wait_for(lease)
+            except BaseException:  # interrupted, or the wait failed: the lease is still ours
+                self._owe(lease, tenant)  # released soon, never left to its ttl
+                raise
 
     def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """Wait for a pending lease on the server; the lease as it is then (READY, or ended:
