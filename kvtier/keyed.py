@@ -26,7 +26,10 @@ Contract:
   no tensor-parallel rank, though each rank holds its own heads, so its backend uses
   `"tp{rank}/{size}"` (the same scope for every rank of an MLA model, whose ranks hold the same
   KV). Keys of different scopes never meet.
-- Keys are bytes of any length, or hex strings (SGLang's), which are decoded first.
+- Keys are bytes of any length, or strings of any length. A string in canonical hex (lowercase,
+  even length: SGLang's) is the key of its bytes; any other string (capitals, whitespace,
+  non-ASCII, lone surrogates) is a key of its own, hashed apart (BLAKE2b salt), so that no two
+  different keys share a page: `bytes.fromhex` alone read "AB", "ab " and "a b" as "ab".
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class KeyedPages:
 
     def page(self, key: bytes | str) -> list[int]:
         """The synthetic tokens of one page."""
-        digest = hashlib.blake2b(_key_bytes(key), digest_size=32, person=self._person).digest()
+        data, salt = _key_bytes(key)
+        digest = hashlib.blake2b(data, digest_size=32, person=self._person, salt=salt).digest()
         words = [TOP | int.from_bytes(digest[i : i + 4], "little") for i in range(0, 32, 4)]
         return words + self._filler
 
@@ -71,12 +75,22 @@ class KeyedPages:
         return num_tokens // self.page_tokens
 
 
-def _key_bytes(key: bytes | str) -> bytes:
+TEXT_SALT = b"kvtier-text-key"
+"""The BLAKE2b salt of a string key that is not canonical hex: its UTF-8 is hashed apart from
+bytes keys (which hash unsalted), so text never meets the bytes it encodes to."""
+
+
+def _key_bytes(key: bytes | str) -> tuple[bytes, bytes]:
+    """`(data, salt)` to hash for `key`. Injective: a string is read as hex only when it is
+    exactly the hex its bytes print as, and every other string is salted apart."""
     if isinstance(key, bytes):
-        return key
+        return key, b""
     if isinstance(key, str):
         try:
-            return bytes.fromhex(key)
+            data = bytes.fromhex(key)
         except ValueError:
-            return key.encode()
-    raise InvalidArgumentError(f"key: got {type(key).__name__}, expected bytes or a hex string")
+            data = None
+        if data is not None and data.hex() == key:
+            return data, b""
+        return key.encode("utf-8", "surrogatepass"), TEXT_SALT
+    raise InvalidArgumentError(f"key: got {type(key).__name__}, expected bytes or a str")

@@ -22,6 +22,12 @@ Invariants:
   the server reuse them.
 - Blocks move between a mapped pool and the caller's tensor in one pass, in the layout the
   caller asked for (`caller_kv.py`: one copy per run of slots): no temporary, no transpose.
+- A mapping is used only while it is its server's: a /dev/shm segment still linked under its
+  name as the very file mapped (`live`). A server that restarts at the same URL has new pools
+  (the old one unlinks its segments at close, or the new one sweeps them before it answers),
+  and a lease or reservation of the new server names slots of those: read in the old mapping
+  they were the old server's bytes, any tenant's. A stale mapping is forgotten: a load then is
+  a `ReplyError` (no byte read), and the next stores and loads send their KV in the body.
 - A load reply in the body is checked against the prompt before it is returned or a byte of
   it lands in the caller's `out`: no more tokens than were asked, in whole blocks where the
   layout is known (`ReplyError`).
@@ -41,7 +47,7 @@ from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.results import Lease, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies, wire
 from kvtier.service.cuda_ipc import import_pool
-from kvtier.tiers.shm import map_shared
+from kvtier.tiers.shm import map_shared, segment_id
 
 
 class MappedPools:
@@ -50,6 +56,7 @@ class MappedPools:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}  # tier -> the mapped pool
         self.served: replies.Pools | None = None  # what the server offers, once asked
+        self._segments: dict[str, tuple[str, tuple[int, int]]] = {}  # tier -> name, file
 
     def map(self, body: dict[str, Any], mapping: bool = True) -> None:
         """Map every pool the server offers, once its whole reply is checked (`ReplyError`,
@@ -66,7 +73,12 @@ class MappedPools:
             ipc = pool.cuda_ipc
             try:
                 if pool.shared_memory is not None:
-                    self.buffers[pool.tier] = map_shared(pool.shared_memory, dtype, shape)
+                    mapped = segment_id(pool.shared_memory)
+                    buffer = map_shared(pool.shared_memory, dtype, shape)
+                    if mapped is None or segment_id(pool.shared_memory) != mapped:
+                        continue  # replaced while it was mapped: which file is not known
+                    self.buffers[pool.tier] = buffer
+                    self._segments[pool.tier] = (pool.shared_memory, mapped)
                 elif ipc is not None and ipc.device < torch.cuda.device_count():
                     self.buffers[pool.tier] = import_pool(ipc)
             except (OSError, RuntimeError):
@@ -76,6 +88,19 @@ class MappedPools:
     def clear(self) -> None:
         """Forget every mapping (the client is closed)."""
         self.buffers.clear()
+        self._segments.clear()
+
+    def live(self, tier: str) -> bool:
+        """Whether `tier` is mapped here and the mapping is still its server's (module doc);
+        a stale one is forgotten. A pool not in shared memory (CUDA IPC) is taken as live."""
+        if tier not in self.buffers:
+            return False
+        segment = self._segments.get(tier)
+        if segment is None or segment_id(segment[0]) == segment[1]:
+            return True
+        self.buffers.pop(tier, None)
+        self._segments.pop(tier, None)
+        return False
 
     def lease(
         self, body: dict[str, Any], canceller: Callable[[Lease], None] | None, asked: int
@@ -182,8 +207,8 @@ class MappedPools:
         caller has no KV for; the body path then stores nothing, as the server decides)."""
         return bool(
             reservation.num_tokens
-            and reservation.tier in self.buffers
             and reservation.cached_tokens >= start
+            and self.live(reservation.tier)  # after the reply: the slots are this server's
         )
 
     def write_blocks(
@@ -204,8 +229,13 @@ class MappedPools:
         """The leased prefix's KV from its block `first` on, copied out of the mapped gpu pool
         into `dest` in one pass: the part of it that holds them (a lease checked by `lease`
         holds no more blocks than its prompt)."""
+        pool = self.buffers.get("gpu")
+        if pool is None or not self.live("gpu"):  # after the lease reply: whose slots it names
+            raise ReplyError(
+                f"lease {lease.lease_id}: the server's gpu pool is no longer the one mapped "
+                "here (it restarted); nothing read, and loads now send their KV in the body"
+            )
         wanted = list(lease.block_table)[first:]
-        pool = self.buffers["gpu"]
         copy_blocks_slices(pool, dest.blocks(len(wanted)), wanted, range(len(wanted)))
         if pool.is_cuda:  # complete before the release lets the server reuse the slots
             torch.cuda.synchronize(pool.device)

@@ -125,6 +125,16 @@ def map_shared(name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Ten
     return flat.view(dtype).view(tuple(shape))
 
 
+def segment_id(name: str) -> tuple[int, int] | None:
+    """`(st_dev, st_ino)` of the file now linked as segment `name`, or None if there is none:
+    what tells a mapping of the segment from one of a later segment of the same name."""
+    try:
+        st = os.stat(SHM_DIR / check_name(name), follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _check_segment(name: str, st: os.stat_result, nbytes: int) -> None:
     found = {
         "a regular file": stat.S_ISREG(st.st_mode),
