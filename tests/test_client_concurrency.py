@@ -170,6 +170,14 @@ def assert_checked(server: Server) -> None:
     assert server.admin("/v1/admin/check").json() == {"ok": True, "detail": ""}
 
 
+def assert_left_clean(server: Server, seen: Outcomes) -> None:
+    """After the client closed: every call's outcome was allowed, no lease is left on the
+    server, and its index and pools pass their check."""
+    seen.assert_clean()
+    assert live_leases(server) == 0
+    assert_checked(server)
+
+
 # ---- one worker's steps -------------------------------------------------------------------
 
 
@@ -235,9 +243,7 @@ def test_threads_on_one_client_load_only_their_own_bytes_and_leave_no_lease(
         run_threads(12, worker)
     finally:
         client.close()
-    seen.assert_clean()
-    assert live_leases(server) == 0
-    assert_checked(server)
+    assert_left_clean(server, seen)
 
 
 def test_one_client_per_tenant_key_shared_by_threads_as_the_vllm_connector_does(
@@ -262,9 +268,7 @@ def test_one_client_per_tenant_key_shared_by_threads_as_the_vllm_connector_does(
     finally:
         for client in clients.values():
             client.close()
-    seen.assert_clean()
-    assert live_leases(keyed_server) == 0
-    assert_checked(keyed_server)
+    assert_left_clean(keyed_server, seen)
 
 
 # ---- tasks on one AsyncClient -------------------------------------------------------------
@@ -293,9 +297,7 @@ def test_tasks_on_one_async_client_load_only_their_own_bytes_and_leave_no_lease(
             await client.aclose()
 
     asyncio.run(main())
-    seen.assert_clean()
-    assert live_leases(server) == 0
-    assert_checked(server)
+    assert_left_clean(server, seen)
 
 
 # ---- close() while calls are under way -----------------------------------------------------
@@ -398,7 +400,7 @@ def descriptors_past(number: int) -> Iterator[None]:
     if soft < wanted and (hard == resource.RLIM_INFINITY or hard >= wanted):
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
     elif soft < wanted:
-        pytest.skip(f"RLIMIT_NOFILE {soft}/{hard}: cannot open {number} descriptors")
+        pytest.skip(reason=f"RLIMIT_NOFILE {soft}/{hard}: cannot open {number} descriptors")
     held: list[int] = []
     try:
         while not held or held[-1] < number:
@@ -471,6 +473,4 @@ def test_soak_threads_and_tasks_on_shared_clients(server: Server, seed: int) -> 
         run_threads(17, worker)
     finally:
         client.close()
-    seen.assert_clean()
-    assert live_leases(server) == 0
-    assert_checked(server)
+    assert_left_clean(server, seen)

@@ -170,14 +170,21 @@ def test_a_copy_numbered_past_int63_is_corrupt_and_the_tier_keeps_writing(
 # ---- parent chains ---------------------------------------------------------------------------
 
 
+def two_namespaces(path: Path) -> tuple[KVTierConfig, bytes, BlockHeader]:
+    """A persisted tier at `path` for tenants default and b: its config, b's seed, and the
+    header of slot 0's genuine copy (default's)."""
+    config = persisted(path, tenants=("default", "b"))
+    with KVStore(config) as store:
+        seed_b = store.namespaces.seeds["b"]
+    _, header = genuine(path, 0)
+    return config, seed_b, header
+
+
 def test_recovery_refuses_a_copy_whose_id_is_its_namespace_seed(tmp_path: Path) -> None:
     """A copy whose id and parent are both the seed of an otherwise empty namespace made the
     restore walk follow it as its own child forever (a list growing without end)."""
     path = tmp_path / "disk"
-    config = persisted(path, tenants=("default", "b"))
-    with KVStore(config) as store:
-        seed_b = store.namespaces.seeds["b"]
-    _, a = genuine(path, 0)
+    config, seed_b, a = two_namespaces(path)
     payload = bytes(DISK_BLOCK_BYTES)
     looped = dataclasses.replace(
         a, block_id=seed_b, parent_id=seed_b, namespace=seed_b, tenant="b", seq=99,
@@ -200,10 +207,7 @@ def test_check_ends_on_a_parent_chain_that_runs_in_a_cycle(
     id is a namespace seed led the walk back to the seed's children, forever. A child hangs
     only from a parent of its own namespace, as recovery has it."""
     path = tmp_path / "disk"
-    config = persisted(path, tenants=("default", "b"))
-    with KVStore(config) as store:
-        seed_b = store.namespaces.seeds["b"]
-    _, a = genuine(path, 0)
+    config, seed_b, a = two_namespaces(path)
     payload = bytes(DISK_BLOCK_BYTES)
     planted = dataclasses.replace(
         a, block_id=a.namespace, parent_id=a.namespace, seq=99, payload_checksum=checksum(payload)

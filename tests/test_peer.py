@@ -27,7 +27,7 @@ NOBODY = 65534
 def nobody_command(code: str) -> list[str]:
     """A Python child running `code` as uid/gid 65534 (skips where that is not possible)."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("changing user needs root and setpriv")
+        pytest.skip(reason="changing user needs root and setpriv")
     user = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
     return ["setpriv", *user, sys.executable, "-c", code]
 

@@ -183,7 +183,7 @@ def test_a_dev_shm_too_small_for_the_pools_is_refused_at_start_naming_the_capaci
     past the room kills it with SIGBUS (a real 1 MiB tmpfs over /dev/shm, in a mount
     namespace of the server's own)."""
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
-        pytest.skip("unshare -m is not permitted here (not root)")
+        pytest.skip(reason="unshare -m is not permitted here (not root)")
     config = write_config(tmp_path, gpu_blocks=8, host_blocks=4 * 2**20 // BLOCK_BYTES)
     mount = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"'
     detail = unready_detail(config, wrap=["unshare", "-m", "sh", "-c", mount, "sh"])
