@@ -9,7 +9,9 @@ which every call does first.
 
 `check()` verifies DESIGN invariants 2-5 across the parts: the index's own (`RadixIndex.check`),
 the mover's and the reservation table's, each pool's, and that a pool's used slots are exactly
-its resident blocks plus the slots flights and reservations hold; that the index's lease
+its resident blocks plus the slots flights and reservations hold, and that every slot the
+index names is one its tier has allocated (so in range: the copies that read a prefix out of
+its slots index the pools with them, `transfer/reads.py`); that the index's lease
 records are exactly the clients' leases and the pins of flights and reservations; and that every
 live lease's block table names the gpu slots (or, pending, the slots in flight) of its blocks.
 """
@@ -270,6 +272,7 @@ def _check(parts: Parts) -> None:
     if parts.remote is not None:
         parts.remote.check()
     reservations.check()  # its slots allocated, once each: then the sums below
+    _check_slots_allocated(parts)
     for tier, pool in enumerate(parts.state.pools):
         pool.check()
         in_index = index.resident(tier)
@@ -302,3 +305,19 @@ def _check(parts: Parts) -> None:
                 f"lease {lease.lease_id} ({lease.state.value}): block table "
                 f"{lease.block_table} but gpu slots (or slots in flight) are now {now}"
             )
+
+
+def _check_slots_allocated(parts: Parts) -> None:
+    """`InvariantError` naming the first block whose slot in a tier is not allocated there."""
+    pools = parts.state.pools
+    stack = list(parts.state.index.roots())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values() if node.children else ())
+        for tier, fields in enumerate(node.slots):
+            for i, slot in enumerate(fields):
+                if slot is not None and not pools[tier].is_allocated(slot):
+                    raise InvariantError(
+                        f"{pools[tier].name}: block {i} of {node!r} is in slot {slot}, which "
+                        f"the tier has not allocated (of its {pools[tier].num_slots} slots)"
+                    )

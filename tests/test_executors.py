@@ -235,7 +235,9 @@ def test_a_failing_copy_surfaces_from_result(fast: ThreadExecutor) -> None:
     gpu, host = pools()
     bad = fast.submit(Transfer(gpu, (99,), host, (0,)))  # slot 99 of 8
     assert bad.wait(5)
-    with pytest.raises(RuntimeError) as raised:
+    with pytest.raises(
+        InvalidArgumentError, match=r"source slots 99\.\.99 are out of range"
+    ) as raised:
         bad.result()
     assert "in flight" not in str(raised.value)
     assert bool((host.buffer[0] == SENTINEL).all())
@@ -288,7 +290,7 @@ def test_inline_submit_is_done_at_once_and_polled_once() -> None:
     handle.add_done_callback(calls.append)
     assert calls == [handle]
     bad = inline.submit(Transfer(gpu, (99,), host, (0,)))
-    with pytest.raises(RuntimeError):
+    with pytest.raises(InvalidArgumentError, match=r"source slots 99\.\.99 are out of range"):
         bad.result()
     assert inline.poll() == [handle, bad] and inline.poll() == []
     inline.close()
@@ -360,7 +362,9 @@ def test_stepped_a_failing_copy_is_kept_and_a_failing_callback_stops_the_step() 
     failing.add_done_callback(lambda _: 1 / 0)
     after = stepped.submit(Transfer(gpu, (2,), host, (2,)))
     assert stepped.step() == 1
-    with pytest.raises(RuntimeError) as raised:
+    with pytest.raises(
+        InvalidArgumentError, match=r"source slots 99\.\.99 are out of range"
+    ) as raised:
         bad.result()
     assert "in flight" not in str(raised.value)
     assert bool((host.buffer[0] == SENTINEL).all())

@@ -21,12 +21,18 @@ Contract:
   mapping is a bijection on the blocks' bytes, so KV round trips bit-exact between two engines
   with the same backend, whatever that backend means by the last dimension.
 - A shape that does not fit (layers of different shapes, an odd last dimension, `kv` of
-  another shape or dtype, an id out of range) is an `InvalidKVError` naming what was expected.
+  another shape or dtype) is an `InvalidKVError` naming what was expected, and so is a block id
+  or host slot that is not an integer in range, or (for a write) named twice, or a host page
+  that is not whole: checked before a byte moves. The engine's indices are not trusted: a
+  negative index would pick another block from the end, a bool tensor would be a mask, a float
+  would be truncated, and on a GPU an index past the end reads or writes whatever memory lies
+  there; two writes to one block in one `index_copy_` race.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -70,17 +76,33 @@ def scatter(layers: Sequence[torch.Tensor], ids: Sequence[int], kv: torch.Tensor
     want = (len(layers), 2, len(ids) * size, heads, dim)
     if tuple(kv.shape) != want or kv.dtype != dtype:
         raise InvalidKVError(f"paged KV: got {tuple(kv.shape)} {kv.dtype}, expected {want} {dtype}")
-    index = _index(ids, blocks, layers[0].device)
+    index = _index(ids, blocks, layers[0].device, writes=True)
     kv = kv.to(layers[0].device)
     for at, layer in enumerate(layers):
         tokens = torch.cat((kv[at, 0], kv[at, 1]), dim=-1)  # [n*N, H, 2D]
         layer.index_copy_(0, index, tokens.view(len(ids), size, heads, 2 * dim).transpose(1, 2))
 
 
-def _index(ids: Sequence[int], blocks: int, device: torch.device) -> torch.Tensor:
-    if any(not 0 <= i < blocks for i in ids):
-        raise InvalidKVError(f"paged KV: block ids {list(ids)}, expected each in [0, {blocks})")
-    return torch.tensor(list(ids), dtype=torch.long, device=device)
+def _index(
+    ids: Sequence[int], blocks: int, device: torch.device, writes: bool = False
+) -> torch.Tensor:
+    """`ids` as an index tensor, each an integer (not a bool) in `[0, blocks)`, and distinct
+    when they are `writes`; else `InvalidKVError` naming the first that is not."""
+    checked: list[int] = []
+    for i in ids:
+        try:
+            value = operator.index(i)  # ints, NumPy ints, 0-d integer tensors; no floats
+        except TypeError:
+            value = None
+        if isinstance(i, bool) or value is None or not 0 <= value < blocks:
+            raise InvalidKVError(
+                f"paged KV: block id {i!r:.40} (of {list(ids)!r:.80}), expected each in "
+                f"[0, {blocks}), an int"
+            )
+        checked.append(value)
+    if writes and len(set(checked)) != len(checked):
+        raise InvalidKVError(f"paged KV: block ids {checked!r:.80}, expected distinct ids")
+    return torch.tensor(checked, dtype=torch.long, device=device)
 
 
 # ---- SGLang's host pool (`MHATokenToKVPoolHost.kv_buffer`) -----------------------------------
@@ -93,12 +115,23 @@ def _index(ids: Sequence[int], blocks: int, device: torch.device) -> torch.Tenso
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
+Geometry = Callable[[tuple[int, ...], int], tuple[int, int, int, int]]
+_HOST_GEOMETRY: dict[str, tuple[int, Geometry]] = {
+    "layer_first": (5, lambda s, ps: (s[2], s[1], s[3], s[4])),
+    "page_first": (5, lambda s, ps: (s[1], s[2], s[3], s[4])),
+    "page_first_direct": (6, lambda s, ps: (s[1] * ps, s[2], s[4], s[5])),
+    "page_head": (6, lambda s, ps: (s[1] * ps, s[4], s[2], s[5])),
+}
+"""Per host layout: the kv_buffer's dims, and from its shape and the page size its (slots,
+layers, heads, dim)."""
+
 
 def host_gather(
     kv_buffer: torch.Tensor, layout: str, slots: torch.Tensor, page_size: int
 ) -> torch.Tensor:
     """The KV of host slots `slots` (whole pages, in order) as kvtier's `[layers, 2, tokens,
     heads, dim]`, a new contiguous tensor."""
+    _host_slots(kv_buffer, layout, slots, page_size)
     return torch.stack([_host_view(kv_buffer[kv], layout, slots, page_size) for kv in (0, 1)], 1)
 
 
@@ -106,8 +139,12 @@ def host_scatter(
     kv_buffer: torch.Tensor, layout: str, slots: torch.Tensor, page_size: int, kv: torch.Tensor
 ) -> None:
     """Write kvtier's `kv` (`[layers, 2, len(slots), heads, dim]`) into host slots `slots`."""
-    if layout not in HOST_LAYOUTS:
-        raise InvalidKVError(f"host layout {layout!r}, expected one of {HOST_LAYOUTS}")
+    layers, heads, dim = _host_slots(kv_buffer, layout, slots, page_size, writes=True)
+    want = (layers, 2, len(slots), heads, dim)
+    if tuple(kv.shape) != want or kv.dtype != kv_buffer.dtype:
+        raise InvalidKVError(
+            f"host KV: got {tuple(kv.shape)} {kv.dtype}, expected {want} {kv_buffer.dtype}"
+        )
     for at in (0, 1):
         half, part = kv_buffer[at], kv[:, at]  # part: [layers, tokens, heads, dim]
         if layout == "layer_first":
@@ -141,8 +178,64 @@ def _host_view(
     return picked.reshape(picked.shape[0], count * page_size, *picked.shape[3:])
 
 
+def _host_slots(
+    kv_buffer: torch.Tensor, layout: str, slots: torch.Tensor, page_size: int, writes: bool = False
+) -> tuple[int, int, int]:
+    """Check SGLang's `slots` against its host pool before any is indexed (module doc): a 1-D
+    integer tensor of slots in range, whole aligned pages in a paged layout, and distinct when
+    they are `writes`; else `InvalidKVError` naming the first bad one. Returns the pool's
+    (layers, heads, dim)."""
+    if layout not in _HOST_GEOMETRY:
+        raise InvalidKVError(f"host layout {layout!r}, expected one of {HOST_LAYOUTS}")
+    if not _integer_vector(slots):
+        raise InvalidKVError(
+            f"host slots: got {_described(slots)}, expected a 1-D integer tensor of slot ids"
+        )
+    dims, geometry = _HOST_GEOMETRY[layout]
+    if dims == 6:
+        _pages(slots, page_size)
+    if kv_buffer.dim() != dims or (dims == 6 and kv_buffer.shape[3] != page_size):
+        raise InvalidKVError(
+            f"host kv_buffer: got shape {tuple(kv_buffer.shape)}, expected {dims} dims of "
+            f"layout {layout!r} with pages of {page_size}"
+        )
+    capacity, layers, heads, dim = geometry(tuple(kv_buffer.shape), page_size)
+    if len(slots):
+        outside = (slots < 0) | (slots >= capacity)
+        if bool(outside.any()):
+            bad = int(slots[outside][0])
+            raise InvalidKVError(f"host slot {bad}: expected slots in [0, {capacity})")
+    if writes and int(torch.unique(slots).numel()) != len(slots):
+        raise InvalidKVError(f"host slots {slots.tolist()!r:.80}: expected distinct slots")
+    return layers, heads, dim
+
+
+def _integer_vector(slots: object) -> bool:
+    return (
+        isinstance(slots, torch.Tensor)
+        and slots.dim() == 1
+        and not (slots.dtype.is_floating_point or slots.dtype.is_complex)
+        and slots.dtype != torch.bool
+    )
+
+
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
 def _pages(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int]:
-    """The page numbers of whole, aligned pages of slots."""
+    """The page numbers of whole, aligned pages of slots: each page's slots its first one and
+    the `page_size - 1` after it, in order (a page is copied whole, so a slot named in place
+    of one of them would leave it unwritten and write the page's own)."""
     if len(slots) % page_size or bool((slots[::page_size] % page_size).any()):
         raise InvalidKVError(f"host slots: {len(slots)} slots, expected whole aligned pages")
-    return slots[::page_size] // page_size, len(slots) // page_size
+    firsts = slots[::page_size]
+    rows = slots.reshape(-1, page_size) - firsts[:, None]
+    if not bool((rows == torch.arange(page_size, device=slots.device)).all()):
+        raise InvalidKVError(
+            f"host slots {slots.tolist()!r:.80}: expected whole pages of {page_size} "
+            "consecutive slots"
+        )
+    return firsts // page_size, len(slots) // page_size

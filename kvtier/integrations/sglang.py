@@ -36,7 +36,9 @@ Contract:
   multiple of kvtier's `block_tokens` and at least 8 tokens.
 - A sidecar that fails is a miss (`batch_exists` 0, `batch_get_v1` all False, `batch_set_v1`
   all False: SGLang retries the backup later), logged and counted in `stats`, never an
-  exception into SGLang's threads.
+  exception into SGLang's threads; so is a host index the gather or scatter refuses, and a
+  load whose KV is not the layout SGLang's host pool registered with (a sidecar restarted on
+  another model behind the same URL): never cast into the host pool.
 
 Not here yet: MLA host pools (`MLATokenToKVPoolHost`), hybrid models' `*_v2` pools, and a
 GPU run. Through the mapped pools a load still leases the whole chain on the sidecar's gpu
@@ -123,7 +125,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         except (KVTierError, OSError) as e:
             self._failed("lookup", e)
             return 0
-        self.stats["exists_calls"] += 1
+        self._count("exists_calls", 1)
         return max(0, min(len(keys), pages.pages(found) - len(prefix)))
 
     def batch_set_v1(
@@ -131,15 +133,15 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         prefix = _prefix(extra_info)
         pages, host = self._pages(), self.mem_pool_host
-        kv = paged.host_gather(host.kv_buffer, host.layout, host_indices, host.page_size)
         start = len(prefix) * host.page_size
-        try:
+        try:  # SGLang's indices too: a wrong one is a miss, never an exception in its thread
+            kv = paged.host_gather(host.kv_buffer, host.layout, host_indices, host.page_size)
             stored = self.client.store(pages.tokens(prefix + list(keys)), kv, start=start)
-        except (KVTierError, OSError) as e:
+        except (KVTierError, OSError, IndexError, RuntimeError, ValueError) as e:
             self._failed("store", e)
             return [False] * len(keys)
         held = pages.pages(stored.cached_tokens) - len(prefix)
-        self.stats["pages_set"] += max(0, held)
+        self._count("pages_set", max(0, held))
         return [i < held for i in range(len(keys))]
 
     def batch_get_v1(
@@ -156,8 +158,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         served = max(0, min(len(keys), pages.pages(got.num_tokens) - len(prefix)))
         if served:
             kv = got.kv[:, :, : served * ps]
-            paged.host_scatter(host.kv_buffer, host.layout, host_indices[: served * ps], ps, kv)
-        self.stats["pages_got"] += served
+            try:  # a sidecar restarted on another layout: a miss, never a cast (`paged`)
+                paged.host_scatter(host.kv_buffer, host.layout, host_indices[: served * ps], ps, kv)
+            except (KVTierError, IndexError, RuntimeError, ValueError) as e:
+                self._failed("load", e)
+                return [False] * len(keys)
+        self._count("pages_got", served)
         return [i < served for i in range(len(keys))]
 
     # ---- the legacy interface (abstract in SGLang; its controller uses v1 here) ----------
@@ -206,9 +212,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return self.pages
 
     def _failed(self, what: str, error: BaseException) -> None:
-        with self._lock:
-            self.stats["errors"] += 1
+        self._count("errors", 1)
         log.warning("kvtier %s failed: %s", what, error)
+
+    def _count(self, stat: str, n: int) -> None:
+        with self._lock:  # SGLang calls from its backup and prefetch threads at once
+            self.stats[stat] += n
 
 
 def _prefix(extra_info: Any) -> list[str]:

@@ -16,8 +16,10 @@ Contract:
   lock); the caller keeps its leases until the kernel is done (on CUDA the launch returns
   before it is).
 - Arguments: shapes, dtypes (q, k and v in the pool's dtype), devices, head counts (query heads
-  a multiple of kv heads), lengths (>= 1, within the block table) are checked first, each
-  failure an `InvalidArgumentError` naming the value and what was expected.
+  a multiple of kv heads), lengths (>= 1, within the block table, at most 2**31 - 1), the slots
+  a launch reads of an engine's table (in the pool, before the table becomes int32, which would
+  wrap 2**32 + s onto slot s) are checked first, each failure an `InvalidArgumentError` naming
+  the value and what was expected.
 - Dispatch: the Triton kernels (`paged_attention.py`) on CUDA tensors, and on CPU tensors under
   Triton's interpreter; the torch reference otherwise (a CPU without `TRITON_INTERPRET=1`, or no
   Triton), so every path runs everywhere. `backend` says which.
@@ -36,6 +38,9 @@ from kvtier.results import Lease
 
 if TYPE_CHECKING:
     from kvtier.store import KVStore
+
+INT32_MAX = 2**31 - 1
+"""The kernels take lengths and slots as int32: a larger value is refused, never wrapped."""
 
 
 class PagedAttention:
@@ -197,14 +202,25 @@ class PagedAttention:
                 f"[{batch}, max_blocks]"
             )
         lens = _lengths(seq_lens, "seq_lens", batch)
-        bt = self.layout.block_tokens
+        bt, num_slots = self.layout.block_tokens, self.buffer.shape[0]
+        table = block_table.to("cpu")
         for b in range(batch):
             if int(lens[b]) > block_table.shape[1] * bt:
                 raise InvalidArgumentError(
                     f"seq_lens[{b}]: got {int(lens[b])}, expected at most "
                     f"{block_table.shape[1] * bt} ({block_table.shape[1]} blocks in the table)"
                 )
-        return block_table.to("cpu", torch.int32).contiguous(), lens
+        # the entries a launch reads, checked before int32 (2**32 + s is not slot s); the
+        # padding past a sequence's blocks is never read
+        read = torch.arange(table.shape[1])[None, :] < (lens[:, None].long() + bt - 1) // bt
+        outside = read & ((table < 0) | (table >= num_slots))
+        if bool(outside.any()):
+            b, position = (int(i) for i in outside.nonzero()[0])
+            raise InvalidArgumentError(
+                f"block_table[{b}, {position}]: got slot {int(table[b, position])}, expected a "
+                f"gpu slot in [0, {num_slots})"
+            )
+        return table.to(torch.int32).contiguous(), lens
 
     def _check_resident(self, table: torch.Tensor, lens: torch.Tensor) -> None:
         bt = self.layout.block_tokens
@@ -227,9 +243,11 @@ def _lengths(values: Sequence[int] | torch.Tensor, name: str, batch: int) -> tor
         raise InvalidArgumentError(
             f"{name}: got {_describe(values)}, expected {batch} integer lengths"
         )
-    if batch and int(lens.min()) < 1:
-        raise InvalidArgumentError(f"{name}: got {lens.tolist()}, expected every length >= 1")
-    return lens.to(torch.int32)
+    if batch and (int(lens.min()) < 1 or int(lens.max()) > INT32_MAX):
+        raise InvalidArgumentError(
+            f"{name}: got {lens.tolist()!r:.80}, expected every length >= 1 and <= {INT32_MAX}"
+        )
+    return lens.to(torch.int32)  # checked first: 2**31 would wrap to a negative length
 
 
 def _describe(value: object) -> str:

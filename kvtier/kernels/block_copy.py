@@ -19,6 +19,11 @@ bytes at `base + slot * block_bytes`. Three strategies copy them, each a `CopySt
   into pinned memory is valid on the device); pageable host memory, and two CUDA buffers on
   different devices, are refused (`InvalidArgumentError`).
 
+Every strategy checks its slots before it copies anything (`InvalidArgumentError`): `slices`
+each run's ends against both buffers (`check_runs`: a slice past the end is a shorter view, and a
+negative start another slot, neither an error), `gather` and `kernel` every slot, and that no
+destination slot is named twice (`check_slots`: two writes to one slot in one launch race).
+
 Every strategy returns with its copy as complete as `Tensor.copy_` leaves one: done when host
 memory takes part, enqueued on the current stream between two CUDA buffers. `copy_blocks_kernel`
 itself only enqueues (as `copy_(non_blocking=True)`): the `kernel` strategy adds the wait.
@@ -141,15 +146,57 @@ def copy_blocks_slices(
 
 
 def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None:
-    """`copy_blocks_slices` of runs already found (`contiguous_runs`)."""
+    """`copy_blocks_slices` of runs already found (`contiguous_runs`); every run checked
+    against both buffers first (`check_runs`), so nothing is copied on a bad slot."""
+    check_runs(runs, len(src), len(dst))
     for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n])
+
+
+def check_runs(runs: Sequence[Run], src_slots: int, dst_slots: int) -> None:
+    """`InvalidArgumentError` naming the first run that leaves `[0, src_slots)` or `[0,
+    dst_slots)`. A slice does not fail there: `buffer[-2:-1]` is another slot, `buffer[s:s+n]`
+    past the end is a shorter view (nothing copied into it, or one block broadcast over the
+    rest), so a slice copy checks its runs first. O(runs): a run's slots lie between its ends."""
+    for s, d, n in runs:
+        if s < 0 or d < 0 or s + n > src_slots or d + n > dst_slots:
+            source = s < 0 or s + n > src_slots
+            name, first, limit = (
+                ("source", s, src_slots) if source else ("destination", d, dst_slots)
+            )
+            raise InvalidArgumentError(
+                f"block copy: {name} slots {first}..{first + n - 1} are out of range; expected "
+                f"slots in [0, {limit})"
+            )
+
+
+def check_slots(src_slots: Sequence[int], dst_slots: Sequence[int], src: int, dst: int) -> None:
+    """`InvalidArgumentError` naming the first slot outside `[0, src)` (sources) or `[0, dst)`
+    (destinations), or a destination slot named twice (two writes to one slot in one launch
+    race: the slot may end up a mix of both blocks)."""
+    for name, slots, limit in (("source", src_slots, src), ("destination", dst_slots, dst)):
+        bad = [slot for slot in slots if not 0 <= slot < limit]
+        if bad:
+            raise InvalidArgumentError(
+                f"block copy: {name} slot {bad[0]} is out of range; expected slots in [0, {limit})"
+            )
+    if len(set(dst_slots)) != len(dst_slots):
+        seen: set[int] = set()
+        for slot in dst_slots:
+            if slot in seen:
+                raise InvalidArgumentError(
+                    f"block copy: destination slot {slot} is named twice; expected distinct slots"
+                )
+            seen.add(slot)
 
 
 def copy_blocks_gather(
     src: torch.Tensor, dst: torch.Tensor, src_slots: Sequence[int], dst_slots: Sequence[int]
 ) -> None:
-    """One gather into a temporary, moved to `dst`'s device, and one scatter."""
+    """One gather into a temporary, moved to `dst`'s device, and one scatter; the slots
+    checked first (`check_slots`: on CUDA an index out of range is a device-side assert, and
+    a repeated destination a nondeterministic write)."""
+    check_slots(src_slots, dst_slots, len(src), len(dst))
     src_index = torch.tensor(list(src_slots), dtype=torch.long, device=src.device)
     dst_index = torch.tensor(list(dst_slots), dtype=torch.long, device=dst.device)
     dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device))
@@ -286,13 +333,7 @@ def _check_kernel_args(
             f"copy_blocks_kernel: {len(src_slots)} source slots, {len(dst_slots)} destination "
             "slots; expected one destination slot per block"
         )
-    for name, slots, buffer in (("source", src_slots, src), ("destination", dst_slots, dst)):
-        bad = [slot for slot in slots if not 0 <= slot < len(buffer)]
-        if bad:
-            raise InvalidArgumentError(
-                f"copy_blocks_kernel: {name} slot {bad[0]} is out of range; expected slots in "
-                f"[0, {len(buffer)})"
-            )
+    check_slots(src_slots, dst_slots, len(src), len(dst))
     if not _kernel_reaches(medium(src), medium(dst)):
         raise InvalidArgumentError(
             f"copy_blocks_kernel: from {medium(src)} to {medium(dst)}; expected a CUDA buffer "

@@ -15,7 +15,8 @@ mantissa bits; exponent 0 is subnormal, `code * 2**-9`).
 Bit-exact with `QuantCodec.decode`: both compute in fp32, one product after an exact
 difference, and round once to the pool's dtype (the launch also turns fused multiply-add off,
 `enable_fp_fusion=False`, so that no compile can fuse what the reference rounds twice).
-`dequantize` checks the payload first (`QuantCodec.validate`: no NaN code, no bad scale), then
+`dequantize` checks the payload first (`QuantCodec.validate`: no NaN code, no bad scale) and
+the slots (in range, distinct: two programs writing one slot would race), then
 launches on a CUDA pool; on a CPU pool it decodes with torch, unless asked for the kernel (under
 `TRITON_INTERPRET=1`: the tests).
 """
@@ -59,6 +60,8 @@ def dequantize(
         raise InvalidArgumentError(f"slots: expected {n} int64 slot numbers, got {slots!r}")
     if n and not (int(slots.min()) >= 0 and int(slots.max()) < pool.shape[0]):
         raise InvalidArgumentError(f"slots: expected slots in [0, {pool.shape[0]})")
+    if n and int(torch.unique(slots).numel()) != n:  # two programs writing one slot race
+        raise InvalidArgumentError(f"slots: got {slots.tolist()!r:.80}, expected distinct slots")
     if n == 0:
         return
     if not (runs_kernel(pool) if kernel is None else kernel and available()):

@@ -25,6 +25,10 @@ whichever its first copies of that kind measured fastest. A layer range moves as
 slice copy per run.
 Disk copies go through the disk tier's parallel, group-committed I/O path. A copy with a
 quantized host tier on one side encodes or decodes on the way (`encoded.py`).
+No slot is copied unchecked: a memory copy's strategy checks its slots (or runs) against both
+buffers, and a disk or codec copy, which indexes slots one by one, checks every slot against
+its tier's `num_slots` (and its destinations for repeats) first: `InvalidArgumentError`, nothing
+copied. A slice or a negative index would not fail by itself (`block_copy.check_runs`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ClosedError
-from kvtier.kernels.block_copy import contiguous_runs
+from kvtier.kernels.block_copy import check_runs, check_slots, contiguous_runs
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
@@ -189,6 +193,8 @@ class InlineExecutor:
         started = time.monotonic()
         src_tier, dst_tier = transfer.src, transfer.dst
         src_slots, dst_slots = transfer.src_slots, transfer.dst_slots
+        if not _plain(src_tier, dst_tier):  # slots indexed one by one: each checked first
+            check_slots(src_slots, dst_slots, src_tier.num_slots, dst_tier.num_slots)
         if isinstance(dst_tier, DiskTier) and isinstance(src_tier, QuantPool):
             ok = host_to_disk(src_tier, dst_tier, src_slots, dst_slots, transfer.blocks)
         elif isinstance(src_tier, DiskTier) and isinstance(dst_tier, QuantPool):
@@ -238,8 +244,16 @@ class InlineExecutor:
             self.copier.copy(src, dst, transfer.src_slots, transfer.dst_slots)
             return
         first, stop = transfer.layers  # a layer range: one strided slice copy per run
-        for s, d, n in contiguous_runs(transfer.src_slots, transfer.dst_slots):
+        runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
+        check_runs(runs, len(src), len(dst))
+        for s, d, n in runs:
             dst[d : d + n, first:stop].copy_(src[s : s + n, first:stop])
+
+
+def _plain(src: Tier, dst: Tier) -> bool:
+    """Whether a copy between these tiers is a memory copy of blocks (the copier's, whose
+    strategies check their slots), not one that indexes slots one by one (disk, codecs)."""
+    return not any(isinstance(tier, DiskTier | QuantPool) for tier in (src, dst))
 
 
 def _rows(data: torch.Tensor | Sequence[torch.Tensor], rows: list[int]) -> torch.Tensor:

@@ -52,6 +52,8 @@ from kvtier.kernels.block_copy import (
     CopyStrategy,
     Run,
     applies_anywhere,
+    check_runs,
+    check_slots,
     contiguous_runs,
     copy_blocks_kernel,
     kernel_applies,
@@ -83,6 +85,7 @@ def _slices_on_stream(
 
 
 def _runs_on_stream(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None:
+    check_runs(runs, len(src), len(dst))  # a slice past the end is shorter, not an error
     for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
 
@@ -239,12 +242,14 @@ class CudaExecutor:
             # this stream (`encoded.py`); a block the codec cannot keep fails the transfer
             assert isinstance(transfer.src, SlotPool) and isinstance(transfer.dst, SlotPool)
             slots = (transfer.src_slots, transfer.dst_slots)
+            check_slots(*slots, transfer.src.num_slots, transfer.dst.num_slots)
             if not all(pool_to_pool(transfer.src, transfer.dst, *slots, transfer.layers)):
                 raise InvalidKVError(f"{transfer.path}: a block the host's codec cannot keep")
             return None
         runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
         if transfer.layers is not None:
             first, stop = transfer.layers
+            check_runs(runs, len(src), len(dst))
             for s, d, n in runs:
                 dst[d : d + n, first:stop].copy_(src[s : s + n, first:stop], non_blocking=True)
             return None
