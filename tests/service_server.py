@@ -131,10 +131,11 @@ class Server:
         return response
 
 
-def start(config: Path, env: Mapping[str, str] | None = None) -> Server:
-    """Start `kvtier serve --config config` on a free port; return once /readyz is 200."""
-    port = free_port()
-    log = config.with_name(f"server-{port}.log")
+def start(config: Path, env: Mapping[str, str] | None = None, port: int | None = None) -> Server:
+    """Start `kvtier serve --config config` on `port` (a free one by default: a given one
+    starts a server again at a URL); return once /readyz is 200."""
+    port = free_port() if port is None else port
+    log = config.with_name(f"server-{port}-{time.monotonic_ns()}.log")
     with log.open("wb") as out:
         process = subprocess.Popen(
             serve_command(config, port),
@@ -157,9 +158,11 @@ def start(config: Path, env: Mapping[str, str] | None = None) -> Server:
 
 
 @contextlib.contextmanager
-def running(config: Path, env: Mapping[str, str] | None = None) -> Iterator[Server]:
+def running(
+    config: Path, env: Mapping[str, str] | None = None, port: int | None = None
+) -> Iterator[Server]:
     """A server for the block; on leaving it, SIGTERM and a clean exit (status 0) asserted."""
-    server = start(config, env)
+    server = start(config, env, port)
     try:
         yield server
     finally:

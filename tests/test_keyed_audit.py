@@ -12,14 +12,11 @@ pages (`kvtier.keyed`), and the client that carries them to a sidecar (`kvtier.c
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import torch
-from service_server import Server, free_port, kv_of, serve_command, write_config
+from service_server import Server, free_port, kv_of, start, write_config
 
 from kvtier.client import Client
 from kvtier.errors import KVTierError
@@ -47,24 +44,6 @@ def test_any_str_is_a_key_non_ascii_and_lone_surrogates_included() -> None:
     assert len(set(made)) == len(keys)
 
 
-def _start(config: Path, port: int) -> Server:
-    log = config.with_name(f"server-{port}-{time.monotonic_ns()}.log")
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            serve_command(config, port), stdout=out, stderr=subprocess.STDOUT
-        )
-    server = Server(f"http://127.0.0.1:{port}", config, log, process)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert process.poll() is None, server.output()
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(server.url + "/readyz", timeout=1).status_code == 200:
-                return server
-        time.sleep(0.02)
-    process.kill()
-    raise AssertionError(server.output())
-
-
 @contextlib.contextmanager
 def _restartable(tmp_path: Path) -> Iterator[tuple[Path, int, list[Server]]]:
     tenants = {"alice": {"api_keys": [ALICE]}, "bob": {"api_keys": [BOB]}}
@@ -84,14 +63,14 @@ def test_a_client_that_outlives_a_sidecar_restart_never_serves_the_old_pools(
     keys = [f"{i:064x}" for i in range(1, 5)]  # 4 pages of 8 tokens: 8 blocks of 4
     tokens = pages.tokens(keys)
     with _restartable(tmp_path) as (config, port, started):
-        started.append(_start(config, port))
+        started.append(start(config, port=port))
         alice = Client(started[-1].url, api_key=ALICE)
         assert alice.pool_buffer("gpu") is not None  # mapped: loads read the pool in place
         with Client(started[-1].url, api_key=BOB) as bob:  # bob's pages in the old pools
             bob.store(tokens, kv_of(32, seed=66))
             assert torch.equal(bob.load(tokens).kv, kv_of(32, seed=66))
         started[-1].stop()
-        started.append(_start(config, port))  # same URL, new pools
+        started.append(start(config, port=port))  # same URL, new pools
         with Client(started[-1].url, api_key=ALICE) as fresh:
             fresh.store(tokens, kv_of(32, seed=1))  # alice's pages, in the new pools
         try:  # the client that mapped the old pools: refused once (nothing read), or exact

@@ -40,7 +40,10 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
     blocking.py      `Client`: the calls from threads, over `connections.py`'s keep-alive
                      connections (the standard library's http.client)
     asynchronous.py  `AsyncClient`: the same calls as coroutines (httpx)
-    pools.py         `MappedPools`: the server's pools mapped here, blocks written and read
+    mapper.py        `Mapper` / `AsyncMapper`: a client's server pools and lane, taken again
+                     from a restarted server (its instance id); a failed re-map retried
+    pools.py         `MappedPools`: the server's pools mapped here, blocks written and read,
+                     only for the slots of replies of the server instance mapped
     lane.py          `LaneConnections` / `AsyncLaneConnections`: the clients' connections to
                      the server's local lane
     releases.py      `OwedReleases`: the releases of loads, carried by later requests

@@ -1,7 +1,8 @@
 """`AsyncClient`: the asyncio twin of `Client` (`blocking.py`), the same methods as coroutines.
 
 It maps the server's pools at its first request rather than at construction (a constructor
-cannot await); the shared-memory path and its fallback to the body are `Client`'s, and so are
+cannot await); the shared-memory path and its fallback to the body are `Client`'s (a reply of
+another server instance maps the new server's pools and lane: `pools.py`), and so are
 owed releases (`releases.py`), sent here by a task the event loop starts `RELEASE_AFTER_S`
 after a load rather than by a thread. Its failures are `Client`'s too: a connection refused,
 reset or timed out is a `TransportError`, not httpx's own exception.
@@ -23,7 +24,8 @@ from kvtier.caller_kv import kv_layout
 from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES
 from kvtier.client.lane import AsyncLaneConnections
-from kvtier.client.pools import MappedPools, store_body
+from kvtier.client.mapper import AsyncMapper
+from kvtier.client.pools import LeaseFrom, ReservationFrom, store_body
 from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, WaitPacer, httpx_send, reply_body
 from kvtier.errors import CapacityError, KVTierError
@@ -47,24 +49,32 @@ class AsyncClient:
         """As `Client`'s."""
         self._headers = RequestHeaders(api_key, tenant)
         self._max_reply = max_reply_bytes
-        self._pools = MappedPools()
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+        self._server = AsyncMapper(self._http, self._headers, (timeout_s, max_reply_bytes))
+        self._pools = self._server.pools
         self._calls = Calls()  # what `aclose()` waits for
         self._shared_memory = shared_memory
-        self._mapped = False
         self._owed = OwedReleases()
         self._flush_timer: asyncio.TimerHandle | None = None
         self._flushes: set[asyncio.Task[None]] = set()  # running flushes, kept referenced
         self._timeout_s = timeout_s
-        self._lane: AsyncLaneConnections | None = None  # the small calls' socket (`lane.py`)
+
+    @property
+    def _lane(self) -> AsyncLaneConnections | None:
+        return self._server.lane  # the lane now (`AsyncMapper`)
+
+    @_lane.setter
+    def _lane(self, lane: AsyncLaneConnections | None) -> None:
+        self._server.lane = lane
 
     async def _post(
         self, path: str, body: dict[str, Any], tenant: str = "default"
     ) -> dict[str, Any]:
         await self._map()
         content, headers = wire.encode(body, True), self._headers.for_tenant(tenant)
-        if self._lane is not None and path in frames.PATHS:
-            reply = await self._lane.request(path, content, headers)
+        lane = self._lane  # one for the call: `AsyncMapper.instance` may replace it
+        if lane is not None and path in frames.PATHS:
+            reply = await lane.request(path, content, headers)
             if reply is not None:  # None: the lane cannot be reached, and nothing was sent
                 return reply_body(reply)
         request = self._http.build_request("POST", path, content=content, headers=headers)
@@ -116,13 +126,10 @@ class AsyncClient:
     async def _map(self) -> None:
         """Map the server's pools before the first call that may use them; a failed
         `/v1/pools` (a sidecar still starting) is asked again at the next call."""
-        if self._shared_memory and not self._mapped:
+        if self._shared_memory and not self._server.mapped:
             pools = await self._get("/v1/pools")
-            if not self._mapped:  # another call of this client may have mapped them meanwhile
-                self._pools.map(pools)
-                lane = pools.get("lane")
-                self._lane = AsyncLaneConnections.of(lane, self._timeout_s, self._max_reply)
-                self._mapped = True
+            if not self._server.mapped:  # another call of this client may have mapped them
+                self._server.take(pools)
 
     async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
         packed = encode_tokens(tokens)
@@ -137,6 +144,12 @@ class AsyncClient:
         ttl_s: float | None = None,
         wait: bool = True,
     ) -> Lease:
+        return (await self._prefetch(tokens, tenant, ttl_s, wait))[0]
+
+    async def _prefetch(
+        self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool
+    ) -> LeaseFrom:
+        """`prefetch`, and the server instance of the reply that granted the lease."""
         with self._calls.call():
             request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
             if ttl_s is not None:
@@ -144,6 +157,7 @@ class AsyncClient:
             if not wait:
                 request["wait_s"] = 0.0
             body = await self._post_carrying("/v1/prefetch", request, tenant)
+            instance = await self._server.instance(body, "lease", tenant)
             lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
             if wait and lease.state is LeaseState.PENDING:
                 try:
@@ -154,7 +168,7 @@ class AsyncClient:
                     raise
             if wait:
                 lease.wait(0)  # raises LeaseError for an ended lease
-            return lease
+            return lease, instance
 
     async def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """As `Client.wait_for`: wait for a pending lease on the server; the lease as it is
@@ -165,7 +179,9 @@ class AsyncClient:
         while True:
             asked_at = time.monotonic()
             wait_s = 30.0 if deadline is None else max(0.0, deadline - asked_at)
-            fresh = self._pools.waited(await self._lease_state(lease, wait_s), lease, None)
+            body = await self._lease_state(lease, wait_s)
+            await self._server.instance(body, "lease", None)  # another server's: its pools mapped
+            fresh = self._pools.waited(body, lease, None)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
                 return fresh
@@ -176,10 +192,10 @@ class AsyncClient:
     async def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
         """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is
         reached (`frames.PATHS`)."""
-        headers = self._headers.for_tenant(lease.tenant)
-        if self._lane is not None:
+        headers, lane = self._headers.for_tenant(lease.tenant), self._lane
+        if lane is not None:
             asked = wire.encode({"lease_id": lease.lease_id, "wait_s": wait_s}, True)
-            reply = await self._lane.request("/v1/leases", asked, headers)
+            reply = await lane.request("/v1/leases", asked, headers)
             if reply is not None:  # None: the lane cannot be reached, and nothing was sent
                 return reply_body(reply)
         path, params = f"/v1/leases/{lease.lease_id}", {"wait_s": wait_s}
@@ -206,10 +222,11 @@ class AsyncClient:
             await self._map()
             if self._pools.buffers:
                 self._pools.check_kv(tokens, kv, start, kind)
-                reservation = await self.reserve(tokens, tenant=tenant)
-                if self._pools.writable(reservation, start):
+                reservation, instance = await self._reserve(tokens, tenant, None)
+                pool = self._pools.writable(reservation, start, instance)
+                if pool is not None:
                     try:
-                        self._pools.write_blocks(reservation, kv, start, kind)
+                        self._pools.write_blocks(reservation, pool, kv, start, kind)
                     except Exception:
                         await self.abort(reservation)
                         raise
@@ -243,19 +260,20 @@ class AsyncClient:
             if "gpu" in self._pools.buffers:
                 assert dest is not None
                 try:
-                    lease = await self.prefetch(tokens, tenant=tenant)
+                    lease, instance = await self._prefetch(tokens, tenant, None, True)
                 except CapacityError:
                     pass
                 else:
                     try:
                         first = start // dest.layout.block_tokens
-                        kv = self._pools.read_blocks(lease, dest, first)
+                        kv = self._pools.read_blocks(lease, instance, dest, first)
                     except BaseException:
                         await self.release(lease)
                         raise
                     self._owed.add(lease, tenant)  # released on a later request's way
                     self._schedule_flush()
-                    return LoadResult(lease.num_tokens, kv)
+                    if kv is not None:  # None: not the pools mapped here, the body path
+                        return LoadResult(lease.num_tokens, kv)
             request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
             body = await self._post("/v1/load", request, tenant)
             return self._pools.loaded(body, wanted, asked, dest, start)
@@ -270,12 +288,17 @@ class AsyncClient:
     async def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
     ) -> Reservation:
+        return (await self._reserve(tokens, tenant, ttl_s))[0]
+
+    async def _reserve(self, tokens: Tokens, tenant: str, ttl_s: float | None) -> ReservationFrom:
+        """`reserve`, and the server instance of its reply."""
         with self._calls.call():
             request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
             body = await self._post_carrying("/v1/reserve", request, tenant)
-            return self._pools.reservation(body, request["tokens"])
+            instance = await self._server.instance(body, "reservation", tenant)
+            return self._pools.reservation(body, request["tokens"]), instance
 
     async def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
@@ -299,8 +322,8 @@ class AsyncClient:
         await self._flush(self._owed.take_due(math.inf))
         self._cancel_flush()  # the one `_flush` may have scheduled: nothing is owed now
         await self._http.aclose()
-        if self._lane is not None:
-            await self._lane.aclose()
+        if (lane := self._lane) is not None:
+            await lane.aclose()
         self._pools.clear()
 
     async def __aenter__(self) -> AsyncClient:

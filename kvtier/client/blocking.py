@@ -5,6 +5,11 @@ reserve + write into the mapped pool + commit (abort if the write fails), `load`
 copy out of the mapped gpu pool, its release owed (`releases.py`: carried by the next prefetch
 or reserve, else sent by the flusher thread within `RELEASE_AFTER_S`, or at `close()`). Where a
 call cannot go that way, its KV travels in the body.
+
+A lease or reservation reply of another server instance than the pools mapped here (the
+sidecar restarted at the same URL: `pools.py`) makes the client forget its mappings and ask
+`/v1/pools` again, once per instance; the new pools and lane are taken from then on, and that
+call's KV goes through them if they are the reply's instance, else through the body.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from kvtier.caller_kv import kv_layout
 from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.lane import LaneConnections
-from kvtier.client.pools import MappedPools, store_body
+from kvtier.client.mapper import Mapper
+from kvtier.client.pools import LeaseFrom, ReservationFrom, store_body
 from kvtier.client.releases import OwedReleases
 from kvtier.client.transport import RequestHeaders, WaitPacer, reply_body
 from kvtier.errors import CapacityError, KVTierError
@@ -70,25 +76,32 @@ class Client:
         server's pools when they are on this host. A reply longer than `max_reply_bytes` is a
         `ReplyError`, read no further (a load sent in the body is the longest a server sends)."""
         self._headers = RequestHeaders(api_key, tenant)
-        self._pools = MappedPools()
         self._http = Connections(url, timeout_s, max_reply_bytes)
+        self._server = Mapper(self._http, self._headers, (timeout_s, max_reply_bytes))
+        self._pools = self._server.pools
         self._calls, self._timeout_s = Calls(), timeout_s  # what `close()` waits for
         self._owed = OwedReleases()
         self._wake = threading.Condition()
         self._flusher: threading.Thread | None = None
         self._closed = False
-        self._lane: LaneConnections | None = None  # the small calls' Unix socket (`lane.py`)
         if shared_memory:
-            pools = self._get("/v1/pools")
-            self._pools.map(pools)
-            self._lane = LaneConnections.of(pools.get("lane"), timeout_s, max_reply_bytes)
+            self._server.map()
 
     # ---- transport ---------------------------------------------------------------------
 
+    @property
+    def _lane(self) -> LaneConnections | None:
+        return self._server.lane  # the lane now (`Mapper`)
+
+    @_lane.setter
+    def _lane(self, lane: LaneConnections | None) -> None:
+        self._server.lane = lane
+
     def _post(self, path: str, body: dict[str, Any], tenant: str = "default") -> dict[str, Any]:
         headers, encoded = self._headers.for_tenant(tenant), wire.encode(body, True)
-        if self._lane is not None and path in frames.PATHS:
-            reply = self._lane.request(path, encoded, headers)
+        lane = self._lane  # one for the call: `Mapper.instance` may replace it
+        if lane is not None and path in frames.PATHS:
+            reply = lane.request(path, encoded, headers)
             if reply is not None:  # None: the lane cannot be reached, and nothing was sent
                 return reply_body(reply)
         return reply_body(self._http.request("POST", path, encoded, headers))
@@ -150,6 +163,10 @@ class Client:
     ) -> Lease:
         """Lease the cached prefix on the server's gpu tier. With `wait`, return it READY
         (waiting on the server, which bounds each wait); else as it is (`wait_for`)."""
+        return self._prefetch(tokens, tenant, ttl_s, wait)[0]
+
+    def _prefetch(self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool) -> LeaseFrom:
+        """`prefetch`, and the server instance of the reply that granted the lease."""
         with self._calls.call():
             request: dict[str, Any] = {"tokens": encode_tokens(tokens), "wait_s": 0.0}
             if ttl_s is not None:
@@ -157,11 +174,12 @@ class Client:
             if wait:
                 del request["wait_s"]
             body = self._post_carrying("/v1/prefetch", request, tenant)
+            instance = self._server.instance(body, "lease", tenant)
             lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
             if not wait or lease.ready():
-                return lease
+                return lease, instance
             try:
-                return self.wait_for(lease)
+                return self.wait_for(lease), instance
             except BaseException:  # interrupted, or the wait failed: the lease is still ours
                 self._owe(lease, tenant)  # released soon, never left to its ttl
                 raise
@@ -175,6 +193,7 @@ class Client:
             asked_at = time.monotonic()
             wait_s = 30.0 if deadline is None else max(0.0, deadline - asked_at)
             body = self._lease_state(lease, wait_s)
+            self._server.instance(body, "lease", None)  # another server's: its pools mapped
             fresh = self._pools.waited(body, lease, self.release)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
@@ -186,10 +205,10 @@ class Client:
     def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
         """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is
         reached (`frames.PATHS`)."""
-        headers = self._headers.for_tenant(lease.tenant)
-        if self._lane is not None:
+        headers, lane = self._headers.for_tenant(lease.tenant), self._lane
+        if lane is not None:
             request = wire.encode({"lease_id": lease.lease_id, "wait_s": wait_s}, True)
-            reply = self._lane.request("/v1/leases", request, headers)
+            reply = lane.request("/v1/leases", request, headers)
             if reply is not None:  # None: the lane cannot be reached, and nothing was sent
                 return reply_body(reply)
         query = urllib.parse.urlencode({"wait_s": wait_s})
@@ -213,12 +232,14 @@ class Client:
         with self._calls.call():
             kind = kv_layout(layout)
             tokens = token_array(tokens)  # checked once: the pools' check, reserve and body
+            self._server.refresh()  # a re-map that failed: asked again (`mapper.py`)
             if self._pools.buffers:
                 self._pools.check_kv(tokens, kv, start, kind)
-                reservation = self.reserve(tokens, tenant=tenant)
-                if self._pools.writable(reservation, start):
+                reservation, instance = self._reserve(tokens, tenant, None)
+                pool = self._pools.writable(reservation, start, instance)
+                if pool is not None:
                     try:
-                        self._pools.write_blocks(reservation, kv, start, kind)
+                        self._pools.write_blocks(reservation, pool, kv, start, kind)
                     except Exception:
                         self.abort(reservation)
                         raise
@@ -244,6 +265,7 @@ class Client:
             tokens = token_array(tokens)  # checked once: the prefetch reuses it
             packed = encode_tokens(tokens)
             asked = len(packed) // 4
+            self._server.refresh()  # a re-map that failed: asked again (`mapper.py`)
             dest = None
             if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
                 self.layout()  # known before `start` and `out` are checked against it
@@ -251,18 +273,19 @@ class Client:
             if "gpu" in self._pools.buffers:
                 assert dest is not None
                 try:
-                    lease = self.prefetch(tokens, tenant=tenant)
+                    lease, instance = self._prefetch(tokens, tenant, None, True)
                 except CapacityError:
                     pass  # larger than the gpu tier can lease: through the body
                 else:
                     try:
                         first = start // dest.layout.block_tokens
-                        kv = self._pools.read_blocks(lease, dest, first)
+                        kv = self._pools.read_blocks(lease, instance, dest, first)
                     except BaseException:
                         self.release(lease)
                         raise
                     self._owe(lease, tenant)  # released on a later request's way
-                    return LoadResult(lease.num_tokens, kv)
+                    if kv is not None:  # None: not the pools mapped here, the body path
+                        return LoadResult(lease.num_tokens, kv)
             request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
             body = self._post("/v1/load", request, tenant)
             return self._pools.loaded(body, wanted, asked, dest, start)
@@ -270,12 +293,17 @@ class Client:
     def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None
     ) -> Reservation:
+        return self._reserve(tokens, tenant, ttl_s)[0]
+
+    def _reserve(self, tokens: Tokens, tenant: str, ttl_s: float | None) -> ReservationFrom:
+        """`reserve`, and the server instance of its reply."""
         with self._calls.call():
             request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
             body = self._post_carrying("/v1/reserve", request, tenant)
-            return self._pools.reservation(body, request["tokens"])
+            instance = self._server.instance(body, "reservation", tenant)
+            return self._pools.reservation(body, request["tokens"]), instance
 
     def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
@@ -320,8 +348,8 @@ class Client:
             flusher.join()
         self._send_releases(self._owed.take_due(math.inf))
         self._http.close()
-        if self._lane is not None:
-            self._lane.close()
+        if (lane := self._lane) is not None:
+            lane.close()
         self._pools.clear()
 
     def __enter__(self) -> Client:

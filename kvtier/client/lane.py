@@ -19,12 +19,17 @@ Contract:
   it is used and replaced.
 - A reply is untrusted: a frame longer than `max_reply_bytes`, or that is not
   `[status, body bytes]`, is a `ReplyError` (no more than the limit is read).
+- `retire()`: the lane of a server that is gone (the client re-mapped the pools of a server
+  restarted at its URL, which named a lane of its own): its idle connections are closed, and
+  it is `dead` for good, so a call that still holds it takes HTTP (never a `ClosedError`); a
+  call under way ends as it would, and its connection is closed after.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 import threading
 import time
@@ -89,6 +94,14 @@ class LaneConnections(_Dead):
         for sock in idle:
             sock.close()
 
+    def retire(self) -> None:
+        """Dead for good, its idle connections closed (module doc)."""
+        with self._lock:
+            self.retry_at = math.inf
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
     def _take(self) -> socket.socket | None:
         while True:
             with self._lock:
@@ -122,7 +135,7 @@ class LaneConnections(_Dead):
         """Keep `sock` for the next request, its request answered (counted in `calls`)."""
         with self._lock:
             self.calls += 1
-            if not self._closed:
+            if not self._closed and self.retry_at != math.inf:
                 self._idle.append(sock)
                 return
         sock.close()
@@ -165,7 +178,7 @@ class AsyncLaneConnections(_Dead):
         except BaseException:
             writer.close()
             raise
-        if self._closed:
+        if self._closed or self.retry_at == math.inf:
             writer.close()
         else:
             self._idle.append(stream)
@@ -179,13 +192,21 @@ class AsyncLaneConnections(_Dead):
         for _, writer in idle:
             writer.close()
 
+    def retire(self) -> None:
+        """Dead for good, its idle connections closed (module doc)."""
+        self.retry_at = math.inf
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()
+
     async def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         if self._closed:
             raise ClosedError("the client is closed: no request is sent")
         while self._idle:
             idle = self._idle.pop()
-            if not idle[0].at_eof() and not idle[1].is_closing():
-                return idle  # the server has not closed it
+            raw = idle[1].get_extra_info("socket")
+            if not idle[0].at_eof() and not idle[1].is_closing() and still_open(raw):
+                return idle  # the server has not closed it (seen yet by the loop, or not)
             idle[1].close()
         if self.dead:
             return None

@@ -22,12 +22,23 @@ Invariants:
   the server reuse them.
 - Blocks move between a mapped pool and the caller's tensor in one pass, in the layout the
   caller asked for (`caller_kv.py`: one copy per run of slots): no temporary, no transpose.
-- A mapping is used only while it is its server's: a /dev/shm segment still linked under its
-  name as the very file mapped (`live`). A server that restarts at the same URL has new pools
-  (the old one unlinks its segments at close, or the new one sweeps them before it answers),
-  and a lease or reservation of the new server names slots of those: read in the old mapping
-  they were the old server's bytes, any tenant's. A stale mapping is forgotten: a load then is
-  a `ReplyError` (no byte read), and the next stores and loads send their KV in the body.
+- A mapping is used only for its server's slots. A server that restarts at the same URL has
+  new pools, and a lease or reservation of the new server names slots of those: read or
+  written in the old mapping they were the old server's memory, any tenant's bytes. So every
+  `/v1/pools` reply and every reply that names slots carries the server's `instance`, random
+  per server process (`service/admission.py`, checked in `service/replies.py`), and a mapped
+  pool is handed out for a reply's slots only when the mapping is of the reply's instance
+  (`pool_for`; `writable`), checked on one snapshot of the mappings so that a re-mapping on
+  another thread cannot slip in between. The check does not depend on the pool's kind: a
+  CUDA IPC pool (which has no file to look at) is covered by the same line as a /dev/shm one.
+  A /dev/shm pool is also still the very file mapped (`segment_id`; defence in depth: a
+  segment unlinked under a live server), else that tier is forgotten.
+- A reply of another instance (`stale`) makes the clients forget every mapping at once (the
+  old server's memory is unmapped with them) and ask `/v1/pools` again, once per instance: a
+  server whose replies keep naming other instances costs one request each, never a loop. The
+  new pools are mapped (`map`), and the reply's slots are used through them if their
+  instance is the reply's; else its KV travels in the body. A new server of another layout is
+  a `ReplyError` (`pools.layout`), with nothing mapped.
 - A load reply in the body is checked against the prompt before it is returned or a byte of
   it lands in the caller's `out`: no more tokens than were asked, in whole blocks where the
   layout is known (`ReplyError`).
@@ -35,7 +46,9 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,24 +62,55 @@ from kvtier.service import replies, wire
 from kvtier.service.cuda_ipc import import_pool
 from kvtier.tiers.shm import map_shared, segment_id
 
+LeaseFrom = tuple[Lease, str | None]
+"""A lease and the server instance of the reply that granted it (`read_blocks`)."""
+ReservationFrom = tuple[Reservation, str | None]
+"""A reservation and the server instance of the reply that granted it (`writable`)."""
+
+
+@dataclass(frozen=True)
+class PoolMapping:
+    """The pools mapped here, all of one server `instance` (None: a server without instance
+    ids, or nothing mapped): tier -> the mapped pool, and for a /dev/shm pool tier -> (name,
+    the file mapped). Replaced whole, never changed in place."""
+
+    instance: str | None = None
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    segments: dict[str, tuple[str, tuple[int, int]]] = field(default_factory=dict)
+
 
 class MappedPools:
     """The pools a server offers and those of them mapped here; empty until `map`."""
 
     def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}  # tier -> the mapped pool
         self.served: replies.Pools | None = None  # what the server offers, once asked
-        self._segments: dict[str, tuple[str, tuple[int, int]]] = {}  # tier -> name, file
+        self.mapping = PoolMapping()
+        self._maps = False  # whether this client maps pools (`map` with `mapping`)
+        self._asked_for: str | None = None  # the last instance `stale` asked pools again for
+        self._lock = threading.Lock()  # `stale` and the replacements of `mapping`
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Tier -> the pool mapped here, as mapped now (read only)."""
+        return self.mapping.buffers
 
     def map(self, body: dict[str, Any], mapping: bool = True) -> None:
         """Map every pool the server offers, once its whole reply is checked (`ReplyError`,
         nothing mapped); a pool that is not here to map stays unmapped. Without `mapping`,
         only learn the layout and the pools (a client without shared memory that needs the
-        layout for a caller's `out`)."""
+        layout for a caller's `out`). A layout other than the one learnt before is a
+        `ReplyError` (`pools.layout`): the caller's KV was checked against that one."""
         served = replies.pools(body)
+        if self.served is not None and served.layout != self.served.layout:
+            raise ReplyError(
+                f"pools.layout: got {served.layout}, expected {self.served.layout}, the layout "
+                "this client was serving (the server restarted with another)"
+            )
         if not mapping:
             self.served = served
             return
+        buffers: dict[str, torch.Tensor] = {}
+        segments: dict[str, tuple[str, tuple[int, int]]] = {}
         dtype = served.layout.dtype
         for pool in served.pools:
             shape = served.layout.pool_shape(pool.num_slots)
@@ -77,30 +121,51 @@ class MappedPools:
                     buffer = map_shared(pool.shared_memory, dtype, shape)
                     if mapped is None or segment_id(pool.shared_memory) != mapped:
                         continue  # replaced while it was mapped: which file is not known
-                    self.buffers[pool.tier] = buffer
-                    self._segments[pool.tier] = (pool.shared_memory, mapped)
+                    buffers[pool.tier] = buffer
+                    segments[pool.tier] = (pool.shared_memory, mapped)
                 elif ipc is not None and ipc.device < torch.cuda.device_count():
-                    self.buffers[pool.tier] = import_pool(ipc)
+                    buffers[pool.tier] = import_pool(ipc)
             except (OSError, RuntimeError):
                 continue  # another host, user or GPU, or not its server's file: the body path
-        self.served = served
+        with self._lock:
+            self.mapping = PoolMapping(served.instance, buffers, segments)
+            self.served, self._maps = served, True
 
     def clear(self) -> None:
-        """Forget every mapping (the client is closed)."""
-        self.buffers.clear()
-        self._segments.clear()
+        """Forget every mapping (the client is closed, or its server restarted)."""
+        with self._lock:
+            self.mapping = PoolMapping()
 
-    def live(self, tier: str) -> bool:
-        """Whether `tier` is mapped here and the mapping is still its server's (module doc);
-        a stale one is forgotten. A pool not in shared memory (CUDA IPC) is taken as live."""
-        if tier not in self.buffers:
-            return False
-        segment = self._segments.get(tier)
-        if segment is None or segment_id(segment[0]) == segment[1]:
+    def stale(self, instance: str | None) -> bool:
+        """Whether a reply of server `instance` (one naming slots) calls for `/v1/pools` again:
+        this client maps pools, those mapped are another instance's, and the pools were not
+        asked for again for `instance` yet. If so every mapping is forgotten now (module doc);
+        the caller asks, and hands the reply to `map`."""
+        with self._lock:
+            if not self._maps or instance in (self.mapping.instance, self._asked_for):
+                return False
+            self._asked_for, self.mapping = instance, PoolMapping()
             return True
-        self.buffers.pop(tier, None)
-        self._segments.pop(tier, None)
-        return False
+
+    def pool_for(self, tier: str, instance: str | None) -> torch.Tensor | None:
+        """The pool of `tier` mapped here, if the mapping is of server `instance` (the one of
+        the reply that names the slots) and still its server's (module doc), else None (a
+        /dev/shm pool whose file was replaced is forgotten). One check for every kind of
+        pool: a CUDA IPC pool is told apart by the instance alone, by this same code, which
+        the CPU tests run with /dev/shm pools."""
+        now = self.mapping
+        pool = now.buffers.get(tier)
+        if pool is None or now.instance != instance:
+            return None
+        segment = now.segments.get(tier)
+        if segment is None or segment_id(segment[0]) == segment[1]:
+            return pool
+        with self._lock:
+            if self.mapping is now:
+                buffers = {t: b for t, b in now.buffers.items() if t != tier}
+                segments = {t: n for t, n in now.segments.items() if t != tier}
+                self.mapping = PoolMapping(now.instance, buffers, segments)
+        return None
 
     def lease(
         self, body: dict[str, Any], canceller: Callable[[Lease], None] | None, asked: int
@@ -201,40 +266,46 @@ class MappedPools:
         check_start(start, num_tokens, self.served.layout.block_tokens)
         check_kv_as(self.served.layout, kv, kind, num_tokens - start)
 
-    def writable(self, reservation: Reservation, start: int) -> bool:
-        """Whether this client can fill `reservation` from a KV that begins at `start`: it
-        reserved something, in a pool mapped here, and nothing before `start` (which the
+    def writable(
+        self, reservation: Reservation, start: int, instance: str | None
+    ) -> torch.Tensor | None:
+        """The mapped pool this client fills `reservation` of server `instance` in, from a KV
+        that begins at `start`, or None (the body path): it reserved something, in a pool
+        mapped here from that instance (`pool_for`), and nothing before `start` (which the
         caller has no KV for; the body path then stores nothing, as the server decides)."""
-        return bool(
-            reservation.num_tokens
-            and reservation.cached_tokens >= start
-            and self.live(reservation.tier)  # after the reply: the slots are this server's
-        )
+        if not reservation.num_tokens or reservation.cached_tokens < start:
+            return None
+        return self.pool_for(reservation.tier, instance)
 
     def write_blocks(
-        self, reservation: Reservation, kv: torch.Tensor, start: int = 0, kind: KVKind = "layers"
+        self,
+        reservation: Reservation,
+        pool: torch.Tensor,
+        kv: torch.Tensor,
+        start: int = 0,
+        kind: KVKind = "layers",
     ) -> None:
         """Write the reserved blocks of `kv` (checked by `check_kv`; its tokens from `start`
-        on, in `kind`) into their mapped slots, in one pass."""
+        on, in `kind`) into their slots of `pool` (`writable`'s), in one pass."""
         assert self.served is not None, "pools are mapped with their layout"
         bt = self.served.layout.block_tokens
         begin, count = (reservation.cached_tokens - start) // bt, reservation.num_tokens // bt
-        pool = self.buffers[reservation.tier]
         blocks = blocks_view(kv, kind, bt, begin + count)[begin:]
         copy_blocks_slices(blocks, pool, range(count), list(reservation.slots))
         if pool.is_cuda:  # complete before the commit lets the server read the slots
             torch.cuda.synchronize(pool.device)
 
-    def read_blocks(self, lease: Lease, dest: Destination, first: int = 0) -> torch.Tensor:
+    def read_blocks(
+        self, lease: Lease, instance: str | None, dest: Destination, first: int = 0
+    ) -> torch.Tensor | None:
         """The leased prefix's KV from its block `first` on, copied out of the mapped gpu pool
         into `dest` in one pass: the part of it that holds them (a lease checked by `lease`
-        holds no more blocks than its prompt)."""
-        pool = self.buffers.get("gpu")
-        if pool is None or not self.live("gpu"):  # after the lease reply: whose slots it names
-            raise ReplyError(
-                f"lease {lease.lease_id}: the server's gpu pool is no longer the one mapped "
-                "here (it restarted); nothing read, and loads now send their KV in the body"
-            )
+        holds no more blocks than its prompt); None, nothing read, unless the gpu pool mapped
+        here is of server `instance`, the one of the reply that granted the lease (`pool_for`).
+        """
+        pool = self.pool_for("gpu", instance)
+        if pool is None:
+            return None
         wanted = list(lease.block_table)[first:]
         copy_blocks_slices(pool, dest.blocks(len(wanted)), wanted, range(len(wanted)))
         if pool.is_cuda:  # complete before the release lets the server reuse the slots

@@ -1,4 +1,5 @@
-"""The sidecar's state (`Service`: the store once ready, auth, metrics) and who a request acts as.
+"""The sidecar's state (`Service`: the store once ready, auth, metrics, its instance id) and who a
+request acts as.
 
     service.ready_store()              the store, or `WireError` 503 not_ready (with the reason)
     admit(request, service)            the store and the tenant of the caller's key (or the
@@ -10,10 +11,16 @@
                                        the admin key or without auth, else the 401/403 to answer
 
 A refusal never echoes the key it refused (`unauthorized`).
+
+`service.instance` is random (16 hex digits, `secrets`), drawn once when the app is made: no two
+server processes share one, so a client that mapped the pools of one tells a reply of another
+(a sidecar restarted at the same URL, with new pools) by it. `/v1/pools` and every reply that
+names slots carry it (`bodies.py`, `plane.py`; the client's side: `client/pools.py`).
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable
 
@@ -44,6 +51,7 @@ class Service:
         self.failure = ""
         self.ready = threading.Event()
         self.lane: str | None = None  # the local lane's name while it listens (`lane.py`)
+        self.instance = secrets.token_hex(8)  # this server's id in its replies (module doc)
 
     def start(self) -> None:
         """Build the store (recovery included) on this thread; `ready` when it is done."""

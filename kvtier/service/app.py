@@ -9,7 +9,9 @@ Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `gu
     GET  /                                    the status page (`page.py`), for a browser
     GET  /v1/status                           live figures: a tenant key sees its tenant's
     GET  /v1/config /metrics                  config with keys redacted; Prometheus text
-    GET  /v1/pools                            what a same-host client maps: /dev/shm, the lane
+    GET  /v1/pools                            what a same-host client maps: /dev/shm, the lane;
+                                              the server's instance id, which every reply
+                                              naming slots repeats (`admission.Service`)
     GET  /v1/blocks                           every block held, as KV events (a router's resync)
     POST /v1/lookup /v1/prefetch /v1/release /v1/store /v1/load /v1/reserve /v1/commit
          /v1/abort                            the data plane, as the tenant of the caller's key
@@ -80,7 +82,8 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starter = threading.Thread(target=_start_quietly, args=(service,), name="kvtier-start")
         starter.start()
-        lane = Lane(service, Plane(config.service).sync_handlers())  # small calls (`lane.py`)
+        plane = Plane(config.service, service.instance)
+        lane = Lane(service, plane.sync_handlers())  # the small calls (`lane.py`)
         service.lane = lane.start() if config.service.shared_memory else None
         yield
         service.lane = None
@@ -240,13 +243,15 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         ours = await run_in_threadpool(same_user, peer, tuple(server) if server else None)
         return await call(
             request,
-            lambda s, tenant, data: bodies.pools(s, config.shared_memory, service.lane, ours),
+            lambda s, tenant, data: bodies.pools(
+                s, config.shared_memory, service.lane, ours, service.instance
+            ),
             reads_body=False,
         )
 
     # ---- data plane (`plane.py`) ---------------------------------------------------------
 
-    p = Plane(config)
+    p = Plane(config, service.instance)
     routes: list[tuple[str, Callable[..., Any], dict[str, Any], dict[str, Any], str]] = [
         ("/v1/lookup", p.lookup, schemas.TOKENS, schemas.LOOKUP, "Cached prefix, by tier"),
         ("/v1/prefetch", p.prefetch, schemas.PREFETCH, schemas.LEASE, "Lease the prefix on gpu"),
@@ -277,7 +282,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
             lease = await run_in_threadpool(store.lease, lease_id, tenant=tenant)
             if wait_s > 0 and lease.state is LeaseState.PENDING:
                 await await_lease(lease, wait_s)
-            return bodies.lease(lease)
+            return bodies.lease(lease, service.instance)
 
         return await call(request, handler, reads_body=False)
 

@@ -1,5 +1,9 @@
 """Response bodies built from the store's objects: a lease, the pools a same-host client may
-map, the effective configuration with its keys redacted, the store's checks."""
+map, the effective configuration with its keys redacted, the store's checks.
+
+A lease and the pools carry `instance`, the server's instance id (`admission.Service`), as a
+reservation does (`plane.py`): a client reads or writes a mapped pool for slots only when the
+reply that names them has the instance of the `/v1/pools` it mapped (`client/pools.py`)."""
 
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ def checked(store: KVStore) -> dict[str, Any]:
     return {"ok": True, "detail": ""}
 
 
-def lease(lease: Lease) -> dict[str, Any]:
-    """A lease as `/v1/prefetch` and `/v1/leases/{id}` answer it."""
+def lease(lease: Lease, instance: str) -> dict[str, Any]:
+    """A lease as `/v1/prefetch` and `/v1/leases/{id}` answer it, from server `instance`."""
     return {
         "lease_id": lease.lease_id,
         "tenant": lease.tenant,
@@ -32,15 +36,21 @@ def lease(lease: Lease) -> dict[str, Any]:
         "state": lease.state.value,
         "layers_ready": lease.layers_ready,
         "reason": lease.reason,
+        "instance": instance,
     }
 
 
 def pools(
-    store: KVStore, share: bool, lane: str | None = None, same_user: bool = False
+    store: KVStore,
+    share: bool,
+    lane: str | None = None,
+    same_user: bool = False,
+    instance: str | None = None,
 ) -> dict[str, Any]:
-    """What a same-host client may map. With `service.shared_memory` off nothing is offered,
-    a CUDA pool's IPC handle included; so is `lane`, the name of the local lane the small calls
-    may take (`lane.py`; None: not listening). Whoever opens the handle reads and writes every
+    """What a same-host client may map, from server `instance` (the app always names it). With
+    `service.shared_memory` off nothing is offered, a CUDA pool's IPC handle included; so is
+    `lane`, the name of the local lane the small calls may take (`lane.py`; None: not
+    listening). Whoever opens the handle reads and writes every
     tenant's gpu pages, and CUDA checks no Unix user, so it goes only to a peer known to run as
     the server's user (`same_user`, `peer.py`), as the 0600 /dev/shm files do."""
     layout = store.layout
@@ -64,6 +74,7 @@ def pools(
             for pool in store.memory
         ],
         "lane": lane,
+        "instance": instance,
     }
 
 

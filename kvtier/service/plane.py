@@ -7,6 +7,10 @@ propagates for the caller to classify. They run on a worker thread (HTTP) or on 
 connection's thread, never on the event loop; the one exception is HTTP's `prefetch`, a
 coroutine that awaits its lease without holding a thread (`sync_handlers` gives the lane a
 blocking twin).
+
+Every reply that names slots (a lease: prefetch, `/v1/leases`; a reservation) carries the
+server's `instance` (`admission.Service`), so a client never reads or writes the pools it mapped
+from another server process for them (`client/pools.py`).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ Handler = Callable[[KVStore, str, dict[str, Any]], Any]
 
 
 class Plane:
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, instance: str) -> None:
         self.config = config
+        self.instance = instance  # the server's, in every reply that names slots
 
     def lookup(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         tokens = wire.tokens_field(data, self.config.max_tokens)
@@ -52,7 +57,7 @@ class Plane:
                 await await_lease(lease, left)
             if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
                 break
-        return bodies.lease(lease)
+        return bodies.lease(lease, self.instance)
 
     def prefetch_blocking(
         self, store: KVStore, tenant: str, data: dict[str, Any]
@@ -68,7 +73,7 @@ class Plane:
                     lease.wait(left)
             if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
                 break
-        return bodies.lease(lease)
+        return bodies.lease(lease, self.instance)
 
     def lease_blocking(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         """`GET /v1/leases/{id}?wait_s=` for the lane (`frames.PATHS`): the lease's state,
@@ -81,7 +86,7 @@ class Plane:
         if wait_s > 0 and lease.state is LeaseState.PENDING:
             with contextlib.suppress(LeaseError):  # an ended lease: its state tells
                 lease.wait(wait_s)
-        return bodies.lease(lease)
+        return bodies.lease(lease, self.instance)
 
     def _prefetch_fields(self, data: dict[str, Any]) -> tuple[Any, float | None, float, list[int]]:
         tokens = wire.tokens_field(data, self.config.max_tokens)
@@ -110,7 +115,8 @@ class Plane:
         ttl = wire.number_field(data, "ttl_s", None)
         done = wire.release_field(data)
         reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl, release=done)
-        return {**reservation._asdict(), "slots": list(reservation.slots)}
+        slots = list(reservation.slots)
+        return {**reservation._asdict(), "slots": slots, "instance": self.instance}
 
     def commit(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         rid = wire.int_field(data, "reservation_id")

@@ -10,7 +10,12 @@ nothing from it. Nothing here is ever evaluated or unpickled.
   `[layers, 2, block_tokens, heads, dim]` agreeing with `block_bytes` and `block_tokens`), and
   per tier (`gpu`, `host`, each at most once) a bounded `num_slots`, a shared-memory name of
   ours for that tier (`tiers/shm.py` `NAME`) or none, a checked CUDA IPC description
-  (`service/cuda_ipc.py`) or none.
+  (`service/cuda_ipc.py`) or none; the server's `instance`.
+- `instance` (`/v1/pools`, leases, reservations: `instance(body, where)`): the server process's
+  id, 16 lowercase hex digits (`admission.Service`), or absent (a server before instance ids:
+  None, which matches only a mapping made from a reply without one either). The client reads
+  or writes a mapped pool for slots only when the reply naming them has the instance of the
+  `/v1/pools` it mapped (`client/pools.py`).
 - Leases and reservations: ids and counts in range, token counts in whole blocks, one distinct
   slot per block, each below the pool's `num_slots` when the pools are known.
 - Lookup, store and load results: counts in range that add up; a load's KV of the layout's
@@ -21,6 +26,7 @@ nothing from it. Nothing here is ever evaluated or unpickled.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +55,8 @@ MAX_COUNT = 1 << 40
 """Bound on token counts."""
 MAX_ID = (1 << 64) - 1
 POOL_TIERS = ("gpu", "host")
+INSTANCE = re.compile(r"[0-9a-f]{16}")
+"""A server instance id (`admission.Service`)."""
 _STATES = tuple(state.value for state in LeaseState)
 """A tuple, not a set: a hostile state may be unhashable, and `in` compares with ==."""
 
@@ -69,6 +77,7 @@ class Pools:
 
     layout: KVLayout
     pools: tuple[Pool, ...]
+    instance: str | None  # the server process that offers them (module doc)
 
     def num_slots(self, tier: str) -> int | None:
         return next((pool.num_slots for pool in self.pools if pool.tier == tier), None)
@@ -76,6 +85,7 @@ class Pools:
 
 def pools(body: dict[str, Any]) -> Pools:
     """The `/v1/pools` reply `body`, checked (module docstring)."""
+    server = instance(body, "pools")
     layout = _layout(_field(body, "layout", dict, "pools"))
     offers = _field(body, "pools", list, "pools")
     if len(offers) > len(POOL_TIERS):
@@ -100,13 +110,28 @@ def pools(body: dict[str, Any]) -> Pools:
         shape = layout.pool_shape(num_slots)
         described = None if ipc is None else parse_description(ipc, layout.dtype_name, shape)
         checked.append(Pool(tier, num_slots, name, described))
-    return Pools(layout, tuple(checked))
+    return Pools(layout, tuple(checked), server)
+
+
+def instance(body: dict[str, Any], where: str) -> str | None:
+    """The server instance a reply (`where`: pools, lease, reservation) comes from; None for
+    none (module doc); anything but an instance id is a `ReplyError` naming the field."""
+    value = body.get("instance")
+    if value is None:
+        return None
+    if not isinstance(value, str) or INSTANCE.fullmatch(value) is None:
+        raise ReplyError(
+            f"{where}.instance: got {value!r:.80}, expected 16 lowercase hex digits (the "
+            "server's instance id) or none"
+        )
+    return value
 
 
 def lease(
     body: dict[str, Any], served: Pools | None, canceller: Callable[[Lease], None] | None
 ) -> Lease:
     """A lease reply, checked against the gpu pool's slots when `served` is known."""
+    instance(body, "lease")  # well formed, whoever reads it (the client's pools compare it)
     state = body.get("state")
     if state not in _STATES:
         raise ReplyError(f"lease.state: got {state!r:.80}, expected a lease state")
@@ -132,6 +157,7 @@ def lease(
 def reservation(body: dict[str, Any], served: Pools | None, sent_tokens: int) -> Reservation:
     """A reservation reply for a sequence of `sent_tokens`, checked against its tier's slots
     when `served` is known."""
+    instance(body, "reservation")  # well formed, as a lease's
     tier = body.get("tier")
     if tier not in ("gpu", "host", "disk"):
         raise ReplyError(f"reservation.tier: got {tier!r:.80}, expected gpu, host or disk")

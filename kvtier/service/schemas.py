@@ -16,6 +16,8 @@ from kvtier.service.wire import MAX_RELEASES
 _INT = {"type": "integer"}
 _NUM = {"type": "number"}
 _STR = {"type": "string"}
+# the server process's random id (`admission.Service`), in every reply that names slots
+_INSTANCE = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
 
 
@@ -63,8 +65,9 @@ LEASE = _obj(
         "state": {"enum": ["pending", "ready", "released", "cancelled", "expired", "failed"]},
         "layers_ready": _INT,
         "reason": _STR,
+        "instance": _INSTANCE,
     },
-    ("lease_id", "num_tokens", "block_table", "state"),
+    ("lease_id", "num_tokens", "block_table", "state", "instance"),
 )
 STORED = _obj(
     {k: _INT for k in ("cached_tokens", "stored_tokens", "dropped_tokens", "pending_tokens")},
@@ -83,15 +86,18 @@ RESERVATION = _obj(
         "tier": _STR,
         "slots": {"type": "array", "items": _INT},
         "expires_at": _NUM,
+        "instance": _INSTANCE,
     },
-    ("reservation_id", "num_tokens", "tier", "slots"),
+    ("reservation_id", "num_tokens", "tier", "slots", "instance"),
 )
 POOLS = _obj(
     {
         "layout": ANY_OBJECT,
         "pools": {"type": "array", "items": ANY_OBJECT},
         "lane": {"type": ["string", "null"]},  # the local lane's name (`lane.py`)
-    }
+        "instance": _INSTANCE,
+    },
+    ("layout", "pools", "instance"),
 )
 CLEARED = _obj({"dropped_blocks": _INT}, ("dropped_blocks",))
 PERSISTED = _obj({"persisted_blocks": _INT}, ("persisted_blocks",))
