@@ -14,7 +14,9 @@ does); the pages that came are compared with what the writer wrote (`bit_exact`)
 written and read slot by slot through SGLang's documented buffer dims for `layout`, code of its
 own, not kvtier's copies. `held`: the reader holds the first `held` pages already and asks
 for the rest with their keys as prefix keys (`hicache_storage_pass_prefix_keys`), so the
-backend loads from past them (`load(start=)`).
+backend loads from past them (`load(start=)`). `dtype`: the pools' dtype (float16 by
+default). `pause`: once the backend registered, print `registered` and wait for a line on
+stdin before the write or read (the test replaces the sidecar meanwhile).
 """
 
 from __future__ import annotations
@@ -31,10 +33,15 @@ import torch.distributed as dist
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 8  # kvtier's tiny test layout; SGLang pages of 8 tokens
 
 
-def kv_at(seed: int, position: int) -> torch.Tensor:
+def kv_at(seed: int, position: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The KV of the token at `position`: `[2, layers, heads, dim]`."""
     gen = torch.Generator().manual_seed(seed * 100_003 + position)
-    return torch.randn((2, LAYERS, HEADS, DIM), generator=gen).to(torch.float16)
+    return torch.randn((2, LAYERS, HEADS, DIM), generator=gen).to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes: compared bit for bit (-0.0 is not 0.0)."""
+    return t.contiguous().view(torch.uint8)
 
 
 def slot_view(buffer: torch.Tensor, layout: str, kv: int, layer: int, slot: int) -> torch.Tensor:
@@ -64,8 +71,9 @@ def controller(args: dict[str, Any]) -> tuple[Any, Any]:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
+    dtype = getattr(torch, args.get("dtype", "float16"))
     device = MHATokenToKVPool(
-        size=256, page_size=PAGE, dtype=torch.float16, head_num=HEADS, head_dim=DIM,
+        size=256, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=DIM,
         layer_num=LAYERS, device="cpu", enable_memory_saver=False,
     )  # fmt: skip
     host = MHATokenToKVPoolHost(
@@ -75,7 +83,7 @@ def controller(args: dict[str, Any]) -> tuple[Any, Any]:
         end_layer=device.end_layer,
     )  # fmt: skip
     allocator = PagedTokenToKVPoolAllocator(
-        size=256, page_size=PAGE, dtype=torch.float16, device="cpu", kvcache=device,
+        size=256, page_size=PAGE, dtype=dtype, device="cpu", kvcache=device,
         need_sort=False,
     )  # fmt: skip
     extra = {
@@ -100,10 +108,14 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     backend = cc.storage_backend
     out: dict[str, Any] = {"backend": type(backend).__name__}
     tokens, seed, layout = list(args["tokens"]), int(args["seed"]), host.layout
+    dtype = host.kv_buffer.dtype
+    if args.get("pause"):
+        print("registered", flush=True)
+        sys.stdin.readline()
     if args["mode"] == "write":
         slots = host.alloc(len(tokens))
         for position, slot in enumerate(slots.tolist()):
-            value = kv_at(seed, position)
+            value = kv_at(seed, position, dtype)
             for kv in (0, 1):
                 for layer in range(LAYERS):
                     slot_view(host.kv_buffer, layout, kv, layer, slot).copy_(value[kv, layer])
@@ -128,8 +140,8 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
                 completed += ack.completed_tokens
             slots = hit.host_indices[:completed].tolist()
             out["bit_exact"] = all(
-                torch.equal(slot_view(host.kv_buffer, layout, kv, layer, slot).view(torch.int16),
-                            kv_at(seed, held * PAGE + i)[kv, layer].view(torch.int16))
+                torch.equal(bits(slot_view(host.kv_buffer, layout, kv, layer, slot)),
+                            bits(kv_at(seed, held * PAGE + i, dtype)[kv, layer]))
                 for i, slot in enumerate(slots) for kv in (0, 1) for layer in range(LAYERS)
             )  # fmt: skip
         out["completed_tokens"] = completed

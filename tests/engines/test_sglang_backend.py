@@ -17,7 +17,9 @@ than vLLM; the default suite does not collect this directory):
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ import pytest
 import yaml
 from engine_process import launch as run_engine
 from engine_process import report as engine_report
-from service_server import Server, running, write_config
+from service_server import Server, free_port, running, write_config
 
 pytest.importorskip("sglang", reason="SGLang is installed apart: tests/engines/install.sh sglang")
 
@@ -103,3 +105,33 @@ def test_a_sidecar_of_another_model_or_shard_is_refused_when_sglang_attaches_it(
         with running(path) as other:
             done = launch(other, mode="read", tokens=list(range(8)))
         assert done.returncode != 0 and f"config field '{field}'" in done.stderr, done.stderr[-800:]
+
+
+def test_a_sidecar_restarted_on_another_model_is_a_miss_never_a_cast(tmp_path: Path) -> None:
+    """The backend checked the sidecar's layout when SGLang registered its host pool; the
+    sidecar behind the URL is then replaced by one of another dtype holding the same keys.
+    The reader finds the pages, and the load is a miss, counted: its float32 KV is never cast
+    into SGLang's float16 host pool."""
+    tokens, port = list(range(2500, 2532)), free_port()  # 4 pages
+    tenants = {"alice": {"api_keys": [ALICE]}}
+    fp16 = write_config(tmp_path / "fp16", tenants=tenants)
+    fp32 = write_config(tmp_path / "fp32", tenants=tenants)
+    config = yaml.safe_load(fp32.read_text())
+    config["model"] = {**config["model"], "dtype": "float32"}
+    fp32.write_text(yaml.safe_dump(config))
+    body = {"api_key": ALICE, "seed": 9, "mode": "read", "tokens": tokens, "pause": True}
+    with running(fp16, port=port) as first:
+        reader = subprocess.Popen(
+            [sys.executable, str(ENGINE), json.dumps({**body, "url": first.url})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "registered"
+    with running(fp32, port=port) as second:
+        wrote = controller(second, mode="write", tokens=tokens, seed=9, dtype="float32")
+        assert wrote["completed_tokens"] == 32
+        out, err = reader.communicate("go\n", timeout=300)
+    assert reader.returncode == 0, err[-3000:]
+    read = json.loads(out.strip().splitlines()[-1])
+    assert read["hit_tokens"] == 32  # batch_exists: the keys are there
+    assert read["completed_tokens"] == 0 and read["stats"]["pages_got"] == 0
+    assert read["stats"]["errors"] >= 1
