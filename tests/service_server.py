@@ -179,3 +179,18 @@ def kv_of(num_tokens: int, seed: int) -> torch.Tensor:
 def tokens_of(base: int, num_tokens: int) -> list[int]:
     """`num_tokens` distinct ids from `base` on: tests keep their sequences apart by base."""
     return list(range(base, base + num_tokens))
+
+
+@contextlib.contextmanager
+def restartable(
+    directory: Path, tenants: Mapping[str, Any] | None = None
+) -> Iterator[tuple[Path, int, list[Server]]]:
+    """A config and one port for servers a test starts and restarts at one URL
+    (`start(config, port=port)`, appended to the list); every one stopped on leaving."""
+    config, port = write_config(directory, tenants=tenants), free_port()
+    started: list[Server] = []
+    try:
+        yield config, port, started
+    finally:
+        for server in started:
+            server.stop()

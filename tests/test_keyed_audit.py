@@ -11,12 +11,10 @@ pages (`kvtier.keyed`), and the client that carries them to a sidecar (`kvtier.c
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from service_server import Server, free_port, kv_of, start, write_config
+from service_server import kv_of, restartable, start
 
 from kvtier.client import Client
 from kvtier.errors import KVTierError
@@ -44,25 +42,17 @@ def test_any_str_is_a_key_non_ascii_and_lone_surrogates_included() -> None:
     assert len(set(made)) == len(keys)
 
 
-@contextlib.contextmanager
-def _restartable(tmp_path: Path) -> Iterator[tuple[Path, int, list[Server]]]:
-    tenants = {"alice": {"api_keys": [ALICE]}, "bob": {"api_keys": [BOB]}}
-    config, port = write_config(tmp_path, tenants=tenants), free_port()
-    started: list[Server] = []
-    try:
-        yield config, port, started
-    finally:
-        for server in started:
-            server.stop()
-
-
 def test_a_client_that_outlives_a_sidecar_restart_never_serves_the_old_pools(
     tmp_path: Path,
 ) -> None:
     pages = KeyedPages(8, "tp0/1")
     keys = [f"{i:064x}" for i in range(1, 5)]  # 4 pages of 8 tokens: 8 blocks of 4
     tokens = pages.tokens(keys)
-    with _restartable(tmp_path) as (config, port, started):
+    with restartable(tmp_path, {"alice": {"api_keys": [ALICE]}, "bob": {"api_keys": [BOB]}}) as (
+        config,
+        port,
+        started,
+    ):
         started.append(start(config, port=port))
         alice = Client(started[-1].url, api_key=ALICE)
         assert alice.pool_buffer("gpu") is not None  # mapped: loads read the pool in place

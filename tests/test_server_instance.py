@@ -17,9 +17,7 @@ old one's pools knows it (`kvtier/client/pools.py`, `kvtier/service/admission.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,9 @@ from service_server import (
     ADMIN_KEY,
     BT,
     Server,
-    free_port,
     kv_of,
+    restartable,
     start,
-    write_config,
 )
 
 from kvtier.client import AsyncClient, Client
@@ -41,18 +38,6 @@ from kvtier.errors import ReplyError
 from kvtier.service import replies
 
 INSTANCE = re.compile(r"[0-9a-f]{16}")
-
-
-@contextlib.contextmanager
-def _servers(tmp_path: Path) -> Iterator[tuple[Path, int, list[Server]]]:
-    """A config and a port for servers started (and restarted) by the test; all stopped."""
-    config, port = write_config(tmp_path), free_port()
-    started: list[Server] = []
-    try:
-        yield config, port, started
-    finally:
-        for server in started:
-            server.stop()
 
 
 def _counts(server: Server) -> dict[str, float]:
@@ -79,7 +64,7 @@ def test_each_server_process_has_its_own_instance_in_every_reply_that_names_slot
 ) -> None:
     tokens = list(range(100, 100 + 4 * BT))
     seen = []
-    with _servers(tmp_path) as (config, port, started):
+    with restartable(tmp_path) as (config, port, started):
         for _ in range(2):
             started.append(start(config, port=port))
             server = started[-1]
@@ -101,7 +86,7 @@ def test_a_client_that_outlives_a_restart_loads_the_new_bytes_through_the_new_po
     tmp_path: Path,
 ) -> None:
     tokens = list(range(500, 500 + 8 * BT))
-    with _servers(tmp_path) as (config, port, started):
+    with restartable(tmp_path) as (config, port, started):
         started.append(start(config, port=port))
         client = Client(started[-1].url)
         try:
@@ -147,7 +132,7 @@ def test_the_async_client_outlives_a_restart_the_same_way(tmp_path: Path) -> Non
             pool = client._pools.buffers.get("gpu")
             return got.kv, pool is not None and pool is not old_pool
 
-    with _servers(tmp_path) as (config, port, started):
+    with restartable(tmp_path) as (config, port, started):
         started.append(start(config, port=port))
         counts: dict[str, dict[str, float]] = {}
 
@@ -168,7 +153,7 @@ def test_the_async_client_outlives_a_restart_the_same_way(tmp_path: Path) -> Non
 
 def test_a_lease_of_another_instance_is_never_read_through_the_mapping(tmp_path: Path) -> None:
     tokens = list(range(300, 300 + 4 * BT))
-    with _servers(tmp_path) as (config, port, started):
+    with restartable(tmp_path) as (config, port, started):
         started.append(start(config, port=port))
         server = started[-1]
         with Client(server.url) as client:
@@ -202,7 +187,7 @@ def test_a_lease_of_another_instance_is_never_read_through_the_mapping(tmp_path:
 
 def test_a_malformed_instance_is_a_reply_error_naming_the_field(tmp_path: Path) -> None:
     tokens = list(range(400, 400 + 2 * BT))
-    with _servers(tmp_path) as (config, port, started):
+    with restartable(tmp_path) as (config, port, started):
         started.append(start(config, port=port))
         server = started[-1]
         with Client(server.url) as client:
