@@ -146,11 +146,19 @@ class Flights:
 
 class FlightRunner:
     """Submits a flight's transfers and calls `on_finished(flight)` once, when every copy of it
-    is done (successfully or not). Thread-safe; holds no lock of the cache."""
+    is done (successfully or not), and `on_launched()` once its transfers are submitted (the
+    mover wakes its thread there: with CUDA events nothing else would tell it a copy began).
+    Thread-safe; holds no lock of the cache."""
 
-    def __init__(self, executor: Executor, on_finished: Callable[[Flight], None]) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        on_finished: Callable[[Flight], None],
+        on_launched: Callable[[], None] | None = None,
+    ) -> None:
         self.executor = executor
         self.on_finished = on_finished
+        self.on_launched = on_launched
 
     def launch(self, flight: BlockFlight, transfer: Transfer) -> None:
         """Start a demotion or insert flight: its transfer, whose per-block outcomes are kept."""
@@ -233,6 +241,8 @@ class FlightRunner:
     def _launched(self, flight: Flight) -> None:
         with flight.lock:
             flight.launched = True
+        if self.on_launched is not None:
+            self.on_launched()
         self._one_done(flight, count=False)
 
     def _fail(self, flight: Flight, why: str) -> None:

@@ -20,7 +20,8 @@ Contract:
   published flight wakes it to look again. Before each look it publishes finished flights and
   plans demotions over watermarks, as the thread would; it stores nothing.
 - The thread wakes on every completion (a done callback, or a CUDA event it polls while copies
-  run) and at least every `IDLE_WAKE_S`; it holds the mover only while it works, so a store
+  run: a launch on such an executor wakes it to start polling) and at least every
+  `IDLE_WAKE_S`; it holds the mover only while it works, so a store
   dropped without `close()` is collected and its thread ends.
 """
 
@@ -91,7 +92,10 @@ class Mover:
         self.executor = executor
         self.background = settings.background
         self.flights = Flights()
-        self.runner = FlightRunner(executor, self._on_finished)
+        # a polled executor (CUDA events) completes a copy only when asked: a launch wakes the
+        # thread, which then polls while flights are in the air instead of sleeping its tick
+        launched = self.kick if executor.polled else None
+        self.runner = FlightRunner(executor, self._on_finished, launched)
         self.residency = Residency(clock)
         self.book = LeaseBook(state.index, self.residency, state.gpu.layout.num_layers)
         self.prefetcher = Prefetcher(
