@@ -237,14 +237,20 @@ def test_the_kernel_decodes_bit_for_bit_as_the_reference(spec: QuantSpec, dtype:
     assert bool(pool[[1, 2, 4]].isnan().all())  # other slots untouched
 
 
-def test_the_kernel_decodes_every_fp8_code_and_odd_row_widths() -> None:
-    layout = KVLayout("odd", 1, 3, 40, "bfloat16", 4)  # R = 120: masked lanes, unaligned
-    codec = QuantCodec(QuantSpec("fp8"), layout)
-    payload = codec.encode(kv(layout, 2))
+def every_fp8_code(codec: QuantCodec, device: str) -> torch.Tensor:
+    """A payload of 2 blocks whose codes run through every fp8 code but NaN (0x80 is -0.0)."""
+    payload = codec.encode(kv(codec.layout, 2)).to(device)
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     payload[:, : codec.code_nbytes] = codes.repeat(codec.code_nbytes // len(codes) + 1)[
         : codec.code_nbytes
-    ]
+    ].to(device)
+    return payload
+
+
+def test_the_kernel_decodes_every_fp8_code_and_odd_row_widths() -> None:
+    layout = KVLayout("odd", 1, 3, 40, "bfloat16", 4)  # R = 120: masked lanes, unaligned
+    codec = QuantCodec(QuantSpec("fp8"), layout)
+    payload = every_fp8_code(codec, "cpu")
     pool = torch.zeros(2, *layout.block_shape, dtype=layout.dtype)
     dequantize(codec, payload, pool, torch.tensor([1, 0]), kernel=True)
     assert torch.equal(pool[[1, 0]].view(torch.uint8), codec.decode(payload).view(torch.uint8))
@@ -286,3 +292,18 @@ def test_on_a_gpu_the_kernel_decodes_as_torch_does_there(spec: QuantSpec) -> Non
     dequantize(codec, payload, pool, slots)
     expected = codec.decode(payload)  # torch, on the same GPU
     assert torch.equal(pool[slots].view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_kernel_decodes_every_fp8_code_as_torch_does_there() -> None:
+    # the H200 found it: the code 0x80 (-0.0) came out +0.0, the sign lost in `-x`
+    codec = QuantCodec(QuantSpec("fp8"), KVLayout("odd", 1, 3, 40, "bfloat16", 4))
+    payload = every_fp8_code(codec, "cuda")
+    pool = torch.zeros(2, *codec.layout.block_shape, dtype=codec.layout.dtype, device="cuda")
+    dequantize(codec, payload, pool, torch.tensor([1, 0], device="cuda"))
+    expected = codec.decode(payload)  # torch, on the same GPU
+    assert torch.equal(pool[[1, 0]].view(torch.int16), expected.view(torch.int16))
+    negative_zero = payload[:, : codec.code_nbytes] == 0x80
+    assert bool(negative_zero.any())
+    assert bool((pool[[1, 0]].reshape(2, -1).view(torch.int16)[negative_zero] == -(2**15)).all())

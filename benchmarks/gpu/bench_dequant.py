@@ -70,6 +70,27 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(samples)
 
 
+def differ(codec: QuantCodec, payload: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Print how the kernel's output differs from torch's decode on the GPU, and which of the
+    two a decode by torch on the CPU agrees with: what the next session needs to fix it."""
+    on_cpu = codec.decode(payload.cpu())
+    g, w, c = (t.reshape(len(t), -1).view(torch.int16).cpu() for t in (got, want, on_cpu))
+    wrong = (g != w).nonzero()
+    print(
+        f"{codec.id}: {len(wrong)} of {g.numel()} values differ from torch on the GPU; "
+        f"kernel == torch on the CPU: {bool(torch.equal(g, c))}, "
+        f"torch GPU == torch CPU: {bool(torch.equal(w, c))}"
+    )
+    for b, e in wrong[:8].tolist():
+        code = int(payload[b, e].item()) if e < codec.code_nbytes else -1
+        kernel = g[b, e].view(torch.bfloat16).item()
+        print(
+            f"  block {b} value {e}: code 0x{code:02x}, kernel {kernel!r} "
+            f"(0x{int(g[b, e]) & 0xFFFF:04x}), torch GPU {w[b, e].view(torch.bfloat16).item()!r} "
+            f"(0x{int(w[b, e]) & 0xFFFF:04x}), torch CPU (0x{int(c[b, e]) & 0xFFFF:04x})"
+        )
+
+
 def measure(codec: QuantCodec, blocks: torch.Tensor, repeat: int) -> dict[str, Any]:
     device = blocks.device
     n = blocks.shape[0]
@@ -80,6 +101,8 @@ def measure(codec: QuantCodec, blocks: torch.Tensor, repeat: int) -> dict[str, A
     dequantize(codec, payload, pool, slots)
     reference = codec.decode(payload)  # torch on the GPU
     exact = bool(torch.equal(pool[slots].view(torch.int16), reference.view(torch.int16)))
+    if not exact:
+        differ(codec, payload, pool[slots], reference)
     flat_src, flat_dst = blocks.reshape(-1), torch.empty_like(blocks).reshape(-1)
     copy_s = timed(lambda: flat_dst.copy_(flat_src), repeat)
     decode_s = timed(lambda: dequantize(codec, payload, pool, slots), repeat)

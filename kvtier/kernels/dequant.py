@@ -215,7 +215,9 @@ if triton is not None:
         exp = (code >> 3) & 15
         man = code & 7
         normal = ((sign << 31) | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-        tiny = man.to(tl.float32) * 0.001953125  # 2**-9: exact
-        value = tl.where(exp == 0, tl.where(sign == 1, -tiny, tiny), normal)
+        # 2**-9 * man, exact; its sign set as a bit: a GPU compiles `-x` as `0 - x`, which turns
+        # the code 0x80 (-0.0) into +0.0 where torch keeps -0.0
+        tiny = (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | (sign << 31)
+        value = tl.where(exp == 0, tiny.to(tl.float32, bitcast=True), normal)
         scale = _f32(base + CODE_NBYTES, 4 * (lk * H + c // D), mask)
         _put(pool, slots, b, e, value * scale, mask, L * 2 * T * R)
