@@ -7,7 +7,9 @@ A pool buffer is block-major and contiguous (`tiers/pool.py`), so block i is the
 bytes at `base + slot * block_bytes`. Three strategies copy them, each a `CopyStrategy`:
 
 - `slices`: one `copy_` per run of slots consecutive on both sides (`contiguous_runs`), so blocks
-  allocated together move as one large copy, and scattered ones as one copy each.
+  allocated together move as one large copy, and scattered ones as one copy each; between a
+  CUDA buffer and a strided host view (a caller's layer-major tensor) through a device stage
+  instead, one memcpy per contiguous piece of host memory (`staged.py`).
 - `gather`: `index_select` of the source slots into one temporary on the source device, moved to
   the destination device, then `index_copy_`: every byte is copied twice, in a few launches.
   It is the plain-torch reference of the kernel.
@@ -45,6 +47,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import InvalidArgumentError
+from kvtier.kernels import staged
 
 BLOCK_COPY_CUDA = r"""
 template <typename T>
@@ -149,6 +152,9 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None
     """`copy_blocks_slices` of runs already found (`contiguous_runs`); every run checked
     against both buffers first (`check_runs`), so nothing is copied on a bad slot."""
     check_runs(runs, len(src), len(dst))
+    if staged.applies(src, dst):  # a strided host view: memcpys of its pieces, not the CPU's
+        staged.copy_runs(src, dst, runs)
+        return
     for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n])
 

@@ -1,0 +1,202 @@
+"""Block copies between a CUDA pool and a strided view of host memory, through a device stage.
+
+    d2h:  pool slots ──gather (HBM)──► stage [L, 2, m, T, H, D] ──one memcpy per piece──► host
+    h2d:  host ──one memcpy per piece──► stage ──scatter (HBM)──► pool slots
+
+Why: a load into a caller's layer-major host tensor (`caller_kv.py`: `[layers, 2, tokens,
+heads, dim]`) copies each run of slots into a strided view of it. `Tensor.copy_` from CUDA into
+a non-contiguous host tensor copies into a contiguous host temporary, then moves the elements on
+the CPU, one thread: on the H200 that load ran at 1.2 GB/s against 55 for one memcpy of the same
+bytes (`benchmarks/RESULTS.md`). The host view is not one piece of memory, but it is a few
+large ones: with its dimensions ordered by stride, a run of blocks consecutive on the host side
+is `L * 2` pieces of `m * T * H * D` contiguous elements (one per layer and K|V). So the blocks
+are arranged in that order in a device stage, by one pass at HBM speed, and each piece moves
+with one `cudaMemcpyAsync` (`copy_(non_blocking=True)`) straight between the stage and the
+host memory; h2d is the same, backwards.
+
+Contract:
+- `applies(src, dst)`: one side CUDA, the other host memory whose buffer is not contiguous
+  (the case above); otherwise the callers copy run by run with `copy_`.
+- `copy_runs(src, dst, runs)` copies each `(src_start, dst_start, length)` run of blocks of
+  `src` to `dst` (both `[slots, *block_shape]`, runs checked by the caller), and returns with
+  the copies complete, as `Tensor.copy_` into or out of host memory does. Runs consecutive on the
+  host side are joined (their device slots need not be); a stage holds at most `STAGE_BYTES`
+  (one block at least); on CUDA two stages are used in turn, the device's pass over one chunk
+  (on the current stream) overlapping the memcpys of the other (on a side stream), and a stage
+  is reused only once the work on its last chunk finished (CUDA events).
+- Where the stage cannot be allocated (the engine holds the device's memory), the copy runs
+  run by run with `copy_`, as before: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator, Sequence
+
+import torch
+
+STAGE_BYTES = 64 << 20
+"""The most device memory one copy stages at a time."""
+
+Run = tuple[int, int, int]
+
+
+def applies(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """A CUDA side and a non-contiguous host side (module doc)."""
+    if src.is_cuda == dst.is_cuda:
+        return False
+    host = dst if src.is_cuda else src
+    return not host.is_contiguous()
+
+
+def copy_runs(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    runs: Sequence[Run],
+    host_is_dst: bool | None = None,
+    stage_bytes: int = STAGE_BYTES,
+) -> None:
+    """Copy `runs` of blocks from `src` to `dst` through a device stage (module doc).
+    `host_is_dst`: whether `dst` is the host side (default: whether `src` is the CUDA one);
+    with both sides on the CPU the stage is on the CPU too (the tests of the arrangement)."""
+    to_host = src.is_cuda if host_is_dst is None else host_is_dst
+    device = src.device if to_host else dst.device
+    block_bytes = src[0].numel() * src.element_size() if len(src) else 1
+    chunk = max(1, stage_bytes // block_bytes)
+    total = sum(n for _, _, n in runs)
+    chunks = []  # (the host side's blocks, the device side's slots)
+    for host_start, device_slots in _host_runs(runs, host_is_dst=to_host):
+        for at in range(0, len(device_slots), chunk):
+            h, slots = host_start + at, device_slots[at : at + chunk]
+            chunks.append(((dst if to_host else src)[h : h + len(slots)], slots))
+    try:
+        stages = [
+            torch.empty((min(chunk, total), *src.shape[1:]), dtype=src.dtype, device=device)
+            for _ in range(min(2, len(chunks)))
+        ]
+    except torch.OutOfMemoryError:
+        for s, d, n in runs:
+            dst[d : d + n].copy_(src[s : s + n])
+        return
+    pool = src if to_host else dst
+    if device.type != "cuda":
+        for host, slots in chunks:
+            _down(pool, host, slots, stages[0]) if to_host else _up(host, pool, slots, stages[0])
+        return
+    _overlapped(pool, chunks, stages, to_host)
+
+
+def _overlapped(
+    pool: torch.Tensor,
+    chunks: list[tuple[torch.Tensor, list[int]]],
+    stages: list[torch.Tensor],
+    to_host: bool,
+) -> None:
+    """The chunks on CUDA, two stages in turn: the device's pass over one chunk (gather or
+    scatter, on the current stream) overlaps the memcpys of the other (on a side stream), each
+    stage reused only once the last work on it finished (events); returns when all is done."""
+    main = torch.cuda.current_stream(pool.device)
+    side = _side_stream(pool.device)
+    side.wait_stream(main)  # after what the engine enqueued before this call
+    released: list[torch.cuda.Event | None] = [None, None]
+    for k, (host, slots) in enumerate(chunks):
+        stage, last = stages[k % len(stages)], released[k % 2]
+        filled = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        if to_host:
+            if last is not None:
+                main.wait_event(last)  # the memcpys out of this stage are done
+            _as_blocks(host, stage).copy_(_gathered(pool, slots))
+            filled.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(filled)
+                for host_piece, stage_piece in _pieces(host, stage):
+                    host_piece.copy_(stage_piece, non_blocking=True)
+                done.record(side)
+        else:
+            with torch.cuda.stream(side):
+                if last is not None:
+                    side.wait_event(last)  # the scatter out of this stage is done
+                for host_piece, stage_piece in _pieces(host, stage):
+                    stage_piece.copy_(host_piece, non_blocking=True)
+                filled.record(side)
+            main.wait_event(filled)
+            _scatter(_as_blocks(host, stage), pool, slots)
+            done.record(main)
+        released[k % 2] = done
+    main.wait_stream(side)
+    main.synchronize()  # as `copy_` into or out of host memory: complete on return
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The memcpys' stream on `device`, one per process and device."""
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def _host_runs(runs: Sequence[Run], host_is_dst: bool) -> Iterator[tuple[int, list[int]]]:
+    """(first host slot, device slots) of each stretch of runs consecutive on the host side."""
+    start, slots = -1, []  # type: tuple[int, list[int]]
+    for s, d, n in runs:
+        host, dev = (d, s) if host_is_dst else (s, d)
+        if slots and host == start + len(slots):
+            slots.extend(range(dev, dev + n))
+            continue
+        if slots:
+            yield start, slots
+        start, slots = host, list(range(dev, dev + n))
+    if slots:
+        yield start, slots
+
+
+def _pieces(host: torch.Tensor, stage: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(host piece, stage piece) pairs, each host piece one contiguous stretch of memory, the
+    stage's pieces its own contiguous memory in the same order. `host` is `[m, *block]`; the
+    stage's first `m` blocks are laid out in `host`'s stride order."""
+    perm = sorted(range(host.dim()), key=lambda i: (-host.stride()[i], i))
+    ordered = host.permute(perm)
+    staged = stage.view(-1)[: host.numel()].view(ordered.shape)
+    lead = next(k for k in range(host.dim() + 1) if ordered[(0,) * k].is_contiguous())
+    for index in itertools.product(*(range(size) for size in ordered.shape[:lead])):
+        yield ordered[index], staged[index]
+
+
+def _as_blocks(host: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
+    """The stage's first `len(host)` blocks as `[m, *block]`, in `host`'s stride order."""
+    perm = sorted(range(host.dim()), key=lambda i: (-host.stride()[i], i))
+    ordered_shape = [host.shape[i] for i in perm]
+    inverse = [perm.index(i) for i in range(host.dim())]
+    return stage.view(-1)[: host.numel()].view(ordered_shape).permute(inverse)
+
+
+def _down(pool: torch.Tensor, host: torch.Tensor, slots: list[int], stage: torch.Tensor) -> None:
+    """pool[slots] -> host (`[len(slots), *block]`), through the stage."""
+    blocks = _as_blocks(host, stage)
+    blocks.copy_(_gathered(pool, slots))
+    for host_piece, stage_piece in _pieces(host, stage):
+        host_piece.copy_(stage_piece, non_blocking=True)
+
+
+def _up(host: torch.Tensor, pool: torch.Tensor, slots: list[int], stage: torch.Tensor) -> None:
+    """host (`[len(slots), *block]`) -> pool[slots], through the stage."""
+    for host_piece, stage_piece in _pieces(host, stage):
+        stage_piece.copy_(host_piece, non_blocking=True)
+    _scatter(_as_blocks(host, stage), pool, slots)
+
+
+def _scatter(blocks: torch.Tensor, pool: torch.Tensor, slots: list[int]) -> None:
+    """blocks -> pool[slots]: one copy when the slots are one run, else an index copy."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        pool[slots[0] : slots[0] + len(slots)].copy_(blocks)
+    else:
+        index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
+        pool.index_copy_(0, index, blocks)
+
+
+def _gathered(pool: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """pool[slots] as a view when they are one run, else gathered on the device."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return pool[slots[0] : slots[0] + len(slots)]
+    index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
+    return pool.index_select(0, index)
