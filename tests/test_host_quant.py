@@ -162,9 +162,15 @@ def test_on_a_gpu_a_prefetch_decodes_host_payloads_with_the_kernel(
     kvs = fill(store, [SEQS[0]], seed=3)
     fill(store, SEQS[1:4])
     assert store.lookup(SEQS[0]) == hit(host=32)
-    lease = store.prefetch(SEQS[0])
+    # what torch decodes of the payloads the host tier holds (encoded on the GPU, as a
+    # demotion from a CUDA gpu tier does: a CPU encode of the same KV may round differently)
+    decoded = store.load(SEQS[0], device="cpu").kv
+    assert store.lookup(SEQS[0]) == hit(host=32)
+    step = kvs[0].abs().amax().item() / 127
+    assert (decoded.float() - kvs[0].float()).abs().max().item() <= step
+    lease = store.prefetch(SEQS[0])  # decoded by the kernel, straight into the gpu slots
     blocks = store.gpu_pool.buffer[list(lease.block_table)].cpu()
     got = blocks.permute(1, 2, 0, 3, 4, 5).reshape(kvs[0].shape)
-    assert same(got, quantized(store, kvs[0], QuantSpec("int8")))
+    assert same(got, decoded)
     store.release(lease)
     store.check()
