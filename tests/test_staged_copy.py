@@ -83,6 +83,29 @@ def test_it_applies_only_between_a_cuda_side_and_a_strided_host_side() -> None:
     assert not staged.applies(src, src.clone())
 
 
+def test_as_words_views_both_sides_as_the_widest_word_they_allow() -> None:
+    src = pool(6, 3)  # head_dim 5 bf16: 10 bytes a row, no word wider than 2 bytes divides it
+    view = blocks_of(layer_major(6 * T), T, 0, 6)
+    first, second = staged.as_words(view, src)
+    assert first is view and second is src
+    wide = torch.randint(-(2**15), 2**15, (6, 3, 2, T, 2, 8), dtype=torch.int16).view(
+        torch.bfloat16
+    )
+    kv = torch.zeros((3, 2, 6 * T, 2, 8), dtype=torch.bfloat16)
+    dst, words = staged.as_words(blocks_of(kv, T, 0, 6), wide)
+    assert dst.dtype == words.dtype == torch.int64 and dst.shape[-1] == 2
+    dst[1:4].copy_(words[2:5])  # slices of the views are views of the slices
+    got = blocks_of(kv, T, 0, 6)
+    assert torch.equal(bits(got[1:4]), bits(wide[2:5]))
+    assert not bits(got[[0, 4, 5]]).any()
+    shifted = torch.zeros(3 * 2 * (6 * T) * 2 * 8 + 1, dtype=torch.bfloat16)[1:]  # offset 2 B
+    c, d = staged.as_words(shifted.view(3, 2, 6 * T, 2, 8), kv)
+    assert c.dtype == torch.bfloat16 and d.dtype == torch.bfloat16  # no word divides 2 bytes
+    other = kv.float()
+    first, second = staged.as_words(kv, other)  # two dtypes: left as they are
+    assert first is kv and second is other
+
+
 CUDA = torch.cuda.is_available()
 
 

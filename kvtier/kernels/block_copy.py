@@ -155,6 +155,8 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None
     if staged.applies(src, dst):  # a strided host view: memcpys of its pieces, not the CPU's
         staged.copy_runs(src, dst, runs)
         return
+    if src.is_cuda and dst.is_cuda:  # a strided copy on the device moves words, not bf16s
+        src, dst = staged.as_words(src, dst)
     for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n])
 

@@ -42,6 +42,29 @@ STAGE_BYTES = 64 << 20
 Run = tuple[int, int, int]
 
 
+WORDS = (torch.int64, torch.int32)
+"""The integer types a strided copy moves its elements as, widest first (`as_words`)."""
+
+
+def as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`a` and `b` (one dtype) as views of the widest of `WORDS` that both allow (a last
+    dimension of stride 1 whose bytes, and every other stride's, the word divides), else as
+    they are. Torch's strided copy moves one element per thread step: on the H200 a 256 MiB
+    layer-major -> block-major copy of bf16 took 0.336 ms, of the same bytes as int64 0.154 ms,
+    against 0.136 for a contiguous copy. Slices along dim 0 of the views are the views of the
+    slices."""
+    if a.dtype != b.dtype:
+        return a, b
+    for word in WORDS:
+        if word.itemsize <= a.element_size():
+            break
+        try:
+            return a.view(word), b.view(word)
+        except RuntimeError:  # a stride or the last dimension the word does not divide
+            continue
+    return a, b
+
+
 def applies(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """A CUDA side and a non-contiguous host side (module doc)."""
     if src.is_cuda == dst.is_cuda:
@@ -107,7 +130,7 @@ def _overlapped(
         if to_host:
             if last is not None:
                 main.wait_event(last)  # the memcpys out of this stage are done
-            _as_blocks(host, stage).copy_(_gathered(pool, slots))
+            _copy(_as_blocks(host, stage), _gathered(pool, slots))
             filled.record(main)
             with torch.cuda.stream(side):
                 side.wait_event(filled)
@@ -172,8 +195,7 @@ def _as_blocks(host: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
 
 def _down(pool: torch.Tensor, host: torch.Tensor, slots: list[int], stage: torch.Tensor) -> None:
     """pool[slots] -> host (`[len(slots), *block]`), through the stage."""
-    blocks = _as_blocks(host, stage)
-    blocks.copy_(_gathered(pool, slots))
+    _copy(_as_blocks(host, stage), _gathered(pool, slots))
     for host_piece, stage_piece in _pieces(host, stage):
         host_piece.copy_(stage_piece, non_blocking=True)
 
@@ -188,10 +210,16 @@ def _up(host: torch.Tensor, pool: torch.Tensor, slots: list[int], stage: torch.T
 def _scatter(blocks: torch.Tensor, pool: torch.Tensor, slots: list[int]) -> None:
     """blocks -> pool[slots]: one copy when the slots are one run, else an index copy."""
     if slots == list(range(slots[0], slots[0] + len(slots))):
-        pool[slots[0] : slots[0] + len(slots)].copy_(blocks)
+        _copy(pool[slots[0] : slots[0] + len(slots)], blocks)
     else:
         index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
         pool.index_copy_(0, index, blocks)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, a strided copy on one device, moving words (`as_words`)."""
+    wide_dst, wide_src = as_words(dst, src)
+    wide_dst.copy_(wide_src)
 
 
 def _gathered(pool: torch.Tensor, slots: list[int]) -> torch.Tensor:

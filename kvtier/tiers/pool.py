@@ -49,6 +49,7 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.errors import ClosedError, ConfigError, InvalidKVError, InvariantError
 from kvtier.kernels.block_copy import copy_blocks_slices
+from kvtier.kernels.staged import as_words
 from kvtier.tiers.shm import SHM_DIR, create_shared
 from kvtier.tiers.slots import SlotAllocator
 
@@ -263,14 +264,18 @@ class SlotPool:
                 and self._slots.is_allocated_run(start, stop)
                 and list(slots) == list(range(start, stop))
             ):
-                self.buffer[start:stop].copy_(blocks)
+                into, words = self.buffer[start:stop], blocks
+                if blocks.device == self.device and self.device.type == "cuda":
+                    into, words = as_words(into, blocks)  # a strided copy moves words
+                into.copy_(words)
                 return
         if self.device.type == "cpu":
             self._validate_allocated(slots, "write to")
             copy_blocks_slices(blocks, self.buffer, range(len(slots)), slots)
             return
         index = self._index(slots, "write to")
-        self.buffer.index_copy_(0, index, blocks.to(self.device))
+        buffer, words = as_words(self.buffer, blocks.to(self.device))
+        buffer.index_copy_(0, index, words)
 
     def read(self, slots: Sequence[int]) -> torch.Tensor:
         """A new tensor `[len(slots), *block_shape]` on the pool's device, copied from `slots`.
