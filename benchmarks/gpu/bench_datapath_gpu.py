@@ -4,7 +4,7 @@ host memory and HBM, each against `torch.cuda` copies of the same bytes in the s
 A store whose gpu tier is on this CUDA device and whose host tier is pinned (no disk, the mover
 inline), each pool 1.25x the prompt, so that nothing is demoted; 1 MiB blocks (32 layers, 8 kv
 heads, head_dim 64) and 64 KiB blocks (4 layers, 4 kv heads, head_dim 64), bf16, 16 tokens a
-block; prompts of `--sizes` MiB (default 256, 1024). Per block shape and prompt:
+block; prompts of `--sizes` MiB (default 16, 256, 1024). Per block shape and prompt:
 
   load h2d out=layers|blocks  blocks on host only (stored, then evicted from gpu) into a CUDA
                               `out`                                       vs one H2D copy
@@ -21,9 +21,11 @@ is the baseline's median seconds over the figure's (target >= 0.8). Stores land 
 `out`, on the GPU) once per prompt, outside the timing, and the blocks' residency (gpu, or host
 only) before and after its figures.
 
-Prints a table and, last, each figure group met or missed; writes the figures as JSON to
+Prints a table (each figure's median ms, and ms until its call returned: a store between CUDA
+buffers only enqueues its copies, so a call that returns about when they end is bound by its
+Python work) and, last, each figure group met or missed; writes the figures as JSON to
 `$OUT/bench_datapath_gpu.json` when `$OUT` is set.
-Run: `python benchmarks/gpu/bench_datapath_gpu.py [--sizes 256,1024] [--repeat N]`. Exit
+Run: `python benchmarks/gpu/bench_datapath_gpu.py [--sizes 16,256,1024] [--repeat N]`. Exit
 status: 0 ok, 1 on any mismatch, 2 without CUDA.
 """
 
@@ -130,10 +132,14 @@ class Op:
     before: Callable[[], object] | None = None
 
 
-def medians(ops: list[Op], repeat: int, device: torch.device) -> list[float]:
+def medians(ops: list[Op], repeat: int, device: torch.device) -> list[tuple[float, float]]:
     """Median seconds of each op over `repeat` rounds after `WARMUP` untimed ones, each timed
-    from an idle device to the end of its copies; the order rotates by one each round."""
+    from an idle device to the end of its copies, and the median seconds until the call
+    returned (copies between CUDA buffers are only enqueued by then: a call that returns about
+    when its copies end is bound by its Python work, not by them); the order rotates by one
+    each round."""
     samples: list[list[float]] = [[] for _ in ops]
+    cpu: list[list[float]] = [[] for _ in ops]
     for r in range(WARMUP + repeat):
         for k in range(len(ops)):
             op = ops[(r + k) % len(ops)]
@@ -142,12 +148,14 @@ def medians(ops: list[Op], repeat: int, device: torch.device) -> list[float]:
             sync(device)
             start = time.perf_counter()
             result = op.run()
+            returned = time.perf_counter()
             sync(device)
-            elapsed = time.perf_counter() - start
+            elapsed, used = time.perf_counter() - start, returned - start
             del result
             if r >= WARMUP:
                 samples[(r + k) % len(ops)].append(elapsed)
-    return [statistics.median(s) for s in samples]
+                cpu[(r + k) % len(ops)].append(used)
+    return [(statistics.median(s), statistics.median(c)) for s, c in zip(samples, cpu, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,7 @@ class Figure:
     seconds: float
     baseline: str
     baseline_seconds: float
+    call_seconds: float  # until the figure's call returned (median; module doc)
 
     @property
     def ratio(self) -> float:
@@ -169,7 +178,8 @@ class Figure:
         verdict = "met" if self.ratio >= TARGET else "MISSED"
         return (
             f"{self.block:<6}{self.prompt_mib:>5}MiB  {self.name:<24}{gbps:>7.1f}  "
-            f"{self.baseline:<12}{base:>7.1f}{self.ratio:>7.3f}  {verdict}"
+            f"{self.baseline:<12}{base:>7.1f}{self.ratio:>7.3f}  {verdict:<7}"
+            f"{self.seconds * 1e3:>9.3f}{self.call_seconds * 1e3:>9.3f}"
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -179,6 +189,7 @@ class Figure:
 
 HEADER = (
     f"{'block':<6}{'prompt':>8}  {'figure':<24}{'GB/s':>7}  {'baseline':<12}{'GB/s':>7}{'ratio':>7}"
+    f"  {'':<7}{'ms':>9}{'call ms':>9}"
 )
 
 
@@ -227,7 +238,7 @@ class Bench:
         self.mismatches: list[str] = []
 
     def add(self, name: str, op: Op, baseline: str, raw: Op) -> None:
-        seconds, raw_seconds = medians([op, raw], self.repeat, self.device)
+        (seconds, call_seconds), (raw_seconds, _) = medians([op, raw], self.repeat, self.device)
         prompt = self.prompt
         figure = Figure(
             prompt.layout.model_name,
@@ -237,6 +248,7 @@ class Bench:
             seconds,
             baseline,
             raw_seconds,
+            call_seconds,
         )
         print(figure.row(), flush=True)
         self.figures.append(figure)
@@ -284,7 +296,7 @@ def measure(layout: KVLayout, mib: int, repeat: int, device: torch.device) -> Be
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    parser.add_argument("--sizes", default="256,1024", help="prompt sizes in MiB, comma-separated")
+    parser.add_argument("--sizes", default="16,256,1024", help="prompt sizes in MiB, with commas")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     if not torch.cuda.is_available():
