@@ -8,8 +8,12 @@
 # --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 (and _2_17, _2_28):
 #   pydantic pydantic_core annotated-types typing-inspection typing_extensions lz4
 #   fastapi starlette uvicorn opentelemetry-api   (fastapi >= 0.16x imports opentelemetry)
-# at the versions of this machine's venv (`pip list`). Without httptools there, the sidecar
-# runs uvicorn's h11 protocol (kvtier/service/protocol.py).
+#   redis pyzmq httptools   (kvtier imports the first two as it loads the store)
+# at the versions of this machine's venv (`pip list`), with --platform manylinux_2_28_x86_64
+# manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 manylinux_2_5_x86_64 (6.5 MiB in
+# all, 2026-12-04). Without httptools there, the sidecar runs uvicorn's h11 protocol
+# (kvtier/service/protocol.py). The H200 image has msgpack, xxhash, pyyaml, httpx, numpy,
+# prometheus-client, uvloop and pytest already.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvtier-gpu-out}
 mkdir -p "$OUT"
