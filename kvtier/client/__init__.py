@@ -46,7 +46,10 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
                      only for the slots of replies of the server instance mapped
     lane.py          `LaneConnections` / `AsyncLaneConnections`: the clients' connections to
                      the server's local lane
-    releases.py      `OwedReleases`: the releases of loads, carried by later requests
+    releases.py      `OwedReleases`: the releases of loads, carried by later requests, and
+                     the request tokens of prefetches and reserves whose replies were lost
+    owing.py         `Owing` / `AsyncOwing`: sending what is owed (a flusher thread or task,
+                     before the next prefetch or reserve, at `close()`)
     calls.py         `Calls`: the calls under way that `close()` waits for
     transport.py     request headers, and a response read as its body or the error it reports
 """

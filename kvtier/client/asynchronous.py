@@ -5,14 +5,14 @@ cannot await); the shared-memory path and its fallback to the body are `Client`'
 another server instance maps the new server's pools and lane: `pools.py`), and so are
 owed releases (`releases.py`), sent here by a task the event loop starts `RELEASE_AFTER_S`
 after a load rather than by a thread. Its failures are `Client`'s too: a connection refused,
-reset or timed out is a `TransportError`, not httpx's own exception.
+reset or timed out is a `TransportError`, not httpx's own exception. A prefetch or reserve
+whose reply is lost (a transport failure, the task cancelled) owes a give-back by its request
+token, as `Client`'s does (`owing.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import math
 import time
 from typing import Any
 
@@ -25,12 +25,27 @@ from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.mapper import AsyncMapper
+from kvtier.client.owing import AsyncOwing, AsyncPost
 from kvtier.client.pools import LeaseFrom, ReservationFrom, store_body
-from kvtier.client.releases import OwedReleases
-from kvtier.client.transport import RequestHeaders, WaitPacer, httpx_send, reply_body
-from kvtier.errors import CapacityError, KVTierError
+from kvtier.client.releases import may_have_reached, new_token
+from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, httpx_send, reply_body
+from kvtier.errors import CapacityError, ClosedError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import frames, wire
+
+
+def _alone(url: str, timeout_s: float, headers: RequestHeaders, limit: int) -> AsyncPost:
+    """A POST over HTTP on a connection of its own (a give-back after `aclose()`)."""
+
+    async def post(path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
+        content = wire.encode(body, True)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as alone:
+            asked = alone.build_request(
+                "POST", path, content=content, headers=headers.for_tenant(tenant)
+            )
+            return reply_body(await httpx_send(alone, asked, limit))
+
+    return post
 
 
 class AsyncClient:
@@ -54,9 +69,9 @@ class AsyncClient:
         self._pools = self._server.pools
         self._calls = Calls()  # what `aclose()` waits for
         self._shared_memory = shared_memory
-        self._owed = OwedReleases()
-        self._flush_timer: asyncio.TimerHandle | None = None
-        self._flushes: set[asyncio.Task[None]] = set()  # running flushes, kept referenced
+        alone = _alone(url, timeout_s, self._headers, max_reply_bytes)
+        self._owing = AsyncOwing(self._post, alone)  # releases, give-backs owed
+        self._owed = self._owing.owed
         self._timeout_s = timeout_s
 
     @property
@@ -85,43 +100,35 @@ class AsyncClient:
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
-        """`_post`, carrying the releases owed for `tenant` (`releases.py`)."""
+        """`_post`, carrying the releases owed for `tenant` (`releases.py`), after giving back
+        what lost replies of that tenant may have been granted."""
+        await self._owing.send_requests(self._owed.take_requests(tenant))
         ids = self._owed.take(tenant)
         try:
             return await self._post(path, {**body, "release": ids} if ids else body, tenant)
         except BaseException:
             if ids:
-                self._owed.give_back(tenant, ids)
-                self._schedule_flush()
+                self._owing.owe_again(tenant, ids)
             raise
 
-    # ---- owed releases (`releases.py`) ---------------------------------------------------
+    async def _post_granting(
+        self, kind: str, path: str, request: dict[str, Any], tenant: str
+    ) -> tuple[str, dict[str, Any]]:
+        """`Client._post_granting`: the token and the reply."""
+        token = new_token()
+        try:
+            return token, await self._post_carrying(path, {**request, "request": token}, tenant)
+        except BaseException as exc:
+            if may_have_reached(exc, REFUSALS):
+                await self._owing.give_back(kind, token, tenant)
+            raise
 
-    def _schedule_flush(self) -> None:
-        """A flush when the oldest release owed is due (one timer at a time)."""
-        wait = self._owed.next_due_in()
-        if wait is None or self._flush_timer is not None:
-            return
-        loop = asyncio.get_running_loop()
-        self._flush_timer = loop.call_later(wait, self._start_flush)
-
-    def _cancel_flush(self) -> None:
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
-
-    def _start_flush(self) -> None:
-        self._flush_timer = None
-        task = asyncio.get_running_loop().create_task(self._flush(self._owed.take_due()))
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
-
-    async def _flush(self, due: list[tuple[int, str]]) -> None:
-        for lease_id, tenant in due:
-            # as `Client._send_releases`: a LeaseError or a transport error ends nothing
-            with contextlib.suppress(KVTierError, httpx.HTTPError):
-                await self._post("/v1/release", {"lease_id": lease_id}, tenant)
-        self._schedule_flush()  # what was owed meanwhile, or given back
+    async def _kept(self, kind: str, token: str, tenant: str, failed: bool) -> None:
+        """`Client._keeping`, after reading a granted reply (`failed`: it raised)."""
+        if failed or self._owing.closed:
+            await self._owing.give_back(kind, token, tenant)
+        if not failed and self._owing.closed:
+            raise ClosedError(f"the client closed while its {kind} was asked: given back")
 
     async def _map(self) -> None:
         """Map the server's pools before the first call that may use them; a failed
@@ -156,15 +163,19 @@ class AsyncClient:
                 request["ttl_s"] = ttl_s
             if not wait:
                 request["wait_s"] = 0.0
-            body = await self._post_carrying("/v1/prefetch", request, tenant)
-            instance = await self._server.instance(body, "lease", tenant)
-            lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
+            token, body = await self._post_granting("lease", "/v1/prefetch", request, tenant)
+            try:
+                instance = await self._server.instance(body, "lease", tenant)
+                lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
+            except BaseException:
+                await self._kept("lease", token, tenant, failed=True)
+                raise
+            await self._kept("lease", token, tenant, failed=False)
             if wait and lease.state is LeaseState.PENDING:
                 try:
                     lease = await self.wait_for(lease)
                 except BaseException:  # cancelled, or the wait failed: the lease is still ours
-                    self._owed.add(lease, tenant)  # released soon, never left to its ttl
-                    self._schedule_flush()
+                    self._owing.owe(lease, tenant)  # released soon, never left to its ttl
                     raise
             if wait:
                 lease.wait(0)  # raises LeaseError for an ended lease
@@ -270,8 +281,7 @@ class AsyncClient:
                     except BaseException:
                         await self.release(lease)
                         raise
-                    self._owed.add(lease, tenant)  # released on a later request's way
-                    self._schedule_flush()
+                    self._owing.owe(lease, tenant)  # released on a later request's way
                     if kv is not None:  # None: not the pools mapped here, the body path
                         return LoadResult(lease.num_tokens, kv)
             request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
@@ -296,9 +306,15 @@ class AsyncClient:
             request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
-            body = await self._post_carrying("/v1/reserve", request, tenant)
-            instance = await self._server.instance(body, "reservation", tenant)
-            return self._pools.reservation(body, request["tokens"]), instance
+            token, body = await self._post_granting("reservation", "/v1/reserve", request, tenant)
+            try:
+                instance = await self._server.instance(body, "reservation", tenant)
+                reservation = self._pools.reservation(body, request["tokens"])
+            except BaseException:
+                await self._kept("reservation", token, tenant, failed=True)
+                raise
+            await self._kept("reservation", token, tenant, failed=False)
+            return reservation, instance
 
     async def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
@@ -312,15 +328,13 @@ class AsyncClient:
     async def status(self) -> dict[str, Any]:
         return await self._get("/v1/status")
 
-    async def aclose(self) -> None:
-        """As `Client.close`: wait for the calls under way that may owe a release, release
-        what is owed, then close the connections and unmap the pools."""
-        await self._calls.aclose(self._timeout_s)
-        self._cancel_flush()
-        if self._flushes:
-            await asyncio.gather(*self._flushes, return_exceptions=True)
-        await self._flush(self._owed.take_due(math.inf))
-        self._cancel_flush()  # the one `_flush` may have scheduled: nothing is owed now
+    async def aclose(self, timeout_s: float | None = None) -> None:
+        """As `Client.close`: wait for the calls under way that may owe a release (up to
+        `timeout_s`, default the client's), release and give back what is owed (until that
+        bound again), then close the connections and unmap the pools."""
+        bound = self._timeout_s if timeout_s is None else timeout_s
+        await self._calls.aclose(bound)
+        await self._owing.close(time.monotonic() + bound)
         await self._http.aclose()
         if (lane := self._lane) is not None:
             await lane.aclose()

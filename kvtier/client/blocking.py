@@ -6,6 +6,11 @@ copy out of the mapped gpu pool, its release owed (`releases.py`: carried by the
 or reserve, else sent by the flusher thread within `RELEASE_AFTER_S`, or at `close()`). Where a
 call cannot go that way, its KV travels in the body.
 
+Each prefetch and reserve carries a fresh `request` token; one whose reply is lost (a
+`TransportError`, an interrupt) owes a give-back by that token, sent before the next prefetch or
+reserve of its tenant, by the flusher, or at `close()`; one whose reply comes after `close()`
+gives it back itself, on a connection of its own, and raises `ClosedError` (`releases.py`).
+
 A lease or reservation reply of another server instance than the pools mapped here (the
 sidecar restarted at the same URL: `pools.py`) makes the client forget its mappings and ask
 `/v1/pools` again, once per instance; the new pools and lane are taken from then on, and that
@@ -15,11 +20,9 @@ call's KV goes through them if they are the reply's instance, else through the b
 from __future__ import annotations
 
 import contextlib
-import math
-import threading
 import time
 import urllib.parse
-import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,31 +33,27 @@ from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
+from kvtier.client.owing import Owing, Post
 from kvtier.client.pools import LeaseFrom, ReservationFrom, store_body
-from kvtier.client.releases import OwedReleases
-from kvtier.client.transport import RequestHeaders, WaitPacer, reply_body
-from kvtier.errors import CapacityError, KVTierError
+from kvtier.client.releases import may_have_reached, new_token
+from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, reply_body
+from kvtier.errors import CapacityError, ClosedError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import frames, replies, wire
 
 
-def _flush_loop(client: weakref.ref[Client], wake: threading.Condition, owed: OwedReleases) -> None:
-    """The flusher thread of a `Client`: sends its releases as they fall due, until it is
-    closed. It holds the client weakly, between waits of at most a second: a client dropped
-    without `close()` is collected, and its thread ends (the server's ttl ends what it owed)."""
-    while True:
-        with wake:
-            while (wait := owed.next_due_in()) != 0.0:
-                live = client()
-                if live is None or live._closed:
-                    return
-                del live
-                wake.wait(1.0 if wait is None else min(wait, 1.0))
-        live = client()
-        if live is None or live._closed:
-            return
-        live._send_releases(owed.take_due())
-        del live
+def _alone(url: str, timeout_s: float, headers: RequestHeaders) -> Post:
+    """A POST over HTTP on a connection of its own (a give-back after `close()`)."""
+
+    def post(path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
+        alone = Connections(url, timeout_s, MAX_REPLY_BYTES)
+        try:
+            encoded = wire.encode(body, True)
+            return reply_body(alone.request("POST", path, encoded, headers.for_tenant(tenant)))
+        finally:
+            alone.close()
+
+    return post
 
 
 class Client:
@@ -80,10 +79,9 @@ class Client:
         self._server = Mapper(self._http, self._headers, (timeout_s, max_reply_bytes))
         self._pools = self._server.pools
         self._calls, self._timeout_s = Calls(), timeout_s  # what `close()` waits for
-        self._owed = OwedReleases()
-        self._wake = threading.Condition()
-        self._flusher: threading.Thread | None = None
-        self._closed = False
+        alone = _alone(url, timeout_s, self._headers)
+        self._owing = Owing(self._post, alone)  # releases, give-backs owed
+        self._owed = self._owing.owed
         if shared_memory:
             self._server.map()
 
@@ -110,41 +108,42 @@ class Client:
         return reply_body(self._http.request("GET", path, None, self._headers.common))
 
     def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
-        """`_post`, carrying the releases owed for `tenant` (`releases.py`)."""
+        """`_post`, carrying the releases owed for `tenant` (`releases.py`), after giving back
+        what lost replies of that tenant may have been granted."""
+        self._owing.send_requests(self._owed.take_requests(tenant))
         ids = self._owed.take(tenant)
         try:
             return self._post(path, {**body, "release": ids} if ids else body, tenant)
         except BaseException:
             if ids:
-                self._owed.give_back(tenant, ids)
-                self._poke()
+                self._owing.owe_again(tenant, ids)
             raise
 
-    # ---- owed releases (`releases.py`) ---------------------------------------------------
+    def _post_granting(
+        self, kind: str, path: str, request: dict[str, Any], tenant: str
+    ) -> tuple[str, dict[str, Any]]:
+        """`_post_carrying` of a prefetch or reserve with a fresh token; a failure that may have
+        reached the server owes the token's give-back. The token and the reply."""
+        token = new_token()
+        try:
+            return token, self._post_carrying(path, {**request, "request": token}, tenant)
+        except BaseException as exc:
+            if may_have_reached(exc, REFUSALS):
+                self._owing.give_back(kind, token, tenant)
+            raise
 
-    def _owe(self, lease: Lease, tenant: str) -> None:
-        self._owed.add(lease, tenant)
-        self._poke()
-
-    def _poke(self) -> None:
-        """Wake the flusher (started with the first release owed)."""
-        with self._wake:
-            if self._flusher is None and not self._closed:
-                self._flusher = threading.Thread(
-                    target=_flush_loop,
-                    args=(weakref.ref(self), self._wake, self._owed),
-                    name="kvtier-client-releases",
-                    daemon=True,
-                )
-                self._flusher.start()
-            self._wake.notify()
-
-    def _send_releases(self, due: list[tuple[int, str]]) -> None:
-        for lease_id, tenant in due:
-            # a LeaseError: released by a failed request that carried it; a transport error:
-            # the server is gone, or will end the lease at its ttl
-            with contextlib.suppress(KVTierError):
-                self._post("/v1/release", {"lease_id": lease_id}, tenant)
+    @contextlib.contextmanager
+    def _keeping(self, kind: str, token: str, tenant: str) -> Iterator[None]:
+        """Around reading a granted reply: a failure gives the grant back; so does a reply that
+        came after `close()` (then `ClosedError`)."""
+        try:
+            yield
+        except BaseException:
+            self._owing.give_back(kind, token, tenant)
+            raise
+        if self._owing.closed:
+            self._owing.give_back(kind, token, tenant)
+            raise ClosedError(f"the client closed while its {kind} was asked: given back")
 
     # ---- the engine contract ------------------------------------------------------------
 
@@ -173,15 +172,16 @@ class Client:
                 request["ttl_s"] = ttl_s
             if wait:
                 del request["wait_s"]
-            body = self._post_carrying("/v1/prefetch", request, tenant)
-            instance = self._server.instance(body, "lease", tenant)
-            lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
+            token, body = self._post_granting("lease", "/v1/prefetch", request, tenant)
+            with self._keeping("lease", token, tenant):
+                instance = self._server.instance(body, "lease", tenant)
+                lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
             if not wait or lease.ready():
                 return lease, instance
             try:
                 return self.wait_for(lease), instance
             except BaseException:  # interrupted, or the wait failed: the lease is still ours
-                self._owe(lease, tenant)  # released soon, never left to its ttl
+                self._owing.owe(lease, tenant)  # released soon, never left to its ttl
                 raise
 
     def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
@@ -283,7 +283,7 @@ class Client:
                     except BaseException:
                         self.release(lease)
                         raise
-                    self._owe(lease, tenant)  # released on a later request's way
+                    self._owing.owe(lease, tenant)  # released on a later request's way
                     if kv is not None:  # None: not the pools mapped here, the body path
                         return LoadResult(lease.num_tokens, kv)
             request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
@@ -301,9 +301,11 @@ class Client:
             request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
-            body = self._post_carrying("/v1/reserve", request, tenant)
-            instance = self._server.instance(body, "reservation", tenant)
-            return self._pools.reservation(body, request["tokens"]), instance
+            token, body = self._post_granting("reservation", "/v1/reserve", request, tenant)
+            with self._keeping("reservation", token, tenant):
+                instance = self._server.instance(body, "reservation", tenant)
+                reservation = self._pools.reservation(body, request["tokens"])
+            return reservation, instance
 
     def commit(self, reservation: Reservation) -> StoreResult:
         body = {"reservation_id": reservation.reservation_id}
@@ -335,18 +337,14 @@ class Client:
         """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None."""
         return self._pools.buffers.get(tier)
 
-    def close(self) -> None:
-        """Wait for the loads, stores, prefetches and reserves under way (up to `timeout_s`;
-        one called after is a `ClosedError`: `calls.py`), release what is owed, then close the
-        connections and unmap the pools."""
-        self._calls.close(self._timeout_s)
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-            flusher = self._flusher
-        if flusher is not None:
-            flusher.join()
-        self._send_releases(self._owed.take_due(math.inf))
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for the loads, stores, prefetches and reserves under way (up to `timeout_s`,
+        default the client's; one called after is a `ClosedError`: `calls.py`), release and
+        give back what is owed (sent until that bound, again), then close the connections and
+        unmap the pools. A call still under way then gives back what it is granted itself."""
+        bound = self._timeout_s if timeout_s is None else timeout_s
+        self._calls.close(bound)
+        self._owing.close(time.monotonic() + bound)
         self._http.close()
         if (lane := self._lane) is not None:
             lane.close()

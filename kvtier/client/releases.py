@@ -17,13 +17,23 @@ what they return). A request that fails after taking ids gives them back (`give_
 server may or may not have released them, and it passes over ids it no longer knows (an
 explicit `/v1/release` of one is a `LeaseError`, which the flusher ignores), so sending one
 twice is harmless. Thread-safe.
+
+Requests: a prefetch or reserve carries `request`, a token the client drew (`new_token`). When
+its reply is lost (a timeout, a reset connection, a cancelled task, a reply after `close()`)
+the server may have granted a lease or reservation whose id the client never learned: the
+token is owed instead (`add_request`), due at once, and given back by it (`/v1/release
+{request}` for a lease, `/v1/abort {request}` for a reservation: `service/grants.py`) before
+the client's next prefetch or reserve of that tenant, by the flusher, or at `close()`. The
+server answers `{}` for a token it granted nothing under, so a give-back is done once answered.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 
+from kvtier.errors import ClosedError
 from kvtier.results import Lease
 
 RELEASE_AFTER_S = 0.05
@@ -33,12 +43,47 @@ MAX_CARRIED = 256
 """The most ids one request carries (the server's `wire.MAX_RELEASES`)."""
 
 
+GIVE_BACK_PATHS = {"lease": "/v1/release", "reservation": "/v1/abort"}
+"""Where a token owed for a lost reply of each kind is given back."""
+
+Request = tuple[str, str, str]
+"""A token owed: (kind: "lease" or "reservation", token, tenant)."""
+
+
+def new_token() -> str:
+    """A fresh request token: 16 lowercase hex chars (`wire.request_field`)."""
+    return secrets.token_hex(8)
+
+
+def may_have_reached(exc: BaseException, refusals: tuple[type[BaseException], ...]) -> bool:
+    """Whether a prefetch or reserve that raised `exc` may have been granted on the server:
+    anything but a refusal the server answered (`refusals`) or a call refused before it was
+    sent (`ClosedError`)."""
+    return not isinstance(exc, (ClosedError, *refusals))
+
+
 class OwedReleases:
-    """What one client owes: lease id -> (tenant, when it was handed in)."""
+    """What one client owes: lease id -> (tenant, when it was handed in), and the tokens of
+    lost replies."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owed: dict[int, tuple[str, float]] = {}  # lease id -> (tenant, when handed in)
+        self._requests: dict[tuple[str, str], str] = {}  # (kind, token) -> tenant
+
+    def add_request(self, kind: str, token: str, tenant: str) -> None:
+        """Owe the give-back of what request `token` (of `kind`) may have been granted."""
+        with self._lock:
+            self._requests[(kind, token)] = tenant
+
+    def take_requests(self, tenant: str | None = None) -> list[Request]:
+        """The tokens owed (for `tenant`; None: all), no longer owed."""
+        with self._lock:
+            taken = [(k, t, who) for (k, t), who in self._requests.items()
+                     if tenant is None or who == tenant]  # fmt: skip
+            for kind, token, _ in taken:
+                del self._requests[(kind, token)]
+        return taken
 
     def add(self, lease: Lease, tenant: str) -> None:
         """Owe `lease`'s release; `tenant` as the load that took it named it (the client's
@@ -74,6 +119,8 @@ class OwedReleases:
     def next_due_in(self) -> float | None:
         """Seconds until the oldest owed id is due (0 if one is), or None if nothing is owed."""
         with self._lock:
+            if self._requests:
+                return 0.0
             if not self._owed:
                 return None
             oldest = min(at for _, at in self._owed.values())

@@ -40,6 +40,11 @@ class ServiceError(KVTierError):
         self.status, self.kind, self.detail = status, kind, detail
 
 
+REFUSALS: tuple[type[KVTierError], ...] = (ServiceError, *ERROR_TYPES.values())
+"""The errors `reply_body` raises for a refusal the server answered: a prefetch or reserve
+refused so was granted nothing (`releases.may_have_reached`)."""
+
+
 class RequestHeaders:
     """The headers of a client's requests; fixed at construction."""
 

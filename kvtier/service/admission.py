@@ -29,6 +29,7 @@ from fastapi import Request
 from kvtier.config import KVTierConfig
 from kvtier.service import wire
 from kvtier.service.auth import Auth
+from kvtier.service.grants import Grants
 from kvtier.service.history import History
 from kvtier.service.metrics import Metrics
 from kvtier.store import KVStore
@@ -52,6 +53,7 @@ class Service:
         self.ready = threading.Event()
         self.lane: str | None = None  # the local lane's name while it listens (`lane.py`)
         self.instance = secrets.token_hex(8)  # this server's id in its replies (module doc)
+        self.grants = Grants()  # request token -> lease / reservation id (`grants.py`)
 
     def start(self) -> None:
         """Build the store (recovery included) on this thread; `ready` when it is done."""

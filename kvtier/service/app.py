@@ -82,7 +82,7 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starter = threading.Thread(target=_start_quietly, args=(service,), name="kvtier-start")
         starter.start()
-        plane = Plane(config.service, service.instance)
+        plane = Plane(config.service, service.instance, service.grants)
         lane = Lane(service, plane.sync_handlers())  # the small calls (`lane.py`)
         service.lane = lane.start() if config.service.shared_memory else None
         yield
@@ -251,16 +251,16 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
 
     # ---- data plane (`plane.py`) ---------------------------------------------------------
 
-    p = Plane(config, service.instance)
+    p = Plane(config, service.instance, service.grants)
     routes: list[tuple[str, Callable[..., Any], dict[str, Any], dict[str, Any], str]] = [
         ("/v1/lookup", p.lookup, schemas.TOKENS, schemas.LOOKUP, "Cached prefix, by tier"),
         ("/v1/prefetch", p.prefetch, schemas.PREFETCH, schemas.LEASE, "Lease the prefix on gpu"),
-        ("/v1/release", p.release, schemas.LEASE_ID, schemas.EMPTY, "Release a lease"),
+        ("/v1/release", p.release, schemas.RELEASE, schemas.EMPTY, "Release a lease"),
         ("/v1/store", p.store_kv, schemas.STORE, schemas.STORED, "Store KV (payload in body)"),
         ("/v1/load", p.load, schemas.LOAD, schemas.LOADED, "Load KV (payload in body)"),
         ("/v1/reserve", p.reserve, schemas.RESERVE, schemas.RESERVATION, "Reserve slots"),
         ("/v1/commit", p.commit, schemas.RESERVATION_ID, schemas.STORED, "Commit a reservation"),
-        ("/v1/abort", p.abort, schemas.RESERVATION_ID, schemas.EMPTY, "Abort a reservation"),
+        ("/v1/abort", p.abort, schemas.ABORT, schemas.EMPTY, "Abort a reservation"),
     ]
     hot = {path: _post(app, path, handler, call, request_schema, response_schema, summary)
            for path, handler, request_schema, response_schema, summary in routes}  # fmt: skip
@@ -300,7 +300,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         """Run every invariant check of the store now."""
         if not service.auth.is_admin(request.headers.get("authorization")):
             return _error(403, "forbidden", "admin endpoints need the admin key")
-        return await _admin(request, service, bodies.checked)
+        return await _admin(request, service, lambda store: bodies.checked(store, service.grants))
 
     @app.post(
         "/v1/admin/persist", responses=schemas.responses(schemas.PERSISTED, 400, *schemas.ADMIN)

@@ -13,13 +13,17 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
 from kvtier.results import Lease
 from kvtier.service.cuda_ipc import export_pool
+from kvtier.service.grants import Grants
 from kvtier.store import KVStore
 
 
-def checked(store: KVStore) -> dict[str, Any]:
-    """What `/v1/admin/check` answers: every invariant check of the store, run now."""
+def checked(store: KVStore, grants: Grants | None = None) -> dict[str, Any]:
+    """What `/v1/admin/check` answers: every invariant check of the store (and of the request
+    tokens' table, `grants.py`), run now."""
     try:
         store.check()
+        if grants is not None:
+            grants.check()
     except KVTierError as exc:
         return {"ok": False, "detail": str(exc)}
     return {"ok": True, "detail": ""}

@@ -27,15 +27,17 @@ from kvtier.config.service import ServiceConfig
 from kvtier.errors import LeaseError
 from kvtier.results import Lease, LeaseState
 from kvtier.service import bodies, wire
+from kvtier.service.grants import Grants
 from kvtier.store import PREFETCH_ATTEMPTS, KVStore
 
 Handler = Callable[[KVStore, str, dict[str, Any]], Any]
 
 
 class Plane:
-    def __init__(self, config: ServiceConfig, instance: str) -> None:
+    def __init__(self, config: ServiceConfig, instance: str, grants: Grants) -> None:
         self.config = config
         self.instance = instance  # the server's, in every reply that names slots
+        self.grants = grants  # request token -> lease or reservation id, per tenant
 
     def lookup(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         tokens = wire.tokens_field(data, self.config.max_tokens)
@@ -47,10 +49,13 @@ class Plane:
         that the intact leading part comes back leased. The leases in `release` are released
         by the first attempt, once every field is known good (the store's `release`)."""
         tokens, ttl, deadline, done = self._prefetch_fields(data)
+        token = wire.request_field(data)
         for _ in range(PREFETCH_ATTEMPTS):
             lease = await run_in_threadpool(
                 store.prefetch, tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done
             )
+            if not self._grant(tenant, token, lease):  # a lock and a dict: no thread hop
+                await run_in_threadpool(self._withdrawn, store, token, lease)
             done = []
             left = deadline - time.monotonic()
             if left > 0:
@@ -64,8 +69,11 @@ class Plane:
     ) -> dict[str, Any]:
         """`prefetch`, waiting for the lease on the calling thread (the lane's)."""
         tokens, ttl, deadline, done = self._prefetch_fields(data)
+        token = wire.request_field(data)
         for _ in range(PREFETCH_ATTEMPTS):
             lease = store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done)
+            if not self._grant(tenant, token, lease):
+                self._withdrawn(store, token, lease)
             done = []
             left = deadline - time.monotonic()
             if left > 0:
@@ -92,11 +100,30 @@ class Plane:
         tokens = wire.tokens_field(data, self.config.max_tokens)
         ttl = wire.number_field(data, "ttl_s", None)
         deadline = time.monotonic() + wire.wait_field(data, self.config.prefetch_wait_s)
+        wire.request_field(data)  # checked before any work
         return tokens, ttl, deadline, wire.release_field(data)
 
+    def _grant(self, tenant: str, token: str | None, lease: Lease) -> bool:
+        """Remember `lease` under `token`; False: the token was withdrawn first."""
+        return token is None or self.grants.grant("lease", tenant, token, lease.lease_id)
+
+    @staticmethod
+    def _withdrawn(store: KVStore, token: str | None, lease: Lease) -> None:
+        """End `lease`, whose token was given back before it was granted (module doc)."""
+        with contextlib.suppress(LeaseError):
+            store.release(lease)
+        raise LeaseError(f"request {token}: given back before its lease was granted")
+
     def release(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        lease = store.lease(wire.int_field(data, "lease_id"), tenant=tenant)
-        store.release(lease)
+        token = _by_token(data, "lease_id")
+        if token is None:
+            lease = store.lease(wire.int_field(data, "lease_id"), tenant=tenant)
+            store.release(lease)
+            return {}
+        lease_id = self.grants.withdraw("lease", tenant, token)
+        if lease_id is not None:
+            with contextlib.suppress(LeaseError):  # ended already: nothing left to give back
+                store.release(store.lease(lease_id, tenant=tenant))
         return {}
 
     def store_kv(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +141,13 @@ class Plane:
         tokens = wire.tokens_field(data, self.config.max_tokens)
         ttl = wire.number_field(data, "ttl_s", None)
         done = wire.release_field(data)
+        token = wire.request_field(data)
         reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl, release=done)
+        rid = reservation.reservation_id
+        if token is not None and not self.grants.grant("reservation", tenant, token, rid):
+            with contextlib.suppress(LeaseError):
+                store.abort(rid)
+            raise LeaseError(f"request {token}: given back before its reservation was granted")
         slots = list(reservation.slots)
         return {**reservation._asdict(), "slots": slots, "instance": self.instance}
 
@@ -124,9 +157,17 @@ class Plane:
         return store.commit(rid)._asdict()
 
     def abort(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
-        rid = wire.int_field(data, "reservation_id")
-        store.reservation(rid, tenant=tenant)
-        store.abort(rid)
+        token = _by_token(data, "reservation_id")
+        if token is None:
+            rid = wire.int_field(data, "reservation_id")
+            store.reservation(rid, tenant=tenant)
+            store.abort(rid)
+            return {}
+        granted = self.grants.withdraw("reservation", tenant, token)
+        if granted is not None:
+            with contextlib.suppress(LeaseError):  # committed or ended already
+                store.reservation(granted, tenant=tenant)
+                store.abort(granted)
         return {}
 
     def sync_handlers(self) -> dict[str, Handler]:
@@ -140,6 +181,19 @@ class Plane:
             "/v1/abort": self.abort,
             "/v1/leases": self.lease_blocking,
         }
+
+
+def _by_token(data: dict[str, Any], id_field: str) -> str | None:
+    """The `request` token of a release or abort (None: by `id_field`); `WireError` 400 for a
+    malformed token, or for both an id and a token."""
+    token = wire.request_field(data)
+    if token is not None and id_field in data:
+        raise wire.WireError(
+            400,
+            "invalid_argument",
+            f"request: got both {id_field} and request, expected one of them",
+        )
+    return token
 
 
 async def await_lease(lease: Lease, wait_s: float) -> None:

@@ -33,12 +33,28 @@ _RELEASE = {
     "maxItems": MAX_RELEASES,
     "items": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
 }
+# a token the client drew, naming what its prefetch or reserve is granted (`grants.py`)
+_REQUEST = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
 PREFETCH = _obj(
-    {"tokens": _TOKENS, "ttl_s": _NUM, "wait_s": _NUM, "release": _RELEASE}, ("tokens",)
+    {"tokens": _TOKENS, "ttl_s": _NUM, "wait_s": _NUM, "release": _RELEASE, "request": _REQUEST},
+    ("tokens",),
 )
-RESERVE = _obj({"tokens": _TOKENS, "ttl_s": _NUM, "release": _RELEASE}, ("tokens",))
+RESERVE = _obj(
+    {"tokens": _TOKENS, "ttl_s": _NUM, "release": _RELEASE, "request": _REQUEST}, ("tokens",)
+)
 LEASE_ID = _obj({"lease_id": _INT}, ("lease_id",))
 RESERVATION_ID = _obj({"reservation_id": _INT}, ("reservation_id",))
+# by id, or by the request token of the prefetch / reserve (either, not both: 400)
+RELEASE = {
+    "type": "object",
+    "properties": {"lease_id": _INT, "request": _REQUEST},
+    "anyOf": [{"required": ["lease_id"]}, {"required": ["request"]}],
+}
+ABORT = {
+    "type": "object",
+    "properties": {"reservation_id": _INT, "request": _REQUEST},
+    "anyOf": [{"required": ["reservation_id"]}, {"required": ["request"]}],
+}
 STORE = _obj(
     {
         "tokens": _TOKENS,

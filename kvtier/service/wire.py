@@ -8,13 +8,18 @@ tensor's raw bytes in C order (msgpack only; JSON has no bytes).
 
     POST /v1/lookup    {tokens}                       -> {num_tokens, gpu_tokens, host_tokens,
                                                           disk_tokens, remote_tokens}
-    POST /v1/prefetch  {tokens, ttl_s?, wait_s?}      -> lease
-    POST /v1/release   {lease_id}                     -> {}
+    POST /v1/prefetch  {tokens, ttl_s?, wait_s?,      -> lease
+                        release?, request?}
+    POST /v1/release   {lease_id} or {request}        -> {}
     POST /v1/store     {tokens, kv, dtype, shape}     -> {cached_tokens, stored_tokens, ...}
     POST /v1/load      {tokens}                       -> {num_tokens, kv, dtype, shape}
-    POST /v1/reserve   {tokens, ttl_s?}               -> reservation
+    POST /v1/reserve   {tokens, ttl_s?, release?,     -> reservation
+                        request?}
     POST /v1/commit    {reservation_id}               -> store result
-    POST /v1/abort     {reservation_id}               -> {}
+    POST /v1/abort     {reservation_id} or {request}  -> {}
+
+`request`: a token the client drew for a prefetch or reserve; a release or abort by it gives
+back what that request was granted even when its reply was lost (`service/grants.py`).
 
 Every failure is `{"error": <kind>, "detail": <message>}` with a status code (`ERRORS`).
 Every byte of a request is untrusted: each field is checked for its type, range and size here
@@ -275,3 +280,28 @@ def query_number(text: str) -> float | str:
         return float(text)
     except ValueError:
         return text
+
+
+REQUEST_TOKEN_CHARS = 16
+"""A request token's length: 16 lowercase hex chars (`service/grants.py`)."""
+
+
+def request_field(data: dict[str, Any]) -> str | None:
+    """The `request` token of a prefetch, reserve, release or abort: 16 lowercase hex chars
+    the client drew, naming the lease or reservation that request is granted (`grants.py`);
+    absent or null: None. Anything else is `WireError` 400 (and nothing is done)."""
+    value = data.get("request")
+    if value is None:
+        return None
+    if not (
+        type(value) is str
+        and len(value) == REQUEST_TOKEN_CHARS
+        and all(c in "0123456789abcdef" for c in value)
+    ):
+        raise WireError(
+            400,
+            "invalid_argument",
+            f"request: got {value!r:.40}, expected a token of {REQUEST_TOKEN_CHARS} lowercase "
+            "hex chars",
+        )
+    return value

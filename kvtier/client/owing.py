@@ -1,0 +1,205 @@
+"""`Owing`: what a `Client` (`blocking.py`) owes the server, and the thread that sends it;
+`AsyncOwing`, its twin for an `AsyncClient` (a task of the event loop rather than a thread).
+
+Two kinds of debt (`releases.py` holds them): the releases of shared-memory loads' leases, and
+the give-backs, by request token, of what prefetches and reserves whose replies were lost may
+have been granted. The flusher thread (started with the first debt) sends each as it falls due;
+a prefetch or reserve gives back its tenant's tokens before it is sent (`send_requests`), and
+`close(deadline)` sends the rest until `deadline`.
+
+Contract:
+- `give_back(kind, token, tenant)` owes a token; once closed (nothing would send it) it is sent
+  at once on a connection of its own (`alone`), so a reply that came after `close()` leaves
+  nothing held.
+- The flusher holds its `Owing` weakly between waits of at most a second: a client dropped
+  without `close()` is collected and its thread ends (the server's ttl ends what it owed).
+- Sending: a `KVTierError` (a lease already ended, a transport failure) is passed over; the
+  server's ttl ends what could not be given back. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from kvtier.client.releases import GIVE_BACK_PATHS, OwedReleases, Request
+from kvtier.errors import KVTierError
+from kvtier.results import Lease
+
+Post = Callable[[str, dict[str, Any], str], Any]
+"""`Client._post`: (path, body, tenant) -> reply body."""
+
+
+def _flush_loop(ref: weakref.ref[Owing], wake: threading.Condition, owed: OwedReleases) -> None:
+    while True:
+        with wake:
+            while (wait := owed.next_due_in()) != 0.0:
+                live = ref()
+                if live is None or live.closed:
+                    return
+                del live
+                wake.wait(1.0 if wait is None else min(wait, 1.0))
+        live = ref()
+        if live is None or live.closed:
+            return
+        live.send_releases(owed.take_due())
+        live.send_requests(owed.take_requests())
+        del live
+
+
+class Owing:
+    def __init__(self, post: Post, alone: Post) -> None:
+        """`post`: the client's own request; `alone`: one on a connection of its own, for a
+        give-back after `close()`."""
+        self.owed = OwedReleases()
+        self.closed = False
+        self._post, self._alone = post, alone
+        self._wake = threading.Condition()
+        self._flusher: threading.Thread | None = None
+
+    def owe(self, lease: Lease, tenant: str) -> None:
+        self.owed.add(lease, tenant)
+        self.poke()
+
+    def owe_again(self, tenant: str, ids: list[int]) -> None:
+        """Ids a failed request carried: owed again, due at once."""
+        self.owed.give_back(tenant, ids)
+        self.poke()
+
+    def poke(self) -> None:
+        """Wake the flusher (started with the first debt)."""
+        with self._wake:
+            if self._flusher is None and not self.closed:
+                self._flusher = threading.Thread(
+                    target=_flush_loop,
+                    args=(weakref.ref(self), self._wake, self.owed),
+                    name="kvtier-client-releases",
+                    daemon=True,
+                )
+                self._flusher.start()
+            self._wake.notify()
+
+    def give_back(self, kind: str, token: str, tenant: str) -> None:
+        with self._wake:
+            closed = self.closed
+            if not closed:
+                self.owed.add_request(kind, token, tenant)
+        if not closed:
+            self.poke()
+            return
+        with contextlib.suppress(KVTierError):
+            self._alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+
+    def send_releases(self, due: list[tuple[int, str]], deadline: float = math.inf) -> None:
+        for lease_id, tenant in due:
+            if time.monotonic() >= deadline:
+                return  # `close(timeout_s)`: the rest end at the server's ttl
+            # a LeaseError: released by a failed request that carried it; a transport error:
+            # the server is gone, or will end the lease at its ttl
+            with contextlib.suppress(KVTierError):
+                self._post("/v1/release", {"lease_id": lease_id}, tenant)
+
+    def send_requests(self, owed: list[Request], deadline: float = math.inf) -> None:
+        """Give back, by token, what lost replies may have been granted (the server answers
+        `{}` for a token it granted nothing under)."""
+        for kind, token, tenant in owed:
+            if time.monotonic() >= deadline:
+                return
+            with contextlib.suppress(KVTierError):
+                self._post(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+
+    def close(self, deadline: float) -> None:
+        """Closed from now (a give-back is sent alone); the flusher ended; what is owed sent
+        until `deadline`."""
+        with self._wake:
+            self.closed = True
+            self._wake.notify()
+            flusher = self._flusher
+        if flusher is not None:
+            flusher.join()
+        self.send_requests(self.owed.take_requests(), deadline)
+        self.send_releases(self.owed.take_due(math.inf), deadline)
+
+
+AsyncPost = Callable[[str, dict[str, Any], str], Awaitable[Any]]
+"""`AsyncClient._post`: (path, body, tenant) -> reply body."""
+
+
+class AsyncOwing:
+    """`Owing` for an `AsyncClient`: a flush is a task the event loop starts when the oldest
+    debt falls due (one timer at a time), not a thread; the rest is `Owing`'s contract."""
+
+    def __init__(self, post: AsyncPost, alone: AsyncPost) -> None:
+        self.owed = OwedReleases()
+        self.closed = False
+        self._post, self._alone = post, alone
+        self._timer: asyncio.TimerHandle | None = None
+        self._flushes: set[asyncio.Task[None]] = set()  # running flushes, kept referenced
+
+    def owe(self, lease: Lease, tenant: str) -> None:
+        self.owed.add(lease, tenant)
+        self.schedule()
+
+    def owe_again(self, tenant: str, ids: list[int]) -> None:
+        self.owed.give_back(tenant, ids)
+        self.schedule()
+
+    def schedule(self) -> None:
+        """A flush when the oldest debt is due (one timer at a time)."""
+        wait = self.owed.next_due_in()
+        if wait is None or self._timer is not None or self.closed:
+            return
+        self._timer = asyncio.get_running_loop().call_later(wait, self._start)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _start(self) -> None:
+        self._timer = None
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def flush(self, deadline: float = math.inf, everything: bool = False) -> None:
+        await self.send_requests(self.owed.take_requests(), deadline)
+        due = self.owed.take_due(math.inf if everything else None)
+        for lease_id, tenant in due:
+            if time.monotonic() >= deadline:
+                break
+            # as `Owing.send_releases`: a LeaseError or a transport error ends nothing
+            with contextlib.suppress(KVTierError, httpx.HTTPError):
+                await self._post("/v1/release", {"lease_id": lease_id}, tenant)
+        self.schedule()  # what was owed meanwhile, or given back
+
+    async def send_requests(self, owed: list[Request], deadline: float = math.inf) -> None:
+        for kind, token, tenant in owed:
+            if time.monotonic() >= deadline:
+                return
+            with contextlib.suppress(KVTierError, httpx.HTTPError):
+                await self._post(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+
+    async def give_back(self, kind: str, token: str, tenant: str) -> None:
+        if not self.closed:
+            self.owed.add_request(kind, token, tenant)
+            self.schedule()
+            return
+        with contextlib.suppress(KVTierError, httpx.HTTPError):
+            await self._alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+
+    async def close(self, deadline: float) -> None:
+        self.closed = True
+        self._cancel()
+        if self._flushes:
+            await asyncio.gather(*self._flushes, return_exceptions=True)
+        await self.flush(deadline, everything=True)
+        self._cancel()
