@@ -61,6 +61,15 @@ def kv_of(store: KVStore, tenant: str, tokens: list[int]) -> torch.Tensor:
     return torch.cat(blocks, dim=2)
 
 
+def held_blocks(stored: set[tuple[int, ...]], tokens: list[int], bt: int = BT) -> int:
+    """How many leading blocks of `bt` tokens of `tokens` are in `stored` (the prefixes a
+    tenant stored)."""
+    n = 0
+    while n < len(tokens) // bt and tuple(tokens[: (n + 1) * bt]) in stored:
+        n += 1
+    return n
+
+
 class Schedule:
     """One random schedule over a store of `config`, with what each tenant stored."""
 
@@ -74,11 +83,7 @@ class Schedule:
         self.restarted = False
 
     def held(self, tenant: str, tokens: list[int]) -> int:
-        """How many leading blocks of `tokens` the tenant ever stored."""
-        n = 0
-        while n < len(tokens) // BT and tuple(tokens[: (n + 1) * BT]) in self.stored[tenant]:
-            n += 1
-        return n
+        return held_blocks(self.stored[tenant], tokens)
 
     def step(self) -> str:
         rng, store = self.rng, self.store

@@ -25,6 +25,7 @@ import pytest
 import torch
 from service_server import ADMIN_KEY, BT, DIM, HEADS, LAYERS, Server, free_port, start
 from service_server import write_config as service_config
+from test_isolation_property import held_blocks
 
 from kvtier.client import Client
 from kvtier.errors import CapacityError, QuotaError
@@ -73,10 +74,7 @@ class Sidecar:
         self.seen = {"hits": 0, "hits after a kill": 0, "kills": 0}
 
     def held(self, tenant: str, tokens: list[int]) -> int:
-        n = 0
-        while n < len(tokens) // BT and tuple(tokens[: (n + 1) * BT]) in self.stored[tenant]:
-            n += 1
-        return n
+        return held_blocks(self.stored[tenant], tokens, BT)
 
     def step(self) -> None:
         rng = self.rng
