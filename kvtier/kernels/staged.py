@@ -177,13 +177,21 @@ def _host_runs(runs: Sequence[Run], host_is_dst: bool) -> Iterator[tuple[int, li
         yield start, slots
 
 
-def _pieces(host: torch.Tensor, stage: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(host piece, stage piece) pairs, each host piece one contiguous stretch of memory, the
-    stage's pieces its own contiguous memory in the same order. `host` is `[m, *block]`; the
-    stage's first `m` blocks are laid out in `host`'s stride order."""
+Ordered = tuple[torch.Tensor, torch.Tensor, list[int]]
+
+
+def _ordered(host: torch.Tensor, stage: torch.Tensor) -> Ordered:
+    """`host` (`[m, *block]`) with its dimensions in stride order, the stage's first `m`
+    blocks as contiguous memory of that shape, and the order."""
     perm = sorted(range(host.dim()), key=lambda i: (-host.stride()[i], i))
     ordered = host.permute(perm)
-    staged = stage.view(-1)[: host.numel()].view(ordered.shape)
+    return ordered, stage.view(-1)[: host.numel()].view(ordered.shape), perm
+
+
+def _pieces(host: torch.Tensor, stage: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(host piece, stage piece) pairs, each host piece one contiguous stretch of memory, the
+    stage's pieces its own contiguous memory in the same order (`_ordered`)."""
+    ordered, staged, _ = _ordered(host, stage)
     lead = next(k for k in range(host.dim() + 1) if ordered[(0,) * k].is_contiguous())
     for index in itertools.product(*(range(size) for size in ordered.shape[:lead])):
         yield ordered[index], staged[index]
@@ -191,10 +199,8 @@ def _pieces(host: torch.Tensor, stage: torch.Tensor) -> Iterator[tuple[torch.Ten
 
 def _as_blocks(host: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
     """The stage's first `len(host)` blocks as `[m, *block]`, in `host`'s stride order."""
-    perm = sorted(range(host.dim()), key=lambda i: (-host.stride()[i], i))
-    ordered_shape = [host.shape[i] for i in perm]
-    inverse = [perm.index(i) for i in range(host.dim())]
-    return stage.view(-1)[: host.numel()].view(ordered_shape).permute(inverse)
+    _, staged, perm = _ordered(host, stage)
+    return staged.permute([perm.index(i) for i in range(host.dim())])
 
 
 def _down(pool: torch.Tensor, host: torch.Tensor, slots: list[int], stage: torch.Tensor) -> None:
@@ -212,12 +218,14 @@ def _up(host: torch.Tensor, pool: torch.Tensor, slots: list[int], stage: torch.T
 
 
 def _scatter(blocks: torch.Tensor, pool: torch.Tensor, slots: list[int]) -> None:
-    """blocks -> pool[slots]: one copy when the slots are one run, else an index copy."""
-    if slots == list(range(slots[0], slots[0] + len(slots))):
-        _copy(pool[slots[0] : slots[0] + len(slots)], blocks)
-    else:
-        index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
-        pool.index_copy_(0, index, blocks)
+    """blocks -> pool[slots]: one copy when the slots are one run, else an index copy; words
+    either way (`as_words`)."""
+    first = _run_start(slots)
+    if first is not None:
+        _copy(pool[first : first + len(slots)], blocks)
+        return
+    wide_pool, wide_blocks = as_words(pool, blocks)
+    wide_pool.index_copy_(0, _index(slots, pool.device), wide_blocks)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -228,7 +236,17 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _gathered(pool: torch.Tensor, slots: list[int]) -> torch.Tensor:
     """pool[slots] as a view when they are one run, else gathered on the device."""
-    if slots == list(range(slots[0], slots[0] + len(slots))):
-        return pool[slots[0] : slots[0] + len(slots)]
-    index = torch.tensor(slots, dtype=torch.long).to(pool.device, non_blocking=True)
-    return pool.index_select(0, index)
+    first = _run_start(slots)
+    if first is not None:
+        return pool[first : first + len(slots)]
+    return pool.index_select(0, _index(slots, pool.device))
+
+
+def _run_start(slots: list[int]) -> int | None:
+    """The first slot when `slots` go up by one from it, else None."""
+    first = slots[0]
+    return first if slots == list(range(first, first + len(slots))) else None
+
+
+def _index(slots: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)

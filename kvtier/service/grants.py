@@ -35,6 +35,7 @@ import threading
 from collections import OrderedDict
 
 from kvtier.errors import KVTierError
+from kvtier.service import wire
 
 MAX_PER_TENANT = 4096
 """The most tokens remembered per (kind, tenant); the oldest is dropped past it."""
@@ -71,11 +72,6 @@ class Grants:
             self._put(table, token, granted)
             return True
 
-    def withdrawn(self, kind: str, tenant: str, token: str) -> bool:
-        """Whether `token` was withdrawn before a grant (its request need not run)."""
-        with self._lock:
-            return self._table(kind, tenant).get(token) == WITHDRAWN
-
     def withdraw(self, kind: str, tenant: str, token: str) -> int | None:
         with self._lock:
             table = self._table(kind, tenant)
@@ -100,7 +96,7 @@ class Grants:
                         f"more than the bound {self.bound}"
                     )
                 for token, granted in table.items():
-                    if not (len(token) == 16 and all(c in "0123456789abcdef" for c in token)):
+                    if not wire.is_request_token(token):
                         raise KVTierError(f"grants: a malformed token {token!r:.40}")
                     if type(granted) is not int or granted < WITHDRAWN:
                         raise KVTierError(f"grants: token {token} -> {granted!r}")

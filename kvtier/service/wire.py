@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
@@ -293,11 +293,7 @@ def request_field(data: dict[str, Any]) -> str | None:
     value = data.get("request")
     if value is None:
         return None
-    if not (
-        type(value) is str
-        and len(value) == REQUEST_TOKEN_CHARS
-        and all(c in "0123456789abcdef" for c in value)
-    ):
+    if not is_request_token(value):
         raise WireError(
             400,
             "invalid_argument",
@@ -305,3 +301,12 @@ def request_field(data: dict[str, Any]) -> str | None:
             "hex chars",
         )
     return value
+
+
+def is_request_token(value: object) -> TypeGuard[str]:
+    """Whether `value` is a request token: `REQUEST_TOKEN_CHARS` lowercase hex chars."""
+    return (
+        type(value) is str
+        and len(value) == REQUEST_TOKEN_CHARS
+        and all(c in "0123456789abcdef" for c in value)
+    )
