@@ -3,7 +3,8 @@
 - `refused_start(config)`: the config (keys, state directory, secret) is refused before
   anything starts: exit status 2, the `ConfigError` on stderr, no traceback.
 - `unready_detail(config)`: the process starts but its store does not (a disk directory that
-  is refused, locked by another server, damaged): /readyz answers 503 with the reason.
+  is refused, locked by another server, damaged): /readyz answers 503 with the reason, and
+  the log says it in one line, without a traceback (it is a refusal of ours, not a bug).
 """
 
 from __future__ import annotations
@@ -41,18 +42,21 @@ def unready_detail(config: Path, wrap: Sequence[str] = ()) -> str:
     with log.open("wb") as out:
         command = [*wrap, *serve_command(config, port)]
         process = subprocess.Popen(command, stdout=out, stderr=out)
+    detail = "recovering"
     try:
         deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and detail == "recovering":
             assert process.poll() is None, log.read_text()[-3000:]
             with contextlib.suppress(httpx.TransportError):
                 response = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1)
                 assert response.status_code == 503, "the store started"
-                detail: str = response.json()["detail"]
-                if detail != "recovering":
-                    return detail
+                detail = response.json()["detail"]
             time.sleep(0.05)
-        raise AssertionError(f"no answer from /readyz within {START_S} s")
     finally:
         process.terminate()
         process.wait(START_S)
+    assert detail != "recovering", f"no answer from /readyz within {START_S} s"
+    output = log.read_text(errors="replace")
+    assert "Traceback" not in output, output[-3000:]
+    assert "the store failed to start (/readyz says so too): " in output, output[-3000:]
+    return detail

@@ -115,9 +115,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def _start_quietly(service: Service) -> None:
-    """Start the store; a failure is logged and reported by /readyz (the process stays up)."""
+    """Start the store; a failure is logged and reported by /readyz (the process stays up). A
+    refusal of ours (`KVTierError`: a config field, a damaged disk, a held lock) says what is
+    wrong and what to do in its message, logged as one line; anything else with its traceback."""
     try:
         service.start()
+    except KVTierError as exc:
+        log.error("kvtier: the store failed to start (/readyz says so too): %s", exc)
     except Exception:
         log.exception("kvtier: the store failed to start; /readyz reports why")
 
