@@ -19,10 +19,19 @@ queued last in its medium (`open`) replaces that entry instead: the next (or the
 a node stored in the same tiers, or a removal from one medium whose number runs on from (or up to)
 that entry's. The entry need not be the queue's last: entries of other media may follow it (up to
 `JOIN_DEPTH`), because a block moved a block at a time is edited in two media in turn (a demotion
-gains the copy below, then loses the one above; a drop loses each copy), and edits in different
-media commute for a router that keeps media apart (llm-d's pod entries carry the medium, as
-`kvtier.routing`'s do); an event the publisher queued itself (`EventPublisher._put`: a clear) is
-never joined past. A join costs about 1 us more than an append on the store's thread (the
+gains the copy below, then loses the one above; a drop loses each copy). Joining moves an edit
+ahead of the entries it passes, so it passes only entries it commutes with for a router that
+keeps media apart (llm-d's pod entries carry the medium, as `kvtier.routing`'s do) and that
+chains a BlockStored to its parent hash, which the pod must hold then, in some medium:
+- a gain passes anything: the blocks it joins are held when the entry it joins was queued
+  (prefix closure: the entry's blocks were held then, so were the blocks before them), so a
+  router that applies it there finds its parent;
+- a loss passes only losses (of other media). Past a BlockStored it could take away the parent
+  that BlockStored chains to before the router applies it: a node's tail demoted to disk by
+  flights while host copies go a block at a time from the end (`kvtier replay --route` met it:
+  the host copy of the block before a flight's run was told lost before the run was told
+  stored, and the router skipped the run as an orphan).
+An event the publisher queued itself (`EventPublisher._put`: a clear) is never joined past. A join costs about 1 us more than an append on the store's thread (the
 publisher's lock, a new tuple; edits of runs are queued as they are) and saves the sending thread
 packing an event and every router applying one. The mover's per-block paths (a prefetch's copies
 published block by block, eviction and demotion a block at a time from a node's end) otherwise
@@ -187,7 +196,7 @@ class IndexEvents:
     ) -> bool:
         """Put `new` in place of `entry`, the last entry of `tiers`' media, if it is among the
         queue's last `JOIN_DEPTH` entries and only this observer's entries (of other media)
-        follow it; whether it did (module doc).
+        follow it, and only losses when `new` is a loss; whether it did (module doc).
 
         Under the publisher's lock: the sender pops from the other end under it too, and the
         store's lock keeps other observers' calls out. Appends take no lock, but only this
@@ -195,11 +204,15 @@ class IndexEvents:
         queued (a clear, a packed event: never a `told_*` tuple, which are this observer's)
         ends the search: nothing moves ahead of it."""
         pending = self.pending
+        loss = new[1][0] == TOLD_REMOVED
         with self.lock:
             back = 1
             try:
-                while pending[-back] is not entry:
-                    if back == JOIN_DEPTH or type(pending[-back][1]) is not tuple:
+                while (passed := pending[-back]) is not entry:
+                    spec = passed[1]
+                    if back == JOIN_DEPTH or type(spec) is not tuple:
+                        return False
+                    if loss and spec[0] != TOLD_REMOVED:  # a loss passes no gain (module doc)
                         return False
                     back += 1
             except IndexError:  # sent meanwhile
