@@ -31,9 +31,10 @@ chains a BlockStored to its parent hash, which the pod must hold then, in some m
   flights while host copies go a block at a time from the end (`kvtier replay --route` met it:
   the host copy of the block before a flight's run was told lost before the run was told
   stored, and the router skipped the run as an orphan).
-An event the publisher queued itself (`EventPublisher._put`: a clear) is never joined past. A join costs about 1 us more than an append on the store's thread (the
-publisher's lock, a new tuple; edits of runs are queued as they are) and saves the sending thread
-packing an event and every router applying one. The mover's per-block paths (a prefetch's copies
+An event the publisher queued itself (`EventPublisher._put`: a clear) is never joined past. A
+join costs about 1 us more than an append on the store's thread (the publisher's lock, a new
+tuple; edits of runs are queued as they are) and saves the sending thread packing an event and
+every router applying one. The mover's per-block paths (a prefetch's copies
 published block by block, eviction and demotion a block at a time from a node's end) otherwise
 queued an event per block: 55,893 events in 6 s of `bench_mover.py` (b), 2 blocks an event; 2,172
 with joins of the queue's last entry. A node of 64 blocks demoted a block at a time, then promoted
