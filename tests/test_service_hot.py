@@ -5,6 +5,7 @@ still come first on the real app."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, cast
 
 from fastapi.testclient import TestClient
@@ -79,6 +80,9 @@ def test_on_the_real_app_the_edge_checks_come_first_and_every_post_route_is_list
     }
     assert listed == data_plane and "/v1/commit" in listed
     with TestClient(app, base_url="http://127.0.0.1") as client:
+        deadline = time.monotonic() + 30  # the store starts on a thread of its own: a bound
+        while client.get("/readyz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.02)  # (a loaded machine took longer than the first request to start)
         bad_host = client.post("/v1/lookup", json={"tokens": [1]}, headers={"host": "evil.test"})
         assert bad_host.status_code == 421 and bad_host.json()["error"] == "bad_host"
         plain = client.post("/v1/lookup", content=b"{}", headers={"content-type": "text/plain"})
