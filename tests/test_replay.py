@@ -6,6 +6,7 @@ count below follows from the store's placement rules."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -218,8 +219,9 @@ def test_bad_options_and_sizes_are_refused() -> None:
          "hash_ids: got \\[\\]"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, "a"]}',
          "hash_ids\\[1\\]: got 'a'"),
-        ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [8388608]}',
-         "hash_ids\\[0\\]: got 8388608"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1, '
+         '"hash_ids": [18446744073709551616]}',
+         "hash_ids\\[0\\]: got 18446744073709551616, expected an int in \\[0, 2\\*\\*64\\)"),
         ('{"timestamp": 0, "input_length": 513, "output_length": 1, "hash_ids": [1]}',
          "hash_ids: got 1 ids for input_length 513"),
         ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
@@ -343,3 +345,24 @@ def test_acceptance_on_the_whole_trace() -> None:
     assert tiered.ratio >= 0.95
     assert alone.ratio < 0.5
     assert tiered.wall_s + alone.wall_s < 600
+
+
+def test_hashed_ids_replay_as_the_same_trace_numbered_in_order(tmp_path: Path) -> None:
+    """Traces of the format that name blocks by 64-bit or 32-bit hashes (LMCache's and Dynamo's
+    generators) replay: `read_trace` renumbers ids in the order they first appear, so the same
+    requests share the same blocks and the figures are those of the trace numbered 0, 1, ..."""
+    rng = random.Random(5)
+    dense = [[0, 1, 2], [0, 1, 3], [0, 4], [0, 1, 2, 5], [6, 7], [0, 4, 8]]
+    for bits in (64, 32):
+        names = list({rng.getrandbits(bits): None for _ in range(9)})  # in no order, past 2**23
+        assert len(names) == 9
+        hashed = [[names[i] for i in ids] for ids in dense]
+        requests = read_trace(write_trace(tmp_path / f"h{bits}.jsonl", hashed))
+        assert [r.hash_ids for r in requests] == [tuple(ids) for ids in dense]
+    plain = read_trace(write_trace(tmp_path / "d.jsonl", dense))
+    assert replay(requests, ceiling(requests), Sizing("s", 0.5, 0.5, 0.0), TINY).served == (
+        replay(plain, ceiling(plain), Sizing("s", 0.5, 0.5, 0.0), TINY).served
+    )
+    line = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [8388608]}'
+    with pytest.raises(TraceError, match=r"hash_ids\[0\]: got 8388608, .* not renumbered"):
+        parse_line(line)  # a line alone keeps its ids: its tokens must fit in 32 bits

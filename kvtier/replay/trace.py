@@ -11,6 +11,13 @@ names the whole prefix up to its block. The replay gives id `h` the synthetic to
 
 so two requests share a run of store blocks exactly when they share trace ids, and every id of
 a request counts as one full block (the trace hashed its partial last block too).
+
+Ids. Mooncake numbers its ids 0, 1, 2, ... in the order they first appear; other traces of
+the format name blocks by hashes (64-bit, or 32-bit as in LMCache's and Dynamo's generators).
+`read_trace` takes any id in [0, 2**64) and renumbers a trace's ids in the order they first
+appear (`Renumber`): the same requests share the same blocks, a Mooncake trace keeps its ids,
+and the synthetic tokens stay below 2**32 for up to `MAX_HASH_ID + 1` distinct ids (2**23: 4.3
+billion tokens). `parse_line`, one line alone, keeps its ids and takes them up to `MAX_HASH_ID`.
 """
 
 from __future__ import annotations
@@ -34,7 +41,10 @@ MAX_LINE_BYTES = 2**20
 """The longest line read (a request of ~100k ids); a longer one is refused unread."""
 
 MAX_FIELD = 2**63
-"""Every number of a line is below it (an int64)."""
+"""Every number of a line but a hash id is below it (an int64)."""
+
+ID_LIMIT = 2**64
+"""A hash id of a trace is below it (a uint64)."""
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -108,8 +118,37 @@ class _LineError:
 
 
 def parse_line(text: str, path: str = "<trace>", line: int = 1) -> TraceRequest:
-    """One trace line as a request; `TraceError` naming `path:line` if it is not valid."""
-    error = _LineError(path, line)
+    """One trace line as a request, its ids as given; `TraceError` naming `path:line` if it is
+    not valid or an id is past `MAX_HASH_ID` (a whole trace renumbers them: `read_trace`)."""
+    request = _parse(text, _LineError(path, line))
+    for position, value in enumerate(request.hash_ids):
+        if value > MAX_HASH_ID:
+            raise TraceError(path, line, f"hash_ids[{position}]: got {value}, expected an int "
+                             f"in [0, {MAX_HASH_ID}] (a line alone is not renumbered)")  # fmt: skip
+    return request
+
+
+class Renumber:
+    """A trace's hash ids renumbered 0, 1, 2, ... in the order they first appear (module doc)."""
+
+    def __init__(self) -> None:
+        self.numbers: dict[int, int] = {}
+
+    def __call__(self, request: TraceRequest, error: _LineError) -> TraceRequest:
+        numbers = self.numbers
+        ids = tuple([numbers.setdefault(h, len(numbers)) for h in request.hash_ids])
+        if len(numbers) > MAX_HASH_ID + 1:
+            raise error(
+                f"hash_ids: more than {MAX_HASH_ID + 1} distinct ids in the trace, expected at "
+                f"most that many (each is {TRACE_BLOCK_TOKENS} synthetic tokens below 2**32)"
+            )
+        if ids == request.hash_ids:
+            return request
+        return TraceRequest(request.timestamp_ms, request.input_length, request.output_length, ids)
+
+
+def _parse(text: str, error: _LineError) -> TraceRequest:
+    """One line as a request with its ids as given, each below `ID_LIMIT`."""
     try:
         record = json.loads(text, object_pairs_hook=_json_object)
     except json.JSONDecodeError as exc:
@@ -130,10 +169,8 @@ def parse_line(text: str, path: str = "<trace>", line: int = 1) -> TraceRequest:
     if not isinstance(ids, list) or not ids:
         raise error(f"hash_ids: got {ids!r:.80}, expected a non-empty list of ints")
     for position, value in enumerate(ids):
-        if type(value) is not int or not 0 <= value <= MAX_HASH_ID:
-            raise error(
-                f"hash_ids[{position}]: got {value!r:.80}, expected an int in [0, {MAX_HASH_ID}]"
-            )
+        if type(value) is not int or not 0 <= value < ID_LIMIT:
+            raise error(f"hash_ids[{position}]: got {value!r:.80}, expected an int in [0, 2**64)")
     expected = -(-input_length // TRACE_BLOCK_TOKENS)  # ceil, in ints: no float to overflow
     if len(ids) != expected:
         raise error(
@@ -144,11 +181,12 @@ def parse_line(text: str, path: str = "<trace>", line: int = 1) -> TraceRequest:
 
 
 def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
-    """The first `limit` requests (all when None) of the trace at `path`. Raises `TraceError`
-    naming the first bad line: unreadable, longer than `MAX_LINE_BYTES`, not UTF-8, not a
-    request, or earlier than the line before."""
+    """The first `limit` requests (all when None) of the trace at `path`, their ids renumbered
+    (module doc). Raises `TraceError` naming the first bad line: unreadable, longer than
+    `MAX_LINE_BYTES`, not UTF-8, not a request, or earlier than the line before."""
     source = os.fspath(path)
     requests: list[TraceRequest] = []
+    renumber = Renumber()
     try:
         with open(source, "rb") as file:
             lines = iter(lambda: file.readline(MAX_LINE_BYTES + 1), b"")
@@ -158,7 +196,8 @@ def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[T
                 text = _decode(line, source, number)
                 if not text.strip():
                     continue
-                request = parse_line(text, source, number)
+                error = _LineError(source, number)
+                request = renumber(_parse(text, error), error)
                 if requests and request.timestamp_ms < requests[-1].timestamp_ms:
                     raise TraceError(
                         source,
