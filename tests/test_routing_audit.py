@@ -213,17 +213,19 @@ def test_a_publisher_holds_at_most_max_topics_each_named_in_at_most_256_chars(
 
 
 def test_tokens_announced_again_under_another_hash_keep_the_index_whole() -> None:
-    """vLLM hashes the same tokens differently under another cache salt: one key, two hashes.
-    The key is then held under the later one; removing the earlier changes nothing."""
+    """vLLM hashes the same tokens differently under another cache salt (and a kvtier topic
+    shared by tenants, under another namespace): one key, two hashes, both live. The key is
+    held while either is (`kvtier/routing/index.py`, "One key, several hashes")."""
     index = PrefixIndex(BS)
     index.apply(A, batch(stored([1, 2], None, PROMPT[:8])))
     index.apply(A, batch(stored([3], None, PROMPT[:4])))  # block 0 again, another hash
     index.check()
     index.apply(A, batch(removed([3])))
     index.check()
-    assert index.score(PROMPT) == {}  # its block 0 is gone; block 1 stays, past a hole
+    assert index.score(PROMPT) == {"pod-a": 8.0}  # hash 1 still holds block 0
     index.apply(A, batch(removed([1])))
     index.check()
+    assert index.score(PROMPT) == {}  # its block 0 is gone; block 1 stays, past a hole
     assert index.pods() == {"pod-a": 1}
 
 
