@@ -324,6 +324,11 @@ class PrefixIndex:
         with self._lock:
             return {**self._stats, "blocks": len(self._where), "sources": len(self._sources)}
 
+    def orphans(self) -> int:
+        """BlockStored events skipped so far for want of their parent (`stats()["orphans"]`)."""
+        with self._lock:
+            return self._stats["orphans"]
+
     def check(self) -> None:
         with self._lock:
             pairs = {(k, n): m for k, holders in self._where.items() for n, m in holders.items()}

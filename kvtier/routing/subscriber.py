@@ -21,7 +21,11 @@ sequence number applied is kept:
   are forgotten, then the message applied.
 
 With `resync_s`, each publisher with a snapshot is resynced that often too, repairing whatever
-drifted unseen.
+drifted unseen. A message that brings an orphan (a BlockStored whose parent the index does not
+hold for its topic: the index and the publisher disagree) makes a publisher with a snapshot
+resync at once, rationed as gaps are: after an `AllBlocksCleared` of an overflowed queue, say,
+every block chained to a forgotten one is an orphan, and on a topic that tenants share that is
+every tenant's, until a snapshot tells the index what the pod holds.
 
 Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is not events):
 - a frame longer than `max_message_bytes` is refused by ZMQ before it is buffered (the
@@ -268,7 +272,20 @@ class Subscriber:
             if not filled:
                 self._count("resets")
                 self.index.clear(topic)
+        orphans = self.index.orphans()
         self._apply(topic, seq, frames[2])
+        if resync and self.index.orphans() > orphans and publisher.snapshot is not None:
+            self._heal(publisher)
+
+    def _heal(self, publisher: _Publisher) -> None:
+        """Resync `publisher` after an orphan (module doc), within its recoveries' share."""
+        if not publisher.ration.allows():
+            return
+        started = time.monotonic()
+        try:
+            self._resync(publisher)
+        finally:
+            publisher.ration.spent(started)
 
     def _admit(self, publisher: _Publisher, topic: str) -> bool:
         """May `publisher` speak on `topic` (module doc)? Counted when not."""
