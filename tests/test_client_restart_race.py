@@ -54,11 +54,16 @@ class Race:
         self.hits = Counter[str]()  # loads that returned blocks, by server generation
         self.generation = 0
 
-    def store_tried(self, tenant: str, tokens: list[int]) -> None:
-        """Before the call: a store whose reply is lost may still have stored."""
-        with self.lock:
-            for b in range(1, len(tokens) // BT + 1):
-                self.tried[tenant].add(tuple(tokens[: b * BT]))
+    def choose(self, rng: random.Random, tenant: str) -> tuple[bool, list[int]]:
+        """A worker's next call: (whether it stores, the tokens). A store is counted before the
+        call: one whose reply is lost may still have stored."""
+        tokens = rng.choice(SEQS)
+        storing = rng.random() < 0.4
+        if storing:
+            with self.lock:
+                for b in range(1, len(tokens) // BT + 1):
+                    self.tried[tenant].add(tuple(tokens[: b * BT]))
+        return storing, tokens
 
     def loaded(self, tenant: str, tokens: list[int], num_tokens: int, kv: torch.Tensor) -> None:
         with self.lock:
@@ -73,7 +78,9 @@ class Race:
             with self.lock:
                 self.hits[f"generation {self.generation}"] += 1
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException) -> bool:
+        """Record a call's failure; whether no server was there (`TransportError`: the caller
+        then leaves the CPUs to the restart a moment)."""
         with self.lock:
             if isinstance(exc, ServiceError):
                 self.failures[f"{exc.status} {exc.kind}"] += 1
@@ -83,6 +90,7 @@ class Race:
                 self.failures[type(exc).__name__] += 1
             else:
                 self.wrong.append(f"an untyped error: {exc!r}")
+        return isinstance(exc, TransportError)
 
 
 def _config(directory: Path) -> Path:
@@ -121,18 +129,16 @@ class Killer:
 def _work(client: Client, tenant: str, race: Race, stop: threading.Event, seed: int) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
-        tokens = rng.choice(SEQS)
+        storing, tokens = race.choose(rng, tenant)
         try:
-            if rng.random() < 0.4:
-                race.store_tried(tenant, tokens)
+            if storing:
                 client.store(tokens, KV[tenant, tuple(tokens)])
             else:
                 loaded = client.load(tokens)
                 race.loaded(tenant, tokens, loaded.num_tokens, loaded.kv)
         except Exception as exc:  # every kind is recorded: a typed one is allowed
-            race.failed(exc)
-            if isinstance(exc, TransportError):
-                time.sleep(0.005)  # no server at the URL now: the restart needs the CPUs
+            if race.failed(exc):
+                time.sleep(0.005)
 
 
 def _all_through_pools(server: Server, clients: dict[str, Client]) -> None:
@@ -204,18 +210,16 @@ async def _work_async(
 ) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
-        tokens = rng.choice(SEQS)
+        storing, tokens = race.choose(rng, tenant)
         try:
-            if rng.random() < 0.4:
-                race.store_tried(tenant, tokens)
+            if storing:
                 await client.store(tokens, KV[tenant, tuple(tokens)])
             else:
                 loaded = await client.load(tokens)
                 race.loaded(tenant, tokens, loaded.num_tokens, loaded.kv)
         except Exception as exc:  # every kind is recorded: a typed one is allowed
-            race.failed(exc)
-            if isinstance(exc, TransportError):
-                await asyncio.sleep(0.005)  # no server at the URL now
+            if race.failed(exc):
+                await asyncio.sleep(0.005)
         await asyncio.sleep(0)  # a call that fails at once must not starve the killer
 
 
