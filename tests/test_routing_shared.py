@@ -20,6 +20,7 @@ from test_routing import BS, batch, removed, stored
 
 from kvtier import KVStore, parse_config
 from kvtier.routing import PrefixIndex
+from kvtier.routing.index import MAX_HASHES
 
 TOPIC = "kv@pod-a@m"
 PROMPT = list(range(100, 116))  # 4 blocks
@@ -90,3 +91,18 @@ def test_two_tenants_of_a_real_store_on_one_topic_tell_a_router_no_orphan() -> N
         store.close()
         sub.close()
         ctx.destroy(linger=0)
+
+
+def test_a_key_keeps_its_last_hashes_only() -> None:
+    """A publisher that tells of one block under ever new hashes (a hostile one, or a cache
+    salt per request) costs bounded work an event: the key keeps its last `MAX_HASHES`."""
+    index = PrefixIndex(BS)
+    for h in range(1, MAX_HASHES + 51):
+        index.apply(TOPIC, batch(stored([h], None, PROMPT[:4])))
+    index.check()
+    assert index.pods() == {"pod-a": 1} and index.score(PROMPT) == {"pod-a": 4.0}
+    index.apply(TOPIC, batch(removed(list(range(51, MAX_HASHES + 51)))))  # the kept ones
+    index.check()
+    assert index.score(PROMPT) == {}  # the 50 oldest went when the key passed its bound
+    index.apply(TOPIC, batch(stored([7], 50, PROMPT[4:8])))  # chained to a hash dropped
+    assert index.stats()["orphans"] == 1

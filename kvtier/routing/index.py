@@ -29,7 +29,9 @@ One key, several hashes. A source may hold the same tokens under several hashes 
 in its own media: the tenants of one kvtier topic (each namespace numbers its own blocks), or
 vLLM's requests of two cache salts. Each hash keeps its own media, and the key is held in the
 media of all of them: a BlockRemoved of one hash leaves the key held by the others, and a
-BlockStored chained to any of them finds its parent. (Keeping only the hash that stored the
+BlockStored chained to any of them finds its parent; a key keeps its last `MAX_HASHES` hashes
+(a hash past them drops the oldest, so a publisher that tells of one block under ever new hashes
+costs bounded work an event). (Keeping only the hash that stored the
 tokens last lost the others: a tenant's next block, chained to its own hash, was an orphan, and
 the removal of the last hash told the router the tokens were gone while another tenant held
 them.)
@@ -70,6 +72,8 @@ MAX_BLOCKS = 1 << 21
 """The blocks a pod may make an index hold by default (about 570 bytes each, measured with
 `tracemalloc` over 100k blocks: some 1.2 GiB)."""
 KEY_BYTES = 8
+MAX_HASHES = 256
+"""Hashes a source may keep for one key (module doc): tenants of a topic, cache salts."""
 
 
 def chain(previous: bytes, data: bytes, block_size: int) -> Iterator[bytes]:
@@ -228,6 +232,8 @@ class PrefixIndex:
             if old is not None and old != key:  # a hash reused for other tokens: move it
                 self._drop(name, src, h, -1)
             if h not in src.keys:
+                if len(src.hashes.get(key, ())) >= MAX_HASHES:  # the oldest goes (module doc)
+                    self._drop(name, src, src.hashes[key][0], -1)
                 self._blocks[src.pod] += 1
                 src.keys[h] = key
                 src.hashes[key] = (*src.hashes.get(key, ()), h)  # one key, several hashes
