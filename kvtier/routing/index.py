@@ -31,10 +31,9 @@ vLLM's requests of two cache salts. Each hash keeps its own media, and the key i
 media of all of them: a BlockRemoved of one hash leaves the key held by the others, and a
 BlockStored chained to any of them finds its parent; a key keeps its last `MAX_HASHES` hashes
 (a hash past them drops the oldest, so a publisher that tells of one block under ever new hashes
-costs bounded work an event). (Keeping only the hash that stored the
-tokens last lost the others: a tenant's next block, chained to its own hash, was an orphan, and
-the removal of the last hash told the router the tokens were gone while another tenant held
-them.)
+costs bounded work an event). Keeping only the hash that stored the tokens last lost the
+others: a tenant's next block, chained to its own hash, was an orphan, and the removal of the
+last hash told the router the tokens were gone while another tenant held them.
 
 Invariants (`check()`):
 - `_where[key][source]` is the media bitmask of `key` at `source`, never 0; the same pairs as
