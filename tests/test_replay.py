@@ -366,3 +366,41 @@ def test_hashed_ids_replay_as_the_same_trace_numbered_in_order(tmp_path: Path) -
     line = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [8388608]}'
     with pytest.raises(TraceError, match=r"hash_ids\[0\]: got 8388608, .* not renumbered"):
         parse_line(line)  # a line alone keeps its ids: its tokens must fit in 32 bits
+
+
+def _trace_of(path: Path, hash_ids: list[list[int]], block_tokens: int) -> Path:
+    """`write_trace` for ids of `block_tokens` tokens."""
+    lines = []
+    for i, ids in enumerate(hash_ids):
+        record = {"timestamp": 10 * i, "input_length": len(ids) * block_tokens - 7}
+        lines.append(json.dumps({**record, "output_length": 3, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_trace_of_16_token_ids_replays_as_the_same_trace_of_512(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Alibaba's Bailian traces name 16-token blocks: `--trace-block-tokens 16`. SHARED with
+    each 512-token id written as 32 ids of 16 tokens is the same trace: the same tokens served
+    from the same tiers, the same ceiling, in stores of the same sizes."""
+    fine = [[h * 32 + j for h in ids for j in range(32)] for ids in SHARED]
+    small = read_trace(_trace_of(tmp_path / "t16.jsonl", fine, 16), block_tokens=16)
+    large = read_trace(write_trace(tmp_path / "t512.jsonl", SHARED))
+    assert small[0].num_tokens == large[0].num_tokens == 3 * B
+    sizing = Sizing("s", 0.4, 0.5, 0.0)
+    runs = [
+        replay(reqs, ceiling(reqs), sizing, ReplayOptions(16, 2048, trace_block_tokens=bt))
+        for reqs, bt in ((small, 16), (large, B))
+    ]
+    assert runs[0].served == runs[1].served and runs[0].served["gpu"] > 0
+    assert runs[0].ceiling_tokens == runs[1].ceiling_tokens == 6 * B
+    assert runs[0].capacity_blocks == runs[1].capacity_blocks
+    with pytest.raises(InvalidArgumentError, match="trace_block_tokens: got 512, expected the"):
+        replay(small, ceiling(small), sizing, ReplayOptions(16, 2048))  # not told: refused
+    args = ["replay", str(tmp_path / "t16.jsonl"), "--gpu", "1", "--host", "0", "--disk", "0",
+            "--block-bytes", "2048", "--no-baseline"]  # fmt: skip
+    assert main(args) == 2  # read as 512-token ids: the lengths do not match
+    assert "ids of blocks of another size: --trace-block-tokens" in capsys.readouterr().err
+    assert main([*args, "--trace-block-tokens", "16"]) == 0
+    assert "ratio to the infinite-cache ceiling (tiered): 1.000" in capsys.readouterr().out

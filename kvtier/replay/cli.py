@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -86,7 +87,19 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
     cmd.add_argument("--limit", type=int, help="replay only the first N requests")
     cmd.add_argument("--speed", type=float, help="keep the trace's clock, x times faster")
-    cmd.add_argument("--block-tokens", type=int, default=512, help="store block (divides 512)")
+    cmd.add_argument(
+        "--block-tokens",
+        type=int,
+        help="store block (divides 512 and the trace's block; "
+        "default: the trace's block, at most 512)",
+    )
+    cmd.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=512,
+        metavar="B",
+        help="tokens a hash id names (512: Mooncake's traces; 16: Alibaba's Bailian traces)",
+    )
     cmd.add_argument(
         "--block-bytes", type=int, default=4096, help="bytes of one 512-token block (4096)"
     )
@@ -160,9 +173,11 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         print(f"kvtier: --limit: got {args.limit}, expected >= 1", file=sys.stderr)
         return 2
+    trace_bt = args.trace_block_tokens
     options = ReplayOptions(
-        block_tokens=args.block_tokens,
+        block_tokens=args.block_tokens or math.gcd(trace_bt, 512),
         block_bytes=args.block_bytes,
+        trace_block_tokens=trace_bt,
         background=args.background,
         write=args.write,
         speed=args.speed,
@@ -184,7 +199,7 @@ def run_replay(args: argparse.Namespace) -> int:
     sizings = _sizings(args)  # sizes and policies are checked before the trace is read
     if args.route is not None:
         parse_policies(args.route)
-    requests = read_trace(args.trace, args.limit)
+    requests = read_trace(args.trace, args.limit, trace_bt)
     limit = ceiling(requests)
     if args.route is not None:
         return _run_routed(args, requests, limit, sizings[0], options)

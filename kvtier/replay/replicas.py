@@ -36,7 +36,7 @@ from kvtier.errors import CapacityError
 from kvtier.replay.fleet_router import FleetRouter, events_config
 from kvtier.replay.report import Sizing
 from kvtier.replay.runner import ReplayOptions, replay_config
-from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
+from kvtier.replay.trace import Ceiling, TraceRequest
 from kvtier.store import KVStore
 from kvtier.tiers.remote.local import LocalCluster, have_redis
 
@@ -129,6 +129,7 @@ def replay_fleet(
     """One run of `replicas` stores (module doc); shared through the cluster of `nodes` when
     it is not None; routed by `policy` on the stores' KV events when it is given
     (`routed.py`), else round robin without events."""
+    options.check_trace(requests)
     served = dict.fromkeys((*TIERS, "recomputed"), 0)
     longest = max(r.num_tokens for r in requests)
     prefix = f"replay-{secrets.token_hex(6)}"  # this run's keys only
@@ -185,7 +186,7 @@ def replay_fleet(
         label,
         replicas,
         served,
-        ceiling.prefix_hits * TRACE_BLOCK_TOKENS,
+        ceiling.prefix_tokens,
         wall_s,
         remote,
         policy,

@@ -17,10 +17,11 @@ request's last ones (what is cached, then what is pending on disk, come first). 
 the keys of the blocks whose latest store was dropped, so that the recomputed tokens split into
 those recomputed because their store was dropped and the misses (never stored, or evicted).
 
-Sizes. The model is scaled down to 1 layer, 1 KV head, float16 and `head_dim` chosen so that a
-512-token trace block is `block_bytes`; a store block is `block_tokens` (dividing 512) of those
-tokens. Tier sizes are fractions of the trace's unique blocks: a memory tier of fraction f holds
-round(f * unique) store blocks (at least one); the disk tier gets as many slots (each slot is a
+Sizes. The model is scaled down to 1 layer, 1 KV head, float16 and `head_dim` chosen so that
+512 tokens are `block_bytes`; a store block is `block_tokens` (dividing 512 and the trace's
+block, `trace_block_tokens`: 512 in Mooncake's traces) of those tokens. Tier sizes are fractions
+of the trace's unique blocks: a memory tier of fraction f holds round(f * unique) trace blocks'
+store blocks (at least one); the disk tier gets as many slots (each slot is a
 header region plus the payload, `tiers/disk/format.py`). Host 0 means no host tier
 (`tiers.host: null`; disk must be 0 too: `Sizing`), disk 0 means no disk tier.
 `capacity_blocks` is the sum of the tiers a sizing asks for (gpu alone for a gpu-only run): the
@@ -50,7 +51,7 @@ from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError, InvalidArgumentError
 from kvtier.replay.report import TIERS, Latency, Pacing, ReplayResult, Sizing
-from kvtier.replay.trace import TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
+from kvtier.replay.trace import MAX_TRACE_BLOCK_TOKENS, TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
 from kvtier.store import KVStore
 from kvtier.tiers.disk.format import header_region_size, slot_size
 
@@ -80,6 +81,7 @@ class ReplayOptions:
 
     block_tokens: int = TRACE_BLOCK_TOKENS
     block_bytes: int = 4096
+    trace_block_tokens: int = TRACE_BLOCK_TOKENS  # the tokens a trace id names
     background: bool = False
     write: str = "write_through"
     speed: float | None = None
@@ -87,10 +89,16 @@ class ReplayOptions:
     check: bool = True
 
     def __post_init__(self) -> None:
-        bt = self.block_tokens
-        if type(bt) is not int or bt < 1 or TRACE_BLOCK_TOKENS % bt:
+        bt, trace_bt = self.block_tokens, self.trace_block_tokens
+        if type(trace_bt) is not int or not 1 <= trace_bt <= MAX_TRACE_BLOCK_TOKENS:
             raise InvalidArgumentError(
-                f"block_tokens: got {bt!r}, expected a divisor of {TRACE_BLOCK_TOKENS}"
+                f"trace_block_tokens: got {trace_bt!r}, expected an int in "
+                f"[1, {MAX_TRACE_BLOCK_TOKENS}]"
+            )
+        if type(bt) is not int or bt < 1 or TRACE_BLOCK_TOKENS % bt or trace_bt % bt:
+            raise InvalidArgumentError(
+                f"block_tokens: got {bt!r}, expected a divisor of {TRACE_BLOCK_TOKENS} and of "
+                f"the trace's block ({trace_bt})"
             )
         if (
             type(self.block_bytes) is not int
@@ -109,9 +117,18 @@ class ReplayOptions:
                 f"directory: got {self.directory!r}, expected an existing directory"
             )
 
+    def check_trace(self, requests: Sequence[TraceRequest]) -> None:
+        """`InvalidArgumentError` unless `requests` are of `trace_block_tokens`-token ids."""
+        if requests and requests[0].block_tokens != self.trace_block_tokens:
+            raise InvalidArgumentError(
+                f"trace_block_tokens: got {self.trace_block_tokens}, expected the trace's "
+                f"{requests[0].block_tokens} (the tokens its ids name)"
+            )
+
     @property
     def blocks_per_trace_block(self) -> int:
-        return TRACE_BLOCK_TOKENS // self.block_tokens
+        """Store blocks a trace id becomes."""
+        return self.trace_block_tokens // self.block_tokens
 
 
 def tier_blocks(fraction: float, unique_blocks: int, options: ReplayOptions) -> int:
@@ -132,7 +149,7 @@ def replay_config(
     in bytes of the scaled blocks, the disk tier (if any) under `disk_path`."""
     bt = options.block_tokens
     head_dim = options.block_bytes // _BYTES_PER_HEAD_DIM
-    store_block_bytes = options.block_bytes // options.blocks_per_trace_block
+    store_block_bytes = options.block_bytes // (TRACE_BLOCK_TOKENS // bt)  # bytes per 512
 
     def blocks(fraction: float) -> int:
         return tier_blocks(fraction, unique_blocks, options)
@@ -211,9 +228,9 @@ class Drops:
     of its `k` store blocks, is `h * k + j` (as `simulate.chains`). O(1) per request while no
     store has dropped anything, else O(blocks recomputed)."""
 
-    def __init__(self, block_tokens: int) -> None:
+    def __init__(self, block_tokens: int, trace_block_tokens: int = TRACE_BLOCK_TOKENS) -> None:
         self.block_tokens = block_tokens
-        self.per_id = TRACE_BLOCK_TOKENS // block_tokens
+        self.per_id = trace_block_tokens // block_tokens
         self.dropped: set[int] = set()
         self.recomputed_tokens = 0  # recomputed because their latest store was dropped
 
@@ -258,6 +275,7 @@ def replay(
 ) -> ReplayResult:
     """Replay `requests` against a fresh store sized by `sizing`; `progress(n)` is told after
     every request. The store (and its disk directory) is gone when this returns."""
+    options.check_trace(requests)
     lookup_s: list[float] = []
     prefetch_s: list[float] = []
     refused = dropped = 0
@@ -270,7 +288,7 @@ def replay(
         config = replay_config(sizing, ceiling.unique_blocks, options, tmp)
         tiers = [t for t in TIERS if getattr(config.tiers, t) is not None]
         served = dict.fromkeys((*tiers, "recomputed"), 0)
-        drops = Drops(options.block_tokens)
+        drops = Drops(options.block_tokens, options.trace_block_tokens)
         layout = config.layout
         kv = torch.zeros(
             (layout.num_layers, 2, longest, layout.num_kv_heads, layout.head_dim),
@@ -318,7 +336,7 @@ def replay(
         requests=len(requests),
         tokens=sum(served.values()),
         served=served,
-        ceiling_tokens=ceiling.prefix_hits * TRACE_BLOCK_TOKENS,
+        ceiling_tokens=ceiling.prefix_tokens,
         dropped_tokens=dropped,
         recomputed_after_drop=drops.recomputed_tokens,
         prefetches=len(prefetch_s),

@@ -37,13 +37,16 @@ Chain = Sequence[int]
 
 
 def chains(requests: Sequence[TraceRequest], block_tokens: int = TRACE_BLOCK_TOKENS) -> list[Chain]:
-    """The block keys of each request in store blocks of `block_tokens` (a divisor of 512):
-    trace id `h` becomes keys `h * k + j` for `j < k = 512 / block_tokens`, still chained."""
-    if block_tokens < 1 or TRACE_BLOCK_TOKENS % block_tokens:
+    """The block keys of each request in store blocks of `block_tokens` (a divisor of the
+    trace's block B, 512 in Mooncake's traces): trace id `h` becomes keys `h * k + j` for
+    `j < k = B / block_tokens`, still chained."""
+    trace_bt = requests[0].block_tokens if requests else TRACE_BLOCK_TOKENS
+    if block_tokens < 1 or trace_bt % block_tokens:
         raise InvalidArgumentError(
-            f"block_tokens: got {block_tokens!r}, expected a divisor of {TRACE_BLOCK_TOKENS}"
+            f"block_tokens: got {block_tokens!r}, expected a divisor of the trace's block "
+            f"({trace_bt})"
         )
-    k = TRACE_BLOCK_TOKENS // block_tokens
+    k = trace_bt // block_tokens
     if k == 1:
         return [r.hash_ids for r in requests]
     return [[h * k + j for h in r.hash_ids for j in range(k)] for r in requests]

@@ -5,9 +5,12 @@ One JSON object per line, sorted by time (FAST'25 Mooncake traces):
     {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...]}
 
 `hash_ids` name the input in blocks of `TRACE_BLOCK_TOKENS` (512) tokens and are chained: an id
-names the whole prefix up to its block. The replay gives id `h` the synthetic tokens
+names the whole prefix up to its block. Other traces of the format name blocks of other sizes
+(Alibaba's Bailian traces 16 tokens, Dynamo's generator any `block_size`): `read_trace(...,
+block_tokens=B)` reads those (`kvtier replay --trace-block-tokens B`), and each request keeps
+its B (`TraceRequest.block_tokens`). The replay gives id `h` the synthetic tokens
 
-    h * 512 + 0, h * 512 + 1, ..., h * 512 + 511           (uint32: h < 2**32 / 512)
+    h * B + 0, h * B + 1, ..., h * B + B - 1               (uint32: h < 2**32 / B)
 
 so two requests share a run of store blocks exactly when they share trace ids, and every id of
 a request counts as one full block (the trace hashed its partial last block too).
@@ -16,12 +19,14 @@ Ids. Mooncake numbers its ids 0, 1, 2, ... in the order they first appear; other
 the format name blocks by hashes (64-bit, or 32-bit as in LMCache's and Dynamo's generators).
 `read_trace` takes any id in [0, 2**64) and renumbers a trace's ids in the order they first
 appear (`Renumber`): the same requests share the same blocks, a Mooncake trace keeps its ids,
-and the synthetic tokens stay below 2**32 for up to `MAX_HASH_ID + 1` distinct ids (2**23: 4.3
-billion tokens). `parse_line`, one line alone, keeps its ids and takes them up to `MAX_HASH_ID`.
+and the synthetic tokens stay below 2**32 for up to 2**32 / B distinct ids (2**23 for 512:
+4.3 billion tokens). `parse_line`, one line alone, keeps its ids and takes them up to
+2**32 / B - 1 (`MAX_HASH_ID` for 512).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.errors import TraceError
+from kvtier.errors import InvalidArgumentError, TraceError
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per hash id in a Mooncake trace."""
@@ -46,6 +51,9 @@ MAX_FIELD = 2**63
 ID_LIMIT = 2**64
 """A hash id of a trace is below it (a uint64)."""
 
+MAX_TRACE_BLOCK_TOKENS = 2**16
+"""The most tokens an id of a trace may name (`read_trace(..., block_tokens=)`)."""
+
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
@@ -57,16 +65,17 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    block_tokens: int = TRACE_BLOCK_TOKENS  # tokens an id names (module doc)
 
     @property
     def num_tokens(self) -> int:
         """The tokens a replay sends: every id as a full block."""
-        return len(self.hash_ids) * TRACE_BLOCK_TOKENS
+        return len(self.hash_ids) * self.block_tokens
 
     def tokens(self) -> np.ndarray[tuple[int], np.dtype[np.uint32]]:
         """The synthetic token ids of this request (see the module docstring)."""
-        ids = np.asarray(self.hash_ids, dtype=np.uint32)[:, None] * TRACE_BLOCK_TOKENS
-        offsets = np.arange(TRACE_BLOCK_TOKENS, dtype=np.uint32)
+        ids = np.asarray(self.hash_ids, dtype=np.uint32)[:, None] * self.block_tokens
+        offsets = np.arange(self.block_tokens, dtype=np.uint32)
         return (ids + offsets).reshape(-1)
 
 
@@ -83,10 +92,16 @@ class Ceiling:
     unique_blocks: int
     prefix_hits: int
     seen_hits: int
+    block_tokens: int = TRACE_BLOCK_TOKENS  # the trace's tokens an id
 
     @property
     def hit_rate(self) -> float:
         return self.prefix_hits / self.references if self.references else 0.0
+
+    @property
+    def prefix_tokens(self) -> int:
+        """The tokens a prefix cache of infinite capacity serves."""
+        return self.prefix_hits * self.block_tokens
 
 
 def _int_field(record: dict[str, object], name: str, error: _LineError) -> int:
@@ -117,38 +132,52 @@ class _LineError:
         return TraceError(self.path, self.line, problem)
 
 
-def parse_line(text: str, path: str = "<trace>", line: int = 1) -> TraceRequest:
+def parse_line(
+    text: str, path: str = "<trace>", line: int = 1, block_tokens: int = TRACE_BLOCK_TOKENS
+) -> TraceRequest:
     """One trace line as a request, its ids as given; `TraceError` naming `path:line` if it is
-    not valid or an id is past `MAX_HASH_ID` (a whole trace renumbers them: `read_trace`)."""
-    request = _parse(text, _LineError(path, line))
+    not valid or an id's tokens pass 2**32 (a whole trace renumbers them: `read_trace`)."""
+    request = _parse(text, _LineError(path, line), _block_tokens(block_tokens))
+    most = 2**32 // block_tokens - 1
     for position, value in enumerate(request.hash_ids):
-        if value > MAX_HASH_ID:
+        if value > most:
             raise TraceError(path, line, f"hash_ids[{position}]: got {value}, expected an int "
-                             f"in [0, {MAX_HASH_ID}] (a line alone is not renumbered)")  # fmt: skip
+                             f"in [0, {most}] (a line alone is not renumbered)")  # fmt: skip
     return request
+
+
+def _block_tokens(value: object) -> int:
+    """`value` as a trace's tokens an id; `InvalidArgumentError` unless an int in [1, 2**16]."""
+    if type(value) is not int or not 1 <= value <= MAX_TRACE_BLOCK_TOKENS:
+        raise InvalidArgumentError(
+            f"trace block_tokens: got {value!r}, expected an int in [1, {MAX_TRACE_BLOCK_TOKENS}]"
+        )
+    return value
 
 
 class Renumber:
     """A trace's hash ids renumbered 0, 1, 2, ... in the order they first appear (module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> None:
         self.numbers: dict[int, int] = {}
+        self.block_tokens, self.most = block_tokens, 2**32 // block_tokens
 
     def __call__(self, request: TraceRequest, error: _LineError) -> TraceRequest:
         numbers = self.numbers
         ids = tuple([numbers.setdefault(h, len(numbers)) for h in request.hash_ids])
-        if len(numbers) > MAX_HASH_ID + 1:
+        if len(numbers) > self.most:
             raise error(
-                f"hash_ids: more than {MAX_HASH_ID + 1} distinct ids in the trace, expected at "
-                f"most that many (each is {TRACE_BLOCK_TOKENS} synthetic tokens below 2**32)"
+                f"hash_ids: more than {self.most} distinct ids in the trace, expected at most "
+                f"that many (each is {self.block_tokens} synthetic tokens below 2**32)"
             )
         if ids == request.hash_ids:
             return request
-        return TraceRequest(request.timestamp_ms, request.input_length, request.output_length, ids)
+        return dataclasses.replace(request, hash_ids=ids)
 
 
-def _parse(text: str, error: _LineError) -> TraceRequest:
-    """One line as a request with its ids as given, each below `ID_LIMIT`."""
+def _parse(text: str, error: _LineError, block_tokens: int) -> TraceRequest:
+    """One line as a request with its ids as given, each below `ID_LIMIT`, each of
+    `block_tokens` tokens."""
     try:
         record = json.loads(text, object_pairs_hook=_json_object)
     except json.JSONDecodeError as exc:
@@ -171,22 +200,30 @@ def _parse(text: str, error: _LineError) -> TraceRequest:
     for position, value in enumerate(ids):
         if type(value) is not int or not 0 <= value < ID_LIMIT:
             raise error(f"hash_ids[{position}]: got {value!r:.80}, expected an int in [0, 2**64)")
-    expected = -(-input_length // TRACE_BLOCK_TOKENS)  # ceil, in ints: no float to overflow
+    expected = -(-input_length // block_tokens)  # ceil, in ints: no float to overflow
     if len(ids) != expected:
+        hint = ""
+        if block_tokens == TRACE_BLOCK_TOKENS:
+            hint = " (ids of blocks of another size: --trace-block-tokens)"
         raise error(
             f"hash_ids: got {len(ids)} ids for input_length {input_length}, expected "
-            f"ceil({input_length} / {TRACE_BLOCK_TOKENS}) = {expected}"
+            f"ceil({input_length} / {block_tokens}) = {expected}{hint}"
         )
-    return TraceRequest(timestamp, input_length, output_length, tuple(ids))
+    return TraceRequest(timestamp, input_length, output_length, tuple(ids), block_tokens)
 
 
-def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
-    """The first `limit` requests (all when None) of the trace at `path`, their ids renumbered
-    (module doc). Raises `TraceError` naming the first bad line: unreadable, longer than
-    `MAX_LINE_BYTES`, not UTF-8, not a request, or earlier than the line before."""
+def read_trace(
+    path: str | os.PathLike[str],
+    limit: int | None = None,
+    block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> list[TraceRequest]:
+    """The first `limit` requests (all when None) of the trace at `path`, whose ids name
+    `block_tokens` tokens each, their ids renumbered (module doc). Raises `TraceError` naming the
+    first bad line: unreadable, longer than `MAX_LINE_BYTES`, not UTF-8, not a request, or
+    earlier than the line before."""
     source = os.fspath(path)
     requests: list[TraceRequest] = []
-    renumber = Renumber()
+    renumber = Renumber(_block_tokens(block_tokens))
     try:
         with open(source, "rb") as file:
             lines = iter(lambda: file.readline(MAX_LINE_BYTES + 1), b"")
@@ -197,7 +234,7 @@ def read_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[T
                 if not text.strip():
                     continue
                 error = _LineError(source, number)
-                request = renumber(_parse(text, error), error)
+                request = renumber(_parse(text, error, block_tokens), error)
                 if requests and request.timestamp_ms < requests[-1].timestamp_ms:
                     raise TraceError(
                         source,
@@ -237,4 +274,5 @@ def ceiling(requests: Sequence[TraceRequest]) -> Ceiling:
         prefix_hits += leading
         seen_hits += sum(1 for h in ids if h in seen)
         seen.update(ids)
-    return Ceiling(len(requests), references, len(seen), prefix_hits, seen_hits)
+    block_tokens = requests[0].block_tokens if requests else TRACE_BLOCK_TOKENS
+    return Ceiling(len(requests), references, len(seen), prefix_hits, seen_hits, block_tokens)
