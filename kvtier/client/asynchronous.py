@@ -13,7 +13,9 @@ token, as `Client`'s does (`owing.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -123,11 +125,17 @@ class AsyncClient:
                 await self._owing.give_back(kind, token, tenant)
             raise
 
-    async def _kept(self, kind: str, token: str, tenant: str, failed: bool) -> None:
-        """`Client._keeping`, after reading a granted reply (`failed`: it raised)."""
-        if failed or self._owing.closed:
+    @contextlib.asynccontextmanager
+    async def _keeping(self, kind: str, token: str, tenant: str) -> AsyncIterator[None]:
+        """`Client._keeping`: around reading a granted reply, a failure gives the grant back;
+        so does a reply that came after `aclose()` (then `ClosedError`)."""
+        try:
+            yield
+        except BaseException:
             await self._owing.give_back(kind, token, tenant)
-        if not failed and self._owing.closed:
+            raise
+        if self._owing.closed:
+            await self._owing.give_back(kind, token, tenant)
             raise ClosedError(f"the client closed while its {kind} was asked: given back")
 
     async def _map(self) -> None:
@@ -164,13 +172,9 @@ class AsyncClient:
             if not wait:
                 request["wait_s"] = 0.0
             token, body = await self._post_granting("lease", "/v1/prefetch", request, tenant)
-            try:
+            async with self._keeping("lease", token, tenant):
                 instance = await self._server.instance(body, "lease", tenant)
                 lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
-            except BaseException:
-                await self._kept("lease", token, tenant, failed=True)
-                raise
-            await self._kept("lease", token, tenant, failed=False)
             if wait and lease.state is LeaseState.PENDING:
                 try:
                     lease = await self.wait_for(lease)
@@ -307,13 +311,9 @@ class AsyncClient:
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
             token, body = await self._post_granting("reservation", "/v1/reserve", request, tenant)
-            try:
+            async with self._keeping("reservation", token, tenant):
                 instance = await self._server.instance(body, "reservation", tenant)
                 reservation = self._pools.reservation(body, request["tokens"])
-            except BaseException:
-                await self._kept("reservation", token, tenant, failed=True)
-                raise
-            await self._kept("reservation", token, tenant, failed=False)
             return reservation, instance
 
     async def commit(self, reservation: Reservation) -> StoreResult:

@@ -21,7 +21,7 @@ the format name blocks by hashes (64-bit, or 32-bit as in LMCache's and Dynamo's
 appear (`Renumber`): the same requests share the same blocks, a Mooncake trace keeps its ids,
 and the synthetic tokens stay below 2**32 for up to 2**32 / B distinct ids (2**23 for 512:
 4.3 billion tokens). `parse_line`, one line alone, keeps its ids and takes them up to
-2**32 / B - 1 (`MAX_HASH_ID` for 512).
+2**32 / B - 1.
 """
 
 from __future__ import annotations
@@ -38,9 +38,6 @@ from kvtier.errors import InvalidArgumentError, TraceError
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per hash id in a Mooncake trace."""
-
-MAX_HASH_ID = 2**32 // TRACE_BLOCK_TOKENS - 1
-"""The largest id whose synthetic tokens stay below 2**32."""
 
 MAX_LINE_BYTES = 2**20
 """The longest line read (a request of ~100k ids); a longer one is refused unread."""

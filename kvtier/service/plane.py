@@ -48,8 +48,7 @@ class Plane:
         disk copy, dropped by the failure) is tried again, up to PREFETCH_ATTEMPTS times, so
         that the intact leading part comes back leased. The leases in `release` are released
         by the first attempt, once every field is known good (the store's `release`)."""
-        tokens, ttl, deadline, done = self._prefetch_fields(data)
-        token = wire.request_field(data)
+        tokens, ttl, deadline, done, token = self._prefetch_fields(data)
         for _ in range(PREFETCH_ATTEMPTS):
             lease = await run_in_threadpool(
                 store.prefetch, tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done
@@ -68,8 +67,7 @@ class Plane:
         self, store: KVStore, tenant: str, data: dict[str, Any]
     ) -> dict[str, Any]:
         """`prefetch`, waiting for the lease on the calling thread (the lane's)."""
-        tokens, ttl, deadline, done = self._prefetch_fields(data)
-        token = wire.request_field(data)
+        tokens, ttl, deadline, done, token = self._prefetch_fields(data)
         for _ in range(PREFETCH_ATTEMPTS):
             lease = store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done)
             if not self._grant(tenant, token, lease):
@@ -96,12 +94,16 @@ class Plane:
                 lease.wait(wait_s)
         return bodies.lease(lease, self.instance)
 
-    def _prefetch_fields(self, data: dict[str, Any]) -> tuple[Any, float | None, float, list[int]]:
+    def _prefetch_fields(
+        self, data: dict[str, Any]
+    ) -> tuple[Any, float | None, float, list[int], str | None]:
+        """A prefetch's fields, every one checked before any work: tokens, ttl, deadline, the
+        leases to release, the request token."""
         tokens = wire.tokens_field(data, self.config.max_tokens)
         ttl = wire.number_field(data, "ttl_s", None)
         deadline = time.monotonic() + wire.wait_field(data, self.config.prefetch_wait_s)
-        wire.request_field(data)  # checked before any work
-        return tokens, ttl, deadline, wire.release_field(data)
+        token = wire.request_field(data)
+        return tokens, ttl, deadline, wire.release_field(data), token
 
     def _grant(self, tenant: str, token: str | None, lease: Lease) -> bool:
         """Remember `lease` under `token`; False: the token was withdrawn first."""

@@ -42,19 +42,20 @@ PREFETCH = _obj(
 RESERVE = _obj(
     {"tokens": _TOKENS, "ttl_s": _NUM, "release": _RELEASE, "request": _REQUEST}, ("tokens",)
 )
-LEASE_ID = _obj({"lease_id": _INT}, ("lease_id",))
 RESERVATION_ID = _obj({"reservation_id": _INT}, ("reservation_id",))
-# by id, or by the request token of the prefetch / reserve (either, not both: 400)
-RELEASE = {
-    "type": "object",
-    "properties": {"lease_id": _INT, "request": _REQUEST},
-    "anyOf": [{"required": ["lease_id"]}, {"required": ["request"]}],
-}
-ABORT = {
-    "type": "object",
-    "properties": {"reservation_id": _INT, "request": _REQUEST},
-    "anyOf": [{"required": ["reservation_id"]}, {"required": ["request"]}],
-}
+
+
+def _by_id_or_request(id_field: str) -> dict[str, Any]:
+    """By id, or by the request token of the prefetch / reserve (either, not both: 400)."""
+    return {
+        "type": "object",
+        "properties": {id_field: _INT, "request": _REQUEST},
+        "anyOf": [{"required": [id_field]}, {"required": ["request"]}],
+    }
+
+
+RELEASE = _by_id_or_request("lease_id")
+ABORT = _by_id_or_request("reservation_id")
 STORE = _obj(
     {
         "tokens": _TOKENS,
