@@ -155,7 +155,8 @@ class Parts:
         )
         self.remote = _remote_link(config, state, self.writes)
         self.writes.remote = self.remote
-        self.events = _events(config, index, self.namespaces)  # after recovery: no replayed past
+        # after recovery: no replayed past
+        self.events = _events(config, state, self.namespaces)
         self.tenant_counters = {
             tenant: TenantCounters(len(pools)) for tenant in self.namespaces.seeds
         }
@@ -208,7 +209,7 @@ def _host_pool(host_cfg: HostTierConfig | None, layout: KVLayout, prefix: str | 
 
 
 def _events(
-    config: KVTierConfig, index: RadixIndex, namespaces: Namespaces
+    config: KVTierConfig, state: CacheState, namespaces: Namespaces
 ) -> EventPublisher | None:
     """`events`: a publisher, fed by the index's observer; a `ConfigError` naming the address
     when it cannot be bound."""
@@ -229,7 +230,8 @@ def _events(
         raise ConfigError(
             f"events.{e.name}", e.address, f"an address to bind ({e.reason})"
         ) from None
-    observer = IndexEvents(publisher, index, namespaces.tenant_of)
+    index = state.index
+    observer = IndexEvents(publisher, index, namespaces.tenant_of, state.lock)
     index.observer = observer
     observer.announce()  # what recovery brought back: a restarted store's first words
     return publisher

@@ -95,9 +95,13 @@ def store_status(parts: Parts) -> dict[str, Any]:
             parts.executor.recent_bandwidth(*disk_paths) if disk_paths else 0.0
         )
     lookups = parts.state.ops["lookup_tokens"]
-    remote = {"remote": parts.remote.status()} if parts.remote is not None else {}
+    extra: dict[str, Any] = {}  # sections of the parts a config may leave out
+    if parts.remote is not None:
+        extra["remote"] = parts.remote.status()
+    if parts.events is not None:  # KV events: what routers were told, and what was lost
+        extra["events"] = {"topic": parts.events.topic, **parts.events.stats()}
     return {
-        **remote,
+        **extra,
         "layout": _layout(parts),
         "tiers": tiers,
         "paths": paths,

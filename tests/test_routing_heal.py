@@ -1,11 +1,13 @@
 """A router that finds an orphan resyncs from the pod's snapshot (`kvtier/routing/subscriber.py`).
 
-A kvtier store whose event queue overflowed starts its next message with `AllBlocksCleared`:
-the router forgets every block of the topic, and on a topic that tenants share that is every
-tenant's. The store still holds them, so its next blocks chain to parents the router forgot:
-orphans, skipped, and the pod looked empty for those prompts for as long as it kept them. Now
-an orphan makes the subscriber take the pod's snapshot (`GET /v1/blocks`, here the store's own
-`snapshot`) at once, and the router holds what the store holds again.
+A publisher that sends `AllBlocksCleared` and goes on without telling what it still holds (a
+kvtier store whose event queue overflowed did, before it resynced its topics itself:
+`tests/test_events_resync.py`; a clear queued by hand here) makes the router forget every block
+of the topic, and on a topic that tenants share that is every tenant's. The store still holds
+them, so its next blocks chain to parents the router forgot: orphans, skipped, and the pod
+looked empty for those prompts for as long as it kept them. An orphan makes the subscriber take
+the pod's snapshot (`GET /v1/blocks`, here the store's own `snapshot`) at once, and the router
+holds what the store holds again.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def test_an_orphan_after_a_cleared_topic_resyncs_the_pod_from_its_snapshot() -> 
         store_kv(PROMPT, "b")
         store_kv(PROMPT[:8], "a")
         assert index.score(PROMPT) == {"pod-a": 16.0}
-        publisher.overflow("a")  # an event of a's dropped: the next message clears the topic
+        publisher.cleared("a")  # the topic cleared, the store's blocks not told again
         store_kv([*PROMPT[:8], 7, 7, 7, 7], "a")  # chained to a's block 1, forgotten by then
         assert wait_until(lambda: subscriber.stats()["resyncs"] >= 1)
         index.check()

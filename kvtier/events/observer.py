@@ -46,6 +46,9 @@ store wrote its new blocks to, and removals next to each other in one medium as 
 
 `announce()` tells of every block the index holds, each tier a run at a time: the publisher's
 first words after a restart (recovery rebuilt the index from disk before events were on).
+`retold(wanted)` is the same for some tenants, returned: given the store's lock
+(`store_lock`), the observer is the publisher's `source`, and a topic that lost events to a
+full queue is told again from it (`EventPublisher._resync`).
 `snapshot(store, tenant)` is the same, returned rather than sent, with each topic's sequence
 number at that moment (`GET /v1/blocks`, the routers' resync).
 """
@@ -55,6 +58,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -90,7 +94,10 @@ class IndexEvents:
         publisher: EventPublisher,
         index: RadixIndex,
         tenant_of: Callable[[bytes], str | None],
+        store_lock: AbstractContextManager[Any] | None = None,
     ) -> None:
+        """`store_lock`: the lock every edit of `index` holds; with it, the publisher resyncs
+        a lost topic from this observer (module doc)."""
         self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
         self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
         assert all(len(wire.medium_bytes(m)) <= wire.MEDIUM_ROOM for m in self.media)
@@ -102,6 +109,9 @@ class IndexEvents:
         # per tier, the entry queued last of its medium: an edit of one block may join it
         self.open: list[tuple[str, wire.Spec] | None] = [None] * len(index.tiers)
         self.kb, self.bs = index.key_nbytes, index.block_tokens
+        if store_lock is not None:
+            self.store_lock = store_lock
+            publisher.source = self
 
     def gained(self, node: Node, lo: int, hi: int, tiers: tuple[int, ...]) -> None:
         tenant = self.tenant_of(node.root.ids)
@@ -241,6 +251,21 @@ class IndexEvents:
             told += 1
         return told
 
+    def retold(self, wanted: Callable[[str], bool]) -> list[tuple[str, wire.Spec]]:
+        """(tenant, event) for every run of blocks held in a tier by a tenant `wanted` names,
+        parents first, as `told_stored` specs (no bytes made under the lock). The publisher
+        took its queue first, so no entry is left to join. Under the store's lock."""
+        self.open = [None] * len(self.open)
+        out: list[tuple[str, wire.Spec]] = []
+        for node, lo, hi, tier in self._runs():
+            tenant = self.tenant_of(node.root.ids)
+            if tenant is not None and wanted(tenant):
+                ev = self.number(node)
+                spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, self._parent_hash(node, lo),
+                        self.bs, (tier,), self.media)  # fmt: skip
+                out.append((tenant, spec))
+        return out
+
     def told(self, tenant: str | None) -> list[tuple[str, wire.Stored]]:
         """(tenant, event) for every run of blocks held in a tier, parents first; `tenant`'s
         blocks only unless None. Under the store's lock."""
@@ -271,13 +296,20 @@ class IndexEvents:
     def _blocks(self, node: Node, lo: int, hi: int) -> wire.Blocks:
         """The fields of a BlockStored of blocks lo..hi-1 of `node`."""
         ev = self.number(node)
-        parent = None
-        if lo:
-            parent = ev + lo - 1
-        elif node.parent is not None and node.parent.parent is not None:
-            parent = self.number(node.parent) + node.parent.size - 1
         tokens = node.key[lo * self.kb : hi * self.kb]
-        return wire.Blocks(wire.numbers(ev + lo, hi - lo), parent, tokens, self.bs)
+        return wire.Blocks(
+            wire.numbers(ev + lo, hi - lo), self._parent_hash(node, lo), tokens, self.bs
+        )
+
+    def _parent_hash(self, node: Node, lo: int) -> int | None:
+        """The hash of the block before `node`'s block `lo`; None for a namespace's first
+        (`gained` computes it inline)."""
+        if lo:
+            return self.number(node) + lo - 1
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+            return self.number(parent) + parent.size - 1
+        return None
 
 
 def snapshot(store: KVStore, tenant: str | None) -> dict[str, Any]:

@@ -39,8 +39,14 @@ Contract:
   BlockStored chained to the one before by its parent hash (`wire.Packer`), so a router learns
   the same blocks. The queue is bounded (`queue_limit` events); an event past it is dropped and
   counted, and that topic's next message starts with AllBlocksCleared, so that a router forgets
-  what it can no longer trust. A topic's first message starts with it too: a router forgets what
-  the publisher's past life (before a restart) told it; the store then tells of what it holds
+  what it can no longer trust. With a `source` (a store's: `IndexEvents`), the router then
+  relearns at once: the thread takes the store's lock, drops what is queued for a lost topic
+  (the store's state supersedes it), and sends AllBlocksCleared followed by every block that
+  topic's tenants hold (`_resync`), before any later event; a router needs no snapshot of its
+  own to heal, and never meets an orphan for it. Resyncs are at most one per `RESYNC_MIN_S`; in
+  between, a lost topic's events are dropped unsent (the next resync tells of their blocks). A
+  topic's first message starts with AllBlocksCleared too: a router forgets what the publisher's
+  past life (before a restart) told it; the store then tells of what it holds
   (`IndexEvents.announce`).
 - Tenants: an event holds one tenant's blocks. With `per_tenant`, each tenant's events go to
   `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
@@ -59,7 +65,9 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -75,14 +83,31 @@ MESSAGE_OVERHEAD = 64
 """Payload bytes of a message besides its events but AllBlocksCleared (at most: a batch's
 array, timestamp and dp_rank take 24)."""
 
+RESYNC_MIN_S = 1.0
+"""The least time between two resyncs of lost topics (`_resync`): each reads the whole index
+under the store's lock, and a store that overflows its queue again and again must not spend its
+lock on them."""
+
 Event = tuple[str, wire.Spec]  # (tenant, the event)
+
+
+class Source(Protocol):
+    """What a publisher resyncs a lost topic from (`IndexEvents`)."""
+
+    store_lock: AbstractContextManager[Any]  # held by every edit that queues an event
+
+    def retold(self, wanted: Callable[[str], bool]) -> list[Event]:
+        """Events telling of every block the tenants `wanted` names hold, parents first.
+        Called under `store_lock`, after the queue was taken."""
+        ...
 
 
 @dataclass
 class _Topic:
     name: bytes
+    tenant: str  # whose events it carries ("" for a topic tenants share)
     seq: int = 0
-    lost: bool = False  # events dropped since the last message
+    lost: bool = False  # events dropped since the last message (or, with a source, resync)
 
 
 @dataclass(frozen=True)
@@ -122,7 +147,12 @@ class EventPublisher:
         self._closing = threading.Event()  # wakes the thread's wait at `close`
         self._topics: dict[str, _Topic] = {}
         self.lock = self._lock = threading.RLock()  # `IndexEvents` extends the queue under it
-        self._stats = {"events": 0, "messages": 0, "dropped_events": 0, "replays": 0}
+        self._stats = {
+            "events": 0, "messages": 0, "dropped_events": 0, "replays": 0, "resyncs": 0,
+        }  # fmt: skip
+        self.source: Source | None = None  # set by the store's observer: lost topics resync
+        self._lost = False  # some topic lost events (under `_lock`)
+        self._resync_at = 0.0  # `time.monotonic()` before which no resync starts
         self._sending = threading.Lock()  # held by whoever drains the queue into the PUB
         if settings.max_message_bytes < MIN_MESSAGE_BYTES:
             raise InvalidArgumentError(
@@ -176,8 +206,13 @@ class EventPublisher:
     # ---- state --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
+        """Counts since start: `events`, `messages` sent, `dropped_events` (a full queue's),
+        `replays` served, `resyncs` of lost topics; and now: `queued`, the events waiting, and
+        `unsynced_topics`, the topics that lost events whose routers are not yet told so (a
+        resync with a `source`, AllBlocksCleared without one)."""
         with self._lock:
-            return dict(self._stats)
+            unsynced = sum(topic.lost for topic in self._topics.values())
+            return {**self._stats, "queued": len(self.pending), "unsynced_topics": unsynced}
 
     def sent(self, topic: str | None = None) -> int:
         """Messages sent so far on `topic` (default: the publisher's), the next one's number."""
@@ -218,7 +253,7 @@ class EventPublisher:
         next message starts with AllBlocksCleared."""
         with self._lock:
             self._stats["dropped_events"] += 1
-            self._topic(tenant).lost = True
+            self._topic(tenant).lost = self._lost = True
 
     def topic_of(self, tenant: str) -> str:
         """The topic `tenant`'s events go to."""
@@ -228,7 +263,8 @@ class EventPublisher:
         name = self.topic_of(tenant)
         topic = self._topics.get(name)
         if topic is None:
-            topic = self._topics[name] = _Topic(name.encode())
+            shared = "" if not self.settings.per_tenant else tenant
+            topic = self._topics[name] = _Topic(name.encode(), shared)
         return topic
 
     def _run(self) -> None:
@@ -252,11 +288,37 @@ class EventPublisher:
 
     def _drain(self) -> None:
         with self._sending:
+            source = self.source
+            if source is not None and self._lost and time.monotonic() >= self._resync_at:
+                self._resync(source)
             while self.pending:
                 with self._lock:  # taken while draining, so that a holder stalls the sender
                     take = min(len(self.pending), self.settings.max_batch)
                     batch = [self.pending.popleft() for _ in range(take)]
+                    if source is not None and self._lost:  # the next resync tells of these
+                        batch = [e for e in batch if not self._topic(e[0]).lost]
                 self._send(batch)
+
+    def _resync(self, source: Source) -> None:
+        """Tell the routers of each lost topic every block its tenants hold (module doc).
+        Under `_sending`, so that nothing queued later is sent before. The store's lock keeps
+        every edit out while the queue is taken and the index read: the events taken that the
+        resync does not replace (other topics') go first, then, per lost topic,
+        AllBlocksCleared and its blocks, then whatever the store queues after."""
+        with source.store_lock:
+            with self._lock:
+                taken = list(self.pending)
+                self.pending.clear()
+                lost = [topic for topic in self._topics.values() if topic.lost]
+                for topic in lost:
+                    topic.lost = False
+                self._lost = False
+                self._stats["resyncs"] += 1
+            names = {topic.name.decode() for topic in lost}
+            told = source.retold(lambda tenant: self.topic_of(tenant) in names)
+        self._resync_at = time.monotonic() + RESYNC_MIN_S
+        kept = [event for event in taken if self.topic_of(event[0]) not in names]
+        self._send([*kept, *((topic.tenant, wire.CLEARED) for topic in lost), *told])
 
     def _send(self, batch: list[Event]) -> None:
         grouped: dict[str, list[wire.Spec]] = {}
@@ -284,7 +346,8 @@ class EventPublisher:
     def _send_message(self, tenant: str, events: list[bytes], now: float) -> None:
         with self._lock:
             topic = self._topic(tenant)
-            if topic.lost or topic.seq == 0:  # forget what is lost, or a past life's
+            # forget a past life's blocks, or (without a source to resync from) what is lost
+            if topic.seq == 0 or (topic.lost and self.source is None):
                 events = [wire.CLEARED, *events]
                 topic.lost = False
             seq = topic.seq

@@ -36,6 +36,10 @@ latency is the service's own (a histogram per route). Names:
     kvtier_remote_connected                              with tiers.remote: 1 while connected
     kvtier_remote_writer_pending_bytes                   the write backlog
     kvtier_remote_<counter>_total                        every count of the status' `remote`
+    kvtier_events_{events,messages,dropped_events,replays,resyncs}_total   with `events`: KV
+                                                         events sent, lost to a full queue, ...
+    kvtier_events_{queued,unsynced_topics}               events waiting to be sent; topics
+                                                         that lost events, not yet told again
 """
 
 from __future__ import annotations
@@ -132,6 +136,8 @@ class _StoreCollector(Collector):
         yield from _mover(status["mover"])
         if "remote" in status:
             yield from _remote(status["remote"])
+        if "events" in status:
+            yield from _events(status["events"])
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -250,6 +256,19 @@ def _mover(mover: dict[str, Any]) -> Iterator[Any]:
     ready.add_metric(["0.5"], mover["prefetch_to_ready_s"]["p50"])
     ready.add_metric(["0.99"], mover["prefetch_to_ready_s"]["p99"])
     yield ready
+
+
+def _events(events: dict[str, Any]) -> Iterator[Any]:
+    for field in ("events", "messages", "dropped_events", "replays", "resyncs"):
+        counter = CounterMetricFamily(f"kvtier_events_{field}", f"KV events: {field}")
+        counter.add_metric([], events[field])
+        yield counter
+    yield _gauge("kvtier_events_queued", "KV events waiting to be sent", events["queued"])
+    yield _gauge(
+        "kvtier_events_unsynced_topics",
+        "Topics that lost KV events and are not yet told again",
+        events["unsynced_topics"],
+    )
 
 
 _MOVER_COUNTERS = (
