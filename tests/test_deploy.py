@@ -87,11 +87,13 @@ def rule_queries() -> list[Query]:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
-    """The /metrics of a sidecar with gpu, host, disk and a remote tier nobody listens for."""
+    """The /metrics of a sidecar with gpu, host, disk, a remote tier nobody listens for, and
+    KV events."""
     directory = tmp_path_factory.mktemp("deploy")
     path = write_config(directory, disk="1MiB")
     config = yaml.safe_load(path.read_text())
     config["tiers"]["remote"] = {"nodes": [f"127.0.0.1:{free_port()}"], "timeout_s": 0.2}
+    config["events"] = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
     path.write_text(yaml.safe_dump(config))
     with running(path) as server, Client(server.url) as client:
         tokens = tokens_of(0, 16)
@@ -100,6 +102,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
         response = server.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"})
     assert response.status_code == 200, response.text
     assert "kvtier_remote_connected 0.0" in response.text  # the remote tier is there, down
+    assert "kvtier_events_unsynced_topics 0.0" in response.text  # the events, in step
     return Exported.parse(response.text)
 
 
