@@ -81,7 +81,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     if "remote" in status:
         print(_remote_line(status["remote"]))
+    if "events" in status:
+        print(_events_line(status["events"]))
     return 0
+
+
+def _events_line(events: dict[str, Any]) -> str:
+    unsynced = events["unsynced_topics"]
+    state = f"{unsynced} TOPICS NOT TOLD AGAIN YET; " if unsynced else ""
+    return (
+        f"events: {state}{events['events']} sent in {events['messages']} messages on "
+        f"{events['topic']}, {events['dropped_events']} dropped (full queue), "
+        f"{events['resyncs']} resyncs, {events['queued']} queued"
+    )
 
 
 def _remote_line(remote: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ follows the live events from there, and a store without events refuses the route
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,7 +87,17 @@ def test_a_router_rebuilds_a_pod_from_its_snapshot_and_follows_it_from_there(
     assert index.score(prompt_b) == {"pod-1": 12.0}
     index.check()
     sub.close()
+    events = admin.status()["events"]
+    assert events["topic"] == TOPIC and events["messages"] >= 3  # three stores, a clear
+    assert (events["dropped_events"], events["unsynced_topics"], events["resyncs"]) == (0, 0, 0)
     admin.close()
+    done = subprocess.run(  # what an SRE reads
+        [sys.executable, "-m", "kvtier.cli", "status", "--url", live.url, "--key", ADMIN_KEY],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.splitlines()[-1]
+    assert line.startswith("events: ") and f"on {TOPIC}, 0 dropped (full queue)" in line, line
 
 
 @pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
