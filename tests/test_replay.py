@@ -404,3 +404,35 @@ def test_a_trace_of_16_token_ids_replays_as_the_same_trace_of_512(
     assert "ids of blocks of another size: --trace-block-tokens" in capsys.readouterr().err
     assert main([*args, "--trace-block-tokens", "16"]) == 0
     assert "ratio to the infinite-cache ceiling (tiered): 1.000" in capsys.readouterr().out
+
+
+def test_timestamps_in_seconds_are_read_to_the_nearest_millisecond(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bailian's timestamps are float seconds: `--trace-time-unit s` keeps them as the nearest
+    millisecond, so the trace is the same as one written in milliseconds; without it a float
+    is refused with the flag named, and so is a bad number of seconds."""
+    stamps = [0, 0.0004, 1.1115, 61.25, 61.2504, 360]
+    lines = [
+        json.dumps({"timestamp": t, "input_length": 9, "output_length": 1, "hash_ids": [i]})
+        for i, t in enumerate(stamps)
+    ]
+    path = tmp_path / "seconds.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    requests = read_trace(path, block_tokens=16, seconds=True)
+    assert [r.timestamp_ms for r in requests] == [0, 0, 1112, 61250, 61250, 360_000]
+    with pytest.raises(TraceError, match=r":2: timestamp: got 0.0004, .*--trace-time-unit s"):
+        read_trace(path, block_tokens=16)  # milliseconds: a float is no integer
+    for bad in ("NaN", "-1.5", "1e300", '"7"', "true"):
+        line = f'{{"timestamp": {bad}, "input_length": 9, "output_length": 1, "hash_ids": [1]}}'
+        (tmp_path / "bad.jsonl").write_text(line + "\n")
+        with pytest.raises(TraceError, match=r":1: timestamp: got .*expected seconds"):
+            read_trace(tmp_path / "bad.jsonl", block_tokens=16, seconds=True)
+    args = ["replay", str(path), "--trace-block-tokens", "16", "--gpu", "1", "--host", "0",
+            "--disk", "0", "--block-bytes", "2048", "--no-baseline", "--speed", "1000"]  # fmt: skip
+    assert main(args) == 2
+    assert "--trace-time-unit s" in capsys.readouterr().err
+    started = time.monotonic()
+    assert main([*args, "--trace-time-unit", "s"]) == 0  # 360 s of trace at 1000x: 0.36 s
+    assert time.monotonic() - started >= 0.35  # read as milliseconds, it would take 0.36 ms
+    assert "6 requests" in capsys.readouterr().out

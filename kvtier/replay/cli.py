@@ -101,6 +101,12 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         help="tokens a hash id names (512: Mooncake's traces; 16: Alibaba's Bailian traces)",
     )
     cmd.add_argument(
+        "--trace-time-unit",
+        choices=("ms", "s"),
+        default="ms",
+        help="the unit of the trace's timestamps (ms: Mooncake's; s: Bailian's floats)",
+    )
+    cmd.add_argument(
         "--block-bytes", type=int, default=4096, help="bytes of one 512-token block (4096)"
     )
     cmd.add_argument("--write", default="write_through", help="policy.write (write_through)")
@@ -199,7 +205,7 @@ def run_replay(args: argparse.Namespace) -> int:
     sizings = _sizings(args)  # sizes and policies are checked before the trace is read
     if args.route is not None:
         parse_policies(args.route)
-    requests = read_trace(args.trace, args.limit, trace_bt)
+    requests = read_trace(args.trace, args.limit, trace_bt, args.trace_time_unit == "s")
     limit = ceiling(requests)
     if args.route is not None:
         return _run_routed(args, requests, limit, sizings[0], options)

@@ -22,6 +22,10 @@ appear (`Renumber`): the same requests share the same blocks, a Mooncake trace k
 and the synthetic tokens stay below 2**32 for up to 2**32 / B distinct ids (2**23 for 512:
 4.3 billion tokens). `parse_line`, one line alone, keeps its ids and takes them up to
 2**32 / B - 1.
+
+Time. Mooncake's timestamps are integer milliseconds; Bailian's are seconds, as floats:
+`read_trace(..., seconds=True)` (`kvtier replay --trace-time-unit s`) takes a number of
+seconds (int or finite float) and keeps it as the nearest millisecond.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -108,6 +113,17 @@ def _int_field(record: dict[str, object], name: str, error: _LineError) -> int:
     return value
 
 
+def _seconds_field(record: dict[str, object], error: _LineError) -> int:
+    """The timestamp as seconds (module doc), in milliseconds."""
+    value = record["timestamp"]
+    if not (type(value) in (int, float) and 0 <= cast(float, value) < MAX_FIELD // 1000):
+        raise error(
+            f"timestamp: got {value!r:.80}, expected seconds, a number in [0, 2**63 / 1000) "
+            "(--trace-time-unit s)"
+        )
+    return round(cast(float, value) * 1000)  # NaN failed the range above
+
+
 class _Malformed(ValueError):
     """JSON that no trace line holds, found while decoding (`_json_object`)."""
 
@@ -134,7 +150,7 @@ def parse_line(
 ) -> TraceRequest:
     """One trace line as a request, its ids as given; `TraceError` naming `path:line` if it is
     not valid or an id's tokens pass 2**32 (a whole trace renumbers them: `read_trace`)."""
-    request = _parse(text, _LineError(path, line), _block_tokens(block_tokens))
+    request = _parse(text, _LineError(path, line), _block_tokens(block_tokens), False)
     most = 2**32 // block_tokens - 1
     for position, value in enumerate(request.hash_ids):
         if value > most:
@@ -172,9 +188,9 @@ class Renumber:
         return dataclasses.replace(request, hash_ids=ids)
 
 
-def _parse(text: str, error: _LineError, block_tokens: int) -> TraceRequest:
+def _parse(text: str, error: _LineError, block_tokens: int, seconds: bool) -> TraceRequest:
     """One line as a request with its ids as given, each below `ID_LIMIT`, each of
-    `block_tokens` tokens."""
+    `block_tokens` tokens; its timestamp in `seconds` (module doc) or milliseconds."""
     try:
         record = json.loads(text, object_pairs_hook=_json_object)
     except json.JSONDecodeError as exc:
@@ -188,9 +204,16 @@ def _parse(text: str, error: _LineError, block_tokens: int) -> TraceRequest:
     missing = [name for name in _FIELDS if name not in record]
     if missing:
         raise error(f"missing {', '.join(missing)}; expected keys {', '.join(_FIELDS)}")
-    timestamp, input_length, output_length = (
-        _int_field(record, name, error) for name in _FIELDS[:3]
-    )
+    input_length, output_length = (_int_field(record, name, error) for name in _FIELDS[1:3])
+    if seconds:
+        timestamp = _seconds_field(record, error)
+    elif type(record["timestamp"]) is float:
+        raise error(
+            f"timestamp: got {record['timestamp']!r:.80}, expected integer milliseconds "
+            "(seconds: --trace-time-unit s)"
+        )
+    else:
+        timestamp = _int_field(record, "timestamp", error)
     ids = record["hash_ids"]
     if not isinstance(ids, list) or not ids:
         raise error(f"hash_ids: got {ids!r:.80}, expected a non-empty list of ints")
@@ -213,9 +236,11 @@ def read_trace(
     path: str | os.PathLike[str],
     limit: int | None = None,
     block_tokens: int = TRACE_BLOCK_TOKENS,
+    seconds: bool = False,
 ) -> list[TraceRequest]:
     """The first `limit` requests (all when None) of the trace at `path`, whose ids name
-    `block_tokens` tokens each, their ids renumbered (module doc). Raises `TraceError` naming the
+    `block_tokens` tokens each, their ids renumbered, their timestamps in `seconds` or
+    milliseconds (module doc). Raises `TraceError` naming the
     first bad line: unreadable, longer than `MAX_LINE_BYTES`, not UTF-8, not a request, or
     earlier than the line before."""
     source = os.fspath(path)
@@ -231,7 +256,7 @@ def read_trace(
                 if not text.strip():
                     continue
                 error = _LineError(source, number)
-                request = renumber(_parse(text, error, block_tokens), error)
+                request = renumber(_parse(text, error, block_tokens, seconds), error)
                 if requests and request.timestamp_ms < requests[-1].timestamp_ms:
                     raise TraceError(
                         source,
