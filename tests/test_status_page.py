@@ -12,8 +12,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 from page_reader import at, figures, mismatches
-from service_server import ADMIN_KEY, Server, kv_of, running, tokens_of, write_config
+from service_server import (
+    ADMIN_KEY,
+    Server,
+    free_port,
+    kv_of,
+    running,
+    tokens_of,
+    write_config,
+)
 from starlette.testclient import TestClient
 
 from kvtier.client import Client
@@ -38,8 +47,13 @@ def bearer(key: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Keyless, with a disk tier: the page shows gpu, host and disk."""
-    with running(write_config(tmp_path_factory.mktemp("page"), disk="1MiB")) as live:
+    """Keyless, with a disk tier and KV events: the page shows gpu, host and disk, and the
+    events' counts."""
+    path = write_config(tmp_path_factory.mktemp("page"), disk="1MiB")
+    document = yaml.safe_load(path.read_text())
+    document["events"] = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    path.write_text(yaml.safe_dump(document))
+    with running(path) as live:
         yield live
 
 
@@ -79,6 +93,7 @@ def test_the_page_shows_every_tier_with_the_figures_of_the_status(server: Server
     assert set(numbers) <= set(shown), set(numbers) - set(shown)
     assert shown["tiers.disk.blocks"] == status["tiers"]["disk"]["blocks"] > 0
     assert shown["ops.stores"] == 6
+    assert shown["events.messages"] == status["events"]["messages"] > 0  # the KV events' too
     # all that the page shows of the status, equal to it (the status is still; path rates and
     # the figures that are not the status' own are left out)
     compared = [p for p in shown if not p.endswith("recent_bytes_per_s")]

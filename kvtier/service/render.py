@@ -79,6 +79,7 @@ def live(view: View) -> str:
         _health(status["tiers"]),
         _figures("Recovery at start", "recovery", status.get("recovery") or None),
         _figures("Remote tier", "remote", status.get("remote")),
+        _figures("KV events", "events", status.get("events")),
         _config(view.config),
         _build(view.build),
     ]
