@@ -135,7 +135,7 @@ def _prompts(rng: random.Random, heads: list[list[int]], n: int) -> Iterator[lis
 
 
 def test_a_router_without_a_snapshot_relearns_every_tenants_blocks_after_an_overflow(
-    pod: Pod,
+    pod: Pod, caplog: pytest.LogCaptureFixture
 ) -> None:
     rng = random.Random(1)
     heads = [[rng.randrange(100, 900) for _ in range(6 * BS)] for _ in range(4)]
@@ -158,6 +158,9 @@ def test_a_router_without_a_snapshot_relearns_every_tenants_blocks_after_an_over
     stats = pod.publisher.stats()
     assert (stats["resyncs"], stats["unsynced_topics"]) == (1, 0)
     assert pod.router.stats()["cleared"] == cleared + 1  # one clear, then the whole topic
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvtier.events"]
+    assert len(lines) == 1 and f"{stats['dropped_events']} KV events lost" in lines[0]
+    assert f"told the routers of {TOPIC} again" in lines[0]  # what an SRE reads in the log
     pod.check_router()
     # in step again: later edits chain to what the resync told
     for tokens in _prompts(rng, heads, 10):

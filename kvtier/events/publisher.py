@@ -63,6 +63,7 @@ Contract:
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -83,6 +84,8 @@ LOOK_S = 0.05  # the longest the thread waits before it looks at `close` and the
 MESSAGE_OVERHEAD = 64
 """Payload bytes of a message besides its events but AllBlocksCleared (at most: a batch's
 array, timestamp and dp_rank take 24)."""
+
+log = logging.getLogger("kvtier.events")
 
 RESYNC_MIN_S = 1.0
 RESYNC_LOCK_SHARE = 0.05
@@ -156,6 +159,7 @@ class EventPublisher:
         self.source: Source | None = None  # set by the store's observer: lost topics resync
         self._lost = False  # some topic lost events (under `_lock`)
         self._resync_at = 0.0  # `time.monotonic()` before which no resync starts
+        self._dropped_told = 0  # `dropped_events` when the last resync was logged
         self._sending = threading.Lock()  # held by whoever drains the queue into the PUB
         if settings.max_message_bytes < MIN_MESSAGE_BYTES:
             raise InvalidArgumentError(
@@ -318,10 +322,17 @@ class EventPublisher:
                     topic.lost = False
                 self._lost = False
                 self._stats["resyncs"] += 1
+                dropped = self._stats["dropped_events"] - self._dropped_told
+                self._dropped_told += dropped
             names = {topic.name.decode() for topic in lost}
             told = source.retold(lambda tenant: self.topic_of(tenant) in names)
             held = time.monotonic() - start
         self._resync_at = time.monotonic() + max(RESYNC_MIN_S, held / RESYNC_LOCK_SHARE)
+        log.warning(
+            "kvtier: %d KV events lost to a full queue (%d events); told the routers of %s "
+            "again: %d runs of blocks, %.1f ms under the store's lock",
+            dropped, self.queue_limit, ", ".join(sorted(names)), len(told), held * 1e3,
+        )  # fmt: skip
         kept = [event for event in taken if self.topic_of(event[0]) not in names]
         self._send([*kept, *((topic.tenant, wire.CLEARED) for topic in lost), *told])
 
