@@ -270,6 +270,7 @@ def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> Rem
                 resolve_key(remote.password, "tiers.remote.password") if remote.password else None
             ),
             tls=_tls_settings(remote.tls),
+            allowed=remote.allowed_nodes,
         )
     )
     codec = _codec(remote, config.layout, "tiers.remote")

@@ -36,6 +36,8 @@ from kvtier.config.fields import (
     one_of,
     rule,
 )
+from kvtier.config.network import EXPECTED, NodeFilter, parse_entry
+from kvtier.errors import InvalidArgumentError
 from kvtier.sizes import Capacity
 
 CodecName = Literal["none", "lz4", "fp8", "int8", "int4"]  # `tiers/disk/codec.py`, `quant.py`
@@ -139,6 +141,22 @@ def _nodes(value: object) -> object:
     return nodes
 
 
+def _allowed(value: object) -> object:
+    if value is None:
+        return None
+    entries = tuple(value) if isinstance(value, list) else value
+    if not isinstance(entries, tuple) or not 1 <= len(entries) <= 256:
+        raise InvalidValue(
+            value, f"null (any node), or a list of 1 to 256 entries, each {EXPECTED}"
+        )
+    for entry in entries:
+        try:
+            parse_entry(entry)
+        except InvalidArgumentError:
+            raise InvalidValue(entry, EXPECTED) from None
+    return entries
+
+
 class RemoteTlsConfig(Section):
     """TLS to the cluster (Redis `tls-port`, `tls-cluster yes`): the nodes' certificates are
     verified against `ca_file`; `cert_file` + `key_file` are this node's client certificate,
@@ -185,6 +203,17 @@ class RemoteTierConfig(_CodecFields):
     max_value_bytes: DiskCapacity = Capacity(nbytes=512 * 2**20)
     max_pending_bytes: DiskCapacity = Capacity(nbytes=256 * 2**20)
     authenticate: Annotated[bool, one_of((True, False))] = False
+    allowed_nodes: Annotated[tuple[str, ...] | None, BeforeValidator(_allowed)] = None
+
+    @model_validator(mode="after")
+    def _startup_allowed(self) -> RemoteTierConfig:
+        if self.allowed_nodes is not None:
+            allowed = NodeFilter.parse(self.allowed_nodes)
+            for node in self.nodes:
+                if not allowed.allows(node.rpartition(":")[0]):
+                    expected = "startup nodes inside allowed_nodes (it lists where the cluster is)"
+                    raise InvalidValue(node, expected, key="allowed_nodes")
+        return self
 
     @model_validator(mode="after")
     def _keyed(self) -> RemoteTierConfig:

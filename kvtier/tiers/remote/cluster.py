@@ -24,6 +24,11 @@ Contract:
   `REFRESH_S`: redis-py reads it when a pipeline cannot connect, but a read made before the
   cluster promoted a replica keeps naming the dead primary, and its slots would stay misses.
 - Thread-safe: the mover's threads and the store's callers may call at once.
+- With `allowed` (`tiers.remote.allowed_nodes`, `kvtier.config.network`), a host the cluster
+  names, in its slot table or a redirect, is refused unless it is allowed: no connection is
+  made (redis-py calls `address_remap` on every address a node names before it connects), the
+  call is a counted miss and `last_error` says which node was named (`NodeRefused`). A table
+  naming one such host is refused whole: the cluster is not connected to.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from redis.connection import Connection, SSLConnection
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
+from kvtier.config.network import NodeFilter
 from kvtier.errors import InvalidArgumentError
 from kvtier.tiers.remote.entry import (
     RemoteValueError,
@@ -96,6 +102,28 @@ class ClusterSettings:
     username: str | None = None  # Redis ACL user (None: "default")
     password: str | None = field(default=None, repr=False)  # AUTH; never shown
     tls: TlsSettings | None = None
+    allowed: tuple[str, ...] | None = None  # `NodeFilter` entries; None: any node
+
+
+class NodeRefused(Exception):
+    """The cluster named a node outside `ClusterSettings.allowed` (module doc)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(
+            f"the cluster named {host}:{port}, a node outside tiers.remote.allowed_nodes: "
+            "not connected to"
+        )
+
+
+def _only(allowed: NodeFilter) -> Callable[[tuple[str, int]], tuple[str, int]]:
+    """redis-py's `address_remap`: every address a node names, as it is when `allowed`."""
+
+    def check(address: tuple[str, int]) -> tuple[str, int]:
+        if not allowed.allows(address[0]):
+            raise NodeRefused(*address)
+        return address
+
+    return check
 
 
 Value = bytes | memoryview | SplitValue
@@ -172,6 +200,12 @@ class RemoteCluster:
     def __init__(self, settings: ClusterSettings) -> None:
         self.settings = settings
         self._startup = [ClusterNode(*parse_node(node)) for node in settings.nodes]
+        self._allowed = None if settings.allowed is None else NodeFilter.parse(settings.allowed)
+        for node in self._startup:
+            if self._allowed is not None and not self._allowed.allows(node.host):
+                raise InvalidArgumentError(
+                    f"remote node: got {node.name!r}, expected a node in allowed_nodes"
+                )
         self._lock = threading.Lock()
         self._client: RedisCluster | None = None
         self._next_connect = 0.0
@@ -314,6 +348,8 @@ class RemoteCluster:
                 "ssl_keyfile": tls.key_file,
                 "ssl_check_hostname": tls.check_hostname,
             }
+        if self._allowed is not None:
+            secure["address_remap"] = _only(self._allowed)
         first = self._startup[0]
         host = f"[{first.host}]" if ":" in first.host else first.host
         try:
