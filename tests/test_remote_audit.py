@@ -184,6 +184,20 @@ def read_command(stream: BinaryIO) -> list[bytes] | None:
     return args
 
 
+def serve_each(server: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+    """Accept connections on `server` until it closes, each served by `serve` on a thread."""
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
 class FakeNode:
     """A RESP server on a loopback port that says it is a one-node cluster owning every slot
     (HELLO, CLUSTER SLOTS, COMMAND), and hands every other command to `answer`, which returns
@@ -193,15 +207,7 @@ class FakeNode:
         self.answer = answer
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        serve_each(self.server, self._serve)
 
     def _serve(self, conn: socket.socket) -> None:
         stream = conn.makefile("rb")

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
 from redis.crc import key_slot
-from test_remote_audit import LAYOUT, FakeNode, array, bulk, meta_of, path
+from test_remote_audit import LAYOUT, FakeNode, array, bulk, meta_of, path, serve_each
 
 from kvtier.config import parse_config
 from kvtier.config.network import NodeFilter
@@ -40,22 +39,17 @@ class Listener:
         self.port = self.server.getsockname()[1]
         self.connections = 0
         self.received = bytearray()
-        threading.Thread(target=self._accept, daemon=True).start()
+        serve_each(self.server, self._keep)
 
-    def _accept(self) -> None:
-        while True:
+    def _keep(self, conn: socket.socket) -> None:
+        self.connections += 1
+        with conn:
+            conn.settimeout(1.0)
             try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            self.connections += 1
-            with conn:
-                conn.settimeout(1.0)
-                try:
-                    while chunk := conn.recv(65536):
-                        self.received += chunk
-                except OSError:  # timed out: the client waits for a reply that never comes
-                    pass
+                while chunk := conn.recv(65536):
+                    self.received += chunk
+            except OSError:  # timed out: the client waits for a reply that never comes
+                pass
 
     def close(self) -> None:
         self.server.close()
