@@ -45,10 +45,9 @@ Contract:
   topic's tenants hold (`_resync`), before any later event; a router needs no snapshot of its
   own to heal, and never meets an orphan for it. Resyncs are spaced (`RESYNC_MIN_S`,
   `RESYNC_LOCK_SHARE`); in between, a lost topic's events are dropped unsent (the next resync
-  tells of their blocks). A
-  topic's first message starts with AllBlocksCleared too: a router forgets what the publisher's
-  past life (before a restart) told it; the store then tells of what it holds
-  (`IndexEvents.announce`).
+  tells of their blocks). A topic's first message starts with AllBlocksCleared too: a router
+  forgets what the publisher's past life (before a restart) told it; the store then tells of
+  what it holds (`IndexEvents.announce`).
 - Tenants: an event holds one tenant's blocks. With `per_tenant`, each tenant's events go to
   `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
   to `topic` (an operator who must not mix tenants turns it on).
@@ -362,10 +361,12 @@ class EventPublisher:
     def _send_message(self, tenant: str, events: list[bytes], now: float) -> None:
         with self._lock:
             topic = self._topic(tenant)
-            # forget a past life's blocks, or (without a source to resync from) what is lost
+            # forget a past life's blocks, or (without a source to resync from) what is lost;
+            # with a source, a loss stays marked until `_resync` tells the topic again
             if topic.seq == 0 or (topic.lost and self.source is None):
                 events = [wire.CLEARED, *events]
-                topic.lost = False
+                if self.source is None:
+                    topic.lost = False
             seq = topic.seq
             topic.seq += 1
         payload = wire.batch(now, events, None)
