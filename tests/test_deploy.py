@@ -103,6 +103,11 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     assert response.status_code == 200, response.text
     assert "kvtier_remote_connected 0.0" in response.text  # the remote tier is there, down
     assert "kvtier_events_unsynced_topics 0.0" in response.text  # the events, in step
+    # `kvtier serve` froze its start-up objects out of the collector's passes (torch alone
+    # makes some 100,000), and the collector's own counts are there
+    frozen = re.search(r"^kvtier_gc_frozen_objects (\S+)$", response.text, re.M)
+    assert frozen is not None and float(frozen.group(1)) > 50_000, frozen
+    assert 'python_gc_collections_total{generation="2"}' in response.text
     return Exported.parse(response.text)
 
 

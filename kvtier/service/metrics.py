@@ -38,12 +38,15 @@ latency is the service's own (a histogram per route). Names:
     kvtier_remote_<counter>_total                        every count of the status' `remote`
     kvtier_events_{events,messages,dropped_events,replays,resyncs}_total   with `events`: KV
                                                          events sent, lost to a full queue, ...
+    python_gc_{objects_collected,objects_uncollectable,collections}_total{generation}
+    kvtier_gc_frozen_objects                             start-up objects the collector skips
     kvtier_events_{queued,unsynced_topics}               events waiting to be sent; topics
                                                          that lost events, not yet told again
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +55,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     generate_latest,
 )
@@ -93,6 +97,13 @@ class Metrics:
         self.lane_connections = Gauge(
             "kvtier_lane_connections", "Open connections of the local lane", registry=self.registry
         )
+        GCCollector(registry=self.registry)  # the collector's passes, by generation
+        frozen = Gauge(
+            "kvtier_gc_frozen_objects",
+            "Objects frozen out of the garbage collector's passes at start (kvtier serve)",
+            registry=self.registry,
+        )
+        frozen.set_function(gc.get_freeze_count)
         self.registry.register(_StoreCollector(service))
 
     def disconnected(self) -> None:
