@@ -46,8 +46,13 @@ def make(mode: str) -> KVStore:
     store = KVStore(parse_config(config))
     if mode == "built":  # the observer's work only: nothing reaches the publisher's queue
         assert store.parts.events is not None
-        store.parts.events.queue_limit = 0  # every event counted as dropped, none queued
-        store.parts.events.overflow = lambda tenant: None  # type: ignore[method-assign]
+        observer = store.index.observer
+        assert isinstance(observer, IndexEvents)
+        # every event counted as dropped, none queued: the observer keeps its own copy of the
+        # limit, read when the store was built (before, only the publisher's was set, and the
+        # "built" store queued and sent every event as "on" did)
+        store.parts.events.queue_limit = observer.queue_limit = 0
+        store.parts.events.overflow = lambda *_: None  # type: ignore[method-assign]
     return store
 
 

@@ -263,3 +263,61 @@ def test_random_overflows_leave_the_router_equal_to_the_store(seed: int) -> None
         assert pod.publisher.stats()["events"] > 0
     finally:
         pod.close()
+
+
+class ClearIgnoring:
+    """A router as llm-d's event pool was written (`pkg/kvevents/pool.go`: `AllBlocksCleared`
+    is skipped): per (hash, medium), stored or removed, in the order the messages came."""
+
+    def __init__(self) -> None:
+        self.held: set[tuple[int, str]] = set()
+
+    def apply(self, payload: bytes) -> None:
+        for event in msgpack.unpackb(payload)[1]:
+            if event[0] == "BlockStored":
+                self.held |= {(h, event[6]) for h in event[1]}
+            elif event[0] == "BlockRemoved":
+                self.held -= {(h, event[2]) for h in event[1]}
+
+
+def _held(payload: bytes) -> set[tuple[int, str]]:
+    """(hash, medium) of every BlockStored of an event batch (a snapshot's)."""
+    return {(h, e[6]) for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored" for h in e[1]}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_router_that_ignores_clears_ends_exact_too(seed: int) -> None:
+    """llm-d skips `AllBlocksCleared`: after an overflow it would keep every block whose
+    removal was lost. The resync sends the removals it lost (or dropped unsent) again before
+    the blocks held, so such a router ends holding exactly what the store holds."""
+    pod = Pod(per_tenant=False)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.SUB)
+    raw.setsockopt(zmq.RCVHWM, 0)
+    raw.setsockopt(zmq.SUBSCRIBE, b"")
+    raw.connect(pod.publisher.endpoint)
+    router = ClearIgnoring()
+    rng = random.Random(seed)
+    heads = [[rng.randrange(100, 900) for _ in range(rng.randint(2, 6) * BS)] for _ in range(5)]
+    try:
+        time.sleep(0.3)  # the raw subscription joins before anything is stored
+        for _ in range(3):
+
+            def work() -> Iterator[None]:
+                for tokens in _prompts(rng, heads, rng.randint(5, 15)):  # evictions: 24 slots
+                    pod.put(tokens, rng.choice("ab"))
+                    yield
+
+            pod.overflow(rng.randint(1, 4), work())
+            for tokens in _prompts(rng, heads, rng.randint(0, 5)):
+                pod.put(tokens, rng.choice("ab"))
+            pod.settle()
+            while raw.poll(300):
+                router.apply(raw.recv_multipart()[2])
+            truth = snapshot(pod.store, None)["topics"]
+            assert router.held == (_held(truth[0]["events"]) if truth else set())
+        assert pod.publisher.stats()["resyncs"] >= 2
+    finally:
+        raw.close()
+        ctx.destroy(linger=0)
+        pod.close()

@@ -200,7 +200,7 @@ class IndexEvents:
             for tier in tiers:
                 self.open[tier] = entry
         else:
-            self.publisher.overflow(entry[0])
+            self.publisher.overflow(*entry)  # a removal is kept for the resync
 
     def _join_into(
         self, entry: tuple[str, wire.Spec], new: tuple[str, wire.Spec], tiers: tuple[int, ...]

@@ -43,7 +43,11 @@ Contract:
   relearns at once: the thread takes the store's lock, drops what is queued for a lost topic
   (the store's state supersedes it), and sends AllBlocksCleared followed by every block that
   topic's tenants hold (`_resync`), before any later event; a router needs no snapshot of its
-  own to heal, and never meets an orphan for it. Resyncs are spaced (`RESYNC_MIN_S`,
+  own to heal, and never meets an orphan for it. The removals a lost topic did not send (lost
+  to the full queue, taken by the resync, or dropped while it waited) go out again between
+  the AllBlocksCleared and the blocks held, up to `queue_limit` of them: a router that skips
+  AllBlocksCleared (llm-d's event pool does) then forgets the blocks it would otherwise keep
+  for good, and ends exact too. Resyncs are spaced (`RESYNC_MIN_S`,
   `RESYNC_LOCK_SHARE`); in between, a lost topic's events are dropped unsent (the next resync
   tells of their blocks). A topic's first message starts with AllBlocksCleared too: a router
   forgets what the publisher's past life (before a restart) told it; the store then tells of
@@ -65,9 +69,9 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -113,6 +117,7 @@ class _Topic:
     tenant: str  # whose events it carries ("" for a topic tenants share)
     seq: int = 0
     lost: bool = False  # events dropped since the last message (or, with a source, resync)
+    unsent: list[Event] = field(default_factory=list)  # removals lost since (with a source)
 
 
 @dataclass(frozen=True)
@@ -159,13 +164,15 @@ class EventPublisher:
         self._lost = False  # some topic lost events (under `_lock`)
         self._resync_at = 0.0  # `time.monotonic()` before which no resync starts
         self._dropped_told = 0  # `dropped_events` when the last resync was logged
+        self._unsent = 0  # removals kept in the topics' `unsent` lists
         self._sending = threading.Lock()  # held by whoever drains the queue into the PUB
         if settings.max_message_bytes < MIN_MESSAGE_BYTES:
             raise InvalidArgumentError(
                 f"max_message_bytes: got {settings.max_message_bytes}, expected at least "
                 f"{MIN_MESSAGE_BYTES} (a block of 4096 tokens and the fields around it)"
             )
-        limit = settings.max_message_bytes - MESSAGE_OVERHEAD - len(wire.CLEARED)
+        self._message_room = settings.max_message_bytes - MESSAGE_OVERHEAD  # for its events
+        limit = self._message_room - len(wire.CLEARED)
         self._packer = wire.Packer(limit)  # used under `_sending`
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
@@ -252,14 +259,28 @@ class EventPublisher:
             if len(self.pending) < self.queue_limit:
                 self.pending.append((tenant, event))
                 return
-            self.overflow(tenant)
+            self.overflow(tenant, event)
 
-    def overflow(self, tenant: str) -> None:
-        """Count an event of `tenant`'s dropped by a full queue (`queue_limit`): that topic's
-        next message starts with AllBlocksCleared."""
+    def overflow(self, tenant: str, event: wire.Spec | None = None) -> None:
+        """Count `event`, of `tenant`'s, dropped by a full queue (`queue_limit`): that topic's
+        next message starts with AllBlocksCleared (with a source, its resync; a removal is
+        kept to be sent again then)."""
         with self._lock:
             self._stats["dropped_events"] += 1
-            self._topic(tenant).lost = self._lost = True
+            topic = self._topic(tenant)
+            topic.lost = self._lost = True
+            if event is not None:
+                self._keep_unsent(topic, [(tenant, event)])
+
+    def _keep_unsent(self, topic: _Topic, events: list[Event]) -> None:
+        """Keep the removals of `events` for `topic`'s resync (module doc), `queue_limit` in
+        all at most. Under `_lock`."""
+        if self.source is None:
+            return
+        for entry in events:
+            if wire.is_removal(entry[1]) and self._unsent < self.settings.queue_limit:
+                topic.unsent.append(entry)
+                self._unsent += 1
 
     def topic_of(self, tenant: str) -> str:
         """The topic `tenant`'s events go to."""
@@ -302,8 +323,20 @@ class EventPublisher:
                     take = min(len(self.pending), self.settings.max_batch)
                     batch = [self.pending.popleft() for _ in range(take)]
                     if source is not None and self._lost:  # the next resync tells of these
-                        batch = [e for e in batch if not self._topic(e[0]).lost]
+                        batch = self._unlost(batch)
                 self._send(batch)
+
+    def _unlost(self, events: list[Event]) -> list[Event]:
+        """`events` but those of lost topics, whose removals are kept unsent (module doc).
+        Under `_lock`."""
+        out = []
+        for entry in events:
+            topic = self._topic(entry[0])
+            if topic.lost:
+                self._keep_unsent(topic, [entry])
+            else:
+                out.append(entry)
+        return out
 
     def _resync(self, source: Source) -> None:
         """Tell the routers of each lost topic every block its tenants hold (module doc).
@@ -314,11 +347,13 @@ class EventPublisher:
         with source.store_lock:
             start = time.monotonic()
             with self._lock:
-                taken = list(self.pending)
+                kept = self._unlost(list(self.pending))
                 self.pending.clear()
                 lost = [topic for topic in self._topics.values() if topic.lost]
+                unsent = [entry for topic in lost for entry in topic.unsent]
                 for topic in lost:
-                    topic.lost = False
+                    topic.lost, topic.unsent = False, []
+                self._unsent -= len(unsent)
                 self._lost = False
                 self._stats["resyncs"] += 1
                 dropped = self._stats["dropped_events"] - self._dropped_told
@@ -330,10 +365,10 @@ class EventPublisher:
         log.warning(
             "kvtier: %d KV events lost to a full queue (%d events); told the routers of %s "
             "again: %d runs of blocks, %.1f ms under the store's lock",
-            dropped, self.queue_limit, ", ".join(sorted(names)), len(told), held * 1e3,
+            dropped, self.settings.queue_limit, ", ".join(sorted(names)), len(told), held * 1e3,
         )  # fmt: skip
-        kept = [event for event in taken if self.topic_of(event[0]) not in names]
-        self._send([*kept, *((topic.tenant, wire.CLEARED) for topic in lost), *told])
+        cleared = [(topic.tenant, wire.CLEARED) for topic in lost]
+        self._send([*kept, *cleared, *unsent, *told])  # per topic, in this order (`_send`)
 
     def _send(self, batch: list[Event]) -> None:
         grouped: dict[str, list[wire.Spec]] = {}
@@ -341,22 +376,9 @@ class EventPublisher:
             grouped.setdefault(tenant if self.settings.per_tenant else "", []).append(event)
         now = self.clock()
         for tenant, specs in grouped.items():
-            for events in self._messages(self._packer.pack_all(specs)):
+            packed = self._packer.pack_all(specs)
+            for events in wire.messages(packed, self._message_room, self.settings.max_batch):
                 self._send_message(tenant, events, now)
-
-    def _messages(self, events: list[bytes]) -> Iterator[list[bytes]]:
-        """`events` cut into the events of messages of at most `max_batch` events and
-        `max_message_bytes` bytes (the packer cut every event to fit one); one empty message
-        when there are none."""
-        limit, most = self.settings.max_message_bytes - MESSAGE_OVERHEAD, self.settings.max_batch
-        start, size = 0, 0
-        for i, event in enumerate(events):
-            if i > start and (i - start == most or size + len(event) > limit):
-                yield events[start:i]
-                start, size = i, 0
-            size += len(event)
-        if start < len(events) or not events:
-            yield events[start:]
 
     def _send_message(self, tenant: str, events: list[bytes], now: float) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ and nil are `msgpack.packb`'s. `tests/test_events.py` decodes them with `msgpack
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import msgpack  # type: ignore[import-untyped]
@@ -350,3 +350,21 @@ def tagged_tokens(le_bytes: bytes) -> bytes:
 def removed_tagged(pieces: list[bytes], count: int, medium: str) -> bytes:
     """A BlockRemoved of `count` hashes, given as uint 64 items in `pieces`."""
     return b"\x93" + _REMOVED + array_header(count) + b"".join(pieces) + medium_bytes(medium)
+
+
+def is_removal(spec: Spec) -> bool:
+    """Whether `spec` is a BlockRemoved (a `Removed`, or a `told_removed`)."""
+    return isinstance(spec, Removed) or (type(spec) is tuple and spec[0] == TOLD_REMOVED)
+
+
+def messages(events: list[bytes], limit: int, most: int) -> Iterator[list[bytes]]:
+    """`events` cut into the events of messages of at most `most` events and `limit` bytes of
+    them (a packer cut every event to fit one); one empty message when there are none."""
+    start, size = 0, 0
+    for i, event in enumerate(events):
+        if i > start and (i - start == most or size + len(event) > limit):
+            yield events[start:i]
+            start, size = i, 0
+        size += len(event)
+    if start < len(events) or not events:
+        yield events[start:]

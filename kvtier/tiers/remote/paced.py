@@ -4,7 +4,7 @@ socket timeout cannot hold a call for longer than its reply's size allows.
 A socket timeout bounds each read, not a reply: a reply dripped a byte at a time, each inside
 the timeout, would hold the call (a `lookup`'s probe, a `load`'s read) for as long as the node
 likes. `PacedSocket` wraps a connection's socket; while a reply is read (`start_reply` ..
-`end_reply`, around `cluster.SplitValueConnection.read_response`) a read fails as a socket
+`end_reply`, around `connection.SplitValueConnection.read_response`) a read fails as a socket
 timeout once the reply has taken longer than
 
     socket timeout + bytes of it received so far / MIN_REPLY_RATE

@@ -1,0 +1,73 @@
+"""The redis-py connection the remote tier's cluster client uses (`cluster.py`): it sends a
+value's header and payload one after the other as one Redis value, the payload from where it
+lies (`entry.SplitValue`), and reads replies through a `paced.PacedSocket`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.connection import Connection, SSLConnection
+
+from kvtier.tiers.remote.entry import SplitValue
+from kvtier.tiers.remote.paced import PacedSocket
+
+Value = bytes | memoryview | SplitValue
+JOIN_BELOW = 6000  # chunks up to this size are joined into one send (redis-py's cutoff)
+
+
+def value_nbytes(value: Value) -> int:
+    return value.nbytes if isinstance(value, SplitValue | memoryview) else len(value)
+
+
+class SplitValueConnection(Connection):
+    """A redis-py connection that also sends `SplitValue` arguments, as their parts: the RESP
+    bulk string `$<n>CRLF<head><payload>CRLF` as chunks, the payload a memoryview sent as it
+    is. Other commands are packed as redis-py packs them; small chunks are joined (as redis-py
+    does) so a pipeline of probes is still one send. Its socket is a `paced.PacedSocket`: a
+    reply dripped slower than `paced.MIN_REPLY_RATE` is a timeout."""
+
+    def _connect(self) -> Any:
+        sock = super()._connect()
+        return sock if self.socket_timeout is None else PacedSocket(sock, self.socket_timeout)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        sock: object = self._sock
+        if isinstance(sock, PacedSocket):
+            sock.start_reply()
+        try:
+            return super().read_response(*args, **kwargs)
+        finally:
+            if isinstance(sock, PacedSocket):
+                sock.end_reply()
+
+    def pack_command(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(isinstance(arg, SplitValue) for arg in args):
+            return list(super().pack_command(*args))
+        out: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            if isinstance(arg, SplitValue):
+                out += [b"$%d\r\n" % arg.nbytes + arg.head, arg.payload, b"\r\n"]
+            else:
+                data = arg if isinstance(arg, bytes) else str(arg).encode()
+                out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+        return out
+
+    def pack_commands(self, commands: Any) -> list[bytes | memoryview]:
+        output: list[bytes | memoryview] = []
+        pieces: list[bytes] = []
+        for command in commands:
+            for chunk in self.pack_command(*command):
+                if isinstance(chunk, bytes) and len(chunk) <= JOIN_BELOW:
+                    pieces.append(chunk)
+                    continue
+                if pieces:
+                    output.append(b"".join(pieces))
+                    pieces = []
+                output.append(chunk)
+        if pieces:
+            output.append(b"".join(pieces))
+        return output
+
+
+class SplitValueSSLConnection(SplitValueConnection, SSLConnection):
+    """`SplitValueConnection` over TLS (`tiers.remote.tls`)."""
