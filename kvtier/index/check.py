@@ -142,6 +142,10 @@ def check_index(index: RadixIndex) -> None:
         f"resident blocks per tier {[index.resident(t) for t in range(num_tiers)]} "
         f"!= recount {resident}",
     )
+    if index.residency.floors:
+        above = [index.residency.above(t) for t in range(num_tiers)]
+        recount = [index.residency.above(t, recount=True) for t in range(num_tiers)]
+        _expect(above == recount, f"copies above floors {above} != recount {recount}")
     kept_only = [index.residency.only_in(t) for t in range(num_tiers)]
     _expect(kept_only == only, f"blocks by slowest copy {kept_only} != recount {only}")
     _expect(blocks == index.num_blocks, f"num_blocks {index.num_blocks} != recount {blocks}")

@@ -74,7 +74,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import cast
 
-from kvtier.index.node import BlockRef, Node, Residency, VictimRun
+from kvtier.index.node import BlockRef, Node, VictimRun
+from kvtier.index.residency import Residency
 
 
 class CandidateSets:

@@ -31,10 +31,10 @@ from kvtier.index.node import (
     InsertResult,
     Match,
     Node,
-    Residency,
     Slot,
     slowest_counts,
 )
+from kvtier.index.residency import Residency
 
 
 class Forest:

@@ -54,26 +54,7 @@ Positions survive splits (a split changes nodes, never the path's blocks), which
 caller that lets go of the index between two steps keeps positions rather than refs.
 Read-only, no index state: each function follows `parent` links, O(nodes on the path).
 
-Copies counted per tier, in all and per namespace, and the fair-share floors they are held to.
-
-`Residency` is the index's tally of where blocks live, kept incrementally, O(1) per change:
-every edit of the index that sets or clears a slot field calls `add(namespace, tier, ±n)`, so
-
-    resident(t)           == number of set `slots[t]` fields in the whole index
-    resident_in(ns, t)    == the same, counted below the root of namespace `ns` only
-
-    only_in(t)            == number of blocks whose slowest copy is in `t`
-
-(`check.py` recounts them). `only_in(t)` of a memory tier is its dirty data: the copies that
-must be written down before their slots can be freed without losing the block (a block whose
-slowest copy is in `t` has no copy below it). Every edit that adds or removes a block's slowest
-copy moves it with `slowest_moved(old, new)` (-1: no copy). A namespace appears in the
-per-namespace table from its first copy until the index removes its last node (`forget`), when
-every count must be back at zero.
-
-Floors are the fair shares of DESIGN invariant 9 (`RadixIndex.set_floors`): a namespace holding
-no more than its floor in a tier is protected there. `eviction.victims` ranks candidates by
-them; `evictable_share` bounds, with the same rule, what one call may take.
+`Residency` (`residency.py`): copies counted per tier, in all and per namespace.
 """
 
 from __future__ import annotations
@@ -328,73 +309,3 @@ def refs_at(end: Node, positions: Sequence[int]) -> list[BlockRef]:
 def namespace_of(node: Node) -> BlockId:
     """The namespace (seed) of the tree `node` hangs in."""
     return BlockId(node.root.ids)
-
-
-class Residency:
-    def __init__(self, num_tiers: int) -> None:
-        self._num_tiers = num_tiers
-        self._resident = [0] * num_tiers
-        self._ns_resident: dict[bytes, list[int]] = {}  # namespace -> copies per tier
-        self._only = [0] * num_tiers  # blocks by the tier of their slowest copy
-        self.floors: dict[bytes, tuple[int, ...]] = {}  # namespace -> floor per tier
-
-    def add(self, namespace: bytes, tier: int, delta: int) -> None:
-        """`delta` copies in `tier` of blocks of `namespace` (negative: copies gone)."""
-        self._resident[tier] += delta
-        counts = self._ns_resident.get(namespace)
-        if counts is None:
-            counts = self._ns_resident[namespace] = [0] * self._num_tiers
-        counts[tier] += delta
-
-    def slowest_moved(self, old: int, new: int, count: int = 1) -> None:
-        """`count` blocks' slowest copy went from tier `old` to `new` (-1: no copy)."""
-        if old >= 0:
-            self._only[old] -= count
-        if new >= 0:
-            self._only[new] += count
-
-    def slowest_counted(self, counts: Sequence[int], sign: int) -> None:
-        """Blocks counted by the tier of their slowest copy (`slowest_counts`) gained (sign
-        +1) or lost (-1) that copy as their slowest."""
-        only = self._only
-        for tier, count in enumerate(counts):
-            only[tier] += sign * count
-
-    def only_in(self, tier: int) -> int:
-        """Blocks whose slowest copy is in `tier`: its copies with nothing below them."""
-        return self._only[tier]
-
-    def forget(self, namespace: bytes) -> None:
-        """`namespace` holds no block any more: drop its (zero) counts."""
-        counts = self._ns_resident.pop(namespace, None)
-        assert counts is None or not any(counts), f"an empty namespace holds {counts}"
-
-    def resident(self, tier: int) -> int:
-        """Number of blocks with a copy in `tier`."""
-        return self._resident[tier]
-
-    def resident_in(self, namespace: bytes, tier: int) -> int:
-        """Number of blocks of `namespace` with a copy in `tier`."""
-        counts = self._ns_resident.get(namespace)
-        return counts[tier] if counts is not None else 0
-
-    def namespaces_resident(self) -> dict[bytes, tuple[int, ...]]:
-        """Copies per tier of every namespace that holds blocks."""
-        return {namespace: tuple(counts) for namespace, counts in self._ns_resident.items()}
-
-    def set_floors(self, floors: dict[bytes, tuple[int, ...]]) -> None:
-        """Each namespace's floor per tier, in blocks (absent: 0). Empty: plain LRU."""
-        self.floors = dict(floors)
-
-    def evictable_share(self, tier: int, owner: bytes | None) -> int | None:
-        """With floors set: the most copies of `tier` that `victims(tier, owner)` may offer
-        (every namespace's copies above its floor, and all of `owner`'s); None without floors.
-        O(namespaces). Locks are not subtracted: the caller bounds by them."""
-        if not self.floors:
-            return None
-        total = 0
-        for namespace, counts in self._ns_resident.items():
-            floor = self.floors.get(namespace)
-            above = counts[tier] - (floor[tier] if floor is not None else 0)
-            total += counts[tier] if namespace == owner else max(0, above)
-        return total

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvtier.index.eviction import CandidateSets, victim_runs, victims
-from kvtier.index.node import BlockRef, Node, Residency, VictimRun
+from kvtier.index.node import BlockRef, Node, VictimRun
+from kvtier.index.residency import Residency
 
 
 class EvictionQueries:

@@ -55,13 +55,13 @@ from kvtier.index.node import (
     Match,
     Node,
     PrefixHit,
-    Residency,
     can_clear,
     clearable_tail,
     next_fastest,
     slowest_counts,
 )
 from kvtier.index.queries import EvictionQueries
+from kvtier.index.residency import Residency
 
 
 class TierObserver(Protocol):
