@@ -343,7 +343,8 @@ class EventPublisher:
         Under `_sending`, so that nothing queued later is sent before. The store's lock keeps
         every edit out while the queue is taken and the index read: the events taken that the
         resync does not replace (other topics') go first, then, per lost topic,
-        AllBlocksCleared and its blocks, then whatever the store queues after."""
+        AllBlocksCleared, the removals it did not send, and its blocks, then whatever the
+        store queues after."""
         with source.store_lock:
             start = time.monotonic()
             with self._lock:
