@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -102,15 +102,19 @@ class Pod:
         for tokens in self.prompts:
             assert self.router.score(tokens) == truth.score(tokens), tokens
 
-    def overflow(self, limit: int, work: Iterator[None]) -> None:
-        """Run `work` with the sender stalled and the queue `limit` events long: it fills."""
+    def puts(self, prompts: Iterable[tuple[list[int], str]]) -> None:
+        for tokens, tenant in prompts:
+            self.put(tokens, tenant)
+
+    def overflow(self, limit: int, prompts: Iterable[tuple[list[int], str]]) -> None:
+        """Store `prompts` (tokens, tenant) with the sender stalled and the queue `limit`
+        events long: it fills."""
         observer = self.store.index.observer
         normal = self.publisher.queue_limit
         with self.publisher._sending:  # the sender waits on it: nothing leaves the queue
             self.publisher.queue_limit = observer.queue_limit = limit  # type: ignore[union-attr]
             try:
-                for _ in work:
-                    pass
+                self.puts(prompts)
             finally:
                 self.publisher.queue_limit = observer.queue_limit = normal  # type: ignore[union-attr]
 
@@ -124,6 +128,14 @@ def pod() -> Iterator[Pod]:
     p = Pod(per_tenant=False)
     yield p
     p.close()
+
+
+def _mixed(
+    rng: random.Random, heads: list[list[int]], n: int, tenants: str = "ab"
+) -> Iterator[tuple[list[int], str]]:
+    """`n` random prompts (`_prompts`), each of a tenant drawn from `tenants`."""
+    for tokens in _prompts(rng, heads, n):
+        yield tokens, rng.choice(tenants)
 
 
 def _prompts(rng: random.Random, heads: list[list[int]], n: int) -> Iterator[list[int]]:
@@ -146,12 +158,7 @@ def test_a_router_without_a_snapshot_relearns_every_tenants_blocks_after_an_over
     assert pod.router.stats()["blocks"] > 0
     cleared = pod.router.stats()["cleared"]
 
-    def work() -> Iterator[None]:
-        for tokens in _prompts(rng, heads, 20):  # demotions and evictions too: 24 gpu slots
-            pod.put(tokens, rng.choice("ab"))
-            yield
-
-    pod.overflow(4, work())
+    pod.overflow(4, _mixed(rng, heads, 20))  # demotions and evictions too: 24 gpu slots
     stats = pod.publisher.stats()
     assert stats["dropped_events"] > 0 and stats["unsynced_topics"] == 1
     pod.settle()
@@ -175,18 +182,12 @@ def test_overflows_closer_than_the_spacing_resync_once_the_spacing_has_passed(po
     rng = random.Random(2)
     heads = [[rng.randrange(100, 900) for _ in range(5 * BS)] for _ in range(3)]
 
-    def work(n: int) -> Iterator[None]:
-        for tokens in _prompts(rng, heads, n):
-            pod.put(tokens, rng.choice("ab"))
-            yield
-
-    pod.overflow(3, work(8))
+    pod.overflow(3, _mixed(rng, heads, 8))
     pod.publisher.flush()
     assert pod.publisher.stats()["resyncs"] == 1
     started = time.monotonic()
-    pod.overflow(3, work(8))
-    for tokens in _prompts(rng, heads, 5):  # queued while the lost topic waits: dropped unsent
-        pod.put(tokens, rng.choice("ab"))
+    pod.overflow(3, _mixed(rng, heads, 8))
+    pod.puts(_mixed(rng, heads, 5))  # queued while the lost topic waits: dropped unsent
     pod.publisher.flush()
     if time.monotonic() - started < RESYNC_MIN_S * 0.9:  # no second resync inside the spacing
         assert pod.publisher.stats()["resyncs"] == 1
@@ -212,14 +213,9 @@ def test_with_per_tenant_topics_only_the_lost_topic_is_told_again() -> None:
             pod.put(tokens, "a")
         pod.settle()
 
-        def work() -> Iterator[None]:
-            for tokens in _prompts(rng, heads, 10):  # a's edits only: b's topic loses nothing
-                pod.put(tokens, "a")
-                yield
-
         a_topic, b_topic = pod.topics
         before = pod.publisher.sent(a_topic)
-        pod.overflow(2, work())
+        pod.overflow(2, _mixed(rng, heads, 10, "a"))  # a's edits only: b's topic loses nothing
         pod.put(heads[0][:BS], "b")  # b's edits meanwhile reach b's routers as ever
         pod.settle()
         pod.check_router()
@@ -249,15 +245,8 @@ def test_random_overflows_leave_the_router_equal_to_the_store(seed: int) -> None
     try:
         for _ in range(4):
             if rng.random() < 0.6:
-
-                def work() -> Iterator[None]:
-                    for tokens in _prompts(rng, heads, rng.randint(1, 15)):
-                        pod.put(tokens, rng.choice("ab"))
-                        yield
-
-                pod.overflow(rng.randint(1, 6), work())
-            for tokens in _prompts(rng, heads, rng.randint(0, 8)):
-                pod.put(tokens, rng.choice("ab"))
+                pod.overflow(rng.randint(1, 6), _mixed(rng, heads, rng.randint(1, 15)))
+            pod.puts(_mixed(rng, heads, rng.randint(0, 8)))
             pod.settle()
             pod.check_router()
         assert pod.publisher.stats()["events"] > 0
@@ -301,16 +290,9 @@ def test_a_router_that_ignores_clears_ends_exact_too(seed: int) -> None:
     heads = [[rng.randrange(100, 900) for _ in range(rng.randint(2, 6) * BS)] for _ in range(5)]
     try:
         time.sleep(0.3)  # the raw subscription joins before anything is stored
-        for _ in range(3):
-
-            def work() -> Iterator[None]:
-                for tokens in _prompts(rng, heads, rng.randint(5, 15)):  # evictions: 24 slots
-                    pod.put(tokens, rng.choice("ab"))
-                    yield
-
-            pod.overflow(rng.randint(1, 4), work())
-            for tokens in _prompts(rng, heads, rng.randint(0, 5)):
-                pod.put(tokens, rng.choice("ab"))
+        for _ in range(3):  # evictions too: 24 gpu slots
+            pod.overflow(rng.randint(1, 4), _mixed(rng, heads, rng.randint(5, 15)))
+            pod.puts(_mixed(rng, heads, rng.randint(0, 5)))
             pod.settle()
             while raw.poll(300):
                 router.apply(raw.recv_multipart()[2])
