@@ -146,6 +146,9 @@ def check_index(index: RadixIndex) -> None:
         above = [index.residency.above(t) for t in range(num_tiers)]
         recount = [index.residency.above(t, recount=True) for t in range(num_tiers)]
         _expect(above == recount, f"copies above floors {above} != recount {recount}")
+        for t in range(num_tiers):
+            over, again = index.residency.over(t), index.residency.over(t, recount=True)
+            _expect(over == again, f"tier {t}: {len(over)} namespaces over floors, {len(again)}")
     kept_only = [index.residency.only_in(t) for t in range(num_tiers)]
     _expect(kept_only == only, f"blocks by slowest copy {kept_only} != recount {only}")
     _expect(blocks == index.num_blocks, f"num_blocks {index.num_blocks} != recount {blocks}")

@@ -38,9 +38,12 @@ has a rank, read from its namespace's copies in the tier (`Residency.resident_in
     none     another namespace at or under its floor              never offered
 
 so a tenant's call never takes another tenant below its floor, and the store's own work
-(`owner` None: watermark demotion) takes only what is above floors. During one pass a tier's
-copies only leave, so a rank only falls (0 to 1, or to none): a popped entry whose rank fell is
-pushed back once with its new rank, or dropped, which keeps O(log candidates) per victim.
+(`owner` None: watermark demotion) takes only what is above floors. A pass starts from the
+namespaces over their floor (`Residency.over`, kept as copies come and go) and the owner: the
+others rank none, and a pass costs nothing per tenant that has nothing to give. During one
+pass a tier's copies only leave, so a rank only falls (0 to 1, or to none): a popped entry
+whose rank fell is pushed back once with its new rank, or dropped, which keeps O(log
+candidates) per victim.
 Without floors every rank is 0: plain LRU.
 
 The recency queue (`RecencyQueue`): one tier's eviction candidates in recency order, kept
@@ -74,6 +77,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import cast
 
+from kvtier.errors import InvariantError
 from kvtier.index.node import BlockRef, Node, VictimRun
 from kvtier.index.residency import Residency
 
@@ -189,10 +193,21 @@ def _offers(
             first.get(node.root.ids) is not None and members[node] < start and not queue.lent(node)
         )
 
-    for namespace in queue.namespaces():
-        first[namespace] = level = rank(namespace)
-        if level is not None:
-            feed(namespace)
+    # Every namespace whose rank is not None, once: all of them without floors; with floors,
+    # those over their floor and the owner, not every namespace (whose sum ranked them all,
+    # O(tenants) per pass). Entries order totally (stamps are unique), so which namespace is
+    # fed first changes nothing.
+    if floors:
+        names: list[bytes] | set[bytes] = residency.over(tier)
+        if owner is not None and owner not in names:
+            names = [*names, owner]
+    else:
+        names = queue.namespaces()
+    for namespace in names:
+        if queue.holds(namespace):
+            first[namespace] = level = rank(namespace)
+            if level is not None:
+                feed(namespace)
     seq = start
     skipped: set[Node] = set()
     held: tuple[int, int, int, Node] | None = None  # one pass-heap entry kept out of `heap`
@@ -283,6 +298,7 @@ class RecencyQueue:
     def __init__(self, members: dict[Node, int]) -> None:
         self._members = members  # the tier's candidate set: node -> stamp
         self._heaps: dict[bytes, list[Entry]] = {}  # namespace -> entries, least recent first
+        self._in_heaps = 0  # entries in all the heaps (a sum over them was O(namespaces))
         self._pending: list[Entry] = []
         self._lent: set[Node] = set()  # nodes taken out by the current (or last) pass
         self.passes = 0
@@ -304,12 +320,13 @@ class RecencyQueue:
             if stamp is not None:
                 pending.append((node.tick, stamp, node))
         self._lent = set()
-        if sum(map(len, self._heaps.values())) + len(pending) > 2 * len(members) + SLACK:
+        if self._in_heaps + len(pending) > 2 * len(members) + SLACK:
             self.rebuild()
         else:
             by_namespace: dict[bytes, list[Entry]] = defaultdict(list)
             for entry in pending:
                 by_namespace[entry[2].root.ids].append(entry)
+            self._in_heaps += len(pending)
             self._pending = []
             for namespace, entries in by_namespace.items():
                 heap = self._heaps.setdefault(namespace, [])
@@ -330,12 +347,17 @@ class RecencyQueue:
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps = dict(heaps)
+        self._in_heaps = len(self._members)
         self._pending = []
         self._lent = set()
 
     def namespaces(self) -> list[bytes]:
         """The namespaces whose heaps may hold candidates."""
         return list(self._heaps)
+
+    def holds(self, namespace: bytes) -> bool:
+        """Whether `namespace` has a heap (that may hold candidates)."""
+        return namespace in self._heaps
 
     def take(self, namespace: bytes) -> Entry | None:
         """Remove and return the least recent candidate of `namespace` (its entry up to date),
@@ -349,10 +371,12 @@ class RecencyQueue:
             now = members.get(node)
             if now is None or node in lent:
                 heapq.heappop(heap)
+                self._in_heaps -= 1
             elif tick != node.tick or stamp != now:
                 heapq.heapreplace(heap, (node.tick, now, node))
             else:
                 heapq.heappop(heap)
+                self._in_heaps -= 1
                 lent.add(node)
                 return tick, stamp, node
         del self._heaps[namespace]
@@ -363,7 +387,11 @@ class RecencyQueue:
         return node in self._lent
 
     def unqueued(self) -> int:
-        """Candidates with no entry anywhere (the invariant says none). O(entries)."""
+        """Candidates with no entry anywhere (the invariant says none). O(entries). An entry
+        count that is off is an `InvariantError`."""
+        counted = sum(map(len, self._heaps.values()))
+        if counted != self._in_heaps:
+            raise InvariantError(f"{counted} entries in the recency heaps, {self._in_heaps} kept")
         held = set(self._lent)
         held.update(entry[2] for entry in self._pending)
         for heap in self._heaps.values():
