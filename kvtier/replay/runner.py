@@ -51,7 +51,12 @@ from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError, InvalidArgumentError
 from kvtier.replay.report import TIERS, Latency, Pacing, ReplayResult, Sizing
-from kvtier.replay.trace import MAX_TRACE_BLOCK_TOKENS, TRACE_BLOCK_TOKENS, Ceiling, TraceRequest
+from kvtier.replay.trace import (
+    TRACE_BLOCK_TOKENS,
+    Ceiling,
+    TraceRequest,
+    trace_block_tokens,
+)
 from kvtier.store import KVStore
 from kvtier.tiers.disk.format import header_region_size, slot_size
 
@@ -89,12 +94,8 @@ class ReplayOptions:
     check: bool = True
 
     def __post_init__(self) -> None:
-        bt, trace_bt = self.block_tokens, self.trace_block_tokens
-        if type(trace_bt) is not int or not 1 <= trace_bt <= MAX_TRACE_BLOCK_TOKENS:
-            raise InvalidArgumentError(
-                f"trace_block_tokens: got {trace_bt!r}, expected an int in "
-                f"[1, {MAX_TRACE_BLOCK_TOKENS}]"
-            )
+        bt = self.block_tokens
+        trace_bt = trace_block_tokens(self.trace_block_tokens, "trace_block_tokens")
         if type(bt) is not int or bt < 1 or TRACE_BLOCK_TOKENS % bt or trace_bt % bt:
             raise InvalidArgumentError(
                 f"block_tokens: got {bt!r}, expected a divisor of {TRACE_BLOCK_TOKENS} and of "

@@ -150,7 +150,7 @@ def parse_line(
 ) -> TraceRequest:
     """One trace line as a request, its ids as given; `TraceError` naming `path:line` if it is
     not valid or an id's tokens pass 2**32 (a whole trace renumbers them: `read_trace`)."""
-    request = _parse(text, _LineError(path, line), _block_tokens(block_tokens), False)
+    request = _parse(text, _LineError(path, line), trace_block_tokens(block_tokens), False)
     most = 2**32 // block_tokens - 1
     for position, value in enumerate(request.hash_ids):
         if value > most:
@@ -159,11 +159,12 @@ def parse_line(
     return request
 
 
-def _block_tokens(value: object) -> int:
-    """`value` as a trace's tokens an id; `InvalidArgumentError` unless an int in [1, 2**16]."""
+def trace_block_tokens(value: object, name: str = "trace block_tokens") -> int:
+    """`value` as a trace's tokens an id; `InvalidArgumentError` naming `name` unless an int
+    in [1, 2**16]."""
     if type(value) is not int or not 1 <= value <= MAX_TRACE_BLOCK_TOKENS:
         raise InvalidArgumentError(
-            f"trace block_tokens: got {value!r}, expected an int in [1, {MAX_TRACE_BLOCK_TOKENS}]"
+            f"{name}: got {value!r}, expected an int in [1, {MAX_TRACE_BLOCK_TOKENS}]"
         )
     return value
 
@@ -245,7 +246,7 @@ def read_trace(
     earlier than the line before."""
     source = os.fspath(path)
     requests: list[TraceRequest] = []
-    renumber = Renumber(_block_tokens(block_tokens))
+    renumber = Renumber(trace_block_tokens(block_tokens))
     try:
         with open(source, "rb") as file:
             lines = iter(lambda: file.readline(MAX_LINE_BYTES + 1), b"")

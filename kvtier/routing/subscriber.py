@@ -23,9 +23,10 @@ sequence number applied is kept:
 With `resync_s`, each publisher with a snapshot is resynced that often too, repairing whatever
 drifted unseen. A message that brings an orphan (a BlockStored whose parent the index does not
 hold for its topic: the index and the publisher disagree) makes a publisher with a snapshot
-resync at once, rationed as gaps are: after an `AllBlocksCleared` of an overflowed queue, say,
-every block chained to a forgotten one is an orphan, and on a topic that tenants share that is
-every tenant's, until a snapshot tells the index what the pod holds.
+resync at once, rationed as gaps are: after an `AllBlocksCleared` from a publisher that does not
+tell again what it still holds (a kvtier store does, `EventPublisher._resync`), every block
+chained to a forgotten one is an orphan, and on a topic that tenants share that is every
+tenant's, until a snapshot tells the index what the pod holds.
 
 Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is not events):
 - a frame longer than `max_message_bytes` is refused by ZMQ before it is buffered (the

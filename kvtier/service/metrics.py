@@ -38,10 +38,10 @@ latency is the service's own (a histogram per route). Names:
     kvtier_remote_<counter>_total                        every count of the status' `remote`
     kvtier_events_{events,messages,dropped_events,replays,resyncs}_total   with `events`: KV
                                                          events sent, lost to a full queue, ...
-    python_gc_{objects_collected,objects_uncollectable,collections}_total{generation}
-    kvtier_gc_frozen_objects                             start-up objects the collector skips
     kvtier_events_{queued,unsynced_topics}               events waiting to be sent; topics
                                                          that lost events, not yet told again
+    python_gc_{objects_collected,objects_uncollectable,collections}_total{generation}
+    kvtier_gc_frozen_objects                             start-up objects the collector skips
 """
 
 from __future__ import annotations
