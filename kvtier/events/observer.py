@@ -252,10 +252,15 @@ class IndexEvents:
         return told
 
     def retold(self, wanted: Callable[[str], bool]) -> list[tuple[str, wire.Spec]]:
-        """(tenant, event) for every run of blocks held in a tier by a tenant `wanted` names,
-        parents first, as `told_stored` specs (no bytes made under the lock). The publisher
-        took its queue first, so no entry is left to join. Under the store's lock."""
+        """`told(wanted)` for a resync (`EventPublisher._resync`): the publisher took its
+        queue first, so no entry is left to join. Under the store's lock."""
         self.open = [None] * len(self.open)
+        return self.told(wanted)
+
+    def told(self, wanted: Callable[[str], bool]) -> list[tuple[str, wire.Spec]]:
+        """(tenant, event) for every run of blocks held in a tier by a tenant `wanted` names,
+        parents first, as `told_stored` specs (no bytes made under the lock: `wire.Packer`
+        packs them). Under the store's lock."""
         out: list[tuple[str, wire.Spec]] = []
         for node, lo, hi, tier in self._runs():
             tenant = self.tenant_of(node.root.ids)
@@ -264,16 +269,6 @@ class IndexEvents:
                 spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, self._parent_hash(node, lo),
                         self.bs, (tier,), self.media)  # fmt: skip
                 out.append((tenant, spec))
-        return out
-
-    def told(self, tenant: str | None) -> list[tuple[str, wire.Stored]]:
-        """(tenant, event) for every run of blocks held in a tier, parents first; `tenant`'s
-        blocks only unless None. Under the store's lock."""
-        out: list[tuple[str, wire.Stored]] = []
-        for node, lo, hi, tier in self._runs():
-            owner = self.tenant_of(node.root.ids)
-            if owner is not None and tenant in (None, owner):
-                out.append((owner, wire.Stored(self._blocks(node, lo, hi), self.media[tier])))
         return out
 
     def _runs(self) -> Iterator[tuple[Node, int, int, int]]:
@@ -292,14 +287,6 @@ class IndexEvents:
                             yield node, lo, i, tier
                             lo = None
                 stack.extend(node.children.values() if node.children else ())
-
-    def _blocks(self, node: Node, lo: int, hi: int) -> wire.Blocks:
-        """The fields of a BlockStored of blocks lo..hi-1 of `node`."""
-        ev = self.number(node)
-        tokens = node.key[lo * self.kb : hi * self.kb]
-        return wire.Blocks(
-            wire.numbers(ev + lo, hi - lo), self._parent_hash(node, lo), tokens, self.bs
-        )
 
     def _parent_hash(self, node: Node, lo: int) -> int | None:
         """The hash of the block before `node`'s block `lo`; None for a namespace's first
@@ -327,7 +314,7 @@ def snapshot(store: KVStore, tenant: str | None) -> dict[str, Any]:
     # telling a router twice of a block is harmless, and the order of edits is kept).
     publisher.flush()
     with store.parts.state.lock:
-        told = observer.told(tenant)
+        told = observer.told(lambda owner: tenant in (None, owner))
         names = {publisher.topic_of(owner) for owner, _ in told}
         if tenant is not None:
             names.add(publisher.topic_of(tenant))
@@ -335,12 +322,9 @@ def snapshot(store: KVStore, tenant: str | None) -> dict[str, Any]:
     packer = wire.Packer()
     topics = []
     for name in sorted(seqs):
-        events = [
-            e
-            for owner, spec in told
-            if publisher.topic_of(owner) == name
-            for e in packer.pack(spec)
-        ]
+        events = packer.pack_all(
+            [spec for owner, spec in told if publisher.topic_of(owner) == name]
+        )
         batch = wire.batch(time.time(), events, None)
         topics.append({"topic": name, "seq": seqs[name], "events": batch})
     return {"block_size": store.index.block_tokens, "topics": topics}
