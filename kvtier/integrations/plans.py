@@ -22,17 +22,22 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Store `tokens` (whole vLLM blocks of a prompt) from `blocks`."""
+    """Store `tokens[start:]` (whole vLLM blocks: a prompt's, or, with `release`, the output
+    of a finished request past its prompt's blocks) from `blocks`, below `tokens[:start]`.
+    A `release` job is reported in `finished_sending` once done, saved or not: vLLM holds the
+    request's blocks until then."""
 
     req_id: str
     tokens: tuple[int, ...]
-    blocks: tuple[int, ...]
+    blocks: tuple[int, ...]  # vLLM block ids of tokens start..
     key: str
+    start: int = 0
+    release: bool = False
 
 
 @dataclass
 class Planned:
-    """A request the scheduler side follows until its prompt blocks are planned for saving."""
+    """A request the scheduler side follows until it finishes."""
 
     tokens: tuple[int, ...]
     key: str

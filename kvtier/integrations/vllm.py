@@ -11,8 +11,11 @@ What runs where. vLLM owns HBM; kvtier keeps what vLLM computed and hands it bac
 - The scheduler process (`role` SCHEDULER) asks the sidecar, per new request, how many of its
   prompt tokens kvtier holds (`lookup`), answers vLLM with the part past vLLM's own prefix hit
   (whole vLLM blocks, at most `num_tokens - 1`), and plans the copies: loads into the blocks
-  vLLM allocated for them, and saves of each request's whole prompt blocks once its prefill is
-  done. Plans travel to the workers in `KvtierMetadata`.
+  vLLM allocated for them, saves of each request's whole prompt blocks once its prefill is
+  done, and (`kvtier.save_decode`, on by default) of the whole blocks its output filled once
+  it finishes, so that a chat's next turn finds its history: vLLM keeps those blocks until
+  the workers report them saved (`request_finished` returns True, `finished_sending`).
+  Plans travel to the workers in `KvtierMetadata`.
 - Each worker (`role` WORKER) copies between vLLM's paged KV (`register_kv_caches`) and the
   sidecar: a load reads the part of the prefix past vLLM's own hit (`load(start=)`) through a
   lease on the sidecar's shared-memory pool on the same host (the body path across hosts) and
@@ -46,8 +49,8 @@ Contract:
   for every image, or prompt embeddings), as vLLM's own block hashes say, neither reads nor
   writes kvtier (counted in `other_inputs`): another request's KV for the same tokens would
   be wrong for it.
-- One KV cache group (vLLM turns its hybrid manager off for us): the block ids are group 0's,
-  another group's layers would be written through them, so more groups are refused.
+- One KV cache group of full causal attention (vLLM turns its hybrid manager off for us;
+  `settings.kv_cache_refusal` says why others are refused).
 - Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size` (checked when the
   worker registers its caches, a `ConfigError` otherwise), and the sidecar's model layout must
   match the caches (layers, KV heads, head size, dtype).
@@ -58,7 +61,7 @@ Tensor parallelism: each rank holds other heads, so each rank has a sidecar of i
 scheduler asks rank 0's; a rank whose sidecar lacks the blocks fails its load, and vLLM
 recomputes. An MLA model's ranks hold the same KV: one sidecar, unsharded.
 
-Not here yet: events (`take_events`), saving decode tokens, loads reported layer by layer
+Not here yet: events (`take_events`), loads reported layer by layer
 (a load is whole; on a GPU it does not overlap the forward), a GPU run (the copies are written
 for any device).
 """
@@ -79,12 +82,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.client import Client
-from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
 from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens
+from kvtier.integrations.settings import ConnectorSettings, kv_cache_refusal, shard
 
 log = logging.getLogger("kvtier.vllm")
+# finished so that the KV may not be what the tokens say: not saved
+_UNSAVED = frozenset({"FINISHED_ERROR", "FINISHED_IGNORED"})
 
 __all__ = ["KvtierConnector", "KvtierMetadata", "LoadJob", "SaveJob"]
 
@@ -101,52 +106,34 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) or 1
-        if groups != 1:  # block ids are group 0's: another group's layers would take them
-            raise ConfigError("kv_cache_groups", groups, "1 (vLLM's hybrid manager turned off)")
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.tp_rank, self.tp_size = self._shard(vllm_config)
-        urls = extra.get("kvtier.urls") or [extra.get("kvtier.url", "http://127.0.0.1:8750")]
-        if not isinstance(urls, list) or len(urls) not in (1, self.tp_size):
-            raise ConfigError("kvtier.urls", urls, f"1 or {self.tp_size} sidecar URLs")
-        if self.tp_size > 1 and len(urls) != self.tp_size:
-            raise ConfigError(
-                "kvtier.urls",
-                urls,
-                f"one sidecar URL per tensor-parallel rank ({self.tp_size}): "
-                "each rank holds other heads, in a sidecar of its own",
-            )
+        refusal = kv_cache_refusal(kv_cache_config)
+        if refusal is not None:
+            raise ConfigError(*refusal)
+        self.tp_rank, self.tp_size = shard(vllm_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.settings = ConnectorSettings.parse(extra, self.tp_size)
         # the scheduler asks rank 0's sidecar; a rank that lacks a block fails its load
-        self.url = str(urls[self.tp_rank if role == KVConnectorRole.WORKER else 0])
-        key = extra.get("kvtier.api_key")
-        self.key = resolve_key(str(key), "kvtier.api_key") if key else ""
-        salts = extra.get("kvtier.tenant_keys") or {}
-        if not isinstance(salts, dict):
-            raise ConfigError("kvtier.tenant_keys", salts, "a map of cache_salt to API key")
-        self.tenant_keys = {
-            str(salt): resolve_key(str(ref), f"kvtier.tenant_keys.{salt}")
-            for salt, ref in salts.items()
-        }
-        trust = extra.get("kvtier.trust_tenant_param", False)
-        if not isinstance(trust, bool):
-            raise ConfigError("kvtier.trust_tenant_param", trust, "true or false")
-        self.trust_tenant_param = trust
-        self.load_async = bool(extra.get("kvtier.load_async", True))
+        worker = role == KVConnectorRole.WORKER
+        self.url = self.settings.urls[self.tp_rank if worker else 0]
+        self.key = self.settings.key
         self.block_size = int(vllm_config.cache_config.block_size)
         self._clients: dict[str, Client] = {}
         self._clients_lock = threading.Lock()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_tokens": 0, "saved_tokens": 0,
-                      "failed_loads": 0, "errors": 0, "untrusted_names": 0,
-                      "other_inputs": 0}  # fmt: skip
+                      "decode_tokens": 0, "failed_loads": 0, "errors": 0,
+                      "untrusted_names": 0, "other_inputs": 0}  # fmt: skip
         # scheduler side
         self._requests: dict[str, Planned] = {}
         self._failed: set[str] = set()  # loads that failed: never claimed again
         self._loads: list[LoadJob] = []
+        self._saves: list[SaveJob] = []  # of finished requests, for the next step
+        self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps for us
         # worker side
         self._layers: list[torch.Tensor] = []
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[list[int]]] = {}
         self._done: set[str] = set()
+        self._sent: set[str] = set()  # finished requests saved: vLLM may free their blocks
         self._load_errors: set[int] = set()
         self._worker_lock = threading.Lock()
 
@@ -180,7 +167,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if new <= 0:
             return 0, False
         self.stats["hit_tokens"] += new
-        return new, self.load_async
+        return new, self.settings.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         planned = self._requests.get(request.request_id)
@@ -200,8 +187,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
-        meta = KvtierMetadata(loads=self._loads, load_async=self.load_async)
-        self._loads = []
+        meta = KvtierMetadata(self._loads, self._saves, self.settings.load_async)
+        self._loads, self._saves = [], []
         computed: dict[str, int] = {}  # tokens computed before this step, per request
         for new in scheduler_output.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
@@ -233,7 +220,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Loads that failed (by request, or by block): never claimed again, and the prompt,
-        recomputed by vLLM, is saved again."""
+        recomputed by vLLM, is saved again. Finished requests saved: their blocks are vLLM's."""
+        self._holding.difference_update(connector_output.finished_sending or ())
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         invalid = set(connector_output.invalid_block_ids or ())
         if not failed and not invalid:  # every step: nothing to look through
@@ -244,9 +232,30 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 planned.external = 0
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        self._requests.pop(request.request_id, None)
-        self._failed.discard(request.request_id)
-        return False, None
+        """With `kvtier.save_decode`, a request whose output filled whole blocks past its
+        prompt's keeps them (True: vLLM frees them once a worker reports them saved)."""
+        req_id = request.request_id
+        planned = self._requests.pop(req_id, None)
+        self._failed.discard(req_id)
+        if planned is None or not self.settings.save_decode or request.status.name in _UNSAVED:
+            return False, None
+        bs = self.block_size
+        prompt = len(planned.tokens) - len(planned.tokens) % bs
+        # KV in place: computed by steps whose output vLLM has processed (async scheduling)
+        done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        done = min(done, len(request.all_token_ids), len(block_ids) * bs)
+        whole = done - done % bs
+        if whole <= prompt:
+            return False, None
+        tokens = tuple(request.all_token_ids[:whole])
+        blocks = tuple(block_ids[prompt // bs : whole // bs])
+        self._saves.append(SaveJob(req_id, tokens, blocks, planned.key, prompt, release=True))
+        self._holding.add(req_id)
+        return True, None
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks held for saves come back next step: vLLM waits rather than preempts."""
+        return bool(self._holding)
 
     # ---- worker side --------------------------------------------------------------------
 
@@ -302,11 +311,15 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for job in meta.saves:
             try:
                 kv = paged.gather(self._layers, job.blocks)
-                stored = self._client(job.key).store(list(job.tokens), kv.cpu())
-            except (KVTierError, OSError) as e:
+                stored = self._client(job.key).store(list(job.tokens), kv.cpu(), start=job.start)
+                self.stats["saved_tokens"] += stored.stored_tokens
+                self.stats["decode_tokens"] += stored.stored_tokens if job.release else 0
+            except Exception as e:  # a save that fails is a later miss, never a crash
                 self._error("store", e)
-                continue
-            self.stats["saved_tokens"] += stored.stored_tokens
+            finally:
+                if job.release:  # saved or not, vLLM gets the blocks back
+                    with self._worker_lock:
+                        self._sent.add(job.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._worker_lock:
@@ -314,7 +327,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for req_id in ready:
                 self._finish_load(req_id, self._inflight.pop(req_id).result())
             done, self._done = self._done, set()
-        return None, done or None
+            sent, self._sent = self._sent, set()
+        return sent or None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._worker_lock:
@@ -354,20 +368,6 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.stats["failed_loads"] += 1
             self._load_errors.update(missing)
 
-    @staticmethod
-    def _shard(vllm_config: Any) -> tuple[int, int]:
-        """(rank, size) of the KV this process holds: vLLM's tensor-parallel rank and size,
-        (0, 1) for an MLA model, whose ranks hold the same KV."""
-        size = int(vllm_config.parallel_config.tensor_parallel_size)
-        if size == 1 or getattr(vllm_config.model_config, "use_mla", False):
-            return 0, 1
-        try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            return int(get_tensor_model_parallel_rank()), size
-        except (AssertionError, AttributeError, RuntimeError):  # no TP group: the scheduler
-            return 0, size
-
     def _key_for(self, request: Any) -> str | None:
         """The API key of the request's tenant: `kv_transfer_params["kvtier_tenant"]` (only
         with `kvtier.trust_tenant_param`: a client can write any name there; without it such a
@@ -375,7 +375,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         (None: kvtier is not used for it); neither: the engine's own key."""
         params = getattr(request, "kv_transfer_params", None) or {}
         named = params.get("kvtier_tenant") if isinstance(params, dict) else None
-        if named is not None and not self.trust_tenant_param:
+        if named is not None and not self.settings.trust_tenant_param:
             if not self.stats["untrusted_names"]:
                 log.warning("a request named kvtier_tenant, which kvtier.trust_tenant_param "
                             "does not allow: such requests do not use kvtier")  # fmt: skip
@@ -385,7 +385,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             named = getattr(request, "cache_salt", None)
         if named is None:
             return self.key
-        return self.tenant_keys.get(str(named))
+        return self.settings.tenant_keys.get(str(named))
 
     def _client(self, key: str) -> Client:
         with self._clients_lock:

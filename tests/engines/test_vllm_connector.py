@@ -35,6 +35,7 @@ pytest.importorskip("vllm", reason="vLLM is installed apart: bash tests/engines/
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 ALICE, BOB = "alice-key-0123456789abcdef", "bob-key-0123456789abcdefgh"
+NUM_BLOCKS = 64  # vllm_engine.py's; one is vLLM's null block
 PROMPT = list(range(1000, 1040))  # 40 tokens: 2 whole vLLM blocks (32 tokens) are saved
 
 
@@ -76,6 +77,35 @@ def test_engine_2_loads_what_engine_1_saved_bit_exact_async_and_sync(sidecar: Se
     third = engine(sidecar, prompt=PROMPT, load_async=False)  # synchronous, before the forward
     assert "WAITING_FOR_REMOTE_KVS" not in third["statuses"]
     assert third["loaded_tokens"] == 32 and third["bit_exact"] is True
+
+
+def test_a_chats_next_turn_loads_the_output_its_last_turn_saved(sidecar: Server) -> None:
+    """The output's whole blocks are saved when the request finishes (vLLM holds them one step
+    for it, then has every block back); the next turn, the history plus a new message, loads
+    prompt and output bit-exact. With `kvtier.save_decode` false only the prompt is saved."""
+    prompt = list(range(5000, 5040))  # 40 tokens, then 30 sampled: 69 computed, 64 whole
+    history = prompt + [7] * 30
+    first = engine(sidecar, prompt=prompt, seed=21, max_tokens=30)
+    assert first["stats"]["saved_tokens"] == 64 and first["stats"]["decode_tokens"] == 32
+    assert first["held_steps"] == 1 and first["free_blocks"] == NUM_BLOCKS - 1, first
+    assert saved(sidecar, history) == 64
+    turn = engine(sidecar, prompt=history + list(range(6000, 6010)), seed=21, max_tokens=4)
+    assert turn["loaded_tokens"] == 64 and turn["bit_exact"] is True, turn
+    assert turn["free_blocks"] == NUM_BLOCKS - 1
+    other = list(range(7000, 7040))
+    off = engine(sidecar, prompt=other, seed=22, max_tokens=30, save_decode=False)
+    assert off["stats"]["saved_tokens"] == 32 and off["stats"]["decode_tokens"] == 0
+    assert off["held_steps"] == 0 and off["free_blocks"] == NUM_BLOCKS - 1
+    assert saved(sidecar, other + [7] * 30) == 32
+
+
+def test_a_request_whose_output_fills_no_block_past_its_prompt_is_not_held(
+    sidecar: Server,
+) -> None:
+    prompt = list(range(8000, 8040))  # 40 + 7 sampled: 46 computed, the prompt's 32 whole
+    report = engine(sidecar, prompt=prompt, seed=23, max_tokens=7)
+    assert report["stats"]["decode_tokens"] == 0 and report["held_steps"] == 0
+    assert report["free_blocks"] == NUM_BLOCKS - 1
 
 
 def test_a_request_that_vllm_holds_the_head_of_loads_only_the_tail(sidecar: Server) -> None:
@@ -166,6 +196,26 @@ def test_a_hybrid_kv_cache_of_two_groups_is_refused_at_start(sidecar: Server) ->
     done = launch(sidecar, prompt=list(range(8)), seed=1, groups=2)
     refused = "config field 'kv_cache_groups'" in done.stderr
     assert done.returncode != 0 and refused, done.stderr[-800:]
+
+
+def test_a_sliding_window_kv_cache_is_refused_at_start(sidecar: Server) -> None:
+    """vLLM swaps the blocks that leave a window for its null block: saved, their zeros would
+    be served as those tokens' KV."""
+    done = launch(sidecar, prompt=list(range(8)), seed=1, sliding_window=32)
+    refused = "config field 'kv_cache_spec'" in done.stderr and "SlidingWindowSpec" in done.stderr
+    assert done.returncode != 0 and refused, done.stderr[-800:]
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [({"kvtier.save_decodes": False}, "kvtier.save_decodes"),  # misspelt: not ignored
+     ({"kvtier.load_async": "false"}, "kvtier.load_async")],  # a string is not false
+)  # fmt: skip
+def test_a_bad_connector_setting_is_refused_at_start(
+    sidecar: Server, extra: dict[str, Any], named: str
+) -> None:
+    done = launch(sidecar, prompt=list(range(8)), seed=1, extra=extra)
+    assert done.returncode != 0 and f"config field '{named}'" in done.stderr, done.stderr[-800:]
 
 
 @pytest.fixture(scope="module")

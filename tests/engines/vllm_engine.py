@@ -5,10 +5,12 @@ vLLM's (`[blocks, kv_heads, block_size, 2 * head_dim]` per layer).
 
     PYTHONPATH=.engines/vllm python tests/engines/vllm_engine.py '<json>'
 
-runs one request to the end and prints one JSON line. The model's forward is the one thing
-played here: each step writes, for every prompt token the scheduler scheduled, KV that is a
-function of (`seed`, position) into the token's slot; tokens vLLM was told kvtier holds are
-not written, so they hold what the connector loaded. The request's blocks are read back when
+runs one request to the end, and on until vLLM has its blocks back (`finished_sending`, when
+the connector held them to save its output), and prints one JSON line. The model's forward
+is the one thing played here: each step writes, for every token the scheduler scheduled
+(prompt and output; every sampled token is 7), KV that is a function of (`seed`, position)
+into the token's slot; tokens vLLM was told kvtier holds are not written, so they hold what
+the connector loaded. The request's blocks are read back when
 it first runs, and compared with what the forward would have written (`bit_exact`).
 
 Arguments: url (or urls, one per tensor-parallel rank, with tp_size; this process is rank 0),
@@ -17,7 +19,9 @@ key}), kv_transfer_params, trust_tenant_param (bool), lora ([name, id, path]), g
 groups, 1), clear_before_load (the admin key: clear the sidecar between the scheduler's lookup
 and the worker's load, as an eviction would), warm (a prompt run to its end first in the same
 engine, so that vLLM's own prefix cache holds its whole blocks: the request then loads from
-kvtier only the part past them).
+kvtier only the part past them), max_tokens (2), save_decode (bool: the connector's default
+when absent), extra (more `kv_connector_extra_config`), sliding_window (every layer a window
+of that many tokens: vLLM's sliding-window manager).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -84,6 +89,8 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
         "kvtier.load_async": args.get("load_async", True),
         "kvtier.tenant_keys": args.get("tenant_keys", {}),
         "kvtier.trust_tenant_param": args.get("trust_tenant_param", False),
+        **({"kvtier.save_decode": args["save_decode"]} if "save_decode" in args else {}),
+        **args.get("extra", {}),
     }
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir),
@@ -99,8 +106,12 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
             kv_load_failure_policy="recompute"),
         device_config=DeviceConfig("cpu"),
     )  # fmt: skip
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
-                             dtype=torch.float16)  # fmt: skip
+    spec: Any = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
+                                  dtype=torch.float16)  # fmt: skip
+    if args.get("sliding_window"):  # every layer windowed: vLLM's sliding-window manager
+        window = int(args["sliding_window"])
+        spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
+                                 dtype=torch.float16, sliding_window=window)  # fmt: skip
     groups = [KVCacheGroupSpec([f"layers-{g}"], spec) for g in range(args.get("groups", 1))]
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                                     kv_cache_groups=groups)  # fmt: skip
@@ -151,7 +162,7 @@ def serve(
 ) -> dict[str, Any]:
     """Run request `rid` to its end through the scheduler and the worker, playing the forward;
     what it saw (module doc)."""
-    params = SamplingParams(max_tokens=2)
+    params = SamplingParams(max_tokens=args.get("max_tokens", 2))
     params.update_from_generation_config({}, 2)
     request = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
                       pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
@@ -187,11 +198,11 @@ def serve(
             table += list(new[0]) if new else []
         count = so.num_scheduled_tokens.get(rid, 0)
         start = request.num_computed_tokens - count if count else 0
-        for p in range(start, min(start + count, len(prompt))):  # the forward
+        for p in range(start, start + count):  # the forward: prompt and output tokens
             for layer, cache in enumerate(caches):
                 cache[table[p // BLOCK], :, p % BLOCK] = kv_at(seed, p)[layer]
         worker.wait_for_save()
-        _, recving = worker.get_finished(so.finished_req_ids)
+        sent, recving = worker.get_finished(so.finished_req_ids)
         errors = worker.get_block_ids_with_load_errors()
         out["load_errors"] += sorted(errors)
         worker.clear_connector_metadata()
@@ -200,12 +211,17 @@ def serve(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
             kv_connector_output=KVConnectorOutput(finished_recving=recving,
+                                                  finished_sending=sent,
                                                   invalid_block_ids=errors)))  # fmt: skip
         if request.is_finished():
-            break
+            out.setdefault("finished_step", len(out["statuses"]))
+            if rid not in scheduler.requests:  # its blocks are vLLM's again
+                break
         if not count:
             time.sleep(0.02)  # an async load in flight
     out["finished"] = request.status.name
+    out["held_steps"] = len(out["statuses"]) - out["finished_step"]  # steps vLLM kept its blocks
+    out["free_blocks"] = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     out["computed_prompt"] = all(  # every prompt token's KV in place at the end, loaded or not
         torch.equal(cache[table[p // BLOCK], :, p % BLOCK].view(torch.int16),
                     kv_at(seed, p)[layer].view(torch.int16))

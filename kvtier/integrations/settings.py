@@ -1,0 +1,121 @@
+"""What the vLLM connector (`vllm.py`) is configured with and what it accepts of vLLM's KV
+cache, checked when vLLM builds it.
+
+- `ConnectorSettings.parse` reads `kv_connector_extra_config`: every `kvtier.*` key is known
+  (a misspelt one is a `ConfigError` listing the known ones, never silently ignored), every
+  value has its type (a string "false" is not a boolean), keys are resolved (`env:NAME`).
+  Keys without the `kvtier.` prefix belong to other connectors and are left alone.
+- `shard` is the tensor-parallel rank and size whose KV this process holds.
+- `kv_cache_refusal` says why a KV cache would make kvtier hand out wrong bytes, or None.
+  kvtier keys a block by its tokens and copies a request's blocks whole, so it takes only a
+  cache whose blocks each hold the causal KV of their tokens for as long as the request runs:
+  one group of full attention (or MLA). A group of sliding-window or chunked-local layers (a
+  model whose layers are all so: vLLM keeps its own manager for them) swaps the blocks that
+  leave the window for its null block, whose zeros a save would store as those tokens' KV;
+  a spec that drops other blocks (R-SWA), keeps sink tokens besides, or attends non-causally
+  (a prefix LM: a token's KV depends on the tokens after it) is refused the same way. vLLM's
+  own prefix cache still serves such models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.config.fields import resolve_key
+from kvtier.errors import ConfigError
+
+_BOOLEANS = {"kvtier.load_async": True, "kvtier.save_decode": True,
+             "kvtier.trust_tenant_param": False}  # fmt: skip
+KNOWN = ("kvtier.url", "kvtier.urls", "kvtier.api_key", "kvtier.tenant_keys", *_BOOLEANS)
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """The connector's `kvtier.*` keys, parsed (README "Using kvtier with vLLM")."""
+
+    urls: tuple[str, ...]  # one sidecar, or one per tensor-parallel rank in rank order
+    key: str = ""  # the engine's own tenant's API key ("": the sidecar's anonymous tenant)
+    tenant_keys: dict[str, str] = field(default_factory=dict)  # salt or name -> API key
+    load_async: bool = True
+    save_decode: bool = True  # save the blocks a request's output filled when it finishes
+    trust_tenant_param: bool = False
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any], tp_size: int) -> ConnectorSettings:
+        unknown = sorted(k for k in extra if str(k).startswith("kvtier.") and k not in KNOWN)
+        if unknown:
+            raise ConfigError(unknown[0], extra[unknown[0]], f"one of {', '.join(KNOWN)}")
+        urls = extra.get("kvtier.urls") or [extra.get("kvtier.url", "http://127.0.0.1:8750")]
+        if (
+            not isinstance(urls, list)
+            or not all(isinstance(u, str) and u for u in urls)
+            or len(urls) not in (1, tp_size)
+        ):
+            raise ConfigError("kvtier.urls", urls, f"1 or {tp_size} sidecar URLs")
+        if tp_size > 1 and len(urls) != tp_size:
+            raise ConfigError(
+                "kvtier.urls",
+                urls,
+                f"one sidecar URL per tensor-parallel rank ({tp_size}): "
+                "each rank holds other heads, in a sidecar of its own",
+            )
+        key = extra.get("kvtier.api_key")
+        if key is not None and not isinstance(key, str):
+            raise ConfigError("kvtier.api_key", type(key).__name__, "a key or env:NAME")
+        named = extra.get("kvtier.tenant_keys") or {}
+        if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
+            raise ConfigError("kvtier.tenant_keys", "(not shown)", "a map of name to API key")
+        flags = {}
+        for name, default in _BOOLEANS.items():
+            flags[name] = extra.get(name, default)
+            if not isinstance(flags[name], bool):
+                raise ConfigError(name, flags[name], "true or false")
+        return cls(
+            urls=tuple(urls),
+            key=resolve_key(key, "kvtier.api_key") if key else "",
+            tenant_keys={
+                str(n): resolve_key(ref, f"kvtier.tenant_keys.{n}") for n, ref in named.items()
+            },
+            load_async=flags["kvtier.load_async"],
+            save_decode=flags["kvtier.save_decode"],
+            trust_tenant_param=flags["kvtier.trust_tenant_param"],
+        )
+
+
+def shard(vllm_config: Any) -> tuple[int, int]:
+    """(rank, size) of the KV this process holds: vLLM's tensor-parallel rank and size,
+    (0, 1) for an MLA model, whose ranks hold the same KV."""
+    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if size == 1 or getattr(vllm_config.model_config, "use_mla", False):
+        return 0, 1
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), size
+    except (AssertionError, AttributeError, RuntimeError):  # no TP group: the scheduler
+        return 0, size
+
+
+def kv_cache_refusal(kv_cache_config: Any) -> tuple[str, object, str] | None:
+    """(field, value, expected) of the `ConfigError` a KV cache earns (module doc), or None."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) > 1:  # block ids are group 0's: another group's layers would take them
+        return "kv_cache_groups", len(groups), "1 (vLLM's hybrid manager turned off)"
+    if not groups:  # no config (an older vLLM's scheduler): nothing to check
+        return None
+    spec = groups[0].kv_cache_spec
+    specs = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]  # a uniform type's
+    for one in specs:
+        causal = not getattr(one, "non_causal", False)
+        if type(one) not in (FullAttentionSpec, MLAAttentionSpec) or not causal:
+            return (
+                "kv_cache_spec",
+                type(one).__name__ + ("" if causal else " (non_causal)"),
+                "full causal attention (FullAttentionSpec or MLAAttentionSpec): blocks that "
+                "leave a window are swapped for zeros, which kvtier would store as their KV",
+            )
+    return None
