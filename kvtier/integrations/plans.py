@@ -1,7 +1,8 @@
 """The vLLM connector's plans (`vllm.py`): what its scheduler side asks its workers to copy
 (`LoadJob`, `SaveJob`, sent in `KvtierMetadata`), and what it follows of each request
-(`Planned`), and which requests it plans for at all (`keyed_by_tokens`). Plain data without
-vLLM: vLLM pickles the metadata from its scheduler process to its workers."""
+(`Planned`), which requests it plans for at all (`keyed_by_tokens`), and what of a finished
+request's output it saves (`output_save`). Plain data without vLLM: vLLM pickles the metadata
+from its scheduler process to its workers."""
 
 from __future__ import annotations
 
@@ -56,3 +57,23 @@ def keyed_by_tokens(request: Any) -> bool:
         and not getattr(request, "mm_features", None)
         and getattr(request, "prompt_embeds", None) is None
     )
+
+
+UNSAVED = frozenset({"FINISHED_ERROR", "FINISHED_IGNORED"})  # the KV may not be the tokens'
+
+
+def output_save(request: Any, planned: Planned, block_ids: list[int], bs: int) -> SaveJob | None:
+    """The `release` save of the whole blocks (of `bs` tokens) a finished vLLM request's output
+    filled past its prompt's, if it has any and did not end in an error."""
+    if request.status.name in UNSAVED:
+        return None
+    prompt = len(planned.tokens) - len(planned.tokens) % bs
+    # KV in place: computed by steps whose output vLLM has processed (async scheduling)
+    done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+    done = min(done, len(request.all_token_ids), len(block_ids) * bs)
+    whole = done - done % bs
+    if whole <= prompt:
+        return None
+    tokens = tuple(request.all_token_ids[:whole])
+    blocks = tuple(block_ids[prompt // bs : whole // bs])
+    return SaveJob(request.request_id, tokens, blocks, planned.key, prompt, release=True)

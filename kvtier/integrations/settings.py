@@ -26,7 +26,7 @@ from typing import Any
 from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError
 
-_BOOLEANS = {"kvtier.load_async": True, "kvtier.save_decode": True,
+_BOOLEANS = {"kvtier.load_async": True, "kvtier.save_async": True, "kvtier.save_decode": True,
              "kvtier.trust_tenant_param": False}  # fmt: skip
 KNOWN = ("kvtier.url", "kvtier.urls", "kvtier.api_key", "kvtier.tenant_keys", *_BOOLEANS)
 
@@ -39,6 +39,7 @@ class ConnectorSettings:
     key: str = ""  # the engine's own tenant's API key ("": the sidecar's anonymous tenant)
     tenant_keys: dict[str, str] = field(default_factory=dict)  # salt or name -> API key
     load_async: bool = True
+    save_async: bool = True  # saves on a thread of their own (`saving.py`), not in the step
     save_decode: bool = True  # save the blocks a request's output filled when it finishes
     trust_tenant_param: bool = False
 
@@ -79,9 +80,26 @@ class ConnectorSettings:
                 str(n): resolve_key(ref, f"kvtier.tenant_keys.{n}") for n, ref in named.items()
             },
             load_async=flags["kvtier.load_async"],
+            save_async=flags["kvtier.save_async"],
             save_decode=flags["kvtier.save_decode"],
             trust_tenant_param=flags["kvtier.trust_tenant_param"],
         )
+
+    def key_for(self, request: Any) -> tuple[str | None, bool]:
+        """The API key of a vLLM request's tenant (None: kvtier is not used for it), and
+        whether it named a tenant it may not: `kv_transfer_params["kvtier_tenant"]` counts only
+        with `trust_tenant_param` (a client can write any name there; without it such a request
+        does not use kvtier), else its `cache_salt`, each looked up in `tenant_keys`; neither:
+        the engine's own key."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        named = params.get("kvtier_tenant") if isinstance(params, dict) else None
+        if named is not None and not self.trust_tenant_param:
+            return None, True
+        if named is None:
+            named = getattr(request, "cache_salt", None)
+        if named is None:
+            return self.key, False
+        return self.tenant_keys.get(str(named)), False
 
 
 def shard(vllm_config: Any) -> tuple[int, int]:

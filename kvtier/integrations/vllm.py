@@ -13,17 +13,21 @@ What runs where. vLLM owns HBM; kvtier keeps what vLLM computed and hands it bac
   (whole vLLM blocks, at most `num_tokens - 1`), and plans the copies: loads into the blocks
   vLLM allocated for them, saves of each request's whole prompt blocks once its prefill is
   done, and (`kvtier.save_decode`, on by default) of the whole blocks its output filled once
-  it finishes, so that a chat's next turn finds its history: vLLM keeps those blocks until
-  the workers report them saved (`request_finished` returns True, `finished_sending`).
-  Plans travel to the workers in `KvtierMetadata`.
+  it finishes, so that a chat's next turn finds its history. Plans travel to the workers in
+  `KvtierMetadata`.
 - Each worker (`role` WORKER) copies between vLLM's paged KV (`register_kv_caches`) and the
   sidecar: a load reads the part of the prefix past vLLM's own hit (`load(start=)`) through a
   lease on the sidecar's shared-memory pool on the same host (the body path across hosts) and
-  scatters it into the blocks (`paged.py`); a save
-  gathers the blocks and stores them (a reservation written in place on the same host). Loads
+  scatters it into the blocks (`paged.py`); a save gathers the blocks and stores them. Loads
   are asynchronous by default (the request waits in WAITING_FOR_REMOTE_KVS while a thread
   copies; `get_finished` reports it), synchronous with `"kvtier.load_async": false` (copied in
-  `start_load_kv`, before the forward). Saves complete inside `wait_for_save`.
+  `start_load_kv`, before the forward). Saves are queued in `wait_for_save` to a thread of
+  their own, which runs them in order while the engine goes on (`saving.py`); with
+  `"kvtier.save_async": false` they complete inside it.
+- Blocks being saved keep their KV: a running request keeps them; a finished one whose save
+  may still be queued is held (`request_finished` True) until its `release` job is reported
+  in `finished_sending`; a step that preempts a request with a save planned carries `flush`,
+  and `handle_preemptions` waits for the queue before the forward may reuse the blocks.
 
 Contract:
 - A load that returns fewer tokens than planned (the blocks left kvtier between lookup and
@@ -61,9 +65,8 @@ Tensor parallelism: each rank holds other heads, so each rank has a sidecar of i
 scheduler asks rank 0's; a rank whose sidecar lacks the blocks fails its load, and vLLM
 recomputes. An MLA model's ranks hold the same KV: one sidecar, unsharded.
 
-Not here yet: events (`take_events`), loads reported layer by layer
-(a load is whole; on a GPU it does not overlap the forward), a GPU run (the copies are written
-for any device).
+Not here yet: events (`take_events`), loads reported layer by layer (a load is whole; on a
+GPU it does not overlap the forward), a GPU run (the copies are written for any device).
 """
 
 from __future__ import annotations
@@ -84,12 +87,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
-from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens
+from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens, output_save
+from kvtier.integrations.saving import Saves
 from kvtier.integrations.settings import ConnectorSettings, kv_cache_refusal, shard
 
 log = logging.getLogger("kvtier.vllm")
-# finished so that the KV may not be what the tokens say: not saved
-_UNSAVED = frozenset({"FINISHED_ERROR", "FINISHED_IGNORED"})
 
 __all__ = ["KvtierConnector", "KvtierMetadata", "LoadJob", "SaveJob"]
 
@@ -101,6 +103,8 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     load_async: bool = True
+    save_async: bool = True
+    flush: bool = False  # a request preempted this step may have saves queued: finish them
 
 
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -120,8 +124,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._clients: dict[str, Client] = {}
         self._clients_lock = threading.Lock()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_tokens": 0, "saved_tokens": 0,
-                      "decode_tokens": 0, "failed_loads": 0, "errors": 0,
-                      "untrusted_names": 0, "other_inputs": 0}  # fmt: skip
+                      "decode_tokens": 0, "skipped_saves": 0, "failed_loads": 0,
+                      "errors": 0, "untrusted_names": 0, "other_inputs": 0}  # fmt: skip
         # scheduler side
         self._requests: dict[str, Planned] = {}
         self._failed: set[str] = set()  # loads that failed: never claimed again
@@ -133,7 +137,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[list[int]]] = {}
         self._done: set[str] = set()
-        self._sent: set[str] = set()  # finished requests saved: vLLM may free their blocks
+        self.saving = Saves(self._save)  # the saves' thread (`saving.py`)
         self._load_errors: set[int] = set()
         self._worker_lock = threading.Lock()
 
@@ -187,7 +191,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
-        meta = KvtierMetadata(self._loads, self._saves, self.settings.load_async)
+        s = self.settings
+        preempted = scheduler_output.preempted_req_ids or ()
+        flush = any(r in self._requests and self._requests[r].saved for r in preempted)
+        meta = KvtierMetadata(self._loads, self._saves, s.load_async, s.save_async, flush)
         self._loads, self._saves = [], []
         computed: dict[str, int] = {}  # tokens computed before this step, per request
         for new in scheduler_output.scheduled_new_reqs:
@@ -232,24 +239,19 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 planned.external = 0
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        """With `kvtier.save_decode`, a request whose output filled whole blocks past its
-        prompt's keeps them (True: vLLM frees them once a worker reports them saved)."""
+        """True (vLLM keeps the blocks until a worker reports the request in
+        `finished_sending`) when its output is saved now (`kvtier.save_decode`), or a save of
+        its prompt may still be queued (`kvtier.save_async`)."""
         req_id = request.request_id
         planned = self._requests.pop(req_id, None)
         self._failed.discard(req_id)
-        if planned is None or not self.settings.save_decode or request.status.name in _UNSAVED:
+        if planned is None:
             return False, None
-        bs = self.block_size
-        prompt = len(planned.tokens) - len(planned.tokens) % bs
-        # KV in place: computed by steps whose output vLLM has processed (async scheduling)
-        done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-        done = min(done, len(request.all_token_ids), len(block_ids) * bs)
-        whole = done - done % bs
-        if whole <= prompt:
+        job = output_save(request, planned, block_ids, self.block_size)
+        job = job if self.settings.save_decode else None
+        if job is None and not (planned.saved and self.settings.save_async):
             return False, None
-        tokens = tuple(request.all_token_ids[:whole])
-        blocks = tuple(block_ids[prompt // bs : whole // bs])
-        self._saves.append(SaveJob(req_id, tokens, blocks, planned.key, prompt, release=True))
+        self._saves.append(job or SaveJob(req_id, (), (), planned.key, release=True))
         self._holding.add(req_id)
         return True, None
 
@@ -302,24 +304,20 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Saves run once per step, in `wait_for_save`, from the registered caches."""
+        """Saves are queued once per step, in `wait_for_save`, from the registered caches."""
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before the forward: a preempted request's blocks may be written this step."""
+        if isinstance(kv_connector_metadata, KvtierMetadata) and kv_connector_metadata.flush:
+            self.saving.flush()
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, KvtierMetadata):
+        if not isinstance(meta, KvtierMetadata) or not meta.saves:
             return
-        for job in meta.saves:
-            try:
-                kv = paged.gather(self._layers, job.blocks)
-                stored = self._client(job.key).store(list(job.tokens), kv.cpu(), start=job.start)
-                self.stats["saved_tokens"] += stored.stored_tokens
-                self.stats["decode_tokens"] += stored.stored_tokens if job.release else 0
-            except Exception as e:  # a save that fails is a later miss, never a crash
-                self._error("store", e)
-            finally:
-                if job.release:  # saved or not, vLLM gets the blocks back
-                    with self._worker_lock:
-                        self._sent.add(job.req_id)
+        device = self._layers[0].device if self._layers else torch.device("cpu")
+        self.saving.run(meta.saves, not meta.save_async, device)
+        self.stats["skipped_saves"] = self.saving.skipped
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._worker_lock:
@@ -327,8 +325,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for req_id in ready:
                 self._finish_load(req_id, self._inflight.pop(req_id).result())
             done, self._done = self._done, set()
-            sent, self._sent = self._sent, set()
-        return sent or None, done or None
+        return self.saving.take_sent() or None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._worker_lock:
@@ -336,12 +333,25 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return errors
 
     def shutdown(self) -> None:
+        self.saving.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         for client in self._clients.values():
             client.close()
 
     # ---- inside -------------------------------------------------------------------------
+
+    def _save(self, job: SaveJob) -> None:
+        """Store the job's blocks (`saving.py` runs it, inline or on its thread)."""
+        if not job.blocks:  # a release only: the request's earlier saves are done
+            return
+        try:
+            kv = paged.gather(self._layers, job.blocks)
+            stored = self._client(job.key).store(list(job.tokens), kv.cpu(), start=job.start)
+            self.stats["saved_tokens"] += stored.stored_tokens
+            self.stats["decode_tokens"] += stored.stored_tokens if job.release else 0
+        except Exception as e:  # a save that fails is a later miss, never a crash
+            self._error("store", e)
 
     def _load(self, job: LoadJob) -> list[int]:
         """Copy the job's blocks from kvtier; the vLLM block ids it could not fill."""
@@ -369,23 +379,13 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._load_errors.update(missing)
 
     def _key_for(self, request: Any) -> str | None:
-        """The API key of the request's tenant: `kv_transfer_params["kvtier_tenant"]` (only
-        with `kvtier.trust_tenant_param`: a client can write any name there; without it such a
-        request does not use kvtier), else its `cache_salt`, looked up in `kvtier.tenant_keys`
-        (None: kvtier is not used for it); neither: the engine's own key."""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        named = params.get("kvtier_tenant") if isinstance(params, dict) else None
-        if named is not None and not self.settings.trust_tenant_param:
+        key, untrusted = self.settings.key_for(request)
+        if untrusted:
             if not self.stats["untrusted_names"]:
                 log.warning("a request named kvtier_tenant, which kvtier.trust_tenant_param "
                             "does not allow: such requests do not use kvtier")  # fmt: skip
             self.stats["untrusted_names"] += 1
-            return None
-        if named is None:
-            named = getattr(request, "cache_salt", None)
-        if named is None:
-            return self.key
-        return self.settings.tenant_keys.get(str(named))
+        return key
 
     def _client(self, key: str) -> Client:
         with self._clients_lock:

@@ -79,33 +79,62 @@ def test_engine_2_loads_what_engine_1_saved_bit_exact_async_and_sync(sidecar: Se
     assert third["loaded_tokens"] == 32 and third["bit_exact"] is True
 
 
-def test_a_chats_next_turn_loads_the_output_its_last_turn_saved(sidecar: Server) -> None:
-    """The output's whole blocks are saved when the request finishes (vLLM holds them one step
-    for it, then has every block back); the next turn, the history plus a new message, loads
-    prompt and output bit-exact. With `kvtier.save_decode` false only the prompt is saved."""
-    prompt = list(range(5000, 5040))  # 40 tokens, then 30 sampled: 69 computed, 64 whole
+@pytest.mark.parametrize("save_async", [True, False])
+def test_a_chats_next_turn_loads_the_output_its_last_turn_saved(
+    sidecar: Server, save_async: bool
+) -> None:
+    """The output's whole blocks are saved when the request finishes, vLLM holding them until
+    a worker reports them saved (one step when saves are inline) and then having every block
+    back; the next turn, the history plus a new message, loads prompt and output bit-exact."""
+    base = 5000 if save_async else 5500
+    prompt = list(range(base, base + 40))  # 40 tokens, then 30 sampled: 69 computed, 64 whole
     history = prompt + [7] * 30
-    first = engine(sidecar, prompt=prompt, seed=21, max_tokens=30)
+    first = engine(sidecar, prompt=prompt, seed=21, max_tokens=30, save_async=save_async)
     assert first["stats"]["saved_tokens"] == 64 and first["stats"]["decode_tokens"] == 32
-    assert first["held_steps"] == 1 and first["free_blocks"] == NUM_BLOCKS - 1, first
+    assert first["saved_when_freed"] == 64  # held until both saves were done
+    assert first["held_steps"] >= 1 and first["free_blocks"] == NUM_BLOCKS - 1, first
+    if not save_async:
+        assert first["held_steps"] == 1
     assert saved(sidecar, history) == 64
-    turn = engine(sidecar, prompt=history + list(range(6000, 6010)), seed=21, max_tokens=4)
+    turn = engine(sidecar, prompt=history + list(range(6000, 6010)), seed=21, max_tokens=4,
+                  save_async=save_async)  # fmt: skip
     assert turn["loaded_tokens"] == 64 and turn["bit_exact"] is True, turn
     assert turn["free_blocks"] == NUM_BLOCKS - 1
-    other = list(range(7000, 7040))
-    off = engine(sidecar, prompt=other, seed=22, max_tokens=30, save_decode=False)
+
+
+@pytest.mark.parametrize("save_async", [True, False])
+def test_without_save_decode_only_the_prompt_is_saved(sidecar: Server, save_async: bool) -> None:
+    """And the request is held only while its prompt's save may be queued (async)."""
+    other = list(range(7000, 7040)) if save_async else list(range(7100, 7140))
+    off = engine(sidecar, prompt=other, seed=22, max_tokens=30, save_decode=False,
+                 save_async=save_async)  # fmt: skip
     assert off["stats"]["saved_tokens"] == 32 and off["stats"]["decode_tokens"] == 0
-    assert off["held_steps"] == 0 and off["free_blocks"] == NUM_BLOCKS - 1
+    assert off["saved_when_freed"] == 32 and off["free_blocks"] == NUM_BLOCKS - 1
+    assert (off["held_steps"] >= 1) if save_async else (off["held_steps"] == 0), off
     assert saved(sidecar, other + [7] * 30) == 32
 
 
-def test_a_request_whose_output_fills_no_block_past_its_prompt_is_not_held(
+def test_a_request_whose_output_fills_no_block_past_its_prompt_is_held_only_for_its_prompt(
     sidecar: Server,
 ) -> None:
     prompt = list(range(8000, 8040))  # 40 + 7 sampled: 46 computed, the prompt's 32 whole
-    report = engine(sidecar, prompt=prompt, seed=23, max_tokens=7)
-    assert report["stats"]["decode_tokens"] == 0 and report["held_steps"] == 0
-    assert report["free_blocks"] == NUM_BLOCKS - 1
+    inline = engine(sidecar, prompt=prompt, seed=23, max_tokens=7, save_async=False)
+    assert inline["stats"]["decode_tokens"] == 0 and inline["held_steps"] == 0
+    assert inline["free_blocks"] == NUM_BLOCKS - 1
+    queued = engine(sidecar, prompt=list(range(8100, 8140)), seed=23, max_tokens=7)
+    assert queued["stats"]["decode_tokens"] == 0 and queued["held_steps"] >= 1
+    assert queued["saved_when_freed"] == 32 and queued["free_blocks"] == NUM_BLOCKS - 1
+
+
+def test_a_preemption_waits_for_the_queued_saves_before_the_forward(sidecar: Server) -> None:
+    """`handle_preemptions` with the plan's `flush` returns once the queued save is done (its
+    thread held 0.3 s), without it at once; queueing a save does not wait for it either."""
+    prompt = list(range(9000, 9040))
+    report = engine_report(launch(sidecar, prompt=prompt, seed=24, flush_check=True))
+    assert report["first"] == 16 and report["before_flush"] == 16, report
+    assert report["queue_s"] < 0.2 and report["no_flush_s"] < 0.2, report
+    assert report["flush_s"] >= 0.25 and report["after_flush"] == 32, report
+    assert saved(sidecar, prompt) == 32
 
 
 def test_a_request_that_vllm_holds_the_head_of_loads_only_the_tail(sidecar: Server) -> None:

@@ -21,7 +21,8 @@ and the worker's load, as an eviction would), warm (a prompt run to its end firs
 engine, so that vLLM's own prefix cache holds its whole blocks: the request then loads from
 kvtier only the part past them), max_tokens (2), save_decode (bool: the connector's default
 when absent), extra (more `kv_connector_extra_config`), sliding_window (every layer a window
-of that many tokens: vLLM's sliding-window manager).
+of that many tokens: vLLM's sliding-window manager), save_async (bool), flush_check (run
+`flush_check` instead of a request).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvtier.integrations.vllm import KvtierConnector
+from kvtier.integrations.plans import SaveJob
+from kvtier.integrations.vllm import KvtierConnector, KvtierMetadata
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 64, 16  # kvtier's tiny test layout; vLLM blocks of 16 tokens
 NUM_BLOCKS = 64
@@ -89,7 +92,7 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
         "kvtier.load_async": args.get("load_async", True),
         "kvtier.tenant_keys": args.get("tenant_keys", {}),
         "kvtier.trust_tenant_param": args.get("trust_tenant_param", False),
-        **({"kvtier.save_decode": args["save_decode"]} if "save_decode" in args else {}),
+        **{f"kvtier.{k}": args[k] for k in ("save_decode", "save_async") if k in args},
         **args.get("extra", {}),
     }
     config = VllmConfig(
@@ -136,6 +139,8 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     worker.register_kv_caches(layers)
     caches = list(layers.values())
     init_none_hash(sha256)
+    if args.get("flush_check"):
+        return flush_check(worker, caches, list(args["prompt"]), int(args["seed"]))
     seed = int(args["seed"])
     warm_stats: dict[str, int] = {}
     if args.get("warm"):  # run first, to the end: its whole blocks stay in vLLM's prefix cache
@@ -147,6 +152,41 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     out["stats"] = worker.stats
     out["scheduler_stats"] = scheduler.connector.stats
     out["hit"] = out["scheduler_stats"]["hit_tokens"]  # what kvtier's lookup gave vLLM
+    worker.shutdown()
+    return out
+
+
+def flush_check(
+    worker: KvtierConnector, caches: list[torch.Tensor], prompt: list[int], seed: int
+) -> dict[str, Any]:
+    """The worker side alone: a save queued behind a job that holds the saves' thread for
+    0.3 s; `handle_preemptions` returns at once without `flush`, and with it only once the
+    save is done, before a forward could reuse a preempted request's blocks."""
+    for p in range(32):  # blocks 1 and 2
+        for layer, cache in enumerate(caches):
+            cache[1 + p // BLOCK, :, p % BLOCK] = kv_at(seed, p)[layer]
+
+    def step(meta: KvtierMetadata) -> float:
+        start = time.perf_counter()
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        return time.perf_counter() - start
+
+    step(KvtierMetadata(saves=[SaveJob("a", tuple(prompt[:16]), (1,), worker.key)]))
+    step(KvtierMetadata(flush=True))  # the thread exists and the first save is done
+    out: dict[str, Any] = {"first": worker.stats["saved_tokens"]}
+    gate = threading.Event()
+    assert worker.saving.thread is not None
+    worker.saving.thread.submit(gate.wait)  # holds the thread until set
+    out["queue_s"] = step(KvtierMetadata(saves=[SaveJob("b", tuple(prompt[:32]), (1, 2),
+                                                        worker.key)]))  # fmt: skip
+    out["no_flush_s"] = step(KvtierMetadata())
+    out["before_flush"] = worker.stats["saved_tokens"]
+    threading.Timer(0.3, gate.set).start()
+    out["flush_s"] = step(KvtierMetadata(flush=True))
+    out["after_flush"] = worker.stats["saved_tokens"]
     worker.shutdown()
     return out
 
@@ -183,6 +223,7 @@ def serve(
                 headers={"authorization": f"Bearer {args['clear_before_load']}"},
             )
             assert cleared.status_code == 200, cleared.text  # fmt: skip
+        worker.handle_preemptions(so.kv_connector_metadata)
         worker.bind_connector_metadata(so.kv_connector_metadata)
         worker.start_load_kv(None)
         for new in so.scheduled_new_reqs:  # first run: the loaded part is in place now
@@ -216,6 +257,7 @@ def serve(
         if request.is_finished():
             out.setdefault("finished_step", len(out["statuses"]))
             if rid not in scheduler.requests:  # its blocks are vLLM's again
+                out["saved_when_freed"] = worker.stats["saved_tokens"]
                 break
         if not count:
             time.sleep(0.02)  # an async load in flight

@@ -1,0 +1,93 @@
+"""The vLLM connector's saves on its worker side (`vllm.py`): inline, or in order on a thread of
+their own so that a step does not wait for kvtier.
+
+Contract:
+- `run(jobs, wait)`: with `wait`, each job is saved before `run` returns; otherwise jobs are
+  queued to one thread, which saves them in the order given (a finished request's `release`
+  job after its prompt's save). On a GPU the thread first waits, on a stream of its own, for
+  the work queued on the caller's stream when `run` was called (the step's forward, which
+  wrote the blocks).
+- A job's blocks must keep their KV until it is done, which is the scheduler's side to ensure:
+  a running request keeps its blocks; a finished one's are held until its `release` job is
+  reported (`take_sent`); a preempted one's are freed at once, so a step whose plan names
+  preemptions calls `flush` before its forward may write them.
+- `save` (the connector's: gather, store, count) is never let raise here: a failure is logged
+  by it. Every `release` job is reported in `take_sent` once done, saved or not, and is never
+  dropped; others are skipped (counted in `skipped`) while `backlog` jobs are queued, so a
+  sidecar slower than the engine costs later misses, not a queue that grows without bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from kvtier.integrations.plans import SaveJob
+
+BACKLOG = 64  # queued jobs past which a prompt's save is skipped
+
+
+class Saves:
+    def __init__(self, save: Callable[[SaveJob], None], backlog: int = BACKLOG) -> None:
+        self.save, self.backlog = save, backlog
+        self.skipped = 0
+        self.thread: ThreadPoolExecutor | None = None  # made on the first queued job
+        self._queued: deque[Future[None]] = deque()
+        self._sent: set[str] = set()
+        self._lock = threading.Lock()
+        self._stream: Any = None  # the thread's CUDA stream, made with the thread
+
+    def run(self, jobs: Iterable[SaveJob], wait: bool, device: torch.device) -> None:
+        if wait:
+            for job in jobs:
+                self._one(job, None)
+            return
+        while self._queued and self._queued[0].done():
+            self._queued.popleft()
+        ready = None
+        for job in jobs:
+            if not job.release and len(self._queued) >= self.backlog:
+                self.skipped += 1
+                continue
+            if self.thread is None:
+                self.thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
+                if device.type == "cuda":
+                    self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            if ready is None and self._stream is not None:
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record()  # after this step's forward, on the caller's stream
+            self._queued.append(self.thread.submit(self._one, job, ready))
+
+    def flush(self) -> None:
+        """Return once every queued job is done."""
+        while self._queued:
+            self._queued.popleft().exception()  # waits; `save` logs its own failures
+
+    def take_sent(self) -> set[str]:
+        """The `release` jobs done since the last call, by request id."""
+        with self._lock:
+            sent, self._sent = self._sent, set()
+        return sent
+
+    def close(self) -> None:
+        self.flush()
+        if self.thread is not None:
+            self.thread.shutdown(wait=True)
+
+    def _one(self, job: SaveJob, ready: Any) -> None:
+        try:
+            if ready is None:
+                self.save(job)
+            else:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(ready)
+                    self.save(job)  # its copy to the host synchronizes this stream
+        finally:
+            if job.release:
+                with self._lock:
+                    self._sent.add(job.req_id)
