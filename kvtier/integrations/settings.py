@@ -5,6 +5,7 @@ cache, checked when vLLM builds it.
   (a misspelt one is a `ConfigError` listing the known ones, never silently ignored), every
   value has its type (a string "false" is not a boolean), keys are resolved (`env:NAME`).
   Keys without the `kvtier.` prefix belong to other connectors and are left alone.
+- `closed` and `api_key` are the checks the SGLang backend (`sglang.py`) shares.
 - `shard` is the tensor-parallel rank and size whose KV this process holds.
 - `kv_cache_refusal` says why a KV cache would make kvtier hand out wrong bytes, or None.
   kvtier keys a block by its tokens and copies a request's blocks whole, so it takes only a
@@ -45,9 +46,7 @@ class ConnectorSettings:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any], tp_size: int) -> ConnectorSettings:
-        unknown = sorted(k for k in extra if str(k).startswith("kvtier.") and k not in KNOWN)
-        if unknown:
-            raise ConfigError(unknown[0], extra[unknown[0]], f"one of {', '.join(KNOWN)}")
+        closed(extra, KNOWN)
         urls = extra.get("kvtier.urls") or [extra.get("kvtier.url", "http://127.0.0.1:8750")]
         if (
             not isinstance(urls, list)
@@ -62,9 +61,7 @@ class ConnectorSettings:
                 f"one sidecar URL per tensor-parallel rank ({tp_size}): "
                 "each rank holds other heads, in a sidecar of its own",
             )
-        key = extra.get("kvtier.api_key")
-        if key is not None and not isinstance(key, str):
-            raise ConfigError("kvtier.api_key", type(key).__name__, "a key or env:NAME")
+        key = api_key(extra)
         named = extra.get("kvtier.tenant_keys") or {}
         if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
             raise ConfigError("kvtier.tenant_keys", "(not shown)", "a map of name to API key")
@@ -75,7 +72,7 @@ class ConnectorSettings:
                 raise ConfigError(name, flags[name], "true or false")
         return cls(
             urls=tuple(urls),
-            key=resolve_key(key, "kvtier.api_key") if key else "",
+            key=key or "",
             tenant_keys={
                 str(n): resolve_key(ref, f"kvtier.tenant_keys.{n}") for n, ref in named.items()
             },
@@ -100,6 +97,21 @@ class ConnectorSettings:
         if named is None:
             return self.key, False
         return self.tenant_keys.get(str(named)), False
+
+
+def closed(extra: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    """`ConfigError` for a `kvtier.*` key of an engine's extra config that is not `known`."""
+    unknown = sorted(str(k) for k in extra if str(k).startswith("kvtier.") and k not in known)
+    if unknown:
+        raise ConfigError(unknown[0], extra[unknown[0]], f"one of {', '.join(known)}")
+
+
+def api_key(extra: Mapping[str, Any]) -> str | None:
+    """`kvtier.api_key`, resolved (`env:NAME`); None when unset."""
+    key = extra.get("kvtier.api_key")
+    if key is not None and not isinstance(key, str):
+        raise ConfigError("kvtier.api_key", type(key).__name__, "a key or env:NAME")
+    return resolve_key(key, "kvtier.api_key") if key else None
 
 
 def shard(vllm_config: Any) -> tuple[int, int]:

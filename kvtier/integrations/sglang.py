@@ -25,7 +25,8 @@ so kvtier's index, prefix closure and tiers hold them as they hold prompts:
 Contract:
 - Constructed by SGLang's `StorageBackendFactory` as `cls(storage_config, kwargs)`; options
   from `storage_config.extra_config`: `kvtier.url`, `kvtier.api_key` ('env:NAME' or a key),
-  and `interface_v1: 1`, which makes SGLang call the zero-copy `batch_*_v1` methods.
+  and `interface_v1: 1`, which makes SGLang call the zero-copy `batch_*_v1` methods. Another
+  `kvtier.*` key, or a value of the wrong type, is a `ConfigError` naming it.
 - Pages round trip bit-exact and land in kvtier in its own layout (`[layers, 2, tokens,
   heads, dim]`), whatever SGLang's host layout: two SGLang processes with different host
   layouts share pages.
@@ -55,9 +56,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtier.client import Client
-from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
+from kvtier.integrations.settings import api_key, closed
 from kvtier.keyed import KeyedPages
 
 log = logging.getLogger("kvtier.sglang")
@@ -68,11 +69,11 @@ __all__ = ["KvtierHiCacheStorage"]
 class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        self.url = str(extra.get("kvtier.url", "http://127.0.0.1:8750"))
-        key = extra.get("kvtier.api_key")
-        self.client = Client(
-            self.url, api_key=resolve_key(str(key), "kvtier.api_key") if key else None
-        )
+        closed(extra, ("kvtier.url", "kvtier.api_key"))  # a misspelt key is never ignored
+        self.url = extra.get("kvtier.url", "http://127.0.0.1:8750")
+        if not isinstance(self.url, str) or not self.url:
+            raise ConfigError("kvtier.url", self.url, "the sidecar's URL")
+        self.client = Client(self.url, api_key=api_key(extra))
         self.config = storage_config
         self.scope = (
             "mla"

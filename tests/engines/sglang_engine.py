@@ -16,7 +16,8 @@ own, not kvtier's copies. `held`: the reader holds the first `held` pages alread
 for the rest with their keys as prefix keys (`hicache_storage_pass_prefix_keys`), so the
 backend loads from past them (`load(start=)`). `dtype`: the pools' dtype (float16 by
 default). `pause`: once the backend registered, print `registered` and wait for a line on
-stdin before the write or read (the test replaces the sidecar meanwhile).
+stdin before the write or read (the test replaces the sidecar meanwhile). `extra`: more of
+the backend's extra config.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def controller(args: dict[str, Any]) -> tuple[Any, Any]:
         "interface_v1": 1,
         "kvtier.url": args["url"],
         "kvtier.api_key": args["api_key"],
+        **args.get("extra", {}),
     }
     cc = HiCacheController(allocator, host, PAGE, tp_group=dist.group.WORLD,
                            load_cache_event=threading.Event(), io_backend="direct",

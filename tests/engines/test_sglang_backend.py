@@ -107,6 +107,18 @@ def test_a_sidecar_of_another_model_or_shard_is_refused_when_sglang_attaches_it(
         assert done.returncode != 0 and f"config field '{field}'" in done.stderr, done.stderr[-800:]
 
 
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [({"kvtier.api_keys": ALICE}, "kvtier.api_keys"), ({"kvtier.url": 8750}, "kvtier.url")],
+)
+def test_a_bad_backend_setting_is_refused_at_start(
+    sidecar: Server, extra: dict[str, Any], field: str
+) -> None:
+    """A misspelt `kvtier.*` key is never ignored (the key meant would be), nor a mistyped one."""
+    done = launch(sidecar, mode="read", tokens=list(range(8)), extra=extra)
+    assert done.returncode != 0 and f"config field '{field}'" in done.stderr, done.stderr[-800:]
+
+
 def test_a_sidecar_restarted_on_another_model_is_a_miss_never_a_cast(tmp_path: Path) -> None:
     """The backend checked the sidecar's layout when SGLang registered its host pool; the
     sidecar behind the URL is then replaced by one of another dtype holding the same keys.
