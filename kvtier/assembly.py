@@ -225,10 +225,13 @@ def _events(
         max_message_bytes=events.max_message_bytes,
     )
     try:
-        publisher = EventPublisher(events.endpoint, events.replay_endpoint, settings)
+        publisher = EventPublisher(
+            events.endpoint, events.replay_endpoint, settings, connect=events.connect
+        )
     except BindError as e:
+        verb = "connect to" if e.name == "connect" else "bind"
         raise ConfigError(
-            f"events.{e.name}", e.address, f"an address to bind ({e.reason})"
+            f"events.{e.name}", e.address, f"an address to {verb} ({e.reason})"
         ) from None
     index = state.index
     observer = IndexEvents(publisher, index, namespaces.tenant_of, state.lock)

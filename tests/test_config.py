@@ -420,6 +420,10 @@ def test_events_are_off_unless_set_and_check_each_field() -> None:
     events = parse_config({"events": {"endpoint": "tcp://*:5557", "topic": "kv@pod@m"}}).events
     assert events is not None and (events.endpoint, events.buffer) == ("tcp://*:5557", 10_000)
     assert events.replay_endpoint is None and not events.per_tenant_topic
+    assert events.connect == ()
+    peers = ["tcp://llm-d-indexer:5557", "tcp://[::1]:5557", "ipc:///run/kv.sock"]
+    connected = parse_config({"events": {"endpoint": "tcp://*:5557", "connect": peers}}).events
+    assert connected is not None and connected.connect == tuple(peers)
     for bad, field in (
         ({}, "endpoint"),
         ({"endpoint": "http://h:1"}, "endpoint"),
@@ -427,6 +431,12 @@ def test_events_are_off_unless_set_and_check_each_field() -> None:
         ({"endpoint": "tcp://h:1", "topic": "a topic"}, "topic"),
         ({"endpoint": "tcp://h:1", "per_tenant_topic": 1}, "per_tenant_topic"),
         ({"endpoint": "tcp://h:1", "buffer": 0}, "buffer"),
+        ({"endpoint": "tcp://h:1", "connect": "tcp://idx:5557"}, "connect"),  # not a list
+        ({"endpoint": "tcp://h:1", "connect": ["tcp://*:5557"]}, "connect"),  # * binds only
+        ({"endpoint": "tcp://h:1", "connect": ["tcp://idx"]}, "connect"),
+        ({"endpoint": "tcp://h:1", "connect": [5557]}, "connect"),
+        ({"endpoint": "tcp://h:1", "connect": ["tcp://idx:65536"]}, "connect"),
+        ({"endpoint": "tcp://h:1", "connect": [f"tcp://i:{n}" for n in range(17)]}, "connect"),
     ):
         with pytest.raises(ConfigError) as info:
             parse_config({"events": bad})

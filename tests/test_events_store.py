@@ -11,16 +11,18 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
+import pytest
 import zmq
 from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, kv_for, tiny_block_bytes
 
 from kvtier import KVStore, parse_config
+from kvtier.errors import ConfigError
 from kvtier.index.node import Node
 
 MEDIA = {"gpu": "GPU", "host": "CPU", "disk": "DISK"}
 
 
-def make(tmp_path: Path, per_tenant: bool = False) -> KVStore:
+def make(tmp_path: Path, per_tenant: bool = False, connect: tuple[str, ...] = ()) -> KVStore:
     block = tiny_block_bytes()
     return KVStore(
         parse_config(
@@ -39,6 +41,7 @@ def make(tmp_path: Path, per_tenant: bool = False) -> KVStore:
                     "replay_endpoint": "tcp://127.0.0.1:0",
                     "topic": "kv@pod@tiny",
                     "per_tenant_topic": per_tenant,
+                    "connect": list(connect),
                 },
             }
         )
@@ -48,12 +51,17 @@ def make(tmp_path: Path, per_tenant: bool = False) -> KVStore:
 class Listener:
     """A SUB that decodes by field position and keeps the residency the events describe."""
 
-    def __init__(self, ctx: Any, endpoint: str, topic: str = "") -> None:
+    def __init__(self, ctx: Any, endpoint: str | None, topic: str = "") -> None:
+        """Connects to `endpoint`; with None, binds a port of 127.0.0.1 (`port`) and waits for
+        publishers to connect to it."""
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVTIMEO, 200)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-        self.sub.connect(endpoint)
-        time.sleep(0.3)
+        if endpoint is None:
+            self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self.sub.connect(endpoint)
+            time.sleep(0.3)
         self.media: dict[int, set[str]] = {}
         self.tokens: dict[int, list[int]] = {}  # hash -> its block's tokens
         self.seqs: list[int] = []
@@ -140,6 +148,41 @@ def test_events_track_where_every_block_lives(tmp_path: Path, ctx: Any) -> None:
     assert listener.topics == {"kv@pod@tiny"}
     store.check()
     store.close()
+
+
+def test_a_subscriber_that_binds_gets_every_event_through_connect(tmp_path: Path, ctx: Any) -> None:
+    """llm-d's indexer with a static `zmqEndpoint` binds and waits for publishers (vLLM connects
+    to it): with `events.connect` the store's PUB goes to it as well as binding its own."""
+    indexer = Listener(ctx, None, "kv@")
+    store = make(tmp_path, connect=(f"tcp://127.0.0.1:{indexer.port}",))
+    assert store.parts.events is not None
+    publisher = store.parts.events
+    bound = Listener(ctx, publisher.endpoint)  # its own endpoint serves as before
+    deadline = time.monotonic() + 10
+    while not (indexer.seqs and bound.seqs):  # both connected: ZMQ connects in the background
+        assert time.monotonic() < deadline, "the connected subscriber never heard the store"
+        publisher.cleared("bob")  # nothing to forget: a message either may miss
+        time.sleep(0.1)
+        indexer.drain()
+        bound.drain()
+    for n in range(6):  # past 4 gpu / 8 host slots: demotions
+        store.store(list(range(100 * n, 100 * n + 12)), kv_for(store, 12, seed=n), tenant="bob")
+        settle(indexer, store)
+        settle(bound, store)
+    store.clear(tenant="bob")
+    settle(indexer, store)
+    settle(bound, store)
+    assert indexer.media == {} and indexer.topics == {"kv@pod@tiny"}
+    first = max(indexer.seqs[0], bound.seqs[0])  # both heard every message from there
+    assert indexer.seqs[indexer.seqs.index(first) :] == bound.seqs[bound.seqs.index(first) :]
+    assert bound.seqs == list(range(bound.seqs[0], bound.seqs[-1] + 1))  # without gaps
+    store.close()
+
+
+def test_an_address_zmq_cannot_connect_to_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        make(tmp_path, connect=("tcp://-:1",))
+    assert info.value.field == "events.connect" and "connect to" in info.value.expected
 
 
 def test_a_late_subscriber_recovers_and_tenants_keep_to_their_topics(

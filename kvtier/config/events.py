@@ -5,13 +5,32 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from kvtier.config.fields import Section, int_in, matching, one_of
+from pydantic import BeforeValidator
+
+from kvtier.config.fields import InvalidValue, Section, int_in, matching, one_of
 
 _ENDPOINT = re.compile(r"(tcp://[A-Za-z0-9_.*\-\[\]:]{1,255}:\d{1,5}|ipc://[^\x00]{1,200})")
 _TOPIC = re.compile(r"[\x21-\x7e]{1,200}")  # printable ASCII, no space
 
 
 _WHERE = "a ZMQ address to bind: tcp://HOST:PORT or ipc://PATH"
+_PEER = re.compile(r"(tcp://[A-Za-z0-9_.\-\[\]:]{1,255}:\d{1,5}|ipc://[^\x00]{1,200})")
+_PEERS = "a list of up to 16 ZMQ addresses to connect to: tcp://HOST:PORT (no *) or ipc://PATH"
+
+
+def _peers(value: object) -> object:
+    entries = tuple(value) if isinstance(value, list) else value
+    if not isinstance(entries, tuple) or len(entries) > 16:
+        raise InvalidValue(value, _PEERS)
+    for entry in entries:
+        tcp_port = entry.rpartition(":")[2] if isinstance(entry, str) else ""
+        if (
+            not isinstance(entry, str)
+            or not _PEER.fullmatch(entry)
+            or (entry.startswith("tcp://") and not 0 < int(tcp_port) < 65536)
+        ):
+            raise InvalidValue(entry, _PEERS)
+    return entries
 
 
 class EventsConfig(Section):
@@ -20,10 +39,14 @@ class EventsConfig(Section):
     `buffer_bytes` of them at most). No message's payload passes `max_message_bytes`: longer
     runs of blocks go out as several events (a router refuses messages past its own bound:
     `kvtier.routing.Subscriber`). `topic` defaults to `kv@<host name>@<model name>`; with
-    `per_tenant_topic` each tenant's events go to `<topic>@<tenant>` only."""
+    `per_tenant_topic` each tenant's events go to `<topic>@<tenant>` only. The PUB also
+    connects to each address of `connect`: a subscriber that binds and waits for publishers to
+    come to it, as llm-d's indexer does with a static `zmqEndpoint` (and vLLM connects to it),
+    gets every message too."""
 
     endpoint: Annotated[str, matching(_ENDPOINT, _WHERE)]
     replay_endpoint: Annotated[str | None, matching(_ENDPOINT, _WHERE, True)] = None
+    connect: Annotated[tuple[str, ...], BeforeValidator(_peers)] = ()
     topic: Annotated[
         str | None, matching(_TOPIC, "1 to 200 printable ASCII characters, no space", True)
     ] = None

@@ -16,19 +16,19 @@ in which each event is a positional array, its class name first:
     ["AllBlocksCleared"]
 
 A hash is a uint64 naming one block of this publisher while it lives (`observer.py` hands them
-out), not a content hash: a router keys blocks by their tokens (`kvtier.routing`, and llm-d
-does the same). The medium names the tier: "GPU", "CPU" (host), "DISK", "REMOTE" (`MEDIUM`).
-A block that gains or loses a tier is one event for that medium; removals queued one after
-another in one medium go out as one event (`wire.Packer.pack_all`: eviction tells of a run at a
-time). The queue holds what a store told (`wire.Spec`: numbers and references to immutable
-bytes, no Python object per token); the thread packs a whole batch at once (`wire.Packer`).
+out), not a content hash: a router keys blocks by their tokens (`kvtier.routing`; llm-d too).
+The medium names the tier: "GPU", "CPU" (host), "DISK", "REMOTE" (`MEDIUM`). A block that
+gains or loses a tier is one event for that medium; removals queued one after another in one
+medium go out as one event (`wire.Packer.pack_all`). The queue holds what a store told
+(`wire.Spec`: numbers and references to immutable bytes); the thread packs a whole batch at
+once (`wire.Packer`).
 
 Replay (a ROUTER socket, vLLM's protocol; `replay.py`): a client (DEALER) sends `[b"",
 start_seq]` (8 bytes, big-endian) and gets `[b"", topic, seq, payload]` for each message of the
 publisher's topic still buffered with a sequence number >= start_seq, then the end marker
-`[b"", b"", -1 (8 bytes, signed), b""]`. With `per_tenant` topics, a client adds the topic as a
-third frame and gets that topic's messages only. The thread serves replays a little at a time,
-so that a peer that asks again and again and never reads costs a bounded queue.
+`[b"", b"", -1 (8 bytes, signed), b""]`; with `per_tenant` topics, a client adds the topic as a
+third frame. Replays are served a little at a time: a peer that never reads costs a bounded
+queue.
 
 Contract:
 - `stored`, `removed` and `cleared` never block and never touch a socket: they append to a queue
@@ -47,20 +47,17 @@ Contract:
   to the full queue, taken by the resync, or dropped while it waited) go out again between
   the AllBlocksCleared and the blocks held, up to `queue_limit` of them: a router that skips
   AllBlocksCleared (llm-d's event pool does) then forgets the blocks it would otherwise keep
-  for good, and ends exact too. Resyncs are spaced (`RESYNC_MIN_S`,
-  `RESYNC_LOCK_SHARE`); in between, a lost topic's events are dropped unsent (the next resync
-  tells of their blocks). A topic's first message starts with AllBlocksCleared too: a router
-  forgets what the publisher's past life (before a restart) told it; the store then tells of
-  what it holds (`IndexEvents.announce`).
+  for good, and ends exact too. Resyncs are spaced (`RESYNC_MIN_S`, `RESYNC_LOCK_SHARE`); in
+  between, a lost topic's events are dropped unsent (the next resync tells of their blocks).
+  A topic's first message starts with AllBlocksCleared too: a router forgets what the
+  publisher's past life told it; the store then tells what it holds (`IndexEvents.announce`).
+- The PUB binds `endpoint` and connects to each address of `connect` (subscribers that bind,
+  as llm-d's indexer with a static endpoint does): every message goes to both kinds.
 - Tenants: an event holds one tenant's blocks. With `per_tenant`, each tenant's events go to
-  `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own; without it,
-  to `topic` (an operator who must not mix tenants turns it on).
-- The replay buffer keeps the last `buffer` messages of each topic, and no more than
-  `buffer_bytes` of payload per topic (10,000 messages of `max_message_bytes` could hold
-  gigabytes).
-- `flush()` sends what is queued from the caller's thread (a replay that routes on events
-  waits for a store's); `sent(topic)` is the number of messages a topic has had.
-- `close()` sends what is queued, then closes the sockets.
+  `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own.
+- The replay buffer keeps a topic's last `buffer` messages, `buffer_bytes` of payload at most.
+- `flush()` sends what is queued from the caller's thread; `sent(topic)` is the number of
+  messages a topic has had; `close()` sends what is queued, then closes the sockets.
 """
 
 from __future__ import annotations
@@ -133,11 +130,12 @@ class EventSettings:
 
 
 class BindError(InvalidArgumentError):
-    """An address the publisher could not bind: `name` ("endpoint" or "replay_endpoint"),
-    `address`, and ZMQ's `reason`."""
+    """An address the publisher could not bind (or connect to): `name` ("endpoint",
+    "replay_endpoint" or "connect"), `address`, and ZMQ's `reason`."""
 
     def __init__(self, name: str, address: str, reason: str) -> None:
-        super().__init__(f"{name}: cannot bind {address!r} ({reason})")
+        verb = "connect to" if name == "connect" else "bind"
+        super().__init__(f"{name}: cannot {verb} {address!r} ({reason})")
         self.name, self.address, self.reason = name, address, reason
 
 
@@ -148,6 +146,7 @@ class EventPublisher:
         replay_endpoint: str | None = None,
         settings: EventSettings | None = None,
         clock: Callable[[], float] = time.time,
+        connect: Sequence[str] = (),  # subscribers that bind: the PUB connects to them too
     ) -> None:
         self.settings = settings = settings or EventSettings()
         self.topic, self.clock = settings.topic, clock
@@ -181,15 +180,16 @@ class EventPublisher:
         self._replay: ReplayServer | None = None
         self.replay_endpoint: str | None = None
         name, address = "endpoint", endpoint
-        try:  # nothing stays bound when either address fails
+        try:  # nothing stays bound when an address fails
             self._pub.bind(endpoint)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            name = "connect"
+            for address in connect:  # ZMQ reconnects by itself while one is down
+                self._pub.connect(address)
             if replay_endpoint is not None:
                 name, address = "replay_endpoint", replay_endpoint
-                self._replay = ReplayServer(
-                    self._context, replay_endpoint, self._backlog, self.topic
-                )
-                self.replay_endpoint = self._replay.endpoint
+                replay = ReplayServer(self._context, replay_endpoint, self._backlog, self.topic)
+                self._replay, self.replay_endpoint = replay, replay.endpoint
         except zmq.ZMQError as e:
             self._context.destroy(linger=0)
             raise BindError(name, address, str(e)) from None
