@@ -6,6 +6,7 @@ cache, checked when vLLM builds it.
   value has its type (a string "false" is not a boolean), keys are resolved (`env:NAME`).
   Keys without the `kvtier.` prefix belong to other connectors and are left alone.
 - `closed` and `api_key` are the checks the SGLang backend (`sglang.py`) shares.
+- `check_layout` refuses a sidecar whose model layout is not the worker's KV.
 - `shard` is the tensor-parallel rank and size whose KV this process holds.
 - `kv_cache_refusal` says why a KV cache would make kvtier hand out wrong bytes, or None.
   kvtier keys a block by its tokens and copies a request's blocks whole, so it takes only a
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError
+from kvtier.integrations import paged
 
 _BOOLEANS = {"kvtier.load_async": True, "kvtier.save_async": True, "kvtier.save_decode": True,
              "kvtier.trust_tenant_param": False}  # fmt: skip
@@ -112,6 +114,26 @@ def api_key(extra: Mapping[str, Any]) -> str | None:
     if key is not None and not isinstance(key, str):
         raise ConfigError("kvtier.api_key", type(key).__name__, "a key or env:NAME")
     return resolve_key(key, "kvtier.api_key") if key else None
+
+
+def check_layout(layers: list[Any], served: Any, shard: tuple[int, int], url: str) -> None:
+    """`ConfigError` unless the sidecar's model layout (`served`, its `Layout`) is this vLLM
+    worker's paged KV (`layers`) and tensor-parallel `shard`, and its `block_tokens` divides
+    vLLM's block size."""
+    _, heads, size, dim, dtype = paged.geometry(layers)
+    ours = (len(layers), heads, dim, dtype, *shard)
+    theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype,
+              served.tp_rank, served.tp_size)  # fmt: skip
+    if ours != theirs:
+        raise ConfigError(
+            "model",
+            f"{theirs} (layers, KV heads per rank, head_dim, dtype, tp_rank, tp_size) at {url}",
+            f"{ours}, as this vLLM worker's KV",
+        )
+    if size % served.block_tokens:
+        raise ConfigError(
+            "block_tokens", served.block_tokens, f"a divisor of vLLM's block_size ({size})"
+        )
 
 
 def shard(vllm_config: Any) -> tuple[int, int]:

@@ -38,26 +38,21 @@ Contract:
   forward and reported nowhere else. The scheduler never claims a hit for a request whose load
   failed.
 - A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
-  counted in `stats`; it never fails a request.
+  counted in `stats` (and in vLLM's logs and `/metrics`: `vllm_stats.py`); never a failure.
 - Tenants: the sidecar decides a call's tenant by its API key. `kvtier.api_key` is the
   engine's own; `kvtier.tenant_keys` maps a name to the key of another tenant, and a request
   names it by its `cache_salt`, or in `kv_transfer_params` (`{"kvtier_tenant": name}`) when
   `kvtier.trust_tenant_param` is true. A request whose name has no key there neither reads
-  nor writes kvtier: salted prompts never share blocks with anyone else's. vLLM's OpenAI
-  server takes both fields from the client's request body, so a name there is a credential:
-  a salt is one by vLLM's own rule (random, secret), while `kvtier_tenant` is honoured only
-  when the operator says a gateway in front of vLLM sets or strips it; otherwise a request
-  carrying it does not use kvtier at all (it could name any tenant).
+  nor writes kvtier. vLLM's OpenAI server takes both fields from the client's request body,
+  so a name there is a credential: a salt by vLLM's own rule (random, secret); `kvtier_tenant`
+  only behind a gateway that sets or strips it, else a request carrying it skips kvtier.
 - Inputs: kvtier keys a block by its tokens (and tenant, model, shard). A request whose KV
-  depends on more (a LoRA adapter, multimodal inputs, whose placeholder tokens are the same
-  for every image, or prompt embeddings), as vLLM's own block hashes say, neither reads nor
-  writes kvtier (counted in `other_inputs`): another request's KV for the same tokens would
-  be wrong for it.
+  depends on more (a LoRA adapter, multimodal inputs, prompt embeddings: vLLM's own block
+  hashes' extra keys) neither reads nor writes kvtier (counted in `other_inputs`).
 - One KV cache group of full causal attention (vLLM turns its hybrid manager off for us;
   `settings.kv_cache_refusal` says why others are refused).
-- Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size` (checked when the
-  worker registers its caches, a `ConfigError` otherwise), and the sidecar's model layout must
-  match the caches (layers, KV heads, head size, dtype).
+- Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size`, and the sidecar's
+  model layout must match the caches (`settings.check_layout`, when the worker registers).
 
 Tensor parallelism: each rank holds other heads, so each rank has a sidecar of its own
 (`kvtier.urls`, one per rank, in rank order), whose config names the shard (`model.tp_rank`,
@@ -89,7 +84,13 @@ from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
 from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens, output_save
 from kvtier.integrations.saving import Saves
-from kvtier.integrations.settings import ConnectorSettings, kv_cache_refusal, shard
+from kvtier.integrations.settings import (
+    ConnectorSettings,
+    check_layout,
+    kv_cache_refusal,
+    shard,
+)
+from kvtier.integrations.vllm_stats import COUNTERS, KvtierPromMetrics, KvtierStats, gained_since
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -123,9 +124,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = int(vllm_config.cache_config.block_size)
         self._clients: dict[str, Client] = {}
         self._clients_lock = threading.Lock()
-        self.stats = {"lookups": 0, "hit_tokens": 0, "loaded_tokens": 0, "saved_tokens": 0,
-                      "decode_tokens": 0, "skipped_saves": 0, "failed_loads": 0,
-                      "errors": 0, "untrusted_names": 0, "other_inputs": 0}  # fmt: skip
+        self.stats = dict.fromkeys(COUNTERS, 0)  # since start (`vllm_stats.py` says each)
+        self._reported: dict[str, int] = {}  # `stats` when vLLM last asked for them
         # scheduler side
         self._requests: dict[str, Planned] = {}
         self._failed: set[str] = set()  # loads that failed: never claimed again
@@ -265,22 +265,22 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The engine's paged KV, layer by layer in the engine's order; checked against the
         sidecar's model layout (layers, KV heads, head size, dtype, block size)."""
         self._layers = list(kv_caches.values())
-        _, heads, size, dim, dtype = paged.geometry(self._layers)
         served = self._client(self.key).layout()
-        ours = (len(self._layers), heads, dim, dtype, self.tp_rank, self.tp_size)
-        theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype,
-                  served.tp_rank, served.tp_size)  # fmt: skip
-        if ours != theirs:
-            raise ConfigError(
-                "model",
-                f"{theirs} (layers, KV heads per rank, head_dim, dtype, tp_rank, "
-                f"tp_size) at {self.url}",
-                f"{ours}, as this vLLM worker's KV",
-            )
-        if size % served.block_tokens:
-            raise ConfigError(
-                "block_tokens", served.block_tokens, f"a divisor of vLLM's block_size ({size})"
-            )
+        check_layout(self._layers, served, (self.tp_rank, self.tp_size), self.url)
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        """The counts gained since the last call, for vLLM's logs and `/metrics`."""
+        return gained_since(self.stats, self._reported, self.tp_rank if self._layers else 0)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
+        return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
+    ) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata

@@ -79,6 +79,17 @@ def test_engine_2_loads_what_engine_1_saved_bit_exact_async_and_sync(sidecar: Se
     assert third["loaded_tokens"] == 32 and third["bit_exact"] is True
 
 
+def test_the_connectors_counts_reach_vllms_log_and_metrics(sidecar: Server) -> None:
+    """Through vLLM's own path: the scheduler's stats aggregate the scheduler's and the
+    worker's reports, and vLLM's connector logger and Prometheus counters read them."""
+    prompt = list(range(1100, 1140))
+    engine(sidecar, prompt=prompt, seed=6)  # saves it
+    report = engine(sidecar, prompt=prompt, seed=6, load_async=False)
+    assert report["prom"]["lookups"] == 1 and report["prom"]["hit_tokens"] == 32, report["prom"]
+    assert report["prom"]["loaded_tokens"] == 32 and report["prom"]["errors"] == 0
+    assert len(report["logged"]) == 1 and "loaded_tokens=32" in report["logged"][0], report
+
+
 @pytest.mark.parametrize("save_async", [True, False])
 def test_a_chats_next_turn_loads_the_output_its_last_turn_saved(
     sidecar: Server, save_async: bool
@@ -276,3 +287,23 @@ def test_tensor_parallel_ranks_keep_to_sidecars_of_their_own_shard(shards: list[
     assert crossed.returncode != 0 and "tp_rank" in crossed.stderr
     one_url = launch(shards[0], prompt=prompt, tp_size=2)
     assert one_url.returncode != 0 and "one sidecar URL per tensor-parallel rank" in one_url.stderr
+
+
+def test_counts_are_reported_once_and_token_counts_by_one_rank() -> None:
+    """Tensor-parallel ranks copy the same tokens: only rank 0 (and the scheduler) counts
+    them, so vLLM's sum over workers is the engine's; failures are each rank's own."""
+    from kvtier.integrations.vllm_stats import KvtierStats, gained_since
+
+    stats, reported = {"loaded_tokens": 32, "errors": 1}, dict[str, int]()
+    first = gained_since(stats, reported, 0)
+    assert first is not None and first.data == {"loaded_tokens": 32, "errors": 1}
+    assert gained_since(stats, reported, 0) is None  # nothing moved since
+    stats["errors"] += 2
+    again = gained_since(stats, reported, 0)
+    assert again is not None and again.data == {"errors": 2}
+    rank_1 = gained_since({"loaded_tokens": 32, "errors": 1}, {}, 1)
+    assert rank_1 is not None and rank_1.data == {"errors": 1}
+    one, two = KvtierStats(data={"errors": 1, "lookups": 0}), KvtierStats(data={"errors": 2})
+    summed = one.aggregate(two)
+    assert summed.data == {"errors": 3, "lookups": 0} and summed.reduce() == {"errors": 3}
+    assert KvtierStats(data={"lookups": 0}).is_empty() and not summed.is_empty()

@@ -41,6 +41,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from prometheus_client import REGISTRY
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -52,6 +53,10 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorLogging,
+    KVConnectorProm,
+)
 from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -68,9 +73,11 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvtier.integrations.plans import SaveJob
 from kvtier.integrations.vllm import KvtierConnector, KvtierMetadata
+from kvtier.integrations.vllm_stats import COUNTERS
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 64, 16  # kvtier's tiny test layout; vLLM blocks of 16 tokens
 NUM_BLOCKS = 64
+REPORTS: list[dict[str, Any]] = []  # the connector's counts in vLLM's scheduler stats
 MODEL = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * 2 * DIM,
     "intermediate_size": 256, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
@@ -121,7 +128,7 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
                           structured_output_manager=StructuredOutputManager(config),
-                          block_size=BLOCK)  # fmt: skip
+                          block_size=BLOCK, log_stats=True)  # fmt: skip
     worker = KvtierConnector(config, KVConnectorRole.WORKER, kv_cache_config)
     return scheduler, worker, kv_cache_config
 
@@ -153,7 +160,24 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     out["scheduler_stats"] = scheduler.connector.stats
     out["hit"] = out["scheduler_stats"]["hit_tokens"]  # what kvtier's lookup gave vLLM
     worker.shutdown()
+    out["logged"], out["prom"] = vllm_metrics(scheduler.vllm_config)
     return out
+
+
+def vllm_metrics(config: VllmConfig) -> tuple[list[str], dict[str, float]]:
+    """The connector's counts as vLLM reports them: the lines its logger writes, fed by every
+    report the scheduler made (`REPORTS`), and the values of its Prometheus counters."""
+    lines: list[str] = []
+    logging = KVConnectorLogging(config.kv_transfer_config)
+    prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    for data in REPORTS:
+        logging.observe(data)
+        prom.observe(data, 0)
+    logging.log(log_fn=lambda fmt, *values: lines.append(fmt % values))
+    labels = {"model_name": "tiny", "engine": "0"}
+    values = {name: REGISTRY.get_sample_value(f"vllm:kvtier_{name}_total", labels)
+              for name in COUNTERS}  # fmt: skip
+    return lines, {name: value for name, value in values.items() if value is not None}
 
 
 def flush_check(
@@ -248,12 +272,16 @@ def serve(
         out["load_errors"] += sorted(errors)
         worker.clear_connector_metadata()
         ids = [rid] if count else []
-        scheduler.update_from_output(so, ModelRunnerOutput(
+        outputs = scheduler.update_from_output(so, ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
-            kv_connector_output=KVConnectorOutput(finished_recving=recving,
-                                                  finished_sending=sent,
-                                                  invalid_block_ids=errors)))  # fmt: skip
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=recving, finished_sending=sent, invalid_block_ids=errors,
+                kv_connector_stats=worker.get_kv_connector_stats())))  # fmt: skip
+        for engine_out in outputs.values():  # vLLM's stats, its connector's counts aggregated
+            stats = engine_out.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                REPORTS.append(stats.kv_connector_stats)
         if request.is_finished():
             out.setdefault("finished_step", len(out["statuses"]))
             if rid not in scheduler.requests:  # its blocks are vLLM's again
