@@ -23,14 +23,15 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Store `tokens[start:]` (whole vLLM blocks: a prompt's, or, with `release`, the output
-    of a finished request past its prompt's blocks) from `blocks`, below `tokens[:start]`.
-    A `release` job is reported in `finished_sending` once done, saved or not: vLLM holds the
-    request's blocks until then."""
+    """Store `tokens` (whole vLLM blocks: a prompt's, or, with `release`, a finished request's
+    prompt and output) from `blocks`, sending the KV from `start` on, which kvtier was seen to
+    lack (below `tokens[:start]`; all of it if that prefix has left kvtier since). A `release`
+    job is reported in `finished_sending` once done, saved or not: vLLM holds the request's
+    blocks until then."""
 
     req_id: str
     tokens: tuple[int, ...]
-    blocks: tuple[int, ...]  # vLLM block ids of tokens start..
+    blocks: tuple[int, ...]  # vLLM block ids of all `tokens`
     key: str
     start: int = 0
     release: bool = False
@@ -45,6 +46,7 @@ class Planned:
     blocks: list[int] = field(default_factory=list)
     local: int = 0  # vLLM's own prefix hit when kvtier was asked
     external: int = 0  # tokens kvtier loads
+    found: int = 0  # kvtier's prefix at the lookup, in whole vLLM blocks (0: not known)
     saved: bool = False
 
 
@@ -75,5 +77,5 @@ def output_save(request: Any, planned: Planned, block_ids: list[int], bs: int) -
     if whole <= prompt:
         return None
     tokens = tuple(request.all_token_ids[:whole])
-    blocks = tuple(block_ids[prompt // bs : whole // bs])
+    blocks = tuple(block_ids[: whole // bs])
     return SaveJob(request.request_id, tokens, blocks, planned.key, prompt, release=True)

@@ -11,7 +11,10 @@ Contract:
   a running request keeps its blocks; a finished one's are held until its `release` job is
   reported (`take_sent`); a preempted one's are freed at once, so a step whose plan names
   preemptions calls `flush` before its forward may write them.
-- `save` (the connector's: gather, store, count) is never let raise here: a failure is logged
+- `store_job` is the store itself, from vLLM's paged KV: the KV past the prefix kvtier was seen
+  to hold (`job.start`) is copied out and stored below it; if that prefix has left kvtier
+  since (the store reports less cached than `start`), all of it is.
+- `save` (the connector's: `store_job`, then counts) is never let raise here: a failure is logged
   by it. Every `release` job is reported in `take_sent` once done, saved or not, and is never
   dropped; others are skipped (counted in `skipped`) while `backlog` jobs are queued, so a
   sidecar slower than the engine costs later misses, not a queue that grows without bound.
@@ -27,6 +30,8 @@ from typing import Any
 
 import torch
 
+from kvtier.client import Client
+from kvtier.integrations import paged
 from kvtier.integrations.plans import SaveJob
 
 BACKLOG = 64  # queued jobs past which a prompt's save is skipped
@@ -91,3 +96,17 @@ class Saves:
             if job.release:
                 with self._lock:
                     self._sent.add(job.req_id)
+
+
+def store_job(client: Client, layers: list[torch.Tensor], job: SaveJob, bs: int) -> tuple[int, int]:
+    """Store `job` from vLLM's paged `layers` (blocks of `bs` tokens) through `client` (module
+    doc); (tokens whose KV was copied, tokens newly stored)."""
+    if not job.blocks:  # a release only: the request's earlier saves are done
+        return 0, 0
+    tokens, start = list(job.tokens), job.start
+    stored = client.store(
+        tokens, paged.gather(layers, job.blocks[start // bs :]).cpu(), start=start
+    )
+    if start and stored.cached_tokens < start:  # the prefix left kvtier since: send it all
+        start, stored = 0, client.store(tokens, paged.gather(layers, job.blocks).cpu())
+    return len(tokens) - start, stored.stored_tokens

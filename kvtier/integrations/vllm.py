@@ -83,7 +83,7 @@ from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
 from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens, output_save
-from kvtier.integrations.saving import Saves
+from kvtier.integrations.saving import Saves, store_job
 from kvtier.integrations.settings import (
     ConnectorSettings,
     check_layout,
@@ -118,8 +118,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.settings = ConnectorSettings.parse(extra, self.tp_size)
         # the scheduler asks rank 0's sidecar; a rank that lacks a block fails its load
-        worker = role == KVConnectorRole.WORKER
-        self.url = self.settings.urls[self.tp_rank if worker else 0]
+        self.url = self.settings.urls[self.tp_rank if role == KVConnectorRole.WORKER else 0]
         self.key = self.settings.key
         self.block_size = int(vllm_config.cache_config.block_size)
         self._clients: dict[str, Client] = {}
@@ -165,6 +164,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._error("lookup", e)
             return 0, False
         self.stats["lookups"] += 1
+        self._requests[req_id].found = found - found % self.block_size
         usable = min(found, len(tokens) - 1)
         usable -= usable % self.block_size
         new = usable - num_computed_tokens
@@ -219,9 +219,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             done = computed.get(req_id, 0) + count
             whole = len(planned.tokens) - len(planned.tokens) % self.block_size
-            if done >= len(planned.tokens) and whole > planned.local + planned.external:
+            if done >= len(planned.tokens) and whole > planned.found:  # kvtier lacks some
                 blocks = tuple(planned.blocks[: whole // self.block_size])
-                meta.saves.append(SaveJob(req_id, planned.tokens[:whole], blocks, planned.key))
+                save = SaveJob(req_id, planned.tokens[:whole], blocks, planned.key, planned.found)
+                meta.saves.append(save)  # of the blocks past those kvtier held at the lookup
                 planned.saved = True
         return meta
 
@@ -236,7 +237,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for req_id, planned in self._requests.items():
             if req_id in failed or invalid & set(planned.blocks):
                 self._failed.add(req_id)
-                planned.external = 0
+                planned.external = planned.found = 0
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """True (vLLM keeps the blocks until a worker reports the request in
@@ -343,13 +344,11 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _save(self, job: SaveJob) -> None:
         """Store the job's blocks (`saving.py` runs it, inline or on its thread)."""
-        if not job.blocks:  # a release only: the request's earlier saves are done
-            return
         try:
-            kv = paged.gather(self._layers, job.blocks)
-            stored = self._client(job.key).store(list(job.tokens), kv.cpu(), start=job.start)
-            self.stats["saved_tokens"] += stored.stored_tokens
-            self.stats["decode_tokens"] += stored.stored_tokens if job.release else 0
+            sent, stored = store_job(self._client(job.key), self._layers, job, self.block_size)
+            self.stats["sent_tokens"] += sent
+            self.stats["saved_tokens"] += stored
+            self.stats["decode_tokens"] += stored if job.release else 0
         except Exception as e:  # a save that fails is a later miss, never a crash
             self._error("store", e)
 

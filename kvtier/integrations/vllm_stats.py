@@ -28,6 +28,7 @@ COUNTERS = {
     "hit_tokens": "Prompt tokens kvtier held past vLLM's own prefix hit, claimed for loading",
     "loaded_tokens": "Tokens loaded from kvtier into vLLM's blocks",
     "saved_tokens": "Tokens newly stored in kvtier (prompts and outputs)",
+    "sent_tokens": "Tokens whose KV saves copied out of vLLM's blocks to kvtier",
     "decode_tokens": "Tokens of finished requests' outputs newly stored in kvtier",
     "skipped_saves": "Prompt saves skipped while the saves' queue was full (per rank)",
     "failed_loads": "Loads that came back short; vLLM recomputed from there (per rank)",
@@ -35,7 +36,7 @@ COUNTERS = {
     "untrusted_names": "Requests naming kvtier_tenant without kvtier.trust_tenant_param",
     "other_inputs": "Requests whose KV is not their tokens' alone (LoRA, multimodal, embeds)",
 }
-RANK_0 = ("hit_tokens", "lookups", "loaded_tokens", "saved_tokens", "decode_tokens")
+RANK_0 = ("hit_tokens", "lookups", "loaded_tokens", "saved_tokens", "sent_tokens", "decode_tokens")
 
 
 @dataclass

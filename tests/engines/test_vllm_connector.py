@@ -162,6 +162,28 @@ def test_a_request_that_vllm_holds_the_head_of_loads_only_the_tail(sidecar: Serv
     assert report["load_errors"] == []
 
 
+def test_a_save_sends_only_what_kvtier_lacked_and_all_of_it_once_that_left(
+    sidecar: Server,
+) -> None:
+    """A prompt whose head kvtier held sends the KV of its tail only; if the head has left
+    kvtier by the time of the save, the save sends the whole prompt and kvtier holds it all."""
+    head = list(range(1200, 1240))  # 40 tokens: 32 saved
+    first = engine(sidecar, prompt=head, seed=12)
+    assert first["stats"]["sent_tokens"] == 32 == first["stats"]["saved_tokens"]
+    longer = head + list(range(1300, 1340))  # 80 tokens: 32 loaded, 48 new
+    tail = engine(sidecar, prompt=longer, seed=12, load_async=False)
+    assert tail["loaded_tokens"] == 32 and tail["bit_exact"] is True
+    assert tail["stats"]["sent_tokens"] == 48 == tail["stats"]["saved_tokens"], tail["stats"]
+    assert saved(sidecar, longer) == 80
+    other = head + list(range(1400, 1440))
+    gone = engine(sidecar, prompt=other, seed=12, load_async=False, clear_before_save=ADMIN_KEY)
+    assert gone["loaded_tokens"] == 32  # loaded before the clear
+    assert gone["stats"]["sent_tokens"] == 80 == gone["stats"]["saved_tokens"], gone["stats"]
+    assert saved(sidecar, other) == 80
+    again = engine(sidecar, prompt=other, seed=12)
+    assert again["loaded_tokens"] == 64 and again["bit_exact"] is True
+
+
 def test_a_load_whose_blocks_left_kvtier_is_a_load_error_and_a_recompute(
     sidecar: Server,
 ) -> None:

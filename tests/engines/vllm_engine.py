@@ -22,7 +22,8 @@ engine, so that vLLM's own prefix cache holds its whole blocks: the request then
 kvtier only the part past them), max_tokens (2), save_decode (bool: the connector's default
 when absent), extra (more `kv_connector_extra_config`), sliding_window (every layer a window
 of that many tokens: vLLM's sliding-window manager), save_async (bool), flush_check (run
-`flush_check` instead of a request).
+`flush_check` instead of a request), clear_before_save (the admin key: clear the sidecar
+before the step that saves the prompt).
 """
 
 from __future__ import annotations
@@ -241,12 +242,15 @@ def serve(
     for _ in range(200):
         so = scheduler.schedule()
         out["statuses"].append(request.status.name)
-        if args.get("clear_before_load") and so.kv_connector_metadata.loads:
-            cleared = httpx.post(
-                f"{args['url']}/v1/admin/clear",
-                headers={"authorization": f"Bearer {args['clear_before_load']}"},
-            )
-            assert cleared.status_code == 200, cleared.text  # fmt: skip
+        meta = so.kv_connector_metadata
+        for when, jobs in (("clear_before_load", meta.loads), ("clear_before_save", meta.saves)):
+            if args.get(when) and jobs:  # as an eviction would
+                cleared = httpx.post(
+                    f"{args['url']}/v1/admin/clear",
+                    headers={"authorization": f"Bearer {args[when]}"},
+                )
+                assert cleared.status_code == 200, cleared.text  # fmt: skip
+                args[when] = None  # once
         worker.handle_preemptions(so.kv_connector_metadata)
         worker.bind_connector_metadata(so.kv_connector_metadata)
         worker.start_load_kv(None)
