@@ -184,6 +184,18 @@ def test_a_save_sends_only_what_kvtier_lacked_and_all_of_it_once_that_left(
     assert again["loaded_tokens"] == 64 and again["bit_exact"] is True
 
 
+def test_blocks_vllm_holds_but_kvtier_lost_are_saved_again(sidecar: Server) -> None:
+    """vLLM's own prefix cache covers the prompt, kvtier (cleared) holds none of it: the
+    connector saves it from vLLM's blocks, so it outlives vLLM's eviction of them."""
+    prompt = list(range(1500, 1540))
+    report = engine(sidecar, prompt=prompt, seed=14, warm=prompt, clear_after_warm=ADMIN_KEY)
+    assert report["hit"] == 0 and report["warm_stats"]["saved_tokens"] == 32
+    assert report["stats"]["saved_tokens"] - report["warm_stats"]["saved_tokens"] == 32
+    assert saved(sidecar, prompt) == 32
+    again = engine(sidecar, prompt=prompt, seed=14)
+    assert again["loaded_tokens"] == 32 and again["bit_exact"] is True
+
+
 def test_a_load_whose_blocks_left_kvtier_is_a_load_error_and_a_recompute(
     sidecar: Server,
 ) -> None:

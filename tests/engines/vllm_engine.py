@@ -23,7 +23,8 @@ kvtier only the part past them), max_tokens (2), save_decode (bool: the connecto
 when absent), extra (more `kv_connector_extra_config`), sliding_window (every layer a window
 of that many tokens: vLLM's sliding-window manager), save_async (bool), flush_check (run
 `flush_check` instead of a request), clear_before_save (the admin key: clear the sidecar
-before the step that saves the prompt).
+before the step that saves the prompt), clear_after_warm (the admin key: clear it after the
+warm request).
 """
 
 from __future__ import annotations
@@ -155,6 +156,12 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         warm = serve(scheduler, worker, caches, "w", list(args["warm"]), seed, {})
         assert warm["finished"] == "FINISHED_LENGTH_CAPPED", warm
         warm_stats = dict(worker.stats)
+        if args.get("clear_after_warm"):  # kvtier loses what vLLM's own cache still holds
+            cleared = httpx.post(
+                f"{args['url']}/v1/admin/clear",
+                headers={"authorization": f"Bearer {args['clear_after_warm']}"},
+            )
+            assert cleared.status_code == 200, cleared.text  # fmt: skip
     out = serve(scheduler, worker, caches, "r", list(args["prompt"]), seed, args)
     out["warm_stats"] = warm_stats  # the worker's counters after the warm request
     out["stats"] = worker.stats
