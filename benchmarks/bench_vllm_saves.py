@@ -6,7 +6,9 @@ The worker side of the real connector (vLLM's classes installed apart, as the en
 against a real `kvtier serve` (1 MiB blocks: 32 layers, 8 KV heads, head_dim 64, bf16, 16-token
 blocks). Each step plays a forward (about `--forward-ms` of single-threaded matmuls, which
 release the GIL as a GPU's kernels would leave the CPU free) and then saves a new prompt of
-`--prompt-tokens` tokens from vLLM's paged KV, every `--every` steps. The forward is a fixed
+`--prompt-tokens` tokens from vLLM's paged KV, every `--every` steps. Then a chat's next turn
+(`next_turn`): a save of `--history-tokens` kvtier holds and `--new-tokens` past them, sending
+every block against the tail alone. The forward is a fixed
 count of matmuls (calibrated alone), so a save thread that takes its core shows. Prints the
 step's p50, p90 and mean (ms) per mode, the ratios, and checks that every token was stored.
 
@@ -62,19 +64,21 @@ def calibrate(ms: float) -> int:
     return max(1, round(200 * ms / 1000 / (time.perf_counter() - start)))
 
 
+def paged(worker: KvtierConnector, num_blocks: int, seed: int) -> None:
+    """Register `num_blocks` vLLM blocks of random KV per layer with `worker`."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, HEADS, BLOCK, 2 * DIM)
+    layers = {
+        f"layers.{i}": torch.randn(shape, generator=gen).to(torch.bfloat16) for i in range(LAYERS)
+    }
+    worker.register_kv_caches(layers)
+
+
 def run(url: str, mode: str, args: argparse.Namespace, base: int) -> tuple[list[float], int]:
     """Step times (ms) of `args.steps` steps in `mode` (none, inline, queued); tokens stored."""
     worker = connector(url, save_async=mode == "queued")
     blocks = args.prompt_tokens // BLOCK
-    num_blocks = blocks * 2 + 1
-    gen = torch.Generator().manual_seed(base)
-    layers = {
-        f"layers.{i}": torch.randn((num_blocks, HEADS, BLOCK, 2 * DIM), generator=gen).to(
-            torch.bfloat16
-        )
-        for i in range(LAYERS)
-    }
-    worker.register_kv_caches(layers)
+    paged(worker, blocks * 2 + 1, base)
     times = []
     for step in range(args.steps):
         saves = []
@@ -96,6 +100,37 @@ def run(url: str, mode: str, args: argparse.Namespace, base: int) -> tuple[list[
     return times, worker.stats["saved_tokens"]
 
 
+def next_turn(url: str, history: int, new: int, rounds: int) -> dict[str, list[float]]:
+    """A chat's next turn: `history` tokens kvtier already holds, `new` past them. Inline save
+    times (ms) of the turn sending every block (start 0, what the connector did before it
+    knew kvtier's prefix) against sending the tail past the prefix, alternated; each stores
+    the same `new` tokens."""
+    worker = connector(url, save_async=False)
+    blocks = (history + new) // BLOCK
+    paged(worker, blocks + 1, 7)
+    ids = tuple(range(1, blocks + 1))
+    times: dict[str, list[float]] = {"every block": [], "the tail": []}
+    for round_ in range(rounds):
+        for k, label in enumerate(times if round_ % 2 else reversed(times)):
+            first = 3_000_000_000 + (round_ * 2 + k) * 10_000
+            tokens = tuple(range(first, first + history + new))
+            for job in (
+                SaveJob("head", tokens[:history], ids[: history // BLOCK], ""),  # untimed
+                SaveJob("turn", tokens, ids, "", history if label == "the tail" else 0),
+            ):
+                worker.bind_connector_metadata(KvtierMetadata(saves=[job], save_async=False))
+                stored, start = worker.stats["saved_tokens"], time.perf_counter()
+                worker.wait_for_save()
+                elapsed = (time.perf_counter() - start) * 1000
+                worker.clear_connector_metadata()
+                assert worker.stats["saved_tokens"] - stored == len(job.tokens) - (
+                    0 if job.req_id == "head" else history
+                ), "a save stored other than its new tokens"
+            times[label].append(elapsed)
+    worker.shutdown()
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=120)
@@ -103,6 +138,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--history-tokens", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     assert args.prompt_tokens <= 10_000 and args.steps <= 190, "token ids of runs would meet"
     torch.set_num_threads(1)
@@ -118,6 +155,7 @@ def main() -> None:
           f"prompt ({mib} MiB) saved every {args.every} steps ({saves} saves), "
           f"{args.rounds} rounds")  # fmt: skip
     per: dict[str, list[float]] = {"none": [], "inline": [], "queued": []}
+    history, new = args.history_tokens, args.new_tokens
     with tempfile.TemporaryDirectory() as tmp, server(Path(tmp), config) as url:
         for round_ in range(args.rounds):
             order = ["none", "inline", "queued"]
@@ -128,6 +166,7 @@ def main() -> None:
                 want = 0 if mode == "none" else saves * args.prompt_tokens
                 assert stored == want, f"{mode}: stored {stored} tokens, expected {want}"
                 per[mode] += times
+        turn = next_turn(url, history, new, 10)
     floor = statistics.median(per["none"])
     for mode, times in per.items():
         p50 = statistics.median(times)
@@ -138,6 +177,12 @@ def main() -> None:
     for stat in (statistics.median, statistics.fmean):
         ratio = stat(per["queued"]) / stat(per["inline"])
         print(f"queued / inline, step {stat.__name__}: {ratio:.2f}")
+    print(f"a chat's next turn, {history} tokens kvtier holds and {new} new, saved inline "
+          f"(10 rounds):")  # fmt: skip
+    for label, times in turn.items():
+        print(f"  sending {label:<12} p50 {statistics.median(times):7.2f} ms")
+    ratio = statistics.median(turn["the tail"]) / statistics.median(turn["every block"])
+    print(f"the tail / every block, p50: {ratio:.2f}")
 
 
 if __name__ == "__main__":
