@@ -51,14 +51,18 @@ def make(tmp_path: Path, per_tenant: bool = False, connect: tuple[str, ...] = ()
 class Listener:
     """A SUB that decodes by field position and keeps the residency the events describe."""
 
-    def __init__(self, ctx: Any, endpoint: str | None, topic: str = "") -> None:
-        """Connects to `endpoint`; with None, binds a port of 127.0.0.1 (`port`) and waits for
+    def __init__(
+        self, ctx: Any, endpoint: str | None, topic: str = "", host: str = "127.0.0.1"
+    ) -> None:
+        """Connects to `endpoint`; with None, binds a port of `host` (`port`) and waits for
         publishers to connect to it."""
         self.sub = ctx.socket(zmq.SUB)
+        if "[" in (endpoint or host):
+            self.sub.setsockopt(zmq.IPV6, 1)
         self.sub.setsockopt(zmq.RCVTIMEO, 200)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         if endpoint is None:
-            self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")
+            self.port = self.sub.bind_to_random_port(f"tcp://{host}")
         else:
             self.sub.connect(endpoint)
             time.sleep(0.3)
@@ -150,11 +154,14 @@ def test_events_track_where_every_block_lives(tmp_path: Path, ctx: Any) -> None:
     store.close()
 
 
-def test_a_subscriber_that_binds_gets_every_event_through_connect(tmp_path: Path, ctx: Any) -> None:
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+def test_a_subscriber_that_binds_gets_every_event_through_connect(
+    tmp_path: Path, ctx: Any, host: str
+) -> None:
     """llm-d's indexer with a static `zmqEndpoint` binds and waits for publishers (vLLM connects
     to it): with `events.connect` the store's PUB goes to it as well as binding its own."""
-    indexer = Listener(ctx, None, "kv@")
-    store = make(tmp_path, connect=(f"tcp://127.0.0.1:{indexer.port}",))
+    indexer = Listener(ctx, None, "kv@", host)
+    store = make(tmp_path, connect=(f"tcp://{host}:{indexer.port}",))
     assert store.parts.events is not None
     publisher = store.parts.events
     bound = Listener(ctx, publisher.endpoint)  # its own endpoint serves as before

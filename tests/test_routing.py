@@ -182,10 +182,10 @@ def test_prefix_load_keeps_the_busiest_replica_near_the_mean() -> None:
 # ---- the subscriber, over real sockets -----------------------------------------------------
 
 
-def publisher(topic: str, replay: bool = True) -> EventPublisher:
+def publisher(topic: str, replay: bool = True, host: str = "127.0.0.1") -> EventPublisher:
     return EventPublisher(
-        "tcp://127.0.0.1:0",
-        "tcp://127.0.0.1:0" if replay else None,
+        f"tcp://{host}:0",
+        f"tcp://{host}:0" if replay else None,
         EventSettings(topic, max_batch=1, flush_s=0.001),
     )
 
@@ -203,8 +203,10 @@ def announce(pub: EventPublisher, blocks: range, base: int = 0) -> None:
 PROMPT8 = [t for b in range(8) for t in tokens_of(b)]
 
 
-def test_a_late_subscriber_recovers_what_it_missed_through_the_replay_endpoint() -> None:
-    pub = publisher(A)
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])  # ZMQ needs IPv6 asked for
+def test_a_late_subscriber_recovers_what_it_missed_through_the_replay_endpoint(host: str) -> None:
+    pub = publisher(A, host=host)
+    assert pub.endpoint.startswith(f"tcp://{host}:")
     announce(pub, range(5))  # sent before anyone listens: lost to a SUB, kept for replay
     index = PrefixIndex(BS)
     sub = Subscriber(index)

@@ -51,11 +51,10 @@ Contract:
   between, a lost topic's events are dropped unsent (the next resync tells of their blocks).
   A topic's first message starts with AllBlocksCleared too: a router forgets what the
   publisher's past life told it; the store then tells what it holds (`IndexEvents.announce`).
-- The PUB binds `endpoint` and connects to each address of `connect` (subscribers that bind,
-  as llm-d's indexer with a static endpoint does): every message goes to both kinds.
-- Tenants: an event holds one tenant's blocks. With `per_tenant`, each tenant's events go to
-  `<topic>@<tenant>` only, with sequence numbers and a replay buffer of their own.
-- The replay buffer keeps a topic's last `buffer` messages, `buffer_bytes` of payload at most.
+- The PUB binds `endpoint` and connects to each of `connect` (subscribers that bind: llm-d's).
+- Each topic has its own sequence numbers and replay buffer (its last `buffer` messages,
+  `buffer_bytes` of payload at most). An event holds one tenant's blocks; with `per_tenant`,
+  each tenant's events go to `<topic>@<tenant>` only.
 - `flush()` sends what is queued from the caller's thread; `sent(topic)` is the number of
   messages a topic has had; `close()` sends what is queued, then closes the sockets.
 """
@@ -76,7 +75,7 @@ import zmq
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.events import wire
-from kvtier.events.replay import Backlog, ReplayServer
+from kvtier.events.replay import Backlog, ReplayServer, allow_ipv6
 
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
 MIN_MESSAGE_BYTES = 1 << 16
@@ -176,6 +175,7 @@ class EventPublisher:
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
+        allow_ipv6(self._pub, endpoint, *connect)
         self._backlog = Backlog(settings.buffer, settings.buffer_bytes)
         self._replay: ReplayServer | None = None
         self.replay_endpoint: str | None = None

@@ -90,6 +90,14 @@ class _Replay:
     ended: bool = False
 
 
+def allow_ipv6(sock: zmq.Socket[bytes], *addresses: str) -> None:
+    """Let `sock` use IPv6 when one of `addresses` is an IPv6 literal (`tcp://[::1]:5557`):
+    ZMQ refuses those otherwise ("No such device"). IPv4 addresses alone leave it off, so that
+    a bound IPv4 endpoint keeps its IPv4 spelling."""
+    if any("[" in address for address in addresses):
+        sock.setsockopt(zmq.IPV6, 1)
+
+
 class ReplayServer:
     """A ROUTER bound at `endpoint` serving `backlog` (module doc); `topic` is the one a request
     without a topic asks for. Used from one thread: the publisher's, through `turn`."""
@@ -104,6 +112,7 @@ class ReplayServer:
     ) -> None:
         self.backlog, self.topic, self.clock = backlog, topic, clock
         self.socket = context.socket(zmq.ROUTER)
+        allow_ipv6(self.socket, endpoint)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST)
         self.socket.setsockopt(zmq.SNDHWM, REPLY_HWM)

@@ -60,6 +60,7 @@ from typing import Any
 
 import zmq
 
+from kvtier.events.replay import allow_ipv6
 from kvtier.routing.allowance import Ration, Voice
 from kvtier.routing.index import BadEvent, PrefixIndex
 from kvtier.service import replies
@@ -205,6 +206,7 @@ class Subscriber:
         """A SUB connected to `endpoint`, refusing messages past `max_message_bytes`, and the
         monitor that tells of its disconnections."""
         sub = self._context.socket(zmq.SUB)
+        allow_ipv6(sub, endpoint)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -346,6 +348,7 @@ class Subscriber:
         ):
             return False
         dealer = self._context.socket(zmq.DEALER)
+        allow_ipv6(dealer, publisher.replay_endpoint)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         dealer.connect(publisher.replay_endpoint)
