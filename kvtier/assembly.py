@@ -31,7 +31,7 @@ from kvtier.config.tiers import (
 )
 from kvtier.errors import ConfigError, InvalidArgumentError
 from kvtier.events import EventPublisher, EventSettings, IndexEvents
-from kvtier.events.publisher import BindError
+from kvtier.events.peers import BindError
 from kvtier.index import RadixIndex
 from kvtier.policy import write_policy
 from kvtier.recovery import recover

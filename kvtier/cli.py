@@ -92,7 +92,8 @@ def _events_line(events: dict[str, Any]) -> str:
     return (
         f"events: {state}{events['events']} sent in {events['messages']} messages on "
         f"{events['topic']}, {events['dropped_events']} dropped (full queue), "
-        f"{events['resyncs']} resyncs, {events['queued']} queued"
+        f"{events['resyncs']} resyncs, {events['retells']} retells (peers joined), "
+        f"{events['queued']} queued"
     )
 
 

@@ -186,6 +186,30 @@ def test_a_subscriber_that_binds_gets_every_event_through_connect(
     store.close()
 
 
+def test_a_peer_that_joins_later_is_told_every_block_held(tmp_path: Path, ctx: Any) -> None:
+    """A router that does not replay (llm-d) joins after the blocks were told: the store tells
+    it (and everyone: a block told again changes nothing) every block it holds, untouched
+    blocks included, once its subscription can have arrived."""
+    store = make(tmp_path)
+    publisher = store.parts.events
+    assert publisher is not None
+    early = Listener(ctx, publisher.endpoint)
+    for n in range(6):  # past 4 gpu / 8 host slots: demotions
+        store.store(list(range(100 * n, 100 * n + 12)), kv_for(store, 12, seed=n), tenant="bob")
+        settle(early, store)
+    assert store.persist() > 0
+    settle(early, store)
+    retells = publisher.stats()["retells"]
+    late = Listener(ctx, publisher.endpoint)  # no replay asked, nothing stored after
+    settle(late, store)
+    assert any("DISK" in media for media in late.media.values())
+    assert publisher.stats()["retells"] > retells
+    settle(early, store)  # what it already knew, told again: the same residency
+    assert early.seqs == list(range(len(early.seqs)))
+    store.check()
+    store.close()
+
+
 def test_an_address_zmq_cannot_connect_to_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         make(tmp_path, connect=("tcp://-:1",))

@@ -3,12 +3,8 @@ consumer reads, with a replay endpoint.
 
 Wire (vLLM 0.33 `distributed/kv_events.py`; llm-d `pkg/kvevents`): ZMQ PUB, each message three
 frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, from 0, one more per
-message of that topic), and a msgpack payload, an event batch
-
-    [ts (float, seconds), [event, ...], dp_rank (int or nil: kvtier's is nil, it is no
-     data-parallel rank of an engine)]
-
-in which each event is a positional array, its class name first:
+message of that topic), and a msgpack payload, an event batch `[ts (float, seconds), [event,
+...], dp_rank (nil: kvtier is no data-parallel rank)]`, each event a positional array:
 
     ["BlockStored", [hash, ...], parent_hash or nil, [token, ...], block_size, lora_id or nil,
      medium, lora_name or nil]
@@ -18,45 +14,37 @@ in which each event is a positional array, its class name first:
 A hash is a uint64 naming one block of this publisher while it lives (`observer.py` hands them
 out), not a content hash: a router keys blocks by their tokens (`kvtier.routing`; llm-d too).
 The medium names the tier: "GPU", "CPU" (host), "DISK", "REMOTE" (`MEDIUM`). A block that
-gains or loses a tier is one event for that medium; removals queued one after another in one
-medium go out as one event (`wire.Packer.pack_all`). The queue holds what a store told
-(`wire.Spec`: numbers and references to immutable bytes); the thread packs a whole batch at
-once (`wire.Packer`).
+gains or loses a tier is one event for that medium; removals in a row in one medium go out as
+one event. The queue holds what a store told (`wire.Spec`: numbers and references to immutable
+bytes); the thread packs a whole batch at once (`wire.Packer`).
 
 Replay (a ROUTER socket, vLLM's protocol; `replay.py`): a client (DEALER) sends `[b"",
 start_seq]` (8 bytes, big-endian) and gets `[b"", topic, seq, payload]` for each message of the
 publisher's topic still buffered with a sequence number >= start_seq, then the end marker
 `[b"", b"", -1 (8 bytes, signed), b""]`; with `per_tenant` topics, a client adds the topic as a
-third frame. Replays are served a little at a time: a peer that never reads costs a bounded
-queue.
+third frame. Replays are served a little at a time (a peer that never reads: a bounded queue).
 
 Contract:
 - `stored`, `removed` and `cleared` never block and never touch a socket: they append to a queue
   (as the index's observer does, `IndexEvents`), and the publisher's thread, every `flush_s`,
-  packs and sends what is queued as messages of at most `max_batch` events and
-  `max_message_bytes` of payload, one topic each (a router may refuse longer ones:
-  `kvtier.routing.Subscriber`); an event that would not fit is cut into several, each
-  BlockStored chained to the one before by its parent hash (`wire.Packer`), so a router learns
-  the same blocks. The queue is bounded (`queue_limit` events); an event past it is dropped and
-  counted, and that topic's next message starts with AllBlocksCleared, so that a router forgets
-  what it can no longer trust. With a `source` (a store's: `IndexEvents`), the router then
-  relearns at once: the thread takes the store's lock, drops what is queued for a lost topic
-  (the store's state supersedes it), and sends AllBlocksCleared followed by every block that
-  topic's tenants hold (`_resync`), before any later event; a router needs no snapshot of its
-  own to heal, and never meets an orphan for it. The removals a lost topic did not send (lost
-  to the full queue, taken by the resync, or dropped while it waited) go out again between
-  the AllBlocksCleared and the blocks held, up to `queue_limit` of them: a router that skips
-  AllBlocksCleared (llm-d's event pool does) then forgets the blocks it would otherwise keep
-  for good, and ends exact too. Resyncs are spaced (`RESYNC_MIN_S`, `RESYNC_LOCK_SHARE`); in
-  between, a lost topic's events are dropped unsent (the next resync tells of their blocks).
-  A topic's first message starts with AllBlocksCleared too: a router forgets what the
-  publisher's past life told it; the store then tells what it holds (`IndexEvents.announce`).
+  sends what is queued as messages of at most `max_batch` events and `max_message_bytes` of
+  payload, one topic each; a longer event is cut into several, each BlockStored chained to the
+  one before by its parent hash (`wire.Packer`). The queue is bounded (`queue_limit` events);
+  an event past it is dropped and counted, and that topic's next message starts with
+  AllBlocksCleared. With a `source` (a store's: `IndexEvents`), the router then relearns at
+  once: under the store's lock the thread drops what is queued for a lost topic and sends
+  AllBlocksCleared, the removals the topic did not send (up to `queue_limit`: a router that
+  skips AllBlocksCleared, as llm-d's pool does, forgets those blocks too), then every block
+  the topic's tenants hold (`_resync`), before any later event. Resyncs are spaced
+  (`RESYNC_MIN_S`, `RESYNC_LOCK_SHARE`); in between, a lost topic's events are dropped unsent.
+  A topic's first message starts with AllBlocksCleared: a router forgets what the publisher's
+  past life told it; the store then tells what it holds (`IndexEvents.announce`). A peer that
+  joins later (`peers.Joins`) is told every block held (`_retell`), spaced the same way.
 - The PUB binds `endpoint` and connects to each of `connect` (subscribers that bind: llm-d's).
 - Each topic has its own sequence numbers and replay buffer (its last `buffer` messages,
   `buffer_bytes` of payload at most). An event holds one tenant's blocks; with `per_tenant`,
   each tenant's events go to `<topic>@<tenant>` only.
-- `flush()` sends what is queued from the caller's thread; `sent(topic)` is the number of
-  messages a topic has had; `close()` sends what is queued, then closes the sockets.
+- `flush()` sends what is queued from the caller's thread; `close()` sends it, then closes.
 """
 
 from __future__ import annotations
@@ -75,7 +63,8 @@ import zmq
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.events import wire
-from kvtier.events.replay import Backlog, ReplayServer, allow_ipv6
+from kvtier.events.peers import BindError, Joins, allow_ipv6
+from kvtier.events.replay import Backlog, ReplayServer
 
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
 MIN_MESSAGE_BYTES = 1 << 16
@@ -128,16 +117,6 @@ class EventSettings:
     flush_s: float = 0.005  # how long a message waits for more events
 
 
-class BindError(InvalidArgumentError):
-    """An address the publisher could not bind (or connect to): `name` ("endpoint",
-    "replay_endpoint" or "connect"), `address`, and ZMQ's `reason`."""
-
-    def __init__(self, name: str, address: str, reason: str) -> None:
-        verb = "connect to" if name == "connect" else "bind"
-        super().__init__(f"{name}: cannot {verb} {address!r} ({reason})")
-        self.name, self.address, self.reason = name, address, reason
-
-
 class EventPublisher:
     def __init__(
         self,
@@ -157,6 +136,7 @@ class EventPublisher:
         self.lock = self._lock = threading.RLock()  # `IndexEvents` extends the queue under it
         self._stats = {
             "events": 0, "messages": 0, "dropped_events": 0, "replays": 0, "resyncs": 0,
+            "retells": 0,
         }  # fmt: skip
         self.source: Source | None = None  # set by the store's observer: lost topics resync
         self._lost = False  # some topic lost events (under `_lock`)
@@ -193,6 +173,7 @@ class EventPublisher:
         except zmq.ZMQError as e:
             self._context.destroy(linger=0)
             raise BindError(name, address, str(e)) from None
+        self._joins = Joins(self._pub)  # peers owed the store's state (`_retell`)
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
 
@@ -220,9 +201,9 @@ class EventPublisher:
 
     def stats(self) -> dict[str, int]:
         """Counts since start: `events`, `messages` sent, `dropped_events` (a full queue's),
-        `replays` served, `resyncs` of lost topics; and now: `queued`, the events waiting, and
-        `unsynced_topics`, the topics that lost events whose routers are not yet told so (a
-        resync with a `source`, AllBlocksCleared without one)."""
+        `replays` served, `resyncs` of lost topics, `retells` to peers that joined; and now:
+        `queued`, the events waiting, and `unsynced_topics`, topics that lost events whose
+        routers are not yet told so."""
         with self._lock:
             unsynced = sum(topic.lost for topic in self._topics.values())
             return {**self._stats, "queued": len(self.pending), "unsynced_topics": unsynced}
@@ -243,6 +224,7 @@ class EventPublisher:
             self._stopping = True  # the thread sends what is queued, then ends
             self._closing.set()
             self._thread.join(timeout=10)
+        self._joins.close()
         self._pub.close()
         if self._replay is not None:
             self._replay.close()
@@ -315,9 +297,11 @@ class EventPublisher:
 
     def _drain(self) -> None:
         with self._sending:
-            source = self.source
-            if source is not None and self._lost and time.monotonic() >= self._resync_at:
+            source, now = self.source, time.monotonic()
+            if source is not None and self._lost and now >= self._resync_at:
                 self._resync(source)
+            elif source is not None and self._joins.due(now) and now >= self._resync_at:
+                self._retell(source)
             while self.pending:
                 with self._lock:  # taken while draining, so that a holder stalls the sender
                     take = min(len(self.pending), self.settings.max_batch)
@@ -370,6 +354,22 @@ class EventPublisher:
         )  # fmt: skip
         cleared = [(topic.tenant, wire.CLEARED) for topic in lost]
         self._send([*kept, *cleared, *unsent, *told])  # per topic, in this order (`_send`)
+
+    def _retell(self, source: Source) -> None:
+        """Tell every topic every block held, for the peers that joined (`peers.Joins`), after
+        what is queued: read under the store's lock, spaced as resyncs are. Routers that
+        knew the blocks learn nothing new (a BlockStored of a known block changes nothing)."""
+        with source.store_lock:
+            start = time.monotonic()
+            with self._lock:
+                kept = list(self.pending)
+                self.pending.clear()
+                self._stats["retells"] += 1
+            told = source.retold(lambda tenant: True)
+            held = time.monotonic() - start
+        self._joins.told()
+        self._resync_at = time.monotonic() + max(RESYNC_MIN_S, held / RESYNC_LOCK_SHARE)
+        self._send([*kept, *told])
 
     def _send(self, batch: list[Event]) -> None:
         grouped: dict[str, list[wire.Spec]] = {}

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvtier.events.peers import allow_ipv6
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_REQUEST = 4096  # bytes of one frame of a replay request (a topic name at most)
 REPLY_HWM = 32  # messages queued for one connection at most
@@ -88,14 +90,6 @@ class _Replay:
     stop: int  # one past the last to send: the last kept when asked
     since: float  # when it last sent
     ended: bool = False
-
-
-def allow_ipv6(sock: zmq.Socket[bytes], *addresses: str) -> None:
-    """Let `sock` use IPv6 when one of `addresses` is an IPv6 literal (`tcp://[::1]:5557`):
-    ZMQ refuses those otherwise ("No such device"). IPv4 addresses alone leave it off, so that
-    a bound IPv4 endpoint keeps its IPv4 spelling."""
-    if any("[" in address for address in addresses):
-        sock.setsockopt(zmq.IPV6, 1)
 
 
 class ReplayServer:

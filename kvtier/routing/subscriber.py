@@ -60,7 +60,7 @@ from typing import Any
 
 import zmq
 
-from kvtier.events.replay import allow_ipv6
+from kvtier.events.peers import allow_ipv6
 from kvtier.routing.allowance import Ration, Voice
 from kvtier.routing.index import BadEvent, PrefixIndex
 from kvtier.service import replies
