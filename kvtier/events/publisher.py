@@ -156,6 +156,7 @@ class EventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
         allow_ipv6(self._pub, endpoint, *connect)
+        self._joins = Joins(self._pub)  # before any peer can join: peers owed the state
         self._backlog = Backlog(settings.buffer, settings.buffer_bytes)
         self._replay: ReplayServer | None = None
         self.replay_endpoint: str | None = None
@@ -173,7 +174,6 @@ class EventPublisher:
         except zmq.ZMQError as e:
             self._context.destroy(linger=0)
             raise BindError(name, address, str(e)) from None
-        self._joins = Joins(self._pub)  # peers owed the store's state (`_retell`)
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
 
