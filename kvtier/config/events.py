@@ -14,7 +14,6 @@ _TOPIC = re.compile(r"[\x21-\x7e]{1,200}")  # printable ASCII, no space
 
 
 _WHERE = "a ZMQ address to bind: tcp://HOST:PORT or ipc://PATH"
-_PEER = re.compile(r"(tcp://[A-Za-z0-9_.\-\[\]:]{1,255}:\d{1,5}|ipc://[^\x00]{1,200})")
 _PEERS = "a list of up to 16 ZMQ addresses to connect to: tcp://HOST:PORT (no *) or ipc://PATH"
 
 
@@ -23,12 +22,10 @@ def _peers(value: object) -> object:
     if not isinstance(entries, tuple) or len(entries) > 16:
         raise InvalidValue(value, _PEERS)
     for entry in entries:
-        tcp_port = entry.rpartition(":")[2] if isinstance(entry, str) else ""
-        if (
-            not isinstance(entry, str)
-            or not _PEER.fullmatch(entry)
-            or (entry.startswith("tcp://") and not 0 < int(tcp_port) < 65536)
-        ):
+        # an endpoint's shape, but no `*` (a wildcard binds; nothing connects to it)
+        if not isinstance(entry, str) or "*" in entry or not _ENDPOINT.fullmatch(entry):
+            raise InvalidValue(entry, _PEERS)
+        if entry.startswith("tcp://") and not 0 < int(entry.rpartition(":")[2]) < 65536:
             raise InvalidValue(entry, _PEERS)
     return entries
 

@@ -157,11 +157,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         assert warm["finished"] == "FINISHED_LENGTH_CAPPED", warm
         warm_stats = dict(worker.stats)
         if args.get("clear_after_warm"):  # kvtier loses what vLLM's own cache still holds
-            cleared = httpx.post(
-                f"{args['url']}/v1/admin/clear",
-                headers={"authorization": f"Bearer {args['clear_after_warm']}"},
-            )
-            assert cleared.status_code == 200, cleared.text  # fmt: skip
+            clear(args["url"], args["clear_after_warm"])
     out = serve(scheduler, worker, caches, "r", list(args["prompt"]), seed, args)
     out["warm_stats"] = warm_stats  # the worker's counters after the warm request
     out["stats"] = worker.stats
@@ -186,6 +182,12 @@ def vllm_metrics(config: VllmConfig) -> tuple[list[str], dict[str, float]]:
     values = {name: REGISTRY.get_sample_value(f"vllm:kvtier_{name}_total", labels)
               for name in COUNTERS}  # fmt: skip
     return lines, {name: value for name, value in values.items() if value is not None}
+
+
+def clear(url: str, admin_key: str) -> None:
+    """Clear the sidecar at `url` (every tenant's blocks), as an eviction would."""
+    cleared = httpx.post(f"{url}/v1/admin/clear", headers={"authorization": f"Bearer {admin_key}"})
+    assert cleared.status_code == 200, cleared.text
 
 
 def flush_check(
@@ -252,11 +254,7 @@ def serve(
         meta = so.kv_connector_metadata
         for when, jobs in (("clear_before_load", meta.loads), ("clear_before_save", meta.saves)):
             if args.get(when) and jobs:  # as an eviction would
-                cleared = httpx.post(
-                    f"{args['url']}/v1/admin/clear",
-                    headers={"authorization": f"Bearer {args[when]}"},
-                )
-                assert cleared.status_code == 200, cleared.text  # fmt: skip
+                clear(args["url"], args[when])
                 args[when] = None  # once
         worker.handle_preemptions(so.kv_connector_metadata)
         worker.bind_connector_metadata(so.kv_connector_metadata)
