@@ -17,15 +17,20 @@ _WHERE = "a ZMQ address to bind: tcp://HOST:PORT or ipc://PATH"
 _PEERS = "a list of up to 16 ZMQ addresses to connect to: tcp://HOST:PORT (no *) or ipc://PATH"
 
 
+def is_peer_address(entry: object) -> bool:
+    """Is `entry` a ZMQ address to connect to: an endpoint's shape, but no `*` (a wildcard
+    binds; nothing connects to it), and a TCP port in 1..65535?"""
+    if not isinstance(entry, str) or "*" in entry or not _ENDPOINT.fullmatch(entry):
+        return False
+    return not entry.startswith("tcp://") or 0 < int(entry.rpartition(":")[2]) < 65536
+
+
 def _peers(value: object) -> object:
     entries = tuple(value) if isinstance(value, list) else value
     if not isinstance(entries, tuple) or len(entries) > 16:
         raise InvalidValue(value, _PEERS)
     for entry in entries:
-        # an endpoint's shape, but no `*` (a wildcard binds; nothing connects to it)
-        if not isinstance(entry, str) or "*" in entry or not _ENDPOINT.fullmatch(entry):
-            raise InvalidValue(entry, _PEERS)
-        if entry.startswith("tcp://") and not 0 < int(entry.rpartition(":")[2]) < 65536:
+        if not is_peer_address(entry):
             raise InvalidValue(entry, _PEERS)
     return entries
 

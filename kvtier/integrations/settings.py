@@ -25,13 +25,40 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.config.events import is_peer_address
 from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError
 from kvtier.integrations import paged
 
 _BOOLEANS = {"kvtier.load_async": True, "kvtier.save_async": True, "kvtier.save_decode": True,
              "kvtier.trust_tenant_param": False}  # fmt: skip
-KNOWN = ("kvtier.url", "kvtier.urls", "kvtier.api_key", "kvtier.tenant_keys", *_BOOLEANS)
+_RELAY = ("kvtier.events_endpoint", "kvtier.events_replay_endpoint", "kvtier.events_topic")
+KNOWN = ("kvtier.url", "kvtier.urls", "kvtier.api_key", "kvtier.tenant_keys", *_BOOLEANS, *_RELAY)
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """Where the sidecar publishes its KV events, for vLLM's stream (`vllm_events.py`)."""
+
+    endpoint: str  # the sidecar's `events.endpoint`, as this host reaches it
+    replay_endpoint: str | None = None  # its `events.replay_endpoint`
+    topic: str = ""  # relay only the topics that start with it
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any]) -> RelaySettings | None:
+        """None unless `kvtier.events_endpoint` is set."""
+        where = {key: extra.get(key) for key in _RELAY}
+        if where["kvtier.events_endpoint"] is None:
+            if where["kvtier.events_replay_endpoint"] is not None:
+                raise ConfigError("kvtier.events_endpoint", None, "set, with a replay endpoint")
+            return None
+        for key in _RELAY[:2]:
+            if where[key] is not None and not is_peer_address(where[key]):
+                raise ConfigError(key, where[key], "tcp://HOST:PORT (no *) or ipc://PATH")
+        topic = where["kvtier.events_topic"] or ""
+        if not isinstance(topic, str) or len(topic) > 200:
+            raise ConfigError("kvtier.events_topic", topic, "a topic (or its start)")
+        return cls(str(where[_RELAY[0]]), where[_RELAY[1]], topic)
 
 
 @dataclass(frozen=True)
@@ -45,6 +72,7 @@ class ConnectorSettings:
     save_async: bool = True  # saves on a thread of their own (`saving.py`), not in the step
     save_decode: bool = True  # save the blocks a request's output filled when it finishes
     trust_tenant_param: bool = False
+    events: RelaySettings | None = None  # relay the sidecar's KV events to vLLM's
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any], tp_size: int) -> ConnectorSettings:
@@ -82,6 +110,7 @@ class ConnectorSettings:
             save_async=flags["kvtier.save_async"],
             save_decode=flags["kvtier.save_decode"],
             trust_tenant_param=flags["kvtier.trust_tenant_param"],
+            events=RelaySettings.parse(extra),
         )
 
     def key_for(self, request: Any) -> tuple[str | None, bool]:

@@ -60,8 +60,11 @@ Tensor parallelism: each rank holds other heads, so each rank has a sidecar of i
 scheduler asks rank 0's; a rank whose sidecar lacks the blocks fails its load, and vLLM
 recomputes. An MLA model's ranks hold the same KV: one sidecar, unsharded.
 
-Not here yet: events (`take_events`), loads reported layer by layer (a load is whole; on a
-GPU it does not overlap the forward), a GPU run (the copies are written for any device).
+Events: with `kvtier.events_endpoint`, kvtier's blocks go out in vLLM's own KV-event stream
+(`take_events`, `vllm_events.py`), for a router that dials one endpoint a pod.
+
+Not here yet: loads reported layer by layer (a load is whole; on a GPU it does not overlap the
+forward), a GPU run (the copies are written for any device).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.integrations import paged
+from kvtier.integrations import paged, vllm_events
 from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens, output_save
 from kvtier.integrations.saving import Saves, store_job
 from kvtier.integrations.settings import (
@@ -90,7 +93,7 @@ from kvtier.integrations.settings import (
     kv_cache_refusal,
     shard,
 )
-from kvtier.integrations.vllm_stats import COUNTERS, KvtierPromMetrics, KvtierStats, gained_since
+from kvtier.integrations.vllm_stats import COUNTERS, KvtierStats, StatsBuilders, gained_since
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -108,7 +111,7 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     flush: bool = False  # a request preempted this step may have saves queued: finish them
 
 
-class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         refusal = kv_cache_refusal(kv_cache_config)
@@ -131,6 +134,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []  # of finished requests, for the next step
         self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps for us
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self.relay = vllm_events.start(self.settings, vllm_config, self.url) if scheduler else None
         # worker side
         self._layers: list[torch.Tensor] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -273,16 +278,6 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The counts gained since the last call, for vLLM's logs and `/metrics`."""
         return gained_since(self.stats, self._reported, self.tp_rank if self._layers else 0)
 
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
-        return KvtierStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(
-        cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
-    ) -> KvtierPromMetrics:
-        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, KvtierMetadata):
@@ -333,7 +328,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def take_events(self) -> list[Any]:
+        return self.relay.take(self.stats) if self.relay is not None else []
+
     def shutdown(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
         self.saving.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

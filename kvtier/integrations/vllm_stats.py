@@ -10,6 +10,7 @@ interval ("KV Transfer metrics: ..."), and counters on vLLM's `/metrics`, one pe
   `reported`, which it updates; None when nothing moved, so idle steps send nothing.
 - `KvtierPromMetrics`: a counter `vllm:kvtier_<name>` per name, labelled per engine as vLLM's
   own; each report is added to it.
+- `StatsBuilders`: the connector's class hooks through which vLLM builds both.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ COUNTERS = {
     "errors": "Calls to the kvtier sidecar that failed (per rank)",
     "untrusted_names": "Requests naming kvtier_tenant without kvtier.trust_tenant_param",
     "other_inputs": "Requests whose KV is not their tokens' alone (LoRA, multimodal, embeds)",
+    "relayed_events": "kvtier's KV events handed to vLLM's publisher (kvtier.events_endpoint)",
+    "refused_events": "kvtier's KV events not relayed: malformed, another block size, or full",
+    "relay_overflows": "Times vLLM left kvtier's relayed events untaken past the relay's bound",
 }
 RANK_0 = ("hit_tokens", "lookups", "loaded_tokens", "saved_tokens", "sent_tokens", "decode_tokens")
 
@@ -90,3 +94,18 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         for name, count in transfer_stats_data.items():
             if name in self.counters and count > 0:
                 self.counters[name][engine_idx].inc(count)
+
+
+class StatsBuilders:
+    """vLLM's class hooks that build the connector's stats and metrics (a base of
+    `KvtierConnector`)."""
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierStats:
+        return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
+    ) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

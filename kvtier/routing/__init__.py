@@ -6,11 +6,13 @@ calls to send a request to the replica that already holds its prefix.
   lost messages through their replay endpoints;
 - `allowance.py`: what one publisher may make the subscriber do (the pod it speaks for, the
   time its recoveries may take);
+- `reading.py`: the wire's untrusted fields read, and `Sink`, what a subscriber feeds;
 - `policies.py`: how a replica is chosen from the scores (round robin, prefix, prefix-load).
 """
 
-from kvtier.routing.index import DEFAULT_WEIGHTS, BadEvent, PrefixIndex
+from kvtier.routing.index import DEFAULT_WEIGHTS, PrefixIndex
 from kvtier.routing.policies import POLICIES, Router
+from kvtier.routing.reading import BadEvent
 from kvtier.routing.subscriber import Subscriber
 
 __all__ = ["DEFAULT_WEIGHTS", "POLICIES", "BadEvent", "PrefixIndex", "Router", "Subscriber"]

@@ -54,10 +54,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
-
 from kvtier.blocks import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.errors import InvalidTokensError
+from kvtier.routing.reading import BadEvent, batch_events, block_hash, block_hashes
+from kvtier.routing.reading import medium as medium_of
 
 # Per medium, about the share of a recomputation a hit from it saves (1: all of it). kvtier's
 # TTFT benchmark (`benchmarks/bench_ttft.py`: SmolLM2-135M, 2000-token prompt, 1900 shared:
@@ -89,10 +89,6 @@ def seed(lora_name: str | None) -> bytes:
     """The key the first block of a prompt chains from."""
     name = b"" if lora_name is None else lora_name.encode()
     return hashlib.blake2b(name, digest_size=KEY_BYTES, person=b"kvtier-route").digest()
-
-
-class BadEvent(ValueError):
-    """An event batch or event that is not what the wire format says."""
 
 
 @dataclass
@@ -147,16 +143,11 @@ class PrefixIndex:
 
     def _decode(self, payload: bytes) -> list[Any]:
         try:
-            batch = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        except Exception as e:  # msgpack's errors share no base class
+            return batch_events(payload)
+        except BadEvent:
             with self._lock:
                 self._stats["bad"] += 1
-            raise BadEvent(f"payload: not msgpack ({type(e).__name__})") from None
-        if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
-            with self._lock:
-                self._stats["bad"] += 1
-            raise BadEvent("payload: expected an event batch [ts, [events], dp_rank]")
-        return batch[1]
+            raise
 
     def _apply_all(self, source: str, events: list[Any]) -> int:
         applied = 0
@@ -190,8 +181,8 @@ class PrefixIndex:
         if kind == "BlockStored" and len(event) >= 7:
             self._stored(name, src, event)
         elif kind == "BlockRemoved" and len(event) >= 2:
-            hashes = _hashes(event[1])
-            bit = src.media.get(_medium(event[2] if len(event) > 2 else None), 0)
+            hashes = block_hashes(event[1])
+            bit = src.media.get(medium_of(event[2] if len(event) > 2 else None), 0)
             for h in hashes:  # a medium the source never named holds none of them
                 self._drop(name, src, h, bit)
         elif kind == "AllBlocksCleared":
@@ -200,7 +191,7 @@ class PrefixIndex:
             raise BadEvent(f"event: {kind!r} with {len(event)} fields")
 
     def _stored(self, name: str, src: _Source, event: list[Any]) -> None:
-        hashes, parent, tokens, block_size = _hashes(event[1]), event[2], event[3], event[4]
+        hashes, parent, tokens, block_size = block_hashes(event[1]), event[2], event[3], event[4]
         if type(block_size) is not int or block_size != self.block_size:
             self._stats["block_size"] += 1
             raise BadEvent(f"block_size: got {block_size!r}, expected {self.block_size}")
@@ -213,11 +204,11 @@ class PrefixIndex:
         lora = event[7] if len(event) > 7 else None
         if lora is not None and not isinstance(lora, str):
             raise BadEvent("lora_name: expected a string or nil")
-        bit = _bit(src, _medium(event[6]))
+        bit = _bit(src, medium_of(event[6]))
         if parent is None:
             previous = seed(lora)
         else:
-            found = src.keys.get(_hash(parent))
+            found = src.keys.get(block_hash(parent))
             if found is None:
                 self._stats["orphans"] += 1
                 raise BadEvent("parent_block_hash: not a block this source holds")
@@ -370,26 +361,3 @@ def _bit(src: _Source, medium: str) -> int:
             raise BadEvent(f"medium: {medium!r} past the {MAX_MEDIA} media a source may name")
         bit = src.media[medium] = 1 << len(src.media)
     return bit
-
-
-def _hash(value: Any) -> Any:
-    """A block hash as the wire has it: a uint64 (kvtier, vLLM's int hashes) or bytes."""
-    if type(value) is int and 0 <= value < 1 << 64:
-        return value
-    if isinstance(value, bytes) and 0 < len(value) <= 64:
-        return value
-    raise BadEvent(f"block hash: got {type(value).__name__}, expected a uint64 or bytes")
-
-
-def _hashes(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise BadEvent("block_hashes: expected a list")
-    return [_hash(v) for v in value]
-
-
-def _medium(value: Any) -> str:
-    if value is None:
-        return "GPU"  # vLLM's events before media were named come from its GPU cache
-    if not isinstance(value, str) or not 0 < len(value) <= 32:
-        raise BadEvent("medium: expected a short string or nil")
-    return value

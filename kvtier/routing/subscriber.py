@@ -1,5 +1,5 @@
-"""A thread that keeps a `PrefixIndex` fed from any number of KV-event publishers (kvtier's or
-vLLM's), and recovers what it missed.
+"""A thread that keeps a `PrefixIndex` (or another `reading.Sink`) fed from any number of
+KV-event publishers (kvtier's or vLLM's), and recovers what it missed.
 
 `Subscriber(index)`, then `add(endpoint, replay_endpoint=None)` per publisher: one SUB socket
 each (so that a message's publisher is known), subscribed to every topic. Per topic the last
@@ -62,7 +62,7 @@ import zmq
 
 from kvtier.events.peers import allow_ipv6
 from kvtier.routing.allowance import Ration, Voice
-from kvtier.routing.index import BadEvent, PrefixIndex
+from kvtier.routing.reading import BadEvent, Sink
 from kvtier.service import replies
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -97,7 +97,7 @@ MAX_TOPICS = 4096
 class Subscriber:
     def __init__(
         self,
-        index: PrefixIndex,
+        index: Sink,
         replay_timeout: float = 2.0,
         resync_s: float | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,

@@ -24,7 +24,11 @@ when absent), extra (more `kv_connector_extra_config`), sliding_window (every la
 of that many tokens: vLLM's sliding-window manager), save_async (bool), flush_check (run
 `flush_check` instead of a request), clear_before_save (the admin key: clear the sidecar
 before the step that saves the prompt), clear_after_warm (the admin key: clear it after the
-warm request).
+warm request), kv_events (vLLM's KV events on: a port to bind its PUB to; the report's
+`vllm_events` are what a subscriber of it heard, decoded with vLLM's own classes, and
+`relay_stats` the connector's relay's counts), relayed_blocks (with kv_events: after the
+request, step the idle engine until vLLM has published that many blocks in a medium other than
+its own GPU, or 10 s).
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import torch
+import zmq
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,12 +54,14 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
@@ -117,6 +125,9 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
             kv_role="kv_both", kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute"),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                        endpoint=f"tcp://*:{args['kv_events']}", topic="kv")
+        if args.get("kv_events") else None,
     )  # fmt: skip
     spec: Any = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
                                   dtype=torch.float16)  # fmt: skip
@@ -140,6 +151,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         (Path(tmp) / "config.json").write_text(json.dumps(MODEL))
         scheduler, worker, _ = build(args, Path(tmp))
     assert isinstance(scheduler.connector, KvtierConnector), type(scheduler.connector)
+    heard = listen(args["kv_events"]) if args.get("kv_events") else None
     layers = {
         f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM,
                                                         dtype=torch.float16)
@@ -163,6 +175,10 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     out["stats"] = worker.stats
     out["scheduler_stats"] = scheduler.connector.stats
     out["hit"] = out["scheduler_stats"]["hit_tokens"]  # what kvtier's lookup gave vLLM
+    if heard is not None:
+        out["vllm_events"] = published(scheduler, heard, int(args.get("relayed_blocks", 0)))
+        relay = scheduler.connector.relay
+        out["relay_stats"] = relay.stats() if relay is not None else None
     worker.shutdown()
     out["logged"], out["prom"] = vllm_metrics(scheduler.vllm_config)
     return out
@@ -182,6 +198,34 @@ def vllm_metrics(config: VllmConfig) -> tuple[list[str], dict[str, float]]:
     values = {name: REGISTRY.get_sample_value(f"vllm:kvtier_{name}_total", labels)
               for name in COUNTERS}  # fmt: skip
     return lines, {name: value for name, value in values.items() if value is not None}
+
+
+def listen(port: int) -> zmq.Socket[bytes]:
+    """A subscriber of vLLM's KV-event PUB, connected before the first event."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.5)  # the subscription reaches the PUB
+    return sub
+
+
+def published(scheduler: Scheduler, sub: zmq.Socket[bytes], relayed: int) -> list[list[Any]]:
+    """Every event vLLM published, `[kind, medium, hashes, token_ids]`, decoded by vLLM's
+    classes; the idle engine stepped until `relayed` blocks in other media than GPU came."""
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    events: list[list[Any]] = []
+    deadline = time.monotonic() + 10
+    while True:
+        while sub.poll(50):
+            _topic, _seq, payload = sub.recv_multipart()
+            for e in decoder.decode(payload).events:
+                events.append([type(e).__name__, e.medium, list(e.block_hashes),
+                               list(getattr(e, "token_ids", []))])  # fmt: skip
+        other = sum(len(e[2]) for e in events if e[0] == "BlockStored" and e[1] != "GPU")
+        if other >= relayed or time.monotonic() > deadline:
+            return events
+        so = scheduler.schedule()  # an idle step: the connector's events go out with vLLM's
+        scheduler.update_from_output(so, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
 
 
 def clear(url: str, admin_key: str) -> None:
