@@ -209,8 +209,7 @@ def test_the_relay_follows_the_sidecars_residency_through_stores_moves_and_clear
 
 
 def test_hostile_events_never_reach_vllm_and_good_ones_beside_them_do() -> None:
-    ctx = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     relay = Relay(4)
     sub = Subscriber(relay, resync_s=None)

@@ -202,7 +202,7 @@ def vllm_metrics(config: VllmConfig) -> tuple[list[str], dict[str, float]]:
 
 def listen(port: int) -> zmq.Socket[bytes]:
     """A subscriber of vLLM's KV-event PUB, connected before the first event."""
-    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port}")
     time.sleep(0.5)  # the subscription reaches the PUB
