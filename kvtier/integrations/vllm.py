@@ -58,7 +58,8 @@ Tensor parallelism: each rank holds other heads, so each rank has a sidecar of i
 (`kvtier.urls`, one per rank, in rank order), whose config names the shard (`model.tp_rank`,
 `model.tp_size`: they key its block ids); a worker checks its sidecar holds its rank. The
 scheduler asks rank 0's; a rank whose sidecar lacks the blocks fails its load, and vLLM
-recomputes. An MLA model's ranks hold the same KV: one sidecar, unsharded.
+recomputes. An MLA model's ranks hold the same KV: one sidecar, unsharded, whose model is
+`num_kv_heads: 1` and `head_dim` half the latent (vLLM's `[blocks, 1, block_size, latent]`).
 
 Events: with `kvtier.events_endpoint`, kvtier's blocks go out in vLLM's own KV-event stream
 (`take_events`, `vllm_events.py`), for a router that dials one endpoint a pod.

@@ -28,7 +28,8 @@ warm request), kv_events (vLLM's KV events on: a port to bind its PUB to; the re
 `vllm_events` are what a subscriber of it heard, decoded with vLLM's own classes, and
 `relay_stats` the connector's relay's counts), relayed_blocks (with kv_events: after the
 request, step the idle engine until vLLM has published that many blocks in a medium other than
-its own GPU, or 10 s).
+its own GPU, or 10 s), mla (an MLA model: a tiny DeepSeek-V2 config, vLLM's `MLAAttentionSpec`
+of one 576-value latent per token and layer, layers `[blocks, 1, block_size, 576]`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -94,12 +96,26 @@ MODEL = {
     "num_hidden_layers": LAYERS, "vocab_size": 50_000, "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
+MLA_MODEL = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 256,
+    "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "num_hidden_layers": LAYERS, "vocab_size": 50_000,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float16",
+    "bos_token_id": 1, "eos_token_id": 2, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 4,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 1.0, "scoring_func": "softmax", "norm_topk_prob": False,
+}  # fmt: skip
+LATENT = 512 + 64  # an MLA layer's value per token: kv_lora_rank + qk_rope_head_dim
+SHAPE = {"heads": HEADS, "dim": DIM}  # a layer's heads and half its last dimension (`run`)
 
 
 def kv_at(seed: int, position: int) -> torch.Tensor:
     """What the forward writes for the token at `position`: `[layers, heads, 2 * dim]`."""
     gen = torch.Generator().manual_seed(seed * 100_003 + position)
-    return torch.randn((LAYERS, HEADS, 2 * DIM), generator=gen).to(torch.float16)
+    shape = (LAYERS, SHAPE["heads"], 2 * SHAPE["dim"])
+    return torch.randn(shape, generator=gen).to(torch.float16)
 
 
 def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConnector, Any]:
@@ -131,6 +147,9 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
     )  # fmt: skip
     spec: Any = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
                                   dtype=torch.float16)  # fmt: skip
+    if args.get("mla"):  # one latent per token and layer: one "head" of 576 values
+        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LATENT,
+                                dtype=torch.float16)  # fmt: skip
     if args.get("sliding_window"):  # every layer windowed: vLLM's sliding-window manager
         window = int(args["sliding_window"])
         spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
@@ -147,14 +166,17 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
 
 
 def run(args: dict[str, Any]) -> dict[str, Any]:
+    if args.get("mla"):
+        SHAPE.update(heads=1, dim=LATENT // 2)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(MODEL))
+        (Path(tmp) / "config.json").write_text(json.dumps(MLA_MODEL if args.get("mla") else MODEL))
         scheduler, worker, _ = build(args, Path(tmp))
+    assert bool(args.get("mla")) == scheduler.vllm_config.model_config.use_mla
     assert isinstance(scheduler.connector, KvtierConnector), type(scheduler.connector)
     heard = listen(args["kv_events"]) if args.get("kv_events") else None
     layers = {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM,
-                                                        dtype=torch.float16)
+        f"model.layers.{i}.self_attn.attn": torch.zeros(
+            NUM_BLOCKS, SHAPE["heads"], BLOCK, 2 * SHAPE["dim"], dtype=torch.float16)
         for i in range(LAYERS)
     }  # fmt: skip
     worker.register_kv_caches(layers)
