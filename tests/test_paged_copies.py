@@ -10,10 +10,12 @@ import torch
 from kvtier.errors import InvalidKVError
 from kvtier.integrations.paged import (
     HOST_LAYOUTS,
+    MLA_HOST_LAYOUTS,
     gather,
     geometry,
     host_gather,
     host_scatter,
+    mla_host_view,
     scatter,
 )
 
@@ -120,3 +122,48 @@ def test_sglang_host_pages_read_and_write_as_kvtier_kv(layout: str) -> None:
                     else "page_head", torch.arange(4, 12), 8)  # fmt: skip
     with pytest.raises(InvalidKVError, match="expected one of"):
         host_scatter(buffer, "page_unified", slots, 8, fresh)
+
+
+def latent_buffer(layout: str, latents: torch.Tensor, page: int) -> torch.Tensor:
+    """SGLang's MLA host `kv_buffer` in `layout` holding `latents` (`[layers, slots, C]`), each
+    slot's latent put where SGLang's documented dims say, one by one."""
+    layers, slots, width = latents.shape
+    shapes = {"layer_first": (layers, slots, 1, width), "page_first": (slots, layers, 1, width),
+              "page_first_direct": (slots // page, layers, page, 1, width),
+              "page_unified": (slots // page, layers, page, width)}  # fmt: skip
+    buffer = torch.zeros(shapes[layout], dtype=latents.dtype)
+    for layer in range(layers):
+        for slot in range(slots):
+            p, at = divmod(slot, page)
+            where = {"layer_first": (layer, slot, 0), "page_first": (slot, layer, 0),
+                     "page_first_direct": (p, layer, at, 0),
+                     "page_unified": (p, layer, at)}  # fmt: skip
+            buffer[where[layout]] = latents[layer, slot]
+    return buffer
+
+
+@pytest.mark.parametrize("layout", list(MLA_HOST_LAYOUTS))
+def test_an_mla_host_pool_reads_and_writes_as_one_head_of_the_latents_halves(layout: str) -> None:
+    latents = torch.randn(3, 32, 12).to(torch.float16)  # 4 pages of 8 slots, a latent of 12
+    buffer = latent_buffer(layout, latents, 8)
+    view, mha = mla_host_view(buffer, layout)
+    slots = torch.tensor(list(range(16, 24)) + list(range(0, 8)))
+    got = host_gather(view, mha, slots, 8)
+    assert got.shape == (3, 2, 16, 1, 6)  # K the first half, V the second
+    want = latents[:, slots].view(3, 16, 2, 6).transpose(1, 2).unsqueeze(3)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    fresh = torch.randn(3, 2, 16, 1, 6).to(torch.float16)
+    host_scatter(view, mha, slots, 8, fresh)  # lands in `buffer` itself
+    changed = latents.clone()
+    changed[:, slots] = fresh.squeeze(3).transpose(1, 2).reshape(3, 16, 12)
+    expected = latent_buffer(layout, changed, 8)
+    assert torch.equal(buffer.view(torch.int16), expected.view(torch.int16))
+
+
+def test_an_mla_host_pool_kvtier_cannot_copy_is_refused_naming_it() -> None:
+    with pytest.raises(InvalidKVError, match="page_first_kv_split"):
+        mla_host_view(torch.zeros(4, 2, 8, 1, 12), "page_first_kv_split")
+    with pytest.raises(InvalidKVError, match="even size"):
+        mla_host_view(torch.zeros(2, 32, 1, 11), "layer_first")  # an odd latent
+    with pytest.raises(InvalidKVError, match="4 dims"):
+        mla_host_view(torch.zeros(2, 32, 12), "page_first")

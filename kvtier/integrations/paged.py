@@ -1,5 +1,6 @@
 """Copies between an engine's paged KV cache and kvtier's KV layout (issue 15): vLLM's paged
-layers (`gather`, `scatter`) and SGLang's host pool (`host_gather`, `host_scatter`, below).
+layers (`gather`, `scatter`) and SGLang's host pool (`host_gather`, `host_scatter`, below; an
+MLA pool through `mla_host_view`).
 
 vLLM (0.33) hands a connector one tensor per attention layer, logically
 
@@ -114,6 +115,39 @@ def _index(
 #   page_head          [2, pages, heads, page_size, layers, dim]
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+# SGLang's MLA host pool (`MLATokenToKVPoolHost.kv_buffer`): one latent of C values per token and
+# layer (kv_lora_rank + qk_rope_head_dim), no separate V. kvtier holds it as one head of K and V
+# halves (C/2 each): `mla_host_view` is the buffer seen as the MHA layout of the same memory
+# (a strided view: what is written through it lands in the buffer), so the copies and checks
+# above serve it unchanged:
+#   layer_first        [layers, slots, 1, C]              -> layer_first
+#   page_first         [slots, layers, 1, C]              -> page_first
+#   page_first_direct  [pages, layers, page_size, 1, C]   -> page_first_direct
+#   page_unified       [pages, layers, page_size, C]      -> page_first_direct (the same bytes)
+MLA_HOST_LAYOUTS = {"layer_first": 4, "page_first": 4, "page_first_direct": 5, "page_unified": 4}
+"""Per MLA host layout: the kv_buffer's dims."""
+
+
+def mla_host_view(kv_buffer: torch.Tensor, layout: str) -> tuple[torch.Tensor, str]:
+    """SGLang's MLA host `kv_buffer` as an MHA host buffer of one head of C/2 (K the latent's
+    first half, V its second), and that buffer's layout; `InvalidKVError` for a layout or a
+    shape it cannot be (a latent of odd size)."""
+    if layout not in MLA_HOST_LAYOUTS:
+        known = list(MLA_HOST_LAYOUTS)
+        raise InvalidKVError(f"MLA host layout {layout!r}, expected one of {known}")
+    dims = MLA_HOST_LAYOUTS[layout]
+    if kv_buffer.dim() != dims or kv_buffer.shape[-1] % 2:
+        raise InvalidKVError(
+            f"MLA host kv_buffer: got shape {tuple(kv_buffer.shape)}, expected {dims} dims of "
+            f"layout {layout!r} ending in a latent of even size"
+        )
+    halves = kv_buffer.view(*kv_buffer.shape[:-1], 2, kv_buffer.shape[-1] // 2)
+    if layout == "page_unified":  # no head axis: add the one head
+        halves = halves.unsqueeze(-3)
+    mha = "page_first_direct" if layout == "page_unified" else layout
+    return halves.movedim(-2, 0), mha
+
 
 Geometry = Callable[[tuple[int, ...], int], tuple[int, int, int, int]]
 _HOST_GEOMETRY: dict[str, tuple[int, Geometry]] = {

@@ -41,9 +41,15 @@ Contract:
   load whose KV is not the layout SGLang's host pool registered with (a sidecar restarted on
   another model behind the same URL): never cast into the host pool.
 
-Not here yet: MLA host pools (`MLATokenToKVPoolHost`), hybrid models' `*_v2` pools, and a
-GPU run. Through the mapped pools a load still leases the whole chain on the sidecar's gpu
-tier (a lease is a prefix); only the keys' part is copied.
+MLA (`MLATokenToKVPoolHost`: one latent of C values per token and layer, no separate V): kvtier
+holds the latent as one head of K and V halves, so the sidecar's model is `num_kv_heads: 1`,
+`head_dim: C / 2` (288 for DeepSeek's 576), and the pool is copied through
+`paged.mla_host_view` (its layouts `layer_first`, `page_first`, `page_first_direct`,
+`page_unified`). Split or packed MLA pools (`page_first_kv_split`, DSA's fp8) are refused.
+
+Not here yet: hybrid models' `*_v2` pools, and a GPU run. Through the mapped pools a load
+still leases the whole chain on the sidecar's gpu tier (a lease is a prefix); only the keys'
+part is copied.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
@@ -84,6 +91,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.scope += f"pp{storage_config.pp_rank}/{storage_config.pp_size}"
         self.pages: KeyedPages | None = None
         self.mem_pool_host: Any = None
+        self.buffer: Any = None  # the host pool's kv_buffer as an MHA one (`host_buffer`)
+        self.layout = ""
         self.stats = {"exists_calls": 0, "pages_set": 0, "pages_got": 0, "errors": 0}
         self._lock = threading.Lock()
 
@@ -91,13 +100,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Check the host pool against the sidecar's layout; then pages can move."""
         super().register_mem_pool_host(mem_pool_host)
         host = mem_pool_host
-        if host.layout not in paged.HOST_LAYOUTS:
-            raise ConfigError("--hicache-mem-layout", host.layout, f"one of {paged.HOST_LAYOUTS}")
+        self.buffer, self.layout = host_buffer(host)
         served = self.client.layout()
         dtype = host.kv_buffer.dtype
-        ours = (host.layer_num, host.head_num, host.head_dim, dtype)
+        heads, dim = self.buffer.shape[-2:]  # an MLA latent: one head of its halves
+        ours = (host.layer_num, heads, dim, dtype)
         theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype)
-        if ours != theirs or getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
+        if ours != theirs or getattr(host, "v_head_dim", dim) != dim:
             raise ConfigError(
                 "model", f"{theirs} (layers, KV heads, head_dim, dtype)", f"{ours}, as SGLang's"
             )
@@ -136,7 +145,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pages, host = self._pages(), self.mem_pool_host
         start = len(prefix) * host.page_size
         try:  # SGLang's indices too: a wrong one is a miss, never an exception in its thread
-            kv = paged.host_gather(host.kv_buffer, host.layout, host_indices, host.page_size)
+            kv = paged.host_gather(self.buffer, self.layout, host_indices, host.page_size)
             stored = self.client.store(pages.tokens(prefix + list(keys)), kv, start=start)
         except (KVTierError, OSError, IndexError, RuntimeError, ValueError) as e:
             self._failed("store", e)
@@ -160,7 +169,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if served:
             kv = got.kv[:, :, : served * ps]
             try:  # a sidecar restarted on another layout: a miss, never a cast (`paged`)
-                paged.host_scatter(host.kv_buffer, host.layout, host_indices[: served * ps], ps, kv)
+                paged.host_scatter(self.buffer, self.layout, host_indices[: served * ps], ps, kv)
             except (KVTierError, IndexError, RuntimeError, ValueError) as e:
                 self._failed("load", e)
                 return [False] * len(keys)
@@ -219,6 +228,24 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _count(self, stat: str, n: int) -> None:
         with self._lock:  # SGLang calls from its backup and prefetch threads at once
             self.stats[stat] += n
+
+
+def host_buffer(host: Any) -> tuple[torch.Tensor, str]:
+    """SGLang's host pool's `kv_buffer` as an MHA layout's `[2, ...]` buffer, and the layout
+    (an MLA pool's latent as one head of K and V halves: `paged.mla_host_view`); a
+    `ConfigError` for a pool or layout kvtier cannot copy."""
+    mla = isinstance(host, MLATokenToKVPoolHost)
+    known = list(paged.MLA_HOST_LAYOUTS) if mla else paged.HOST_LAYOUTS
+    if host.layout not in known or host.kv_buffer is None:
+        raise ConfigError("--hicache-mem-layout", host.layout, f"one of {known}")
+    if not mla:
+        return host.kv_buffer, host.layout
+    if getattr(host, "dsa_kv_cache_store_fp8", False):
+        raise ConfigError("MLA host pool", "packed fp8 (DSA)", "an unpacked latent")
+    try:
+        return paged.mla_host_view(host.kv_buffer, host.layout)
+    except KVTierError as e:
+        raise ConfigError("MLA host pool", host.layout, str(e)) from None
 
 
 def _prefix(extra_info: Any) -> list[str]:

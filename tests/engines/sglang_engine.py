@@ -17,7 +17,9 @@ for the rest with their keys as prefix keys (`hicache_storage_pass_prefix_keys`)
 backend loads from past them (`load(start=)`). `dtype`: the pools' dtype (float16 by
 default). `pause`: once the backend registered, print `registered` and wait for a line on
 stdin before the write or read (the test replaces the sidecar meanwhile). `extra`: more of
-the backend's extra config.
+the backend's extra config. `mla`: SGLang's MLA pools (`MLATokenToKVPool`,
+`MLATokenToKVPoolHost`: one latent of `LATENT` values per token and layer), written and read
+through their own documented dims.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 8  # kvtier's tiny test layout; SGLang pages of 8 tokens
+LATENT = 512 + 64  # an MLA model's value per token and layer: kv_lora_rank + qk_rope_head_dim
 
 
 def kv_at(seed: int, position: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -43,6 +46,24 @@ def kv_at(seed: int, position: int, dtype: torch.dtype = torch.float16) -> torch
 def bits(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes: compared bit for bit (-0.0 is not 0.0)."""
     return t.contiguous().view(torch.uint8)
+
+
+def latent_at(seed: int, position: int, dtype: torch.dtype) -> torch.Tensor:
+    """An MLA model's latent of the token at `position`: `[layers, LATENT]`."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + position)
+    return torch.randn((LAYERS, LATENT), generator=gen).to(dtype)
+
+
+def latent_view(buffer: torch.Tensor, layout: str, layer: int, slot: int) -> torch.Tensor:
+    """One slot's latent of `layer` in an MLA host pool, by SGLang's dims."""
+    page, at = divmod(slot, PAGE)
+    if layout == "layer_first":  # [layers, slots, 1, C]
+        return buffer[layer, slot, 0]
+    if layout == "page_first":  # [slots, layers, 1, C]
+        return buffer[slot, layer, 0]
+    if layout == "page_first_direct":  # [pages, layers, page, 1, C]
+        return buffer[page, layer, at, 0]
+    return buffer[page, layer, at]  # page_unified: [pages, layers, page, C]
 
 
 def slot_view(buffer: torch.Tensor, layout: str, kv: int, layer: int, slot: int) -> torch.Tensor:
@@ -69,20 +90,34 @@ def controller(args: dict[str, Any]) -> tuple[Any, Any]:
     )
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     dtype = getattr(torch, args.get("dtype", "float16"))
-    device = MHATokenToKVPool(
-        size=256, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=DIM,
-        layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-    )  # fmt: skip
-    host = MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE,
-        args.get("layout", "page_first"), pin_memory=False, device="cpu",
-        device_capacity_tokens=device.size, start_layer=device.start_layer,
-        end_layer=device.end_layer,
-    )  # fmt: skip
+    host: Any
+    if args.get("mla"):
+        device: Any = MLATokenToKVPool(
+            size=256, page_size=PAGE, dtype=dtype, kv_lora_rank=512, qk_rope_head_dim=64,
+            layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+        )  # fmt: skip
+        host = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE,
+            args.get("layout", "page_first"), pin_memory=False, device="cpu",
+            device_capacity_tokens=device.size, start_layer=device.start_layer,
+            end_layer=device.end_layer, target_layer_num=LAYERS,
+        )  # fmt: skip
+    else:
+        device = MHATokenToKVPool(
+            size=256, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=DIM,
+            layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+        )  # fmt: skip
+        host = MHATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE,
+            args.get("layout", "page_first"), pin_memory=False, device="cpu",
+            device_capacity_tokens=device.size, start_layer=device.start_layer,
+            end_layer=device.end_layer,
+        )  # fmt: skip
     allocator = PagedTokenToKVPoolAllocator(
         size=256, page_size=PAGE, dtype=dtype, device="cpu", kvcache=device,
         need_sort=False,
@@ -117,6 +152,11 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     if args["mode"] == "write":
         slots = host.alloc(len(tokens))
         for position, slot in enumerate(slots.tolist()):
+            if args.get("mla"):
+                latent = latent_at(seed, position, dtype)
+                for layer in range(LAYERS):
+                    latent_view(host.kv_buffer, layout, layer, slot).copy_(latent[layer])
+                continue
             value = kv_at(seed, position, dtype)
             for kv in (0, 1):
                 for layer in range(LAYERS):
@@ -142,6 +182,10 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
                 completed += ack.completed_tokens
             slots = hit.host_indices[:completed].tolist()
             out["bit_exact"] = all(
+                torch.equal(bits(latent_view(host.kv_buffer, layout, layer, slot)),
+                            bits(latent_at(seed, held * PAGE + i, dtype)[layer]))
+                for i, slot in enumerate(slots) for layer in range(LAYERS)
+            ) if args.get("mla") else all(
                 torch.equal(bits(slot_view(host.kv_buffer, layout, kv, layer, slot)),
                             bits(kv_at(seed, held * PAGE + i, dtype)[kv, layer]))
                 for i, slot in enumerate(slots) for kv in (0, 1) for layer in range(LAYERS)
