@@ -135,6 +135,17 @@ class Operations:
             namespaces = list(seeds.values()) if tenant is None else [self.namespace(tenant)]
             return _clear(self.parts, namespaces)
 
+    def reset(self, tenant: str) -> tuple[int, int]:
+        """`clear(tenant)`, and the blocks of `tenant` left (held by a lease, pin or
+        reservation)."""
+        with self.lock:
+            self.ensure_open()
+            self.expire()
+            self.mover.drain()
+            namespace = self.namespace(tenant)
+            dropped = _clear(self.parts, [namespace])
+            return dropped, _blocks_below(self.parts.state.index.root(namespace))
+
     def persist(self) -> int:
         with self.lock:
             self.ensure_open()
@@ -251,6 +262,16 @@ def _clear(parts: Parts, namespaces: Sequence[BlockId]) -> int:
             "back after a restart; clear again then"
         )
     return dropped
+
+
+def _blocks_below(root: Node) -> int:
+    """The blocks of the nodes below `root`."""
+    count, stack = 0, list(root.children.values()) if root.children else []
+    while stack:
+        node = stack.pop()
+        count += node.size
+        stack.extend(node.children.values() if node.children else ())
+    return count
 
 
 def _below_locked(node: Node) -> bool:

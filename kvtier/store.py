@@ -320,6 +320,17 @@ class KVStore:
         many disk copies may come back at the next start (to be cleared again then)."""
         return self.operations.clear(tenant)
 
+    def reset(self, tenant: str = "default") -> dict[str, Any]:
+        """Forget `tenant`'s cached KV, because what computed it changed (an engine's weights
+        were updated: vLLM's `reset_prefix_cache(reset_connector=True)`, SGLang's storage
+        clear): `clear(tenant)`, and `{dropped_blocks, left_blocks, remote}`: `left_blocks`
+        are held by a lease, pin or reservation (a call once they end drops them), `remote`
+        whether a remote tier, which other nodes share and this cannot clear, may hold the
+        tenant's blocks still."""
+        dropped, left = self.operations.reset(tenant)
+        remote = self.parts.remote is not None
+        return {"dropped_blocks": dropped, "left_blocks": left, "remote": remote}
+
     def persist(self) -> int:
         """Give every cached block a durable disk copy now; return how many were written.
         Blocks stay where they are; a restart recovers everything persisted (`persist.py`).

@@ -79,3 +79,21 @@ def test_a_save_that_raises_still_reports_its_release_and_flush_returns() -> Non
     saves.flush()
     assert saves.take_sent() == {"a"}
     saves.close()
+
+
+def test_drop_saves_none_of_the_queued_jobs_reports_their_releases_and_waits_for_the_running_one(
+) -> None:  # fmt: skip
+    """The weights changed (`resets.py`): queued KV is the old weights'; the running save ends
+    before `drop` returns, so a reset after it finds everything stored that will be."""
+    save = Recorder()
+    save.gate.clear()
+    saves = Saves(save)
+    saves.run([job("a"), job("b"), job("c", release=True)], wait=False, device=CPU)
+    time.sleep(0.1)  # "a" is running, held at the gate
+    threading.Timer(0.2, save.gate.set).start()
+    saves.drop()
+    assert save.ran == ["a"]  # "b" and "c" were not saved
+    assert saves.take_sent() == {"c"}  # vLLM gets the finished request's blocks back
+    saves.run([job("d")], wait=False, device=CPU)  # later jobs are saved again
+    saves.close()
+    assert save.ran == ["a", "d"]

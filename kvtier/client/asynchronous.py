@@ -33,7 +33,7 @@ from kvtier.client.releases import may_have_reached, new_token
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, httpx_send, reply_body
 from kvtier.errors import CapacityError, ClosedError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
-from kvtier.service import frames, wire
+from kvtier.service import frames, replies, wire
 
 
 def _alone(url: str, timeout_s: float, headers: RequestHeaders, limit: int) -> AsyncPost:
@@ -324,6 +324,10 @@ class AsyncClient:
     async def abort(self, reservation: Reservation) -> None:
         body = {"reservation_id": reservation.reservation_id}
         await self._post("/v1/abort", body, reservation.tenant)
+
+    async def reset(self, *, tenant: str = "default") -> dict[str, Any]:
+        """`POST /v1/reset` (`Client.reset`)."""
+        return replies.reset(await self._post("/v1/reset", {}, tenant))
 
     async def status(self) -> dict[str, Any]:
         return await self._get("/v1/status")

@@ -315,6 +315,11 @@ class Client:
     def abort(self, reservation: Reservation) -> None:
         self._post("/v1/abort", {"reservation_id": reservation.reservation_id}, reservation.tenant)
 
+    def reset(self, *, tenant: str = "default") -> dict[str, Any]:
+        """`POST /v1/reset`: forget this key's tenant's cached KV (`KVStore.reset`), checked:
+        `{dropped_blocks, left_blocks, remote}`."""
+        return replies.reset(self._post("/v1/reset", {}, tenant))
+
     def status(self) -> dict[str, Any]:
         return self._get("/v1/status")
 

@@ -18,6 +18,8 @@ Contract:
   by it. Every `release` job is reported in `take_sent` once done, saved or not, and is never
   dropped; others are skipped (counted in `skipped`) while `backlog` jobs are queued, so a
   sidecar slower than the engine costs later misses, not a queue that grows without bound.
+- `drop()` (the engine's weights changed: `resets.py`): the queued jobs are not saved (their
+  `release` jobs still reported), and it returns once the one running, if any, is done.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Saves:
         self._sent: set[str] = set()
         self._lock = threading.Lock()
         self._stream: Any = None  # the thread's CUDA stream, made with the thread
+        self.epoch = 0  # jobs queued in an earlier epoch are not saved (`drop`)
 
     def run(self, jobs: Iterable[SaveJob], wait: bool, device: torch.device) -> None:
         if wait:
@@ -66,12 +69,17 @@ class Saves:
             if ready is None and self._stream is not None:
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record()  # after this step's forward, on the caller's stream
-            self._queued.append(self.thread.submit(self._one, job, ready))
+            self._queued.append(self.thread.submit(self._one, job, ready, self.epoch))
 
     def flush(self) -> None:
         """Return once every queued job is done."""
         while self._queued:
             self._queued.popleft().exception()  # waits; `save` logs its own failures
+
+    def drop(self) -> None:
+        """Save none of the queued jobs; return once the running one is done."""
+        self.epoch += 1
+        self.flush()
 
     def take_sent(self) -> set[str]:
         """The `release` jobs done since the last call, by request id."""
@@ -84,9 +92,11 @@ class Saves:
         if self.thread is not None:
             self.thread.shutdown(wait=True)
 
-    def _one(self, job: SaveJob, ready: Any) -> None:
+    def _one(self, job: SaveJob, ready: Any, epoch: int | None = None) -> None:
         try:
-            if ready is None:
+            if epoch is not None and epoch != self.epoch:
+                pass  # dropped: the KV it holds is the old weights'
+            elif ready is None:
                 self.save(job)
             else:
                 with torch.cuda.stream(self._stream):

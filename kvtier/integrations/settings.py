@@ -113,6 +113,10 @@ class ConnectorSettings:
             events=RelaySettings.parse(extra),
         )
 
+    def api_keys(self) -> list[str]:
+        """Every API key requests may use: the engine's own, then `tenant_keys`' (each once)."""
+        return list(dict.fromkeys([self.key, *self.tenant_keys.values()]))
+
     def key_for(self, request: Any) -> tuple[str | None, bool]:
         """The API key of a vLLM request's tenant (None: kvtier is not used for it), and
         whether it named a tenant it may not: `kv_transfer_params["kvtier_tenant"]` counts only

@@ -65,6 +65,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
+from kvtier.integrations.resets import reset_tenants
 from kvtier.integrations.settings import api_key, closed
 from kvtier.keyed import KeyedPages
 
@@ -208,8 +209,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         )
 
     def clear(self) -> None:
-        """SGLang's "clear storage": kvtier's tiers are shared and tenant-scoped; an operator
-        clears them with kvtier's own admin call (`POST /v1/admin/clear`)."""
+        """SGLang's "clear HiCache storage" (after a weight update): this tenant's KV in the
+        sidecar forgotten (`resets.py`); a failure is logged, counted and raised (SGLang's
+        storage attachment then reports the clear failed)."""
+        why = reset_tenants([self.client])
+        if why is not None:
+            self._failed("reset", RuntimeError(why))
+            raise KVTierError(f"kvtier reset: {why}")
 
     def close(self) -> None:
         self.client.close()

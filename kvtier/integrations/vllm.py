@@ -8,64 +8,45 @@ host, disk and remote tiers through a `kvtier serve` sidecar.
                                     "kvtier.api_key": "env:KVTIER_API_KEY"}}'
 
 What runs where. vLLM owns HBM; kvtier keeps what vLLM computed and hands it back:
-- The scheduler process (`role` SCHEDULER) asks the sidecar, per new request, how many of its
-  prompt tokens kvtier holds (`lookup`), answers vLLM with the part past vLLM's own prefix hit
-  (whole vLLM blocks, at most `num_tokens - 1`), and plans the copies: loads into the blocks
-  vLLM allocated for them, saves of each request's whole prompt blocks once its prefill is
-  done, and (`kvtier.save_decode`, on by default) of the whole blocks its output filled once
-  it finishes, so that a chat's next turn finds its history. Plans travel to the workers in
-  `KvtierMetadata`.
+- The scheduler process (`role` SCHEDULER) asks the sidecar how many of a new request's
+  prompt tokens kvtier holds (`lookup`), answers vLLM with the part past its own prefix hit
+  (whole blocks, at most `num_tokens - 1`), and plans loads into the blocks vLLM allocated,
+  saves of the prompt's whole blocks once prefilled, and (`kvtier.save_decode`) of those its
+  output filled once it finishes (a chat's next turn finds its history), in `KvtierMetadata`.
 - Each worker (`role` WORKER) copies between vLLM's paged KV (`register_kv_caches`) and the
-  sidecar: a load reads the part of the prefix past vLLM's own hit (`load(start=)`) through a
-  lease on the sidecar's shared-memory pool on the same host (the body path across hosts) and
-  scatters it into the blocks (`paged.py`); a save gathers the blocks and stores them. Loads
-  are asynchronous by default (the request waits in WAITING_FOR_REMOTE_KVS while a thread
-  copies; `get_finished` reports it), synchronous with `"kvtier.load_async": false` (copied in
-  `start_load_kv`, before the forward). Saves are queued in `wait_for_save` to a thread of
-  their own, which runs them in order while the engine goes on (`saving.py`); with
-  `"kvtier.save_async": false` they complete inside it.
-- Blocks being saved keep their KV: a running request keeps them; a finished one whose save
-  may still be queued is held (`request_finished` True) until its `release` job is reported
-  in `finished_sending`; a step that preempts a request with a save planned carries `flush`,
-  and `handle_preemptions` waits for the queue before the forward may reuse the blocks.
+  sidecar (`paged.py`; its shared-memory pool on the same host): a load reads the part past
+  vLLM's own hit (`load(start=)`) on a thread while the request waits in
+  WAITING_FOR_REMOTE_KVS (`get_finished` reports it), or in `start_load_kv` with
+  `"kvtier.load_async": false`; saves are queued in `wait_for_save` to a thread of their own
+  (`saving.py`), or done inside it with `"kvtier.save_async": false`.
+- Blocks being saved keep their KV (`saving.py`): a finished request's are held
+  (`request_finished` True) until reported in `finished_sending`; a preemption `flush`es.
 
 Contract:
-- A load that returns fewer tokens than planned (the blocks left kvtier between lookup and
-  load, the sidecar failed) reports the blocks it did not fill in
-  `get_block_ids_with_load_errors`; with `kv_load_failure_policy: recompute` vLLM recomputes
-  from the first of them. An asynchronous load's request still appears in `finished_recving`
-  (vLLM frees an aborted request's blocks only then); a synchronous one is done before the
-  forward and reported nowhere else. The scheduler never claims a hit for a request whose load
-  failed.
+- A load that returns fewer tokens than planned (the blocks left kvtier, the sidecar failed)
+  reports the blocks it did not fill in `get_block_ids_with_load_errors` (vLLM recomputes from
+  there with `kv_load_failure_policy: recompute`); an asynchronous one is still reported in
+  `finished_recving`. The scheduler never claims a hit for a request whose load failed.
 - A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
   counted in `stats` (and in vLLM's logs and `/metrics`: `vllm_stats.py`); never a failure.
-- Tenants: the sidecar decides a call's tenant by its API key. `kvtier.api_key` is the
-  engine's own; `kvtier.tenant_keys` maps a name to the key of another tenant, and a request
-  names it by its `cache_salt`, or in `kv_transfer_params` (`{"kvtier_tenant": name}`) when
-  `kvtier.trust_tenant_param` is true. A request whose name has no key there neither reads
-  nor writes kvtier. vLLM's OpenAI server takes both fields from the client's request body,
-  so a name there is a credential: a salt by vLLM's own rule (random, secret); `kvtier_tenant`
-  only behind a gateway that sets or strips it, else a request carrying it skips kvtier.
-- Inputs: kvtier keys a block by its tokens (and tenant, model, shard). A request whose KV
-  depends on more (a LoRA adapter, multimodal inputs, prompt embeddings: vLLM's own block
-  hashes' extra keys) neither reads nor writes kvtier (counted in `other_inputs`).
-- One KV cache group of full causal attention (vLLM turns its hybrid manager off for us;
-  `settings.kv_cache_refusal` says why others are refused).
-- Block sizes: kvtier's `block_tokens` must divide vLLM's `block_size`, and the sidecar's
-  model layout must match the caches (`settings.check_layout`, when the worker registers).
+- Tenants: a call's tenant is its API key's: `kvtier.api_key`, or the key `kvtier.tenant_keys`
+  gives the name a request carries in its `cache_salt` (or, trusted, `kv_transfer_params`);
+  a name without a key neither reads nor writes kvtier (`settings.key_for`: names are
+  credentials, as vLLM's server takes them from the client).
+- Weights changed (`reset_cache`, `resets.py`): every tenant's KV in the sidecars forgotten,
+  queued saves dropped; False (the reset failed) when a remote tier may still hold it.
+- Inputs: a request whose KV depends on more than its tokens (LoRA, multimodal, embeddings)
+  neither reads nor writes kvtier (`plans.keyed_by_tokens`, counted in `other_inputs`).
+- Checked at start (`settings.py`): one KV cache group of full causal attention, kvtier's
+  `block_tokens` dividing vLLM's `block_size`, the sidecar's layout the caches'.
 
-Tensor parallelism: each rank holds other heads, so each rank has a sidecar of its own
-(`kvtier.urls`, one per rank, in rank order), whose config names the shard (`model.tp_rank`,
-`model.tp_size`: they key its block ids); a worker checks its sidecar holds its rank. The
-scheduler asks rank 0's; a rank whose sidecar lacks the blocks fails its load, and vLLM
-recomputes. An MLA model's ranks hold the same KV: one sidecar, unsharded, whose model is
-`num_kv_heads: 1` and `head_dim` half the latent (vLLM's `[blocks, 1, block_size, latent]`).
+Tensor parallelism: each rank has a sidecar of its own shard (`kvtier.urls` in rank order,
+`model.tp_rank` / `tp_size` in its config, checked); the scheduler asks rank 0's, and a rank
+whose sidecar lacks the blocks fails its load. An MLA model's ranks hold the same KV: one
+unsharded sidecar, its model `num_kv_heads: 1`, `head_dim` half the latent.
 
 Events: with `kvtier.events_endpoint`, kvtier's blocks go out in vLLM's own KV-event stream
-(`take_events`, `vllm_events.py`), for a router that dials one endpoint a pod.
-
-Not here yet: loads reported layer by layer (a load is whole; on a GPU it does not overlap the
-forward), a GPU run (the copies are written for any device).
+(`take_events`, `vllm_events.py`). Not here yet: loads layer by layer, a GPU run.
 """
 
 from __future__ import annotations
@@ -87,13 +68,9 @@ from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged, vllm_events
 from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens, output_save
+from kvtier.integrations.resets import reset_tenants
 from kvtier.integrations.saving import Saves, store_job
-from kvtier.integrations.settings import (
-    ConnectorSettings,
-    check_layout,
-    kv_cache_refusal,
-    shard,
-)
+from kvtier.integrations.settings import ConnectorSettings, check_layout, kv_cache_refusal, shard
 from kvtier.integrations.vllm_stats import COUNTERS, KvtierStats, StatsBuilders, gained_since
 
 log = logging.getLogger("kvtier.vllm")
@@ -110,6 +87,7 @@ class KvtierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     load_async: bool = True
     save_async: bool = True
     flush: bool = False  # a request preempted this step may have saves queued: finish them
+    reset: bool = False  # the weights changed: drop queued saves, reset the sidecars again
 
 
 class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
@@ -135,6 +113,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []  # of finished requests, for the next step
         self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps for us
+        self._reset = False  # `reset_cache` asked: the next step's plan says so
         scheduler = role == KVConnectorRole.SCHEDULER
         self.relay = vllm_events.start(self.settings, vllm_config, self.url) if scheduler else None
         # worker side
@@ -201,6 +180,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         preempted = scheduler_output.preempted_req_ids or ()
         flush = any(r in self._requests and self._requests[r].saved for r in preempted)
         meta = KvtierMetadata(self._loads, self._saves, s.load_async, s.save_async, flush)
+        meta.reset, self._reset = self._reset, False
         self._loads, self._saves = [], []
         computed: dict[str, int] = {}  # tokens computed before this step, per request
         for new in scheduler_output.scheduled_new_reqs:
@@ -262,6 +242,14 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._holding.add(req_id)
         return True, None
 
+    def reset_cache(self) -> bool:
+        """The weights changed (`resets.py`): every tenant's KV in the sidecar forgotten; the
+        workers drop their queued saves and reset their own sidecars before the next loads."""
+        self._reset = True
+        for planned in self._requests.values():
+            planned.found = 0  # what kvtier held at the lookup is gone: save all of it
+        return self._reset_sidecar()
+
     def has_pending_block_frees(self) -> bool:
         """Blocks held for saves come back next step: vLLM waits rather than preempts."""
         return bool(self._holding)
@@ -283,6 +271,9 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._connector_metadata
         if not isinstance(meta, KvtierMetadata):
             return
+        if meta.reset:  # no KV of the old weights stored from here; then this rank's sidecar
+            self.saving.drop()
+            self._reset_sidecar()
         for job in meta.loads:
             if not meta.load_async:
                 missing = self._load(job)  # done before the forward: nothing to report
@@ -393,6 +384,12 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             if client is None:
                 client = self._clients[key] = Client(self.url, api_key=key or None)
             return client
+
+    def _reset_sidecar(self) -> bool:
+        why = reset_tenants(self._client(key) for key in self.settings.api_keys())
+        if why is not None:
+            log.warning("kvtier reset (rank %d): %s; the reset failed", self.tp_rank, why)
+        return why is None
 
     def _error(self, what: str, error: BaseException) -> None:
         self.stats["errors"] += 1

@@ -14,7 +14,8 @@ Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `gu
                                               naming slots repeats (`admission.Service`)
     GET  /v1/blocks                           every block held, as KV events (a router's resync)
     POST /v1/lookup /v1/prefetch /v1/release /v1/store /v1/load /v1/reserve /v1/commit
-         /v1/abort                            the data plane, as the tenant of the caller's key
+         /v1/abort /v1/reset                  the data plane, as the tenant of the caller's key
+                                              (reset: its cached KV forgotten, weights changed)
     GET  /v1/leases/{id}?wait_s=              a lease's state, waiting up to wait_s for it
     POST /v1/admin/clear /v1/admin/check /v1/admin/persist    admin key only
 
@@ -265,6 +266,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         ("/v1/reserve", p.reserve, schemas.RESERVE, schemas.RESERVATION, "Reserve slots"),
         ("/v1/commit", p.commit, schemas.RESERVATION_ID, schemas.STORED, "Commit a reservation"),
         ("/v1/abort", p.abort, schemas.ABORT, schemas.EMPTY, "Abort a reservation"),
+        ("/v1/reset", p.reset, schemas.EMPTY, schemas.RESET, "Forget the tenant's cached KV"),
     ]
     hot = {path: _post(app, path, handler, call, request_schema, response_schema, summary)
            for path, handler, request_schema, response_schema, summary in routes}  # fmt: skip

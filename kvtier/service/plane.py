@@ -158,6 +158,10 @@ class Plane:
         store.reservation(rid, tenant=tenant)
         return store.commit(rid)._asdict()
 
+    def reset(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        """The caller's tenant's cached KV forgotten (`KVStore.reset`)."""
+        return store.reset(tenant)
+
     def abort(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         token = _by_token(data, "reservation_id")
         if token is None:

@@ -211,6 +211,13 @@ def blocks(body: dict[str, Any]) -> dict[str, Any]:
     return {"block_size": block_size, "topics": checked}
 
 
+def reset(body: dict[str, Any]) -> dict[str, Any]:
+    """A `/v1/reset` reply: `{dropped_blocks, left_blocks, remote}`."""
+    names = ("dropped_blocks", "left_blocks")
+    counts = {name: _int(body, name, "reset", MAX_COUNT) for name in names}
+    return {**counts, "remote": _field(body, "remote", bool, "reset")}
+
+
 def stored(body: dict[str, Any]) -> StoreResult:
     """A store or commit reply: token counts."""
     return StoreResult(*(_int(body, name, "store", MAX_COUNT) for name in StoreResult._fields))

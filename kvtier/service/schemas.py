@@ -117,6 +117,10 @@ POOLS = _obj(
     ("layout", "pools", "instance"),
 )
 CLEARED = _obj({"dropped_blocks": _INT}, ("dropped_blocks",))
+RESET = _obj(
+    {"dropped_blocks": _INT, "left_blocks": _INT, "remote": {"type": "boolean"}},
+    ("dropped_blocks", "left_blocks", "remote"),
+)
 PERSISTED = _obj({"persisted_blocks": _INT}, ("persisted_blocks",))
 CHECKED = _obj({"ok": {"type": "boolean"}, "detail": _STR}, ("ok",))
 ERROR = _obj({"error": _STR, "detail": _STR}, ("error", "detail"))

@@ -19,7 +19,8 @@ default). `pause`: once the backend registered, print `registered` and wait for 
 stdin before the write or read (the test replaces the sidecar meanwhile). `extra`: more of
 the backend's extra config. `mla`: SGLang's MLA pools (`MLATokenToKVPool`,
 `MLATokenToKVPoolHost`: one latent of `LATENT` values per token and layer), written and read
-through their own documented dims.
+through their own documented dims. `clear`: after the write, the backend's `clear()` as
+SGLang's controller calls it for "clear HiCache storage" (`cleared`: None, or its error).
 """
 
 from __future__ import annotations
@@ -165,6 +166,12 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         op_id = cc.write_storage(slots, tokens, hash_value=hashes)
         done = cc.ack_backup_queue.get(timeout=60)
         out.update(acked=done.id == op_id, completed_tokens=done.completed_tokens)
+        if args.get("clear"):  # HybridCacheController.clear_storage_backend's call
+            try:
+                backend.clear()
+                out["cleared"] = None
+            except Exception as e:  # SGLang's storage attachment catches and reports it
+                out["cleared"] = f"{type(e).__name__}: {e}"
     else:
         held = int(args.get("held", 0))  # pages this controller holds: passed as prefix keys
         hashes = get_hash_str(tokens, None, page_size=PAGE)

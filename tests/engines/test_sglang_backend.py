@@ -91,6 +91,18 @@ def test_a_writer_in_another_layout_and_tenants_that_never_meet(sidecar: Server)
     assert different["hit_tokens"] == 0  # a page is found only under the same pages before it
 
 
+def test_sglangs_storage_clear_forgets_the_tenants_pages(sidecar: Server) -> None:
+    """SGLang's "clear HiCache storage" (after a weight update) reaches kvtier: the pages are
+    gone for this tenant, and another tenant's stay."""
+    tokens = list(range(3500, 3532))  # 4 pages
+    controller(sidecar, mode="write", tokens=tokens, seed=12, api_key=BOB)
+    wrote = controller(sidecar, mode="write", tokens=tokens, seed=12, clear=True)
+    assert wrote["completed_tokens"] == 32 and wrote["cleared"] is None, wrote
+    assert controller(sidecar, mode="read", tokens=tokens, seed=12)["hit_tokens"] == 0
+    bob = controller(sidecar, mode="read", tokens=tokens, seed=12, api_key=BOB)
+    assert bob["hit_tokens"] == 32 and bob["bit_exact"] is True
+
+
 def test_a_sidecar_of_another_model_or_shard_is_refused_when_sglang_attaches_it(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -113,6 +113,20 @@ def test_a_chats_next_turn_loads_the_output_its_last_turn_saved(
     assert turn["free_blocks"] == NUM_BLOCKS - 1
 
 
+def test_a_weight_updates_cache_reset_forgets_kvtiers_copies_too(sidecar: Server) -> None:
+    """vLLM's `reset_prefix_cache(reset_connector=True)`, an RL trainer's weight update: kvtier
+    forgets the prompt, so the same prompt is computed with the new weights (seed + 1) and saved
+    again, never loaded from the old ones; another engine then loads the new KV."""
+    prompt = list(range(7000, 7040))
+    report = engine(sidecar, prompt=prompt, seed=31, reset=True)  # saves the old weights' KV
+    assert report["reset"] is True and report["held_after_reset"] == 0
+    again = report["again"]
+    assert again["loaded_tokens"] == 0 and again["computed_prompt"] is True, again
+    assert again["saved_tokens"] == 64  # 32 of each weights' KV, the new in the old's place
+    other = engine(sidecar, prompt=prompt, seed=32)
+    assert other["loaded_tokens"] == 32 and other["bit_exact"] is True
+
+
 @pytest.mark.parametrize("save_async", [True, False])
 def test_without_save_decode_only_the_prompt_is_saved(sidecar: Server, save_async: bool) -> None:
     """And the request is held only while its prompt's save may be queued (async)."""

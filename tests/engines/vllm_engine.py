@@ -29,7 +29,10 @@ warm request), kv_events (vLLM's KV events on: a port to bind its PUB to; the re
 `relay_stats` the connector's relay's counts), relayed_blocks (with kv_events: after the
 request, step the idle engine until vLLM has published that many blocks in a medium other than
 its own GPU, or 10 s), mla (an MLA model: a tiny DeepSeek-V2 config, vLLM's `MLAAttentionSpec`
-of one 576-value latent per token and layer, layers `[blocks, 1, block_size, 576]`).
+of one 576-value latent per token and layer, layers `[blocks, 1, block_size, 576]`), reset
+(after the request, `reset_prefix_cache(reset_connector=True)`, as a weight update's cascade
+does: the report's `reset` is its answer, `held_after_reset` what kvtier then holds of the
+prompt, and `again` the same prompt served once more, with KV of seed `seed + 1`: new weights).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvtier.client import Client
 from kvtier.integrations.plans import SaveJob
 from kvtier.integrations.vllm import KvtierConnector, KvtierMetadata
 from kvtier.integrations.vllm_stats import COUNTERS
@@ -193,6 +197,12 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         if args.get("clear_after_warm"):  # kvtier loses what vLLM's own cache still holds
             clear(args["url"], args["clear_after_warm"])
     out = serve(scheduler, worker, caches, "r", list(args["prompt"]), seed, args)
+    if args.get("reset"):  # new weights: vLLM's cache and kvtier's forgotten, then the prompt
+        out["reset"] = scheduler.reset_prefix_cache(reset_connector=True)
+        with Client(args["url"], api_key=args["api_key"]) as client:
+            out["held_after_reset"] = client.lookup(list(args["prompt"])).num_tokens
+        out["again"] = serve(scheduler, worker, caches, "r2", list(args["prompt"]), seed + 1, {})
+        out["again"]["saved_tokens"] = worker.stats["saved_tokens"]
     out["warm_stats"] = warm_stats  # the worker's counters after the warm request
     out["stats"] = worker.stats
     out["scheduler_stats"] = scheduler.connector.stats
