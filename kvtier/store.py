@@ -321,20 +321,14 @@ class KVStore:
         return self.operations.clear(tenant)
 
     def reset(self, tenant: str = "default") -> dict[str, Any]:
-        """Forget `tenant`'s cached KV, because what computed it changed (an engine's weights
-        were updated: vLLM's `reset_prefix_cache(reset_connector=True)`, SGLang's storage
-        clear): `clear(tenant)`, and `{dropped_blocks, left_blocks, remote}`: `left_blocks`
-        are held by a lease, pin or reservation (a call once they end drops them), `remote`
-        whether a remote tier, which other nodes share and this cannot clear, may hold the
-        tenant's blocks still."""
+        """Forget `tenant`'s KV: its weights changed (`integrations/resets.py`). `clear(tenant)`;
+        `{dropped_blocks, left_blocks: held by leases, remote: a remote tier may hold more}`."""
         dropped, left = self.operations.reset(tenant)
-        remote = self.parts.remote is not None
-        return {"dropped_blocks": dropped, "left_blocks": left, "remote": remote}
+        return {"dropped_blocks": dropped, "left_blocks": left, "remote": bool(self.parts.remote)}
 
     def persist(self) -> int:
-        """Give every cached block a durable disk copy now; return how many were written.
-        Blocks stay where they are; a restart recovers everything persisted (`persist.py`).
-        Without a disk tier there is nothing to persist to: `InvalidArgumentError`."""
+        """Give every cached block a durable disk copy now; return how many were written (a
+        restart recovers them: `persist.py`). Without a disk tier: `InvalidArgumentError`."""
         return self.operations.persist()
 
     def drain(self, timeout_s: float = 30.0) -> bool:

@@ -57,8 +57,7 @@ def _alone(url: str, timeout_s: float, headers: RequestHeaders) -> Post:
 
 
 class Client:
-    """A blocking client (keep-alive connections, `connections.py`; safe to share between
-    threads)."""
+    """A blocking client (keep-alive connections, `connections.py`; safe to share by threads)."""
 
     def __init__(
         self,
@@ -316,23 +315,20 @@ class Client:
         self._post("/v1/abort", {"reservation_id": reservation.reservation_id}, reservation.tenant)
 
     def reset(self, *, tenant: str = "default") -> dict[str, Any]:
-        """`POST /v1/reset`: forget this key's tenant's cached KV (`KVStore.reset`), checked:
-        `{dropped_blocks, left_blocks, remote}`."""
+        """`POST /v1/reset` (`KVStore.reset`): the tenant's KV forgotten; the reply checked."""
         return replies.reset(self._post("/v1/reset", {}, tenant))
 
     def status(self) -> dict[str, Any]:
         return self._get("/v1/status")
 
     def blocks(self) -> dict[str, Any]:
-        """`GET /v1/blocks`: `{block_size, topics: [{topic, seq, events}]}`, every block held
-        as a KV-event batch per topic (`kvtier.events.observer.snapshot`; a router's resync).
-        Checked: a reply of another shape raises `ProtocolError`."""
+        """`GET /v1/blocks`: `{block_size, topics: [{topic, seq, events}]}`, every block held as
+        a KV-event batch per topic (a router's resync), checked (`ProtocolError`)."""
         return replies.blocks(self._get("/v1/blocks"))
 
     def layout(self) -> KVLayout:
         """The server's KV layout (`/v1/pools`, checked; model name "served"), asked once: an
-        engine checks its own caches against it before it stores or loads, and pages and a
-        caller's `out` are checked against it."""
+        engine's caches, pages and `out` are checked against it before it stores or loads."""
         if self._pools.served is None:
             self._pools.map(self._get("/v1/pools"), mapping=False)
         assert self._pools.served is not None

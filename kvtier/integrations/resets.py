@@ -18,6 +18,7 @@ reset (vLLM's connector drops its queued saves and resets again from its workers
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -25,6 +26,7 @@ from kvtier.client import Client
 from kvtier.errors import KVTierError
 
 WAIT_S = 5.0
+log = logging.getLogger("kvtier.reset")
 
 
 def reset_tenants(clients: Iterable[Client], wait_s: float = WAIT_S) -> str | None:
@@ -46,3 +48,11 @@ def reset_tenants(clients: Iterable[Client], wait_s: float = WAIT_S) -> str | No
                 return f"{reply['left_blocks']} blocks still held by leases after {wait_s} s"
             time.sleep(0.05)
     return None
+
+
+def reset_or_log(clients: Iterable[Client], where: str) -> bool:
+    """`reset_tenants`, its failure logged as `where`'s; done?"""
+    why = reset_tenants(clients)
+    if why is not None:
+        log.warning("kvtier reset (%s): %s; the reset failed", where, why)
+    return why is None

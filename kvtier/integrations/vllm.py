@@ -68,7 +68,7 @@ from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged, vllm_events
 from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens, output_save
-from kvtier.integrations.resets import reset_tenants
+from kvtier.integrations.resets import reset_or_log
 from kvtier.integrations.saving import Saves, store_job
 from kvtier.integrations.settings import ConnectorSettings, check_layout, kv_cache_refusal, shard
 from kvtier.integrations.vllm_stats import COUNTERS, KvtierStats, StatsBuilders, gained_since
@@ -243,12 +243,11 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         return True, None
 
     def reset_cache(self) -> bool:
-        """The weights changed (`resets.py`): every tenant's KV in the sidecar forgotten; the
-        workers drop their queued saves and reset their own sidecars before the next loads."""
+        """The weights changed (`resets.py`); the workers follow at the next plan."""
         self._reset = True
         for planned in self._requests.values():
             planned.found = 0  # what kvtier held at the lookup is gone: save all of it
-        return self._reset_sidecar()
+        return reset_or_log(map(self._client, self.settings.api_keys()), "scheduler")
 
     def has_pending_block_frees(self) -> bool:
         """Blocks held for saves come back next step: vLLM waits rather than preempts."""
@@ -273,7 +272,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             return
         if meta.reset:  # no KV of the old weights stored from here; then this rank's sidecar
             self.saving.drop()
-            self._reset_sidecar()
+            reset_or_log(map(self._client, self.settings.api_keys()), f"rank {self.tp_rank}")
         for job in meta.loads:
             if not meta.load_async:
                 missing = self._load(job)  # done before the forward: nothing to report
@@ -384,12 +383,6 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             if client is None:
                 client = self._clients[key] = Client(self.url, api_key=key or None)
             return client
-
-    def _reset_sidecar(self) -> bool:
-        why = reset_tenants(self._client(key) for key in self.settings.api_keys())
-        if why is not None:
-            log.warning("kvtier reset (rank %d): %s; the reset failed", self.tp_rank, why)
-        return why is None
 
     def _error(self, what: str, error: BaseException) -> None:
         self.stats["errors"] += 1
