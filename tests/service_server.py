@@ -88,6 +88,23 @@ def write_config(
     return path
 
 
+MLA_MODEL = {"name": "tiny-mla", "num_layers": 2, "num_kv_heads": 1, "head_dim": 288,
+             "dtype": "float16"}  # fmt: skip
+"""An MLA model's latent (576 values per token and layer) held as one head of K and V halves."""
+
+
+def write_mla_config(directory: Path, tenants: Mapping[str, Any], **model: Any) -> Path:
+    """A config of the tiny MLA model (`model`: fields changed), tiers of 64 and 128 blocks."""
+    path = write_config(directory, tenants=tenants)
+    config = yaml.safe_load(path.read_text())
+    config["model"] = {**MLA_MODEL, **model}
+    block = 2 * 2 * 288 * 2 * config["block_tokens"]  # layers x K/V x 288 x fp16, per token
+    config["tiers"]["gpu"]["capacity"] = 64 * block
+    config["tiers"]["host"]["capacity"] = 128 * block
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def serve_command(config: Path, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "kvtier.cli", "serve", "--config", str(config), "--port",
             str(port), *extra]  # fmt: skip

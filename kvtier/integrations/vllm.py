@@ -244,9 +244,9 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
 
     def reset_cache(self) -> bool:
         """The weights changed (`resets.py`); the workers follow at the next plan."""
-        self._reset = True
-        for planned in self._requests.values():
-            planned.found = 0  # what kvtier held at the lookup is gone: save all of it
+        self._reset = True  # (a save from a prefix kvtier lost sends all: `store_job`)
+        # finished requests' saves not yet sent hold the old weights' KV: release them only
+        self._saves = [SaveJob(j.req_id, (), (), j.key, release=True) for j in self._saves]
         return reset_or_log(map(self._client, self.settings.api_keys()), "scheduler")
 
     def has_pending_block_frees(self) -> bool:

@@ -96,12 +96,22 @@ class Relay:
     # ---- `reading.Sink`: the subscriber's thread ----------------------------------------
 
     def apply(self, source: str, payload: bytes) -> int:
+        return self._take_in(source, payload, snapshot=False)
+
+    def reset(self, source: str, payload: bytes) -> int:
+        return self._take_in(source, payload, snapshot=True)
+
+    def _take_in(self, source: str, payload: bytes, snapshot: bool) -> int:
+        """A message's events (`snapshot`: a snapshot's, which replace the topic's) queued."""
         events = self._read(payload)
         if not source.startswith(self.topic):
             return 0
         with self._lock:
             if self.muted:
                 return 0
+            if snapshot:
+                self.stale = False
+                return self._swap_in(source, events)
             if self.stale:
                 self.stale, self.asked = False, self.asked + 1
             out: list[KVCacheEvent] = []
@@ -109,28 +119,22 @@ class Relay:
             self._queue(source, out)
             return applied
 
-    def reset(self, source: str, payload: bytes) -> int:
-        events = self._read(payload)
-        if not source.startswith(self.topic):
-            return 0
-        with self._lock:
-            if self.muted:
-                return 0
-            self.stale = False
-            old = self.held.pop(source, {})
-            self.blocks -= len(old)
-            new: dict[Any, int] = {}
-            self.held[source] = new
-            stored: list[KVCacheEvent] = []
-            applied = self._apply_all(new, events, stored)
-            gone = {h: mask & ~new.get(h, 0) for h, mask in old.items()}
-            queued = [(t, e) for t, e in self.pending if t != source or type(e) is BlockRemoved]
-            self.pending, self.pending_blocks = queued, count(queued)
-            self.fresh = min(self.fresh, self.pending_blocks)  # the stores it replaces left
-            removed = self._removals({h: m for h, m in gone.items() if m})
-            self.pending += [(source, e) for e in removed + stored]
-            self.pending_blocks += count(self.pending[len(queued) :])
-            return applied
+    def _swap_in(self, source: str, events: list[Any]) -> int:
+        """`source`'s blocks become a snapshot's `events` (module doc). Lock held."""
+        old = self.held.pop(source, {})
+        self.blocks -= len(old)
+        new: dict[Any, int] = {}
+        self.held[source] = new
+        stored: list[KVCacheEvent] = []
+        applied = self._apply_all(new, events, stored)
+        gone = {h: mask & ~new.get(h, 0) for h, mask in old.items()}
+        queued = [(t, e) for t, e in self.pending if t != source or type(e) is BlockRemoved]
+        self.pending, self.pending_blocks = queued, count(queued)
+        self.fresh = min(self.fresh, self.pending_blocks)  # the stores it replaces left
+        removed = self._removals({h: m for h, m in gone.items() if m})
+        self.pending += [(source, e) for e in removed + stored]
+        self.pending_blocks += count(self.pending[len(queued) :])
+        return applied
 
     def clear(self, source: str) -> None:
         with self._lock:

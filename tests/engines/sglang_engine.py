@@ -96,29 +96,21 @@ def controller(args: dict[str, Any]) -> tuple[Any, Any]:
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     dtype = getattr(torch, args.get("dtype", "float16"))
-    host: Any
-    if args.get("mla"):
-        device: Any = MLATokenToKVPool(
-            size=256, page_size=PAGE, dtype=dtype, kv_lora_rank=512, qk_rope_head_dim=64,
-            layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-        )  # fmt: skip
-        host = MLATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE,
-            args.get("layout", "page_first"), pin_memory=False, device="cpu",
-            device_capacity_tokens=device.size, start_layer=device.start_layer,
-            end_layer=device.end_layer, target_layer_num=LAYERS,
-        )  # fmt: skip
+    pool = {"size": 256, "page_size": PAGE, "dtype": dtype, "layer_num": LAYERS, "device": "cpu",
+            "enable_memory_saver": False}  # fmt: skip
+    device: Any
+    if args.get("mla"):  # one latent per token and layer; the host pool also counts layers
+        device = MLATokenToKVPool(kv_lora_rank=512, qk_rope_head_dim=64, **pool)
+        host_class, more = MLATokenToKVPoolHost, {"target_layer_num": LAYERS}
     else:
-        device = MHATokenToKVPool(
-            size=256, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=DIM,
-            layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-        )  # fmt: skip
-        host = MHATokenToKVPoolHost(
-            device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE,
-            args.get("layout", "page_first"), pin_memory=False, device="cpu",
-            device_capacity_tokens=device.size, start_layer=device.start_layer,
-            end_layer=device.end_layer,
-        )  # fmt: skip
+        device = MHATokenToKVPool(head_num=HEADS, head_dim=DIM, **pool)
+        host_class, more = MHATokenToKVPoolHost, {}
+    host = host_class(
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE,
+        args.get("layout", "page_first"), pin_memory=False, device="cpu",
+        device_capacity_tokens=device.size, start_layer=device.start_layer,
+        end_layer=device.end_layer, **more,
+    )  # fmt: skip
     allocator = PagedTokenToKVPoolAllocator(
         size=256, page_size=PAGE, dtype=dtype, device="cpu", kvcache=device,
         need_sort=False,

@@ -17,35 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from engine_process import launch as run_engine
 from engine_process import report as engine_report
-from service_server import Server, running, write_config
+from service_server import Server, running, write_mla_config
 
 pytest.importorskip("sglang", reason="SGLang is installed apart: tests/engines/install.sh sglang")
 
 ENGINE = Path(__file__).with_name("sglang_engine.py")
 ALICE = "alice-key-0123456789abcdef"
-MLA = {"name": "tiny-mla", "num_layers": 2, "num_kv_heads": 1, "head_dim": 288,
-       "dtype": "float16"}  # fmt: skip
+TENANTS = {"alice": {"api_keys": [ALICE]}}
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")
-
-
-def mla_config(directory: Path, **model: Any) -> Path:
-    """A sidecar holding the tiny MLA model's latents (`model`: fields changed)."""
-    path = write_config(directory, tenants={"alice": {"api_keys": [ALICE]}})
-    config = yaml.safe_load(path.read_text())
-    config["model"] = {**MLA, **model}
-    block = 2 * 2 * 288 * 2 * config["block_tokens"]  # layers x K/V x 288 x fp16, per token
-    config["tiers"]["gpu"]["capacity"] = 64 * block
-    config["tiers"]["host"]["capacity"] = 128 * block
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running(mla_config(tmp_path_factory.mktemp("mla"))) as server:
+    with running(write_mla_config(tmp_path_factory.mktemp("mla"), TENANTS)) as server:
         yield server
 
 
@@ -84,7 +70,7 @@ def test_an_mla_reader_that_holds_the_first_pages_gets_the_rest(sidecar: Server)
 def test_a_sidecar_holding_the_latent_as_it_is_named_is_refused_with_the_layout_to_set(
     tmp_path: Path,
 ) -> None:
-    with running(mla_config(tmp_path, head_dim=576)) as other:
+    with running(write_mla_config(tmp_path, TENANTS, head_dim=576)) as other:
         done = launch(other, mode="read", tokens=list(range(8)))
     assert done.returncode != 0 and "config field 'model'" in done.stderr, done.stderr[-800:]
     assert "(2, 1, 288, torch.float16)" in done.stderr, done.stderr[-800:]

@@ -128,6 +128,19 @@ def test_a_weight_updates_cache_reset_forgets_kvtiers_copies_too(sidecar: Server
 
 
 @pytest.mark.parametrize("save_async", [True, False])
+def test_a_reset_as_a_request_finishes_stores_none_of_its_old_kv(
+    sidecar: Server, save_async: bool
+) -> None:
+    """The finished request's save (prompt and output) is planned when the reset comes: it only
+    gives vLLM its blocks back, and the prompt's earlier save is forgotten."""
+    prompt = list(range(7500 + 100 * save_async, 7540 + 100 * save_async))
+    report = engine(sidecar, prompt=prompt, seed=33, max_tokens=30, save_async=save_async,
+                    reset_when_finished=True)  # fmt: skip
+    assert "reset" in report and report["free_blocks"] == NUM_BLOCKS - 1, report
+    assert saved(sidecar, prompt + [7] * 30) == 0
+
+
+@pytest.mark.parametrize("save_async", [True, False])
 def test_without_save_decode_only_the_prompt_is_saved(sidecar: Server, save_async: bool) -> None:
     """And the request is held only while its prompt's save may be queued (async)."""
     other = list(range(7000, 7040)) if save_async else list(range(7100, 7140))

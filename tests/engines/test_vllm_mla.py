@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from engine_process import launch as run_engine
 from engine_process import report as engine_report
-from service_server import Server, running, write_config
+from service_server import Server, running, write_mla_config
 
 from kvtier.client import Client
 
@@ -28,26 +27,13 @@ pytest.importorskip("vllm", reason="vLLM is installed apart: bash tests/engines/
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
 ALICE = "alice-key-0123456789abcdef"
+TENANTS = {"alice": {"api_keys": [ALICE]}}
 PROMPT = list(range(2000, 2040))  # 40 tokens: 2 whole vLLM blocks of 16 saved
-MLA = {"name": "tiny-mla", "num_layers": 2, "num_kv_heads": 1, "head_dim": 288,
-       "dtype": "float16"}  # fmt: skip
-
-
-def mla_config(directory: Path, **model: Any) -> Path:
-    """A sidecar holding the tiny MLA model's latents (`model`: fields changed)."""
-    path = write_config(directory, tenants={"alice": {"api_keys": [ALICE]}})
-    config = yaml.safe_load(path.read_text())
-    config["model"] = {**MLA, **model}
-    block = 2 * 2 * 288 * 2 * config["block_tokens"]  # layers x K/V x 288 x fp16, per token
-    config["tiers"]["gpu"]["capacity"] = 64 * block
-    config["tiers"]["host"]["capacity"] = 128 * block
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with running(mla_config(tmp_path_factory.mktemp("mla"))) as server:
+    with running(write_mla_config(tmp_path_factory.mktemp("mla"), TENANTS)) as server:
         yield server
 
 
@@ -86,7 +72,7 @@ def test_a_sidecar_holding_the_latent_as_it_is_named_is_refused_with_the_layout_
 ) -> None:
     """`head_dim: 576` (the latent's size) is not how kvtier holds it: the error names the
     layout that is (one head of 288)."""
-    with running(mla_config(tmp_path, head_dim=576)) as other:
+    with running(write_mla_config(tmp_path, TENANTS, head_dim=576)) as other:
         done = run_engine(ENGINE, {"url": other.url, "api_key": ALICE, "prompt": PROMPT,
                                    "seed": 11, "mla": True})  # fmt: skip
     assert done.returncode != 0 and "config field 'model'" in done.stderr, done.stderr[-800:]

@@ -32,7 +32,8 @@ its own GPU, or 10 s), mla (an MLA model: a tiny DeepSeek-V2 config, vLLM's `MLA
 of one 576-value latent per token and layer, layers `[blocks, 1, block_size, 576]`), reset
 (after the request, `reset_prefix_cache(reset_connector=True)`, as a weight update's cascade
 does: the report's `reset` is its answer, `held_after_reset` what kvtier then holds of the
-prompt, and `again` the same prompt served once more, with KV of seed `seed + 1`: new weights).
+prompt, and `again` the same prompt served once more, with KV of seed `seed + 1`: new weights),
+reset_when_finished (the same reset in the step the request finishes, its saves not yet sent).
 """
 
 from __future__ import annotations
@@ -368,6 +369,9 @@ def serve(
             if stats is not None and stats.kv_connector_stats:
                 REPORTS.append(stats.kv_connector_stats)
         if request.is_finished():
+            if args.get("reset_when_finished"):  # its output's save is planned, not yet sent
+                out["reset"] = scheduler.reset_prefix_cache(reset_connector=True)
+                args["reset_when_finished"] = False
             out.setdefault("finished_step", len(out["statuses"]))
             if rid not in scheduler.requests:  # its blocks are vLLM's again
                 out["saved_when_freed"] = worker.stats["saved_tokens"]
