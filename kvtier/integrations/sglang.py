@@ -104,7 +104,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.buffer, self.layout = host_buffer(host)
         served = self.client.layout()
         dtype = host.kv_buffer.dtype
-        heads, dim = self.buffer.shape[-2:]  # an MLA latent: one head of its halves
+        mla = isinstance(host, MLATokenToKVPoolHost)  # a latent: one head of its halves
+        heads, dim = (1, host.kv_cache_dim // 2) if mla else (host.head_num, host.head_dim)
         ours = (host.layer_num, heads, dim, dtype)
         theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype)
         if ours != theirs or getattr(host, "v_head_dim", dim) != dim:

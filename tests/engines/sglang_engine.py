@@ -19,8 +19,9 @@ default). `pause`: once the backend registered, print `registered` and wait for 
 stdin before the write or read (the test replaces the sidecar meanwhile). `extra`: more of
 the backend's extra config. `mla`: SGLang's MLA pools (`MLATokenToKVPool`,
 `MLATokenToKVPoolHost`: one latent of `LATENT` values per token and layer), written and read
-through their own documented dims. `clear`: after the write, the backend's `clear()` as
-SGLang's controller calls it for "clear HiCache storage" (`cleared`: None, or its error).
+through their own documented dims. `heads`: KV heads (2 by default, as many as layers).
+`clear`: after the write, the backend's `clear()` as SGLang's controller calls it for "clear
+HiCache storage" (`cleared`: None, or its error).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ import torch
 import torch.distributed as dist
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 8  # kvtier's tiny test layout; SGLang pages of 8 tokens
+SHAPE = {"heads": HEADS}  # the KV heads (`heads`: another count than the layers')
 LATENT = 512 + 64  # an MLA model's value per token and layer: kv_lora_rank + qk_rope_head_dim
 
 
 def kv_at(seed: int, position: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The KV of the token at `position`: `[2, layers, heads, dim]`."""
     gen = torch.Generator().manual_seed(seed * 100_003 + position)
-    return torch.randn((2, LAYERS, HEADS, DIM), generator=gen).to(dtype)
+    return torch.randn((2, LAYERS, SHAPE["heads"], DIM), generator=gen).to(dtype)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +105,8 @@ def controller(args: dict[str, Any]) -> tuple[Any, Any]:
         device = MLATokenToKVPool(kv_lora_rank=512, qk_rope_head_dim=64, **pool)
         host_class, more = MLATokenToKVPoolHost, {"target_layer_num": LAYERS}
     else:
-        device = MHATokenToKVPool(head_num=HEADS, head_dim=DIM, **pool)
+        SHAPE["heads"] = int(args.get("heads", HEADS))
+        device = MHATokenToKVPool(head_num=SHAPE["heads"], head_dim=DIM, **pool)
         host_class, more = MHATokenToKVPoolHost, {}
     host = host_class(
         device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE,

@@ -91,6 +91,25 @@ def test_a_writer_in_another_layout_and_tenants_that_never_meet(sidecar: Server)
     assert different["hit_tokens"] == 0  # a page is found only under the same pages before it
 
 
+def test_a_pool_of_more_heads_than_layers_round_trips_in_every_host_layout(
+    tmp_path: Path,
+) -> None:
+    """`page_head` orders a page [heads, page, layers, dim]: with as many heads as layers, a
+    mix-up of the two would pass unseen."""
+    path = write_config(tmp_path, tenants={"alice": {"api_keys": [ALICE]}})
+    config = yaml.safe_load(path.read_text())
+    config["model"] = {**config["model"], "num_kv_heads": 4}
+    config["tiers"] = {t: {**v, "capacity": 2 * v["capacity"]} for t, v in config["tiers"].items()}
+    path.write_text(yaml.safe_dump(config))
+    tokens = list(range(4500, 4532))
+    with running(path) as server:
+        wrote = controller(server, mode="write", tokens=tokens, heads=4, layout="page_head")
+        assert wrote["completed_tokens"] == 32
+        for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
+            read = controller(server, mode="read", tokens=tokens, heads=4, layout=layout)
+            assert read["completed_tokens"] == 32 and read["bit_exact"] is True, layout
+
+
 def test_sglangs_storage_clear_forgets_the_tenants_pages(sidecar: Server) -> None:
     """SGLang's "clear HiCache storage" (after a weight update) reaches kvtier: the pages are
     gone for this tenant, and another tenant's stay."""
