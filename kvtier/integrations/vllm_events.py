@@ -308,6 +308,7 @@ class Relay:
         removed = [(t, e) for t, told in self.held.items() for e in self._removals(told)]
         self.pending = kept + removed
         self.pending_blocks = count(self.pending)
+        self.fresh = min(self.fresh, self.pending_blocks)  # the stores dropped left with them
         self.held = {}
         self.blocks = 0
         self.muted = True

@@ -269,6 +269,7 @@ def test_a_queue_vllm_does_not_drain_ends_in_removals_and_a_resync(tmp_path: Pat
             time.sleep(0.02)
         time.sleep(0.3)  # the rest of the stores' events come, and are dropped
         assert relay.stats()["lost"] == 1 and relay.muted
+        relay.check()  # muted: every invariant holds
         taken = through_vllm(relay.take())
         assert all(isinstance(e, BlockRemoved) for e in taken), taken
         fold(state, taken, strict=False)  # blocks queued, dropped unsent, are removed too
