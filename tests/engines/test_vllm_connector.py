@@ -117,7 +117,7 @@ def test_a_weight_updates_cache_reset_forgets_kvtiers_copies_too(sidecar: Server
     """vLLM's `reset_prefix_cache(reset_connector=True)`, an RL trainer's weight update: kvtier
     forgets the prompt, so the same prompt is computed with the new weights (seed + 1) and saved
     again, never loaded from the old ones; another engine then loads the new KV."""
-    prompt = list(range(7000, 7040))
+    prompt = list(range(11000, 11040))
     report = engine(sidecar, prompt=prompt, seed=31, reset=True)  # saves the old weights' KV
     assert report["reset"] is True and report["held_after_reset"] == 0
     again = report["again"]
@@ -133,7 +133,7 @@ def test_a_reset_as_a_request_finishes_stores_none_of_its_old_kv(
 ) -> None:
     """The finished request's save (prompt and output) is planned when the reset comes: it only
     gives vLLM its blocks back, and the prompt's earlier save is forgotten."""
-    prompt = list(range(7500 + 100 * save_async, 7540 + 100 * save_async))
+    prompt = list(range(11500 + 100 * save_async, 11540 + 100 * save_async))
     report = engine(sidecar, prompt=prompt, seed=33, max_tokens=30, save_async=save_async,
                     reset_when_finished=True)  # fmt: skip
     assert "reset" in report and report["free_blocks"] == NUM_BLOCKS - 1, report
