@@ -2,6 +2,8 @@
 
     kvtier serve [--config FILE] [--host H] [--port P]   run the sidecar (service/server.py)
     kvtier status [--url URL] [--key KEY] [--json]       a running sidecar's status, as a table
+    kvtier reset [--url URL] [--key KEY]   forget the key's tenant's cached KV (new weights
+                                           under the same model.name); exit 1 unless all of it
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
     kvtier validate FILE...                check config files; print each one's tier sizes
     kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems,
@@ -50,6 +52,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         data["service"].update({k: v for k, v in given.items() if v is not None})
         config = parse_config(data, "--host/--port")
     return serve(config)
+
+
+def cmd_reset(args: argparse.Namespace) -> int:
+    """`POST /v1/reset` as the key's tenant (`integrations/resets.py`: asked again while leases
+    hold blocks); exit 1, saying why, unless the sidecar holds none of the tenant's KV after."""
+    from kvtier.client import Client
+    from kvtier.integrations.resets import reset_tenants
+
+    with Client(args.url, api_key=args.key, shared_memory=False) as client:
+        why = reset_tenants([client])
+    if why is not None:
+        print(f"kvtier reset: {why}", file=sys.stderr)
+        return 1
+    print("reset: the tenant's cached KV is forgotten")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -194,6 +211,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "serve": ("run the sidecar: REST status API, metrics, engine data plane", cmd_serve),
     "status": ("print a running sidecar's status", cmd_status),
+    "reset": ("forget the key's tenant's cached KV (its model's weights changed)", cmd_reset),
     "info": ("build the store from a config and print its status", cmd_info),
     "validate": ("check config files", cmd_validate),
     "check": ("check a disk tier directory offline (store stopped)", cmd_check),
@@ -210,10 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--config", help="YAML config (default: the embedded default)")
             cmd.add_argument("--host", help="bind address (default: service.host)")
             cmd.add_argument("--port", type=int, help="port (default: service.port)")
-        elif name == "status":
+        elif name in ("status", "reset"):
             cmd.add_argument("--url", default="http://127.0.0.1:8750", help="the sidecar")
             cmd.add_argument("--key", help="API key (default: $KVTIER_API_KEY)")
-            cmd.add_argument("--json", action="store_true", help="print the status as JSON")
+            if name == "status":
+                cmd.add_argument("--json", action="store_true", help="print the status as JSON")
         elif name == "info":
             cmd.add_argument("--config", help="YAML config (default: the embedded default)")
             cmd.add_argument("--json", action="store_true", help="print the status as JSON")

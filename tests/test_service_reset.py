@@ -13,6 +13,7 @@ import pytest
 from fake_server import FakeServer, fake_servers
 from service_server import ADMIN_KEY, free_port, kv_of, running, write_config
 
+from kvtier.cli import main
 from kvtier.client import Client
 from kvtier.errors import ReplyError
 from kvtier.integrations.resets import reset_tenants
@@ -47,6 +48,11 @@ def test_a_reset_forgets_the_callers_tenant_only_and_waits_out_a_lease(tmp_path:
         assert a.lookup(PROMPT).num_tokens == 0
         assert b.lookup(PROMPT).num_tokens == 32  # another tenant's KV is not the caller's
         assert reset_tenants([a]) is None  # nothing held: clear at once
+        b.store(PROMPT[:8], kv_of(8, seed=3))
+        assert main(["reset", "--url", server.url, "--key", KEY_B]) == 0  # an SRE's command
+        assert b.lookup(PROMPT).num_tokens == 0
+        b.store(PROMPT, kv_of(32, seed=2))  # b's blocks again, for the restart below
+        server.admin("/v1/admin/persist")
         a.close()
         b.close()
     with running(config, port=port) as again:  # recovered from the disk tier
@@ -92,3 +98,8 @@ def test_a_malformed_reset_reply_is_a_reply_error_naming_the_field(
     with Client(server.url, shared_memory=False) as client, pytest.raises(ReplyError) as refused:
         client.reset()
     assert field in str(refused.value)
+
+
+def test_the_reset_command_says_why_it_could_not_reset(fake: Callable[..., FakeServer]) -> None:
+    remote = fake(reset=(200, {"dropped_blocks": 5, "left_blocks": 0, "remote": True}))
+    assert main(["reset", "--url", remote.url]) == 1
