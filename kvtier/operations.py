@@ -137,14 +137,10 @@ class Operations:
 
     def reset(self, tenant: str) -> tuple[int, int]:
         """`clear(tenant)`, and the blocks of `tenant` left (held by a lease, pin or
-        reservation)."""
+        reservation), in one hold of the (reentrant) lock."""
         with self.lock:
-            self.ensure_open()
-            self.expire()
-            self.mover.drain()
-            namespace = self.namespace(tenant)
-            dropped = _clear(self.parts, [namespace])
-            return dropped, _blocks_below(self.parts.state.index.root(namespace))
+            dropped = self.clear(tenant)
+            return dropped, _blocks_below(self.parts.state.index.root(self.namespace(tenant)))
 
     def persist(self) -> int:
         with self.lock:
