@@ -50,10 +50,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from kvtier.config import KVTierConfig
+from kvtier.config.service import ServiceConfig
 from kvtier.errors import KVTierError
 from kvtier.events.observer import snapshot as events_snapshot
 from kvtier.results import LeaseState
-from kvtier.service import bodies, schemas, wire
+from kvtier.service import bodies, flat, schemas, wire
 from kvtier.service.admission import (
     Admit,
     Service,
@@ -136,6 +137,18 @@ def _error(status: int, kind: str, detail: str, msgpack_body: bool = False) -> R
     )
 
 
+async def _read_request(request: Request, config: ServiceConfig) -> dict[str, Any]:
+    """A request's body, read within its bounds and decoded as a flat map (`flat.py`); a JSON
+    body, which carries no KV, at most as long as a request needs."""
+    kind = request.headers.get("content-type")
+    limit, name = config.max_body_bytes, "service.max_body_bytes"
+    if not wire.is_msgpack(kind):
+        limit = min(limit, flat.json_limit(max(config.max_tokens, wire.MAX_LIST)))
+        name = "JSON's limit: 16 bytes a token of service.max_tokens and 64 KiB; send msgpack"
+    body = await read_body(request, limit, config.body_timeout_s, name)
+    return wire.decode_request(body, kind, config.max_tokens) if body else {}
+
+
 def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
     """Add the routes; return the data plane's POST endpoints, by path (`hot.py`)."""
     config = service.config.service
@@ -155,8 +168,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
             store, tenant = admit(request, service)
             data: dict[str, Any] = {}
             if reads_body:
-                body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
-                data = wire.decode(body, request.headers.get("content-type")) if body else {}
+                data = await _read_request(request, config)
             if asyncio.iscoroutinefunction(handler):
                 result = await handler(store, tenant, data)
             else:

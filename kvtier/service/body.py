@@ -1,6 +1,6 @@
 """Reading a request body with bounds on its size and on the time it takes.
 
-    await read_body(request, limit, timeout_s) -> bytes
+    await read_body(request, limit, timeout_s, limit_name) -> bytearray
 
 - Size: a `Content-Length` over `limit` is refused (413) before a byte is read; a body without
   one (chunked) is read chunk by chunk with a running count and refused as soon as the count
@@ -28,13 +28,16 @@ class Disconnected(Exception):
     """The client hung up before its request body was complete."""
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body of `request`; `WireError` 413 past `limit` bytes, 408 past `timeout_s`."""
+async def read_body(
+    request: Request, limit: int, timeout_s: float, limit_name: str = "service.max_body_bytes"
+) -> bytearray:
+    """The body of `request` (as read: no copy); `WireError` 413 past `limit` bytes (what sets
+    it: `limit_name`), 408 past `timeout_s`."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise WireError(
             413, "body_too_large",
-            f"body of {length} bytes, more than service.max_body_bytes={limit}",
+            f"body of {length} bytes, more than {limit_name}={limit}",
         )  # fmt: skip
     body = bytearray()
     try:
@@ -44,7 +47,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                 if len(body) > limit:
                     raise WireError(
                         413, "body_too_large",
-                        f"body of more than {limit} bytes (service.max_body_bytes), refused "
+                        f"body of more than {limit} bytes ({limit_name}), refused "
                         "as it was read",
                     )  # fmt: skip
     except TimeoutError:
@@ -55,4 +58,4 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
         ) from None  # fmt: skip
     except ClientDisconnect:
         raise Disconnected from None
-    return bytes(body)
+    return body

@@ -53,11 +53,9 @@ import socket
 import threading
 import time
 
-import msgpack  # type: ignore[import-untyped]
-
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
-from kvtier.service import frames, wire
+from kvtier.service import flat, frames, wire
 from kvtier.service.admission import Service, tenant_of_key
 from kvtier.service.plane import Handler
 
@@ -80,6 +78,7 @@ class Lane:
         self.limit = frame_limit(service.config)
         self.timeout_s = service.config.service.body_timeout_s
         self.max_body = service.config.service.max_body_bytes
+        self.max_tokens = service.config.service.max_tokens
         self._listener: socket.socket | None = None
         self._open: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -169,9 +168,9 @@ class Lane:
     def answer(self, payload: bytes) -> tuple[int, bytes]:
         """The status and body bytes of one request frame (module doc)."""
         try:
-            request = msgpack.unpackb(payload, raw=False)
-        except Exception as exc:  # msgpack's errors, RecursionError, a map key it cannot hash
-            return _refusal(400, "malformed_frame", f"not msgpack: {type(exc).__name__}")
+            request = flat.loads_msgpack(payload, 4, top=list)
+        except flat.Malformed as exc:
+            return _refusal(400, "malformed_frame", f"not a request frame: {exc}")
         if not (
             isinstance(request, list)
             and len(request) == 4
@@ -197,7 +196,7 @@ class Lane:
                     413, "body_too_large",
                     f"body of {len(body)} bytes, more than service.max_body_bytes={self.max_body}",
                 )  # fmt: skip
-            data = wire.decode(body, wire.MSGPACK) if body else {}
+            data = wire.decode_request(body, wire.MSGPACK, self.max_tokens) if body else {}
             return 200, wire.encode(handler(store, tenant, data), True)
         except wire.WireError as exc:
             return _refusal(exc.status, exc.kind, exc.detail)

@@ -22,9 +22,11 @@ tensor's raw bytes in C order (msgpack only; JSON has no bytes).
 back what that request was granted even when its reply was lost (`service/grants.py`).
 
 Every failure is `{"error": <kind>, "detail": <message>}` with a status code (`ERRORS`).
-Every byte of a request is untrusted: each field is checked for its type, range and size here
-(or by the store) and refused with `WireError` or a kvtier error naming the bad value; nothing
-a client sends reaches a `hash()`, a recursion without a bound, or an arithmetic that overflows.
+Every byte of a request is untrusted: a body is decoded as a flat map in bounded memory
+(`decode_request`, `flat.py`), each field is checked for its type, range and size here (or by
+the store) and refused with `WireError` or a kvtier error naming the bad value; nothing a client
+sends reaches a `hash()`, a recursion without a bound, or an arithmetic that overflows. `decode`
+reads a reply (the client's side).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from kvtier.errors import (
     StorageError,
     UnknownTenantError,
 )
+from kvtier.service import flat
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -115,6 +118,32 @@ def decode(body: bytes, content_type: str | None) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise WireError(400, "malformed_body", f"body: got {type(data).__name__}, expected a map")
     return data
+
+
+MAX_LIST = 4096
+"""The longest list a request has but its tokens (leases to release: `MAX_RELEASES`)."""
+
+
+def decode_request(
+    body: bytes | bytearray, content_type: str | None, max_tokens: int
+) -> dict[str, Any]:
+    """A request body as a flat map, decoded in memory bounded by what a request needs
+    (`flat.py`): `WireError` 400 if it is not one; 413 for a list longer than `max_tokens`
+    (`service.max_tokens`) and `MAX_LIST` (`too_many_tokens` for the tokens), or a JSON body
+    longer than any request needs."""
+    items = max(max_tokens, MAX_LIST)
+    try:
+        if is_msgpack(content_type):
+            return flat.loads_msgpack(body, items)  # type: ignore[no-any-return]
+        return flat.loads_json(body, items)
+    except flat.TooMany as exc:
+        if exc.field == "tokens":
+            raise WireError(
+                413, "too_many_tokens", f"tokens: more than service.max_tokens={max_tokens}"
+            ) from None
+        raise WireError(413, "body_too_large", f"body: {exc}") from None
+    except flat.Malformed as exc:
+        raise WireError(400, "malformed_body", f"body is not a request: {exc}") from None
 
 
 def encode(data: dict[str, Any], msgpack_body: bool) -> bytes:
