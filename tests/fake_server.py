@@ -57,7 +57,7 @@ def host_reservation(block_tokens: int, **fields: Any) -> dict[str, Any]:
 
 
 def _has_bytes(data: Any) -> bool:
-    return isinstance(data, dict) and any(isinstance(v, bytes) for v in data.values())
+    return isinstance(data, dict) and any(isinstance(v, bytes | memoryview) for v in data.values())
 
 
 class FakeServer:

@@ -28,6 +28,7 @@ from kvtier.client.connections import MAX_REPLY_BYTES
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.mapper import AsyncMapper
 from kvtier.client.owing import AsyncOwing, AsyncPost
+from kvtier.client.pages import LoadPages
 from kvtier.client.pools import LeaseFrom, ReservationFrom, store_body
 from kvtier.client.releases import may_have_reached, new_token
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, httpx_send, reply_body
@@ -265,8 +266,8 @@ class AsyncClient:
         with self._calls.call():
             kind, wanted = kv_layout(layout), check_device(device)
             tokens = token_array(tokens)  # checked once: the prefetch reuses it
-            packed = encode_tokens(tokens)
-            asked = len(packed) // 4
+            pages = LoadPages(encode_tokens(tokens), start)  # the body path's replies
+            asked = pages.asked
             await self._map()
             dest = None
             if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
@@ -288,9 +289,9 @@ class AsyncClient:
                     self._owing.owe(lease, tenant)  # released on a later request's way
                     if kv is not None:  # None: not the pools mapped here, the body path
                         return LoadResult(lease.num_tokens, kv)
-            request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
-            body = await self._post("/v1/load", request, tenant)
-            return self._pools.loaded(body, wanted, asked, dest, start)
+            while (request := pages.next()) is not None:  # a long prefix: several replies
+                pages.add(await self._post("/v1/load", request, tenant))
+            return self._pools.loaded(pages, wanted, asked, dest, start)
 
     async def layout(self) -> KVLayout:
         """`Client.layout`."""

@@ -34,6 +34,7 @@ from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
 from kvtier.client.owing import Owing, Post
+from kvtier.client.pages import LoadPages
 from kvtier.client.pools import LeaseFrom, ReservationFrom, store_body
 from kvtier.client.releases import may_have_reached, new_token
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, reply_body
@@ -262,8 +263,8 @@ class Client:
         with self._calls.call():
             kind, wanted = kv_layout(layout), check_device(device)
             tokens = token_array(tokens)  # checked once: the prefetch reuses it
-            packed = encode_tokens(tokens)
-            asked = len(packed) // 4
+            pages = LoadPages(encode_tokens(tokens), start)  # the body path's replies
+            asked = pages.asked
             self._server.refresh()  # a re-map that failed: asked again (`mapper.py`)
             dest = None
             if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
@@ -285,9 +286,9 @@ class Client:
                     self._owing.owe(lease, tenant)  # released on a later request's way
                     if kv is not None:  # None: not the pools mapped here, the body path
                         return LoadResult(lease.num_tokens, kv)
-            request: dict[str, Any] = {"tokens": packed, **({"start": start} if start else {})}
-            body = self._post("/v1/load", request, tenant)
-            return self._pools.loaded(body, wanted, asked, dest, start)
+            while (request := pages.next()) is not None:  # a long prefix: several replies
+                pages.add(self._post("/v1/load", request, tenant))
+            return self._pools.loaded(pages, wanted, asked, dest, start)
 
     def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None

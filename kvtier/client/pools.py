@@ -55,6 +55,7 @@ import torch
 
 from kvtier.blocks import Tokens, check_start, encode_tokens, from_blocks, to_blocks
 from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
+from kvtier.client.pages import LoadPages
 from kvtier.errors import ReplyError
 from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.results import Lease, LoadResult, LookupResult, Reservation, StoreResult
@@ -233,16 +234,18 @@ class MappedPools:
 
     def loaded(
         self,
-        body: dict[str, Any],
+        pages: LoadPages,
         device: torch.device | str | None,
         asked: int,
         dest: Destination | None = None,
         start: int = 0,
     ) -> LoadResult:
-        """A `/v1/load` reply (KV in the body, from token `start`): on `device` (None: the
-        CPU), or into `dest` for a prompt of `asked` tokens."""
+        """The `/v1/load` replies of one load (KV in the body, from token `start`; `pages.py`),
+        joined: on `device` (None: the CPU), or into `dest` for a prompt of `asked` tokens."""
         layout = None if self.served is None else self.served.layout
-        num_tokens, kv = replies.loaded(body, layout, start)
+        parts = [replies.loaded(body, layout, first) for first, body in pages.replies]
+        num_tokens = parts[-1][0]
+        kv = parts[0][1] if len(parts) == 1 else torch.cat([kv for _, kv in parts], dim=2)
         bt = 1 if layout is None else layout.block_tokens
         if num_tokens % bt or num_tokens > asked:
             blocks = "" if layout is None else f"whole blocks of {bt} tokens, "

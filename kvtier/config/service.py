@@ -4,6 +4,8 @@ state, its limits, and the host names a request may use.
 Contract:
 - `allowed_hosts` is a tuple of lower-cased host names or IP addresses, no ports, no
   wildcards; the bound address and loopback names are always allowed besides them.
+- `max_inflight_bytes` (the bodies and load replies held at once) is at least
+  `max_body_bytes`; unset, 4 GiB or four times `max_body_bytes`, the larger (`inflight_bytes`).
 - `admin_key` is a literal key of at least 16 characters or `env:NAME`; errors never show it
   (`loading.py`).
 """
@@ -14,7 +16,7 @@ import ipaddress
 import re
 from typing import Annotated
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, model_validator
 
 from kvtier.config.fields import InvalidValue, KeyRef, Name, Section, int_in, number_in, one_of
 
@@ -54,7 +56,30 @@ class ServiceConfig(Section):
     shared_memory: Annotated[bool, one_of((True, False))] = True
     max_tokens: Annotated[int, int_in(1, 1 << 24)] = 1 << 20
     max_body_bytes: Annotated[int, int_in(1024)] = 1 << 30
+    max_inflight_bytes: Annotated[int, int_in(2048)] | None = None  # default: `inflight_bytes`
     prefetch_wait_s: Annotated[float, number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
     body_timeout_s: Annotated[float, number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
     allowed_hosts: Annotated[tuple[str, ...], BeforeValidator(_host_names)] = ()
     admin_key: KeyRef | None = None
+
+    @model_validator(mode="after")
+    def _inflight_holds_a_body(self) -> ServiceConfig:
+        if (
+            self.max_inflight_bytes is not None
+            and self.max_inflight_bytes < 2 * self.max_body_bytes
+        ):
+            raise InvalidValue(
+                self.max_inflight_bytes,
+                f"at least twice max_body_bytes ({2 * self.max_body_bytes}): a load's reply is "
+                "held as gathered and as packed",
+                "max_inflight_bytes",
+            )
+        return self
+
+    @property
+    def inflight_bytes(self) -> int:
+        """What requests may hold in memory at once (`service/budget.py`): the setting, else
+        4 GiB or four times `max_body_bytes`, the larger."""
+        if self.max_inflight_bytes is not None:
+            return self.max_inflight_bytes
+        return max(4 << 30, 4 * self.max_body_bytes)

@@ -29,6 +29,7 @@ from fastapi import Request
 from kvtier.config import KVTierConfig
 from kvtier.service import wire
 from kvtier.service.auth import Auth
+from kvtier.service.budget import Budget
 from kvtier.service.grants import Grants
 from kvtier.service.history import History
 from kvtier.service.metrics import Metrics
@@ -54,6 +55,9 @@ class Service:
         self.lane: str | None = None  # the local lane's name while it listens (`lane.py`)
         self.instance = secrets.token_hex(8)  # this server's id in its replies (module doc)
         self.grants = Grants()  # request token -> lease / reservation id (`grants.py`)
+        limits = config.service
+        share = max(limits.inflight_bytes // max(1, len(config.tenants)), limits.max_body_bytes)
+        self.budget = Budget(limits.inflight_bytes, share)  # bodies and replies (`budget.py`)
 
     def start(self) -> None:
         """Build the store (recovery included) on this thread; `ready` when it is done."""

@@ -54,7 +54,7 @@ from kvtier.config.service import ServiceConfig
 from kvtier.errors import KVTierError
 from kvtier.events.observer import snapshot as events_snapshot
 from kvtier.results import LeaseState
-from kvtier.service import bodies, flat, schemas, wire
+from kvtier.service import bodies, budget, flat, schemas, wire
 from kvtier.service.admission import (
     Admit,
     Service,
@@ -64,6 +64,7 @@ from kvtier.service.admission import (
 )
 from kvtier.service.admission import admit as _admit
 from kvtier.service.body import Disconnected, read_body
+from kvtier.service.budget import Hold
 from kvtier.service.guard import Guard, HostCheck
 from kvtier.service.hot import Endpoint, HotRoutes
 from kvtier.service.lane import Lane
@@ -129,23 +130,29 @@ def _start_quietly(service: Service) -> None:
 
 
 def _error(status: int, kind: str, detail: str, msgpack_body: bool = False) -> Response:
-    """`{error, detail}`; a 408 or 413 may leave the body unread, so it closes the connection."""
+    """`{error, detail}`; a 408, 413 or 503 busy may leave the body unread, so it closes the
+    connection."""
     body = wire.encode({"error": kind, "detail": detail}, msgpack_body)
-    headers = {"connection": "close"} if status in (408, 413) else None
+    headers = {"connection": "close"} if status in (408, 413) or kind == "busy" else None
     return Response(
         body, status, headers=headers, media_type=wire.MSGPACK if msgpack_body else wire.JSON
     )
 
 
-async def _read_request(request: Request, config: ServiceConfig) -> dict[str, Any]:
-    """A request's body, read within its bounds and decoded as a flat map (`flat.py`); a JSON
+async def _read_request(request: Request, config: ServiceConfig, hold: Hold) -> dict[str, Any]:
+    """A request's body, held in the budget before it is read (its length, or the limit while
+    it is sent in chunks), read within its bounds and decoded as a flat map (`flat.py`); a JSON
     body, which carries no KV, at most as long as a request needs."""
     kind = request.headers.get("content-type")
     limit, name = config.max_body_bytes, "service.max_body_bytes"
     if not wire.is_msgpack(kind):
         limit = min(limit, flat.json_limit(max(config.max_tokens, wire.MAX_LIST)))
         name = "JSON's limit: 16 bytes a token of service.max_tokens and 64 KiB; send msgpack"
+    length = request.headers.get("content-length", "")
+    expected = int(length) if length.isdigit() and int(length) <= limit else limit
+    await hold.take(expected, time.monotonic() + config.body_timeout_s)
     body = await read_body(request, limit, config.body_timeout_s, name)
+    hold.shrink(len(body))
     return wire.decode_request(body, kind, config.max_tokens) if body else {}
 
 
@@ -164,16 +171,23 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         function), encode; every refusal as `{error, detail}`."""
         msgpack_body = wire.is_msgpack(request.headers.get("content-type"))
         started = time.perf_counter()
+        hold: budget.Hold | None = None  # the call's bytes in flight (`budget.py`)
         try:
             store, tenant = admit(request, service)
-            data: dict[str, Any] = {}
-            if reads_body:
-                data = await _read_request(request, config)
+            hold = service.budget.hold(tenant or "")
+            budget.HOLD.set(hold)  # in this task's own context
+            data = await _read_request(request, config, hold) if reads_body else {}
             if asyncio.iscoroutinefunction(handler):
                 result = await handler(store, tenant, data)
             else:
                 result = await run_in_threadpool(handler, store, tenant, data)
-            encoded = wire.encode(result, msgpack_body)
+            del data  # the body (a store's KV is read from it in place)
+            parts = wire.encode_parts(result, msgpack_body)  # a load's KV as it was gathered
+            hold.shrink(sum(len(part) for part in parts))
+            kind = wire.MSGPACK if msgpack_body else wire.JSON
+            reply = budget.HeldResponse(hold, parts, kind, config.body_timeout_s)
+            response, hold = reply, None
+            return response  # which gives the hold back as it is sent
         except wire.WireError as exc:
             return _error(exc.status, exc.kind, exc.detail, msgpack_body)
         except KVTierError as exc:
@@ -183,7 +197,8 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
             return _error(400, "disconnected", "the client hung up mid-body")  # reaches no one
         finally:
             service.metrics.observe(request.url.path, time.perf_counter() - started)
-        return Response(encoded, media_type=wire.MSGPACK if msgpack_body else wire.JSON)
+            if hold is not None:
+                hold.release()
 
     # ---- liveness, readiness, status ------------------------------------------------------
 

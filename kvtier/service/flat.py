@@ -13,8 +13,8 @@ pointer, so a 19 MiB body of nested empty arrays held 1.4 GiB of `kvtier serve` 
 
 - The top level is a map (for the lane's envelope, an array) of at most `MAX_FIELDS` entries,
   its keys strings of at most `MAX_KEY_BYTES`.
-- A scalar, string or byte string is decoded from its own bytes (its header gives its length):
-  one copy of a byte string, as before.
+- A scalar or string is decoded from its own bytes (its header gives its length); a byte string
+  is a `memoryview` of the body, not a copy (a store's KV is read in place).
 - An array has at most `max_items` elements (the caller passes `service.max_tokens`; more is
   `TooMany`, 413), each a scalar: it is decoded from at most `9 * count + 5` bytes (the widest
   scalar is 9), with nested arrays and maps refused (`Malformed`, 400) and strings, byte
@@ -144,6 +144,8 @@ def _field(view: memoryview, at: int, name: str, max_items: int) -> tuple[Any, i
     end = start + count
     if end > len(view):
         raise Malformed(f"{name}: cut off ({end - len(view)} bytes missing)")
+    if kind == "bin":
+        return view[start:end], end  # the body's own bytes: no copy (the KV, packed tokens)
     try:
         return msgpack.unpackb(view[at:end], raw=False), end
     except ValueError as exc:  # not valid UTF-8

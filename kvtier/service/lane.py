@@ -176,7 +176,7 @@ class Lane:
             and len(request) == 4
             and isinstance(request[0], str)
             and all(v is None or isinstance(v, str) for v in request[1:3])
-            and isinstance(request[3], bytes)
+            and isinstance(request[3], bytes | memoryview)
         ):
             return _refusal(
                 400, "malformed_frame",

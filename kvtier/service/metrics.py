@@ -33,6 +33,10 @@ latency is the service's own (a histogram per route). Names:
     kvtier_prefetch_to_ready_seconds{quantile}           p50 / p99 of recent prefetches
     kvtier_request_seconds{route}                        histogram of request latency
     kvtier_client_disconnects_total                      clients that hung up mid-body
+    kvtier_inflight_bytes                                bodies and load replies held now
+    kvtier_inflight_limit_bytes                          their bound (`budget.py`)
+    kvtier_inflight_{waits,busy}_total                   calls that waited for room; refused
+                                                         503 busy at their deadline
     kvtier_remote_connected                              with tiers.remote: 1 while connected
     kvtier_remote_writer_pending_bytes                   the write backlog
     kvtier_remote_<counter>_total                        every count of the status' `remote`
@@ -122,6 +126,14 @@ class _StoreCollector(Collector):
         self.service = service
 
     def collect(self) -> Iterator[Any]:
+        budget = self.service.budget
+        yield _gauge("kvtier_inflight_bytes", "Request bodies and load replies held", budget.held)
+        yield _gauge("kvtier_inflight_limit_bytes", "service.max_inflight_bytes", budget.total)
+        for name, value, text in (("waits", budget.waits, "Calls that waited for room"),
+                                  ("busy", budget.refused, "Calls refused 503 busy")):  # fmt: skip
+            family = CounterMetricFamily(f"kvtier_inflight_{name}", text)
+            family.add_metric([], value)
+            yield family
         store = self.service.store
         ready = GaugeMetricFamily("kvtier_ready", "1 once the store serves")
         ready.add_metric([], 0.0 if store is None else 1.0)

@@ -6,7 +6,8 @@ store as the tenant its caller was admitted as, and returns the reply's body; a 
 propagates for the caller to classify. They run on a worker thread (HTTP) or on the lane
 connection's thread, never on the event loop; the one exception is HTTP's `prefetch`, a
 coroutine that awaits its lease without holding a thread (`sync_handlers` gives the lane a
-blocking twin).
+blocking twin), and HTTP's `load`, which holds its reply's bytes in the budget first (the lane
+carries no load).
 
 Every reply that names slots (a lease: prefetch, `/v1/leases`; a reservation) carries the
 server's `instance` (`admission.Service`), so a client never reads or writes the pools it mapped
@@ -17,16 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from kvtier.blocks import check_start
 from kvtier.config.service import ServiceConfig
 from kvtier.errors import LeaseError
 from kvtier.results import Lease, LeaseState
-from kvtier.service import bodies, wire
+from kvtier.service import bodies, budget, wire
 from kvtier.service.grants import Grants
 from kvtier.store import PREFETCH_ATTEMPTS, KVStore
 
@@ -133,11 +136,29 @@ class Plane:
         start = wire.int_field(data, "start") if "start" in data else 0
         return store.store(tokens, wire.kv_from_wire(data), tenant=tenant, start=start)._asdict()
 
-    def load(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+    async def load(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
+        """The KV of the cached prefix from `start`, at most `max_body_bytes` of it (whole
+        blocks; `truncated` when the prefix may go on past them: ask again from `num_tokens`).
+        The reply's KV (sent from where it is gathered: `wire.encode_parts`) is held in the
+        call's budget (`budget.py`) for as many tokens as were asked before a byte of it is
+        gathered."""
         tokens = wire.tokens_field(data, self.config.max_tokens)
         start = wire.int_field(data, "start") if "start" in data else 0
-        result = store.load(tokens, tenant=tenant, start=start, device="cpu")
-        return {"num_tokens": result.num_tokens, **wire.kv_to_wire(result.kv)}
+        layout = store.layout
+        check_start(start, len(tokens), layout.block_tokens)
+        most = self.config.max_body_bytes // layout.block_bytes * layout.block_tokens
+        end = min(len(tokens), start + most)
+        hold = budget.HOLD.get()
+        if hold is not None:
+            charge = (end - start) // layout.block_tokens * layout.block_bytes
+            await hold.take(charge, time.monotonic() + self.config.body_timeout_s)
+        result = await run_in_threadpool(
+            functools.partial(store.load, tokens[:end], tenant=tenant, start=start, device="cpu")
+        )
+        reply = {"num_tokens": result.num_tokens, **wire.kv_to_wire(result.kv)}
+        if end < len(tokens) and result.num_tokens == end:
+            reply["truncated"] = True
+        return reply
 
     def reserve(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         tokens = wire.tokens_field(data, self.config.max_tokens)

@@ -22,6 +22,10 @@ the same protocol with both bounds:
   saw a broken pipe and httpx a `ReadError` where the server had said 413. A close with
   nothing left to read (keep-alive off, an idle connection at shutdown) is immediate.
 
+- a request's scope carries `extensions["kvtier.abort"]`: it drops the connection at once,
+  whatever is still buffered for it, so that a reply whose client stopped reading can be given
+  up (`budget.HeldResponse`); a plain close would wait for the buffer to drain.
+
 Where httptools is not installed, uvicorn's h11 protocol runs instead (`protocol_class`): it
 bounds a head's size (h11's 16 KiB default) but not its time, and closes without lingering.
 """
@@ -106,7 +110,13 @@ def bounded(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol]:
         def on_headers_complete(self) -> None:
             self._disarm()
             self._in_head = False
+            extensions = self.scope.setdefault("extensions", {})
+            extensions["kvtier.abort"] = self._abort  # type: ignore[assignment]
             super().on_headers_complete()
+
+        def _abort(self) -> None:
+            if self._lingering is not None:
+                self._lingering.abort()
 
         def send_400_response(self, msg: str) -> None:
             self._in_head = True  # a head the parser stopped reading: more of it may come
@@ -166,6 +176,12 @@ class Lingering:
 
     def is_closing(self) -> bool:
         return self.draining or self._transport.is_closing()
+
+    def abort(self) -> None:
+        """Drop the connection now, unsent bytes and all (`connection_lost` follows)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._transport.abort()
 
     def close(self) -> None:
         transport = self._transport

@@ -91,9 +91,10 @@ STORED = _obj(
     ("cached_tokens", "stored_tokens", "dropped_tokens"),
 )
 LOADED = _obj(
-    {"num_tokens": _INT, "kv": {}, "dtype": _STR, "shape": {"type": "array", "items": _INT}},
+    {"num_tokens": _INT, "kv": {}, "dtype": _STR, "shape": {"type": "array", "items": _INT},
+     "truncated": {"type": "boolean"}},  # more may be cached: ask again from num_tokens
     ("num_tokens", "dtype", "shape"),
-)
+)  # fmt: skip
 RESERVATION = _obj(
     {
         "reservation_id": _INT,

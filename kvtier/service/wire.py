@@ -12,7 +12,9 @@ tensor's raw bytes in C order (msgpack only; JSON has no bytes).
                         release?, request?}
     POST /v1/release   {lease_id} or {request}        -> {}
     POST /v1/store     {tokens, kv, dtype, shape}     -> {cached_tokens, stored_tokens, ...}
-    POST /v1/load      {tokens}                       -> {num_tokens, kv, dtype, shape}
+    POST /v1/load      {tokens, start?}               -> {num_tokens, kv, dtype, shape,
+                                                          truncated?}  (at most max_body_bytes
+                                                          of KV: ask again from num_tokens)
     POST /v1/reserve   {tokens, ttl_s?, release?,     -> reservation
                         request?}
     POST /v1/commit    {reservation_id}               -> store result
@@ -146,6 +148,19 @@ def decode_request(
         raise WireError(400, "malformed_body", f"body is not a request: {exc}") from None
 
 
+def encode_parts(data: dict[str, Any], msgpack_body: bool) -> list[bytes | memoryview]:
+    """`encode`, in parts that make the body one after the other: a msgpack reply's `kv`
+    payload (a load's) stays where it lies, its last part, not copied into the body."""
+    kv = data.get("kv")
+    if not (msgpack_body and isinstance(kv, memoryview)):
+        return [encode(data, msgpack_body)]
+    packer = msgpack.Packer(use_bin_type=True)
+    head = [packer.pack_map_header(len(data))]
+    head += [packer.pack(key) + packer.pack(value) for key, value in data.items() if key != "kv"]
+    head += [packer.pack("kv"), b"\xc6" + len(kv).to_bytes(4, "big")]  # bin 32, then the bytes
+    return [b"".join(head), kv]
+
+
 def encode(data: dict[str, Any], msgpack_body: bool) -> bytes:
     """A response body; `WireError` 400 for bytes (a load's KV) in JSON, which has none."""
     if msgpack_body:
@@ -166,7 +181,7 @@ def tokens_field(data: dict[str, Any], max_tokens: int) -> np.ndarray | list[int
     store, which names bad ids); `WireError` 400 if missing or of the wrong kind, 413 if too
     many."""
     value = data.get("tokens")
-    if isinstance(value, bytes):
+    if isinstance(value, bytes | memoryview):
         if len(value) % 4:
             raise WireError(
                 400, "invalid_tokens", f"tokens: {len(value)} bytes, expected a multiple of 4"
@@ -228,7 +243,7 @@ def int_field(data: dict[str, Any], name: str) -> int:
 def kv_to_wire(kv: torch.Tensor) -> dict[str, Any]:
     kv = kv.detach().to("cpu").contiguous()
     return {
-        "kv": kv.view(torch.uint8).numpy().tobytes(),
+        "kv": kv.view(torch.uint8).reshape(-1).numpy().data,  # packed without a copy
         "dtype": str(kv.dtype).removeprefix("torch."),
         "shape": list(kv.shape),
     }
@@ -238,7 +253,7 @@ def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
     """The `kv` payload of a request; `WireError` 400 if malformed, 422 for an unknown dtype
     (the store itself refuses a dtype or shape that is not its layout's, with InvalidKVError)."""
     raw, dtype, shape = data.get("kv"), data.get("dtype"), data.get("shape")
-    if not isinstance(raw, bytes):
+    if not isinstance(raw, bytes | memoryview):
         raise WireError(400, "invalid_kv", "kv: expected the tensor's raw bytes (msgpack bin)")
     if not (isinstance(dtype, str) and dtype in DTYPES):
         raise WireError(
@@ -260,8 +275,9 @@ def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
     expected = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
     if len(raw) != expected:  # exact integers: a product too large for int64 is just unequal
         raise WireError(400, "invalid_kv", f"kv: {len(raw)} bytes, expected {expected}")
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
-    return flat.view(torch_dtype).view(shape)
+    writable = raw if isinstance(raw, memoryview) and not raw.readonly else bytearray(raw)
+    values = torch.frombuffer(writable, dtype=torch.uint8) if raw else torch.empty(0)
+    return values.view(torch_dtype).view(shape)  # a view of the body's bytes, read in place
 
 
 MAX_LEASE_ID = 2**64 - 1

@@ -1,0 +1,189 @@
+"""What the data plane's requests may hold in memory at once (`service.max_inflight_bytes`).
+
+A request's body is held while it is read and while the store works on it; a load's reply is
+built whole (the KV gathered, then packed) and held until it is sent. Each is bounded by
+`max_body_bytes`, but nothing bounded how many there were: six concurrent loads of a 128 MiB
+prefix raised `kvtier serve`'s peak RSS by 770 MiB, so a tenant with a cached prefix and a few
+hundred connections could take the machine from everyone. Every body and reply is charged here
+first:
+
+    hold = budget.hold(tenant)              nothing held yet
+    await hold.take(nbytes, deadline)       waits for room; `WireError` 503 busy past deadline
+    hold.shrink(nbytes)                     gives back what the call turned out not to need
+    hold.release()                          all of it (idempotent): after the reply is sent
+
+Invariants (`check()`):
+- the bytes held by all holds are at most `total`, and a tenant's at most `share`:
+  `max(total // tenants, 2 * max_body_bytes)`, so with two or more tenants one tenant's calls
+  leave the others at least `total - share` (and the largest call, a load's reply packed from
+  its KV, `2 * max_body_bytes`, always fits an idle budget);
+- a call waits without a thread and without its body (`take` comes before the read), up to its
+  deadline (`service.body_timeout_s`), then is refused 503 `busy`: it held nothing, read nothing,
+  stored nothing.
+- when room frees, waiters that fit now are granted in the order they came; one that does not
+  fit (its tenant at its share, or too large for what is free) does not hold back those after
+  it, so a tenant under its share is not kept waiting behind one at its share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextvars import ContextVar
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from kvtier.service.wire import WireError
+
+HOLD: ContextVar[Hold | None] = ContextVar("kvtier_hold", default=None)
+"""The hold of the HTTP call being answered (`app.call` sets it): a handler that learns what
+it will hold only from the body (a load's reply) takes it there."""
+
+
+class Budget:
+    """Bytes held by requests in flight, in total and per tenant (module doc). Used from the
+    event loop only."""
+
+    def __init__(self, total: int, share: int) -> None:
+        self.total, self.share = total, share
+        self.held = 0
+        self.by_tenant: dict[str, int] = {}
+        self.waits = self.refused = 0  # calls that waited for room; refused 503 busy
+        self._waiting: list[tuple[str, int, asyncio.Future[None]]] = []
+
+    def hold(self, tenant: str) -> Hold:
+        return Hold(self, tenant)
+
+    def fits(self, tenant: str, nbytes: int) -> bool:
+        mine = self.by_tenant.get(tenant, 0)
+        return self.held + nbytes <= self.total and mine + nbytes <= self.share
+
+    def largest(self) -> int:
+        """The most one call can ever hold (its bound when the budget is idle)."""
+        return min(self.total, self.share)
+
+    async def _take(self, tenant: str, nbytes: int, deadline: float) -> None:
+        if nbytes > self.largest():
+            raise WireError(
+                413, "body_too_large",
+                f"the call needs {nbytes} bytes in flight, more than one call may hold "
+                f"({self.largest()}: service.max_inflight_bytes and the tenants' shares)",
+            )  # fmt: skip
+        if self.fits(tenant, nbytes):
+            self._grant(tenant, nbytes)
+            return
+        self.waits += 1
+        entry = (tenant, nbytes, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await entry[2]
+        except BaseException as exc:  # the deadline, or the caller cancelled (hung up)
+            if entry[2].done() and not entry[2].cancelled():
+                self._give(tenant, nbytes)  # granted as the deadline fell: not taken
+            elif entry in self._waiting:
+                self._waiting.remove(entry)
+            if not isinstance(exc, TimeoutError):
+                raise
+            self.refused += 1
+            raise WireError(
+                503, "busy",
+                f"{nbytes} bytes in flight did not fit within service.body_timeout_s: "
+                f"{self.held} of {self.total} held (service.max_inflight_bytes), "
+                f"{self.by_tenant.get(tenant, 0)} of {self.share} by this tenant",
+            ) from None  # fmt: skip
+
+    def _grant(self, tenant: str, nbytes: int) -> None:
+        self.held += nbytes
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + nbytes
+
+    def _give(self, tenant: str, nbytes: int) -> None:
+        if not nbytes:
+            return
+        self.held -= nbytes
+        left = self.by_tenant[tenant] - nbytes
+        if left:
+            self.by_tenant[tenant] = left
+        else:
+            del self.by_tenant[tenant]
+        for entry in list(self._waiting):  # in the order they came, those that fit now
+            waiter, wanted, future = entry
+            if not future.done() and self.fits(waiter, wanted):  # (done: cancelled, leaving)
+                self._waiting.remove(entry)
+                self._grant(waiter, wanted)
+                future.set_result(None)
+
+    def check(self) -> None:
+        assert 0 <= self.held <= self.total, (self.held, self.total)
+        assert self.held == sum(self.by_tenant.values()), (self.held, self.by_tenant)
+        assert all(0 < n <= self.share for n in self.by_tenant.values()), self.by_tenant
+        for tenant, nbytes, future in self._waiting:  # a cancelled one is on its way out
+            assert future.cancelled() or not future.done(), (tenant, nbytes)
+            assert nbytes <= self.largest(), (tenant, nbytes)
+
+
+class Hold:
+    """One call's bytes in the budget; `release` gives them all back (idempotent)."""
+
+    def __init__(self, budget: Budget, tenant: str) -> None:
+        self.budget, self.tenant, self.nbytes = budget, tenant, 0
+
+    async def take(self, nbytes: int, deadline: float) -> None:
+        await self.budget._take(self.tenant, nbytes, deadline)
+        self.nbytes += nbytes
+
+    def shrink(self, nbytes: int) -> None:
+        """Hold `nbytes` in all from now (no more than held)."""
+        give = max(0, self.nbytes - max(0, nbytes))
+        self.nbytes -= give
+        self.budget._give(self.tenant, give)
+
+    def release(self) -> None:
+        self.shrink(0)
+
+
+class HeldResponse(Response):
+    """A reply made of `parts` (a load's KV is one, where the store gathered it: no copy),
+    sent in `CHUNK`s, each once the connection took the last (the server's flow control), its
+    call's hold shrinking as each part is sent and dropped, all of it given back at the end or
+    when the client is gone. Sent as one piece, a reply would sit in the connection's buffer
+    after the call returned, outside the budget. A client that takes no chunk for `timeout_s`
+    is cut off (`protocol.py`'s `kvtier.abort`): a reader that stopped holds neither the budget
+    nor the connection for longer."""
+
+    def __init__(
+        self, hold: Hold, parts: list[bytes | memoryview], media_type: str, timeout_s: float
+    ) -> None:
+        size = sum(len(part) for part in parts)
+        super().__init__(b"", media_type=media_type, headers={"content-length": str(size)})
+        self.hold, self.parts, self.size, self.timeout_s = hold, parts, size, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            start = {"type": "http.response.start", "status": self.status_code}
+            await send({**start, "headers": self.raw_headers})
+            left = self.size
+            for i in range(len(self.parts)):
+                view = memoryview(self.parts[i])
+                for at in range(0, len(view), CHUNK):
+                    chunk = {"type": "http.response.body", "body": bytes(view[at : at + CHUNK])}
+                    async with asyncio.timeout(self.timeout_s):
+                        await send({**chunk, "more_body": True})
+                left -= len(view)
+                view.release()
+                self.parts[i] = b""  # freed here, its last reference
+                self.hold.shrink(left)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            abort = scope.get("extensions", {}).get("kvtier.abort")
+            if abort is None:  # another protocol: its own error and close
+                raise
+            abort()
+            await asyncio.sleep(0)  # the connection is lost (so the server logs nothing)
+        finally:
+            self.parts = []
+            self.hold.release()
+
+
+CHUNK = 1 << 20
