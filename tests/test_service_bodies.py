@@ -24,12 +24,13 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_server import ADMIN_KEY, Server, kv_of, running, tokens_of, write_config
 
 from kvtier.client import Client
-from kvtier.service import flat
+from kvtier.service import flat, wire
 
 MSGPACK = {"content-type": "application/msgpack"}
 JSON = {"content-type": "application/json"}
@@ -210,3 +211,16 @@ def _peak(call: Callable[[], Any]) -> int:
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_a_kv_is_read_in_place_where_aligned_and_copied_where_not(offset: int) -> None:
+    """`kv_from_wire` of a body's bytes: a view of them when each element sits where its type
+    wants it, a copy otherwise; the same values either way."""
+    kv = kv_of(8, seed=2).to(torch.float32)
+    body = bytearray(offset) + bytearray(kv.view(torch.uint8).numpy().tobytes())
+    data = {"kv": memoryview(body)[offset:], "dtype": "float32", "shape": list(kv.shape)}
+    start = torch.frombuffer(body, dtype=torch.uint8).data_ptr() + offset
+    got = wire.kv_from_wire(data)
+    assert torch.equal(got, kv) and got.data_ptr() % 4 == 0
+    assert (got.data_ptr() == start) == (start % 4 == 0)

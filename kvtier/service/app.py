@@ -149,8 +149,9 @@ async def _read_request(request: Request, config: ServiceConfig, hold: Hold) -> 
         limit = min(limit, flat.json_limit(max(config.max_tokens, wire.MAX_LIST)))
         name = "JSON's limit: 16 bytes a token of service.max_tokens and 64 KiB; send msgpack"
     length = request.headers.get("content-length", "")
-    expected = int(length) if length.isdigit() and int(length) <= limit else limit
-    await hold.take(expected, time.monotonic() + config.body_timeout_s)
+    expected = int(length) if length.isdigit() else limit  # (over the limit: 413, unread)
+    if expected <= limit:
+        await hold.take(expected, time.monotonic() + config.body_timeout_s)
     body = await read_body(request, limit, config.body_timeout_s, name)
     hold.shrink(len(body))
     return wire.decode_request(body, kind, config.max_tokens) if body else {}
@@ -234,6 +235,8 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
             reads_body=False,
         )
 
+    snapshots = asyncio.Lock()  # `/v1/blocks`: one built at a time
+
     @app.get(
         "/v1/blocks", responses=schemas.responses(schemas.ANY_OBJECT, 400, *schemas.GET_STATUSES)
     )
@@ -241,12 +244,18 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         """Every block held, per event topic, as one KV-event batch and the topic's sequence
         number then (a router's resync; msgpack only: the batch is bytes): with a tenant key,
         that tenant's blocks; with the admin key (or without auth), all."""
-        return await call(
-            request,
-            lambda store, tenant, data: events_snapshot(store, tenant),
-            admit=admit_viewer,
-            reads_body=False,
-        )
+
+        async def handler(store: KVStore, tenant: str | None, data: Any) -> dict[str, Any]:
+            async with snapshots:  # one built at a time, then held in the budget while sent
+                snapshot = await run_in_threadpool(events_snapshot, store, tenant)
+                size = sum(len(topic["events"]) for topic in snapshot["topics"])
+                hold = budget.HOLD.get()
+                if hold is not None:
+                    deadline = time.monotonic() + config.body_timeout_s
+                    await hold.take(min(size, service.budget.largest()), deadline)
+                return snapshot
+
+        return await call(request, handler, admit=admit_viewer, reads_body=False)
 
     @app.get("/v1/config", responses=schemas.responses(schemas.ANY_OBJECT, *schemas.ADMIN_GET))
     async def effective_config(request: Request) -> Response:

@@ -272,12 +272,19 @@ def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
             "nonzero ones multiply to less than 2**62",
         )
     torch_dtype = DTYPES[dtype]
-    expected = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    expected = math.prod(shape) * itemsize
     if len(raw) != expected:  # exact integers: a product too large for int64 is just unequal
         raise WireError(400, "invalid_kv", f"kv: {len(raw)} bytes, expected {expected}")
-    writable = raw if isinstance(raw, memoryview) and not raw.readonly else bytearray(raw)
-    values = torch.frombuffer(writable, dtype=torch.uint8) if raw else torch.empty(0)
-    return values.view(torch_dtype).view(shape)  # a view of the body's bytes, read in place
+    if not raw:
+        return torch.empty(0, dtype=torch_dtype).view(shape)
+    if isinstance(raw, memoryview) and not raw.readonly:  # the request body's own bytes
+        values = torch.frombuffer(raw, dtype=torch.uint8)
+        if values.data_ptr() % itemsize:
+            values = values.clone()  # each element where its type wants it: a copy
+    else:
+        values = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return values.view(torch_dtype).view(shape)
 
 
 MAX_LEASE_ID = 2**64 - 1
