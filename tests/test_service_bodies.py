@@ -30,6 +30,9 @@ from hypothesis import strategies as st
 from service_server import ADMIN_KEY, Server, kv_of, running, tokens_of, write_config
 
 from kvtier.client import Client
+from kvtier.client.connections import Reply
+from kvtier.client.transport import reply_body
+from kvtier.errors import ReplyError
 from kvtier.service import flat, wire
 
 MSGPACK = {"content-type": "application/msgpack"}
@@ -110,9 +113,10 @@ def test_hostile_bodies_are_refused_in_bounded_memory(server: Server) -> None:
 
 def test_a_lane_frame_is_decoded_in_bounded_memory() -> None:
     """The lane's envelope is a flat array: a nested one is refused as the body is."""
-    envelope = b"\x94" + nested_empty_arrays(1024)
-    with pytest.raises(flat.Malformed, match="entry 0"):
-        flat.loads_msgpack(envelope, 4, top=list)
+    for size in (1024, 2 * flat.SMALL):  # decoded whole, then checked; walked
+        envelope = b"\x94" + nested_empty_arrays(size) + b"\xc0\xc0\xc4\x00"
+        with pytest.raises(flat.Malformed, match="entry 0"):
+            flat.loads_msgpack(envelope, 4, top=list)
     good = msgpack.packb(["/v1/lookup", None, "t", b"\x01\x02"], use_bin_type=True)
     assert flat.loads_msgpack(good, 4, top=list) == ["/v1/lookup", None, "t", b"\x01\x02"]
 
@@ -203,10 +207,10 @@ def test_a_json_body_longer_than_any_request_needs_is_refused_unread(server: Ser
     assert "JSON" in response.json()["detail"]
 
 
-def _peak(call: Callable[[], Any]) -> int:
+def _peak(call: Callable[[], Any], *expected: type[Exception]) -> int:
     tracemalloc.start()
     try:
-        with contextlib.suppress(flat.Malformed, ValueError):
+        with contextlib.suppress(flat.Malformed, ValueError, *expected):
             call()
         return tracemalloc.get_traced_memory()[1]
     finally:
@@ -224,3 +228,46 @@ def test_a_kv_is_read_in_place_where_aligned_and_copied_where_not(offset: int) -
     got = wire.kv_from_wire(data)
     assert torch.equal(got, kv) and got.data_ptr() % 4 == 0
     assert (got.data_ptr() == start) == (start % 4 == 0)
+
+
+# ---- replies (the clients' side) ------------------------------------------------------------
+
+DOCS = st.recursive(
+    SCALARS,
+    lambda children: (
+        st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=6)
+    ),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(DOCS, st.booleans())
+def test_every_reply_decodes_as_msgpack_decodes_it(doc: Any, large: bool) -> None:
+    """Small replies and large ones (a padding byte string past `flat.SMALL`: walked)."""
+    value = {"doc": doc, "pad": b"\x00" * (flat.SMALL + 1 if large else 0)}
+    body = msgpack.packb(value, use_bin_type=True)
+    assert flat.loads_reply(body, "application/msgpack") == msgpack.unpackb(body, raw=False)
+
+
+@pytest.mark.parametrize("size", [4 * MIB, 64 * MIB])
+@pytest.mark.parametrize("make", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_a_hostile_reply_is_a_reply_error_in_bounded_memory(
+    make: Callable[[int], bytes], size: int
+) -> None:
+    body = make(size)
+    reply = Reply(200, "application/msgpack", body, "/v1/lookup")
+    peak = _peak(lambda: reply_body(reply), ReplyError)
+    bound = 64 * flat.MAX_REPLY_ITEMS + 2 * len(body)  # 60-odd bytes an item, whatever the size
+    assert peak < bound, f"{peak / MIB:.1f} MiB for a {len(body) / MIB} MiB reply"
+
+
+def test_a_reply_nested_past_its_depth_or_with_a_json_flood_is_refused() -> None:
+    deep = msgpack.packb({"a": [[[[[[[[[[1]]]]]]]]]], "pad": b"\x00" * flat.SMALL})
+    with pytest.raises(flat.TooMany, match="levels"):
+        flat.loads_reply(deep, "application/msgpack")
+    with pytest.raises(flat.Malformed, match="JSON"):
+        flat.loads_reply(json_brackets(8 * MIB), "application/json")
+    status = {"tiers": {"gpu": {"blocks": 3, "names": ["a", "b"]}}, "pad": b"\x01" * flat.SMALL}
+    body = msgpack.packb(status, use_bin_type=True)
+    assert flat.loads_reply(body, "application/msgpack") == status  # a large nested reply

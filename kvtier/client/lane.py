@@ -35,11 +35,9 @@ import threading
 import time
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
-
 from kvtier.client.connections import Reply, TransportError, reply_too_long, still_open
 from kvtier.errors import ClosedError, ReplyError
-from kvtier.service import frames, wire
+from kvtier.service import flat, frames, wire
 
 RETRY_S = 30.0
 
@@ -257,9 +255,9 @@ def _read_frame(sock: socket.socket, limit: int, call: str) -> Any:
 
 def _decoded(payload: bytes, call: str) -> Any:
     try:
-        return msgpack.unpackb(payload, raw=False)
-    except (ValueError, RecursionError) as exc:
-        raise ReplyError(f"{call}: a reply that is not msgpack ({type(exc).__name__})") from None
+        return flat.loads_reply(payload, wire.MSGPACK)  # in bounded memory
+    except flat.Malformed as exc:
+        raise ReplyError(f"{call}: a reply that is not msgpack ({exc})") from None
 
 
 def _reply(reply: Any, call: str) -> tuple[int, bytes]:

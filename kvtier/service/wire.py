@@ -107,16 +107,12 @@ def is_msgpack(content_type: str | None) -> bool:
 
 
 def decode(body: bytes, content_type: str | None) -> dict[str, Any]:
-    """A request body as a dict; `WireError(400)` if it is not one (nesting too deep for
-    either decoder included: msgpack stops at its own stack limit, JSON at the recursion
-    limit)."""
+    """A reply body as a dict, in bounded memory (`flat.loads_reply`); `WireError(400)` if it
+    is not one."""
     try:
-        data = msgpack.unpackb(body, raw=False) if is_msgpack(content_type) else json.loads(body)
-    except (ValueError, RecursionError) as exc:  # msgpack's errors are ValueErrors
-        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise WireError(
-            400, "malformed_body", f"body is not valid msgpack or JSON: {detail}"
-        ) from None
+        data = flat.loads_reply(body, content_type)
+    except flat.Malformed as exc:
+        raise WireError(400, "malformed_body", f"body is not a reply: {exc}") from None
     if not isinstance(data, dict):
         raise WireError(400, "malformed_body", f"body: got {type(data).__name__}, expected a map")
     return data
