@@ -201,6 +201,12 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 # (name, YAML text, field, value): each file is refused, naming `field` and `value`.
 BAD_FILES = [
+    (
+        "in-flight budget under a body",
+        "service: {max_body_bytes: 1048576, max_inflight_bytes: 1048575}",
+        "service.max_inflight_bytes",
+        1048575,
+    ),
     ("bad unit", "tiers: {gpu: {capacity: 8GB!}}", "tiers.gpu.capacity", "8GB!"),
     ("unknown unit", "tiers: {host: {capacity: 8XiB}}", "tiers.host.capacity", "8XiB"),
     ("negative size", "tiers: {gpu: {capacity: -1GiB}}", "tiers.gpu.capacity", "-1GiB"),
@@ -441,3 +447,11 @@ def test_events_are_off_unless_set_and_check_each_field() -> None:
         with pytest.raises(ConfigError) as info:
             parse_config({"events": bad})
         assert info.value.field == f"events.{field}", (bad, info.value)
+
+
+def test_the_in_flight_budget_defaults_to_4_gib_or_four_bodies() -> None:
+    assert KVTierConfig().service.inflight_bytes == 4 << 30
+    big = parse_config({"service": {"max_body_bytes": 2 << 30}}, "<test>")
+    assert big.service.inflight_bytes == 8 << 30
+    set_ = parse_config({"service": {"max_inflight_bytes": 1 << 30}}, "<test>")
+    assert set_.service.inflight_bytes == 1 << 30

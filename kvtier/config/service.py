@@ -64,14 +64,12 @@ class ServiceConfig(Section):
 
     @model_validator(mode="after")
     def _inflight_holds_a_body(self) -> ServiceConfig:
-        if (
-            self.max_inflight_bytes is not None
-            and self.max_inflight_bytes < 2 * self.max_body_bytes
-        ):
+        inflight = self.max_inflight_bytes
+        if inflight is not None and inflight < self.max_body_bytes:
             raise InvalidValue(
-                self.max_inflight_bytes,
-                f"at least twice max_body_bytes ({2 * self.max_body_bytes}): a load's reply is "
-                "held as gathered and as packed",
+                inflight,
+                f"at least max_body_bytes ({self.max_body_bytes}): the largest body or load "
+                "reply must fit",
                 "max_inflight_bytes",
             )
         return self
