@@ -164,17 +164,19 @@ class HeldResponse(Response):
             start = {"type": "http.response.start", "status": self.status_code}
             await send({**start, "headers": self.raw_headers})
             left = self.size
+            if not left:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             for i in range(len(self.parts)):
                 view = memoryview(self.parts[i])
                 for at in range(0, len(view), CHUNK):
-                    chunk = {"type": "http.response.body", "body": bytes(view[at : at + CHUNK])}
+                    chunk = bytes(view[at : at + CHUNK])
+                    more = left - at - len(chunk) > 0  # the last piece ends the reply
                     async with asyncio.timeout(self.timeout_s):
-                        await send({**chunk, "more_body": True})
+                        await send({"type": "http.response.body", "body": chunk, "more_body": more})
                 left -= len(view)
                 view.release()
                 self.parts[i] = b""  # freed here, its last reference
                 self.hold.shrink(left)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
             abort = scope.get("extensions", {}).get("kvtier.abort")
             if abort is None:  # another protocol: its own error and close
