@@ -139,7 +139,7 @@ class KVStore:
         it first waits, at most `mover.store_wait_s`, without the store's lock."""
         key = encode_tokens(tokens)
         first, blocks = store_blocks(self.layout, key, kv, start, kv_layout(layout))
-        self.mover.throttle()  # a disk behind: wait for it (bounded, without the lock)
+        self.mover.throttle(*_ahead(self, tenant, key, first))  # (without the lock)
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
@@ -167,8 +167,8 @@ class KVStore:
         expire like leases; their slots stay allocated in quarantine for
         `policy.reservation_quarantine_s`, so that a late writer writes where no one reads
         (`tenancy.py`). `release`: as `prefetch`'s."""
-        key = encode_tokens(tokens)
-        ttl = _ttl(self.config.policy, ttl_s)
+        key, ttl = encode_tokens(tokens), _ttl(self.config.policy, ttl_s)
+        self.mover.throttle(*_ahead(self, tenant, key))  # as a store does
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.release_done(release, tenant)
@@ -362,6 +362,18 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ahead(
+    store: KVStore, tenant: str, key: bytes, first: int = 0
+) -> tuple[int, Callable[[], int]]:
+    """What `Mover.throttle` needs of a store or reservation of `key` (its blocks from block
+    `first` on): at most how many new blocks it brings, and the planning, under the cache's
+    lock, of their room in the tier above disk (`Writes.make_room_ahead`)."""
+    most = len(key) // TOKEN_NBYTES // store.block_tokens - first
+    return most, lambda: store._writes.make_room_ahead(
+        store.operations.namespace(tenant), key, first
+    )
 
 
 def _ttl(policy: PolicyConfig, ttl_s: float | None) -> float:

@@ -266,6 +266,24 @@ class Writes:
             return None
         return {GPU: pools[GPU].allocate(count), HOST: pools[HOST].allocate(count)}
 
+    def make_room_ahead(self, namespace: BlockId, key: bytes, first: int = 0) -> int:
+        """(Under the cache's lock, from `Mover.throttle`.) The new blocks a store of `key`
+        will place, and the tier above disk written down ahead for them, the match pinned
+        meanwhile as `store_new` pins it (`Background.make_room_ahead`); 0, planning nothing,
+        for none, or below a disk-only prefix (`insert_on_disk` stages its own)."""
+        match = self.index.match(namespace, key)
+        new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
+        if new_blocks <= 0 or match.num_blocks < first or self._tail_on_disk(match):
+            return 0
+        pin = self.index.leases.acquire(
+            match.end, self.state.all_tiers, math.inf, 0, resident=False
+        )
+        try:
+            self.mover.work.make_room_ahead(new_blocks)
+        finally:
+            self.index.leases.release(pin.lease_id)
+        return new_blocks
+
     def _tail_on_disk(self, match: Match) -> bool:
         end = match.end
         return (

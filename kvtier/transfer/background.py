@@ -19,6 +19,12 @@ Contract:
   for an insert) than its high watermark allows while they can be written down (flights in
   the air, or a disk that takes writes); a store then waits for them, bounded
   (`Mover.throttle`), rather than have host drop them.
+- **Short** (`short(need)`, `make_room_ahead(need)`): a store or reservation of `need` new
+  blocks that host cannot take beside what it holds (less what flights will free) would drop
+  unwritten blocks to make the room, under the watermark or not: host's least recently used
+  leaves are written down (or cleared) ahead, as over a watermark, and the call waits for them
+  (`Mover.throttle`), bounded, while they are in the air. Two prompts of 100 blocks stored
+  back to back into a host of 128 dropped 72 blocks by backpressure, with an idle disk.
 Thread: every method runs under the cache's lock.
 """
 
@@ -94,19 +100,44 @@ class Background:
         unwritten = self.index.residency.only_in(tier) + self.flights.reserved(tier)
         return unwritten > self.watermarks[tier][0] * self.pools[tier].num_slots
 
+    def has_room(self, need: int) -> bool:
+        """Whether the tier above disk can take `need` new blocks now without dropping one not
+        written down: its free slots and its blocks with a disk copy, which room-making clears
+        first (or there is no such work here: no background mover, no disk)."""
+        if not need or not self.background or self.state.disk is None:
+            return True
+        tier, residency = DISK - 1, self.index.residency
+        clean = residency.resident(tier) - residency.only_in(tier)
+        return self.pools[tier].num_free + clean >= need
+
+    def short(self, need: int) -> bool:
+        """Whether `need` new blocks would find no room in the tier above disk without dropping
+        blocks not written down, while write-downs are in the air (module doc)."""
+        return not self.has_room(need) and self._demoting[DISK - 1] > 0
+
+    def make_room_ahead(self, need: int) -> None:
+        """Write down (or clear) the tier above disk's least recently used leaves until `need`
+        new blocks fit beside what it holds, as demotion over a watermark does."""
+        if self.background and self.state.disk is not None and need:
+            tier = DISK - 1
+            self._demote_to(
+                tier, self.pools[tier].num_slots - need, self.pools[tier].num_slots - need
+            )
+
     def keep_watermarks(self) -> None:
         if not self.background:  # inline: room is made on demand only
             return
         for tier in range(len(self.watermarks)):
             if self.state.below(tier) is not None:
-                self._demote_over_watermark(tier)
+                high, low = self.watermarks[tier]
+                slots = self.pools[tier].num_slots
+                self._demote_to(tier, high * slots, int(low * slots))
 
-    def _demote_over_watermark(self, tier: int) -> None:
-        pool = self.pools[tier]
-        high, low = self.watermarks[tier]
-        if self.pressure(tier) <= high * pool.num_slots:
+    def _demote_to(self, tier: int, trigger: float, goal: int) -> None:
+        """Past `trigger` slots in use (less what flights will free), demote `tier`'s least
+        recently used leaves down to `goal`."""
+        if self.pressure(tier) <= trigger:
             return
-        goal = int(low * pool.num_slots)
         lower = tier + 1
         for ref in self.index.victims(tier):
             if self.pressure(tier) <= goal or self._demoting[tier] >= MAX_DEMOTIONS:

@@ -15,10 +15,12 @@ Contract:
 - With an `InlineExecutor` (`mover.background: false`), every flight runs inside the call that
   plans it and is published before the call returns, through the same code.
 - `reserved(tier)` counts the slots flights own: the store's `check()` adds it to residency.
-- `throttle()` (a store calls it before taking the cache's lock) waits, at most
-  `store_wait_s` and without the lock, while the work is behind (`Background.behind`): each
-  published flight wakes it to look again. Before each look it publishes finished flights and
-  plans demotions over watermarks, as the thread would; it stores nothing.
+- `throttle(need)` (a store or reservation of `need` new blocks calls it before taking the
+  cache's lock) waits, at most `store_wait_s` and without the lock, while the work is behind
+  (`Background.behind`) or host could take the blocks only by dropping unwritten ones
+  (`Background.short`): each published flight wakes it to look again. Before each look it
+  publishes finished flights, plans demotions over watermarks, as the thread would, and
+  writes down ahead what the call needs (`make_room_ahead`); it stores nothing.
 - The thread wakes on every completion (a done callback, or a CUDA event it polls while copies
   run: a launch on such an executor wakes it to start polling) and at least every
   `IDLE_WAKE_S`; it holds the mover only while it works, so a store
@@ -155,20 +157,25 @@ class Mover:
         self.reap()
         return len(flight.write.src_slots), flight.kept if flight.published else 0
 
-    def throttle(self) -> None:
+    def throttle(self, most: int = 0, ahead: Callable[[], int] | None = None) -> None:
         """Wait, at most `store_wait_s` and without the cache's lock (the caller must not hold
-        it), while the work is behind (module doc). Any thread; nothing changes."""
+        it), while the work is behind, or host has room for the call's new blocks only by
+        dropping unwritten ones (module doc). `most`: at most how many new blocks the call
+        brings; `ahead()` (under the lock) plans their room and says how many. Any thread; it
+        stores nothing."""
         if self.store_wait_s <= 0:
             return
         deadline = 0.0
+        work = self.work
         while True:
             self._published.clear()  # before looking: a flight published after it wakes us
             with self.lock:
-                if not self.work.behind():  # the common case: nothing more to do here
+                if not work.behind() and work.has_room(most):  # the common case
                     return
                 self.reap()  # flights done: publish them, and plan the next ones down now
-                self.work.keep_watermarks()
-                if not self.work.behind():
+                work.keep_watermarks()
+                need = ahead() if ahead is not None else 0
+                if not work.behind() and not work.short(need):
                     return
                 now = time.monotonic()
                 if not deadline:
