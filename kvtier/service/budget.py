@@ -1,8 +1,8 @@
 """What the data plane's requests may hold in memory at once (`service.max_inflight_bytes`).
 
-A request's body is held while it is read and while the store works on it; a load's reply is
-built whole (the KV gathered, then packed) and held until it is sent. Each is bounded by
-`max_body_bytes`, but nothing bounded how many there were: six concurrent loads of a 128 MiB
+A request's body is held while it is read and while the store works on it; a load's reply (its
+KV, gathered from the tiers) is held until it is sent. Each is bounded by `max_body_bytes`, but
+nothing bounded how many there were: six concurrent loads of a 128 MiB
 prefix raised `kvtier serve`'s peak RSS by 770 MiB, so a tenant with a cached prefix and a few
 hundred connections could take the machine from everyone. Every body and reply is charged here
 first:
@@ -14,9 +14,9 @@ first:
 
 Invariants (`check()`):
 - the bytes held by all holds are at most `total`, and a tenant's at most `share`:
-  `max(total // tenants, 2 * max_body_bytes)`, so with two or more tenants one tenant's calls
-  leave the others at least `total - share` (and the largest call, a load's reply packed from
-  its KV, `2 * max_body_bytes`, always fits an idle budget);
+  `max(total // tenants, max_body_bytes)`, so with two or more tenants one tenant's calls leave
+  the others at least `total - share` (and the largest call, a body or a load's reply of
+  `max_body_bytes`, always fits an idle budget: `total` is at least that, by the config);
 - a call waits without a thread and without its body (`take` comes before the read), up to its
   deadline (`service.body_timeout_s`), then is refused 503 `busy`: it held nothing, read nothing,
   stored nothing.
