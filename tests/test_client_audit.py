@@ -146,7 +146,7 @@ def test_a_lookup_of_more_tokens_than_asked_is_a_reply_error(
 def test_a_store_result_of_more_tokens_than_sent_is_a_reply_error(
     fake: Callable[..., FakeServer], asynchronous: bool, result: dict[str, int]
 ) -> None:
-    server = fake(store=(200, result))
+    server = fake(store=(200, result), pools=pools())  # a store asks the layout first
     with pytest.raises(ReplyError, match=r"store"):
         call(server.url, "store", TOKENS, KV, asynchronous=asynchronous, shared=False)
 

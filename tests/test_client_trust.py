@@ -373,7 +373,7 @@ def test_a_lookup_reply_without_remote_tokens_is_one_without_a_remote_tier(
 def test_garbage_in_any_other_reply_is_a_reply_error(
     fake: Callable[..., FakeServer], path: str, reply: Reply, field: str
 ) -> None:
-    server = fake(**{path: reply})
+    server = fake(**{path: reply}, pools=pools_reply(None))  # a store asks the layout first
     with Client(server.url, shared_memory=False) as client, pytest.raises(ReplyError) as refused:
         getattr(client, path)(TOKENS, **({"kv": KV} if path == "store" else {}))
     assert field in str(refused.value)

@@ -42,6 +42,7 @@ from service_server import (
 
 from kvtier.blocks import Tokens, from_blocks, to_blocks
 from kvtier.client import AsyncClient, Client, ServiceError, TransportError
+from kvtier.client.pages import store_body
 from kvtier.errors import InvalidArgumentError, InvalidKVError, InvalidTokensError, LeaseError
 from kvtier.results import Lease, LeaseState, LookupResult, StoreResult
 
@@ -422,9 +423,11 @@ def test_a_body_streamed_without_a_length_is_measured_as_it_is_read(server: Serv
 
 def test_the_clients_raise_typed_errors_for_what_the_server_refuses(server: Server) -> None:
     with Client(server.url, shared_memory=False) as body, Client(server.url) as shared:
-        with pytest.raises(ServiceError) as too_large:
-            body.store(tokens_of(7000, 64), kv_of(64, seed=70))  # 64 KiB of KV, and the tokens
+        whole = store_body(tokens_of(7000, 64), kv_of(64, seed=70), 0, "layers", 0)
+        with pytest.raises(ServiceError) as too_large:  # 64 KiB of KV, and the tokens
+            body._post("/v1/store", whole)  # as one request: what `store` no longer sends
         assert (too_large.value.status, too_large.value.kind) == (413, "body_too_large")
+        assert body.store(tokens_of(8800, 64), kv_of(64, seed=70)).stored_tokens == 64  # pieces
         with pytest.raises(ServiceError) as too_many:
             shared.lookup(tokens_of(7000, MAX_TOKENS + 1))
         assert (too_many.value.status, too_many.value.kind) == (413, "too_many_tokens")
@@ -443,17 +446,17 @@ def test_a_body_far_over_the_limit_is_a_413_for_both_clients(server: Server) -> 
     """4 MiB against 64 KiB: the server answers before it has read the body; it lingers
     (`protocol.py`), so the clients read that answer rather than a reset (the blocking client
     raised a broken pipe, httpx a `ReadError`)."""
-    tokens, kv = tokens_of(7000, 4096), kv_of(4096, seed=72)
+    whole = store_body(tokens_of(7000, 4096), kv_of(4096, seed=72), 0, "layers", 0)
     with Client(server.url, shared_memory=False) as client:
         with pytest.raises(ServiceError) as refused:
-            client.store(tokens, kv)
+            client._post("/v1/store", whole)  # one request (`store` sends pieces)
         assert (refused.value.status, refused.value.kind) == (413, "body_too_large")
         assert client.lookup(tokens_of(7000, 8)) == LookupResult(0, 0, 0, 0)  # still served
 
     async def scenario() -> None:
         async with AsyncClient(server.url, shared_memory=False) as client:
             with pytest.raises(ServiceError) as refused:
-                await client.store(tokens, kv)
+                await client._post("/v1/store", whole)
             assert (refused.value.status, refused.value.kind) == (413, "body_too_large")
 
     asyncio.run(scenario())

@@ -32,13 +32,26 @@ from pathlib import Path
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import torch
-from service_server import ADMIN_KEY, Server, kv_of, running, tokens_of, write_config
+from service_server import (
+    ADMIN_KEY,
+    BT,
+    DIM,
+    HEADS,
+    LAYERS,
+    Server,
+    kv_of,
+    running,
+    tokens_of,
+    write_config,
+)
 
+from kvtier.blocks import KVLayout
 from kvtier.client import AsyncClient, Client, ServiceError
-from kvtier.client.pages import LoadPages
+from kvtier.client.pages import LoadPages, StorePieces
 from kvtier.errors import ReplyError
-from kvtier.results import LoadResult
+from kvtier.results import LoadResult, StoreResult
 from kvtier.service.budget import Budget
+from kvtier.service.replies import Pools
 from kvtier.service.wire import WireError
 
 MIB = 1 << 20
@@ -232,6 +245,63 @@ def test_a_long_prefix_comes_back_in_several_replies(tmp_path: Path, asynchronou
 
 
 MSGPACK = {"content-type": "application/msgpack"}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
+def test_a_long_prefix_is_stored_through_the_body_in_pieces(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """1,000 KiB of KV against a `max_body_bytes` of 62 KiB: the client stores it in pieces of
+    whole blocks (the server's limit from `/v1/pools`), each from where the last ended."""
+    tokens, kv = tokens_of(40_000, 1000), kv_of(1000, seed=9)
+    config = write_config(tmp_path, gpu_blocks=300, host_blocks=300,
+                          service={"max_body_bytes": 62 * 1024})  # fmt: skip
+    with running(config) as server:
+        before = requests_of(server, "/v1/store")
+        if asynchronous:
+            result = asyncio.run(_async_store(server.url, tokens, kv))
+        else:
+            with Client(server.url, shared_memory=False) as far:
+                result = far.store(tokens, kv)
+        assert result == StoreResult(1000, 1000, 0, 0)
+        assert requests_of(server, "/v1/store") - before >= 1000 * 1024 // (62 * 1024)
+        with Client(server.url) as near:
+            assert torch.equal(near.load(tokens).kv, kv)
+        assert server.admin("/v1/admin/check").status_code == 200
+
+
+def requests_of(server: Server, route: str) -> float:
+    text = server.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
+    prefix = f'kvtier_request_seconds_count{{route="{route}"}} '
+    return next(
+        (float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)), 0.0
+    )
+
+
+async def _async_store(url: str, tokens: list[int], kv: torch.Tensor) -> StoreResult:
+    async with AsyncClient(url, shared_memory=False) as client:
+        return await client.store(tokens, kv)
+
+
+def test_a_piece_left_short_ends_the_store_and_counts_the_rest_dropped() -> None:
+    layout = KVLayout("tiny", LAYERS, HEADS, DIM, "float16", BT)  # `service_server`'s
+    served = Pools(layout, (), None, 64 * 1024)  # room for about 14 blocks of 4 KiB a piece
+    tokens, kv = tokens_of(1, 400), kv_of(400, seed=1)
+    pieces = StorePieces(tokens, kv, 0, "layers", served)
+    first = pieces.next()
+    assert first is not None and first["start"] == 0 and pieces.sent % 4 == 0 < pieces.sent < 400
+    sent = pieces.sent
+    pieces.add({"cached_tokens": sent, "stored_tokens": sent, "dropped_tokens": 0,
+                "pending_tokens": 0})  # fmt: skip
+    second = pieces.next()
+    assert second is not None and second["start"] == sent
+    pieces.add({"cached_tokens": sent, "stored_tokens": 0, "dropped_tokens": pieces.sent - sent,
+                "pending_tokens": 0})  # fmt: skip  # no room for it
+    assert pieces.next() is None
+    assert pieces.result == StoreResult(sent, sent, 400 - sent, 0)
+    with pytest.raises(ReplyError, match="store"):
+        StorePieces(tokens, kv, 0, "layers", served).add({"cached_tokens": 10**9,
+            "stored_tokens": 0, "dropped_tokens": 0, "pending_tokens": 0})  # fmt: skip
 
 
 async def _async_load(url: str, tokens: list[int]) -> LoadResult:

@@ -28,8 +28,8 @@ from kvtier.client.connections import MAX_REPLY_BYTES
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.mapper import AsyncMapper
 from kvtier.client.owing import AsyncOwing, AsyncPost
-from kvtier.client.pages import LoadPages
-from kvtier.client.pools import LeaseFrom, ReservationFrom, store_body
+from kvtier.client.pages import LoadPages, StorePieces
+from kvtier.client.pools import LeaseFrom, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, httpx_send, reply_body
 from kvtier.errors import CapacityError, ClosedError
@@ -249,9 +249,11 @@ class AsyncClient:
                     return await self.commit(reservation)
                 if reservation.num_tokens:
                     await self.abort(reservation)
-            bt = (await self.layout()).block_tokens if kind == "blocks" else 0  # pages: full ones
-            body = store_body(tokens, kv, start, kind, bt)
-            return self._pools.stored(await self._post("/v1/store", body, tenant), len(tokens))
+            await self.layout()  # the served pools say the server's body limit
+            pieces = StorePieces(tokens, kv, start, kind, self._pools.served)
+            while (body := pieces.next()) is not None:
+                pieces.add(await self._post("/v1/store", body, tenant))
+            return pieces.result
 
     async def load(
         self,
@@ -267,12 +269,11 @@ class AsyncClient:
             kind, wanted = kv_layout(layout), check_device(device)
             tokens = token_array(tokens)  # checked once: the prefetch reuses it
             pages = LoadPages(encode_tokens(tokens), start)  # the body path's replies
-            asked = pages.asked
             await self._map()
             dest = None
             if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
                 await self.layout()  # known before `start` and `out` are checked against it
-                dest = self._pools.destination(asked, out, kind, wanted, start)
+                dest = self._pools.destination(pages.asked, out, kind, wanted, start)
             if "gpu" in self._pools.buffers:
                 assert dest is not None
                 try:
@@ -291,7 +292,7 @@ class AsyncClient:
                         return LoadResult(lease.num_tokens, kv)
             while (request := pages.next()) is not None:  # a long prefix: several replies
                 pages.add(await self._post("/v1/load", request, tenant))
-            return self._pools.loaded(pages, wanted, asked, dest, start)
+            return self._pools.loaded(pages, wanted, pages.asked, dest, start)
 
     async def layout(self) -> KVLayout:
         """`Client.layout`."""

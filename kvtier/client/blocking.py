@@ -34,8 +34,8 @@ from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
 from kvtier.client.owing import Owing, Post
-from kvtier.client.pages import LoadPages
-from kvtier.client.pools import LeaseFrom, ReservationFrom, store_body
+from kvtier.client.pages import LoadPages, StorePieces
+from kvtier.client.pools import LeaseFrom, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, reply_body
 from kvtier.errors import CapacityError, ClosedError
@@ -148,8 +148,7 @@ class Client:
     # ---- the engine contract ------------------------------------------------------------
 
     def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        packed = encode_tokens(tokens)
-        body = self._post("/v1/lookup", {"tokens": packed}, tenant)
+        body = self._post("/v1/lookup", {"tokens": (packed := encode_tokens(tokens))}, tenant)
         return self._pools.lookup(body, len(packed) // 4)
 
     def prefetch(
@@ -246,9 +245,11 @@ class Client:
                     return self.commit(reservation)
                 if reservation.num_tokens:
                     self.abort(reservation)
-            bt = self.layout().block_tokens if kind == "blocks" else 0  # pages: full ones
-            body = store_body(tokens, kv, start, kind, bt)
-            return self._pools.stored(self._post("/v1/store", body, tenant), len(tokens))
+            self.layout()  # the served pools say the server's body limit
+            pieces = StorePieces(tokens, kv, start, kind, self._pools.served)
+            while (body := pieces.next()) is not None:
+                pieces.add(self._post("/v1/store", body, tenant))
+            return pieces.result
 
     def load(
         self,
@@ -264,12 +265,11 @@ class Client:
             kind, wanted = kv_layout(layout), check_device(device)
             tokens = token_array(tokens)  # checked once: the prefetch reuses it
             pages = LoadPages(encode_tokens(tokens), start)  # the body path's replies
-            asked = pages.asked
             self._server.refresh()  # a re-map that failed: asked again (`mapper.py`)
             dest = None
             if start or out is not None or kind != "layers" or "gpu" in self._pools.buffers:
                 self.layout()  # known before `start` and `out` are checked against it
-                dest = self._pools.destination(asked, out, kind, wanted, start)
+                dest = self._pools.destination(pages.asked, out, kind, wanted, start)
             if "gpu" in self._pools.buffers:
                 assert dest is not None
                 try:
@@ -288,7 +288,7 @@ class Client:
                         return LoadResult(lease.num_tokens, kv)
             while (request := pages.next()) is not None:  # a long prefix: several replies
                 pages.add(self._post("/v1/load", request, tenant))
-            return self._pools.loaded(pages, wanted, asked, dest, start)
+            return self._pools.loaded(pages, wanted, pages.asked, dest, start)
 
     def reserve(
         self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None

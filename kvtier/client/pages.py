@@ -1,4 +1,5 @@
-"""A load over the body path, in as many replies as the server sends.
+"""A load or a store over the body path, in as many replies or requests as the server's bounds
+need (`LoadPages`, `StorePieces`), and the body of a store (`store_body`).
 
 A server answers at most `service.max_body_bytes` of KV a reply (`service/plane.py`: whole
 blocks, the reply `truncated` when the prefix may go on past them), so that a long prefix never
@@ -20,7 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from kvtier.blocks import Tokens, encode_tokens, from_blocks
+from kvtier.caller_kv import KVKind
 from kvtier.errors import ReplyError
+from kvtier.results import StoreResult
+from kvtier.service import replies, wire
+from kvtier.service.replies import Pools
 
 
 class LoadPages:
@@ -53,3 +61,90 @@ class LoadPages:
                 f"{start} and before the {self.asked} asked"
             )
         self._next = end
+
+
+class StorePieces:
+    """A store through the body in as many requests as the server's `max_body_bytes` needs
+    (its `/v1/pools` reply says; unsaid, one request as before): whole blocks from `start`,
+    each piece's KV and tokens within the limit, each stored from where the last ended
+    (`start`), so a piece is stored only once those before it are. A piece that leaves the
+    prefix short of its end (no room, a disk insert still pending) ends the store: what was not
+    sent is counted dropped.
+
+        pieces = StorePieces(tokens, kv, start, kind, served)
+        while (body := pieces.next()) is not None:
+            pieces.add(post("/v1/store", body))
+        pieces.result                    the pieces' results, as one
+    """
+
+    def __init__(
+        self, tokens: Tokens, kv: torch.Tensor, start: int, kind: KVKind, served: Pools | None
+    ) -> None:
+        assert served is not None, "the served pools are asked first (`Client.layout`)"
+        self.tokens, self.kv, self.kind = tokens, kv, kind
+        self.bt = bt = served.layout.block_tokens
+        self.start, self.asked = start, len(encode_tokens(tokens)) // 4
+        per_block = served.layout.block_bytes + 4 * bt  # its KV, and its tokens in every piece
+        room = (served.max_body_bytes or 0) - 4096 - 4 * self.asked  # and the other fields
+        blocks = room // per_block if served.max_body_bytes else self.asked
+        self.step = max(1, blocks) * bt
+        self.sent = 0  # the tokens of the piece last asked for
+        self.result = StoreResult(0, 0, 0, 0)
+        self._next: int | None = start
+        self._end = start
+
+    def next(self) -> dict[str, Any] | None:
+        """The next piece's body, or None: the store is complete."""
+        first = self._next
+        if first is None:
+            return None
+        end = min(self.asked, first + self.step)
+        if end < self.asked:  # whole blocks from `start`: the last piece takes the rest
+            end -= (end - self.start) % self.bt
+        lo, hi = first - self.start, end - self.start
+        part = (
+            self.kv[lo // self.bt : hi // self.bt]
+            if self.kind == "blocks"
+            else self.kv[:, :, lo:hi]
+        )
+        self.sent, self._end = end, end
+        return store_body(self.tokens[:end], part, first, self.kind, self.bt)
+
+    def add(self, body: dict[str, Any]) -> None:
+        """The reply to the piece `next` gave (checked: `stored`)."""
+        result = stored(body, self.sent)
+        _, kept, dropped, pending = self.result
+        end = self._end
+        done = result.cached_tokens + result.pending_tokens >= end - end % self.bt
+        self._next = end if end < self.asked and done else None
+        untried = self.asked - end if self._next is None and end < self.asked else 0
+        self.result = StoreResult(
+            result.cached_tokens, kept + result.stored_tokens,
+            dropped + result.dropped_tokens + untried, pending + result.pending_tokens,
+        )  # fmt: skip
+
+
+def store_body(
+    tokens: Tokens, kv: torch.Tensor, start: int, kind: KVKind, block_tokens: int
+) -> dict[str, Any]:
+    """A `/v1/store` body: the KV travels layer-major; pages give their full blocks only, and
+    the tokens past them are left out (a partly filled page is never stored)."""
+    packed = encode_tokens(tokens)
+    if kind == "blocks":
+        full = (len(packed) // 4 - start) // block_tokens
+        packed = packed[: (start + full * block_tokens) * 4]
+        kv = from_blocks(kv[:full])
+    return {"tokens": packed, **wire.kv_to_wire(kv), "start": start}
+
+
+def stored(body: dict[str, Any], sent: int) -> StoreResult:
+    """A store or commit reply for a sequence of `sent` tokens: what it reports cached, dropped
+    and pending adds up to no more than them (`ReplyError` otherwise)."""
+    result = replies.stored(body)
+    cached, _, dropped, pending = result
+    counts = {f"store.{name}": count for name, count in result._asdict().items()}
+    counts["store: cached + dropped + pending"] = cached + dropped + pending
+    for field, count in counts.items():
+        if count > sent:
+            raise ReplyError(f"{field}: got {count}, expected at most the {sent} tokens sent")
+    return result

@@ -53,13 +53,13 @@ from typing import Any
 
 import torch
 
-from kvtier.blocks import Tokens, check_start, encode_tokens, from_blocks, to_blocks
+from kvtier.blocks import Tokens, check_start, encode_tokens, to_blocks
 from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
-from kvtier.client.pages import LoadPages
+from kvtier.client.pages import LoadPages, stored
 from kvtier.errors import ReplyError
 from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.results import Lease, LoadResult, LookupResult, Reservation, StoreResult
-from kvtier.service import replies, wire
+from kvtier.service import replies
 from kvtier.service.cuda_ipc import import_pool
 from kvtier.tiers.shm import map_shared, segment_id
 
@@ -207,14 +207,8 @@ class MappedPools:
         return result
 
     def stored(self, body: dict[str, Any], sent: int) -> StoreResult:
-        """A store or commit reply for a sequence of `sent` tokens: what it reports cached,
-        dropped and pending adds up to no more than them."""
-        result = replies.stored(body)
-        for name, count in result._asdict().items():
-            _at_most(count, sent, f"store.{name}", "tokens sent")
-        cached, _, dropped, pending = result
-        _at_most(cached + dropped + pending, sent, "store: cached + dropped + pending", "sent")
-        return result
+        """A store or commit reply for a sequence of `sent` tokens (`pages.stored`)."""
+        return stored(body, sent)
 
     def destination(
         self,
@@ -325,16 +319,3 @@ def _sendable(tenant: str, field: str) -> None:
     """`ReplyError` for a tenant that no request header can carry back to the server."""
     if not (tenant.isascii() and tenant.isprintable()):
         raise ReplyError(f"{field}: got {tenant!r:.80}, expected printable ASCII (a tenant id)")
-
-
-def store_body(
-    tokens: Tokens, kv: torch.Tensor, start: int, kind: KVKind, block_tokens: int
-) -> dict[str, Any]:
-    """A `/v1/store` body: the KV travels layer-major; pages give their full blocks only, and
-    the tokens past them are left out (a partly filled page is never stored)."""
-    packed = encode_tokens(tokens)
-    if kind == "blocks":
-        full = (len(packed) // 4 - start) // block_tokens
-        packed = packed[: (start + full * block_tokens) * 4]
-        kv = from_blocks(kv[:full])
-    return {"tokens": packed, **wire.kv_to_wire(kv), "start": start}

@@ -59,6 +59,7 @@ def pools(
     the server's user (`same_user`, `peer.py`), as the 0600 /dev/shm files do."""
     layout = store.layout
     return {
+        "max_body_bytes": store.config.service.max_body_bytes,  # a store in the body: pieces
         "layout": {
             "dtype": layout.dtype_name,
             "block_shape": list(layout.block_shape),

@@ -78,6 +78,7 @@ class Pools:
     layout: KVLayout
     pools: tuple[Pool, ...]
     instance: str | None  # the server process that offers them (module doc)
+    max_body_bytes: int | None = None  # the longest request body it reads (None: not said)
 
     def num_slots(self, tier: str) -> int | None:
         return next((pool.num_slots for pool in self.pools if pool.tier == tier), None)
@@ -110,7 +111,12 @@ def pools(body: dict[str, Any]) -> Pools:
         shape = layout.pool_shape(num_slots)
         described = None if ipc is None else parse_description(ipc, layout.dtype_name, shape)
         checked.append(Pool(tier, num_slots, name, described))
-    return Pools(layout, tuple(checked), server)
+    limit = (
+        None
+        if body.get("max_body_bytes") is None
+        else _int(body, "max_body_bytes", "pools", 1 << 50, 1024)
+    )
+    return Pools(layout, tuple(checked), server, limit)
 
 
 def instance(body: dict[str, Any], where: str) -> str | None:

@@ -114,6 +114,7 @@ POOLS = _obj(
         "pools": {"type": "array", "items": ANY_OBJECT},
         "lane": {"type": ["string", "null"]},  # the local lane's name (`lane.py`)
         "instance": _INSTANCE,
+        "max_body_bytes": _INT,  # a longer store goes in pieces (`client/pages.py`)
     },
     ("layout", "pools", "instance"),
 )
