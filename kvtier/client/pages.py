@@ -15,6 +15,11 @@ The server is not trusted with the loop's end: a truncated reply must end past i
 and within the tokens sent (`ReplyError` otherwise), so a server cannot keep a client asking
 for ever; `truncated` must be a bool. A server before this protocol never sends `truncated`:
 one reply, as before.
+
+A store goes the other way: a request body of more than the server's `max_body_bytes` is
+refused (413), so `StorePieces` sends whole blocks that fit it, each piece from where the last
+ended (`start`), and adds up their results (its own doc). Its loop ends by itself: each piece
+asks for more tokens than the last, and it stops at the first that leaves the prefix short.
 """
 
 from __future__ import annotations
