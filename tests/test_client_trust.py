@@ -230,6 +230,9 @@ def _with_layout(**fields: Any) -> Reply:
         (pools_reply(None, num_slots=1 << 62), "pools.pools[0].num_slots"),
         ((200, [1, 2]), "/v1/pools"),
         ((200, b"\x00 not json"), "/v1/pools"),
+        ((200, {**pools_reply(None)[1], "max_body_bytes": "1GiB"}), "pools.max_body_bytes"),
+        ((200, {**pools_reply(None)[1], "max_body_bytes": 0}), "pools.max_body_bytes"),
+        ((200, {**pools_reply(None)[1], "max_body_bytes": 1 << 60}), "pools.max_body_bytes"),
     ],
 )
 def test_a_malformed_pools_reply_is_a_reply_error_naming_the_field(
