@@ -211,3 +211,17 @@ def restartable(
     finally:
         for server in started:
             server.stop()
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The peak resident memory of process `pid` (`VmHWM`), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def reset_peak(pid: int) -> None:
+    """Have the peak resident memory of process `pid` start again from now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")

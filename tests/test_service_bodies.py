@@ -27,7 +27,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from service_server import ADMIN_KEY, Server, kv_of, running, tokens_of, write_config
+from service_server import (
+    ADMIN_KEY,
+    Server,
+    kv_of,
+    peak_rss_mib,
+    running,
+    tokens_of,
+    write_config,
+)
 
 from kvtier.client import Client
 from kvtier.client.connections import Reply
@@ -71,14 +79,6 @@ HOSTILE: dict[str, Callable[[int], bytes]] = {
     "deep arrays of ints": deep_arrays_of_ints,
     "short strings": short_strings,
 }
-
-
-def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
 
 
 @pytest.fixture(scope="module")

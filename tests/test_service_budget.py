@@ -40,6 +40,8 @@ from service_server import (
     LAYERS,
     Server,
     kv_of,
+    peak_rss_mib,
+    reset_peak,
     running,
     tokens_of,
     write_config,
@@ -131,18 +133,6 @@ def test_a_random_schedule_keeps_the_budget_whole() -> None:
 
 
 # ---- a real server --------------------------------------------------------------------------
-
-
-def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
-
-
-def reset_peak(pid: int) -> None:
-    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak RSS starts again from now
 
 
 def test_concurrent_loads_hold_no_more_than_the_budget(tmp_path: Path) -> None:
