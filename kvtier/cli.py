@@ -100,6 +100,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(_remote_line(status["remote"]))
     if "events" in status:
         print(_events_line(status["events"]))
+    if "busy" in status.get("inflight", {}):  # a server that has the budget, global figures
+        held = status["inflight"]
+        print(
+            f"requests in flight: {format_size(held['held_bytes'])} of "
+            f"{format_size(held['limit_bytes'])} held, {held['waits']} waited for room, "
+            f"{held['busy']} refused busy"
+        )
     return 0
 
 

@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -352,6 +354,18 @@ def test_a_tenant_at_its_share_waits_and_another_does_not(two_tenants: Server) -
     assert time.monotonic() - started >= 1.4  # it waited for room, body_timeout_s
     reader.join(30)
     assert metrics(server)["kvtier_inflight_busy_total"] == 1
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    inflight = server.get("/v1/status", headers=admin).json()["inflight"]
+    assert inflight["waits"] >= 1
+    assert inflight == {"held_bytes": 0, "limit_bytes": 34 * MIB, "share_bytes": 17 * MIB,
+                        "waits": inflight["waits"], "busy": 1}  # fmt: skip
+    own = server.get("/v1/status", headers={"authorization": f"Bearer {KEY_A}"}).json()
+    assert own["inflight"] == {"held_bytes": 0, "limit_bytes": 17 * MIB}  # a's own, no others'
+    shown = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "status", "--url", server.url, "--key", ADMIN_KEY],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "1 refused busy" in shown, shown
     with Client(server.url, api_key=KEY_A, shared_memory=False) as a:  # room again
         assert a.store(small, small_kv).stored_tokens == 2048
     assert server.admin("/v1/admin/check").status_code == 200

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -226,14 +227,15 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
 
     @app.get("/v1/status", responses=schemas.responses(schemas.ANY_OBJECT, *schemas.GET_STATUSES))
     async def status(request: Request) -> Response:
-        """Tiers, paths, index, mover, leases, ops and hit rate, read from the live store: with
-        a tenant key, that tenant's figures; with the admin key (or without auth), global."""
-        return await call(
-            request,
-            lambda store, tenant, data: store.status(tenant=tenant),
-            admit=admit_viewer,
-            reads_body=False,
-        )
+        """Tiers, paths, index, mover, leases, ops and hit rate, read from the live store, and
+        the requests' bytes in flight: with a tenant key, that tenant's figures; with the admin
+        key (or without auth), global."""
+
+        async def handler(store: KVStore, tenant: str | None, data: Any) -> dict[str, Any]:
+            figures = await run_in_threadpool(functools.partial(store.status, tenant=tenant))
+            return {**figures, "inflight": service.budget.figures(tenant)}  # (`budget.py`)
+
+        return await call(request, handler, admit=admit_viewer, reads_body=False)
 
     snapshots = asyncio.Lock()  # `/v1/blocks`: one built at a time
 

@@ -114,6 +114,13 @@ class Budget:
                 self._grant(waiter, wanted)
                 future.set_result(None)
 
+    def figures(self, tenant: str | None) -> dict[str, int]:
+        """`/v1/status`'s `inflight`: global (None), or `tenant`'s own held bytes and share."""
+        if tenant is not None:
+            return {"held_bytes": self.by_tenant.get(tenant, 0), "limit_bytes": self.share}
+        return {"held_bytes": self.held, "limit_bytes": self.total, "share_bytes": self.share,
+                "waits": self.waits, "busy": self.refused}  # fmt: skip
+
     def check(self) -> None:
         assert 0 <= self.held <= self.total, (self.held, self.total)
         assert self.held == sum(self.by_tenant.values()), (self.held, self.by_tenant)
