@@ -96,10 +96,6 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  {path:<12}{format_size(moved['bytes']):>12} moved, "
             f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s recently"
         )
-    if "remote" in status:
-        print(_remote_line(status["remote"]))
-    if "events" in status:
-        print(_events_line(status["events"]))
     if "busy" in status.get("inflight", {}):  # a server that has the budget, global figures
         held = status["inflight"]
         print(
@@ -107,6 +103,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{format_size(held['limit_bytes'])} held, {held['waits']} waited for room, "
             f"{held['busy']} refused busy"
         )
+    if "remote" in status:
+        print(_remote_line(status["remote"]))
+    if "events" in status:
+        print(_events_line(status["events"]))
     return 0
 
 
