@@ -164,7 +164,7 @@ def _node(view: memoryview, at: int, name: str, budget: list[int], depth: int) -
     budget[0] -= count * (2 if kind == "map" else 1)
     if kind == "array":  # numbers (a lease's slots) in bulk, from 9 bytes an element at most
         with contextlib.suppress(Malformed):  # else (strings, arrays in it) element by element
-            return scalar_array(view, at, start, count, name, 0)
+            return scalar_array(view, at, start, count, name)
     items, at = [], start
     for i in range(count * (2 if kind == "map" else 1)):
         item, at = _node(view, at, f"{name}[{i // 2 if kind == 'map' else i}]", budget, depth - 1)
@@ -213,7 +213,7 @@ def _field(view: memoryview, at: int, name: str, max_items: int) -> tuple[Any, i
     if kind == "array":
         if count > max_items:
             raise TooMany(_too_many(name, count, max_items), name)
-        value, end = scalar_array(view, at, start, count, name, 0)
+        value, end = scalar_array(view, at, start, count, name)
         if not set(map(type, value)) <= set(SCALARS):
             raise Malformed(f"{name}: expected an array of numbers, bools or nils")
         return value, end
@@ -231,17 +231,16 @@ def _field(view: memoryview, at: int, name: str, max_items: int) -> tuple[Any, i
 
 
 def scalar_array(
-    view: memoryview, at: int, start: int, count: int, name: str, max_str: int
+    view: memoryview, at: int, start: int, count: int, name: str
 ) -> tuple[list[Any], int]:
     """The array of `count` scalars whose header is at `at` (its elements from `start`), decoded
-    from no more bytes than such an array can take (strings of at most `max_str` bytes), and
-    where it ends; `Malformed` for a nested array or map, an extension type, a cut-off one."""
-    widest = max(WIDEST_SCALAR, max_str + 5)
+    from no more bytes than such an array can take (no strings but empty ones), and where it
+    ends; `Malformed` for a nested array or map, an extension type, a cut-off one."""
     unpacker = msgpack.Unpacker(
-        raw=False, max_str_len=max_str, max_bin_len=max_str, max_ext_len=0, max_map_len=0,
+        raw=False, max_str_len=0, max_bin_len=0, max_ext_len=0, max_map_len=0,
         max_array_len=count, list_hook=_Nesting(name), object_hook=_refuse_map(name),
     )  # fmt: skip
-    unpacker.feed(view[at : start + widest * count])
+    unpacker.feed(view[at : start + WIDEST_SCALAR * count])
     try:
         value = unpacker.unpack()
     except Malformed:
