@@ -146,7 +146,8 @@ class Plane:
         start = wire.int_field(data, "start") if "start" in data else 0
         layout = store.layout
         check_start(start, len(tokens), layout.block_tokens)
-        most = self.config.max_body_bytes // layout.block_bytes * layout.block_tokens
+        limit = min(self.config.max_body_bytes, (1 << 32) - 1)  # msgpack's longest bin
+        most = limit // layout.block_bytes * layout.block_tokens
         end = min(len(tokens), start + most)
         hold = budget.HOLD.get()
         if hold is not None:
