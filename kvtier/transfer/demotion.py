@@ -154,6 +154,18 @@ def record_copies(
     return learned
 
 
+def run_copy(state: CacheState, copy: CopyDown, refs: Sequence[BlockRef], runner: Runner) -> int:
+    """Run `copy` inline and `record_copies` its outcome. Should the transfer raise (a bug
+    below, a tier closed under it), its destination slots are freed before the error goes
+    on: a copy that failed in any way holds no slot (`check()`: slots in use = resident)."""
+    try:
+        ok = runner.run(copy.transfer)
+    except BaseException:
+        state.pools[copy.lower].free(list(copy.dst))
+        raise
+    return record_copies(state, copy, refs, ok)
+
+
 def _slot(slot: int | None) -> int:
     assert slot is not None
     return slot
@@ -265,7 +277,7 @@ class Demoter:
         if node.parent is None or node.depth[tier] != hi:
             return False
         copy = plan_copy_down(self.state, batch, tier, lower)
-        record_copies(self.state, copy, batch, self.runner.run(copy.transfer))
+        run_copy(self.state, copy, batch, self.runner)
         self._clear_run(node, lo, hi, tier)  # stops at the last block left without a copy below
         return True
 
@@ -345,5 +357,5 @@ class Demoter:
         if node.slots[tier][i] is None:  # making room below changed this node: give up on it
             return False
         copy = plan_copy_down(self.state, batch, tier, lower)
-        record_copies(self.state, copy, batch, self.runner.run(copy.transfer))
+        run_copy(self.state, copy, batch, self.runner)
         return node.slots[lower][i] is not None

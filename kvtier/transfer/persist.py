@@ -12,7 +12,7 @@ fit is left in memory and not counted as persisted.
 from __future__ import annotations
 
 from kvtier.index import BlockRef
-from kvtier.transfer.demotion import Demoter, plan_copy_down, record_copies
+from kvtier.transfer.demotion import Demoter, plan_copy_down, run_copy
 from kvtier.transfer.shared import Runner
 
 BATCH = 64
@@ -52,4 +52,4 @@ def _flush(demoter: Demoter, runner: Runner, tier: int, refs: list[BlockRef]) ->
     if not refs:
         return 0
     copy = plan_copy_down(state, refs, tier, disk_tier)
-    return record_copies(state, copy, refs, runner.run(copy.transfer))
+    return run_copy(state, copy, refs, runner)

@@ -14,12 +14,15 @@ A running store would discard or refuse every one of these anyway (at recovery o
 `--fix` retires them now (zeroes their header region and syncs), so that the next start does
 not scan them again and `kvtier check` comes back clean. The store must not be running: the
 check takes the directory's lock (`lock.py`) and is refused, naming the holder's pid, while a
-store has it. The superblock is validated like any disk bytes (`slabs.read_superblock`): a
+store has it; like a store, it makes the directory 0700 and the slabs 0600 (`lock.py`,
+`SlabFile`). The superblock is validated like any disk bytes (`slabs.read_superblock`): a
 damaged one, or a slab path that is not a regular file of one link (`slabs.own_slab`), is a
 `DamagedDiskError` naming the file, which `kvtier check` reports as a problem (exit status 1).
 A slab is read up to `slots_per_slab` slots, so a slab longer than its geometry never sends a
-retire elsewhere. Block ids are not re-hashed here (the hash algorithm is a store setting);
-recovery does that.
+retire elsewhere. A slot the file ends inside (a slab truncated mid-slot) is read as the store
+reads it once it has given the slab its length back: the bytes that are there, then zeros, so
+a torn header there is a corrupt header to both. Block ids are not re-hashed here (the hash
+algorithm is a store setting); recovery does that.
 
 Every header is untrusted, as at recovery: a copy is valid only as the store would take it.
 A raw size larger than a block of this geometry can be (`_raw_bound`) is a corrupt payload,
@@ -112,7 +115,7 @@ def _check(
                 opened.close()
             expected = f"a slab file it can open ({exc.strerror})"
             raise DamagedDiskError("PATH", str(slab_path), expected) from None
-        slab.size = min(slab.size // slot_bytes, per_slab) * slot_bytes
+        slab.size = min(-(-slab.size // slot_bytes), per_slab) * slot_bytes
         slabs[number] = slab
     report = DiskCheckReport()
     valid: dict[int, BlockHeader] = {}
@@ -181,7 +184,9 @@ def _inspect(
 
     def job() -> tuple[int, str, BlockHeader | None]:
         image = staging_buffer(slot_bytes)
-        slab.readv(offset, [image])
+        got = slab.readv(offset, [image])
+        if got < slot_bytes:  # a slot cut short reads as recovery reads it: zeros after
+            image[got:] = bytes(slot_bytes - got)
         try:
             header = decode_header(image[:region])
         except CorruptHeader:

@@ -18,8 +18,10 @@ O_DIRECT rules (Linux): the file offset, the length of every buffer and the addr
 buffer must be multiples of the logical block size of the device. `ALIGN = 4096` covers every
 block size in practice (512 and 4096). `aligned_buffer` returns page-aligned memory from an
 anonymous mmap; `bytes` objects and most Python allocations are not aligned and make the
-kernel answer EINVAL. `SlabFile` asserts offsets and lengths; addresses are the caller's
-duty (use `aligned_buffer`).
+kernel answer EINVAL. `SlabFile` checks offsets and lengths and refuses a wrong one as the
+kernel would, with an `OSError` (`StorageError`, EINVAL) that fails that I/O alone (never an
+`AssertionError`, which used to end a whole store or persist); addresses are the caller's duty
+(use `aligned_buffer`).
 
 Fallback: some filesystems refuse O_DIRECT at `open` (EINVAL, older tmpfs) or accept it and
 fail the first I/O. `probe_direct(directory)` tries a real aligned write and read in a
@@ -42,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from kvtier.errors import ClosedError
+from kvtier.errors import ClosedError, StorageError
 from kvtier.tiers.disk.group_sync import GroupSync
 
 ALIGN = 4096
@@ -137,7 +139,8 @@ class SlabFile:
         ENOSPC) rather than on a later write. A file that fails to allocate is removed again.
         Without `create`, the file must exist, be a regular file (checked on the open
         descriptor, so a FIFO or device put in place of a file checked before is refused with
-        an `OSError`, never written through) and keeps its current size, which `.size`
+        an `OSError`, never written through), is made 0600 on that descriptor if its mode
+        was anything else (it holds tenants' KV), and keeps its current size, which `.size`
         reports (`size` is ignored)."""
         flags = os.O_RDWR | os.O_NOFOLLOW
         if create:
@@ -173,6 +176,12 @@ class SlabFile:
             if not stat.S_ISREG(info.st_mode):
                 os.close(fd)
                 raise OSError(errno.EINVAL, "not a regular file", str(self.path))
+            if stat.S_IMODE(info.st_mode) != 0o600:  # a copy restored by another tool: 0644
+                try:
+                    os.fchmod(fd, 0o600)
+                except BaseException:
+                    os.close(fd)
+                    raise
             self.size = info.st_size
         self._fd = fd
 
@@ -190,14 +199,9 @@ class SlabFile:
         fd = self._open_fd()
         views = [_bytes_view(b) for b in buffers]
         total = sum(v.nbytes for v in views)
-        assert offset >= 0 and offset + total <= self.size, (
-            f"write of {total} bytes at {offset} outside {self.path} of {self.size} bytes"
-        )
-        if self.direct:
-            assert offset % ALIGN == 0, f"O_DIRECT offset {offset} not a multiple of {ALIGN}"
-            assert all(v.nbytes % ALIGN == 0 for v in views), (
-                f"O_DIRECT buffer lengths {[v.nbytes for v in views]} not multiples of {ALIGN}"
-            )
+        if offset < 0 or offset + total > self.size:
+            raise self._refused(f"a write of {total} bytes at {offset}: outside the file")
+        self._check_direct(offset, views)
         views = [v for v in views if v.nbytes]
         while views:
             done = os.pwritev(fd, views[:_IOV_MAX], offset)
@@ -220,11 +224,7 @@ class SlabFile:
         system call (EIO, ...)."""
         fd = self._open_fd()
         view = _bytes_view(buffer)
-        if self.direct:
-            assert offset % ALIGN == 0, f"O_DIRECT offset {offset} not a multiple of {ALIGN}"
-            assert view.nbytes % ALIGN == 0, (
-                f"O_DIRECT buffer length {view.nbytes} not a multiple of {ALIGN}"
-            )
+        self._check_direct(offset, [view])
         got = 0
         while got < view.nbytes:
             n = os.preadv(fd, [view[got:]], offset + got)
@@ -242,8 +242,7 @@ class SlabFile:
         buffer by buffer from where it stopped); the bytes read. Alignment as for `write`."""
         fd = self._open_fd()
         views = [_bytes_view(b) for b in buffers]
-        if self.direct:
-            assert offset % ALIGN == 0 and all(v.nbytes % ALIGN == 0 for v in views)
+        self._check_direct(offset, views)
         got = os.preadv(fd, views, offset)
         if got == sum(v.nbytes for v in views):
             return got
@@ -259,6 +258,31 @@ class SlabFile:
             if filled < view.nbytes:
                 break
         return total
+
+    def _check_direct(self, offset: int, views: Sequence[memoryview]) -> None:
+        """With O_DIRECT, refuse (`StorageError`, an `OSError` EINVAL that fails this I/O as
+        the kernel would, never an `AssertionError` that ends the caller's call) an offset,
+        or a buffer length, that is not a multiple of `ALIGN`."""
+        if not self.direct:
+            return
+        if offset % ALIGN or any(v.nbytes % ALIGN for v in views):
+            lengths = [v.nbytes for v in views]
+            raise self._refused(
+                f"O_DIRECT I/O at offset {offset} of buffers {lengths}: expected offset and "
+                f"lengths that are multiples of {ALIGN}"
+            )
+
+    def _refused(self, what: str) -> StorageError:
+        return StorageError(errno.EINVAL, what, str(self.path))
+
+    def cut(self, size: int) -> None:
+        """Cut the file to `size` bytes (`ftruncate`) and make the cut durable (`fsync`) before
+        returning: what lay past `size` is gone from the disk, and no crash or power loss after
+        this call brings it back. `.size` becomes `size`."""
+        fd = self._open_fd()
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+        self.size = size
 
     def sync(self) -> None:
         """Make every `write` completed before the call durable (`fdatasync`): data and the

@@ -9,7 +9,11 @@ written, and refuses with a `ConfigError` naming the holder's pid when another p
 another open tier in this one) has it. The pid is written into the file after locking, for that
 message only: the lock itself is the kernel's, so it goes with its holder, however it ends
 (`close`, exit, SIGKILL), and a stale pid in the file means nothing. The file is opened without
-following a link and created 0600.
+following a link and created 0600. It is checked on the open descriptor before anything is
+written into it: a lock file that is not a regular file, or that has another name too (a hard
+link: truncating it and writing the pid would overwrite the file behind the other name), is a
+`ConfigError` naming it. The directory is made 0700 on the same descriptor discipline
+(`private_directory`): kvtier's files there are its tenants' KV.
 """
 
 from __future__ import annotations
@@ -36,8 +40,16 @@ class DirectoryLock:
                 field, str(self.path), f"a lock file it can open ({exc.strerror})"
             ) from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
                 raise ConfigError(field, str(self.path), "a regular lock file")
+            if info.st_nlink != 1:  # the pid written below would land in the other file too
+                raise ConfigError(
+                    field,
+                    str(self.path),
+                    f"a lock file of one link, found {info.st_nlink} links (delete it: the "
+                    "store creates a new one)",
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -52,6 +64,7 @@ class DirectoryLock:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            private_directory(directory, field)
         except BaseException:
             os.close(fd)
             raise
@@ -66,3 +79,25 @@ class DirectoryLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def private_directory(directory: Path, field: str) -> None:
+    """Make the tier directory 0700 (`fchmod` on a descriptor of it, never by path), when this
+    process's user owns it; one owned by another user that group or others may enter or list
+    is a `ConfigError` naming its mode (kvtier cannot tighten it, and would leave every
+    tenant's KV readable)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        info = os.fstat(fd)
+        if not info.st_mode & 0o077:
+            return
+        if info.st_uid != os.geteuid():
+            raise ConfigError(
+                field,
+                f"{directory} (mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid})",
+                "a directory no group or other user can read (this user cannot chmod it: "
+                "chmod 700 it, or use another)",
+            )
+        os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o700 | 0o700)
+    finally:
+        os.close(fd)

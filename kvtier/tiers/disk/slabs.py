@@ -13,6 +13,8 @@ file, never a planted one, synced and renamed over it). A slab path that is not 
 (a link, a directory) is a `DamagedDiskError` too, never followed or written through, and so is
 an existing slab the tier cannot open read-write (a read-only copy restored from a backup) or
 that has another name (a hard link: writing it would write the other file too, `own_slab`).
+Slabs and an existing superblock are made 0600 on their descriptor (a restored 0644 copy let
+any local user read every tenant's KV).
 
 A slab is a file named exactly `slab_path` gives (`slab-00000.kvt`, five digits or more, as
 `f"{n:05d}"` writes them); any other name in the directory, however like one (`slab-00000
@@ -27,6 +29,11 @@ than its reserve (`reserve_bytes`: 5 % of it, at most 1 GiB), so a big capacity 
 disk that other processes share; should the room go between the check and the allocation
 (another process writing), the slabs that no longer fit are cut short (fewer slots, `enospc`).
 Slots per slab depend on the geometry alone, so a change of capacity moves no slot.
+
+A capacity that shrank frees the disk before the tier serves: a longer slab is cut (`ftruncate`,
+`fsync`), the slabs past the last deleted (the directory synced). Copies past the capacity were
+kept, unseen by a `clear` or `reset`, and came back stale when the capacity grew. A crash before
+the cut is durable leaves only copies no store served since (nothing cleared).
 """
 
 from __future__ import annotations
@@ -161,7 +168,27 @@ def check_superblock(path: Path, geometry: dict[str, Any]) -> bool:
             f"a directory of this layout and geometry ({geometry}), found {have}; "
             "use another path or delete this one",
         )
+    _make_private(path / SUPERBLOCK, "tiers.disk.path")
     return False
+
+
+def _make_private(path: Path, field: str) -> None:
+    """Make the existing regular file `path` 0600 (`fchmod` on a descriptor opened without
+    following a link); `DamagedDiskError` when it cannot be, or is a hard link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            info = os.fstat(fd)
+            if info.st_nlink != 1:  # fchmod would change the file behind the other name
+                links = f"a file of one link, found {info.st_nlink} (copy it rather than link it)"
+                raise DamagedDiskError(field, str(path), links)
+            if stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) != 0o600:
+                os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        expected = f"a file this user can make private, mode 0600 ({exc.strerror})"
+        raise DamagedDiskError(field, str(path), expected) from None
 
 
 _SLAB_NAME = re.compile(r"slab-([0-9]{5,})\.kvt")
@@ -229,7 +256,8 @@ def open_slabs(
     """Open (or create and preallocate) the slabs for `total_slots` slots: full slabs of
     `slots_per_slab`, the last one shorter. Where the filesystem runs out of space, a new slab
     is halved until it fits and an existing short one is kept as it is; no slab follows it
-    (each refusal counted in `faults["enospc"]`). Slabs past the last one opened are deleted:
+    (each refusal counted in `faults["enospc"]`). A slab longer than its slots is cut to
+    them, durably (`_opened`). Slabs past the last one opened are deleted, durably:
     those beyond the capacity (it shrank since the last start), and, where an earlier slab was
     short (truncated) and could not grow back for lack of space, the slabs after it, whose
     copies are lost with them (slots are numbered slab by slab, so none may follow a hole;
@@ -247,11 +275,13 @@ def open_slabs(
             remaining -= slots
             if slots < want:
                 break
-        for number, stale in slab_files(path).items():
-            if number >= len(found) and (
-                stale.is_symlink() or regular_file(stale, "tiers.disk.path")
-            ):
-                stale.unlink()
+        stale = [n for n in slab_files(path) if n >= len(found)]
+        for number in reversed(stale):  # the last first: a crash leaves no hole
+            doomed = slab_path(path, number)
+            if doomed.is_symlink() or regular_file(doomed, "tiers.disk.path"):
+                doomed.unlink()
+        if stale:
+            sync_directory(path)  # gone for good before the tier serves (see `_opened`)
     except BaseException:
         for slab in found:
             slab.close()
@@ -267,14 +297,38 @@ def _open_slab(path: Path, want: int, slot_bytes: int, direct: bool, faults: dic
 
 
 def _opened(path: Path, size: int, direct: bool) -> SlabFile:
-    """Slab `path` opened read-write and seen as `size` bytes (a longer file, whose capacity
-    shrank, is cut here); `DamagedDiskError` when it cannot be opened (a read-only copy)."""
+    """Slab `path` opened read-write as `size` bytes; `DamagedDiskError` when it cannot be
+    opened (a read-only copy). A longer file (the capacity shrank, or bytes were appended) is
+    cut to `size`, durably, before the tier serves: copies past the capacity were invisible to
+    a `clear` or `reset`, and came back as stale KV once the capacity grew again."""
     try:
         slab = SlabFile(path, size, direct=direct, create=False)
     except OSError as exc:
         raise _unopenable(path, exc) from None
-    slab.size = size
+    try:
+        if slab.size != size:
+            slab.cut(size)
+    except BaseException as exc:
+        slab.close()
+        if not isinstance(exc, OSError):
+            raise
+        expected = f"a slab file it can cut to {size} bytes and sync ({exc.strerror})"
+        raise DamagedDiskError("tiers.disk.path", str(path), expected) from None
     return slab
+
+
+def sync_directory(path: Path) -> None:
+    """Make the entries of directory `path` durable (`fsync` on it): an unlink is not undone
+    by a power loss once this returns."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        expected = f"a directory it can sync ({exc.strerror})"
+        raise DamagedDiskError("tiers.disk.path", str(path), expected) from None
 
 
 def _unopenable(path: Path, exc: OSError) -> DamagedDiskError:

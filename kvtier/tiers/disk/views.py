@@ -20,7 +20,10 @@ Contract:
   lands in the block), valid while the blocks are alive. A block that is not contiguous is
   viewed through a contiguous copy of it (as before, so a read into it does not reach it).
 - `aligned[i]` is `direct_ready(block i)`: its address and size are multiples of `ALIGN`, so
-  O_DIRECT can take its memory as it is.
+  O_DIRECT can take its memory as it is. For a `[n, *block_shape]` tensor that is its base
+  address and the row stride both: a 2 KiB row at an aligned base is not aligned (its length
+  is not a multiple of `ALIGN`), nor is the next row's address (a quantized host pool decodes
+  into such tensors, and O_DIRECT refused their blocks' writes).
 - A CUDA block raises as `Tensor.numpy()` does; nothing here copies across devices.
 """
 
@@ -57,6 +60,8 @@ def byte_views(blocks: torch.Tensor | Sequence[torch.Tensor]) -> BlockBytes:
         flat = _flat(whole)
         base = whole.data_ptr()
         views = [flat[i * row : (i + 1) * row] for i in range(len(whole))]
+        if row % ALIGN:  # a row's length, so every other row's address, is off the grid
+            return BlockBytes(views, [False] * len(whole))
         return BlockBytes(views, [(base + i * row) % ALIGN == 0 for i in range(len(whole))])
     first = blocks[0]
     if not first.is_cpu:
