@@ -16,19 +16,25 @@ Contract:
   larger than `max_value_bytes` is not sent (`too_large`). A value may be an
   `entry.SplitValue`: its header and payload go out one after the other as one Redis value
   (`SplitValueConnection`), so the payload is never copied into a joined buffer.
-- One pipelined round trip per call, whatever the number of keys (the cluster client splits
-  it by node); `group_blocks` in the keys (`entry.py`) keeps a group on one node.
+- One pipelined round trip per call to each node that serves one of its keys, sent and read
+  by `rounds.py`: each command sent once, a redirect not followed, a node's failure a miss of
+  its own keys only (the other nodes' replies stand), a node that could not be reached or did
+  not answer in time down (misses at once) for `reconnect_s`, and the call's replies all in
+  within `timeout_s` + their bytes / `paced.MIN_REPLY_RATE`. `group_blocks` in the keys
+  (`entry.py`) keeps a group on one node.
 - Without a connection, a call tries to connect at most once per `reconnect_s`; in between,
   calls are misses at once, so a dead cluster costs a store nothing but a counter.
-- After a failed round trip the slot table is read again from the cluster, at most once per
-  `REFRESH_S`: redis-py reads it when a pipeline cannot connect, but a read made before the
-  cluster promoted a replica keeps naming the dead primary, and its slots would stay misses.
+- After a round trip with a failure in it (a node down, a redirect) the slot table is read again
+  from the cluster, at most once per `REFRESH_S`, on a thread of its own: a table read before
+  the cluster promoted a replica or moved a slot keeps naming the old node, and its slots would
+  stay misses.
 - Thread-safe: the mover's threads and the store's callers may call at once.
 - With `allowed` (`tiers.remote.allowed_nodes`, `kvtier.config.network`), a host the cluster
-  names, in its slot table or a redirect, is refused unless it is allowed: no connection is
-  made (redis-py calls `address_remap` on every address a node names before it connects), the
-  call is a counted miss and `last_error` says which node was named (`NodeRefused`). A table
-  naming one such host is refused whole: the cluster is not connected to.
+  names in its slot table is refused unless it is allowed (a redirect is never followed): no
+  connection is made (redis-py calls `address_remap` on every address a node names before it
+  connects), the call is a counted miss and `last_error` says which node was named
+  (`NodeRefused`). A table naming one such host is refused whole: the cluster is not connected
+  to.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from kvtier.tiers.remote.entry import (
     decode_value,
     max_value_nbytes,
 )
+from kvtier.tiers.remote.rounds import Down, round_trip
 
 T = TypeVar("T")
 
@@ -153,6 +160,7 @@ class RemoteCluster:
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._seconds = 0.0  # time spent in round trips
         self._refreshed_at = 0.0  # the last slot table read after a failure (`REFRESH_S`)
+        self._down = Down(settings.reconnect_s)  # nodes that failed lately (`rounds.py`)
         self.last_error = ""
 
     # ---- the calls ----------------------------------------------------------------------
@@ -195,6 +203,8 @@ class RemoteCluster:
             reply = replies[i] if replies is not None and i < len(replies) else None
             if isinstance(reply, Exception):
                 self._failed(reply)
+                if str(reply).startswith("WRONGTYPE"):  # not a string: never a block of ours
+                    bad.append(key)
                 reply = None
             if not isinstance(reply, bytes) or not reply:  # GETRANGE of no key: b""
                 out.append(None)
@@ -303,7 +313,9 @@ class RemoteCluster:
                 socket_timeout=timeout,
                 username=self.settings.username,
                 password=self.settings.password,
-                retry=Retry(NoBackoff(), 1),  # one retry: a miss is cheaper than a wait
+                # one retry of a connect (redis-py's slot table read moves on to the next
+                # startup node only with it); `rounds.py` sends each command once
+                retry=Retry(NoBackoff(), 1),
                 # a node's pushed "maintenance" notices would move connections and stretch
                 # timeouts on its word alone: a node is as untrusted as its replies
                 maint_notifications_config=MaintNotificationsConfig(enabled=False),
@@ -325,29 +337,35 @@ class RemoteCluster:
         return kept
 
     def _pipelined(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
-        """The replies of `commands` (each a command and its arguments, the key first), sent
-        in one pipelined round trip; a command's error is its reply; None when the cluster
-        failed the call; [] for no command (nothing sent)."""
+        """The replies of `commands` (each a command and its arguments, the key first), one
+        round trip to each node that serves one (`rounds.py`): a command's error, or its node's
+        failure, is its reply; None when there is no cluster to call; [] for no command."""
         if not commands:
             return []
-
-        def run(client: RedisCluster) -> list[Any]:
-            pipe = client.pipeline()
-            for command in commands:
-                pipe.execute_command(*command)
-            return list(pipe.execute(raise_on_error=False))
-
-        return self._round_trip(run)
+        replies = self._round_trip(
+            lambda client: round_trip(client, commands, self.settings.timeout_s, self._down)
+        )
+        if replies is not None and any(isinstance(r, Exception) for r in replies):
+            client = self._client
+            if client is not None:  # a redirect or a failed node: the table may have moved
+                self._refresh(client)
+        return replies
 
     def _refresh(self, client: RedisCluster) -> None:
-        """Read the slot table again (module doc), at most once per `REFRESH_S`."""
+        """Read the slot table again (module doc), at most once per `REFRESH_S`, on a thread
+        of its own: the call that asked does not wait (a node that stalls would hold it for a
+        timeout each time)."""
         with self._lock:
             now = time.monotonic()
             if now - self._refreshed_at < REFRESH_S:
                 return
             self._refreshed_at = now
-        with contextlib.suppress(*CLUSTER_FAILURES):  # no node answers: the next failure retries
-            client.nodes_manager.initialize()
+
+        def read() -> None:
+            with contextlib.suppress(*CLUSTER_FAILURES):  # none answers: the next failure retries
+                client.nodes_manager.initialize()
+
+        threading.Thread(target=read, name="kvtier-remote-slots", daemon=True).start()
 
     def _round_trip(self, run: Callable[[RedisCluster], T]) -> T | None:
         """`run` on the cluster, timed and counted; None when the cluster failed it."""

@@ -9,7 +9,7 @@ from typing import Any
 from redis.connection import Connection, SSLConnection
 
 from kvtier.tiers.remote.entry import SplitValue
-from kvtier.tiers.remote.paced import PacedSocket
+from kvtier.tiers.remote.paced import Pace, PacedSocket
 
 Value = bytes | memoryview | SplitValue
 JOIN_BELOW = 6000  # chunks up to this size are joined into one send (redis-py's cutoff)
@@ -24,16 +24,24 @@ class SplitValueConnection(Connection):
     bulk string `$<n>CRLF<head><payload>CRLF` as chunks, the payload a memoryview sent as it
     is. Other commands are packed as redis-py packs them; small chunks are joined (as redis-py
     does) so a pipeline of probes is still one send. Its socket is a `paced.PacedSocket`: a
-    reply dripped slower than `paced.MIN_REPLY_RATE` is a timeout."""
+    reply dripped slower than `paced.MIN_REPLY_RATE` is a timeout; with `pace` set, the replies
+    share that bound (`rounds.py`)."""
+
+    pace: Pace | None = None  # the round trip's, while `rounds.round_trip` reads its replies
 
     def _connect(self) -> Any:
         sock = super()._connect()
         return sock if self.socket_timeout is None else PacedSocket(sock, self.socket_timeout)
 
+    def fileno(self) -> int:
+        """The connected socket's descriptor (`rounds.py` polls it)."""
+        sock: Any = self._sock
+        return int(sock.fileno())
+
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         sock: object = self._sock
         if isinstance(sock, PacedSocket):
-            sock.start_reply()
+            sock.start_reply(self.pace)
         try:
             return super().read_response(*args, **kwargs)
         finally:

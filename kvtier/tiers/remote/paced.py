@@ -9,13 +9,18 @@ timeout once the reply has taken longer than
 
     socket timeout + bytes of it received so far / MIN_REPLY_RATE
 
-so a reply of n bytes ends, complete or timed out, within two socket timeouts plus
-n / MIN_REPLY_RATE. Outside a reply (the pool's check for stale bytes) reads are as the socket's.
-Everything else is the socket's own (`__getattr__`).
+so a reply of n bytes ends, complete or timed out, within a socket timeout plus
+n / MIN_REPLY_RATE (each read waits no longer than what is left of that; past it, a read takes
+what has arrived already, and nothing more is waited for). A `Pace` shared by
+several replies bounds them together, from its start: the replies of one round trip to several
+nodes (`rounds.py`) are all in within one timeout plus their bytes / MIN_REPLY_RATE. Outside a
+reply (the pool's check for stale bytes) reads are as the socket's. Everything else is the
+socket's own (`__getattr__`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from typing import Any
@@ -25,39 +30,70 @@ MIN_REPLY_RATE = 2**20
 timeout (a 2 MiB block over any working link is far faster)."""
 
 
+class Pace:
+    """The time a run of reads may take, begun at its creation: `timeout_s` plus the bytes
+    received so far / `MIN_REPLY_RATE`."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.started = time.monotonic()
+        self.received = 0
+
+    def left(self) -> float:
+        """Seconds left (<= 0: the reads are late)."""
+        spent = time.monotonic() - self.started
+        return self.timeout_s + self.received / MIN_REPLY_RATE - spent
+
+
 class PacedSocket:
     def __init__(self, sock: socket.socket, timeout_s: float) -> None:
         self.sock = sock
         self.timeout_s = timeout_s
-        self._started: float | None = None  # when the reply being read began; None: none is
-        self._received = 0
+        self._pace: Pace | None = None  # of the reply being read; None: none is
 
-    def start_reply(self) -> None:
-        self._started, self._received = time.monotonic(), 0
+    def start_reply(self, pace: Pace | None = None) -> None:
+        """A reply begins: bounded by `pace` (shared with other replies) or one of its own."""
+        self._pace = pace if pace is not None else Pace(self.timeout_s)
 
     def end_reply(self) -> None:
-        self._started = None
+        if self._pace is not None:
+            self._pace = None
+            with contextlib.suppress(OSError):  # closed by a failed reply: nothing to restore
+                self.sock.settimeout(self.timeout_s)
 
     def recv(self, size: int, *flags: int) -> bytes:
-        self._check_pace()
-        data = self.sock.recv(size, *flags)
-        self._received += len(data)
+        pace = self._check_pace()
+        try:
+            data = self.sock.recv(size, *flags)
+        except BlockingIOError:  # late, and nothing more has arrived
+            raise _late(pace) from None
+        if pace is not None:
+            pace.received += len(data)
         return data
 
     def recv_into(self, buffer: Any, *args: int) -> int:  # hiredis reads with it
-        self._check_pace()
-        count = self.sock.recv_into(buffer, *args)
-        self._received += count
+        pace = self._check_pace()
+        try:
+            count = self.sock.recv_into(buffer, *args)
+        except BlockingIOError:
+            raise _late(pace) from None
+        if pace is not None:
+            pace.received += count
         return count
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sock, name)
 
-    def _check_pace(self) -> None:
-        if self._started is None:
-            return
-        allowed = self.timeout_s + self._received / MIN_REPLY_RATE
-        if time.monotonic() - self._started > allowed:
-            raise TimeoutError(
-                f"reply of {self._received} bytes so far slower than {MIN_REPLY_RATE} bytes/s"
-            )
+    def _check_pace(self) -> Pace | None:
+        pace = self._pace
+        if pace is None:
+            return None
+        # a read waits no longer than the time left; once late, it takes only what has
+        # arrived already (the replies of a node read after another that was slow)
+        self.sock.settimeout(max(0.0, min(self.timeout_s, pace.left())))
+        return pace
+
+
+def _late(pace: Pace | None) -> TimeoutError:
+    received = 0 if pace is None else pace.received
+    return TimeoutError(f"reply of {received} bytes so far slower than {MIN_REPLY_RATE} bytes/s")
