@@ -633,7 +633,7 @@ def test_admin_endpoints_need_the_admin_key_and_clear_drops_one_tenants_blocks(
         assert a.status()["tiers"]["gpu"]["blocks"] == 0  # a tenant's status: its own blocks
         assert b.status()["tiers"]["gpu"]["blocks"] == 2
     unknown = auth_server.post("/v1/admin/clear", headers=admin, params={"tenant": "nobody"})
-    assert unknown.status_code == 403 and unknown.json()["error"] == "unknown_tenant"
+    assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_tenant"
     no_disk = auth_server.post("/v1/admin/persist", headers=admin)
     assert no_disk.status_code == 400 and "tiers.disk" in no_disk.json()["detail"]
 

@@ -12,7 +12,8 @@ Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `gu
     GET  /v1/pools                            what a same-host client maps: /dev/shm, the lane;
                                               the server's instance id, which every reply
                                               naming slots repeats (`admission.Service`)
-    GET  /v1/blocks                           every block held, as KV events (a router's resync)
+    GET  /v1/blocks                           every block held, as KV events (a router's resync,
+                                              `snapshots.py`)
     POST /v1/lookup /v1/prefetch /v1/release /v1/store /v1/load /v1/reserve /v1/commit
          /v1/abort /v1/reset                  the data plane, as the tenant of the caller's key
                                               (reset: its cached KV forgotten, weights changed)
@@ -53,7 +54,6 @@ from starlette.exceptions import HTTPException
 from kvtier.config import KVTierConfig
 from kvtier.config.service import ServiceConfig
 from kvtier.errors import KVTierError
-from kvtier.events.observer import snapshot as events_snapshot
 from kvtier.results import LeaseState
 from kvtier.service import bodies, budget, flat, schemas, wire
 from kvtier.service.admission import (
@@ -72,6 +72,7 @@ from kvtier.service.lane import Lane
 from kvtier.service.page import add_page
 from kvtier.service.peer import same_user
 from kvtier.service.plane import Plane, await_lease
+from kvtier.service.snapshots import Snapshots
 from kvtier.store import KVStore
 
 log = logging.getLogger("kvtier.service")
@@ -167,16 +168,21 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         handler: Callable[[KVStore, Any, dict[str, Any]], Any],
         admit: Admit = _admit,
         reads_body: bool = True,
+        bytes_reply: bool = False,
     ) -> Response:
-        """Admit (auth first, before the body), read and decode the body (`reads_body`), run
-        `handler(store, tenant, body)` (sync, on a worker thread, unless it is a coroutine
-        function), encode; every refusal as `{error, detail}`."""
+        """Admit (auth first, before the body), refuse JSON to a route whose reply is bytes
+        (`bytes_reply`: before it runs, so the refusal changes nothing), read and decode the
+        body (`reads_body`), run `handler(store, tenant, body)` (sync, on a worker thread,
+        unless it is a coroutine function), encode; every refusal as `{error, detail}`."""
         msgpack_body = wire.is_msgpack(request.headers.get("content-type"))
         started = time.perf_counter()
         hold: budget.Hold | None = None  # the call's bytes in flight (`budget.py`)
         try:
             store, tenant = admit(request, service)
-            hold = service.budget.hold(tenant or "")
+            if bytes_reply and not msgpack_body:
+                raise wire.no_bytes_in_json()
+            own = service.auth.enabled and tenant is not None  # a tenant key: its own figures
+            hold = service.budget.hold(tenant or "", own)
             budget.HOLD.set(hold)  # in this task's own context
             data = await _read_request(request, config, hold) if reads_body else {}
             if asyncio.iscoroutinefunction(handler):
@@ -237,7 +243,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
 
         return await call(request, handler, admit=admit_viewer, reads_body=False)
 
-    snapshots = asyncio.Lock()  # `/v1/blocks`: one built at a time
+    snapshots = Snapshots(service.budget, config.body_timeout_s)  # (`snapshots.py`)
 
     @app.get(
         "/v1/blocks", responses=schemas.responses(schemas.ANY_OBJECT, 400, *schemas.GET_STATUSES)
@@ -248,16 +254,9 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         that tenant's blocks; with the admin key (or without auth), all."""
 
         async def handler(store: KVStore, tenant: str | None, data: Any) -> dict[str, Any]:
-            async with snapshots:  # one built at a time, then held in the budget while sent
-                snapshot = await run_in_threadpool(events_snapshot, store, tenant)
-                size = sum(len(topic["events"]) for topic in snapshot["topics"])
-                hold = budget.HOLD.get()
-                if hold is not None:
-                    deadline = time.monotonic() + config.body_timeout_s
-                    await hold.take(min(size, service.budget.largest()), deadline)
-                return snapshot
+            return await snapshots.take(store, tenant)  # built, then held in the budget
 
-        return await call(request, handler, admit=admit_viewer, reads_body=False)
+        return await call(request, handler, admit_viewer, reads_body=False, bytes_reply=True)
 
     @app.get("/v1/config", responses=schemas.responses(schemas.ANY_OBJECT, *schemas.ADMIN_GET))
     async def effective_config(request: Request) -> Response:
@@ -306,7 +305,9 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         ("/v1/abort", p.abort, schemas.ABORT, schemas.EMPTY, "Abort a reservation"),
         ("/v1/reset", p.reset, schemas.EMPTY, schemas.RESET, "Forget the tenant's cached KV"),
     ]
-    hot = {path: _post(app, path, handler, call, request_schema, response_schema, summary)
+    bytes_call = functools.partial(call, bytes_reply=True)  # a load's reply is its KV
+    hot = {path: _post(app, path, handler, bytes_call if path == "/v1/load" else call,
+                       request_schema, response_schema, summary)
            for path, handler, request_schema, response_schema, summary in routes}  # fmt: skip
 
     @app.get(
@@ -332,12 +333,12 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
 
     # ---- admin ----------------------------------------------------------------------------
 
-    @app.post("/v1/admin/clear", responses=schemas.responses(schemas.CLEARED, *schemas.ADMIN))
+    @app.post("/v1/admin/clear", responses=schemas.responses(schemas.CLEARED, 404, *schemas.ADMIN))
     async def admin_clear(request: Request, tenant: str | None = None) -> Response:
-        """Drop every unleased block (of `tenant`, when given)."""
+        """Drop every unleased block (of `tenant`, when given: 404 for an unknown one)."""
         if not service.auth.is_admin(request.headers.get("authorization")):
             return _error(403, "forbidden", "admin endpoints need the admin key")
-        return await _admin(request, service, lambda store: {"dropped_blocks": store.clear(tenant)})
+        return await _admin(request, service, lambda store: bodies.cleared(store, tenant))
 
     @app.post("/v1/admin/check", responses=schemas.responses(schemas.CHECKED, *schemas.ADMIN))
     async def admin_check(request: Request) -> Response:

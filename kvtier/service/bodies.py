@@ -1,5 +1,5 @@
 """Response bodies built from the store's objects: a lease, the pools a same-host client may
-map, the effective configuration with its keys redacted, the store's checks.
+map, the effective configuration with its keys redacted, the store's checks, an admin clear.
 
 A lease and the pools carry `instance`, the server's instance id (`admission.Service`), as a
 reservation does (`plane.py`): a client reads or writes a mapped pool for slots only when the
@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.config import KVTierConfig
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, UnknownTenantError
 from kvtier.results import Lease
 from kvtier.service.cuda_ipc import export_pool
 from kvtier.service.grants import Grants
+from kvtier.service.wire import WireError
 from kvtier.store import KVStore
 
 
@@ -27,6 +28,16 @@ def checked(store: KVStore, grants: Grants | None = None) -> dict[str, Any]:
     except KVTierError as exc:
         return {"ok": False, "detail": str(exc)}
     return {"ok": True, "detail": ""}
+
+
+def cleared(store: KVStore, tenant: str | None) -> dict[str, Any]:
+    """What `/v1/admin/clear[?tenant=]` answers; `WireError` 404 `unknown_tenant` for a
+    `tenant` the configuration does not list: a value the admin named, not who the caller is
+    (the 403 of a data-plane call whose own tenant is unknown)."""
+    try:
+        return {"dropped_blocks": store.clear(tenant)}
+    except UnknownTenantError as exc:  # `tenant` is the only tenant a clear names
+        raise WireError(404, "unknown_tenant", f"?tenant=: {exc}") from None
 
 
 def lease(lease: Lease, instance: str) -> dict[str, Any]:

@@ -7,7 +7,8 @@ prefix raised `kvtier serve`'s peak RSS by 770 MiB, so a tenant with a cached pr
 hundred connections could take the machine from everyone. Every body and reply is charged here
 first:
 
-    hold = budget.hold(tenant)              nothing held yet
+    hold = budget.hold(tenant, own)         nothing held yet; `own`: its refusals name only
+                                            the tenant's figures (a tenant key's call)
     await hold.take(nbytes, deadline)       waits for room; `WireError` 503 busy past deadline
     hold.shrink(nbytes)                     gives back what the call turned out not to need
     hold.release()                          all of it (idempotent): after the reply is sent
@@ -23,6 +24,9 @@ Invariants (`check()`):
 - when room frees, waiters that fit now are granted in the order they came; one that does not
   fit (its tenant at its share, or too large for what is free) does not hold back those after
   it, so a tenant under its share is not kept waiting behind one at its share.
+- a refusal tells a tenant (`own`: with auth on, a tenant key's call) only its own held bytes
+  and its share, as /v1/status does: never what the other tenants hold, nor the total held.
+  The global figures are for the admin key and for a server without auth.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ class Budget:
         self.waits = self.refused = 0  # calls that waited for room; refused 503 busy
         self._waiting: list[tuple[str, int, asyncio.Future[None]]] = []
 
-    def hold(self, tenant: str) -> Hold:
-        return Hold(self, tenant)
+    def hold(self, tenant: str, own: bool = False) -> Hold:
+        """A hold of `tenant`'s; `own`: its refusals name only `tenant`'s figures."""
+        return Hold(self, tenant, own)
 
     def fits(self, tenant: str, nbytes: int) -> bool:
         mine = self.by_tenant.get(tenant, 0)
@@ -63,7 +68,7 @@ class Budget:
         """The most one call can ever hold (its bound when the budget is idle)."""
         return min(self.total, self.share)
 
-    async def _take(self, tenant: str, nbytes: int, deadline: float) -> None:
+    async def _take(self, tenant: str, nbytes: int, deadline: float, own: bool) -> None:
         if nbytes > self.largest():
             raise WireError(
                 413, "body_too_large",
@@ -87,12 +92,18 @@ class Budget:
             if not isinstance(exc, TimeoutError):
                 raise
             self.refused += 1
-            raise WireError(
-                503, "busy",
-                f"{nbytes} bytes in flight did not fit within service.body_timeout_s: "
-                f"{self.held} of {self.total} held (service.max_inflight_bytes), "
-                f"{self.by_tenant.get(tenant, 0)} of {self.share} by this tenant",
-            ) from None  # fmt: skip
+            raise WireError(503, "busy", self._busy(tenant, nbytes, own)) from None
+
+    def _busy(self, tenant: str, nbytes: int, own: bool) -> str:
+        """A 503 busy's detail: `tenant`'s own figures only when `own` (module doc)."""
+        mine = self.by_tenant.get(tenant, 0)
+        said = f"{nbytes} bytes in flight did not fit within service.body_timeout_s: "
+        if own:
+            return said + f"this tenant holds {mine} of its share of {self.share} bytes"
+        return said + (
+            f"{self.held} of {self.total} held (service.max_inflight_bytes), "
+            f"{mine} of {self.share} by this tenant"
+        )
 
     def _grant(self, tenant: str, nbytes: int) -> None:
         self.held += nbytes
@@ -133,11 +144,11 @@ class Budget:
 class Hold:
     """One call's bytes in the budget; `release` gives them all back (idempotent)."""
 
-    def __init__(self, budget: Budget, tenant: str) -> None:
-        self.budget, self.tenant, self.nbytes = budget, tenant, 0
+    def __init__(self, budget: Budget, tenant: str, own: bool = False) -> None:
+        self.budget, self.tenant, self.own, self.nbytes = budget, tenant, own, 0
 
     async def take(self, nbytes: int, deadline: float) -> None:
-        await self.budget._take(self.tenant, nbytes, deadline)
+        await self.budget._take(self.tenant, nbytes, deadline, self.own)
         self.nbytes += nbytes
 
     def shrink(self, nbytes: int) -> None:

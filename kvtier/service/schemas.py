@@ -130,8 +130,8 @@ ERROR = _obj({"error": _STR, "detail": _STR}, ("error", "detail"))
 _REASONS = {
     400: "malformed body or argument",
     401: "no API key",
-    403: "unknown API key, or not the admin key",
-    404: "unknown lease or reservation (or another tenant's)",
+    403: "unknown API key, not the admin key, or (without auth) an unknown x-kvtier-tenant",
+    404: "unknown lease or reservation (or another tenant's), or a tenant an admin call names",
     408: "the body did not arrive within service.body_timeout_s",
     409: "a reservation committed with slots its writer did not write",
     413: "too many tokens, or too large a body",

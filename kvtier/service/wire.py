@@ -74,7 +74,7 @@ ERRORS: dict[type[KVTierError], tuple[int, str]] = {
     InvalidArgumentError: (400, "invalid_argument"),
     InvalidKVError: (422, "invalid_kv"),
     LeaseError: (404, "unknown_lease"),
-    UnknownTenantError: (403, "unknown_tenant"),
+    UnknownTenantError: (403, "unknown_tenant"),  # who the caller is; a named one: 404 (bodies)
     CapacityError: (507, "capacity"),
     ClosedError: (503, "closed"),
 }
@@ -164,12 +164,18 @@ def encode(data: dict[str, Any], msgpack_body: bool) -> bytes:
     try:
         return json.dumps(data).encode()
     except TypeError:
-        raise WireError(
-            400,
-            "invalid_argument",
-            "the response carries KV bytes, which JSON cannot: send the request as "
-            "application/msgpack",
-        ) from None
+        raise no_bytes_in_json() from None
+
+
+def no_bytes_in_json() -> WireError:
+    """The 400 of a reply of bytes asked for in JSON: a route whose reply always carries
+    bytes (a load's KV, /v1/blocks' events) answers it before it runs, so that the refused
+    call changes nothing (`app.call`)."""
+    return WireError(
+        400,
+        "invalid_argument",
+        "the response carries KV bytes, which JSON cannot: send the request as application/msgpack",
+    )
 
 
 def tokens_field(data: dict[str, Any], max_tokens: int) -> np.ndarray | list[int]:
