@@ -128,11 +128,19 @@ def test_a_stalled_peer_blocks_no_other_and_is_cut_off_mid_length(server: Server
 
 
 def test_connections_past_the_bound_are_closed_before_the_hello(server: Server) -> None:
+    """With every connection answering a call (here: each call's body not all sent), none
+    can make room: one more is closed before the hello. (Idle ones make room: see
+    `test_lane_bounds.py`.)"""
     name = lane_of(server)
     held: list[socket.socket] = []
+    body = msgpack.packb({"tokens": bytes(4 << 15)}, use_bin_type=True)  # 128 KiB
+    payload = msgpack.packb(["/v1/lookup", AUTH_A, None, body], use_bin_type=True)
     try:
         for _ in range(MAX_CONNECTIONS):
             held.append(opened(name))
+        for sock in held:  # admitted on its head, its body awaited: answering a call
+            sock.sendall(struct.pack("<I", len(payload)) + payload[: len(payload) // 2 + 4096])
+        time.sleep(TIMEOUT_S / 3)  # their threads read the heads (each body has TIMEOUT_S)
         extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         extra.settimeout(10)
         extra.connect("\0" + name)

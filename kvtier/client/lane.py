@@ -8,15 +8,17 @@ Contract:
 - `request(path, body, headers)` sends one call of `frames.PATHS` and returns its `Reply`,
   read as an HTTP reply is (`transport.reply_body`), or None when the lane cannot be reached:
   a connection refused, a peer of another user (SO_PEERCRED), or one that does not open with
-  the server's hello (a server at its connection limit, or another user's). Nothing was sent
-  then, so the caller takes HTTP, and so does every call of this client for `RETRY_S`
-  (`dead`), when it tries once more (a server that had no connection to spare may have one
-  then). Safe from any number of threads: each call holds a connection of its own, taken from
-  the idle ones or opened.
+  the server's hello (a server with every connection answering a call, or another user's).
+  Nothing was sent then, so the caller takes HTTP, and so does every call of this client for
+  `RETRY_S` (`dead`), when it tries once more (a server that had no connection to spare may
+  have one then). Safe from any number of threads: each call holds a connection of its own,
+  taken from the idle ones or opened.
 - Once a request is sent, every failure (a reset, a timeout after `timeout_s`, a reply cut
   short) is a `TransportError` and its connection is closed; a request is never sent twice.
-  An idle connection the server has closed (it ends one idle for 10 minutes) is found before
-  it is used and replaced.
+  An idle connection the server has closed (it ends one idle for 10 minutes, or the one idle
+  longest to make room at its connection bound) is found before it is used and replaced. A
+  connection is opened only to send a call at once (the server closes one that sends none
+  within seconds).
 - A reply is untrusted: a frame longer than `max_reply_bytes`, or that is not
   `[status, body bytes]`, is a `ReplyError` (no more than the limit is read).
 - `retire()`: the lane of a server that is gone (the client re-mapped the pools of a server

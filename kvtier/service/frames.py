@@ -3,9 +3,13 @@ it): its name, hello and calls, a frame (a 4-byte little-endian length, then msg
 bounded read of one, and the check each end makes of the other (the peer's uid).
 
     frame(data) -> bytes                  one frame of `data`
+    request_head(head, length) -> Head    a request's path, key, tenant and where its body
+                                          lies, from its first bytes (`HEAD_BYTES` at most)
     read_exactly(sock, n, deadline=None)  n bytes; `ConnectionResetError` when the peer ends
                                           first, `TimeoutError` past `deadline` (monotonic;
                                           None: the socket's own timeout, per read)
+    read_into(sock, view, deadline=None)  the same into `view`
+    skip(sock, n, deadline)               n bytes read and dropped (a refused frame's rest)
     same_user(sock)                       whether the peer runs as this process's user
 """
 
@@ -16,7 +20,7 @@ import re
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack  # type: ignore[import-untyped]
 
@@ -33,6 +37,10 @@ PATHS = frozenset(
 `GET /v1/leases/{id}?wait_s=` with `{lease_id, wait_s}` in the body (a client waiting on a
 lease still PENDING past the prefetch's own wait). A store or load whose KV travels in the body
 stays on HTTP."""
+HEAD_BYTES = 1 << 16
+"""A request's first bytes, read before it is admitted: the whole frame when it is no longer,
+else they must hold its path, key, tenant and the body's header (a client's take some 100)."""
+SHAPE = "[path: str, authorization: str | nil, tenant: str | nil, body: bytes]"
 NAME = re.compile(r"kvtier-lane-[1-9][0-9]{0,9}-[0-9a-f]{8}")
 """A lane's name: an abstract Unix socket's, `kvtier-lane-<pid>-<8 hex>`."""
 
@@ -42,10 +50,76 @@ def frame(data: Any) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
+class Head(NamedTuple):
+    """A request frame's fields before its body, and where the body lies in the frame."""
+
+    path: str
+    authorization: str | None
+    tenant: str | None
+    body_at: int
+    body_length: int
+
+
+_ARRAY4 = (b"\x94", b"\xdc\x00\x04", b"\xdd\x00\x00\x00\x04")  # an array of 4, as msgpack has it
+_LONG = {0xD9: ">B", 0xDA: ">H", 0xDB: ">I", 0xC4: ">B", 0xC5: ">H", 0xC6: ">I"}  # str8-32, bin8-32
+_STR, _BIN = (0xD9, 0xDA, 0xDB), (0xC4, 0xC5, 0xC6)
+
+
+def request_head(head: bytes | bytearray, length: int) -> Head:
+    """The head of a request frame of `length` bytes whose first bytes are `head`; `ValueError`
+    naming what is wrong where the frame is not `SHAPE` (its fields past `head`, a body that
+    does not end the frame)."""
+    at = next((len(a) for a in _ARRAY4 if head.startswith(a)), 0)
+    if not at:
+        raise ValueError(f"expected {SHAPE}: not a msgpack array of 4")
+    fields: list[str | None] = []
+    for name in ("path", "authorization", "tenant"):
+        kind = head[at] if at < len(head) else None
+        if kind == 0xC0 and name != "path":
+            fields.append(None)
+            at += 1
+            continue
+        size, at = _sized(head, at, name, _STR)
+        try:
+            fields.append(head[at : at + size].decode())
+        except UnicodeDecodeError:
+            raise ValueError(f"expected {SHAPE}: {name} is not UTF-8") from None
+        at += size
+    size, at = _sized(head, at, "body", _BIN)
+    if at + size != length:
+        raise ValueError(f"expected {SHAPE}: a body of {size} bytes in {length - at}")
+    return Head(fields[0] or "", fields[1], fields[2], at, size)  # (the path is a str)
+
+
+def _sized(head: bytes | bytearray, at: int, name: str, kinds: tuple[int, ...]) -> tuple[int, int]:
+    """The length of the str (or bin, `kinds`) at `at` and where its bytes start, all in `head`."""
+    kind = head[at] if at < len(head) else None
+    start, size = at + 1, 0
+    if kinds == _STR and kind is not None and 0xA0 <= kind <= 0xBF:
+        size = kind & 0x1F
+    elif kind in kinds:
+        fmt = _LONG[kind]
+        start += struct.calcsize(fmt)
+        if start <= len(head):
+            (size,) = struct.unpack_from(fmt, head, at + 1)
+    else:
+        what = "past the first bytes" if kind is None else f"type byte 0x{kind:02x}"
+        raise ValueError(f"expected {SHAPE}: {name} {what}")
+    if start > len(head) or (kinds == _STR and start + size > len(head)):
+        raise ValueError(f"expected {SHAPE}: {name} past the first {len(head)} bytes")
+    return size, start
+
+
 def read_exactly(sock: socket.socket, count: int, deadline: float | None = None) -> bytes:
     buffer = bytearray(count)
-    view, got = memoryview(buffer), 0
-    while got < count:
+    read_into(sock, memoryview(buffer), deadline)
+    return bytes(buffer)
+
+
+def read_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from `sock` (`read_exactly`'s errors)."""
+    got = 0
+    while got < len(view):
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -55,7 +129,14 @@ def read_exactly(sock: socket.socket, count: int, deadline: float | None = None)
         if n == 0:
             raise ConnectionResetError("the lane closed mid-frame")
         got += n
-    return bytes(buffer)
+
+
+def skip(sock: socket.socket, count: int, deadline: float) -> None:
+    """Read `count` bytes from `sock` and drop them, in memory of `HEAD_BYTES` at most."""
+    scratch = memoryview(bytearray(min(count, HEAD_BYTES)))
+    while count:
+        read_into(sock, scratch[: min(count, len(scratch))], deadline)
+        count -= min(count, len(scratch))
 
 
 def same_user(sock: socket.socket) -> bool:

@@ -32,19 +32,45 @@ and `wait_s` in the body; `frames.PATHS`): the same handler, body limit
 (`service.max_body_bytes`: 413), decoding, typed errors (`wire.classify`) and metrics, so a
 client reads a lane reply as it reads an HTTP one.
 
+Admitted on its head, held before its body: a frame's first `frames.HEAD_BYTES` (64 KiB, or
+the whole frame when shorter) are read first, and its path, key and tenant (which a longer
+frame must hold there) are admitted as HTTP admits headers: a malformed head (400), a path the
+lane does not carry (404), a key refused (401, 403), a body past `max_body_bytes` (413) is
+answered before another byte is read. A longer frame's body is then held in
+`service.max_inflight_bytes` as HTTP holds a `Content-Length` (`budget.py`, on the event loop
+the lane started on: waits for room, 503 busy past `body_timeout_s`), read, and given back once
+answered. So a peer without a key holds at most `HEAD_BYTES` a connection, and a tenant no
+more than its share. The rest of a frame refused before it was read is read and dropped (in
+`HEAD_BYTES` of memory) after the refusal is sent: the connection goes on. (A frame of at most
+`HEAD_BYTES`, as a lookup of up to some 16,000 tokens is, is not charged: 16 MiB at most over
+`MAX_CONNECTIONS`, as HTTP's headers are not; a charged one costs a hop to the event loop,
+some 0.06 ms.)
+
+Time and room: a frame has `service.body_timeout_s` from its first byte to its head's end, and
+as long again from its admission (past any wait for room) to its end, or to the end of the
+dropped rest; a reply its client does not take within that long closes the connection. A
+connection opens to send a call: one without a frame within `min(body_timeout_s,
+FIRST_FRAME_S)` of its hello is closed, and one idle for `IDLE_S` between calls. At
+`MAX_CONNECTIONS`, a new connection makes room: the one idle longest (since its hello, its last
+reply or its frame's first byte; not one answering a call, from its admission to its reply) is
+closed, before the new one's hello, so peers that
+hold connections without calls cannot push other clients off the lane (a client finds its idle
+connection closed and opens another; one that sends a call just as its connection is closed
+gets a `TransportError` for it, as at `IDLE_S`). Only with every connection answering a call
+is a new one closed before the hello (its client stays on HTTP).
+
 Hostile input: a frame longer than `frame_limit(config)` (the tokens `service.max_tokens`
-allows, and 1 MiB of fields) closes the connection before its body is read; a frame that does
-not arrive whole within `service.body_timeout_s`, or a reply its client does not take within
-that long, closes it; a frame that is not that array, or names a path the lane does not carry,
-is answered 400 or 404 as `{error, detail}`, and the connection goes on. Past
-`MAX_CONNECTIONS` a connection is closed before the hello (its client stays on HTTP); a
-connection idle for `IDLE_S` is closed. An accept that fails (the process out of file
-descriptors, which a peer opening connections can bring about) is tried again every
-`ACCEPT_RETRY_S`: the lane serves again once it can.
+allows, and 1 MiB of fields) closes the connection before its body is read; one slower than
+its bounds above closes it; a frame that is not that array, or names a path the lane does not
+carry, is answered 400 or 404 as `{error, detail}`, and the connection goes on. An accept that
+fails (the process out of file descriptors, which a peer opening connections can bring about)
+is tried again every `ACCEPT_RETRY_S`: the lane serves again once it can.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -52,17 +78,20 @@ import secrets
 import socket
 import threading
 import time
+from typing import cast
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
-from kvtier.service import flat, frames, wire
+from kvtier.service import frames, wire
 from kvtier.service.admission import Service, tenant_of_key
+from kvtier.service.budget import Hold
 from kvtier.service.plane import Handler
 
 log = logging.getLogger("kvtier.service")
 
 MAX_CONNECTIONS = 256
 IDLE_S = 600.0
+FIRST_FRAME_S = 5.0  # a connection's first frame: min(this, service.body_timeout_s) after hello
 STOP_S = 5.0  # how long `stop` waits for the connections' threads
 ACCEPT_RETRY_S = 0.1  # how long the lane waits after an accept fails (EMFILE)
 
@@ -77,14 +106,18 @@ class Lane:
         self.service, self.handlers = service, handlers
         self.limit = frame_limit(service.config)
         self.timeout_s = service.config.service.body_timeout_s
+        self.first_s = min(self.timeout_s, FIRST_FRAME_S)
         self.max_body = service.config.service.max_body_bytes
         self.max_tokens = service.config.service.max_tokens
         self._listener: socket.socket | None = None
-        self._open: dict[socket.socket, threading.Thread] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open: dict[socket.socket, _Connection] = {}
         self._lock = threading.Lock()
 
     def start(self) -> str | None:
-        """Listen on a new lane; its name, or None (logged) when it cannot listen."""
+        """Listen on a new lane; its name, or None (logged) when it cannot listen. Called on
+        the event loop whose `service.budget` its calls are charged to (the app's lifespan)."""
+        self._loop = asyncio.get_running_loop()
         name = f"kvtier-lane-{os.getpid()}-{secrets.token_hex(4)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -111,8 +144,8 @@ class Lane:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
         deadline = time.monotonic() + STOP_S
-        for _, thread in open_now:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for _, state in open_now:
+            state.thread.join(max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         failing = False
@@ -128,16 +161,48 @@ class Lane:
                 time.sleep(ACCEPT_RETRY_S)
                 continue
             failing = False
+            if not frames.same_user(conn):
+                conn.close()
+                continue
             with self._lock:
-                full = len(self._open) >= MAX_CONNECTIONS
-                if not full and frames.same_user(conn) and self._listener is not None:
-                    thread = threading.Thread(
+                idlest = self._make_room()
+                if idlest is not None:  # ended before the new one's hello: its peer sees it
+                    with contextlib.suppress(OSError):
+                        idlest.shutdown(socket.SHUT_RDWR)  # its thread sees the end and goes
+                taken = len(self._open) < MAX_CONNECTIONS and self._listener is not None
+                if taken:
+                    state = _Connection(threading.Thread(
                         target=self._serve, args=(conn,), name="kvtier-lane-conn", daemon=True
-                    )
-                    self._open[conn] = thread
-                    thread.start()
-                    continue
-            conn.close()
+                    ))  # fmt: skip
+                    self._open[conn] = state
+                    state.thread.start()
+            if not taken:
+                conn.close()  # every one answering a call: this one stays on HTTP
+
+    def _make_room(self) -> socket.socket | None:
+        """At `MAX_CONNECTIONS`, the connection idle longest (not answering a call), taken off
+        the open ones for the caller to end; None below the bound or with none idle."""
+        if len(self._open) < MAX_CONNECTIONS:
+            return None
+        idle = [(state.since, id(conn), conn) for conn, state in self._open.items()
+                if not state.answering]  # fmt: skip
+        if not idle:
+            return None
+        conn = min(idle)[2]
+        del self._open[conn]
+        return conn
+
+    def _mark(self, conn: socket.socket, answering: bool) -> bool:
+        """Mark `conn` answering a call (not to be ended for room), or idle again from now (a
+        frame begun, a reply sent); False when it was ended for room already."""
+        with self._lock:
+            state = self._open.get(conn)
+            if state is None:
+                return False
+            state.answering = answering
+            if not answering:
+                state.since = time.monotonic()
+            return True
 
     def _serve(self, conn: socket.socket) -> None:
         """One connection (module doc), until it ends, idles or sends a frame too long."""
@@ -145,70 +210,143 @@ class Lane:
         metrics.lane_connections.inc()
         try:
             conn.sendall(frames.frame(frames.HELLO))
+            wait_s = self.first_s  # a connection opens to send a call: soon
             while True:
-                conn.settimeout(IDLE_S)
+                conn.settimeout(wait_s)
                 first = frames.read_exactly(conn, 1)  # a frame's time runs from its first byte
+                if not self._mark(conn, False):  # (its connection the last one to end for room)
+                    return
                 deadline = time.monotonic() + self.timeout_s
                 rest = frames.read_exactly(conn, frames.LENGTH.size - 1, deadline)
                 (length,) = frames.LENGTH.unpack(first + rest)
                 if length > self.limit:
                     return  # its body is not read: the connection is done
-                payload = frames.read_exactly(conn, length, deadline)
-                reply = frames.frame(list(self.answer(payload)))
+                head = frames.read_exactly(conn, min(length, frames.HEAD_BYTES), deadline)
+                call = _Call(conn, length, head)
+                try:
+                    reply = frames.frame(list(self.answer(call)))
+                finally:
+                    call.release(self._loop)
                 conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
                 conn.sendall(reply)
-        except OSError:
-            return  # gone, idle, too slow, or stopped: nothing to answer
+                if not self._mark(conn, False):
+                    return
+                if call.unread:  # refused before its body was read: it is skipped
+                    frames.skip(conn, call.unread, time.monotonic() + self.timeout_s)
+                wait_s = IDLE_S
+        except (OSError, Gone):
+            return  # gone, idle, too slow, ended for room, or stopped: nothing to answer
         finally:
             metrics.lane_connections.dec()
             with self._lock:
                 self._open.pop(conn, None)
             conn.close()
 
-    def answer(self, payload: bytes) -> tuple[int, bytes]:
-        """The status and body bytes of one request frame (module doc)."""
+    def answer(self, call: _Call) -> tuple[int, bytes]:
+        """The status and body bytes of one request frame (module doc): its head admitted
+        first, then its body charged to the budget and read (`call.unread` left on a
+        refusal)."""
         try:
-            request = flat.loads_msgpack(payload, 4, top=list)
-        except flat.Malformed as exc:
-            return _refusal(400, "malformed_frame", f"not a request frame: {exc}")
-        if not (
-            isinstance(request, list)
-            and len(request) == 4
-            and isinstance(request[0], str)
-            and all(v is None or isinstance(v, str) for v in request[1:3])
-            and isinstance(request[3], bytes | memoryview)
-        ):
-            return _refusal(
-                400, "malformed_frame",
-                "expected [path: str, authorization: str | nil, tenant: str | nil, body: bytes]",
-            )  # fmt: skip
-        path, authorization, named, body = request
-        handler = self.handlers.get(path)
+            head = frames.request_head(call.head, call.length)
+        except ValueError as exc:
+            return _refusal(400, "malformed_frame", str(exc))
+        handler = self.handlers.get(head.path)
         if handler is None:
             carried = ", ".join(sorted(self.handlers))
-            return _refusal(404, "not_found", f"path {path[:64]!r}: the lane carries {carried}")
+            return _refusal(
+                404, "not_found", f"path {head.path[:64]!r}: the lane carries {carried}"
+            )
         started = time.perf_counter()
         try:
             store = self.service.ready_store()
-            tenant = tenant_of_key(self.service, authorization, named)
-            if len(body) > self.max_body:
+            tenant = tenant_of_key(self.service, head.authorization, head.tenant)
+            if head.body_length > self.max_body:
                 raise wire.WireError(
                     413, "body_too_large",
-                    f"body of {len(body)} bytes, more than service.max_body_bytes={self.max_body}",
+                    f"body of {head.body_length} bytes, more than "
+                    f"service.max_body_bytes={self.max_body}",
                 )  # fmt: skip
+            try:
+                if not self._mark(call.conn, True):
+                    raise ConnectionResetError("ended for room")
+                if call.unread:
+                    self._charge(call, tenant, head.body_length)
+                    call.read_rest(time.monotonic() + self.timeout_s)
+            except OSError as exc:  # the connection, not the call: nothing to answer
+                raise Gone(str(exc)) from None
+            body = cast(bytes, memoryview(call.head)[head.body_at :])  # read in place (`flat`)
             data = wire.decode_request(body, wire.MSGPACK, self.max_tokens) if body else {}
             return 200, wire.encode(handler(store, tenant, data), True)
         except wire.WireError as exc:
             return _refusal(exc.status, exc.kind, exc.detail)
         except KVTierError as exc:
             return _refusal(*wire.classify(exc), str(exc))
+        except Gone:
+            raise
         except Exception as exc:  # as `Guard` answers one over HTTP
-            log.exception("kvtier: unexpected error in lane %s", path)
+            log.exception("kvtier: unexpected error in lane %s", head.path)
             detail = f"an unexpected {type(exc).__name__}; the server's log has the traceback"
             return _refusal(500, "internal", detail)
         finally:
-            self.service.metrics.observe(path, time.perf_counter() - started)
+            self.service.metrics.observe(head.path, time.perf_counter() - started)
             self.service.metrics.lane_requests.inc()
+
+    def _charge(self, call: _Call, tenant: str, nbytes: int) -> None:
+        """Hold the body's `nbytes` in `service.budget` before it is read, as HTTP holds a
+        `Content-Length` (`budget.py`: waits for room, 503 busy past `body_timeout_s`)."""
+        loop = self._loop
+        assert loop is not None, "the lane charges its budget on the loop it started on"
+        call.hold = self.service.budget.hold(tenant, self.service.auth.enabled)
+        deadline = time.monotonic() + self.timeout_s
+        taking = call.hold.take(nbytes, deadline)
+        try:
+            taken = asyncio.run_coroutine_threadsafe(taking, loop)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            taking.close()
+            raise ConnectionAbortedError("the server is stopping") from None
+        try:
+            taken.result(self.timeout_s + STOP_S)
+        except concurrent.futures.TimeoutError:  # the loop is stopping: nothing will answer
+            taken.cancel()
+            raise ConnectionAbortedError("the event loop did not answer") from None
+
+
+class Gone(Exception):
+    """The connection ended (or was ended for room, or the loop stopped) mid-call."""
+
+
+class _Connection:
+    """An open connection's thread; `answering` while a call is admitted until its reply is
+    sent, else idle `since` (its hello, last reply or the first byte of the frame it sends):
+    the ones `_make_room` may end."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread, self.since, self.answering = thread, time.monotonic(), False
+
+
+class _Call:
+    """One request frame: its `head` (its first bytes, `frames.HEAD_BYTES` at most) in memory,
+    `unread` bytes of it still in `conn`, and its `hold` in the budget once charged."""
+
+    def __init__(self, conn: socket.socket, length: int, head: bytes) -> None:
+        self.conn, self.length = conn, length
+        self.head: bytes | bytearray = head
+        self.unread = length - len(head)
+        self.hold: Hold | None = None
+
+    def read_rest(self, deadline: float) -> None:
+        """The rest of the frame, read after the head (`head`: the whole frame then)."""
+        whole = bytearray(self.length)
+        whole[: len(self.head)] = self.head
+        frames.read_into(self.conn, memoryview(whole)[len(self.head) :], deadline)
+        self.head, self.unread = whole, 0
+
+    def release(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Give back the hold (on the loop: the budget is the loop's) once answered."""
+        hold, self.hold = self.hold, None
+        if hold is not None and loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the budget with it
+                loop.call_soon_threadsafe(hold.release)
 
 
 def _refusal(status: int, kind: str, detail: str) -> tuple[int, bytes]:
