@@ -20,12 +20,15 @@ speed of a flat copy.
 Contract:
 - `kv_layout(name)` is the name if it is one of `LAYOUTS`, else `InvalidArgumentError`.
 - `check_kv_as(layout, kv, kind, num_tokens)`: the KV of `num_tokens` tokens in `kind`, else
-  `InvalidKVError` naming what was expected: "layers" exactly as `blocks.check_kv`; "blocks"
-  one page per block, a last partly filled page allowed (its tokens are not stored).
+  `InvalidKVError` naming what was expected: a dense tensor in CPU or CUDA memory
+  (`check_memory`: a "meta" or sparse tensor, which no copy can read, is refused before a slot
+  is taken); "layers" exactly as `blocks.check_kv`; "blocks" one page per block, a last partly
+  filled page allowed (its tokens are not stored).
 - `check_out(layout, out, kind, num_tokens, device)`: a destination for the cached prefix of a
   prompt of `num_tokens` tokens: a tensor of the layout's dtype in `kind`'s shape with room for
   every full block of the prompt (more tokens or pages are left as they are), on `device` when
-  one is named; else `InvalidKVError` / `InvalidArgumentError`, before anything is read.
+  one is named, in memory the store can copy into (`check_memory`); else `InvalidKVError` /
+  `InvalidArgumentError`, before anything is read.
 - `blocks_view(kv, kind, block_tokens, count)` is a `[count, *block_shape]` view of the first
   `count` blocks of `kv`: writes into it land in `kv`.
 - `prefix_of(out, kind, count, block_tokens)` is the part of `out` that holds `count` blocks.
@@ -64,6 +67,7 @@ def kv_layout(name: object) -> KVKind:
 
 def check_kv_as(layout: KVLayout, kv: object, kind: KVKind, num_tokens: int) -> None:
     """`InvalidKVError` unless `kv` is the KV of `num_tokens` tokens in `kind` (module doc)."""
+    check_memory(kv, "kv")
     if kind == "layers":
         check_kv(layout, kv, num_tokens)
         return
@@ -80,6 +84,23 @@ def check_kv_as(layout: KVLayout, kv: object, kind: KVKind, num_tokens: int) -> 
         )
 
 
+COPYABLE = ("cpu", "cuda")
+"""The devices whose memory the store copies blocks from and into."""
+
+
+def check_memory(tensor: object, name: str) -> None:
+    """`InvalidKVError` for a tensor whose memory the store cannot copy (another device than
+    `COPYABLE`, e.g. "meta", which has no data; a sparse or other non-strided layout), named
+    `name`; anything else is left to the type, dtype and shape checks."""
+    if not isinstance(tensor, torch.Tensor):
+        return
+    if tensor.device.type not in COPYABLE or tensor.layout != torch.strided:
+        raise InvalidKVError(
+            f"{name}: got a tensor on device {str(tensor.device)!r} in layout "
+            f"{tensor.layout}, expected a strided (dense) tensor in 'cpu' or 'cuda' memory"
+        )
+
+
 def check_out(
     layout: KVLayout,
     out: object,
@@ -91,6 +112,7 @@ def check_out(
     doc)."""
     if not isinstance(out, torch.Tensor):
         raise InvalidKVError(f"out: got {type(out).__name__}, expected a torch.Tensor")
+    check_memory(out, "out")
     if out.dtype != layout.dtype:
         raise InvalidKVError(f"out: got dtype {out.dtype}, expected {layout.dtype}")
     if device is not None and out.device != device:

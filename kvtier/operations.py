@@ -39,6 +39,15 @@ from kvtier.tiers.base import DISK, GPU
 from kvtier.transfer.persist import persist
 
 
+def check_tenant(tenant: object) -> None:
+    """`InvalidArgumentError` naming `tenant` unless it is a str (a tenant id: whether it is
+    one the config lists is `tenancy.Namespaces.seed`'s check)."""
+    if type(tenant) is not str:
+        raise InvalidArgumentError(
+            f"tenant: got {tenant!r:.80} ({type(tenant).__name__}), expected a tenant id (str)"
+        )
+
+
 class Operations:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
@@ -51,8 +60,10 @@ class Operations:
             raise ClosedError("the store is closed")
 
     def namespace(self, tenant: str) -> BlockId:
-        """The namespace of configured `tenant` (`InvalidArgumentError` for another name)."""
+        """The namespace of configured `tenant` (`InvalidArgumentError` for another type than
+        str, `UnknownTenantError` for another name)."""
         self.ensure_open()
+        check_tenant(tenant)
         return self.parts.namespaces.seed(tenant)
 
     def count(self, tenant: str, **events: int) -> None:
@@ -83,6 +94,8 @@ class Operations:
     # ---- leases and reservations by id -----------------------------------------------------
 
     def lease(self, lease_id: int, tenant: str | None) -> Lease:
+        if tenant is not None:
+            check_tenant(tenant)
         with self.lock:
             self.ensure_open()
             self.expire()
@@ -113,6 +126,8 @@ class Operations:
             return released
 
     def reservation(self, reservation_id: int, tenant: str | None) -> Reservation:
+        if tenant is not None:
+            check_tenant(tenant)
         with self.lock:
             self.ensure_open()
             self.expire()

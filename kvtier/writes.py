@@ -12,7 +12,8 @@ Contract:
   `take_free` is the same placement when it needs only free slots: taken at once, no demoter
   asked, nothing moved (None when room must be made).
 - `store_new`: the new full blocks of a call, written into their slots and inserted (DESIGN
-  invariant 1: the index learns of them once written). The match is pinned only while room is
+  invariant 1: the index learns of them once written; a copy that fails, with any error,
+  frees the slots it took and raises it: nothing stored). The match is pinned only while room is
   made (`take_free` moves nothing, so it needs no pin). Below a prefix that lives only on disk
   they take the one disk route, an insert flight (`transfer/background.py`): landed before the
   call returns with an inline mover, pending behind it with a background one.
@@ -33,7 +34,7 @@ import math
 import torch
 
 from kvtier.blocks import BlockId
-from kvtier.errors import InvalidKVError, QuotaError
+from kvtier.errors import QuotaError
 from kvtier.index import Match
 from kvtier.index.node import Node
 from kvtier.policy import WritePolicy
@@ -144,8 +145,8 @@ class Writes:
         try:
             for tier, tier_slots in slots.items():
                 memory[tier].write(tier_slots, blocks)
-        except InvalidKVError:  # KV a quantized host tier cannot keep: nothing is stored
-            for tier, tier_slots in slots.items():
+        except BaseException:  # KV a quantized tier cannot keep, or any failed copy
+            for tier, tier_slots in slots.items():  # nothing stored, no slot kept
                 memory[tier].free(tier_slots)
             raise
         self.mover.executor.mark_engine()  # CUDA: background copies of these slots wait

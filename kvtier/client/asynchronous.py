@@ -29,8 +29,8 @@ from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.mapper import AsyncMapper
 from kvtier.client.owing import AsyncOwing, AsyncPost
 from kvtier.client.pages import LoadPages, StorePieces
-from kvtier.client.pools import LeaseFrom, ReservationFrom
-from kvtier.client.releases import may_have_reached, new_token
+from kvtier.client.pools import LeaseFrom, MappedView, ReservationFrom
+from kvtier.client.releases import may_have_reached, new_token, release_of
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, httpx_send, reply_body
 from kvtier.errors import CapacityError, ClosedError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
@@ -51,7 +51,7 @@ def _alone(url: str, timeout_s: float, headers: RequestHeaders, limit: int) -> A
     return post
 
 
-class AsyncClient:
+class AsyncClient(MappedView):
     """The asyncio twin of `Client`: the same methods, as coroutines."""
 
     def __init__(
@@ -219,8 +219,7 @@ class AsyncClient:
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def release(self, lease: Lease | int) -> None:
-        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
-        tenant = lease.tenant if isinstance(lease, Lease) else "default"
+        lease_id, tenant = release_of(lease)  # checked as the store checks it
         await self._post("/v1/release", {"lease_id": lease_id}, tenant)
 
     async def store(

@@ -35,8 +35,8 @@ from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
 from kvtier.client.owing import Owing, Post
 from kvtier.client.pages import LoadPages, StorePieces
-from kvtier.client.pools import LeaseFrom, ReservationFrom
-from kvtier.client.releases import may_have_reached, new_token
+from kvtier.client.pools import LeaseFrom, MappedView, ReservationFrom
+from kvtier.client.releases import may_have_reached, new_token, release_of
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, reply_body
 from kvtier.errors import CapacityError, ClosedError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
@@ -57,7 +57,7 @@ def _alone(url: str, timeout_s: float, headers: RequestHeaders) -> Post:
     return post
 
 
-class Client:
+class Client(MappedView):
     """A blocking client (keep-alive connections, `connections.py`; safe to share by threads)."""
 
     def __init__(
@@ -215,8 +215,7 @@ class Client:
         return reply_body(self._http.request("GET", path, None, headers))
 
     def release(self, lease: Lease | int) -> None:
-        lease_id = lease.lease_id if isinstance(lease, Lease) else lease
-        tenant = lease.tenant if isinstance(lease, Lease) else "default"
+        lease_id, tenant = release_of(lease)  # checked as the store checks it
         self._post("/v1/release", {"lease_id": lease_id}, tenant)
 
     def store(
@@ -334,10 +333,6 @@ class Client:
             self._pools.map(self._get("/v1/pools"), mapping=False)
         assert self._pools.served is not None
         return self._pools.served.layout
-
-    def pool_buffer(self, tier: str) -> torch.Tensor | None:
-        """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None."""
-        return self._pools.buffers.get(tier)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for the loads, stores, prefetches and reserves under way (up to `timeout_s`,

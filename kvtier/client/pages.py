@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvtier.blocks import Tokens, encode_tokens, from_blocks
-from kvtier.caller_kv import KVKind
+from kvtier.caller_kv import KVKind, check_memory
 from kvtier.errors import ReplyError
 from kvtier.results import StoreResult
 from kvtier.service import replies, wire
@@ -86,6 +86,7 @@ class StorePieces:
         self, tokens: Tokens, kv: torch.Tensor, start: int, kind: KVKind, served: Pools | None
     ) -> None:
         assert served is not None, "the served pools are asked first (`Client.layout`)"
+        check_memory(kv, "kv")  # no byte of a "meta" or sparse tensor could be sent
         self.tokens, self.kv, self.kind = tokens, kv, kind
         self.bt = bt = served.layout.block_tokens
         self.start, self.asked = start, len(encode_tokens(tokens)) // 4

@@ -310,6 +310,26 @@ class MappedPools:
         return dest.result(len(wanted))
 
 
+class MappedView:
+    """What both clients show of the pools mapped here (`Client`, `AsyncClient` mix it in)."""
+
+    _pools: MappedPools
+
+    def pool_buffer(self, tier: str) -> torch.Tensor | None:
+        """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None. The
+        tensor is the memory of the server instance mapped now (`mapped_instance`): after the
+        client re-maps (the sidecar restarted), take it again; the old one reads the old
+        server's pages, never the new one's."""
+        return self._pools.buffers.get(tier)
+
+    @property
+    def mapped_instance(self) -> str | None:
+        """The instance id of the server whose pools are mapped here (random per server
+        process; None: none mapped). It changes when the client re-maps after a restart of
+        the sidecar at its URL: an engine that keeps a `pool_buffer` tensor takes it again."""
+        return self._pools.mapping.instance
+
+
 def _at_most(count: int, bound: int, field: str, what: str) -> None:
     if count > bound:
         raise ReplyError(f"{field}: got {count}, expected at most the {bound} {what}")

@@ -33,8 +33,25 @@ import secrets
 import threading
 import time
 
-from kvtier.errors import ClosedError
+from kvtier.errors import ClosedError, InvalidArgumentError, LeaseError
 from kvtier.results import Lease
+
+ID_LIMIT = 1 << 64
+"""Ids a request can carry (msgpack's unsigned 64-bit); a lease's id is below 2**63."""
+
+
+def release_of(lease: Lease | int) -> tuple[int, str]:
+    """The lease id and tenant `release(lease)` sends, checked as `KVStore.release` checks
+    them, before anything is sent: `InvalidArgumentError` for what is neither a `Lease` nor an
+    int (a bool included), `LeaseError` for an int no lease has (outside [0, 2**64), which no
+    request could carry: before, msgpack's `OverflowError`)."""
+    raw = lease.lease_id if isinstance(lease, Lease) else lease
+    if type(raw) is not int:
+        raise InvalidArgumentError(f"lease: got {lease!r:.80}, expected a Lease or an int id")
+    if not 0 <= raw < ID_LIMIT:
+        raise LeaseError(f"lease {raw}: unknown, released or expired")
+    return raw, lease.tenant if isinstance(lease, Lease) else "default"
+
 
 RELEASE_AFTER_S = 0.05
 """How long a release waits for a request to ride on before it is sent alone."""

@@ -152,12 +152,24 @@ def lease(
         num_tokens,
         table,
         _time(body, "expires_at", "lease"),
+        num_layers=_layers(body, served, state),
         pending=state == LeaseState.PENDING.value,
         canceller=canceller,
     )
     if state not in (LeaseState.PENDING.value, LeaseState.READY.value):
         LeaseOwner(result).resolve(LeaseState(state), reason)
     return result
+
+
+def _layers(body: dict[str, Any], served: Pools | None, state: str) -> int:
+    """A lease's `num_layers`, as the store's lease has it (`layers_ready` of a READY lease is
+    all of them): the served layout's, else what the READY reply's `layers_ready` says (checked;
+    0 where the reply has none)."""
+    if served is not None:
+        return served.layout.num_layers
+    if state != LeaseState.READY.value or "layers_ready" not in body:
+        return 0
+    return _int(body, "layers_ready", "lease", MAX_COUNT)
 
 
 def reservation(body: dict[str, Any], served: Pools | None, sent_tokens: int) -> Reservation:
