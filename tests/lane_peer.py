@@ -12,6 +12,11 @@ from service_server import Server
 
 from kvtier.service import frames
 
+GOODBYE = b"kvtier-lane goodbye"
+"""The server's last frame on a connection it ends between calls, as the wire has it (a
+literal, so a test run against older code fails on what it reads)."""
+GOODBYE_FRAME = struct.pack("<I", len(msgpack.packb(GOODBYE))) + msgpack.packb(GOODBYE)
+
 
 def lane_of(server: Server, auth: str) -> str:
     """The name of `server`'s lane, as `/v1/pools` gives it to a caller with `auth`."""
@@ -55,7 +60,12 @@ def opened(name: str, timeout_s: float = 10.0) -> socket.socket:
 
 
 def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed `sock`: its end, after a `GOODBYE` frame (a connection
+    ended idle) or none."""
     try:
-        return sock.recv(1) == b""
+        data = sock.recv(len(GOODBYE_FRAME))
+        if data == GOODBYE_FRAME:
+            data = sock.recv(1)
+        return data == b""
     except ConnectionResetError:
         return True

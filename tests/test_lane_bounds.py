@@ -22,7 +22,7 @@ from lane_peer import closed_by_server, opened, read_frame, send
 from service_server import ADMIN_KEY, Server, peak_rss_mib, reset_peak, running, write_config
 
 from kvtier.client import Client
-from kvtier.service.lane import MAX_CONNECTIONS
+from kvtier.service.lane import FIRST_FRAME_S, MAX_CONNECTIONS
 
 KEY_A = "bounds-tenant-a-key-0123456789"
 KEY_B = "bounds-tenant-b-key-0123456789"
@@ -226,6 +226,7 @@ def test_silent_peers_at_the_bound_make_room_and_a_client_stays_on_the_lane(
     try:
         with Client(patient.url, api_key=KEY_A) as client:
             assert client.lookup(list(range(1, 9))).num_tokens == 0
+            opening = time.monotonic()
             for _ in range(MAX_CONNECTIONS):
                 silent.append(opened(name))
             for _ in range(5):
@@ -234,7 +235,9 @@ def test_silent_peers_at_the_bound_make_room_and_a_client_stays_on_the_lane(
             assert lane is not None and not lane.dead and lane.calls == 6
         silent[0].settimeout(5)
         assert closed_by_server(silent[0])  # the one idle longest when the client reopened
-        assert not select.select(silent[1:], [], [], 0)[0]  # the others still open
+        if time.monotonic() - opening < FIRST_FRAME_S - 0.5:  # (a loaded machine: past it,
+            # the first silent ones end at their first frame's bound, which is right too)
+            assert not select.select(silent[1:], [], [], 0)[0]  # the others still open
     finally:
         for sock in silent:
             sock.close()

@@ -14,9 +14,14 @@ Contract:
   have one then). Safe from any number of threads: each call holds a connection of its own,
   taken from the idle ones or opened.
 - Once a request is sent, every failure (a reset, a timeout after `timeout_s`, a reply cut
-  short) is a `TransportError` and its connection is closed; a request is never sent twice.
-  An idle connection the server has closed (it ends one idle for 10 minutes, or the one idle
-  longest to make room at its connection bound) is found before it is used and replaced. A
+  short) is a `TransportError` and its connection is closed; a request is never sent twice,
+  but for a goodbye: the server's `frames.GOODBYE` read where the reply was expected (or,
+  where sending failed, the next bytes on the connection) says the server ended the
+  connection between calls and answers none of the request (`service/lane.py`: "Goodbye"),
+  so the call is sent once more on a new connection, and over HTTP (`None`) where that one
+  cannot be opened or says goodbye too (a server stopping). An idle connection the server has
+  closed (it ends one idle for 10 minutes, or the one idle longest to make room at its
+  connection bound, its goodbye pending) is found before it is used and replaced. A
   connection is opened only to send a call at once (the server closes one that sends none
   within seconds).
 - A reply is untrusted: a frame longer than `max_reply_bytes`, or that is not
@@ -42,6 +47,7 @@ from kvtier.errors import ClosedError, ReplyError
 from kvtier.service import flat, frames, wire
 
 RETRY_S = 30.0
+_GOODBYE = object()  # `_send`'s answer where the server ended the connection unread
 
 
 class _Dead:
@@ -69,13 +75,31 @@ class LaneConnections(_Dead):
         return None if checked is None else cls(checked, timeout_s, max_reply_bytes)
 
     def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
-        sock = self._take()
-        if sock is None:
-            return None
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
+        data = frames.frame(request)
+        for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
+            sock = self._take(fresh)
+            if sock is None:
+                return None
+            reply = self._send(sock, data, call)
+            if reply is not _GOODBYE:
+                self._give(sock)
+                status, content = _reply(reply, call)
+                return Reply(status, wire.MSGPACK, content, path)
+        return None  # a goodbye on a new connection too (a server stopping): HTTP, unsent
+
+    def _send(self, sock: socket.socket, data: bytes, call: str) -> Any:
+        """The reply to `data` on `sock`, or `_GOODBYE` (`sock` closed) where the server ended
+        the connection between calls and answers none of it (module doc)."""
         try:
-            sock.sendall(frames.frame(request))
+            try:
+                sock.sendall(data)
+            except OSError:  # ended, or stalled: said goodbye before it was ended, or not
+                if frames.heard_goodbye(sock):
+                    sock.close()
+                    return _GOODBYE
+                raise
             reply = _read_frame(sock, self.limit, call)
         except OSError as exc:
             sock.close()
@@ -83,9 +107,10 @@ class LaneConnections(_Dead):
         except BaseException:
             sock.close()  # interrupted, or a reply too long: its state is unknown
             raise
-        self._give(sock)
-        status, content = _reply(reply, call)
-        return Reply(status, wire.MSGPACK, content, path)
+        if reply == frames.GOODBYE:
+            sock.close()
+            return _GOODBYE
+        return reply
 
     def close(self) -> None:
         with self._lock:
@@ -102,14 +127,15 @@ class LaneConnections(_Dead):
         for sock in idle:
             sock.close()
 
-    def _take(self) -> socket.socket | None:
+    def _take(self, fresh: bool = False) -> socket.socket | None:
+        """An idle connection the server has not closed, or a new one (`fresh`: always)."""
         while True:
             with self._lock:
                 if self._closed:
                     raise ClosedError("the client is closed: no request is sent")
                 if self.dead:
                     return None
-                sock = self._idle.pop() if self._idle else None
+                sock = self._idle.pop() if self._idle and not fresh else None
             if sock is None:
                 return self._open()
             if still_open(sock):
@@ -161,30 +187,48 @@ class AsyncLaneConnections(_Dead):
         return None if checked is None else cls(checked, timeout_s, max_reply_bytes)
 
     async def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
-        stream = await self._take()
-        if stream is None:
-            return None
-        reader, writer = stream
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
+        data = frames.frame(request)
+        for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
+            stream = await self._take(fresh)
+            if stream is None:
+                return None
+            reply = await self._send(stream, data, call)
+            if reply is not _GOODBYE:
+                if self._closed or self.retry_at == math.inf:
+                    stream[1].close()
+                else:
+                    self._idle.append(stream)
+                self.calls += 1
+                status, content = _reply(reply, call)
+                return Reply(status, wire.MSGPACK, content, path)
+        return None  # a goodbye on a new connection too (a server stopping): HTTP, unsent
+
+    async def _send(
+        self, stream: tuple[asyncio.StreamReader, asyncio.StreamWriter], data: bytes, call: str
+    ) -> Any:
+        """`LaneConnections._send` on a stream."""
+        reader, writer = stream
         try:
             async with asyncio.timeout(self.timeout_s):
-                writer.write(frames.frame(request))
-                await writer.drain()
-                reply = await _read_frame_async(reader, self.limit, call)
+                writer.write(data)
+                if not writer.is_closing():
+                    await writer.drain()
+                elif frames.heard_goodbye(writer.get_extra_info("socket")):
+                    writer.close()  # the write failed at once, after a goodbye still unread
+                    return _GOODBYE
+                reply = await _read_frame_async(reader, self.limit, call)  # or one read
         except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
             writer.close()
             raise TransportError(f"{call}: {type(exc).__name__}: {exc}") from None
         except BaseException:
             writer.close()
             raise
-        if self._closed or self.retry_at == math.inf:
+        if reply == frames.GOODBYE:
             writer.close()
-        else:
-            self._idle.append(stream)
-        self.calls += 1
-        status, content = _reply(reply, call)
-        return Reply(status, wire.MSGPACK, content, path)
+            return _GOODBYE
+        return reply
 
     async def aclose(self) -> None:
         self._closed = True
@@ -199,10 +243,12 @@ class AsyncLaneConnections(_Dead):
         for _, writer in idle:
             writer.close()
 
-    async def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    async def _take(
+        self, fresh: bool = False
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         if self._closed:
             raise ClosedError("the client is closed: no request is sent")
-        while self._idle:
+        while self._idle and not fresh:
             idle = self._idle.pop()
             raw = idle[1].get_extra_info("socket")
             if not idle[0].at_eof() and not idle[1].is_closing() and still_open(raw):

@@ -10,11 +10,15 @@ bounded read of one, and the check each end makes of the other (the peer's uid).
                                           None: the socket's own timeout, per read)
     read_into(sock, view, deadline=None)  the same into `view`
     skip(sock, n, deadline)               n bytes read and dropped (a refused frame's rest)
+    say_goodbye(sock)                     `GOODBYE` written without waiting (not at all when
+                                          it cannot be at once), then `sock` shut down
+    heard_goodbye(sock) -> bool           whether `GOODBYE` is readable on `sock` now (read)
     same_user(sock)                       whether the peer runs as this process's user
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -27,6 +31,10 @@ import msgpack  # type: ignore[import-untyped]
 LENGTH = struct.Struct("<I")
 HELLO = b"kvtier-lane 1"
 """The server's first frame on a connection, which the client checks."""
+GOODBYE = b"kvtier-lane goodbye"
+"""The server's last frame on a connection it ends while no call is under way on it (idle, for
+room, silent after its hello, or the server stopping): it answers no request on it after, so
+a client that reads it where it expected a reply sends that call again."""
 PATHS = frozenset(
     (
         "/v1/lookup", "/v1/prefetch", "/v1/release", "/v1/reserve", "/v1/commit", "/v1/abort",
@@ -48,6 +56,31 @@ NAME = re.compile(r"kvtier-lane-[1-9][0-9]{0,9}-[0-9a-f]{8}")
 def frame(data: Any) -> bytes:
     body: bytes = msgpack.packb(data, use_bin_type=True)
     return LENGTH.pack(len(body)) + body
+
+
+GOODBYE_FRAME = frame(GOODBYE)
+
+
+def say_goodbye(sock: socket.socket) -> None:
+    """Write `GOODBYE_FRAME` on `sock` without waiting, through a duplicate of its descriptor
+    set non-blocking (`sock.send` waits out its timeout where the peer reads nothing), and shut
+    it down both ways; a peer that reads after the shutdown reads the frame, then the end."""
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(sock.fileno())) as now:
+        now.settimeout(0)
+        now.send(GOODBYE_FRAME)
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def heard_goodbye(sock: socket.socket) -> bool:
+    """Whether the next bytes readable on `sock` now, without waiting, are `GOODBYE_FRAME`
+    (read: the caller closes `sock`); `sock` may be an asyncio transport's."""
+    try:
+        with socket.socket(fileno=os.dup(sock.fileno())) as now:
+            now.settimeout(0)
+            return now.recv(len(GOODBYE_FRAME)) == GOODBYE_FRAME
+    except OSError:
+        return False
 
 
 class Head(NamedTuple):

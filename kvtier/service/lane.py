@@ -27,6 +27,8 @@ Frames: a 4-byte little-endian length, then msgpack.
     request                                  [path, authorization, tenant, body]
                                              (str; str or nil; str or nil; msgpack bytes)
     reply                                    [status, body]  (int; the HTTP reply's body bytes)
+    the server's goodbye, last, on a connection it ends between calls: "kvtier-lane goodbye"
+                                             (`frames.GOODBYE`)
 A request is answered as its POST is over HTTP (`/v1/leases`: as `GET /v1/leases/{id}`, the id
 and `wait_s` in the body; `frames.PATHS`): the same handler, body limit
 (`service.max_body_bytes`: 413), decoding, typed errors (`wire.classify`) and metrics, so a
@@ -55,9 +57,22 @@ FIRST_FRAME_S)` of its hello is closed, and one idle for `IDLE_S` between calls.
 reply or its frame's first byte; not one answering a call, from its admission to its reply) is
 closed, before the new one's hello, so peers that
 hold connections without calls cannot push other clients off the lane (a client finds its idle
-connection closed and opens another; one that sends a call just as its connection is closed
-gets a `TransportError` for it, as at `IDLE_S`). Only with every connection answering a call
-is a new one closed before the hello (its client stays on HTTP).
+connection closed and opens another). Only with every connection answering a call (or its
+hello) is a new one closed before the hello (its client stays on HTTP).
+
+Goodbye: a connection ended between calls (for room, idle past `IDLE_S` or its first frame's
+bound, or by `stop`) gets `frames.GOODBYE`, written without waiting (`frames.say_goodbye`;
+skipped where the peer's buffer is full), then is shut down; a Unix socket's peer reads what
+was sent before the close, then the end. No request sent on it after is answered: the one
+ending it takes it off the open ones first, under the lock `_mark` takes, and a connection's
+thread answers a frame (or refuses one, or sends a hello) only once `_mark` has found it open
+and marked it answering, which `_make_room` and `stop` skip; its thread, ending it idle, reads
+nothing more. And a reply is always written before a goodbye: a thread writes only while its
+connection is marked answering, the ender only once it is not. So a client that reads the
+goodbye where it expected a reply sends the call again (`kvtier/client/lane.py`): a call that
+crossed the close is not lost to a `TransportError`. A frame begun when its connection is ended
+for room is not answered either (it has not been admitted). Ending one answering a call, or one
+too slow mid-frame, writes no goodbye.
 
 Hostile input: a frame longer than `frame_limit(config)` (the tokens `service.max_tokens`
 allows, and 1 MiB of fields) closes the connection before its body is read; one slower than
@@ -138,11 +153,15 @@ class Lane:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
             listener.close()
-        with self._lock:
+        with self._lock:  # (no thread closes its connection while it is ended here)
             open_now = list(self._open.items())
-        for conn, _ in open_now:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+            for conn, state in open_now:
+                if state.answering:
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+                else:  # idle: its client may send its call again (`GOODBYE`)
+                    del self._open[conn]
+                    frames.say_goodbye(conn)
         deadline = time.monotonic() + STOP_S
         for _, state in open_now:
             state.thread.join(max(0.0, deadline - time.monotonic()))
@@ -167,8 +186,7 @@ class Lane:
             with self._lock:
                 idlest = self._make_room()
                 if idlest is not None:  # ended before the new one's hello: its peer sees it
-                    with contextlib.suppress(OSError):
-                        idlest.shutdown(socket.SHUT_RDWR)  # its thread sees the end and goes
+                    frames.say_goodbye(idlest)  # its thread sees the end and goes
                 taken = len(self._open) < MAX_CONNECTIONS and self._listener is not None
                 if taken:
                     state = _Connection(threading.Thread(
@@ -194,7 +212,9 @@ class Lane:
 
     def _mark(self, conn: socket.socket, answering: bool) -> bool:
         """Mark `conn` answering a call (not to be ended for room), or idle again from now (a
-        frame begun, a reply sent); False when it was ended for room already."""
+        frame begun, a reply sent); False when it was ended (for room, or by `stop`) already:
+        a thread writes on its connection only while marked answering, so `GOODBYE` is the
+        last frame of one ended idle, and none of a request sent after it is answered."""
         with self._lock:
             state = self._open.get(conn)
             if state is None:
@@ -209,11 +229,17 @@ class Lane:
         metrics = self.service.metrics
         metrics.lane_connections.inc()
         try:
-            conn.sendall(frames.frame(frames.HELLO))
+            conn.sendall(frames.frame(frames.HELLO))  # answering until sent: never ended
+            if not self._mark(conn, False):  # before it (so `GOODBYE` never cuts into it)
+                return
             wait_s = self.first_s  # a connection opens to send a call: soon
             while True:
                 conn.settimeout(wait_s)
-                first = frames.read_exactly(conn, 1)  # a frame's time runs from its first byte
+                try:
+                    first = frames.read_exactly(conn, 1)  # a frame's time runs from its first byte
+                except TimeoutError:  # idle past its bound: ended with `GOODBYE`
+                    self._end_idle(conn)
+                    return
                 if not self._mark(conn, False):  # (its connection the last one to end for room)
                     return
                 deadline = time.monotonic() + self.timeout_s
@@ -227,6 +253,8 @@ class Lane:
                     reply = frames.frame(list(self.answer(call)))
                 finally:
                     call.release(self._loop)
+                if not call.answering and not self._mark(conn, True):  # a refusal, unmarked
+                    return  # ended for room while its head was read: its client sends again
                 conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
                 conn.sendall(reply)
                 if not self._mark(conn, False):
@@ -238,9 +266,15 @@ class Lane:
             return  # gone, idle, too slow, ended for room, or stopped: nothing to answer
         finally:
             metrics.lane_connections.dec()
-            with self._lock:
+            with self._lock:  # closed under it: never while `GOODBYE` is written to it
                 self._open.pop(conn, None)
-            conn.close()
+                conn.close()
+
+    def _end_idle(self, conn: socket.socket) -> None:
+        """End `conn` idle past its bound with `GOODBYE` (unless it was ended already)."""
+        with self._lock:
+            if self._open.pop(conn, None) is not None:
+                frames.say_goodbye(conn)
 
     def answer(self, call: _Call) -> tuple[int, bytes]:
         """The status and body bytes of one request frame (module doc): its head admitted
@@ -269,6 +303,7 @@ class Lane:
             try:
                 if not self._mark(call.conn, True):
                     raise ConnectionResetError("ended for room")
+                call.answering = True
                 if call.unread:
                     self._charge(call, tenant, head.body_length)
                     call.read_rest(time.monotonic() + self.timeout_s)
@@ -316,12 +351,12 @@ class Gone(Exception):
 
 
 class _Connection:
-    """An open connection's thread; `answering` while a call is admitted until its reply is
-    sent, else idle `since` (its hello, last reply or the first byte of the frame it sends):
-    the ones `_make_room` may end."""
+    """An open connection's thread; `answering` while its hello, or a call from its admission
+    (or its refusal) to its reply, is sent, else idle `since` (its hello, last reply or the
+    first byte of the frame it sends): the ones `_make_room` and `stop` end with `GOODBYE`."""
 
-    def __init__(self, thread: threading.Thread) -> None:
-        self.thread, self.since, self.answering = thread, time.monotonic(), False
+    def __init__(self, thread: threading.Thread) -> None:  # answering its hello at first
+        self.thread, self.since, self.answering = thread, time.monotonic(), True
 
 
 class _Call:
@@ -333,6 +368,7 @@ class _Call:
         self.head: bytes | bytearray = head
         self.unread = length - len(head)
         self.hold: Hold | None = None
+        self.answering = False  # its connection marked answering (admitted)
 
     def read_rest(self, deadline: float) -> None:
         """The rest of the frame, read after the head (`head`: the whole frame then)."""
