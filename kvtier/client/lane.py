@@ -3,8 +3,10 @@ asyncio streams): a client's connections to its server's local lane, a Unix sock
 plane's small calls take past HTTP (`kvtier/service/lane.py` has the frames).
 
 Contract:
-- `LaneConnections.of(name, ...)`: `name` comes from the server's `/v1/pools` (untrusted):
-  None (no lane) gives None; anything but a lane name (`frames.NAME`) is a `ReplyError`.
+- `LaneConnections.of(name, ..., longest)`: `name` comes from the server's `/v1/pools`
+  (untrusted): None (no lane) gives None; anything but a lane name (`frames.NAME`) is a
+  `ReplyError`. `longest` (its `lane_max_frame_bytes`): a call whose frame is longer takes HTTP,
+  unsent (the lane would end the connection unanswered, a `TransportError`; HTTP answers 413).
 - `request(path, body, headers)` sends one call of `frames.PATHS` and returns its `Reply`,
   read as an HTTP reply is (`transport.reply_body`), or None when the lane cannot be reached:
   a connection refused, a peer of another user (SO_PEERCRED), or one that does not open with
@@ -52,11 +54,17 @@ _GOODBYE = object()  # `_send`'s answer where the server ended the connection un
 
 class _Dead:
     retry_at: float
+    longest: int | None = None  # the server's `lane_max_frame_bytes` (None: not said)
 
     @property
     def dead(self) -> bool:
         """Whether calls take HTTP for now: the lane was out of reach less than `RETRY_S` ago."""
         return time.monotonic() < self.retry_at
+
+    def too_long(self, data: bytes) -> bool:
+        """Whether frame `data` is past what the server's lane reads (it would end the
+        connection unanswered): such a call takes HTTP, which answers it."""
+        return self.longest is not None and len(data) - frames.LENGTH.size > self.longest
 
 
 class LaneConnections(_Dead):
@@ -70,14 +78,22 @@ class LaneConnections(_Dead):
         self._closed = False
 
     @classmethod
-    def of(cls, name: object, timeout_s: float, max_reply_bytes: int) -> LaneConnections | None:
+    def of(
+        cls, name: object, timeout_s: float, max_reply_bytes: int, longest: object = None
+    ) -> LaneConnections | None:
         checked = checked_name(name)
-        return None if checked is None else cls(checked, timeout_s, max_reply_bytes)
+        if checked is None:
+            return None
+        lane = cls(checked, timeout_s, max_reply_bytes)
+        lane.longest = longest_frame(longest)
+        return lane
 
     def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
         data = frames.frame(request)
+        if self.too_long(data):
+            return None  # HTTP: unsent
         for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
             sock = self._take(fresh)
             if sock is None:
@@ -181,15 +197,21 @@ class AsyncLaneConnections(_Dead):
 
     @classmethod
     def of(
-        cls, name: object, timeout_s: float, max_reply_bytes: int
+        cls, name: object, timeout_s: float, max_reply_bytes: int, longest: object = None
     ) -> AsyncLaneConnections | None:
         checked = checked_name(name)
-        return None if checked is None else cls(checked, timeout_s, max_reply_bytes)
+        if checked is None:
+            return None
+        lane = cls(checked, timeout_s, max_reply_bytes)
+        lane.longest = longest_frame(longest)
+        return lane
 
     async def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
         data = frames.frame(request)
+        if self.too_long(data):
+            return None  # HTTP: unsent
         for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
             stream = await self._take(fresh)
             if stream is None:
@@ -270,6 +292,14 @@ class AsyncLaneConnections(_Dead):
             self.retry_at = time.monotonic() + RETRY_S
             return None
         return stream
+
+
+def longest_frame(value: object) -> int | None:
+    """`/v1/pools`' `lane_max_frame_bytes` (untrusted: only which path a call takes hangs on
+    it), or None where it is not a positive int (a server before it: no bound is known)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
 
 
 def checked_name(name: object) -> str | None:

@@ -59,7 +59,10 @@ class Mapper:
         """Map the server's pools and take its lane; the lane taken before is retired."""
         pools = reply_body(self.http.request("GET", "/v1/pools", None, self.headers.common))
         self.pools.map(pools)
-        lane, self.lane = self.lane, LaneConnections.of(pools.get("lane"), *self.limits)
+        lane, self.lane = (
+            self.lane,
+            LaneConnections.of(pools.get("lane"), *self.limits, pools.get("lane_max_frame_bytes")),
+        )
         self.due = False
         if lane is not None:
             lane.retire()
@@ -103,7 +106,12 @@ class AsyncMapper:
         """Map the pools of a `/v1/pools` reply and take its lane; the lane taken before is
         retired (its server is gone: a call that still holds it takes HTTP)."""
         self.pools.map(pools)
-        lane, self.lane = self.lane, AsyncLaneConnections.of(pools.get("lane"), *self.limits)
+        lane, self.lane = (
+            self.lane,
+            AsyncLaneConnections.of(
+                pools.get("lane"), *self.limits, pools.get("lane_max_frame_bytes")
+            ),
+        )
         if lane is not None:
             lane.retire()
         self.mapped = True

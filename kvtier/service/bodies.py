@@ -12,6 +12,7 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError, UnknownTenantError
 from kvtier.results import Lease
+from kvtier.service import frames
 from kvtier.service.cuda_ipc import export_pool
 from kvtier.service.grants import Grants
 from kvtier.service.wire import WireError
@@ -90,6 +91,7 @@ def pools(
             for pool in store.memory
         ],
         "lane": lane,
+        "lane_max_frame_bytes": frames.longest(store.config.service.max_tokens),
         "instance": instance,
     }
 

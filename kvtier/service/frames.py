@@ -45,6 +45,15 @@ PATHS = frozenset(
 `GET /v1/leases/{id}?wait_s=` with `{lease_id, wait_s}` in the body (a client waiting on a
 lease still PENDING past the prefetch's own wait). A store or load whose KV travels in the body
 stays on HTTP."""
+
+
+def longest(max_tokens: int) -> int:
+    """The longest request frame a lane reads: `max_tokens` tokens, and 1 MiB of fields. The
+    server names it in `/v1/pools` (`lane_max_frame_bytes`), so that a client sends a longer
+    call over HTTP, which answers it (413) where the lane could only end the connection."""
+    return 4 * max_tokens + (1 << 20)
+
+
 HEAD_BYTES = 1 << 16
 """A request's first bytes, read before it is admitted: the whole frame when it is no longer,
 else they must hold its path, key, tenant and the body's header (a client's take some 100)."""

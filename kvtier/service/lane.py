@@ -113,7 +113,7 @@ ACCEPT_RETRY_S = 0.1  # how long the lane waits after an accept fails (EMFILE)
 
 def frame_limit(config: KVTierConfig) -> int:
     """The longest request frame the lane reads: the tokens allowed, and 1 MiB of fields."""
-    return 4 * config.service.max_tokens + (1 << 20)
+    return frames.longest(config.service.max_tokens)
 
 
 class Lane:

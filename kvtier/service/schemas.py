@@ -113,6 +113,7 @@ POOLS = _obj(
         "layout": ANY_OBJECT,
         "pools": {"type": "array", "items": ANY_OBJECT},
         "lane": {"type": ["string", "null"]},  # the local lane's name (`lane.py`)
+        "lane_max_frame_bytes": _INT,  # a longer call goes over HTTP (`frames.longest`)
         "instance": _INSTANCE,
         "max_body_bytes": _INT,  # a longer store goes in pieces (`client/pages.py`)
     },
