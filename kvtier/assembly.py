@@ -226,7 +226,11 @@ def _events(
     )
     try:
         publisher = EventPublisher(
-            events.endpoint, events.replay_endpoint, settings, connect=events.connect
+            events.endpoint,
+            events.replay_endpoint,
+            settings,
+            connect=events.connect,
+            first_seq=time.time_ns() // 1000,  # a restart's numbers pass its past life's
         )
     except BindError as e:
         verb = "connect to" if e.name == "connect" else "bind"

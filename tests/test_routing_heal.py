@@ -56,7 +56,7 @@ def test_an_orphan_after_a_cleared_topic_resyncs_the_pod_from_its_snapshot() -> 
             kv = torch.zeros(1, 2, len(tokens), 1, 8, dtype=torch.float16)
             store.store(np.array(tokens), kv, tenant=tenant)
             publisher.flush()
-            sent = publisher.sent(TOPIC)
+            sent = publisher.next_seq(TOPIC)  # numbered from the store's start (µs)
             assert subscriber.wait(TOPIC, sent, 10), "the router did not get the events"
 
         store_kv(PROMPT, "b")

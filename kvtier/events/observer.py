@@ -318,7 +318,7 @@ def snapshot(store: KVStore, tenant: str | None) -> dict[str, Any]:
         names = {publisher.topic_of(owner) for owner, _ in told}
         if tenant is not None:
             names.add(publisher.topic_of(tenant))
-        seqs = {name: publisher.sent(name) for name in names}
+        seqs = {name: publisher.next_seq(name) for name in names}
     packer = wire.Packer()
     topics = []
     for name in sorted(seqs):

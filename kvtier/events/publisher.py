@@ -2,8 +2,8 @@
 consumer reads, with a replay endpoint.
 
 Wire (vLLM 0.33 `distributed/kv_events.py`; llm-d `pkg/kvevents`): ZMQ PUB, each message three
-frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, from 0, one more per
-message of that topic), and a msgpack payload, an event batch `[ts (float, seconds), [event,
+frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, one more per message of
+that topic), and a msgpack payload, an event batch `[ts (float, seconds), [event,
 ...], dp_rank (nil: kvtier is no data-parallel rank)]`, each event a positional array:
 
     ["BlockStored", [hash, ...], parent_hash or nil, [token, ...], block_size, lora_id or nil,
@@ -18,11 +18,7 @@ gains or loses a tier is one event for that medium; removals in a row in one med
 one event. The queue holds what a store told (`wire.Spec`: numbers and references to immutable
 bytes); the thread packs a whole batch at once (`wire.Packer`).
 
-Replay (a ROUTER socket, vLLM's protocol; `replay.py`): a client (DEALER) sends `[b"",
-start_seq]` (8 bytes, big-endian) and gets `[b"", topic, seq, payload]` for each message of the
-publisher's topic still buffered with a sequence number >= start_seq, then the end marker
-`[b"", b"", -1 (8 bytes, signed), b""]`; with `per_tenant` topics, a client adds the topic as a
-third frame. Replays are served a little at a time (a peer that never reads: a bounded queue).
+Replay (a ROUTER socket, vLLM's protocol, served a little at a time): `replay.py`.
 
 Contract:
 - `stored`, `removed` and `cleared` never block and never touch a socket: they append to a queue
@@ -41,6 +37,11 @@ Contract:
   past life told it; the store then tells what it holds (`IndexEvents.announce`). A peer that
   joins later (`peers.Joins`) is told every block held (`_retell`), spaced the same way.
 - The PUB binds `endpoint` and connects to each of `connect` (subscribers that bind: llm-d's).
+- Incarnations: every topic's numbers start at `first_seq`; a store's, at the microseconds since
+  the epoch at its start (`assembly._events`; vLLM's at 0): a restarted publisher's
+  numbers are past any its past life sent (unless that sent more than a message a microsecond),
+  so a router that missed the restart sees a gap no replay can fill (the new buffer starts at
+  the new first number), never a run to splice onto the old life's (`kvtier.routing`).
 - Each topic has its own sequence numbers and replay buffer (its last `buffer` messages,
   `buffer_bytes` of payload at most). An event holds one tenant's blocks; with `per_tenant`,
   each tenant's events go to `<topic>@<tenant>` only.
@@ -69,12 +70,9 @@ from kvtier.events.replay import Backlog, ReplayServer
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
 MIN_MESSAGE_BYTES = 1 << 16
 LOOK_S = 0.05  # the longest the thread waits before it looks at `close` and the queue again
-MESSAGE_OVERHEAD = 64
-"""Payload bytes of a message besides its events but AllBlocksCleared (at most: a batch's
-array, timestamp and dp_rank take 24)."""
+MESSAGE_OVERHEAD = 64  # payload bytes besides the events and AllBlocksCleared (a batch: 24)
 
 log = logging.getLogger("kvtier.events")
-
 RESYNC_MIN_S = 1.0
 RESYNC_LOCK_SHARE = 0.05
 """Resyncs of lost topics (`_resync`) are `RESYNC_MIN_S` apart at least, and further when the
@@ -83,6 +81,7 @@ last held the store's lock longer: each reads the whole index under it (500,000 
 that overflows its queue again and again spends no more than this share of its lock on them."""
 
 Event = tuple[str, wire.Spec]  # (tenant, the event)
+STATS = ("events", "messages", "dropped_events", "replays", "resyncs", "retells")
 
 
 class Source(Protocol):
@@ -100,7 +99,7 @@ class Source(Protocol):
 class _Topic:
     name: bytes
     tenant: str  # whose events it carries ("" for a topic tenants share)
-    seq: int = 0
+    seq: int = 0  # messages sent (the next one's number: `first_seq` + this)
     lost: bool = False  # events dropped since the last message (or, with a source, resync)
     unsent: list[Event] = field(default_factory=list)  # removals lost since (with a source)
 
@@ -125,19 +124,18 @@ class EventPublisher:
         settings: EventSettings | None = None,
         clock: Callable[[], float] = time.time,
         connect: Sequence[str] = (),  # subscribers that bind: the PUB connects to them too
+        first_seq: int = 0,  # every topic's first number (module doc, Incarnations)
     ) -> None:
         self.settings = settings = settings or EventSettings()
         self.topic, self.clock = settings.topic, clock
+        self.first_seq = first_seq
         self.pending: collections.deque[Event] = collections.deque()  # appended by callers
         self.queue_limit = settings.queue_limit  # read per event by the observer: one lookup
         self._stopping = False
         self._closing = threading.Event()  # wakes the thread's wait at `close`
         self._topics: dict[str, _Topic] = {}
         self.lock = self._lock = threading.RLock()  # `IndexEvents` extends the queue under it
-        self._stats = {
-            "events": 0, "messages": 0, "dropped_events": 0, "replays": 0, "resyncs": 0,
-            "retells": 0,
-        }  # fmt: skip
+        self._stats = dict.fromkeys(STATS, 0)
         self.source: Source | None = None  # set by the store's observer: lost topics resync
         self._lost = False  # some topic lost events (under `_lock`)
         self._resync_at = 0.0  # `time.monotonic()` before which no resync starts
@@ -150,8 +148,7 @@ class EventPublisher:
                 f"{MIN_MESSAGE_BYTES} (a block of 4096 tokens and the fields around it)"
             )
         self._message_room = settings.max_message_bytes - MESSAGE_OVERHEAD  # for its events
-        limit = self._message_room - len(wire.CLEARED)
-        self._packer = wire.Packer(limit)  # used under `_sending`
+        self._packer = wire.Packer(self._message_room - len(wire.CLEARED))  # under `_sending`
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
@@ -209,14 +206,17 @@ class EventPublisher:
             return {**self._stats, "queued": len(self.pending), "unsynced_topics": unsynced}
 
     def sent(self, topic: str | None = None) -> int:
-        """Messages sent so far on `topic` (default: the publisher's), the next one's number."""
+        """Messages sent so far on `topic` (default: the publisher's)."""
         with self._lock:
             found = self._topics.get(self.topic if topic is None else topic)
             return found.seq if found is not None else 0
 
+    def next_seq(self, topic: str | None = None) -> int:
+        """The number the next message of `topic` (default: the publisher's) will have."""
+        return self.first_seq + self.sent(topic)
+
     def flush(self) -> None:
-        """Send every event queued before the call, from the caller's thread (the PUB socket
-        is used under `_sending` only, so it never serves two threads at once)."""
+        """Send every event queued before the call, from the caller's thread (`_sending`)."""
         self._drain()
 
     def close(self) -> None:
@@ -390,7 +390,7 @@ class EventPublisher:
                 events = [wire.CLEARED, *events]
                 if self.source is None:
                     topic.lost = False
-            seq = topic.seq
+            seq = self.first_seq + topic.seq
             topic.seq += 1
         payload = wire.batch(now, events, None)
         self._pub.send_multipart((topic.name, seq.to_bytes(8, "big"), payload))

@@ -55,7 +55,7 @@ class FleetRouter:
         assert publisher is not None
         publisher.flush()
         name = topic(replica)
-        if not self.subscriber.wait(name, publisher.sent(name), SETTLE_TIMEOUT_S):
+        if not self.subscriber.wait(name, publisher.next_seq(name), SETTLE_TIMEOUT_S):
             raise RuntimeError(f"replica {replica}: its events did not reach the router")
 
     def check(self) -> None:

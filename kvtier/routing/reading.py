@@ -2,7 +2,12 @@
 vLLM's, which kvtier's and vLLM's publishers send), for every reader of them: the router's
 index (`index.py`) and the vLLM connector's relay (`kvtier.integrations.vllm_events`). Each
 raises `BadEvent` naming the field and what was expected; nothing here is executed or taken as
-a path."""
+a path.
+
+Bounds: a message's decode is bounded (`batch_events`: `MAX_EVENTS`, `MAX_ARRAYS`, `MAX_ITEMS`,
+`MAX_MAPS`), whatever the length the subscriber let through: a message past them is a
+`BadEvent` before it costs more than about 64 bytes an entry of `MAX_ITEMS`.
+"""
 
 from __future__ import annotations
 
@@ -15,15 +20,75 @@ class BadEvent(ValueError):
     """An event batch or event that is not what the wire format says."""
 
 
+MAX_EVENTS = 1 << 16
+"""Events one message may hold (a kvtier message holds 512 at most, `events.max_batch`; a vLLM
+message, one engine step's: a few per request)."""
+MAX_ARRAYS = 4 * MAX_EVENTS
+"""Arrays one message may hold: an event is an array and two more (hashes, tokens)."""
+MAX_ITEMS = 1 << 22
+"""Array entries one message may hold, all its arrays together: 4 Mi, the tokens of an 8 MiB
+kvtier message of realistic ids (3-5 bytes each packed) and their hashes."""
+MAX_MAPS = 16  # the format has none: a few are let through for fields it may grow
+
+
+class _Budget:
+    """Counts what msgpack builds and stops it past the bounds (`batch_events`)."""
+
+    def __init__(self) -> None:
+        self.arrays = self.items = self.maps = 0
+
+    def array(self, value: list[Any]) -> list[Any]:
+        self.arrays += 1
+        self.items += len(value)
+        if self.arrays > MAX_ARRAYS or self.items > MAX_ITEMS:
+            raise BadEvent(f"payload: more than {MAX_ARRAYS} arrays or {MAX_ITEMS} entries")
+        return value
+
+    def map(self, value: dict[Any, Any]) -> dict[Any, Any]:
+        self.maps += 1
+        if self.maps > MAX_MAPS:
+            raise BadEvent(f"payload: more than {MAX_MAPS} maps")
+        return value
+
+
 def batch_events(payload: bytes) -> list[Any]:
-    """The events of one message's event batch (`[ts, [events...], dp_rank]`)."""
+    """The events of one message's event batch (`[ts, [events...], dp_rank]`), decoded within
+    bounds (module doc): an array of more than `MAX_ITEMS` entries is refused from its header,
+    before anything is built, and the arrays, entries and maps built are counted as they are,
+    so that a message costs memory in proportion to what a real one holds, not 60 times its
+    bytes (an empty array is one byte on the wire and 64 in Python)."""
+    budget = _Budget()
     try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        batch = msgpack.unpackb(
+            payload, raw=False, strict_map_key=True, max_array_len=MAX_ITEMS,
+            max_map_len=MAX_MAPS, max_ext_len=0, list_hook=budget.array,
+            object_hook=budget.map,
+        )  # fmt: skip
+    except BadEvent:
+        raise
     except Exception as e:  # msgpack's errors share no base class
         raise BadEvent(f"payload: not msgpack ({type(e).__name__})") from None
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise BadEvent("payload: expected an event batch [ts, [events], dp_rank]")
+    if len(batch[1]) > MAX_EVENTS:
+        raise BadEvent(f"payload: {len(batch[1])} events, expected at most {MAX_EVENTS}")
     return batch[1]
+
+
+def starts_cleared(payload: bytes) -> bool:
+    """Does the batch's first event say AllBlocksCleared? Read from the payload's head, a few
+    fields, whatever its size (a subscriber needs no recovery for a gap before it)."""
+    reader = msgpack.Unpacker(raw=False, max_buffer_size=len(payload) or 1)
+    reader.feed(payload)
+    try:
+        if reader.read_array_header() < 2:
+            return False
+        reader.skip()  # ts
+        if reader.read_array_header() < 1 or reader.read_array_header() < 1:
+            return False
+        return bool(reader.unpack() == "AllBlocksCleared")
+    except Exception:  # not a batch of events: `batch_events` counts it when it is applied
+        return False
 
 
 def block_hash(value: Any) -> Any:

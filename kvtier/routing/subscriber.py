@@ -7,18 +7,30 @@ sequence number applied is kept:
 - the next number: applied;
 - a number past it (a gap: messages lost, or a topic first heard of after its start): the
   publisher's replay endpoint is asked for everything from the first one missed, and what it
-  returns in the gap is applied before the message that showed the gap. When it cannot fill
-  the gap (no replay endpoint, no answer within `replay_timeout`, or the buffer has moved past
-  it), the topic's blocks are forgotten (`PrefixIndex.clear`) before going on, since a removal
-  may be among the lost: a router that under-counts a pod is safe, one that believes a pod
-  holds what it dropped is not; counted as `resets`;
+  returns is applied before the message that showed the gap, if it is the whole gap. A replay
+  that does not begin at the number asked for is never spliced on: what it lacks may be
+  another life's (a kvtier publisher restarted while the router was cut off numbers from its
+  own start, microseconds since the epoch, past any number of its past life:
+  `EventPublisher`); the topic's state is then unknown. When the gap is not filled (no replay
+  endpoint, no answer within `replay_timeout`, a buffer moved past it, another life's), the
+  publisher's snapshot is taken if it has one, else the topic's blocks are forgotten
+  (`PrefixIndex.clear`) before going on, since a removal may be among the lost: a router that
+  under-counts a pod is safe, one that believes a pod holds what it dropped is not; counted as
+  `resets`. A gap before a message that begins with AllBlocksCleared needs neither: the
+  message forgets what the gap held (a kvtier topic's first message begins so, and a router
+  that hears a new life from it needs no recovery). Of a topic nothing is known of (first
+  heard, or after a restart), the replay's run that ends just before the message is taken,
+  wherever it begins: there is nothing to splice it onto.
   A publisher added with a `snapshot` (a callable answering as `GET /v1/blocks` does, e.g.
-  `kvtier.client.Client(url).blocks`) is asked for one first: each topic's blocks are replaced
-  by the snapshot's (`PrefixIndex.reset`), and its messages below the snapshot's number are
-  skipped as already reflected (re-applying one that was queued before the snapshot was taken
-  is harmless: events are applied in order and each sets or clears what it names);
-- a number below it (a publisher restarted: numbers start again from 0): the topic's blocks
-  are forgotten, then the message applied.
+  `kvtier.client.Client(url, api_key=ADMIN_KEY).blocks`) is asked for one first: each topic's
+  blocks are replaced by the snapshot's (`PrefixIndex.reset`), and its messages below the
+  snapshot's number are skipped as already reflected (re-applying one queued before the
+  snapshot was taken is harmless: events are applied in order and each sets or clears what it
+  names). Skipped before any restart check: a number below the snapshot's is the same life's
+  (a new life's numbers start above it); a vLLM publisher, which numbers from 0, has no
+  snapshot;
+- a number below it (a publisher restarted: vLLM's number from 0 again): the topic's blocks
+  are forgotten, then the message is taken as a topic's first.
 
 With `resync_s`, each publisher with a snapshot is resynced that often too, repairing whatever
 drifted unseen. A message that brings an orphan (a BlockStored whose parent the index does not
@@ -44,10 +56,9 @@ Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is no
   past its share, a gap is forgotten without asking;
 - a snapshot's answer is checked as the client checks one (`replies.blocks`), whatever gave it.
 
-The first message of a topic is a gap from 0 unless it is number 0.
-
-`wait(topic, count, timeout)` returns once `count` messages of `topic` are applied (a replay
-routing on events waits for the store it just used). `close()` stops the thread.
+`wait(topic, seq, timeout)` returns once `topic`'s messages up to number `seq` - 1 are applied
+(a store's publisher's `next_seq`: a replay routing on events waits for the store it used).
+`close()` stops the thread.
 """
 
 from __future__ import annotations
@@ -61,12 +72,10 @@ from typing import Any
 import zmq
 
 from kvtier.events.peers import allow_ipv6
+from kvtier.routing import replays
 from kvtier.routing.allowance import Ration, Voice
-from kvtier.routing.reading import BadEvent, Sink
+from kvtier.routing.reading import BadEvent, Sink, starts_cleared
 from kvtier.service import replies
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
 
 Snapshot = Callable[[], dict[str, Any]]  # {block_size, topics: [{topic, seq, events}]}
 
@@ -89,7 +98,7 @@ default, `events.max_message_bytes`; vLLM's are one engine step's events)."""
 MAX_REPLAY_BYTES = 256 << 20
 """What one replay may bring back by default, counting `REPLAY_ENTRY` per message besides
 its bytes (a kvtier publisher keeps 64 MiB per topic by default, `events.buffer_bytes`)."""
-REPLAY_ENTRY = 256
+REPLAY_ENTRY = replays.ENTRY
 MAX_TOPICS = 4096
 """The topics one publisher may send on by default (as many as a sidecar's snapshot lists)."""
 
@@ -157,7 +166,8 @@ class Subscriber:
             return self._applied.get(topic, 0)
 
     def wait(self, topic: str, count: int, timeout: float = 5.0) -> bool:
-        """Wait until `count` messages of `topic` are applied; False on timeout."""
+        """Wait until `topic`'s messages numbered below `count` are applied; False on
+        timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: self._applied.get(topic, 0) >= count, timeout)
 
@@ -260,13 +270,19 @@ class Subscriber:
             if seq < floor:
                 return  # the snapshot reflects it
             del self._floors[topic]
-        expected = self.applied(topic)
-        if seq < expected:  # numbers started again: the publisher restarted
+        with self._cond:
+            expected = self._applied.get(topic)  # None: nothing known of the topic
+        if expected is not None and seq < expected:  # numbers went down: a restart
             self._count("resets")
             self.index.clear(topic)
-            self._set(topic, 0)
-            expected = 0
-        if seq > expected:
+            with self._cond:
+                del self._applied[topic]
+            expected = None
+        gap = seq != (0 if expected is None else expected)
+        if gap and starts_cleared(frames[2]):  # the message forgets whatever the gap held
+            self._count("gaps")
+            self._count("resets", expected is not None)
+        elif gap:
             self._count("gaps")
             filled, resynced = self._recover(publisher, topic, expected, seq, resync)
             if resynced:
@@ -299,11 +315,12 @@ class Subscriber:
         return admitted
 
     def _recover(
-        self, publisher: _Publisher, topic: str, start: int, stop: int, resync: bool
+        self, publisher: _Publisher, topic: str, start: int | None, stop: int, resync: bool
     ) -> tuple[bool, bool]:
-        """Messages start..stop-1 of `topic` were lost: `(filled, resynced)`, filled from the
-        replay endpoint, else (`resync`) a snapshot that covers `topic` taken; neither when
-        the publisher's recoveries have had their share (`allowance.RECOVERY_SHARE`)."""
+        """Messages start..stop-1 of `topic` were lost (`start` None: nothing is known of it):
+        `(filled, resynced)`, filled from the replay endpoint, else (`resync`) a snapshot that
+        covers `topic` taken; neither when the publisher's recoveries have had their share
+        (`allowance.RECOVERY_SHARE`)."""
         if not publisher.ration.allows():
             return False, False
         started = time.monotonic()
@@ -339,41 +356,30 @@ class Subscriber:
         self._count("resyncs")
         return True
 
-    def _fill(self, publisher: _Publisher, topic: str, start: int, stop: int) -> bool:
-        """Apply messages start..stop-1 of `topic` from the replay endpoint; all of them?
-        Bounded whatever the endpoint sends: `replay_timeout` in all, `max_replay_bytes`
-        (a gap that could not fit is not asked for), `max_message_bytes` a message."""
-        if publisher.replay_endpoint is None or (stop - start) * REPLAY_ENTRY > (
+    def _fill(self, publisher: _Publisher, topic: str, start: int | None, stop: int) -> bool:
+        """Apply messages start..stop-1 of `topic` from the replay endpoint; all of them? A
+        replay that does not begin at `start` is refused whole: what it lacks may be another
+        life's (module doc). `start` None (nothing known of the topic): whatever run the
+        endpoint holds that ends at stop-1. Bounded whatever the endpoint sends:
+        `replay_timeout` in all, `max_replay_bytes` (a gap that could not fit is not asked
+        for), `max_message_bytes` a message."""
+        known = 0 if start is None else start
+        if publisher.replay_endpoint is None or (stop - known) * REPLAY_ENTRY > (
             self.max_replay_bytes
         ):
             return False
-        dealer = self._context.socket(zmq.DEALER)
-        allow_ipv6(dealer, publisher.replay_endpoint)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        dealer.connect(publisher.replay_endpoint)
-        deadline = time.monotonic() + self.replay_timeout
-        budget = self.max_replay_bytes
-        try:
-            dealer.send_multipart([b"", start.to_bytes(8, "big"), topic.encode()])
-            got: dict[int, bytes] = {}
-            while (left := deadline - time.monotonic()) > 0 and dealer.poll(int(left * 1000) + 1):
-                frames = dealer.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8 or frames[2] == END_SEQ:
-                    break
-                seq = int.from_bytes(frames[2], "big")
-                if frames[1] == topic.encode() and start <= seq < stop and seq not in got:
-                    budget -= len(frames[3]) + REPLAY_ENTRY
-                    if budget < 0:
-                        break
-                    got[seq] = frames[3]
-        finally:
-            dealer.close()
-        complete = len(got) == stop - start
+        first = 0 if start is None else start
+        got = replays.ask(
+            self._context, publisher.replay_endpoint, topic, range(first, stop),
+            self.max_message_bytes, self.replay_timeout, self.max_replay_bytes,
+        )  # fmt: skip
+        if start is None and got:  # the run the endpoint holds, if it ends at stop-1
+            first = min(got)
+        complete = bool(got) and len(got) == stop - first
         if complete:
-            for seq in range(start, stop):
+            for seq in range(first, stop):
                 self._apply(topic, seq, got[seq])
-            self._count("replayed", stop - start)
+            self._count("replayed", stop - first)
         return complete
 
     def _apply(self, topic: str, seq: int, payload: bytes) -> None:

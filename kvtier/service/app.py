@@ -251,7 +251,8 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
     async def blocks(request: Request) -> Response:
         """Every block held, per event topic, as one KV-event batch and the topic's sequence
         number then (a router's resync; msgpack only: the batch is bytes): with a tenant key,
-        that tenant's blocks; with the admin key (or without auth), all."""
+        that tenant's blocks (403 where tenants share a topic: `snapshots.py`); with the admin
+        key (or without auth), all."""
 
         async def handler(store: KVStore, tenant: str | None, data: Any) -> dict[str, Any]:
             return await snapshots.take(store, tenant)  # built, then held in the budget
