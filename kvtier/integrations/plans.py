@@ -64,18 +64,24 @@ def keyed_by_tokens(request: Any) -> bool:
 UNSAVED = frozenset({"FINISHED_ERROR", "FINISHED_IGNORED"})  # the KV may not be the tokens'
 
 
-def output_save(request: Any, planned: Planned, block_ids: list[int], bs: int) -> SaveJob | None:
-    """The `release` save of the whole blocks (of `bs` tokens) a finished vLLM request's output
-    filled past its prompt's, if it has any and did not end in an error."""
+def output_save(
+    request: Any, planned: Planned, block_ids: list[int], bs: int, decode: bool = True
+) -> SaveJob | None:
+    """The `release` save of a finished vLLM request (blocks of `bs` tokens), if it did not end
+    in an error: with `decode`, the whole blocks its output filled past its prompt's; and its
+    prompt's past those kvtier held (`found`) if that was computed but never saved (its save
+    waits for the step after a synchronous load: `vllm.py`)."""
     if request.status.name in UNSAVED:
         return None
     prompt = len(planned.tokens) - len(planned.tokens) % bs
     # KV in place: computed by steps whose output vLLM has processed (async scheduling)
     done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
     done = min(done, len(request.all_token_ids), len(block_ids) * bs)
-    whole = done - done % bs
-    if whole <= prompt:
+    whole = done - done % bs if decode else min(done - done % bs, prompt)
+    unsaved = not planned.saved and done >= len(planned.tokens)
+    start = min(planned.found, prompt) if unsaved else prompt
+    if whole <= start:
         return None
     tokens = tuple(request.all_token_ids[:whole])
     blocks = tuple(block_ids[: whole // bs])
-    return SaveJob(request.request_id, tokens, blocks, planned.key, prompt, release=True)
+    return SaveJob(request.request_id, tokens, blocks, planned.key, start, release=True)

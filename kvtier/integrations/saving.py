@@ -11,9 +11,9 @@ Contract:
   a running request keeps its blocks; a finished one's are held until its `release` job is
   reported (`take_sent`); a preempted one's are freed at once, so a step whose plan names
   preemptions calls `flush` before its forward may write them.
-- `store_job` is the store itself, from vLLM's paged KV: the KV past the prefix kvtier was seen
-  to hold (`job.start`) is copied out and stored below it; if that prefix has left kvtier
-  since (the store reports less cached than `start`), all of it is.
+- `store_job` is the store itself, from vLLM's paged KV (`load_job`, a load into it): the KV
+  past the prefix kvtier was seen to hold (`job.start`) is copied out and stored below it; if
+  that prefix has left kvtier since (the store reports less cached than `start`), all of it is.
 - `save` (the connector's: `store_job`, then counts) is never let raise here: a failure is logged
   by it. Every `release` job is reported in `take_sent` once done, saved or not, and is never
   dropped; others are skipped (counted in `skipped`) while `backlog` jobs are queued, so a
@@ -34,7 +34,7 @@ import torch
 
 from kvtier.client import Client
 from kvtier.integrations import paged
-from kvtier.integrations.plans import SaveJob
+from kvtier.integrations.plans import LoadJob, SaveJob
 
 BACKLOG = 64  # queued jobs past which a prompt's save is skipped
 
@@ -120,3 +120,14 @@ def store_job(client: Client, layers: list[torch.Tensor], job: SaveJob, bs: int)
     if start and stored.cached_tokens < start:  # the prefix left kvtier since: send it all
         start, stored = 0, client.store(tokens, paged.gather(layers, job.blocks).cpu())
     return len(tokens) - start, stored.stored_tokens
+
+
+def load_job(client: Client, layers: list[torch.Tensor], job: LoadJob, bs: int) -> int:
+    """Load `job` into vLLM's paged `layers` (blocks of `bs` tokens) through `client`: only the
+    tokens vLLM lacks (its own prefix cache holds those before `job.start`); how many of
+    `job.blocks`, from the first, it filled (the rest: kvtier holds less than planned)."""
+    got = client.load(list(job.tokens), start=job.start)
+    filled = max(0, min(len(job.blocks), (got.num_tokens - job.start) // bs))
+    if filled:
+        paged.scatter(layers, job.blocks[:filled], got.kv[:, :, : filled * bs])
+    return filled

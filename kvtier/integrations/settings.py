@@ -117,21 +117,39 @@ class ConnectorSettings:
         """Every API key requests may use: the engine's own, then `tenant_keys`' (each once)."""
         return list(dict.fromkeys([self.key, *self.tenant_keys.values()]))
 
-    def key_for(self, request: Any) -> tuple[str | None, bool]:
-        """The API key of a vLLM request's tenant (None: kvtier is not used for it), and
-        whether it named a tenant it may not: `kv_transfer_params["kvtier_tenant"]` counts only
-        with `trust_tenant_param` (a client can write any name there; without it such a request
-        does not use kvtier), else its `cache_salt`, each looked up in `tenant_keys`; neither:
-        the engine's own key."""
+    def key_for(self, request: Any) -> tuple[str | None, str | None]:
+        """The API key of a vLLM request's tenant (None: kvtier is not used for it), and the
+        `REFUSALS` counter of why, if it named a tenant it may not. `kv_transfer_params
+        ["kvtier_tenant"]` counts only with `trust_tenant_param` (a client can write any name
+        there; without it such a request does not use kvtier), and only with a `cache_salt`
+        (unless it names the engine's own tenant) that names no other tenant in `tenant_keys`:
+        vLLM's prefix cache shares blocks between requests of one salt, whatever their
+        `kv_transfer_params`, so a block one tenant's request loaded from kvtier would be
+        reused by, and saved into, another's. Else the request's `cache_salt` names it; neither:
+        the engine's own key. Each looked up in `tenant_keys`."""
         params = getattr(request, "kv_transfer_params", None) or {}
         named = params.get("kvtier_tenant") if isinstance(params, dict) else None
-        if named is not None and not self.trust_tenant_param:
-            return None, True
+        salt = getattr(request, "cache_salt", None)
         if named is None:
-            named = getattr(request, "cache_salt", None)
-        if named is None:
-            return self.key, False
-        return self.tenant_keys.get(str(named)), False
+            return (self.key if salt is None else self.tenant_keys.get(str(salt))), None
+        if not self.trust_tenant_param:
+            return None, "untrusted_names"
+        key = self.tenant_keys.get(str(named))
+        if key is None:
+            return None, None
+        other = self.key if salt is None else self.tenant_keys.get(str(salt), key)
+        if other != key:  # the requests sharing its blocks in vLLM may be another tenant's
+            return None, "unsalted_names"
+        return key, None
+
+
+REFUSALS = {  # `key_for`'s refusals, logged once each
+    "untrusted_names": "a request named kvtier_tenant, which kvtier.trust_tenant_param does not "
+    "allow: such requests do not use kvtier",
+    "unsalted_names": "a request named kvtier_tenant without a cache_salt of that tenant's own "
+    "(vLLM's prefix cache would share its blocks with other tenants): such requests do not use "
+    "kvtier",
+}
 
 
 def closed(extra: Mapping[str, Any], known: tuple[str, ...]) -> None:

@@ -26,11 +26,13 @@ Contract:
 - A load that returns fewer tokens than planned (the blocks left kvtier, the sidecar failed)
   reports the blocks it did not fill in `get_block_ids_with_load_errors` (vLLM recomputes from
   there with `kv_load_failure_policy: recompute`); an asynchronous one is still reported in
-  `finished_recving`. The scheduler never claims a hit for a request whose load failed.
+  `finished_recving`. The scheduler never claims a hit for a request whose load failed, nor
+  saves from its step (a prompt's save waits for the step after its synchronous load).
 - A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
   counted in `stats` (and in vLLM's logs and `/metrics`: `vllm_stats.py`); never a failure.
 - Tenants: a call's tenant is its API key's: `kvtier.api_key`, or the key `kvtier.tenant_keys`
-  gives the name a request carries in its `cache_salt` (or, trusted, `kv_transfer_params`);
+  gives the name a request carries in its `cache_salt` (or, trusted and salted apart, in
+  `kv_transfer_params`: vLLM shares blocks across a salt, `settings.key_for`);
   a name without a key neither reads nor writes kvtier (`settings.key_for`: names are
   credentials, as vLLM's server takes them from the client).
 - Weights changed (`reset_cache`, `resets.py`): every tenant's KV in the sidecars forgotten,
@@ -66,11 +68,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.integrations import paged, vllm_events
+from kvtier.integrations import vllm_events
 from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens, output_save
 from kvtier.integrations.resets import reset_or_log
-from kvtier.integrations.saving import Saves, store_job
-from kvtier.integrations.settings import ConnectorSettings, check_layout, kv_cache_refusal, shard
+from kvtier.integrations.saving import Saves, load_job, store_job
+from kvtier.integrations.settings import (
+    REFUSALS,
+    ConnectorSettings,
+    check_layout,
+    kv_cache_refusal,
+    shard,
+)
 from kvtier.integrations.vllm_stats import COUNTERS, KvtierStats, StatsBuilders, gained_since
 
 log = logging.getLogger("kvtier.vllm")
@@ -113,6 +121,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []  # of finished requests, for the next step
         self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps for us
+        self._saving: set[str] = set()  # requests with a prompt save planned: a preemption flushes
         self._reset = False  # `reset_cache` asked: the next step's plan says so
         scheduler = role == KVConnectorRole.SCHEDULER
         self.relay = vllm_events.start(self.settings, vllm_config, self.url) if scheduler else None
@@ -123,6 +132,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._done: set[str] = set()
         self.saving = Saves(self._save)  # the saves' thread (`saving.py`)
         self._load_errors: set[int] = set()
+        self._spoiled: set[str] = set()  # requests whose synchronous load failed this step
         self._worker_lock = threading.Lock()
 
     @property
@@ -178,8 +188,9 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
         s = self.settings
         preempted = scheduler_output.preempted_req_ids or ()
-        flush = any(r in self._requests and self._requests[r].saved for r in preempted)
+        flush = any(r in self._saving for r in preempted)  # whatever Planned it has now
         meta = KvtierMetadata(self._loads, self._saves, s.load_async, s.save_async, flush)
+        loading = {job.req_id for job in self._loads}  # saved a step later: the load may fail
         meta.reset, self._reset = self._reset, False
         self._loads, self._saves = [], []
         computed: dict[str, int] = {}  # tokens computed before this step, per request
@@ -201,7 +212,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
                 planned.blocks.extend(more[0])
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             planned = self._requests.get(req_id)
-            if planned is None or planned.saved:
+            if planned is None or planned.saved or req_id in loading:
                 continue
             done = computed.get(req_id, 0) + count
             whole = len(planned.tokens) - len(planned.tokens) % self.block_size
@@ -210,11 +221,12 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
                 save = SaveJob(req_id, planned.tokens[:whole], blocks, planned.key, planned.found)
                 meta.saves.append(save)  # of the blocks past those kvtier held at the lookup
                 planned.saved = True
+                self._saving.add(req_id)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Loads that failed (by request, or by block): never claimed again, and the prompt,
-        recomputed by vLLM, is saved again. Finished requests saved: their blocks are vLLM's."""
+        recomputed by vLLM, is saved. Finished requests saved: their blocks are vLLM's."""
         self._holding.difference_update(connector_output.finished_sending or ())
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         invalid = set(connector_output.invalid_block_ids or ())
@@ -224,6 +236,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             if req_id in failed or invalid & set(planned.blocks):
                 self._failed.add(req_id)
                 planned.external = planned.found = 0
+                planned.saved = False
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """True (vLLM keeps the blocks until a worker reports the request in
@@ -232,10 +245,10 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         req_id = request.request_id
         planned = self._requests.pop(req_id, None)
         self._failed.discard(req_id)
+        self._saving.discard(req_id)
         if planned is None:
             return False, None
-        job = output_save(request, planned, block_ids, self.block_size)
-        job = job if self.settings.save_decode else None
+        job = output_save(request, planned, block_ids, self.block_size, self.settings.save_decode)
         if job is None and not (planned.saved and self.settings.save_async):
             return False, None
         self._saves.append(job or SaveJob(req_id, (), (), planned.key, release=True))
@@ -273,11 +286,14 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if meta.reset:  # no KV of the old weights stored from here; then this rank's sidecar
             self.saving.drop()
             reset_or_log(map(self._client, self.settings.api_keys()), f"rank {self.tp_rank}")
+        self._spoiled = set()
         for job in meta.loads:
             if not meta.load_async:
                 missing = self._load(job)  # done before the forward: nothing to report
                 with self._worker_lock:
                     self._finish_load(job.req_id, missing, report=False)
+                if missing:  # this step computes over blocks it did not fill: save none of it
+                    self._spoiled.add(job.req_id)
                 continue
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
@@ -303,7 +319,8 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, KvtierMetadata) or not meta.saves:
             return
         device = self._layers[0].device if self._layers else torch.device("cpu")
-        self.saving.run(meta.saves, not meta.save_async, device)
+        saves = [job for job in meta.saves if job.release or job.req_id not in self._spoiled]
+        self.saving.run(saves, not meta.save_async, device)
         self.stats["skipped_saves"] = self.saving.skipped
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -346,17 +363,11 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     def _load(self, job: LoadJob) -> list[int]:
         """Copy the job's blocks from kvtier; the vLLM block ids it could not fill."""
         try:
-            # only the tokens vLLM lacks: its own prefix cache holds those before `start`
-            got = self._client(job.key).load(list(job.tokens), start=job.start)
-            whole = (got.num_tokens - job.start) // self.block_size
-            filled = max(0, min(len(job.blocks), whole))
-            if filled:
-                count = filled * self.block_size
-                paged.scatter(self._layers, job.blocks[:filled], got.kv[:, :, :count])
-                self.stats["loaded_tokens"] += count
+            filled = load_job(self._client(job.key), self._layers, job, self.block_size)
         except Exception as e:  # a load that fails is vLLM's to recompute, never a crash
             self._error("load", e)
             return list(job.blocks)
+        self.stats["loaded_tokens"] += filled * self.block_size
         return list(job.blocks[filled:])
 
     def _finish_load(self, req_id: str, missing: list[int], report: bool = True) -> None:
@@ -369,12 +380,11 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             self._load_errors.update(missing)
 
     def _key_for(self, request: Any) -> str | None:
-        key, untrusted = self.settings.key_for(request)
-        if untrusted:
-            if not self.stats["untrusted_names"]:
-                log.warning("a request named kvtier_tenant, which kvtier.trust_tenant_param "
-                            "does not allow: such requests do not use kvtier")  # fmt: skip
-            self.stats["untrusted_names"] += 1
+        key, refused = self.settings.key_for(request)
+        if refused is not None:
+            if not self.stats[refused]:
+                log.warning(REFUSALS[refused])
+            self.stats[refused] += 1
         return key
 
     def _client(self, key: str) -> Client:

@@ -35,6 +35,7 @@ COUNTERS = {
     "failed_loads": "Loads that came back short; vLLM recomputed from there (per rank)",
     "errors": "Calls to the kvtier sidecar that failed (per rank)",
     "untrusted_names": "Requests naming kvtier_tenant without kvtier.trust_tenant_param",
+    "unsalted_names": "Requests naming kvtier_tenant without a cache_salt of that tenant's own",
     "other_inputs": "Requests whose KV is not their tokens' alone (LoRA, multimodal, embeds)",
     "relayed_events": "kvtier's KV events handed to vLLM's publisher (kvtier.events_endpoint)",
     "refused_events": "kvtier's KV events not relayed: malformed, another block size, or full",

@@ -80,8 +80,8 @@ def test_kvtiers_copies_go_out_in_vllms_own_stream_next_to_its_gpu_blocks(
                     extra={"kvtier.events_endpoint": endpoint})  # fmt: skip
     assert report["finished"] == "FINISHED_LENGTH_CAPPED", report
     events = report["vllm_events"]
-    with Client(server.url, api_key=ALICE) as client:
-        snapshot = client.blocks()["topics"][0]
+    with Client(server.url, api_key=ADMIN_KEY, shared_memory=False) as admin:
+        snapshot = admin.blocks()["topics"][0]  # a shared topic's: the admin's to take
     ours = {h for e in msgpack.unpackb(snapshot["events"])[1] for h in e[1]}  # kvtier's hashes
     assert len(ours) == 2
     own = [e for e in events if e[0] == "BlockStored" and not ours & set(e[2])]
@@ -254,10 +254,14 @@ def test_hostile_events_never_reach_vllm_and_good_ones_beside_them_do() -> None:
 
 def test_a_queue_vllm_does_not_drain_ends_in_removals_and_a_resync(tmp_path: Path) -> None:
     config, endpoint = sidecar_config(tmp_path)
-    with running(config) as server, Client(server.url, api_key=ALICE) as alice:
+    with (
+        running(config) as server,
+        Client(server.url, api_key=ALICE) as alice,
+        Client(server.url, api_key=ADMIN_KEY, shared_memory=False) as admin,
+    ):
         relay = Relay(BLOCK, max_pending=6)
         sub = Subscriber(relay, resync_s=None)
-        sub.add(endpoint, None, alice.blocks)
+        sub.add(endpoint, None, admin.blocks)  # a shared topic's snapshot: the admin's
         time.sleep(0.3)
         state: dict[tuple[int, str], list[int]] = {}
         alice.store(PROMPT[:32], kv_of(32, seed=1))  # 2 blocks in 2 media: 4 of the 6
