@@ -326,8 +326,13 @@ is a third faster than constructing a new one with its parameters each time."""
 
 
 def tenant_salt(tenant_id: str, secret: bytes = b"") -> bytes:
-    """16-byte salt of a tenant: BLAKE2b keyed by the server secret (empty key when none)."""
-    return hashlib.blake2b(tenant_id.encode(), key=secret[:64], digest_size=16).digest()
+    """16-byte salt of a tenant: BLAKE2b keyed by the server secret (empty key when none). A
+    secret longer than BLAKE2b's 64-byte key is keyed by its BLAKE2b-512 digest, so that every
+    byte of it counts (two secrets that differ only past byte 64 give different salts); one of
+    at most 64 bytes is the key itself, as it always was (ids made with it stay valid)."""
+    if len(secret) > 64:
+        secret = hashlib.blake2b(secret, digest_size=64, person=b"kvtier-secret").digest()
+    return hashlib.blake2b(tenant_id.encode(), key=secret, digest_size=16).digest()
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ measures both). A zero point is `round(-min / s)`; a group so far from 0 that it
 int8 gets a wider scale, `z` at -128 or 127 (none does in SmolLM2's KV: the groups straddle 0).
 
 Decoding computes in fp32, `float(q - z) * s` (the difference is exact, one rounding) or
-`float(code) * s` for fp8, then rounds once to the engine's dtype; a decoder that does the same
-steps gets the same bits.
+`float(code) * s` for fp8, clamps to the engine dtype's finite range (`QuantCodec.finite`: fp16
+and fp8 dtypes only), then rounds once to the engine's dtype; a decoder that does the same steps
+gets the same bits.
 
 Contract:
 - `encode(x)` of `[n, *block_shape]` (any float dtype; values must be finite and within
@@ -42,9 +43,13 @@ Contract:
   any path.
 - `decode` of any bytes of the right size raises `CorruptQuantPayload` (an fp8 code that is
   NaN, a scale that is negative or not finite, an fp8 scale above 65504 / 448: no encoder of
-  KV within fp16's range writes one) or returns values that are finite in fp32 and bf16
-  (|value| <= 143 * 65504), so a block that passed its checksum but was written by a broken
-  encoder never reaches the engine as NaN or infinity.
+  KV within fp16's range writes one) or returns values that are finite in the layout's dtype:
+  |value| <= 383 * 65504 in fp32 (q - z is at most 255 + 128 steps of a scale <= 65504), which
+  bf16 and fp32 hold; for fp16 (and fp8) dtypes `decode` clamps to the dtype's largest finite
+  value before rounding. A group at fp16's edge decodes up to half a step past 65504 (its scale
+  rounds up to fp16), so without the clamp finite KV near 65504 would come back as infinity;
+  with it the value is 65504, within the same half step. A block that passed its checksum but
+  was written by a broken encoder never reaches the engine as NaN or infinity either.
 - Encoding is lossless in nothing: what it keeps is measured against the model, not asserted.
 """
 
@@ -74,6 +79,7 @@ DEFAULT_GROUPS = {"int8": (128, 128), "int4": (32, 64)}
 MAX_GROUP = 255  # two hex digits in a codec id
 FP16_MAX = 65504.0
 FP8_SCALE_MAX = FP16_MAX / FP8_MAX * (1 + 2**-20)  # amax / 448, amax within fp16 (fp32 rounding)
+DECODE_BOUND = 383 * FP16_MAX  # no decoded value passes it: q - z <= 255 + 128 steps of <= 65504
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,10 @@ class QuantCodec:
                 self.k_groups = T * row // self.key_group
             self.meta_nbytes = L * (self.k_groups + self.v_groups) * 3
         self.payload_nbytes = self.code_nbytes + self.meta_nbytes
+        top = float(torch.finfo(layout.dtype).max)
+        self.finite = top if top < DECODE_BOUND else None
+        """The layout dtype's largest finite value where a decoded value can pass it (fp16,
+        fp8): `decode` clamps to it before rounding; None (bf16, fp32): nothing to clamp."""
 
     @property
     def name(self) -> str:
@@ -232,6 +242,8 @@ class QuantCodec:
             x = values.reshape(n, L, 2, T, H, D) * scale[:, :, :, None, :, None]
         else:
             x = self._decode_int(codes, meta, n)
+        if self.finite is not None:  # a group at fp16's edge decodes up to half a step past it
+            x.clamp_(-self.finite, self.finite)
         result = x.to(self.layout.dtype).reshape(n, *self.layout.block_shape)
         if out is None:
             return result

@@ -6,15 +6,17 @@
 One program decodes one token's row of K or V in one layer (`R = H * D` values): grid
 `(n * L * 2 * T,)`. It reads the row's codes (one byte a value, or a nibble for int4), the
 scale and zero point of each value's group (int8/int4: K's groups per token or per channel, V's
-per token; fp8: one scale per head), and writes `(q - z) * s` (or `code * s`) rounded to the
-pool's dtype (to nearest, ties to even; bf16 by hand, see `_rounded`). Scales (and zero points)
-are read a byte at a time and put together, so a payload need not be aligned; fp8 codes are
-decoded to fp32 with integer arithmetic (e4m3fn: 1 sign, 4 exponent bits biased by 7, 3
-mantissa bits; exponent 0 is subnormal, `code * 2**-9`).
+per token; fp8: one scale per head), and writes `(q - z) * s` (or `code * s`) clamped to the
+pool dtype's finite range where a value can pass it (fp16, fp8: `QuantCodec.finite`) and
+rounded to the pool's dtype (to nearest, ties to even; bf16 by hand, see `_rounded`). Scales
+(and zero points) are read a byte at a time and put together, so a payload need not be
+aligned; fp8 codes are decoded to fp32 with integer arithmetic (e4m3fn: 1 sign, 4 exponent bits
+biased by 7, 3 mantissa bits; exponent 0 is subnormal, `code * 2**-9`).
 
 Bit-exact with `QuantCodec.decode`: both compute in fp32, one product after an exact
-difference, and round once to the pool's dtype (the launch also turns fused multiply-add off,
-`enable_fp_fusion=False`, so that no compile can fuse what the reference rounds twice).
+difference, clamp to the same bound, and round once to the pool's dtype (the launch also turns
+fused multiply-add off, `enable_fp_fusion=False`, so that no compile can fuse what the
+reference rounds twice).
 `dequantize` checks the payload first (`QuantCodec.validate`: no NaN code, no bad scale) and
 the slots (in range, distinct: two programs writing one slot would race), then
 launches on a CUDA pool; on a CPU pool it decodes with torch, unless asked for the kernel (under
@@ -87,6 +89,7 @@ def _launch(
         "R": codec.row,
         "D": D,
         "BLOCK_R": triton.next_power_of_2(codec.row),
+        "FINITE": codec.finite or 0.0,  # 0: nothing to clamp (bf16, fp32)
     }
     if not INTERPRETED:
         common["enable_fp_fusion"] = False
@@ -149,8 +152,11 @@ if triton is not None:
         return b, row, c, c < R, payload + b.to(tl.int64) * P, e
 
     @triton.jit
-    def _put(pool, slots, b, e, value, mask, BLOCK: tl.constexpr):
-        """Values `e` of the slot block `b` decodes into, rounded to the pool's dtype."""
+    def _put(pool, slots, b, e, value, mask, BLOCK: tl.constexpr, FINITE: tl.constexpr):
+        """Values `e` of the slot block `b` decodes into, clamped to +-FINITE (when not 0:
+        `QuantCodec.finite`) and rounded to the pool's dtype."""
+        if FINITE != 0.0:
+            value = tl.minimum(tl.maximum(value, -FINITE), FINITE)
         out = pool + tl.load(slots + b) * BLOCK + e
         tl.store(out, _rounded(value, pool.dtype.element_ty), mask=mask)
 
@@ -169,6 +175,7 @@ if triton is not None:
         R: tl.constexpr,
         D: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        FINITE: tl.constexpr,
         G: tl.constexpr,
         GK: tl.constexpr,
         BITS: tl.constexpr,
@@ -192,7 +199,7 @@ if triton is not None:
         s = _u16(meta, 2 * g, mask).to(tl.float16, bitcast=True).to(tl.float32)
         z = tl.load(meta + 2 * GROUPS + g, mask=mask, other=0).to(tl.int32)
         z = tl.where(z > 127, z - 256, z)  # int8
-        _put(pool, slots, b, e, (q - z).to(tl.float32) * s, mask, L * 2 * T * R)
+        _put(pool, slots, b, e, (q - z).to(tl.float32) * s, mask, L * 2 * T * R, FINITE)
 
     @triton.jit
     def _fp8_rows(
@@ -206,6 +213,7 @@ if triton is not None:
         R: tl.constexpr,
         D: tl.constexpr,
         BLOCK_R: tl.constexpr,
+        FINITE: tl.constexpr,
         H: tl.constexpr,
     ):
         b, row, c, mask, base, e = _row(payload, P, L, T, R, BLOCK_R)
@@ -220,4 +228,4 @@ if triton is not None:
         tiny = (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | (sign << 31)
         value = tl.where(exp == 0, tiny.to(tl.float32, bitcast=True), normal)
         scale = _f32(base + CODE_NBYTES, 4 * (lk * H + c // D), mask)
-        _put(pool, slots, b, e, value * scale, mask, L * 2 * T * R)
+        _put(pool, slots, b, e, value * scale, mask, L * 2 * T * R, FINITE)

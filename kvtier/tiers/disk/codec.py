@@ -20,8 +20,10 @@ Contract:
   to `raw` (DESIGN.md invariant 7). A quantized codec (`QuantBytes`) decodes to what its
   payload says, the same bits wherever it is decoded; what it loses is measured
   (`benchmarks/bench_quant.py`), and its payload is at most `payload_bound` bytes, so its
-  tier's slots shrink to that. Its `encode` refuses KV it cannot keep (`InvalidArgumentError`:
-  a value not finite or beyond fp16's range), and the tier then keeps no copy of that block.
+  tier's slots shrink to that. A tier never writes one whose payload is larger than the plain
+  block (`tier_codec` refuses it at start). Its `encode` refuses KV it cannot keep
+  (`InvalidArgumentError`: a value not finite or beyond fp16's range), and the tier then keeps
+  no copy of that block.
 - `decode` raises `CorruptPayload` for any stored bytes that do not decode to exactly
   `raw_nbytes` bytes, and for a `raw_nbytes` that is not a multiple of `itemsize`; nothing else.
   Callers check `raw_nbytes` against the layout before decoding, so a corrupt size cannot ask
@@ -198,12 +200,25 @@ def tier_codec(
     field: str = "",
 ) -> Codec:
     """The codec a tier configured with `codec: name` writes (`CODEC_NAMES`); `ConfigError`
-    for a group that does not divide the layout's rows, its field under `field` (the tier's
-    config section, `tiers.disk`) when given."""
+    for a group that does not divide the layout's rows, or a quantized codec whose payload is
+    larger than the plain block (a float8 model's, or tiny groups: 3 bytes of scale and zero
+    point each), which would keep fewer blocks, and lossy ones, than no codec; its field under
+    `field` (the tier's config section, `tiers.disk`) when given."""
     if name in CODECS:
         return CODECS[name]
     try:
-        return _quantized(QuantCodec(QuantSpec(name, group, keys), layout).id, layout)
+        quant = QuantCodec(QuantSpec(name, group, keys), layout)
+        if quant.payload_nbytes > layout.block_bytes:
+            grouped = f" with codec_group {group}" if group is not None else ""
+            hint = "codec none" if name == "fp8" else "codec none, or a larger codec_group"
+            raise ConfigError(
+                "codec",
+                name,
+                f"a codec whose payload is no larger than the plain block: {name}{grouped} "
+                f"makes {quant.payload_nbytes} bytes of a {layout.block_bytes}-byte "
+                f"{layout.dtype_name} block ({hint})",
+            )
+        return _quantized(quant.id, layout)
     except ConfigError as e:
         if not field:
             raise
