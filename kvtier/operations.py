@@ -151,9 +151,12 @@ class Operations:
             return _clear(self.parts, namespaces)
 
     def reset(self, tenant: str) -> tuple[int, int]:
-        """`clear(tenant)`, and the blocks of `tenant` left (held by a lease, pin or
-        reservation), in one hold of the (reentrant) lock."""
+        """`clear(tenant)` once `tenant`'s live reservations are void (ended as at expiry: KV
+        computed before the reset never commits, and their pins no longer hold the prefix),
+        and the blocks of `tenant` left (held by a lease), in one hold of the (reentrant) lock."""
         with self.lock:
+            self.namespace(tenant)  # closed, or an unknown tenant: raised, nothing voided
+            self.parts.reservations.void(tenant)
             dropped = self.clear(tenant)
             return dropped, _blocks_below(self.parts.state.index.root(self.namespace(tenant)))
 

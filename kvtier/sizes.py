@@ -123,6 +123,13 @@ class Capacity:
         assert self.fraction is not None and free_bytes >= 0, (self, free_bytes)
         return int(self.fraction * free_bytes)
 
+    def blocks(self, slots: int, block_bytes: int) -> int:
+        """Whole blocks of `block_bytes` this stands for in a tier of `slots` slots."""
+        if self.nbytes is not None:
+            return self.nbytes // block_bytes
+        assert self.fraction is not None
+        return int(self.fraction * slots)
+
     def to_config(self) -> str | float:
         """The value to write in a config file: exact size text, or the fraction."""
         if self.nbytes is not None:

@@ -74,10 +74,10 @@ class KVStore:
     ) -> None:
         """Build the pools and the index of `config` (the embedded default when None), by
         `assembly.Parts`, whose public names are this store's too. `secret` keys the tenant
-        salts; `clock` drives leases; `executor` runs the background copies instead of the
-        config's (needs `mover.background: true`; the store closes it). `shared_memory`: a name
-        base; the host pool and a CPU gpu pool then live in /dev/shm/<base>-<pid>-<random>-<tier>
-        (0600), which clients map. A failed construction closes the tiers it made."""
+        salts unless `tiers.remote.secret` does (b"" if none: such stores share them, in a
+        cluster too); `clock` drives leases; `executor` runs background copies (`mover.background`;
+        closed with the store). `shared_memory`: a name base, the host and a CPU gpu pool then in
+        /dev/shm/<base>-<pid>-<random>-<tier> (0600). A failed construction closes its tiers."""
         self.parts = parts = Parts(config, secret, clock, executor, shared_memory)
         self.config, self.layout = parts.config, parts.config.layout
         self.block_tokens, self.tier_names = self.layout.block_tokens, self.config.tier_names
@@ -321,7 +321,7 @@ class KVStore:
         return self.operations.clear(tenant)
 
     def reset(self, tenant: str = "default") -> dict[str, Any]:
-        """Forget `tenant`'s KV: its weights changed (`integrations/resets.py`). `clear(tenant)`;
+        """Forget `tenant`'s KV (its weights changed): its reservations void, `clear(tenant)`;
         `{dropped_blocks, left_blocks: held by leases, remote: a remote tier may hold more}`."""
         dropped, left = self.operations.reset(tenant)
         return {"dropped_blocks": dropped, "left_blocks": left, "remote": bool(self.parts.remote)}

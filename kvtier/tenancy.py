@@ -42,7 +42,7 @@ A reservation (`KVStore.reserve`) holds, while it lives:
   host itself;
 - canaries in the writer's slots (`canaries.py`), planted before the reservation is returned.
 
-It ends in one of three ways, and only these:
+It ends in one of four ways, and only these:
 - commit (`take_written`): refused with `NotWrittenError` while a canary is left, and then
   nothing changes: the reservation stays live, so its writer can still write and commit, or
   abort (else it expires). Once every slot is written, the pin is released and the slots pass
@@ -57,6 +57,7 @@ It ends in one of three ways, and only these:
   writes into slots that may have been handed on (to a reservation, whose canaries it may
   overwrite, or to a stored block). Only a client that maps the pools (the server's Unix user)
   can do that, and `quarantine_s` (`policy.reservation_quarantine_s`) is a few lease TTLs.
+- void (`void(tenant)`, a reset): ended now as at expiry; a commit then gets `LeaseError`.
 
 Ids are random (`blocks.py`): a reservation id tells nothing of other callers' reservations, and
 another tenant's id is refused exactly like an id that was never issued.
@@ -87,7 +88,6 @@ from kvtier.errors import (
 )
 from kvtier.index import BlockRef, LeaseId, LeaseTable, RadixIndex, push_expiry
 from kvtier.results import Reservation
-from kvtier.sizes import Capacity
 from kvtier.tiers.disk import BlockMeta
 from kvtier.tiers.pool import SlotPool
 
@@ -121,12 +121,12 @@ class TenantShares:
                 share = slots[tier] // len(tenants)
                 given = getattr(settings.quota, name) if name in QUOTA_TIERS else None
                 if given is not None:
-                    quota.append(_blocks(given, slots[tier], block_bytes))
+                    quota.append(given.blocks(slots[tier], block_bytes))
                 else:  # a single tenant: the tier itself is its bound (CapacityError past it)
                     quota.append(share if split and name in QUOTA_TIERS else None)
                 given = getattr(settings.floor, name)
                 default = share if split else 0
-                floor.append(default if given is None else _blocks(given, slots[tier], block_bytes))
+                floor.append(default if given is None else given.blocks(slots[tier], block_bytes))
             self.limits[tenant] = TenantLimits(tuple(quota), tuple(floor), settings.quota.leases)
         for tier, name in enumerate(self.tier_names):
             total = sum(limits.floor[tier] for limits in self.limits.values())
@@ -172,14 +172,6 @@ class TenantShares:
         """Whether `adding` more blocks of `tier` stay within `tenant`'s quota."""
         limit = self.limits[tenant].quota[tier]
         return limit is None or holding + adding <= limit
-
-
-def _blocks(value: Capacity, slots: int, block_bytes: int) -> int:
-    """Blocks of a tier of `slots` slots that a size or a fraction stands for."""
-    if value.nbytes is not None:
-        return value.nbytes // block_bytes
-    assert value.fraction is not None
-    return int(value.fraction * slots)
 
 
 class Namespaces:
@@ -318,16 +310,11 @@ class ReservationTable:
                 f"the mapped pool, then commit (or abort); a client that does not map the pools "
                 f"sends its KV in the body (store)"
             )
-        del self._live[entry.reservation.reservation_id]
-        self._leases.release(entry.pin)
-        return entry
+        return self._end(entry)
 
     def abort(self, reservation: Reservation | int) -> None:
         """End a live reservation unwritten: release its pin, free its slots now."""
-        entry = self.get(reservation)
-        del self._live[entry.reservation.reservation_id]
-        self._leases.release(entry.pin)
-        self._free(entry.slots)
+        self._free(self._end(self.get(reservation)).slots)
 
     def expire(self) -> int:
         """Quarantine the reservations whose time is up (pins released, slots kept) and free
@@ -343,13 +330,25 @@ class ReservationTable:
             entry = self._live.get(rid)
             if entry is None or entry.reservation.expires_at != expires_at:
                 continue  # committed or aborted before its time
-            del self._live[rid]
-            self._leases.release(entry.pin)
-            self._quarantine.append(
-                _Quarantined(now + self.quarantine_s, entry.reservation.tenant, entry.slots)
-            )
+            self._end(entry, now)
             expired += 1
         return expired
+
+    def void(self, tenant: str) -> int:
+        """End `tenant`'s live reservations now, as at expiry (a reset); return how many."""
+        ended = [e for e in self._live.values() if e.reservation.tenant == tenant]
+        for entry in ended:
+            self._end(entry, self._clock())
+        return len(ended)
+
+    def _end(self, entry: Reserved, now: float | None = None) -> Reserved:
+        """Release `entry`'s pin; with `now`, quarantine its slots (its writer may write on)."""
+        del self._live[entry.reservation.reservation_id]
+        self._leases.release(entry.pin)
+        if now is not None:
+            held = _Quarantined(now + self.quarantine_s, entry.reservation.tenant, entry.slots)
+            self._quarantine.append(held)
+        return entry
 
     def held(self, tier: int, tenant: str | None = None) -> int:
         """Slots of `tier` that live and quarantined reservations (of `tenant`) hold."""

@@ -16,13 +16,17 @@ Contract:
   frees the slots it took and raises it: nothing stored). The match is pinned only while room is
   made (`take_free` moves nothing, so it needs no pin). Below a prefix that lives only on disk
   they take the one disk route, an insert flight (`transfer/background.py`): landed before the
-  call returns with an inline mover, pending behind it with a background one.
+  call returns with an inline mover, pending behind it with a background one. Either way the
+  blocks a store takes go to the remote tier too (unless they came from it, `share`).
 - `publish_reserved`: a committed reservation's blocks enter the index (under write_through
   the host copy is made first, from the written slots); blocks someone stored meanwhile are
   skipped and their slots freed, and where those have since left a tier (unpinned, demoted),
   ours keep no copy in it (prefix closure), none at all if no tier is left (`dropped_tokens`).
 - `copy_hot_to_host`: under the `selective` policy, a gpu block hit often enough gets its host
   copy now, so that its demotion later costs no copy and no drop.
+- Both publish only the host copies that landed: a quantized host's codec leaves out a block it
+  cannot keep, and that slot (freed) still holds whatever it held before, another tenant's KV
+  perhaps. A committed block whose only copy left did not land is dropped, with those after it.
 - `after_write`: wakes the background mover, which keeps dirty data under the watermarks.
 Thread: every method runs under the cache's lock.
 """
@@ -43,7 +47,7 @@ from kvtier.tenancy import ReservationTable, Reserved, TenantShares
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.tiers.quantized import QuantPool
 from kvtier.transfer.copy import InlineExecutor, Transfer
-from kvtier.transfer.demotion import Demoter
+from kvtier.transfer.demotion import Demoter, plan_copy_down, run_copy
 from kvtier.transfer.mover import Mover
 from kvtier.transfer.remote import RemoteLink
 from kvtier.transfer.shared import CacheState
@@ -132,6 +136,8 @@ class Writes:
         blocks = blocks[match.num_blocks - first : match.num_blocks - first + new_blocks]
         if slots is None and self._tail_on_disk(match):
             taken, landed = self.mover.insert_on_disk(match, key, blocks, namespace, tenant)
+            if share and taken and self.remote is not None:  # stored: shared as any store's
+                self.remote.after_store_key(namespace, key, match.num_blocks, blocks[:taken])
             pending = taken - landed if self.mover.background else 0
             return StoreResult(
                 (match.num_blocks + landed) * bt,
@@ -199,9 +205,10 @@ class Writes:
         pools = self.state.pools
         tier = min(slots)
         first_block = len(key) // kb - len(slots[tier])
+        landed = {t: [True] * len(t_slots) for t, t_slots in slots.items()}
         for other, other_slots in slots.items():  # write_through: the host copy, now
-            if other != tier:
-                self.inline.run(
+            if other != tier:  # a quantized host leaves out a block its codec cannot keep
+                landed[other] = self.inline.run(
                     Transfer(pools[tier], tuple(slots[tier]), pools[other], tuple(other_slots))
                 )
         match = self.index.match(namespace, key)
@@ -215,16 +222,42 @@ class Writes:
             self.state.free(t, tier_slots[:skip] if t >= reach else tier_slots)
         new = {t: tier_slots[skip:] for t, tier_slots in slots.items() if t >= reach}
         kept = min(new) if new else tier
-        count = len(new[kept]) if new else 0
+        count, late = self._keep_landed(new, {t: landed[t][skip:] for t in new}, kept)
         dropped = max(0, len(slots[tier]) - skip) - count
         if count:
-            end = self.index.insert(match, key, new).end
+            end = self.index.insert(match, key[: (match.num_blocks + count) * kb], new).end
+            for t, copies in late.items():  # the copies that landed, beside the kept ones
+                refs = self.index.refs_at(end, [match.num_blocks + i for i, _ in copies])
+                for ref, (_, slot) in zip(refs, copies, strict=True):
+                    self.index.set_slot(ref, t, slot)
             self.mover.executor.mark_engine()
             if self.remote is not None:  # the writer's blocks, read from their memory slots
                 written = (self.state.gpu, self.state.host)[kept].read(new[kept])
                 self.remote.after_store(namespace, end, match.num_blocks, written)
         self.after_write()
         return StoreResult((match.num_blocks + count) * bt, count * bt, dropped * bt)
+
+    def _keep_landed(
+        self, new: dict[int, list[int]], landed: dict[int, list[bool]], kept: int
+    ) -> tuple[int, dict[int, list[tuple[int, int]]]]:
+        """Of a commit's `new` slots per tier (edited in place), only copies that landed are
+        published (a slot a quantized host's codec left out holds another block's bytes): the
+        blocks up to the first whose `kept` (fastest) copy did not land, how many returned; a
+        tier with a copy left out among those leaves `new` and its landed copies come back as
+        (block, slot), set one by one after the insert. Every other slot is freed."""
+        ok = landed[kept] if new else []
+        count = ok.index(False) if False in ok else len(ok)
+        late: dict[int, list[tuple[int, int]]] = {}
+        for t in list(new):
+            held, good = new[t][:count], landed[t][:count]
+            pairs = list(enumerate(zip(held, good, strict=True)))
+            unkept = [slot for _, (slot, done) in pairs if not done]
+            self.state.free(t, new[t][count:] + unkept)
+            new[t] = held
+            if unkept:
+                late[t] = [(i, slot) for i, (slot, done) in pairs if done]
+                del new[t]
+        return count, late
 
     def copy_hot_to_host(self, end: Node) -> None:
         """`selective` write policy: a gpu block hit `selective_hits` times gets its host copy
@@ -240,12 +273,9 @@ class Writes:
         ]
         if not wanted or not self.demoter.room({HOST: len(wanted)}, end.root.ids):
             return
-        gpu, host = self.state.gpu, self.state.host
-        dst = host.allocate(len(wanted))
-        src = tuple(_slot(ref.node.slots[GPU][ref.i]) for ref in wanted)
-        self.inline.run(Transfer(gpu, src, host, tuple(dst)))
-        for ref, slot in zip(wanted, dst, strict=True):
-            self.index.set_slot(ref, HOST, slot)
+        # as a demotion copies: only the copies that landed are learned, the other slots freed
+        # (a quantized host leaves out a block its codec cannot keep)
+        run_copy(self.state, plan_copy_down(self.state, wanted, GPU, HOST), wanted, self.inline)
 
     def after_write(self) -> None:
         """Wake the background mover, which keeps dirty data under the watermarks. Inline
@@ -292,8 +322,3 @@ class Writes:
             and end.parent is not None
             and end.fastest(end.size - 1) == DISK
         )
-
-
-def _slot(slot: int | None) -> int:
-    assert slot is not None
-    return slot

@@ -3,8 +3,10 @@
 - **Out** (`after_store`, called by the write path under the cache's lock, right after new
   blocks entered the index): their ids along the path (chained now, `Forest.ids_of`) and a host
   copy of their KV go to the `RemoteWriter`, which writes them behind the caller; a backlog past
-  `tiers.remote.max_pending_bytes` is dropped and counted. Blocks that came from the remote are
-  not sent back.
+  `tiers.remote.max_pending_bytes` is dropped and counted. Blocks stored below a prefix that
+  lives only on disk go out too (`after_store_key`: their insert flight may enter the index
+  after the call, so their ids are chained from the key, as a reader chains them). Blocks that
+  came from the remote are not sent back.
 - **In** (`fill`, called by `prefetch` and `load` before they take the lock): the blocks of the
   request past the local cached prefix that the cluster holds in a row are read (one round trip
   to probe, one to read), verified, and stored into the local tiers through the ordinary write
@@ -58,6 +60,18 @@ class RemoteLink:
         stored: queue them for the cluster. Under the cache's lock."""
         forest = self.index.forest  # the path's ids node by node: O(nodes), not O(blocks)
         ids = forest.hasher.split(b"".join(forest.ids_of(node) for node in self.index.path(end)))
+        copies = blocks.detach().to("cpu", copy=True)
+        self.writer.submit(bytes(namespace), ids, start, list(copies.unbind(0)))
+
+    def after_store_key(
+        self, namespace: BlockId, key: bytes, start: int, blocks: torch.Tensor
+    ) -> None:
+        """As `after_store`, for new blocks start.. of `key` that are not in the index yet (a
+        store below a disk-only prefix: its insert flight lands on disk, perhaps after the call):
+        their ids chained from `key` under `namespace`, as a reader's `probe` chains them."""
+        kb, hasher = self.index.key_nbytes, self.index.forest.hasher
+        stop = (start + len(blocks)) * kb
+        ids = hasher.split(hasher.chain(namespace, key[:stop], kb))
         copies = blocks.detach().to("cpu", copy=True)
         self.writer.submit(bytes(namespace), ids, start, list(copies.unbind(0)))
 
