@@ -5,7 +5,8 @@
     kvtier reset [--url URL] [--key KEY]   forget the key's tenant's cached KV (new weights
                                            under the same model.name); exit 1 unless all of it
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
-    kvtier validate FILE...                check config files; print each one's tier sizes
+    kvtier validate FILE...                check config files as serve would (keys, address),
+                                           starting nothing; print each one's tier sizes
     kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems,
                                            a damaged superblock or slab file among them)
     kvtier replay TRACE [--gpu F --host F --disk F] [--sweep] [--plot PNG] [--json]
@@ -77,6 +78,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
+    if "tenant" in status:  # a tenant key's: that tenant's own figures
+        _print_tenant_status(status)
+        return 0
     _print_status(status)
     mover = status["mover"]
     ready = mover["prefetch_to_ready_s"]
@@ -108,6 +112,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     if "events" in status:
         print(_events_line(status["events"]))
     return 0
+
+
+def _print_tenant_status(status: dict[str, Any]) -> None:
+    """A tenant's status (`KVStore.status(tenant=...)`, what a tenant key is shown): its
+    blocks, quotas and floors per tier, its leases and its calls."""
+    layout = status["layout"]
+    print(
+        f"tenant {status['tenant']}: model {layout['model']}, {layout['dtype']}, "
+        f"{layout['block_tokens']} tokens = {format_size(layout['block_bytes'])} per block"
+    )
+    print(f"{'tier':<6}{'capacity':>12}{'blocks':>9}{'reserved':>10}{'held':>9}{'quota':>9}"
+          f"{'floor':>9}{'hits':>10}")  # fmt: skip
+    for name, tier in status["tiers"].items():
+        cells = [tier.get(k) for k in ("blocks", "reserved_blocks", "held_blocks")]
+        cells += [tier.get(k) for k in ("quota_blocks", "floor_blocks", "hits")]
+        shown = ["-" if cell is None else str(cell) for cell in cells]  # None: no quota, floor
+        widths = (9, 10, 9, 9, 9, 10)
+        print(
+            f"{name:<6}{format_size(tier['capacity_bytes']):>12}"
+            + "".join(f"{cell:>{width}}" for cell, width in zip(shown, widths, strict=True))
+        )
+    ops, leases = status["ops"], status["leases"]
+    print(
+        f"ops: {ops['lookups']} lookups (hit rate {status['hit_rate']:.1%}), {ops['stores']} "
+        f"stores, {ops['loads']} loads, {ops['prefetches']} prefetches; {leases['live']} of "
+        f"{leases['quota']} leases live, {status['locked_blocks']} blocks locked"
+    )
+    if "inflight" in status:  # the sidecar's: the tenant's share of the request budget
+        held = status["inflight"]
+        print(
+            f"requests in flight: {format_size(held['held_bytes'])} of "
+            f"{format_size(held['limit_bytes'])} (the tenant's share) held"
+        )
 
 
 def _events_line(events: dict[str, Any]) -> str:
@@ -161,8 +198,14 @@ def _print_status(status: dict[str, Any]) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Each file as `serve` reads it: the config, its keys (none in two places, each a key a
+    request can present; an `env:` key whose variable is unset here is taken as given) and
+    its address (`require_loopback`). Nothing is written, nothing started."""
+    from kvtier.service.auth import Auth, require_loopback
+
     for path in args.files:
         config = load_config(path)
+        require_loopback(config.service.host, Auth(config, unset_ok=True))
         layout = config.layout
         sizes = ", ".join(
             f"{name} {getattr(config.tiers, name).capacity}{_codec_note(config, name)}"

@@ -16,6 +16,7 @@ from kvtier.config import (
     Capacity,
     DiskTierConfig,
     GpuTierConfig,
+    HiddenLine,
     KVTierConfig,
     PolicyConfig,
     TiersConfig,
@@ -271,7 +272,7 @@ BAD_FILES = [
     ("section not a mapping", "policy: write_back", "policy", "write_back"),
     ("non-mapping top level", "- model\n- tiers\n", "<top level>", ["model", "tiers"]),
     ("empty file", "# nothing here\n", "<top level>", None),
-    ("repeated key", "block_tokens: 16\nblock_tokens: 32\n", "<yaml>", "block_tokens: 32"),
+    ("repeated key", "block_tokens: 16\nblock_tokens: 32\n", "<yaml>", HiddenLine(2, 1)),
 ]
 
 

@@ -95,7 +95,7 @@ def test_a_yaml_error_on_a_key_line_does_not_show_the_key(tmp_path: Path) -> Non
     )
     config.write_text(text)
     error = refused_start(config)
-    assert "repeated key" in error and "line" in error
+    assert "a key repeated" in error and "line" in error
     assert OTHER_KEY not in error and ADMIN_KEY not in error
 
 

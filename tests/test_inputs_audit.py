@@ -284,7 +284,7 @@ def test_merge_keys_read_and_a_repeated_key_beside_them_is_still_refused(tmp_pat
     host = load_config(config(tmp_path, text)).tiers.host
     assert host is not None
     assert (str(host.capacity), host.high_watermark, host.low_watermark) == ("32MiB", 0.9, 0.5)
-    with pytest.raises(ConfigError, match="repeated key 'capacity'"):
+    with pytest.raises(ConfigError, match="a key repeated in one mapping"):
         load_config(config(tmp_path, text.replace("capacity: 32MiB", "capacity: 1, capacity: 2")))
 
 

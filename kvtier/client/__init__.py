@@ -35,7 +35,9 @@ KV travels in the body. A status other than 2xx is never a success: a redirect i
 
 Errors come back as the same `kvtier.errors` types the store raises (their message is the
 server's), plus `ServiceError` for what has no store equivalent (auth, limits, not ready), and
-`TransportError` when the server cannot be reached or its reply read (both clients).
+`TransportError` when the server cannot be reached or its reply read (both clients), and
+`WaitTimeoutError` for a lease a server keeps pending past the client's bound on a wait
+(`transport.WaitPacer`).
 
     blocking.py      `Client`: the calls from threads, over `connections.py`'s keep-alive
                      connections (the standard library's http.client)
@@ -57,6 +59,6 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
 from kvtier.client.asynchronous import AsyncClient
 from kvtier.client.blocking import Client
 from kvtier.client.connections import TransportError
-from kvtier.client.transport import ServiceError
+from kvtier.client.transport import ServiceError, WaitTimeoutError
 
-__all__ = ["AsyncClient", "Client", "ServiceError", "TransportError"]
+__all__ = ["AsyncClient", "Client", "ServiceError", "TransportError", "WaitTimeoutError"]

@@ -24,12 +24,12 @@ import torch
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_array
 from kvtier.caller_kv import kv_layout
 from kvtier.client.calls import Calls
-from kvtier.client.connections import MAX_REPLY_BYTES
+from kvtier.client.connections import MAX_REPLY_BYTES, check_url
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.mapper import AsyncMapper
 from kvtier.client.owing import AsyncOwing, AsyncPost
 from kvtier.client.pages import LoadPages, StorePieces
-from kvtier.client.pools import LeaseFrom, MappedView, ReservationFrom
+from kvtier.client.pools import NOTHING_RESERVED, LeaseFrom, MappedView, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token, release_of
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, httpx_send, reply_body
 from kvtier.errors import CapacityError, ClosedError
@@ -65,6 +65,7 @@ class AsyncClient(MappedView):
         max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
         """As `Client`'s."""
+        check_url(url)  # a malformed one: `InvalidArgumentError`, as `Client`'s
         self._headers = RequestHeaders(api_key, tenant)
         self._max_reply = max_reply_bytes
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
@@ -187,21 +188,18 @@ class AsyncClient(MappedView):
             return lease, instance
 
     async def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
-        """As `Client.wait_for`: wait for a pending lease on the server; the lease as it is
-        then (READY, or ended: `LeaseError` names the state; still pending after `timeout_s`:
-        returned pending)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pacer = WaitPacer(deadline)
+        """As `Client.wait_for` (READY, ended: `LeaseError`, pending past `timeout_s`: returned
+        pending, or without it past the client's bound: `WaitTimeoutError`)."""
+        pacer = WaitPacer(None if timeout_s is None else time.monotonic() + timeout_s)
         while True:
-            asked_at = time.monotonic()
-            wait_s = 30.0 if deadline is None else max(0.0, deadline - asked_at)
+            asked_at, wait_s = pacer.ask()  # bounded without `timeout_s` too (`WaitPacer`)
             body = await self._lease_state(lease, wait_s)
             await self._server.instance(body, "lease", None)  # another server's: its pools mapped
             fresh = self._pools.waited(body, lease, None)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
                 return fresh
-            if deadline is not None and time.monotonic() >= deadline:
+            if pacer.past_deadline(lease.lease_id):  # `WaitTimeoutError` past the client's bound
                 return fresh
             await asyncio.sleep(pacer.after(asked_at, wait_s))
 
@@ -237,7 +235,10 @@ class AsyncClient(MappedView):
             await self._map()
             if self._pools.buffers:
                 self._pools.check_kv(tokens, kv, start, kind)
-                reservation, instance = await self._reserve(tokens, tenant, None)
+                try:
+                    reservation, instance = await self._reserve(tokens, tenant, None)
+                except CapacityError:  # over its quota or the tier: the body path, as `load`
+                    reservation, instance = NOTHING_RESERVED
                 pool = self._pools.writable(reservation, start, instance)
                 if pool is not None:
                     try:

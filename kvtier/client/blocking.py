@@ -35,7 +35,7 @@ from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
 from kvtier.client.owing import Owing, Post
 from kvtier.client.pages import LoadPages, StorePieces
-from kvtier.client.pools import LeaseFrom, MappedView, ReservationFrom
+from kvtier.client.pools import NOTHING_RESERVED, LeaseFrom, MappedView, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token, release_of
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, reply_body
 from kvtier.errors import CapacityError, ClosedError
@@ -185,19 +185,18 @@ class Client(MappedView):
 
     def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """Wait for a pending lease on the server; the lease as it is then (READY, or ended:
-        `LeaseError` names the state; still pending after `timeout_s`: returned pending)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pacer = WaitPacer(deadline)
+        `LeaseError` names the state; still pending after `timeout_s`: returned pending).
+        Without `timeout_s`, `WaitTimeoutError` past `WaitPacer.MOST_WAIT_S` (`transport.py`)."""
+        pacer = WaitPacer(None if timeout_s is None else time.monotonic() + timeout_s)
         while True:
-            asked_at = time.monotonic()
-            wait_s = 30.0 if deadline is None else max(0.0, deadline - asked_at)
+            asked_at, wait_s = pacer.ask()  # bounded without `timeout_s` too (`WaitPacer`)
             body = self._lease_state(lease, wait_s)
             self._server.instance(body, "lease", None)  # another server's: its pools mapped
             fresh = self._pools.waited(body, lease, self.release)
             if fresh.state is not LeaseState.PENDING:
                 fresh.wait(0)  # raises LeaseError for an ended lease
                 return fresh
-            if deadline is not None and time.monotonic() >= deadline:
+            if pacer.past_deadline(lease.lease_id):  # `WaitTimeoutError` past the client's bound
                 return fresh
             time.sleep(pacer.after(asked_at, wait_s))
 
@@ -233,7 +232,10 @@ class Client(MappedView):
             self._server.refresh()  # a re-map that failed: asked again (`mapper.py`)
             if self._pools.buffers:
                 self._pools.check_kv(tokens, kv, start, kind)
-                reservation, instance = self._reserve(tokens, tenant, None)
+                try:
+                    reservation, instance = self._reserve(tokens, tenant, None)
+                except CapacityError:  # over its quota or the tier: the body path, as `load`
+                    reservation, instance = NOTHING_RESERVED
                 pool = self._pools.writable(reservation, start, instance)
                 if pool is not None:
                     try:

@@ -30,13 +30,14 @@ Contract:
 from __future__ import annotations
 
 import http.client
+import re
 import select
 import socket
 import threading
 import urllib.parse
 from typing import NamedTuple
 
-from kvtier.errors import ClosedError, KVTierError, ReplyError
+from kvtier.errors import ClosedError, InvalidArgumentError, KVTierError, ReplyError
 
 MAX_REPLY_BYTES = (1 << 30) + (1 << 20)
 """The longest reply body a client reads by default: a KV as long as the server's default
@@ -55,13 +56,29 @@ class Reply(NamedTuple):
     path: str  # the path asked, for the messages of a reply that does not decode
 
 
+def check_url(url: object) -> tuple[urllib.parse.SplitResult, int | None]:
+    """`url` split, and its port (None: the scheme's); `InvalidArgumentError` naming `url`
+    unless it is `http(s)://host[:port][/path]` with a port in [1, 65535]; credentials in it
+    (`user:password@`) are not shown."""
+    expected = "http://host:port (or https://; an IPv6 host in brackets, a port in [1, 65535])"
+    shown = re.sub(r"//[^/]*@", "//(credentials not shown)@", url) if isinstance(url, str) else url
+    try:
+        if not isinstance(url, str):
+            raise ValueError(url)
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # urllib refuses a port that is no number, or past 65535
+    except ValueError:
+        raise InvalidArgumentError(f"url: got {shown!r:.200}, expected {expected}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise InvalidArgumentError(f"url: got {shown!r:.200}, expected {expected}")
+    return parts, port
+
+
 class Connections:
     def __init__(self, url: str, timeout_s: float, max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"url: got {url!r}, expected http://host:port")
+        parts, port = check_url(url)
         self._https = parts.scheme == "https"
-        self._host, self._port = parts.hostname, parts.port
+        self._host, self._port = str(parts.hostname), port  # `check_url`: a host is given
         self._base = parts.path.rstrip("/")
         self._timeout = timeout_s
         self._max_reply = max_reply_bytes

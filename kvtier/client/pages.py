@@ -16,6 +16,12 @@ and within the tokens sent (`ReplyError` otherwise), so a server cannot keep a c
 for ever; `truncated` must be a bool. A server before this protocol never sends `truncated`:
 one reply, as before.
 
+Each page is a load of its own on the server, so the prefix may be evicted between two: a later
+page then ends before its own start (its KV empty). The load ends where the pages before it
+ended (`joined`): the result is the contiguous KV the pages delivered, `num_tokens` exactly its
+end, never a count that disagrees with the KV. A page whose KV holds other than the tokens its
+`num_tokens` says from its start is a `ReplyError` (`replies.loaded`), whatever the pages around.
+
 A store goes the other way: a request body of more than the server's `max_body_bytes` is
 refused (413), so `StorePieces` sends whole blocks that fit it, each piece from where the last
 ended (`start`), and adds up their results (its own doc). Its loop ends by itself: each piece
@@ -66,6 +72,23 @@ class LoadPages:
                 f"{start} and before the {self.asked} asked"
             )
         self._next = end
+
+
+def joined(parts: list[tuple[int, int, torch.Tensor]]) -> tuple[int, torch.Tensor]:
+    """The pages of one load, `(start, num_tokens, kv)` each in order (checked by
+    `replies.loaded`: `kv` holds tokens start..num_tokens, none past a prefix that ends before
+    `start`), joined: `(num_tokens, kv)` of the contiguous prefix they delivered. The first
+    page's `num_tokens` may be below its start (the prefix is shorter than `start`: no KV); a
+    later page's that is (the prefix evicted since the page before) ends the load at its start,
+    which is where the page before ended (module doc)."""
+    num_tokens, kvs = parts[0][1], [parts[0][2]]
+    for start, end, kv in parts[1:]:
+        assert start == num_tokens, "each page asks from where the one before ended (`add`)"
+        if end < start:
+            break  # evicted between the pages: what came before is all that was delivered
+        num_tokens = end
+        kvs.append(kv)
+    return num_tokens, kvs[0] if len(kvs) == 1 else torch.cat(kvs, dim=2)
 
 
 class StorePieces:

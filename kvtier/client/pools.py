@@ -55,7 +55,7 @@ import torch
 
 from kvtier.blocks import Tokens, check_start, encode_tokens, to_blocks
 from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
-from kvtier.client.pages import LoadPages, stored
+from kvtier.client.pages import LoadPages, joined, stored
 from kvtier.errors import ReplyError
 from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.results import Lease, LoadResult, LookupResult, Reservation, StoreResult
@@ -67,6 +67,10 @@ LeaseFrom = tuple[Lease, str | None]
 """A lease and the server instance of the reply that granted it (`read_blocks`)."""
 ReservationFrom = tuple[Reservation, str | None]
 """A reservation and the server instance of the reply that granted it (`writable`)."""
+NOTHING_RESERVED: ReservationFrom = (Reservation(0, "default", 0, 0, "gpu", (), 0.0), None)
+"""A reserve refused (`CapacityError`, `QuotaError`): no slots, so `writable` sends the store
+through the body, which stores what the server's own `store` does (a mapped `store` never
+fails where the same store through the body would not)."""
 
 
 @dataclass(frozen=True)
@@ -237,9 +241,8 @@ class MappedPools:
         """The `/v1/load` replies of one load (KV in the body, from token `start`; `pages.py`),
         joined: on `device` (None: the CPU), or into `dest` for a prompt of `asked` tokens."""
         layout = None if self.served is None else self.served.layout
-        parts = [replies.loaded(body, layout, first) for first, body in pages.replies]
-        num_tokens = parts[-1][0]
-        kv = parts[0][1] if len(parts) == 1 else torch.cat([kv for _, kv in parts], dim=2)
+        parts = [(first, *replies.loaded(body, layout, first)) for first, body in pages.replies]
+        num_tokens, kv = joined(parts)  # the contiguous KV delivered (`pages.joined`)
         bt = 1 if layout is None else layout.block_tokens
         if num_tokens % bt or num_tokens > asked:
             blocks = "" if layout is None else f"whole blocks of {bt} tokens, "

@@ -9,7 +9,9 @@ body holds is checked later, field by field (`service/replies.py`).
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import time
 from typing import Any
 
@@ -21,7 +23,7 @@ from kvtier.client.connections import (
     check_declared_length,
     reply_too_long,
 )
-from kvtier.errors import ClosedError, KVTierError, ReplyError
+from kvtier.errors import ClosedError, InvalidArgumentError, KVTierError, ReplyError
 from kvtier.service import wire
 
 ERROR_TYPES: dict[str, type[KVTierError]] = {
@@ -45,6 +47,10 @@ REFUSALS: tuple[type[KVTierError], ...] = (ServiceError, *ERROR_TYPES.values())
 refused so was granted nothing (`releases.may_have_reached`)."""
 
 
+_HEADER_TEXT = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
+"""What a header's value may be: printable ASCII, without a space at either end."""
+
+
 class RequestHeaders:
     """The headers of a client's requests; fixed at construction."""
 
@@ -58,8 +64,16 @@ class RequestHeaders:
             "accept-encoding": "identity",  # nothing to inflate (`httpx_send`)
         }
         if key:
+            key = key.strip()  # as the server reads the header: a secret file's newline goes
+            if not _HEADER_TEXT.fullmatch(key):
+                raise InvalidArgumentError(
+                    "api_key: expected printable ASCII (an HTTP header carries it), got a key "
+                    "that is not (not shown)"
+                )
             self.common["authorization"] = f"Bearer {key}"
         if tenant:
+            if not _HEADER_TEXT.fullmatch(tenant):
+                raise InvalidArgumentError(f"tenant: expected a tenant id, got {tenant!r}")
             self.common["x-kvtier-tenant"] = tenant
 
     def for_tenant(self, tenant: str) -> dict[str, str]:
@@ -119,23 +133,59 @@ def reply_body(response: Reply) -> dict[str, Any]:
         raise ReplyError(f"{response.path}: {exc.detail}") from None
 
 
-class WaitPacer:
-    """The pauses between the asks of one wait on a pending lease (`Client.wait_for`).
+class WaitTimeoutError(KVTierError, TimeoutError):
+    """A wait on a pending lease without a timeout of the caller's (`prefetch(wait=True)`, a
+    mapped `load`, `wait_for(lease)`) that the server kept PENDING past the client's own bound
+    (`WaitPacer.MOST_WAIT_S`): the message names the lease and how long it waited."""
 
-    The server holds each ask up to the wait asked for (bounded by its `prefetch_wait_s`), so
-    an answer of PENDING that comes back well before that came from a server whose bound is
-    short, or that does not wait at all (a broken or hostile one): asking again at once would
-    spin. After such an answer the next ask waits a pause that doubles from `FIRST_S` to
-    `MOST_S`; an answer that was held for its wait resets it. A pause never runs past the
-    caller's deadline."""
+
+class WaitPacer:
+    """The asks and pauses of one wait on a pending lease (`Client.wait_for`).
+
+    The server holds each ask up to the wait asked for (`ASK_S`, bounded by its
+    `prefetch_wait_s`), so an answer of PENDING that comes back well before that came from a
+    server whose bound is short, or that does not wait at all (a broken or hostile one): asking
+    again at once would spin. After such an answer the next ask waits a pause that doubles from
+    `FIRST_S` to `MOST_S`; an answer that was held for its wait resets it. A pause never runs
+    past the caller's deadline.
+
+    The whole wait is bounded on the client's side too: a real server ends a pending lease
+    within its ttl (at most its `policy.max_ttl_s`, 600 s by default), but a broken or hostile
+    one may answer PENDING for ever. Without a deadline of the caller's, a wait still pending
+    `MOST_WAIT_S` after it began is a `WaitTimeoutError` (`past_deadline`); a caller that expects
+    longer waits (a server with a longer ttl) passes its own `timeout_s` to `wait_for`."""
 
     FIRST_S = 0.001
     MOST_S = 0.5
     HELD_S = 0.05  # an answer held this long (or the whole wait asked) was a real wait
+    ASK_S = 30.0  # the wait each ask asks of the server, without a deadline
+    MOST_WAIT_S = 600.0  # the longest wait without a deadline: the default `max_ttl_s`
 
     def __init__(self, deadline: float | None) -> None:
         self.deadline = deadline
+        self.began = time.monotonic()
+        self._end = self.began + self.MOST_WAIT_S if deadline is None else deadline
         self._pause = 0.0
+
+    def ask(self) -> tuple[float, float]:
+        """When the next ask is sent (monotonic, now) and the wait it asks of the server."""
+        now = time.monotonic()
+        most = self.ASK_S if self.deadline is None else math.inf
+        return now, max(0.0, min(most, self._end - now))
+
+    def past_deadline(self, lease_id: int) -> bool:
+        """After an answer of PENDING: whether the caller's deadline has passed (the wait
+        returns the lease, pending); `WaitTimeoutError` when the client's own bound has."""
+        now = time.monotonic()
+        if now < self._end:
+            return False
+        if self.deadline is not None:
+            return True
+        raise WaitTimeoutError(
+            f"lease {lease_id}: still pending after {now - self.began:.1f} s of waiting, "
+            f"expected a server to end a pending lease within {self.MOST_WAIT_S} s (a wait "
+            "without timeout_s is bounded there: pass timeout_s to wait longer)"
+        )
 
     def after(self, asked_at: float, wait_s: float) -> float:
         """The pause before the next ask, for an answer of PENDING to an ask sent at
@@ -145,6 +195,4 @@ class WaitPacer:
             self._pause = 0.0
             return 0.0
         self._pause = min(max(2 * self._pause, self.FIRST_S), self.MOST_S)
-        if self.deadline is not None:
-            return max(0.0, min(self._pause, self.deadline - now))
-        return self._pause
+        return max(0.0, min(self._pause, self._end - now))

@@ -32,7 +32,13 @@ Modules, imports pointing down the list:
 - `fields.py`: the validated field types and the `Section` base they are written with.
 """
 
-from kvtier.config.loading import HiddenKey, default_config, load_config, parse_config
+from kvtier.config.loading import (
+    HiddenKey,
+    HiddenLine,
+    default_config,
+    load_config,
+    parse_config,
+)
 from kvtier.config.movement import MoverConfig, PolicyConfig
 from kvtier.config.root import HashingConfig, KVTierConfig, ModelConfig
 from kvtier.config.service import ServiceConfig
@@ -47,6 +53,7 @@ __all__ = [
     "GpuTierConfig",
     "HashingConfig",
     "HiddenKey",
+    "HiddenLine",
     "HostTierConfig",
     "KVTierConfig",
     "ModelConfig",

@@ -119,7 +119,22 @@ def _key_ref(what: str) -> BeforeValidator:
     )
 
 
-KeyRef = Annotated[str, _key_ref("an API key")]
+_API_KEY = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
+API_KEY_EXPECTED = (
+    "an API key of at least 16 printable ASCII characters (spaces inside only: an HTTP header "
+    "carries it, stripped)"
+)
+
+KeyRef = Annotated[
+    str,
+    rule(
+        lambda v: (
+            isinstance(v, str)
+            and (v.startswith("env:") or (len(v) >= 16 and bool(_API_KEY.fullmatch(v))))
+        ),
+        f"{API_KEY_EXPECTED}, or 'env:NAME' to read it from $NAME",
+    ),
+]
 SecretRef = Annotated[str, _key_ref("a secret")]  # `resolve_key` reads both
 
 
@@ -133,6 +148,21 @@ def resolve_key(ref: str, field: str) -> str:
     if value is None or len(value) < 16:
         raise ConfigError(field, ref, f"${name} set to a key of at least 16 characters")
     return value
+
+
+def resolve_api_key(ref: str, field: str) -> str:
+    """An API key (`KeyRef`) as requests present it: `resolve_key`'s, where the value of an
+    `env:NAME` loses one trailing newline (a secret file's, as Kubernetes puts it in the
+    environment). `ConfigError` naming `field` (never the value) unless the key is then at least
+    16 printable ASCII characters without a space at either end: no request could present
+    another (a header is stripped, and read as latin-1)."""
+    key = resolve_key(ref, field)
+    if ref.startswith("env:"):
+        key = key.removesuffix("\n").removesuffix("\r")
+    if len(key) < 16 or not _API_KEY.fullmatch(key):
+        shown = ref if ref.startswith("env:") else "(a key, not shown)"
+        raise ConfigError(field, shown, f"{API_KEY_EXPECTED} (a trailing newline is dropped)")
+    return key
 
 
 class Section(BaseModel):

@@ -10,8 +10,10 @@ Contract:
   its values, with every alias written out, at most `MAX_VALUES`: no "billion laughs".
 - An error never shows an API key or secret: a value under `api_keys`, `admin_key`,
   `secret` or `password` (the remote tier's cluster secret and AUTH password), or one that shows
-  any of the keys given there, is replaced by `HiddenKey()`; in a YAML error, which comes
-  before the keys are known, every word as long as a key is masked in the line shown.
+  any of the keys given there, is replaced by `HiddenKey()`. A YAML error comes before the keys
+  are known, so it shows no text of the file: its value is a `HiddenLine` (line and column) and
+  its `expected` names the kind of fault, with every quoted part of the reader's words and
+  every alias, anchor and tag name left out (`_fault_kind`).
 - `default_config()` is the embedded default (`kvtier serve` without `--config`) and equals
   `configs/default.yaml`: `KVTierConfig()` and a disk tier of `DEFAULT_DISK`.
 """
@@ -48,6 +50,26 @@ class HiddenKey:
 
     def __repr__(self) -> str:
         return "<a key, not shown>"
+
+
+class HiddenLine:
+    """Stands in a YAML error for the text at `line` and `column` (1-based) of a config file:
+    the file could not be read far enough to know which of its words are keys."""
+
+    def __init__(self, line: int, column: int) -> None:
+        self.line, self.column = line, column
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HiddenLine) and (self.line, self.column) == (
+            other.line,
+            other.column,
+        )
+
+    def __hash__(self) -> int:
+        return hash((HiddenLine, self.line, self.column))
+
+    def __repr__(self) -> str:
+        return f"<line {self.line}, column {self.column}: not shown>"
 
 
 _PHRASES = {
@@ -140,11 +162,34 @@ def parse_config(mapping: object, source: str = "<dict>") -> KVTierConfig:
         raise _config_error(exc, source, _key_values(mapping)) from None
 
 
-_WORD = r"[^\s:,'\"\[\]{}#]"
-_LONG_WORD = re.compile(rf"(?<!{_WORD}){_WORD}{{16,}}(?!{_WORD})(?!\s*:)")
-"""A value as long as an API key (16 characters or more; a mapping key, followed by `:`, is
-not one): masked in the line a YAML error shows, since the file could not be read far enough
-to know whether it is a key."""
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+_PLAIN_WORDS = re.compile(r"[A-Za-z0-9 ,;()<>'-]{1,160}")
+_KINDS = {  # by the reader's stage, for words that do not pass `_PLAIN_WORDS`
+    "ScannerError": "text that is not a YAML token",
+    "ParserError": "YAML structure that cannot be parsed",
+    "ComposerError": "an alias or anchor that cannot be resolved",
+    "ConstructorError": "a value that cannot be read",
+}
+
+
+_SHOWN_PART = re.compile(r"'(<[a-z ]{1,20}>|[^A-Za-z0-9\s'\\])'")
+"""A quoted part shown: a token's kind (`'<scalar>'`) or one punctuation mark (`'}'`)."""
+
+
+def _quoted_part(match: re.Match[str]) -> str:
+    return match[0] if _SHOWN_PART.fullmatch(match[0]) else "'…'"
+
+
+def _fault_kind(exc: yaml.YAMLError) -> str:
+    """What kind of fault `exc` is, in words that show nothing of the file: the reader's
+    problem with every quoted part (a character, an alias, anchor or tag name) made `'…'`,
+    but a token's kind or a punctuation mark, or, when anything but plain words is left, the
+    name of the reader's stage that failed."""
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or ""
+    words = _QUOTED.sub(_quoted_part, str(problem))
+    if _PLAIN_WORDS.fullmatch(_QUOTED.sub("''", words)):
+        return words
+    return _KINDS.get(type(exc).__name__, "text that is not YAML")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -154,8 +199,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
             return super().construct_object(node, deep)
-        except (ValueError, OverflowError) as exc:
-            problem = f"a value that cannot be read ({exc})"
+        except (ValueError, OverflowError):
+            problem = "a value that cannot be read (a number too long, a date out of range)"
             raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -167,7 +212,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if not isinstance(key, Hashable):  # the SafeLoader refuses it, with its line
                 continue
             if key in seen:
-                problem = f"repeated key {key!r} (each key once per mapping)"
+                problem = "a key repeated in one mapping (each key once per mapping)"
                 raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
@@ -187,19 +232,22 @@ def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
         raise ConfigError("<file>", source, "a readable YAML file") from exc
     if len(text) > MAX_FILE_CHARS:
         raise ConfigError("<file>", source, f"a YAML file of at most {MAX_FILE_CHARS} characters")
+    fault: ConfigError | None = None  # raised outside the handler: no YAML error chained
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
-    except yaml.MarkedYAMLError as exc:
+    except yaml.MarkedYAMLError as exc:  # its text and marks quote the file: none shown
         mark = exc.problem_mark or exc.context_mark
-        line = mark.line if mark is not None else 0
-        lines = text.splitlines()
-        shown = _LONG_WORD.sub("<not shown>", lines[line].strip()) if line < len(lines) else ""
-        expected = f"valid YAML: {exc.problem} at line {line + 1} of {source}"
-        raise ConfigError("<yaml>", shown, expected) from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError("<yaml>", source, f"valid YAML: {exc}") from exc
+        line, column = (mark.line + 1, mark.column + 1) if mark is not None else (0, 0)
+        expected = f"valid YAML (the YAML reader says: {_fault_kind(exc)}; in {source})"
+        fault = ConfigError("<yaml>", HiddenLine(line, column), expected)
+    except yaml.YAMLError as exc:  # a ReaderError: a character YAML does not allow
+        position = getattr(exc, "position", "?")
+        expected = f"valid YAML (a character YAML does not allow at position {position})"
+        fault = ConfigError("<yaml>", source, expected)
     except RecursionError:
-        raise ConfigError("<yaml>", source, "valid YAML nested less deeply") from None
+        fault = ConfigError("<yaml>", source, "valid YAML nested less deeply")
+    if fault is not None:
+        raise fault
     return parse_config(data, source)
 
 

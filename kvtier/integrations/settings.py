@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config.events import is_peer_address
-from kvtier.config.fields import resolve_key
+from kvtier.config.fields import resolve_api_key
 from kvtier.errors import ConfigError
 from kvtier.integrations import paged
 
@@ -104,7 +104,7 @@ class ConnectorSettings:
             urls=tuple(urls),
             key=key or "",
             tenant_keys={
-                str(n): resolve_key(ref, f"kvtier.tenant_keys.{n}") for n, ref in named.items()
+                str(n): resolve_api_key(ref, f"kvtier.tenant_keys.{n}") for n, ref in named.items()
             },
             load_async=flags["kvtier.load_async"],
             save_async=flags["kvtier.save_async"],
@@ -153,8 +153,11 @@ REFUSALS = {  # `key_for`'s refusals, logged once each
 
 
 def closed(extra: Mapping[str, Any], known: tuple[str, ...]) -> None:
-    """`ConfigError` for a `kvtier.*` key of an engine's extra config that is not `known`."""
-    unknown = sorted(str(k) for k in extra if str(k).startswith("kvtier.") and k not in known)
+    """`ConfigError` for a `kvtier.*` key of an engine's extra config that is not `known`; the
+    prefix in any case (`KVTIER.url` is not ignored: it is refused, as is `kvtier.URL`)."""
+    unknown = sorted(
+        str(k) for k in extra if str(k).lower().startswith("kvtier.") and k not in known
+    )
     if unknown:
         raise ConfigError(unknown[0], extra[unknown[0]], f"one of {', '.join(known)}")
 
@@ -164,7 +167,7 @@ def api_key(extra: Mapping[str, Any]) -> str | None:
     key = extra.get("kvtier.api_key")
     if key is not None and not isinstance(key, str):
         raise ConfigError("kvtier.api_key", type(key).__name__, "a key or env:NAME")
-    return resolve_key(key, "kvtier.api_key") if key else None
+    return resolve_api_key(key, "kvtier.api_key") if key else None
 
 
 def check_layout(layers: list[Any], served: Any, shard: tuple[int, int], url: str) -> None:

@@ -147,10 +147,9 @@ def _layout(args: argparse.Namespace) -> KVLayout:
     return (load_config(args.config) if args.config else KVTierConfig()).layout
 
 
-def _sizings(args: argparse.Namespace) -> list[Sizing]:
+def _sizings(args: argparse.Namespace, layout: KVLayout) -> list[Sizing]:
     base = Sizing("tiered", args.gpu, args.host, args.disk)
     if args.codec is not None:
-        layout = _layout(args)
         return [codec_sizing(base, fit(codec, layout)) for codec in parse_codecs(args.codec)]
     if args.sweep:
         return [
@@ -181,7 +180,7 @@ def run_replay(args: argparse.Namespace) -> int:
         return 2
     trace_bt = args.trace_block_tokens
     options = ReplayOptions(
-        block_tokens=args.block_tokens or math.gcd(trace_bt, 512),
+        block_tokens=math.gcd(trace_bt, 512) if args.block_tokens is None else args.block_tokens,
         block_bytes=args.block_bytes,
         trace_block_tokens=trace_bt,
         background=args.background,
@@ -202,7 +201,8 @@ def run_replay(args: argparse.Namespace) -> int:
         print("kvtier: --plot: matplotlib is not installed; pip install 'kvtier[plot]'",
               file=sys.stderr)  # fmt: skip
         return 2
-    sizings = _sizings(args)  # sizes and policies are checked before the trace is read
+    layout = _layout(args)  # --config read in every mode: a bad one stops before the trace
+    sizings = _sizings(args, layout)  # sizes and policies are checked before the trace is read
     if args.route is not None:
         parse_policies(args.route)
     requests = read_trace(args.trace, args.limit, trace_bt, args.trace_time_unit == "s")
@@ -240,7 +240,6 @@ def run_replay(args: argparse.Namespace) -> int:
             "as --jobs 1, but latencies and wall times measured beside other tasks (--jobs 1 "
             "for clean ones)"
         )
-    layout = _layout(args)
     fits = {c: fit(c, layout) for c in parse_codecs(args.codec)} if args.codec else {}
     for result in results:
         print(format_result(result))

@@ -39,7 +39,8 @@ class Sizing:
         for name in TIERS:
             value = getattr(self, name)
             if not 0 <= value <= 100 or (name == "gpu" and value == 0):
-                expected = "> 0" if name == "gpu" else ">= 0 (0: no such tier)"
+                lowest = "> 0" if name == "gpu" else ">= 0 (0: no such tier)"
+                expected = f"{lowest} and at most 100"
                 raise InvalidArgumentError(
                     f"--{name}: got {value!r}, expected a fraction {expected}"
                 )

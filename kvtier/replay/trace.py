@@ -56,6 +56,11 @@ ID_LIMIT = 2**64
 MAX_TRACE_BLOCK_TOKENS = 2**16
 """The most tokens an id of a trace may name (`read_trace(..., block_tokens=)`)."""
 
+MAX_REQUEST_TOKENS = 2**20
+"""The most tokens a request of a trace is replayed as (its ids times their tokens: 2048 ids of
+Mooncake's 512), as `service.max_tokens`' default: the replay holds KV for its longest
+request. A longer request is refused, naming its line, before any store is built."""
+
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
@@ -189,6 +194,30 @@ class Renumber:
         return dataclasses.replace(request, hash_ids=ids)
 
 
+class Chaining:
+    """The check that a trace's ids are chained (module doc): an id always follows the same id
+    (none: first in its request), so it names one prefix. The simulations need it (`simulate.py`),
+    and `read_trace` checks it line by line, as given."""
+
+    def __init__(self) -> None:
+        self.parents: dict[int, tuple[int | None, int]] = {}  # id: (the id before, line)
+
+    def check(self, ids: Sequence[int], error: _LineError) -> None:
+        """`TraceError` (`error`'s line) at the first of `ids` after another id than before."""
+        parents = self.parents
+        previous: int | None = None
+        for position, value in enumerate(ids):
+            parent, line = parents.setdefault(value, (previous, error.line))
+            if parent != previous:
+                after = "first in its request" if parent is None else f"after id {parent}"
+                here = "first" if previous is None else f"after id {previous}"
+                raise error(
+                    f"hash_ids[{position}]: id {value} comes {here} here, but came {after} on "
+                    f"line {line}; expected chained ids (an id names its whole prefix)"
+                )
+            previous = value
+
+
 def _parse(text: str, error: _LineError, block_tokens: int, seconds: bool) -> TraceRequest:
     """One line as a request with its ids as given, each below `ID_LIMIT`, each of
     `block_tokens` tokens; its timestamp in `seconds` (module doc) or milliseconds."""
@@ -230,6 +259,11 @@ def _parse(text: str, error: _LineError, block_tokens: int, seconds: bool) -> Tr
             f"hash_ids: got {len(ids)} ids for input_length {input_length}, expected "
             f"ceil({input_length} / {block_tokens}) = {expected}{hint}"
         )
+    if len(ids) * block_tokens > MAX_REQUEST_TOKENS:
+        raise error(
+            f"hash_ids: got {len(ids)} ids of {block_tokens} tokens, expected a request of at "
+            f"most {MAX_REQUEST_TOKENS} tokens ({MAX_REQUEST_TOKENS // block_tokens} ids)"
+        )
     return TraceRequest(timestamp, input_length, output_length, tuple(ids), block_tokens)
 
 
@@ -242,11 +276,13 @@ def read_trace(
     """The first `limit` requests (all when None) of the trace at `path`, whose ids name
     `block_tokens` tokens each, their ids renumbered, their timestamps in `seconds` or
     milliseconds (module doc). Raises `TraceError` naming the
-    first bad line: unreadable, longer than `MAX_LINE_BYTES`, not UTF-8, not a request, or
-    earlier than the line before."""
+    first bad line: unreadable, longer than `MAX_LINE_BYTES`, not UTF-8, not a request (one
+    of more than `MAX_REQUEST_TOKENS` tokens among them), with an id after another id than
+    before (`Chaining`), or earlier than the line before."""
     source = os.fspath(path)
     requests: list[TraceRequest] = []
     renumber = Renumber(trace_block_tokens(block_tokens))
+    chaining = Chaining()
     try:
         with open(source, "rb") as file:
             lines = iter(lambda: file.readline(MAX_LINE_BYTES + 1), b"")
@@ -257,7 +293,7 @@ def read_trace(
                 if not text.strip():
                     continue
                 error = _LineError(source, number)
-                request = renumber(_parse(text, error, block_tokens, seconds), error)
+                request = _parse(text, error, block_tokens, seconds)
                 if requests and request.timestamp_ms < requests[-1].timestamp_ms:
                     raise TraceError(
                         source,
@@ -265,7 +301,8 @@ def read_trace(
                         f"timestamp: got {request.timestamp_ms}, expected >= "
                         f"{requests[-1].timestamp_ms} (the lines are sorted by time)",
                     )
-                requests.append(request)
+                chaining.check(request.hash_ids, error)
+                requests.append(renumber(request, error))
     except OSError as exc:
         raise TraceError(source, 0, f"cannot be read ({exc})") from exc
     if not requests:

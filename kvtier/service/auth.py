@@ -18,7 +18,8 @@
   supplies a salt. The state directory is made 0700 (refused if a group or other user can
   write it); the secret is created whole (never half-written) and read without following a
   link; one another user could read, a link, or anything but a regular file of 32 bytes is
-  refused with a `ConfigError` naming the path (`private_files.py`).
+  refused with a `ConfigError` naming the path (`private_files.py`), and so is a directory the
+  secret cannot be written in (a read-only or full filesystem), with the OS's reason.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import os
 import secrets
 
 from kvtier.config import HiddenKey, KVTierConfig
-from kvtier.config.fields import resolve_key
+from kvtier.config.fields import resolve_api_key
 from kvtier.errors import ConfigError
 from kvtier.private_files import create_once, private_dir, read_regular
 
@@ -40,16 +41,26 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def _key_digest(ref: str, place: str, unset_ok: bool) -> bytes:
+    """The digest of the key `ref` names (`resolve_api_key`); with `unset_ok`, an `env:NAME`
+    whose variable is unset is keyed by `env:NAME` itself (one variable in two places is one
+    key), for `kvtier validate` where the service's environment is not."""
+    if unset_ok and ref.startswith("env:") and ref.removeprefix("env:") not in os.environ:
+        return _digest(ref)
+    return _digest(resolve_api_key(ref, place))
+
+
 class Auth:
-    def __init__(self, config: KVTierConfig) -> None:
-        """Resolve every key; `ConfigError` for an unset `env:` key and for one key in two
-        places (two tenants, or a tenant and the admin)."""
+    def __init__(self, config: KVTierConfig, *, unset_ok: bool = False) -> None:
+        """Resolve every key; `ConfigError` for an unset `env:` key (unless `unset_ok`), one
+        that is not a key (`resolve_api_key`) and for one key in two places (two tenants, or a
+        tenant and the admin). Nothing is written: `kvtier validate` checks a config so."""
         self._tenants: dict[bytes, str] = {}
         places: dict[bytes, str] = {}
         for tenant, tenant_cfg in config.tenants.items():
             for i, ref in enumerate(tenant_cfg.api_keys):
                 place = f"tenants.{tenant}.api_keys.{i}"
-                digest = _digest(resolve_key(ref, place))
+                digest = _key_digest(ref, place, unset_ok)
                 owner = self._tenants.setdefault(digest, tenant)
                 if owner != tenant:
                     raise ConfigError(
@@ -60,7 +71,7 @@ class Auth:
                     )
                 places.setdefault(digest, place)
         admin = config.service.admin_key
-        self._admin = None if admin is None else _digest(resolve_key(admin, "service.admin_key"))
+        self._admin = None if admin is None else _key_digest(admin, "service.admin_key", unset_ok)
         if self._admin in places:
             raise ConfigError(
                 "service.admin_key",
@@ -107,8 +118,15 @@ def server_secret(state_dir: str | os.PathLike[str]) -> bytes:
     """The persisted server secret; created (0600, in a 0700 directory) at the first start."""
     path = private_dir(state_dir, "service.state_dir") / "secret"
     secret = secrets.token_bytes(SECRET_BYTES)
-    if create_once(path, secret):
-        return secret
+    try:
+        if create_once(path, secret):
+            return secret
+    except OSError as exc:  # a read-only or full filesystem: the start stops, named
+        raise ConfigError(
+            "service.state_dir",
+            str(path.parent),
+            f"a directory the server can write its secret in ({exc.strerror or exc})",
+        ) from None
     secret = read_regular(path, "service.state_dir", SECRET_BYTES, private=True)
     if len(secret) != SECRET_BYTES:
         raise ConfigError(
