@@ -8,7 +8,7 @@ closure, leases, every tier and the remote tier work unchanged. An engine page i
 of `page_tokens / block_tokens` kvtier blocks.
 
     keys  k0 k1 k2 ...  ->  tokens  words(k0) | words(k1) | words(k2) ...   (page_tokens each)
-    words(k) = BLAKE2b-256(k, person = scope) as 8 little-endian uint32, top bit set,
+    words(k) = BLAKE2b-256(k, person = BLAKE2b-128(scope)) as 8 little-endian uint32, top bit set,
                then (page_tokens > 8) 0x80000000 + position within the page
 
 `KeyedPages(page_tokens, scope)` does the mapping; `tokens(keys)` the whole chain's, and
@@ -22,10 +22,10 @@ Contract:
 - Disjoint from prompts: every synthetic token is >= 2**31, and no vocabulary comes near, so
   a keyed path never meets a token path. A client that sends such ids itself reaches only
   its own tenant's keyed data: tenants are namespaces of their own (`tenancy.py`).
-- `scope` holds what the engine's keys leave out but the bytes depend on. SGLang's keys name
-  no tensor-parallel rank, though each rank holds its own heads, so its backend uses
-  `"tp{rank}/{size}"` (the same scope for every rank of an MLA model, whose ranks hold the same
-  KV). Keys of different scopes never meet.
+- `scope` (a string of any length) holds what the engine's keys leave out but the bytes depend
+  on. SGLang's keys name neither the model nor the rank, though each tensor-parallel rank
+  holds its own heads, so its backend's scope names the model and the ranks (`sglang.py`).
+  Keys of different scopes never meet: the scope's 128-bit digest personalizes every key's.
 - Keys are bytes of any length, or strings of any length. A string in canonical hex (lowercase,
   even length: SGLang's) is the key of its bytes; any other string (capitals, whitespace,
   non-ASCII, lone surrogates) is a key of its own, hashed apart (BLAKE2b salt), so that no two
@@ -50,9 +50,10 @@ class KeyedPages:
                 f"page_tokens: got {page_tokens!r}, expected at least {DIGEST_WORDS} tokens per "
                 "page (a page carries 248 bits of its key)"
             )
-        person = scope.encode()
-        if len(person) > 16:
-            raise InvalidArgumentError(f"scope: got {scope!r}, expected at most 16 bytes")
+        if not isinstance(scope, str):
+            raise InvalidArgumentError(f"scope: got {type(scope).__name__}, expected a str")
+        text = scope.encode("utf-8", "surrogatepass")
+        person = hashlib.blake2b(text, digest_size=16).digest()  # BLAKE2b's person: 16 bytes
         self.page_tokens, self.scope, self._person = page_tokens, scope, person
         self._filler = [TOP + i for i in range(DIGEST_WORDS, page_tokens)]
 

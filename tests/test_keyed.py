@@ -46,7 +46,7 @@ def test_pages_fill_to_page_tokens_and_scopes_keep_apart() -> None:
         with pytest.raises(InvalidArgumentError, match="page_tokens"):
             KeyedPages(bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="scope"):
-        KeyedPages(8, "x" * 17)
+        KeyedPages(8, b"tp0/2")  # type: ignore[arg-type]
 
 
 def test_a_chain_of_keys_is_stored_and_found_by_its_leading_pages(

@@ -26,12 +26,19 @@ Contract:
 - Constructed by SGLang's `StorageBackendFactory` as `cls(storage_config, kwargs)`; options
   from `storage_config.extra_config`: `kvtier.url`, `kvtier.api_key` ('env:NAME' or a key),
   and `interface_v1: 1`, which makes SGLang call the zero-copy `batch_*_v1` methods. Another
-  `kvtier.*` key, or a value of the wrong type, is a `ConfigError` naming it.
+  `kvtier.*` key (the prefix in any case), a value of the wrong type, or a `kvtier.url` that
+  is not `http(s)://HOST[:PORT]` is a `ConfigError` naming it.
 - Pages round trip bit-exact and land in kvtier in its own layout (`[layers, 2, tokens,
   heads, dim]`), whatever SGLang's host layout: two SGLang processes with different host
   layouts share pages.
-- Keys are scoped by tensor-parallel (and pipeline) rank, since each rank holds its own heads
-  (layers); an MLA model's ranks share one scope. The sidecar's model layout must be one
+- Keys are scoped (`scope`) by SGLang's model name (two models of one geometry hold different
+  KV under the same keys) and by the part of the KV the rank holds: tensor-parallel rank (its
+  heads; an MLA model's ranks share one), and pipeline, attention context-parallel and decode
+  context-parallel rank (its layers, its slice of every page) when their size is over 1.
+- Only the host pools whose `kv_buffer` is the whole page are taken (`HOST_POOLS`: SGLang's
+  `MHATokenToKVPoolHost` and `MLATokenToKVPoolHost`, exactly); another (the MXFP8 pool, whose
+  scales live apart; the asymmetric pool; any subclass) is a `ConfigError` naming its class
+  when SGLang registers it, never copied in part. The sidecar's model layout must be one
   rank's: its layers, KV heads per rank, head_dim and dtype are checked against the host pool
   when SGLang registers it (`ConfigError` naming the field), and SGLang's page size must be a
   multiple of kvtier's `block_tokens` and at least 8 tokens.
@@ -54,12 +61,15 @@ part is copied.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import urllib.parse
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvtier.client import Client
@@ -78,18 +88,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
         closed(extra, ("kvtier.url", "kvtier.api_key"))  # a misspelt key is never ignored
-        self.url = extra.get("kvtier.url", "http://127.0.0.1:8750")
-        if not isinstance(self.url, str) or not self.url:
-            raise ConfigError("kvtier.url", self.url, "the sidecar's URL")
+        self.url = sidecar_url(extra.get("kvtier.url", "http://127.0.0.1:8750"))
         self.client = Client(self.url, api_key=api_key(extra))
         self.config = storage_config
-        self.scope = (
-            "mla"
-            if storage_config.is_mla_model
-            else f"tp{storage_config.tp_rank}/{storage_config.tp_size}"
-        )
-        if storage_config.pp_size > 1:
-            self.scope += f"pp{storage_config.pp_rank}/{storage_config.pp_size}"
+        self.scope = scope(storage_config)
         self.pages: KeyedPages | None = None
         self.mem_pool_host: Any = None
         self.buffer: Any = None  # the host pool's kv_buffer as an MHA one (`host_buffer`)
@@ -237,10 +239,33 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.stats[stat] += n
 
 
+HOST_POOLS = (MHATokenToKVPoolHost, MLATokenToKVPoolHost)
+"""The host pools kvtier copies: exactly these classes, whose `kv_buffer` holds the whole
+page. A subclass may keep more of a page elsewhere (scales, a second buffer), which kvtier
+would never move: it is refused (`host_buffer`), as is any other pool."""
+
+REFUSED = {
+    "MHATokenToKVPoolMXFP8Host": "its fp8 pages' per-page scales live outside kv_buffer "
+    "(k_scale_host, v_scale_host), which kvtier would not move: a reader would dequantize "
+    "with stale scales",
+    "AsymmetricMHATokenToKVPoolHost": "K and V have different head dims, in two buffers "
+    "(kvtier's layout has one head_dim)",
+}
+
+
 def host_buffer(host: Any) -> tuple[torch.Tensor, str]:
     """SGLang's host pool's `kv_buffer` as an MHA layout's `[2, ...]` buffer, and the layout
     (an MLA pool's latent as one head of K and V halves: `paged.mla_host_view`); a
-    `ConfigError` for a pool or layout kvtier cannot copy."""
+    `ConfigError` for a pool or layout kvtier cannot copy (`HOST_POOLS`)."""
+    name = type(host).__name__
+    if type(host) not in HOST_POOLS:
+        why = REFUSED.get(name, "a host pool kvtier does not know, which may keep part of a page")
+        raise ConfigError(
+            "mem_pool_host",
+            name,
+            f"{' or '.join(c.__name__ for c in HOST_POOLS)} (whose page is all in kv_buffer): "
+            f"{why}",
+        )
     mla = isinstance(host, MLATokenToKVPoolHost)
     known = list(paged.MLA_HOST_LAYOUTS) if mla else paged.HOST_LAYOUTS
     if host.layout not in known or host.kv_buffer is None:
@@ -253,6 +278,38 @@ def host_buffer(host: Any) -> tuple[torch.Tensor, str]:
         return paged.mla_host_view(host.kv_buffer, host.layout)
     except KVTierError as e:
         raise ConfigError("MLA host pool", host.layout, str(e)) from None
+
+
+def sidecar_url(url: Any) -> str:
+    """`kvtier.url`, checked: `http(s)://host[:port]`; else a `ConfigError` naming it."""
+    expected = "the sidecar's URL, http://HOST:PORT or https://HOST:PORT"
+    if not isinstance(url, str) or not url or any(c.isspace() or not c.isprintable() for c in url):
+        raise ConfigError("kvtier.url", url, expected)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (a port out of range or not a number raises)
+    except ValueError:
+        raise ConfigError("kvtier.url", url, expected) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError("kvtier.url", url, expected)
+    return url
+
+
+def scope(config: Any) -> str:
+    """The keys' scope (`keyed.py`) of an SGLang rank: the model's name (two models of one
+    geometry hold different KV for the same keys), then the part of the KV this rank holds:
+    its tensor-parallel rank (its heads; an MLA model's ranks hold the same latent), pipeline
+    rank (its layers), attention context-parallel rank and decode context-parallel rank
+    (their slices of every page), each only when its size is over 1 (an older SGLang without
+    a field: 1). The name is JSON-quoted, so different configs never give the same scope."""
+    part = "mla" if config.is_mla_model else f"tp{config.tp_rank}/{config.tp_size}"
+    for field, rank, size in (("pp", "pp_rank", "pp_size"), ("cp", "attn_cp_rank", "attn_cp_size"),
+                              ("dcp", "dcp_rank", "dcp_size")):  # fmt: skip
+        if getattr(config, size, 1) > 1:
+            part += f" {field}{getattr(config, rank, 0)}/{getattr(config, size, 1)}"
+    if getattr(config, "dcp_size", 1) > 1:  # which tokens of a page a DCP rank holds
+        part += f" page{getattr(config, 'logical_page_size', None)}"
+    return f"model={json.dumps(getattr(config, 'model_name', None))} {part}"
 
 
 def _prefix(extra_info: Any) -> list[str]:

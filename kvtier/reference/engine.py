@@ -19,20 +19,27 @@ suffix and every generated token) and runs `Llama.forward` on it: what kvtier is
 the prefill, and a local cache keeps the decode steps independent of leases and their expiry.
 The generated tokens' KV is not stored. A prompt with nothing cached is a plain
 `Llama.forward`; a prefetch refused for lack of gpu room (`CapacityError`) is one as well.
+
+The cache must hold this model's KV: `Engine` compares the cache's layout with the model's
+(model name, layers, KV heads, head_dim, and no tensor-parallel shard) and refuses another
+with a `ConfigError` naming both; two geometries of the same block bytes, or another model's
+name, are refused too. The cache's `block_tokens` and dtype are the engine's (it casts).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvtier.errors import CapacityError, InvalidArgumentError
+from kvtier.blocks import KVLayout
+from kvtier.errors import CapacityError, ConfigError, InvalidArgumentError
 from kvtier.reference.llama import Llama
 from kvtier.reference.prefix import Cache, Prefix, open_prefix
 from kvtier.results import LookupResult, StoreResult
+from kvtier.store import KVStore
 
 
 @dataclass(frozen=True)
@@ -71,12 +78,17 @@ class Engine:
         self.model = model
         self.cache = cache
         self.tenant = tenant
-        served = cache.status()["layout"]
-        self.layout = model.layout(served["block_tokens"], served["dtype"])
-        if self.layout.block_bytes != served["block_bytes"]:
-            raise InvalidArgumentError(
-                f"cache: its blocks are {served['block_bytes']} bytes, expected "
-                f"{self.layout.block_bytes} for {self.layout} (the model's geometry)"
+        served = served_layout(cache)
+        self.layout = model.layout(served.block_tokens, served.dtype_name)
+        ours = (self.layout.model_name, self.layout.num_layers, self.layout.num_kv_heads,
+                self.layout.head_dim, 0, 1)  # fmt: skip
+        theirs = (served.model_name, served.num_layers, served.num_kv_heads, served.head_dim,
+                  served.tp_rank, served.tp_size)  # fmt: skip
+        if ours != theirs:
+            raise ConfigError(
+                "model",
+                f"{theirs} (name, layers, KV heads, head_dim, tp_rank, tp_size) in the cache",
+                f"{ours}, the reference model's: another model's KV is never attended over",
             )
 
     def prefill(self, prompt: Sequence[int]) -> Prefill:
@@ -125,3 +137,13 @@ class Engine:
             return open_prefix(self.cache, prompt, tenant=self.tenant)
         except CapacityError:  # the gpu tier cannot lease it beside other leases: compute it
             return None
+
+
+def served_layout(cache: Cache) -> KVLayout:
+    """The layout of the KV `cache` holds: the store's own; the sidecar's (`Client.layout`)
+    with the model's name from its status (the client's layout names it "served")."""
+    if isinstance(cache, KVStore):
+        return cache.layout
+    layout = cache.layout()
+    name = cache.status()["layout"]["model"]
+    return replace(layout, model_name=name)

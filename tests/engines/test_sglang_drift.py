@@ -67,5 +67,5 @@ def test_sglangs_factory_builds_the_backend_from_the_dynamic_extra_config(sideca
     )  # fmt: skip
     backend = StorageBackendFactory.create_backend("dynamic", config, None)
     assert isinstance(backend, KvtierHiCacheStorage)
-    assert backend.scope == "tp1/2"  # each rank's heads under keys of their own
+    assert backend.scope == 'model="tiny" tp1/2'  # each rank's heads under keys of their own
     backend.close()
