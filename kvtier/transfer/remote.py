@@ -13,7 +13,9 @@
   path (`store_blocks`, the callback the store gives), as if computed here: placement, room,
   prefix closure and quotas are the write path's. Then the prefetch or load runs as usual and
   finds them. Only a verified leading run is stored: a block missing or failing verification
-  ends it (the rest would break prefix closure).
+  ends it (the rest would break prefix closure). KV the local tiers refuse (a quantized host
+  cannot keep a value past fp16's range, which the cluster holds plain) is not stored:
+  `fill_refused`, and the prefetch or load serves the local prefix as if the cluster had none.
 
 Contract: nothing here raises because of the cluster; it never holds the cache's lock during a
 round trip. Ids sent out are the index's; ids asked for are chained from the request's tokens
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from kvtier.blocks import BlockId
+from kvtier.errors import InvalidKVError
 from kvtier.index import Node, RadixIndex
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.remote.writer import RemoteWriter
@@ -53,7 +56,7 @@ class RemoteLink:
         self.writer = writer
         self._lock = lock
         self._store_blocks = store_blocks
-        self.stats = dict.fromkeys(("filled_blocks", "fills", "fill_misses"), 0)
+        self.stats = dict.fromkeys(("filled_blocks", "fills", "fill_misses", "fill_refused"), 0)
 
     def after_store(self, namespace: BlockId, end: Node, start: int, blocks: torch.Tensor) -> None:
         """New blocks start.. of the path to `end` (KV `blocks`, `[n, *block_shape]`) were
@@ -106,10 +109,14 @@ class RemoteLink:
         if good == 0:
             self._count(fill_misses=1)
             return 0
-        with self._lock:
-            stored = self._store_blocks(
-                namespace, tenant, key[: (local + good) * kb], out[:good], local
-            )
+        try:
+            with self._lock:
+                stored = self._store_blocks(
+                    namespace, tenant, key[: (local + good) * kb], out[:good], local
+                )
+        except InvalidKVError:  # the cluster's bytes, refused here: a miss, not the call's error
+            self._count(fill_refused=1)
+            return 0
         self._count(fills=1, filled_blocks=stored)
         return stored
 
