@@ -23,7 +23,8 @@ Contract:
   within `timeout_s` + their bytes / `paced.MIN_REPLY_RATE`. `group_blocks` in the keys
   (`entry.py`) keeps a group on one node.
 - Without a connection, a call tries to connect at most once per `reconnect_s`; in between,
-  calls are misses at once, so a dead cluster costs a store nothing but a counter.
+  calls are misses at once, so a dead cluster costs a store nothing but a counter. A call made
+  while another thread connects waits for that connect's outcome, as long as its own would take.
 - After a round trip with a failure in it (a node down, a redirect) the slot table is read again
   from the cluster, at most once per `REFRESH_S`, on a thread of its own: a table read before
   the cluster promoted a replica or moved a slot keeps naming the old node, and its slots would
@@ -79,18 +80,8 @@ whatever else its handling of a broken or hostile reply raises. Seen with redis-
 `-MOVED abc` or `-ASK x y` is a ValueError, an ASK to a node outside its slot table an
 AttributeError, a bulk length past 2**63 an OverflowError. Each is a failure of the cluster."""
 
-COUNTERS = (
-    "puts",
-    "already_present",
-    "too_large",
-    "hits",
-    "misses",
-    "verify_failures",
-    "errors",
-    "round_trips",
-    "bytes_in",
-    "bytes_out",
-)
+COUNTERS = ("puts", "already_present", "too_large", "hits", "misses", "verify_failures", "errors",
+            "round_trips", "bytes_in", "bytes_out")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -157,6 +148,8 @@ class RemoteCluster:
         self._lock = threading.Lock()
         self._client: RedisCluster | None = None
         self._next_connect = 0.0
+        self._idle = threading.Event()  # clear while a thread connects (`_connect`)
+        self._idle.set()
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._seconds = 0.0  # time spent in round trips
         self._refreshed_at = 0.0  # the last slot table read after a failure (`REFRESH_S`)
@@ -280,13 +273,27 @@ class RemoteCluster:
         self._count("errors", 1)
 
     def _connect(self) -> RedisCluster | None:
+        """The client, connected now if need be (None: a miss; module doc)."""
         with self._lock:
             if self._client is not None:
                 return self._client
+            waiting = not self._idle.is_set()  # another thread is connecting
             now = time.monotonic()
-            if now < self._next_connect:
-                return None
-            self._next_connect = now + self.settings.reconnect_s
+            mine = not waiting and now >= self._next_connect
+            if mine:
+                self._next_connect = now + self.settings.reconnect_s
+                self._idle.clear()
+        if waiting:  # bounded by a connect's own timeouts (tried twice)
+            self._idle.wait(2 * self.settings.timeout_s + 1.0)
+            return self._client
+        if not mine:  # tried lately, and failed: a miss at once
+            return None
+        try:
+            return self._connect_now()
+        finally:
+            self._idle.set()
+
+    def _connect_now(self) -> RedisCluster | None:
         timeout = self.settings.timeout_s
         tls = self.settings.tls
         secure: dict[str, Any] = {"connection_class": SplitValueConnection}
