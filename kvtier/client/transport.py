@@ -81,6 +81,8 @@ class RequestHeaders:
         there is one, decides the tenant on the server, so it is sent as is."""
         if tenant == "default" or "authorization" in self.common:
             return self.common
+        if type(tenant) is not str or not _HEADER_TEXT.fullmatch(tenant):  # before any send
+            raise InvalidArgumentError(f"tenant: expected a tenant id (str), got {tenant!r:.80}")
         return {**self.common, "x-kvtier-tenant": tenant}
 
 
