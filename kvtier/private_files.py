@@ -78,7 +78,11 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def create_once(path: Path, data: bytes) -> bool:
-    """Create `path` holding `data` unless it exists; True when this call created it."""
+    """Create `path` holding `data` unless it exists; True when this call created it. A `path`
+    that exists (a file or link of any kind: the caller reads it) writes nothing, so a full or
+    read-only filesystem does not stop a server that only has to read what it made before."""
+    if os.path.lexists(path):
+        return False
     tmp = _write_temporary(path, data)
     try:
         os.link(tmp, path, follow_symlinks=False)

@@ -47,8 +47,9 @@ REFUSALS: tuple[type[KVTierError], ...] = (ServiceError, *ERROR_TYPES.values())
 refused so was granted nothing (`releases.may_have_reached`)."""
 
 
-_HEADER_TEXT = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
-"""What a header's value may be: printable ASCII, without a space at either end."""
+_HEADER_TEXT = re.compile(r"[\x21-\x7e\xa1-\xff]([\x20-\x7e\xa0-\xff]*[\x21-\x7e\xa1-\xff])?")
+"""What a header's value may be: printable latin-1 (as http.client sends it, and the server
+reads it), without a space at either end."""
 
 
 class RequestHeaders:
@@ -67,7 +68,7 @@ class RequestHeaders:
             key = key.strip()  # as the server reads the header: a secret file's newline goes
             if not _HEADER_TEXT.fullmatch(key):
                 raise InvalidArgumentError(
-                    "api_key: expected printable ASCII (an HTTP header carries it), got a key "
+                    "api_key: expected printable latin-1 (an HTTP header carries it), got a key "
                     "that is not (not shown)"
                 )
             self.common["authorization"] = f"Bearer {key}"

@@ -119,9 +119,11 @@ def _key_ref(what: str) -> BeforeValidator:
     )
 
 
-_API_KEY = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
+_API_KEY = re.compile(r"[\x21-\x7e\xa1-\xff]([\x20-\x7e\xa0-\xff]*[\x21-\x7e\xa1-\xff])?")
+"""What a request's header can carry (read as latin-1, stripped): printable latin-1, no space at
+either end."""
 API_KEY_EXPECTED = (
-    "an API key of at least 16 printable ASCII characters (spaces inside only: an HTTP header "
+    "an API key of at least 16 printable latin-1 characters (spaces inside only: an HTTP header "
     "carries it, stripped)"
 )
 
@@ -154,7 +156,7 @@ def resolve_api_key(ref: str, field: str) -> str:
     """An API key (`KeyRef`) as requests present it: `resolve_key`'s, where the value of an
     `env:NAME` loses one trailing newline (a secret file's, as Kubernetes puts it in the
     environment). `ConfigError` naming `field` (never the value) unless the key is then at least
-    16 printable ASCII characters without a space at either end: no request could present
+    16 printable latin-1 characters without a space at either end: no request could present
     another (a header is stripped, and read as latin-1)."""
     key = resolve_key(ref, field)
     if ref.startswith("env:"):

@@ -290,7 +290,7 @@ def sidecar_url(url: Any) -> str:
         parts.port  # noqa: B018 (a port out of range or not a number raises)
     except ValueError:
         raise ConfigError("kvtier.url", url, expected) from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port == 0:
         raise ConfigError("kvtier.url", url, expected)
     return url
 

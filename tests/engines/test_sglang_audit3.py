@@ -230,7 +230,7 @@ def test_the_scope_names_the_model_and_each_rank_an_older_sglang_lacks_none() ->
 @pytest.mark.parametrize(
     "url",
     ["ftp://x", "not a url", "unix:///tmp/x.sock", "http://[::1", "http://h:99999",
-     "http://h:port", "http://", "http://h :1", 8750, "", None],
+     "http://127.0.0.1:0", "http://h:port", "http://", "http://h :1", 8750, "", None],
 )  # fmt: skip
 def test_a_bad_url_is_a_config_error_naming_kvtier_url(url: Any) -> None:
     config = storage_config("", extra_config={"kvtier.url": url})

@@ -210,7 +210,10 @@ def tier_codec(
         quant = QuantCodec(QuantSpec(name, group, keys), layout)
         if quant.payload_nbytes > layout.block_bytes:
             grouped = f" with codec_group {group}" if group is not None else ""
-            hint = "codec none" if name == "fp8" else "codec none, or a larger codec_group"
+            codes = layout.block_bytes // layout.dtype.itemsize * (4 if name == "int4" else 8) // 8
+            hint = "codec none"  # a larger group helps only where the codes alone fit
+            if name != "fp8" and codes < layout.block_bytes:
+                hint += ", or a larger codec_group" + (", codec_keys token" * (keys == "channel"))
             raise ConfigError(
                 "codec",
                 name,
