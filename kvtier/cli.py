@@ -87,7 +87,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(
         f"ops: {status['ops']['lookups']} lookups (hit rate {status['hit_rate']:.1%}), "
         f"{status['ops']['stores']} stores, {status['ops']['prefetches']} prefetches, "
-        f"{status['index']['leases']} leases live"
+        f"{status['index']['leases']} leases live, "
+        f"{status['index'].get('reservations', 0)} reservations live"
     )
     print(
         f"mover: {mover['in_flight']} flights in flight, {mover['queued_transfers']} copies "
@@ -189,11 +190,15 @@ def _print_status(status: dict[str, Any]) -> None:
         f"{status['policy']['write']}"
     )
     width = max(10, *(len(t["location"]) + 2 for t in status["tiers"].values()))
-    print(f"{'tier':<6}{'location':<{width}}{'capacity':>12}{'slots':>10}{'used':>12}{'blocks':>9}")
+    print(
+        f"{'tier':<6}{'location':<{width}}{'capacity':>12}{'slots':>10}{'used':>12}{'blocks':>9}"
+        f"{'reserved':>10}"
+    )
     for name, tier in status["tiers"].items():
-        print(
+        print(  # reserved: slots of reservations (a server before the field: 0)
             f"{name:<6}{tier['location']:<{width}}{format_size(tier['capacity_bytes']):>12}"
             f"{tier['slots']:>10}{format_size(tier['used_bytes']):>12}{tier['blocks']:>9}"
+            f"{tier.get('reserved_slots', 0):>10}"
         )
 
 

@@ -62,6 +62,7 @@ def store_status(parts: Parts) -> dict[str, Any]:
             "slots": pool.num_slots,
             "free_slots": pool.num_free,
             "blocks": index.resident(tier),
+            **_held_slots(parts, tier),
             "dirty_blocks": index.residency.only_in(tier),
             "leased_blocks": leased_blocks[tier],
             "hits": counters.hits,
@@ -110,7 +111,8 @@ def store_status(parts: Parts) -> dict[str, Any]:
             "nodes": index.num_nodes,
             "namespaces": index.num_namespaces,
             "tenants": len(parts.config.tenants),
-            "leases": len(index.leases),
+            "leases": len(parts.mover.book.ids()),  # clients' (not the pins of reservations)
+            "reservations": len(parts.reservations),  # live ones
         },
         "policy": {"write": parts.policy.name},
         "mover": {
@@ -159,6 +161,22 @@ def tenant_status(parts: Parts, tenant: str, namespace: bytes) -> dict[str, Any]
         "locked_blocks": held,  # what its leases and reservation pins lock (counted on gpu)
         "ops": ops,
         "hit_rate": ops["hit_tokens"] / lookups if lookups else 0.0,
+    }
+
+
+def _held_slots(parts: Parts, tier: int) -> dict[str, int]:
+    """The slots of `tier` in use that hold no block of the index: `reserved_slots`, those of
+    reservations (live ones and `quarantined_slots`, those of expired ones until their grace
+    ends), and `in_flight_slots`, those of the mover's copies not yet in the index. So
+    `slots - free_slots == blocks + reserved_slots + in_flight_slots` (read under the store's
+    lock), and `used_bytes == (slots - free_slots) * slot_bytes`."""
+    memory = tier < len(parts.memory)  # reservations hold memory tiers only
+    reservations = parts.reservations
+    return {
+        "slot_bytes": parts.pools[tier].capacity_bytes // max(1, parts.pools[tier].num_slots),
+        "reserved_slots": reservations.held(tier) if memory else 0,
+        "quarantined_slots": reservations.quarantined(tier) if memory else 0,
+        "in_flight_slots": parts.mover.reserved(tier),
     }
 
 

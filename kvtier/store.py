@@ -229,7 +229,8 @@ class KVStore:
             return LoadResult(held * bt, dest.result(max(0, held - first)))
 
     def prefetch(self, tokens: Tokens, *, tenant: str = "default", ttl_s: float | None = None,
-                 wait: bool = True, release: Sequence[int] = ()) -> Lease:  # fmt: skip
+                 wait: bool = True, release: Sequence[int] = (), as_load: bool = False,
+                 ) -> Lease:  # fmt: skip
         """Bring the whole cached prefix of `tokens` to the gpu tier and lease it there.
 
         All or nothing: if the gpu tier cannot hold the prefix beside what is leased, raise
@@ -241,11 +242,10 @@ class KVStore:
         lease at once, PENDING while its copies run: `lease.wait(timeout)`, `await lease` and
         `lease.wait_layer(l)` wait for it (`results.Lease`); a prefix already in flight is
         joined, not copied twice. `release`: `tenant`'s leases it is done with, released once
-        every argument is known good, before its quota is checked (`Operations.release_done`)."""
-        key = encode_tokens(tokens)
-        ttl = _ttl(self.config.policy, ttl_s)
-        if type(wait) is not bool:
-            raise InvalidArgumentError(f"wait: got {wait!r}, expected True or False")
+        every argument is known good, before its quota is checked (`Operations.release_done`).
+        `as_load`: a load's lease (read from shared memory): counted as a load (`_counted`)."""
+        key, ttl = encode_tokens(tokens), _ttl(self.config.policy, ttl_s)
+        _check_flags(wait=wait, as_load=as_load)
         self.operations.fill_from_remote(key, tenant)
         for attempt in range(PREFETCH_ATTEMPTS):
             with self._lock:
@@ -263,7 +263,7 @@ class KVStore:
                     self._writes.copy_hot_to_host(
                         self.index.leases.get(LeaseId(lease.lease_id)).end
                     )
-                self.operations.count(tenant, prefetches=1)
+                self.operations.count(tenant, **_counted(lease, as_load))
             if not wait:
                 return lease
             try:
@@ -374,6 +374,18 @@ def _ahead(
     return most, lambda: store._writes.make_room_ahead(
         store.operations.namespace(tenant), key, first
     )
+
+
+def _check_flags(**flags: object) -> None:  # each a bool, else InvalidArgumentError
+    for name, flag in flags.items():
+        if type(flag) is not bool:
+            raise InvalidArgumentError(f"{name}: got {flag!r}, expected True or False")
+
+
+def _counted(lease: Lease, as_load: bool) -> dict[str, int]:
+    """A prefetch's counts: a load's lease (`as_load`: read through shared memory, released)
+    in `loads` and `loaded_tokens` (the tokens leased), any other lease in `prefetches`."""
+    return {"loads": 1, "loaded_tokens": lease.num_tokens} if as_load else {"prefetches": 1}
 
 
 def _ttl(policy: PolicyConfig, ttl_s: float | None) -> float:

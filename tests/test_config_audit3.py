@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -151,6 +152,12 @@ def test_a_latin_1_key_still_starts_and_logs_in(tmp_path: Path) -> None:
         other = Client(server.url, api_key="schlussel-0123456789", shared_memory=False)
         with other, pytest.raises(ServiceError, match="403"):
             other.lookup([1, 2, 3, 4])
+
+        async def through_httpx() -> int:  # httpx encodes a str header as ASCII unless told
+            async with AsyncClient(server.url, api_key=key, shared_memory=False) as aclient:
+                return (await aclient.lookup([1, 2, 3, 4])).num_tokens
+
+        assert asyncio.run(through_httpx()) == 0
 
 
 @pytest.mark.parametrize("value", [f" {KEY}", f"{KEY} \n", f"{KEY}\n\n", "ключключключключключ\n"])

@@ -65,7 +65,8 @@ def test_six_sequences_demote_lru_first_down_to_disk(tmp_path: Path, open_store:
     disk, host, gpu = tier(store, "disk"), tier(store, "host"), tier(store, "gpu")
     assert (disk["slots"], disk["capacity_bytes"]) == (128, 128 * DISK_SLOT_BYTES)
     assert (disk["blocks"], disk["free_slots"]) == (4, 124)
-    assert disk["used_bytes"] == disk["bytes_in"] == 4 * DISK_BLOCK_BYTES
+    assert disk["bytes_in"] == 4 * DISK_BLOCK_BYTES
+    assert disk["used_bytes"] == 4 * DISK_SLOT_BYTES  # in capacity_bytes' unit: slots in use
     assert (disk["hits"], disk["bytes_out"], disk["evictions"]) == (4, 0, 0)
     assert disk["codec"] == "none"
     assert set(disk["faults"].values()) == {0}
@@ -94,7 +95,7 @@ def test_a_full_disk_drops_its_least_recent_leaves(tmp_path: Path, open_store: O
     assert lookups == [hit()] * 2 + [hit(disk=8)] * 4 + [hit(host=8)] * 2 + [hit(gpu=8)] * 2
     disk = tier(store, "disk")
     assert (disk["slots"], disk["blocks"], disk["free_slots"]) == (8, 8, 0)
-    assert (disk["evictions"], disk["used_bytes"]) == (4, 8 * DISK_BLOCK_BYTES)
+    assert (disk["evictions"], disk["used_bytes"]) == (4, 8 * DISK_SLOT_BYTES)  # full
     assert disk["bytes_in"] == 12 * DISK_BLOCK_BYTES
     store.check()
 
@@ -173,7 +174,7 @@ def test_a_restart_recovers_exactly_the_disk_blocks(tmp_path: Path, open_store: 
     assert before[:2] == [hit(disk=8)] * 2
     assert [store.lookup(tokens) for tokens in SEQS] == before[:2] + [hit()] * 4  # volatile
     disk = tier(store, "disk")
-    assert (disk["blocks"], disk["used_bytes"], disk["free_slots"]) == (4, 4 * 4096, 124)
+    assert (disk["blocks"], disk["used_bytes"], disk["free_slots"]) == (4, 4 * DISK_SLOT_BYTES, 124)
     assert tier(store, "gpu")["blocks"] == tier(store, "host")["blocks"] == 0
     for tokens, kv in zip(SEQS[:2], kvs[:2], strict=True):
         assert same(store.load(tokens).kv, kv)

@@ -537,7 +537,9 @@ def test_kvtier_status_prints_the_tiers_of_a_running_server(server: Server) -> N
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "model tiny: float16, 4 tokens = 4KiB per block; write policy write_through"
-    assert lines[1].split() == ["tier", "location", "capacity", "slots", "used", "blocks"]
+    assert lines[1].split() == [
+        "tier", "location", "capacity", "slots", "used", "blocks", "reserved"
+    ]  # fmt: skip
     rows = {line.split()[0]: line for line in lines[2:4]}
     assert set(rows) == {"gpu", "host"}
     assert " 64 " in rows["gpu"] and " 128 " in rows["host"]  # slots

@@ -226,6 +226,7 @@ def test_a_store_that_drops_all_else_of_its_namespace_stays_reachable(
         "namespaces": 1,
         "tenants": 1,
         "leases": 0,
+        "reservations": 0,
     }
     store.check()
 
@@ -579,6 +580,7 @@ def test_status_figures_match_pools_and_index(make_store: MakeStore) -> None:
         "namespaces": 1,
         "tenants": 1,
         "leases": 0,
+        "reservations": 0,
     }
     assert status["policy"] == {"write": "write_through"}
     assert status["ops"]["lookups"] == 2 and status["ops"]["stores"] == 1

@@ -28,10 +28,17 @@ from kvtier.client.connections import MAX_REPLY_BYTES, check_url
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.mapper import AsyncMapper
 from kvtier.client.owing import AsyncOwing, AsyncPost
-from kvtier.client.pages import LoadPages, StorePieces
+from kvtier.client.pages import LoadPages, StorePieces, prefetch_body
 from kvtier.client.pools import NOTHING_RESERVED, LeaseFrom, MappedView, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token, release_of
-from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, httpx_send, reply_body
+from kvtier.client.transport import (
+    REFUSALS,
+    RequestHeaders,
+    WaitPacer,
+    httpx_headers,
+    httpx_send,
+    reply_body,
+)
 from kvtier.errors import CapacityError, ClosedError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import frames, replies, wire
@@ -44,7 +51,7 @@ def _alone(url: str, timeout_s: float, headers: RequestHeaders, limit: int) -> A
         content = wire.encode(body, True)
         async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as alone:
             asked = alone.build_request(
-                "POST", path, content=content, headers=headers.for_tenant(tenant)
+                "POST", path, content=content, headers=httpx_headers(headers.for_tenant(tenant))
             )
             return reply_body(await httpx_send(alone, asked, limit))
 
@@ -96,11 +103,12 @@ class AsyncClient(MappedView):
             reply = await lane.request(path, content, headers)
             if reply is not None:  # None: the lane cannot be reached, and nothing was sent
                 return reply_body(reply)
-        request = self._http.build_request("POST", path, content=content, headers=headers)
+        out = httpx_headers(headers)
+        request = self._http.build_request("POST", path, content=content, headers=out)
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _get(self, path: str) -> dict[str, Any]:
-        request = self._http.build_request("GET", path, headers=self._headers.common)
+        request = self._http.build_request("GET", path, headers=httpx_headers(self._headers.common))
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
@@ -164,15 +172,12 @@ class AsyncClient(MappedView):
         return (await self._prefetch(tokens, tenant, ttl_s, wait))[0]
 
     async def _prefetch(
-        self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool
+        self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool, as_load: bool = False
     ) -> LeaseFrom:
-        """`prefetch`, and the server instance of the reply that granted the lease."""
+        """`prefetch`, and the server instance of the reply that granted the lease (`as_load`:
+        a load's, counted as one: `pages.prefetch_body`)."""
         with self._calls.call():
-            request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
-            if ttl_s is not None:
-                request["ttl_s"] = ttl_s
-            if not wait:
-                request["wait_s"] = 0.0
+            request = prefetch_body(tokens, ttl_s, wait, as_load)
             token, body = await self._post_granting("lease", "/v1/prefetch", request, tenant)
             async with self._keeping("lease", token, tenant):
                 instance = await self._server.instance(body, "lease", tenant)
@@ -213,7 +218,8 @@ class AsyncClient(MappedView):
             if reply is not None:  # None: the lane cannot be reached, and nothing was sent
                 return reply_body(reply)
         path, params = f"/v1/leases/{lease.lease_id}", {"wait_s": wait_s}
-        request = self._http.build_request("GET", path, params=params, headers=headers)
+        out = httpx_headers(headers)
+        request = self._http.build_request("GET", path, params=params, headers=out)
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def release(self, lease: Lease | int) -> None:
@@ -277,7 +283,7 @@ class AsyncClient(MappedView):
             if "gpu" in self._pools.buffers:
                 assert dest is not None
                 try:
-                    lease, instance = await self._prefetch(tokens, tenant, None, True)
+                    lease, instance = await self._prefetch(tokens, tenant, None, True, True)
                 except CapacityError:
                     pass
                 else:

@@ -1,10 +1,11 @@
 """`Client`: the store's methods over HTTP from threads (see the package doc for the contract).
 
 Each method is one request, or on the shared-memory path (`pools.py`) a few: `store` is
-reserve + write into the mapped pool + commit (abort if the write fails), `load` is lease +
-copy out of the mapped gpu pool, its release owed (`releases.py`: carried by the next prefetch
-or reserve, else sent by the flusher thread within `RELEASE_AFTER_S`, or at `close()`). Where a
-call cannot go that way, its KV travels in the body.
+reserve + write into the mapped pool + commit (abort if the write fails), `load` is lease (a
+prefetch marked `as_load`, which the server counts as a load) + copy out of the mapped gpu
+pool, its release owed (`releases.py`: carried by the next prefetch or reserve, else sent by
+the flusher thread within `RELEASE_AFTER_S`, or at `close()`). Where a call cannot go that way,
+its KV travels in the body.
 
 Each prefetch and reserve carries a fresh `request` token; one whose reply is lost (a
 `TransportError`, an interrupt) owes a give-back by that token, sent before the next prefetch or
@@ -34,7 +35,7 @@ from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
 from kvtier.client.owing import Owing, Post
-from kvtier.client.pages import LoadPages, StorePieces
+from kvtier.client.pages import LoadPages, StorePieces, prefetch_body
 from kvtier.client.pools import NOTHING_RESERVED, LeaseFrom, MappedView, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token, release_of
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, reply_body
@@ -163,14 +164,13 @@ class Client(MappedView):
         (waiting on the server, which bounds each wait); else as it is (`wait_for`)."""
         return self._prefetch(tokens, tenant, ttl_s, wait)[0]
 
-    def _prefetch(self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool) -> LeaseFrom:
-        """`prefetch`, and the server instance of the reply that granted the lease."""
+    def _prefetch(
+        self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool, as_load: bool = False
+    ) -> LeaseFrom:
+        """`prefetch`, and the server instance of the reply that granted the lease (`as_load`:
+        a load's, counted as one: `pages.prefetch_body`)."""
         with self._calls.call():
-            request: dict[str, Any] = {"tokens": encode_tokens(tokens), "wait_s": 0.0}
-            if ttl_s is not None:
-                request["ttl_s"] = ttl_s
-            if wait:
-                del request["wait_s"]
+            request = prefetch_body(tokens, ttl_s, wait, as_load)
             token, body = self._post_granting("lease", "/v1/prefetch", request, tenant)
             with self._keeping("lease", token, tenant):
                 instance = self._server.instance(body, "lease", tenant)
@@ -274,7 +274,7 @@ class Client(MappedView):
             if "gpu" in self._pools.buffers:
                 assert dest is not None
                 try:
-                    lease, instance = self._prefetch(tokens, tenant, None, True)
+                    lease, instance = self._prefetch(tokens, tenant, None, True, True)
                 except CapacityError:
                     pass  # larger than the gpu tier can lease: through the body
                 else:

@@ -26,7 +26,7 @@ import httpx
 from kvtier.client.connections import Connections
 from kvtier.client.lane import AsyncLaneConnections, LaneConnections
 from kvtier.client.pools import MappedPools
-from kvtier.client.transport import RequestHeaders, httpx_send, reply_body
+from kvtier.client.transport import RequestHeaders, httpx_headers, httpx_send, reply_body
 from kvtier.errors import KVTierError
 from kvtier.service import replies, wire
 
@@ -121,14 +121,15 @@ class AsyncMapper:
         instance = replies.instance(body, where)
         if self.pools.stale(instance):  # every mapping forgotten: no old byte is touched
             try:
-                request = self.http.build_request("GET", "/v1/pools", headers=self.headers.common)
+                common = httpx_headers(self.headers.common)
+                request = self.http.build_request("GET", "/v1/pools", headers=common)
                 self.take(reply_body(await httpx_send(self.http, request, self.limits[1])))
             except BaseException:
                 self.mapped = False
                 back = give_back(body, where)
                 if tenant is not None and back is not None:
                     with contextlib.suppress(KVTierError, httpx.HTTPError):
-                        headers = self.headers.for_tenant(tenant)
+                        headers = httpx_headers(self.headers.for_tenant(tenant))
                         sent = self.http.build_request("POST", back[0], content=back[1],
                                                        headers=headers)  # fmt: skip
                         await httpx_send(self.http, sent, self.limits[1])

@@ -1,5 +1,6 @@
 """A load or a store over the body path, in as many replies or requests as the server's bounds
-need (`LoadPages`, `StorePieces`), and the body of a store (`store_body`).
+need (`LoadPages`, `StorePieces`), and the body of a store (`store_body`) and of a prefetch
+(`prefetch_body`).
 
 A server answers at most `service.max_body_bytes` of KV a reply (`service/plane.py`: whole
 blocks, the reply `truncated` when the prefix may go on past them), so that a long prefix never
@@ -151,6 +152,20 @@ class StorePieces:
             result.cached_tokens, kept + result.stored_tokens,
             dropped + result.dropped_tokens + untried, pending + result.pending_tokens,
         )  # fmt: skip
+
+
+def prefetch_body(tokens: Tokens, ttl_s: float | None, wait: bool, as_load: bool) -> dict[str, Any]:
+    """A `/v1/prefetch` body (packed tokens). `as_load`: the lease is a load's, read through
+    the mapped pool and released: the server counts it as a load (a server before the field
+    ignores it, as every unknown field, and counts a prefetch)."""
+    body: dict[str, Any] = {"tokens": encode_tokens(tokens)}
+    if ttl_s is not None:
+        body["ttl_s"] = ttl_s
+    if not wait:
+        body["wait_s"] = 0.0
+    if as_load:
+        body["as_load"] = True
+    return body
 
 
 def store_body(

@@ -87,6 +87,12 @@ class RequestHeaders:
         return {**self.common, "x-kvtier-tenant": tenant}
 
 
+def httpx_headers(headers: dict[str, str]) -> httpx.Headers:
+    """`headers` for an httpx request, encoded as latin-1, as http.client sends them and the
+    server reads them (httpx encodes a str as ASCII: a latin-1 key or tenant would raise)."""
+    return httpx.Headers(headers, encoding="latin-1")
+
+
 async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: int) -> Reply:
     """Send `request` (`AsyncClient`'s) and read its reply as the `Reply` that `reply_body`
     reads: `limit` bytes of it at most, a `ReplyError` past them (as the blocking client's

@@ -7,6 +7,8 @@ latency is the service's own (a histogram per route). Names:
     kvtier_ready                                         1 once the store serves
     kvtier_tier_{capacity,used}_bytes{tier}              gauges
     kvtier_tier_{blocks,dirty_blocks,leased_blocks,free_slots}{tier}  gauges
+    kvtier_tier_{reserved,quarantined,in_flight}_slots{tier}          gauges: slots in use that
+                                                         hold no block (reservations, copies)
     kvtier_tier_{hits,promotions,demotions,evictions}_total{tier}
     kvtier_tier_bytes_{in,out}_total{tier}               counters
     kvtier_tier_faults_total{tier,kind}                  disk faults: enospc, write_errors,
@@ -22,7 +24,8 @@ latency is the service's own (a histogram per route). Names:
     kvtier_recovery_seconds                              how long that recovery took
     kvtier_path_bytes_total{path}                        bytes copied per path (gpu->host, ...)
     kvtier_path_bandwidth_bytes_per_second{path}         over the last minute of copies
-    kvtier_index_{blocks,nodes,namespaces} kvtier_leases gauges
+    kvtier_index_{blocks,nodes,namespaces} kvtier_leases gauges (leases: clients')
+    kvtier_reservations                                  live reservations
     kvtier_ops_total{op}                                 lookups, stores, loads, prefetches, ...
     kvtier_hit_rate                                      hit tokens / looked-up tokens
     kvtier_mover_{in_flight,queued_transfers,pending_leases}     gauges
@@ -150,7 +153,8 @@ class _StoreCollector(Collector):
         yield from _paths(status["paths"])
         for name in ("blocks", "nodes", "namespaces"):
             yield _gauge(f"kvtier_index_{name}", f"Index {name}", status["index"][name])
-        yield _gauge("kvtier_leases", "Live leases", status["index"]["leases"])
+        yield _gauge("kvtier_leases", "Live leases of clients", status["index"]["leases"])
+        yield _gauge("kvtier_reservations", "Live reservations", status["index"]["reservations"])
         ops = CounterMetricFamily("kvtier_ops", "Store operations and tokens", labels=["op"])
         for op, count in status["ops"].items():
             ops.add_metric([op], count)
@@ -172,11 +176,14 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
     gauges = {
         "capacity_bytes": "Tier capacity in bytes",
-        "used_bytes": "Bytes of blocks held in the tier",
+        "used_bytes": "Bytes of the tier's slots in use (capacity_bytes' unit)",
         "blocks": "Blocks with a copy in the tier",
         "dirty_blocks": "Blocks whose slowest copy is in the tier (nothing below them)",
         "leased_blocks": "Blocks of the tier that leases or pins hold",
         "free_slots": "Free slots of the tier",
+        "reserved_slots": "Slots of live and quarantined reservations",
+        "quarantined_slots": "Slots of expired reservations in quarantine",
+        "in_flight_slots": "Slots of the mover's copies not yet in the index",
     }
     counters = {
         "hits": "Blocks found by lookups with their fastest copy here",

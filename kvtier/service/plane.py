@@ -51,11 +51,12 @@ class Plane:
         disk copy, dropped by the failure) is tried again, up to PREFETCH_ATTEMPTS times, so
         that the intact leading part comes back leased. The leases in `release` are released
         by the first attempt, once every field is known good (the store's `release`)."""
-        tokens, ttl, deadline, done, token = self._prefetch_fields(data)
+        tokens, ttl, deadline, done, token, as_load = self._prefetch_fields(data)
         for _ in range(PREFETCH_ATTEMPTS):
             lease = await run_in_threadpool(
-                store.prefetch, tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done
-            )
+                functools.partial(store.prefetch, as_load=as_load),
+                tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done,
+            )  # fmt: skip
             if not self._grant(tenant, token, lease):  # a lock and a dict: no thread hop
                 await run_in_threadpool(self._withdrawn, store, token, lease)
             done = []
@@ -70,9 +71,11 @@ class Plane:
         self, store: KVStore, tenant: str, data: dict[str, Any]
     ) -> dict[str, Any]:
         """`prefetch`, waiting for the lease on the calling thread (the lane's)."""
-        tokens, ttl, deadline, done, token = self._prefetch_fields(data)
+        tokens, ttl, deadline, done, token, as_load = self._prefetch_fields(data)
         for _ in range(PREFETCH_ATTEMPTS):
-            lease = store.prefetch(tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done)
+            lease = store.prefetch(
+                tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done, as_load=as_load
+            )
             if not self._grant(tenant, token, lease):
                 self._withdrawn(store, token, lease)
             done = []
@@ -99,14 +102,14 @@ class Plane:
 
     def _prefetch_fields(
         self, data: dict[str, Any]
-    ) -> tuple[Any, float | None, float, list[int], str | None]:
+    ) -> tuple[Any, float | None, float, list[int], str | None, bool]:
         """A prefetch's fields, every one checked before any work: tokens, ttl, deadline, the
-        leases to release, the request token."""
+        leases to release, the request token, `as_load` (a client's shared-memory load)."""
         tokens = wire.tokens_field(data, self.config.max_tokens)
         ttl = wire.number_field(data, "ttl_s", None)
         deadline = time.monotonic() + wire.wait_field(data, self.config.prefetch_wait_s)
-        token = wire.request_field(data)
-        return tokens, ttl, deadline, wire.release_field(data), token
+        token, as_load = wire.request_field(data), wire.bool_field(data, "as_load")
+        return tokens, ttl, deadline, wire.release_field(data), token, as_load
 
     def _grant(self, tenant: str, token: str | None, lease: Lease) -> bool:
         """Remember `lease` under `token`; False: the token was withdrawn first."""

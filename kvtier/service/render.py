@@ -159,6 +159,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("slots", "slots"),
     ("free_slots", "free slots"),
     ("blocks", "blocks"),
+    ("reserved_slots", "reserved slots"),
     ("leased_blocks", "leased"),
     ("dirty_blocks", "dirty"),
     ("held_blocks", "held"),

@@ -36,7 +36,14 @@ _RELEASE = {
 # a token the client drew, naming what its prefetch or reserve is granted (`grants.py`)
 _REQUEST = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
 PREFETCH = _obj(
-    {"tokens": _TOKENS, "ttl_s": _NUM, "wait_s": _NUM, "release": _RELEASE, "request": _REQUEST},
+    {
+        "tokens": _TOKENS,
+        "ttl_s": _NUM,
+        "wait_s": _NUM,
+        "release": _RELEASE,
+        "request": _REQUEST,
+        "as_load": {"type": "boolean"},  # a shared-memory load: counted as a load (`wire.py`)
+    },
     ("tokens",),
 )
 RESERVE = _obj(

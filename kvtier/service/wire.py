@@ -9,7 +9,7 @@ tensor's raw bytes in C order (msgpack only; JSON has no bytes).
     POST /v1/lookup    {tokens}                       -> {num_tokens, gpu_tokens, host_tokens,
                                                           disk_tokens, remote_tokens}
     POST /v1/prefetch  {tokens, ttl_s?, wait_s?,      -> lease
-                        release?, request?}
+                        release?, request?, as_load?}
     POST /v1/release   {lease_id} or {request}        -> {}
     POST /v1/store     {tokens, kv, dtype, shape}     -> {cached_tokens, stored_tokens, ...}
     POST /v1/load      {tokens, start?}               -> {num_tokens, kv, dtype, shape,
@@ -20,6 +20,9 @@ tensor's raw bytes in C order (msgpack only; JSON has no bytes).
     POST /v1/commit    {reservation_id}               -> store result
     POST /v1/abort     {reservation_id} or {request}  -> {}
 
+`as_load`: true for a client's load over shared memory (a lease it reads and releases): counted
+in `ops.loads` / `loaded_tokens` (the tokens leased), not `prefetches`; a server before it
+ignores the field (unknown fields are), counting a prefetch.
 `request`: a token the client drew for a prefetch or reserve; a release or abort by it gives
 back what that request was granted even when its reply was lost (`service/grants.py`).
 
@@ -233,6 +236,16 @@ def wait_field(data: dict[str, Any], bound: float) -> float:
     if wait_s < 0:
         raise WireError(400, "invalid_argument", f"wait_s: got {wait_s}, expected seconds >= 0")
     return min(wait_s, bound)
+
+
+def bool_field(data: dict[str, Any], name: str) -> bool:
+    """`data[name]` as a bool (False when absent); `WireError` 400 for anything else (0, "true",
+    null: a closed, typed field)."""
+    value = data.get(name, False)
+    if type(value) is not bool:
+        detail = f"{name}: got {value!r:.80}, expected true or false"
+        raise WireError(400, "invalid_argument", detail)
+    return value
 
 
 def int_field(data: dict[str, Any], name: str) -> int:

@@ -179,7 +179,9 @@ class DiskTier:
 
     @property
     def used_bytes(self) -> int:
-        return self._slots.num_used * self.payload_bytes
+        """Slots in use times `slot_bytes` (header and aligned payload): in `capacity_bytes`'s
+        unit, so that used / capacity is the tier's occupancy (1 when no slot is free)."""
+        return self._slots.num_used * self.slot_bytes
 
     def can_allocate(self, n: int) -> bool:
         return self._slots.can_allocate(n)
