@@ -22,6 +22,9 @@ Contract:
   not answer in time down (misses at once) for `reconnect_s`, and the call's replies all in
   within `timeout_s` + their bytes / `paced.MIN_REPLY_RATE`. `group_blocks` in the keys
   (`entry.py`) keeps a group on one node.
+- It connects on a thread of its own when made (an idle node says whether it can reach the
+  cluster); `connected` is true while the last call reached a node, false after one that
+  reached none (a cluster down since), until a call reaches one again.
 - Without a connection, a call tries to connect at most once per `reconnect_s`; in between,
   calls are misses at once, so a dead cluster costs a store nothing but a counter. A call made
   while another thread connects waits for that connect's outcome, as long as its own would take.
@@ -155,6 +158,8 @@ class RemoteCluster:
         self._refreshed_at = 0.0  # the last slot table read after a failure (`REFRESH_S`)
         self._down = Down(settings.reconnect_s)  # nodes that failed lately (`rounds.py`)
         self.last_error = ""
+        self._reachable = self._closed = False  # `connected`; `close` called
+        threading.Thread(target=self._connect, name="kvtier-remote-connect", daemon=True).start()
 
     # ---- the calls ----------------------------------------------------------------------
 
@@ -238,7 +243,8 @@ class RemoteCluster:
 
     @property
     def connected(self) -> bool:
-        return self._client is not None
+        """Connected, and the last call reached a node (module doc)."""
+        return self._client is not None and self._reachable
 
     def stats(self) -> dict[str, Any]:
         """Counters since start, the time spent in round trips, and whether it is connected."""
@@ -256,7 +262,7 @@ class RemoteCluster:
 
     def close(self) -> None:
         with self._lock:
-            client, self._client = self._client, None
+            client, self._client, self._closed = self._client, None, True
         if client is not None:
             client.close()
 
@@ -334,11 +340,11 @@ class RemoteCluster:
             return None
         return self._install(client)
 
-    def _install(self, client: RedisCluster) -> RedisCluster:
+    def _install(self, client: RedisCluster) -> RedisCluster | None:
         """Keep `client` unless another thread connected first (then use that one)."""
         with self._lock:
-            kept = self._client or client
-            self._client = kept
+            kept = None if self._closed else self._client or client
+            self._client, self._reachable = kept, kept is not None
         if kept is not client:
             client.close()
         return kept
@@ -352,6 +358,7 @@ class RemoteCluster:
         replies = self._round_trip(
             lambda client: round_trip(client, commands, self.settings.timeout_s, self._down)
         )
+        self._reachable = replies is not None and not all(isinstance(r, Exception) for r in replies)
         if replies is not None and any(isinstance(r, Exception) for r in replies):
             client = self._client
             if client is not None:  # a redirect or a failed node: the table may have moved

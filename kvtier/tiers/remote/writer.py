@@ -2,8 +2,11 @@
 
 `submit(seed, ids, start, blocks)` queues blocks start.. of a path (host copies the caller made;
 the writer owns them) and returns at once; the thread writes them with `RemoteTier.write`. A
-submission that would take the backlog past `max_pending_bytes` is dropped whole and counted
-(`dropped_blocks`): a slow or dead cluster costs a store a counter, never a wait. `drain` waits
+submission is queued as far as the backlog's room under `max_pending_bytes` goes, its leading
+blocks (a reader needs a prefix: a tail without its head is worth nothing), the rest dropped
+and counted (`dropped_blocks`); an idle writer takes at least one block, so a store larger than
+the bound (or a bound below one block) still shares its head. A slow or dead cluster costs a
+store a counter, never a wait. `drain` waits
 until the backlog is written (or its timeout); `close` stops the thread and drops what is left.
 Thread-safe.
 """
@@ -47,18 +50,25 @@ class RemoteWriter:
     def submit(
         self, seed: bytes, ids: Sequence[bytes], start: int, blocks: list[torch.Tensor]
     ) -> bool:
-        """Queue blocks start.. of the path `ids`; False (dropped, counted) when the backlog
-        would pass `max_pending_bytes` or the writer is closed."""
-        nbytes = sum(block.numel() * block.element_size() for block in blocks)
+        """Queue blocks start.. of the path `ids`, as many leading ones as the backlog has room
+        for (module doc); whether all were queued (the rest dropped, counted; all of them once
+        the writer is closed)."""
+        sizes = [block.numel() * block.element_size() for block in blocks]
         with self._cond:
-            if self._closed or self._pending + nbytes > self.max_pending_bytes:
-                self.stats["dropped_blocks"] += len(blocks)
-                return False
-            self._jobs.append(_Job(seed, ids, start, blocks, nbytes))
-            self._pending += nbytes
-            self.stats["queued_blocks"] += len(blocks)
-            self._cond.notify_all()
-        return True
+            room, taken = self.max_pending_bytes - self._pending, 0
+            while not self._closed and taken < len(sizes) and sizes[taken] <= room:
+                room -= sizes[taken]
+                taken += 1
+            if not self._closed and taken == 0 and blocks and not self._pending:
+                taken = 1  # an idle writer takes one block whatever its size
+            self.stats["dropped_blocks"] += len(blocks) - taken
+            if taken:
+                nbytes = sum(sizes[:taken])
+                self._jobs.append(_Job(seed, ids, start, blocks[:taken], nbytes))
+                self._pending += nbytes
+                self.stats["queued_blocks"] += taken
+                self._cond.notify_all()
+        return taken == len(blocks)
 
     @property
     def pending_bytes(self) -> int:
