@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from refusals import refused_start
 from service_server import ADMIN_KEY, running, write_config
+from test_cli import run
 
 from kvtier.client import AsyncClient, Client, ServiceError
 from kvtier.config import load_config, parse_config
@@ -37,16 +37,6 @@ KEY = "tenant-key-0123456789abcdef"
 PASSPHRASE = "correct horse battery staple"
 UUID = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
 ALIAS = "Xk9pQ2vL7mN4rT8wZ1"
-
-
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-    )
 
 
 def refused(done: subprocess.CompletedProcess[str]) -> str:
