@@ -183,6 +183,7 @@ def test_a_later_page_that_disagrees_with_itself_is_a_reply_error_naming_the_fie
         assert field in str(e.value), str(e.value)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_paged_load_under_eviction_on_a_real_server_is_always_its_delivered_prefix(
     tmp_path: Path,
 ) -> None:

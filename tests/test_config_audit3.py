@@ -81,6 +81,7 @@ def test_a_yaml_error_names_line_and_column_never_the_text(
     assert error.__cause__ is None and error.__context__ is None  # no YAML error chained
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @pytest.mark.parametrize("command", ["validate", "serve"])
 @pytest.mark.parametrize(
     ("text", "secret"), [(b[1], b[2]) for b in BAD_YAML[:5]], ids=[b[0] for b in BAD_YAML[:5]]
@@ -193,6 +194,7 @@ def test_a_client_key_that_is_no_header_value_is_a_typed_error(key: str) -> None
 # ---- the command line ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_status_with_a_tenant_key_prints_the_tenant_s_figures(tmp_path: Path) -> None:
     config = write_config(tmp_path, tenants={"a": {"api_keys": [KEY]}, "b": {}})
     with running(config) as server:
@@ -207,6 +209,7 @@ def test_status_with_a_tenant_key_prints_the_tenant_s_figures(tmp_path: Path) ->
         assert admin.returncode == 0 and "write policy" in admin.stdout, admin.stderr
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @pytest.mark.parametrize("url", ["localhost:8750", "http://[::1", "http://127.0.0.1:99999"])
 @pytest.mark.parametrize("command", ["status", "reset"])
 def test_a_malformed_url_is_one_line_naming_url(command: str, url: str) -> None:
@@ -230,6 +233,7 @@ def _config_file(tmp_path: Path, data: dict[str, object]) -> Path:
     return path
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @pytest.mark.parametrize(
     ("data", "place"),
     [
@@ -326,6 +330,7 @@ def test_replay_reads_config_in_every_mode(tmp_path: Path, extra: list[str]) -> 
     assert "'<file>'" in stderr and "nope.yaml" in stderr
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_replay_refuses_block_tokens_0_and_names_the_fraction_s_bounds(tmp_path: Path) -> None:
     trace = _trace(tmp_path / "t.jsonl", [[0, 1]])
     assert "block_tokens: got 0" in refused(run("replay", str(trace), "--block-tokens", "0"))
