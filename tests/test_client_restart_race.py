@@ -191,6 +191,7 @@ def _assert_held(race: Race, kills: int) -> None:
     assert race.hits["generation 0"] >= 5 and after >= 5, race.hits  # the schedule did load
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_threads_sharing_a_client_across_sigkills_get_only_their_tenants_bytes(
     tmp_path: Path,
 ) -> None:
@@ -223,6 +224,7 @@ async def _work_async(
         await asyncio.sleep(0)  # a call that fails at once must not starve the killer
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_tasks_sharing_an_async_client_across_sigkills_get_only_their_tenants_bytes(
     tmp_path: Path,
 ) -> None:

@@ -130,6 +130,7 @@ def sidecar(directory: Path, seed: int) -> Iterator[Sidecar]:
         made.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_schedule_with_sigkills_serves_each_tenant_only_its_own_bytes(tmp_path: Path) -> None:
     with sidecar(tmp_path, 0) as run:
         for _ in range(60):

@@ -144,6 +144,7 @@ def cached(server: Server, seed: int, tenant: str = "default") -> list[int]:
     return tokens
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_prefetch_whose_reply_is_lost_holds_no_lease_after_the_next_call(
     server: Server, relay: Relay
 ) -> None:
@@ -157,6 +158,7 @@ def test_a_prefetch_whose_reply_is_lost_holds_no_lease_after_the_next_call(
         assert settles(lambda: live_leases(server), base) == base
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_reserve_whose_reply_is_lost_holds_no_slots_after_close(
     server: Server, relay: Relay
 ) -> None:

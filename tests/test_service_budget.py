@@ -328,6 +328,7 @@ def two_tenants(tmp_path: Path) -> Iterator[Server]:
         yield server
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_tenant_at_its_share_waits_and_another_does_not(two_tenants: Server) -> None:
     """a's share is 17 MiB (34 MiB over two tenants): a 16 MiB reply that a's client reads
     slowly (a chunk of 1 MiB in well under body_timeout_s, the whole in some 5 s) holds it."""
