@@ -31,6 +31,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import torch
+from fake_server import ready_lease
 from service_server import BLOCK_BYTES, BT, DIM, HEADS, LAYERS, kv_of, running, write_config
 
 from kvtier.client import AsyncClient, Client, WaitTimeoutError
@@ -272,16 +273,7 @@ def test_a_mapped_store_whose_reservation_is_over_the_quota_stores_through_the_b
 
 # ---- F3: a wait on a lease kept PENDING for ever ends on the client's bound -------------------
 
-PENDING = {
-    "lease_id": 9,
-    "tenant": "default",
-    "num_tokens": 2 * BT,
-    "block_table": [0, 1],
-    "expires_at": 1.0,
-    "state": "pending",
-    "layers_ready": 0,
-    "reason": "",
-}
+PENDING = ready_lease(BT, LAYERS, expires_at=1.0, state="pending", layers_ready=0)
 
 
 @pytest.fixture
