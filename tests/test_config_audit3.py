@@ -29,6 +29,7 @@ from test_cli import run
 
 from kvtier.client import AsyncClient, Client, ServiceError
 from kvtier.config import load_config, parse_config
+from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError, InvalidArgumentError, TraceError
 from kvtier.replay.trace import MAX_REQUEST_TOKENS, read_trace
 from kvtier.service.auth import Auth
@@ -170,6 +171,23 @@ def test_an_env_key_and_the_same_literal_are_one_key(monkeypatch: pytest.MonkeyP
     config = parse_config({**_tenants(KEY), "service": {"admin_key": "env:KVTIER_AUDIT3_KEY"}})
     with pytest.raises(ConfigError, match="a key no tenant uses"):
         Auth(config)
+
+
+def test_an_env_secret_loses_a_secret_files_trailing_newline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tiers.remote.secret` / `password` as `env:NAME` (`resolve_key`): one trailing newline is
+    not the secret's (a Redis password read with it fails AUTH); the rest counts, short is
+    refused naming the field, never the value."""
+    for value in (KEY + "\n", KEY + "\r\n", KEY):
+        monkeypatch.setenv("KVTIER_AUDIT3_SECRET", value)
+        assert resolve_key("env:KVTIER_AUDIT3_SECRET", "tiers.remote.secret") == KEY
+    monkeypatch.setenv("KVTIER_AUDIT3_SECRET", KEY + "\n\n")
+    assert resolve_key("env:KVTIER_AUDIT3_SECRET", "tiers.remote.password") == KEY + "\n"
+    monkeypatch.setenv("KVTIER_AUDIT3_SECRET", "short-secret-01\n")  # 15 characters then
+    with pytest.raises(ConfigError) as short:
+        resolve_key("env:KVTIER_AUDIT3_SECRET", "tiers.remote.password")
+    assert short.value.field == "tiers.remote.password" and "short-secret" not in str(short.value)
 
 
 def test_an_env_key_from_a_secret_file_logs_in(tmp_path: Path) -> None:

@@ -257,8 +257,9 @@ def test_a_password_from_the_environment_authenticates_both_stores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`tiers.remote.password: env:NAME`: stores that have it share through a cluster that
-    requires it; one whose variable is unset fails at start with a typed error naming the
-    field, never the password; one with the wrong password serves its own tiers only."""
+    requires it, one of them reading it with a secret file's trailing newline; one whose
+    variable is unset fails at start with a typed error naming the field, never the password;
+    one with the wrong password serves its own tiers only."""
     require_redis()
     password = "the-cluster-password-0123456789"
     with LocalCluster(tmp_path / "redis", primaries=3, password=password) as running:
@@ -266,15 +267,18 @@ def test_a_password_from_the_environment_authenticates_both_stores(
         with pytest.raises(ConfigError) as unset:
             node(cfg)
         assert unset.value.field == "tiers.remote.password"
-        monkeypatch.setenv("KVTIER_TEST_REDIS_PASSWORD", password)
+        monkeypatch.setenv("KVTIER_TEST_REDIS_PASSWORD", password + "\n")  # a secret file's
         tokens = list(range(300, 340))
         kv = kv_for(tokens)
-        with node(cfg) as a, node(cfg) as b:
+        with node(cfg) as a:  # the trailing newline is not the password's
+            monkeypatch.setenv("KVTIER_TEST_REDIS_PASSWORD", password)
+            b = node(cfg)
             a.store(tokens, kv)
             assert a.drain()
             assert b.lookup(tokens).remote_tokens == 40
             loaded = b.load(tokens)
             assert torch.equal(loaded.kv.view(torch.int16), kv.view(torch.int16))
+            b.close()
         monkeypatch.setenv("KVTIER_TEST_REDIS_PASSWORD", "not-the-password-0123456789")
         with node(cfg) as c:
             assert c.lookup(tokens).remote_tokens == 0

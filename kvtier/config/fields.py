@@ -141,26 +141,27 @@ SecretRef = Annotated[str, _key_ref("a secret")]  # `resolve_key` reads both
 
 
 def resolve_key(ref: str, field: str) -> str:
-    """A configured key or secret: the literal, or the value of `$NAME` for `env:NAME`;
-    `ConfigError` naming `field` (never the value) when `$NAME` is unset or short."""
+    """A configured key or secret: the literal, or the value of `$NAME` for `env:NAME` less one
+    trailing newline (a secret file's, as Kubernetes puts it in the environment: a Redis password
+    read with it would fail AUTH); `ConfigError` naming `field` (never the value) when `$NAME` is
+    unset or then short."""
     if not ref.startswith("env:"):
         return ref
     name = ref.removeprefix("env:")
     value = os.environ.get(name)
+    if value is not None:
+        value = value.removesuffix("\n").removesuffix("\r")
     if value is None or len(value) < 16:
         raise ConfigError(field, ref, f"${name} set to a key of at least 16 characters")
     return value
 
 
 def resolve_api_key(ref: str, field: str) -> str:
-    """An API key (`KeyRef`) as requests present it: `resolve_key`'s, where the value of an
-    `env:NAME` loses one trailing newline (a secret file's, as Kubernetes puts it in the
-    environment). `ConfigError` naming `field` (never the value) unless the key is then at least
-    16 printable latin-1 characters without a space at either end: no request could present
-    another (a header is stripped, and read as latin-1)."""
+    """An API key (`KeyRef`) as requests present it: `resolve_key`'s (an `env:NAME` less one
+    trailing newline). `ConfigError` naming `field` (never the value) unless the key is then at
+    least 16 printable latin-1 characters without a space at either end: no request could
+    present another (a header is stripped, and read as latin-1)."""
     key = resolve_key(ref, field)
-    if ref.startswith("env:"):
-        key = key.removesuffix("\n").removesuffix("\r")
     if len(key) < 16 or not _API_KEY.fullmatch(key):
         shown = ref if ref.startswith("env:") else "(a key, not shown)"
         raise ConfigError(field, shown, f"{API_KEY_EXPECTED} (a trailing newline is dropped)")
