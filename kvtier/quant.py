@@ -7,7 +7,8 @@ token's row of K (or V) in one layer, and `N = L * 2 * T * R` the block's values
 whatever the engine's dtype:
 
     fp8     codes  N bytes, e4m3 (vLLM's fp8 KV: finite, max 448), in the block's order
-            scales [L, 2, H] fp32: per layer, K|V and head, amax / 448 over the block's tokens
+            scales [L, 2, H] fp32: per layer, K|V and head, amax / 448 over the block's tokens,
+            at least 2**-117 (`FP8_SCALE_MIN`; 1 for a head of zeros)
     int8    codes  N bytes, in the block's order
     int4    codes  N / 2 bytes: value 2i in the low nibble of byte i, 2i + 1 in the high one
             scales [groups] fp16, then zeros [groups] int8: K's groups (all layers), then V's
@@ -30,6 +31,12 @@ value: int4 keys/channel is the more accurate and the larger (`benchmarks/bench_
 measures both). A zero point is `round(-min / s)`; a group so far from 0 that it falls outside
 int8 gets a wider scale, `z` at -128 or 127 (none does in SmolLM2's KV: the groups straddle 0).
 
+The fp8 scale's floor keeps tiny KV (fp32 denormals: amax / 448 would round to 0, and 0 / 0
+is a NaN code) encodable, and every nonzero decoded value a normal fp32 (the smallest code,
+2**-9, times 2**-117), so that a GPU flushing denormals decodes the same bits; values below
+about 2**-127 decode to 0. An fp8 value comes back within |x| / 16 + scale * 2**-10 (3 mantissa
+bits; half the subnormal step) before rounding to the engine's dtype.
+
 Decoding computes in fp32, `float(q - z) * s` (the difference is exact, one rounding) or
 `float(code) * s` for fp8, clamps to the engine dtype's finite range (`QuantCodec.finite`: fp16
 and fp8 dtypes only), then rounds once to the engine's dtype; a decoder that does the same steps
@@ -50,6 +57,9 @@ Contract:
   rounds up to fp16), so without the clamp finite KV near 65504 would come back as infinity;
   with it the value is 65504, within the same half step. A block that passed its checksum but
   was written by a broken encoder never reaches the engine as NaN or infinity either.
+- Every block `keepable` takes encodes to a payload `validate` accepts: `encode` checks its
+  own output and never returns one that `decode` would refuse (a refusal there is an encoder
+  bug, `AssertionError`, never a payload a tier acknowledges).
 - Encoding is lossless in nothing: what it keeps is measured against the model, not asserted.
 """
 
@@ -64,6 +74,7 @@ from kvtier.blocks import KVLayout
 from kvtier.errors import ConfigError, InvalidArgumentError, KVTierError
 
 FP8_MAX = 448.0  # e4m3fn's largest finite value
+FP8_SCALE_MIN = 2.0**-117  # the smallest code, 2**-9, times it is fp32's smallest normal
 KINDS = {"fp8": 8, "int8": 8, "int4": 4}
 """Codec name -> bits a value."""
 KEY_GROUPS = ("token", "channel")
@@ -196,11 +207,17 @@ class QuantCodec:
             codes, meta = self._encode_fp8(x)
         else:
             codes, meta = self._encode_int(x)
-        return torch.cat([codes.reshape(n, -1), meta.reshape(n, -1)], dim=1)
+        payload = torch.cat([codes.reshape(n, -1), meta.reshape(n, -1)], dim=1)
+        try:
+            self.validate(payload)
+        except CorruptQuantPayload as e:  # never hand a tier a payload it could not read back
+            raise AssertionError(f"{self.id} encoder wrote a payload it refuses: {e}") from e
+        return payload
 
     def _encode_fp8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         amax = x.abs().amax(dim=(3, 5))  # [n, L, 2, H]
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # amax / 448 of fp32 denormals rounds to 0: the floor keeps 0 / 0 out (module doc)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).clamp(FP8_SCALE_MIN)
         scaled = (x / scale[:, :, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
         codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
         return codes, scale.contiguous().view(torch.uint8)

@@ -12,7 +12,9 @@ bytes at `base + slot * block_bytes`. Three strategies copy them, each a `CopySt
   instead, one memcpy per contiguous piece of host memory (`staged.py`).
 - `gather`: `index_select` of the source slots into one temporary on the source device, moved to
   the destination device, then `index_copy_`: every byte is copied twice, in a few launches.
-  It is the plain-torch reference of the kernel.
+  It is the plain-torch reference of the kernel. It moves the values' bits as integers of the
+  same width (`as_bits`), so it copies any dtype bit for bit, fp8 included (torch's CPU
+  `index_copy_` has no float8 kernel).
 - `kernel`: `BLOCK_COPY_CUDA`, one launch for all n blocks, through CuPy. Grid (n, chunks):
   `blockIdx.x` is the block, `blockIdx.y` a chunk of it, and the threads of all chunks stride
   over the block in units of 16 bytes (`int4`) when `block_bytes` and both base addresses are
@@ -207,7 +209,20 @@ def copy_blocks_gather(
     check_slots(src_slots, dst_slots, len(src), len(dst))
     src_index = torch.tensor(list(src_slots), dtype=torch.long, device=src.device)
     dst_index = torch.tensor(list(dst_slots), dtype=torch.long, device=dst.device)
-    dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device))
+    picked = as_bits(src).index_select(0, src_index).to(dst.device)
+    as_bits(dst).index_copy_(0, dst_index, picked)
+
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer dtype of each element width in bytes: what `as_bits` views a buffer as."""
+
+
+def as_bits(buffer: torch.Tensor) -> torch.Tensor:
+    """`buffer` viewed (sharing its memory, any strides) as integers of its element's width: a
+    copy of them is a copy of its bits, in every dtype (torch's CPU indexing kernels leave out
+    float8)."""
+    bits = BITS.get(buffer.element_size())
+    return buffer if bits is None else buffer.view(bits)
 
 
 def copy_blocks_kernel(

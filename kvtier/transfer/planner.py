@@ -15,6 +15,12 @@ with one candidate needs no measurement. A key of one run has one candidate, `sl
 `copy_` of consecutive slots is what every other strategy approximates, and trying `gather` on
 it cost a second pass (a 1 GiB commit took 1-2 s instead of 0.15-0.2 s while measured).
 
+A strategy that raises on a copy (torch without a kernel for its buffers' dtype or device, a
+`RuntimeError` or `TypeError`) is refused for that key (`refuse`): never picked for it again,
+while the copy goes on with the next candidate, so the caller sees an error only when none is
+left (`InvalidArgumentError`). A kvtier error (a bad slot, which every strategy checks alike) is
+the caller's, and passes through.
+
 `CopyPlanner` keeps the samples and the choices, behind a lock, so that one thread can pick
 while another records (`CudaExecutor` records when a copy's events have completed).
 `BlockCopier` is the synchronous user (`InlineExecutor`): it times each measured copy with its
@@ -35,7 +41,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvtier.kernels.block_copy import STRATEGIES, CopyStrategy, contiguous_runs, medium
+from kvtier.errors import InvalidArgumentError, KVTierError
+from kvtier.kernels.block_copy import STRATEGIES, CopyStrategy, Run, contiguous_runs, medium
 
 SAMPLES = 3
 """Timed copies per candidate before a key's choice; the median discounts one outlier (a first
@@ -97,6 +104,7 @@ class CopyPlanner:
         self._lock = threading.Lock()
         self._trials: dict[CopyKey, _Trial] = {}
         self._chosen: dict[CopyKey, CopyStrategy] = {}
+        self._refused: dict[CopyKey, set[str]] = {}
 
     def pick(self, key: CopyKey) -> Pick:
         """The strategy for the next copy of `key`: the chosen one once measured; until then
@@ -107,10 +115,8 @@ class CopyPlanner:
                 return Pick(chosen, measure=False)
             trial = self._trials.get(key)
             if trial is None:
-                candidates = tuple(s for s in self._strategies if s.applies(key.src, key.dst))
+                candidates = self._candidates(key)
                 assert candidates, f"no copy strategy applies to {key}"
-                if key.runs == 1:  # one run is one copy_: nothing beats it, nothing to try
-                    candidates = tuple(s for s in candidates if s.name == "slices") or candidates
                 if len(candidates) == 1:
                     self._chosen[key] = candidates[0]
                     return Pick(candidates[0], measure=False)
@@ -128,14 +134,49 @@ class CopyPlanner:
             if trial is None:  # chosen already: a copy picked while the last samples came in
                 return
             trial.samples.setdefault(strategy, []).append(seconds / blocks)
-            medians: dict[str, float] = {}
-            for candidate in trial.candidates:
-                samples = trial.samples.get(candidate.name, [])
-                if len(samples) < self._samples:
-                    return
-                medians[candidate.name] = statistics.median(samples)
-            self._chosen[key] = min(trial.candidates, key=lambda s: medians[s.name])
-            del self._trials[key]
+            self._settle(key, trial)
+
+    def refuse(self, key: CopyKey, strategy: str) -> bool:
+        """`strategy` raised on a copy of `key` (module doc): it is never picked for `key`
+        again; its samples are dropped and, if the others have theirs, the choice is made
+        among them. Returns whether another strategy is left to copy `key`."""
+        with self._lock:
+            self._refused.setdefault(key, set()).add(strategy)
+            chosen = self._chosen.get(key)
+            if chosen is not None and chosen.name == strategy:
+                del self._chosen[key]
+            trial = self._trials.get(key)
+            if trial is not None:
+                trial.candidates = tuple(s for s in trial.candidates if s.name != strategy)
+                trial.samples.pop(strategy, None)
+                if trial.candidates:
+                    self._settle(key, trial)
+                else:
+                    del self._trials[key]
+            return bool(self._candidates(key))
+
+    def _candidates(self, key: CopyKey) -> tuple[CopyStrategy, ...]:
+        """The strategies that apply to `key`'s memories and have not been refused for it;
+        `slices` alone for one run (module doc) where it is among them."""
+        refused = self._refused.get(key, set())
+        candidates = tuple(
+            s for s in self._strategies if s.applies(key.src, key.dst) and s.name not in refused
+        )
+        if key.runs == 1:  # one run is one copy_: nothing beats it, nothing to try
+            return tuple(s for s in candidates if s.name == "slices") or candidates
+        return candidates
+
+    def _settle(self, key: CopyKey, trial: _Trial) -> None:
+        """Choose for `key` once every candidate of `trial` has its samples (the lowest median
+        per block, ties in table order); the lock is held."""
+        medians: dict[str, float] = {}
+        for candidate in trial.candidates:
+            samples = trial.samples.get(candidate.name, [])
+            if len(samples) < self._samples:
+                return
+            medians[candidate.name] = statistics.median(samples)
+        self._chosen[key] = min(trial.candidates, key=lambda s: medians[s.name])
+        del self._trials[key]
 
     @property
     def choices(self) -> dict[CopyKey, str]:
@@ -166,21 +207,47 @@ class BlockCopier:
     ) -> str:
         """Copy block `src_slots[i]` of `src` into slot `dst_slots[i]` of `dst` for every i,
         complete as `Tensor.copy_` leaves a copy (block_copy's module doc); returns the name of
-        the strategy used. Nothing else of `dst` is written. At least one block."""
+        the strategy used. Nothing else of `dst` is written. At least one block. A strategy
+        that raises is refused and the next one copies (module doc); `InvalidArgumentError`
+        when none is left."""
         assert src_slots, "a copy of no blocks"
         runs = contiguous_runs(src_slots, dst_slots)
         key = copy_key(src, dst, len(runs), len(src_slots))
-        pick = self.planner.pick(key)
+        while True:
+            pick = self.planner.pick(key)
+            try:
+                self._copy(pick, key, src, dst, src_slots, dst_slots, runs)
+                return pick.strategy.name
+            except KVTierError:
+                raise
+            except (RuntimeError, TypeError) as e:  # torch has no kernel for these buffers
+                if not self.planner.refuse(key, pick.strategy.name):
+                    raise InvalidArgumentError(
+                        f"block copy: no strategy copies {src.dtype} blocks from {key.src} to "
+                        f"{key.dst} ({pick.strategy.name}, the last, raised {e!r:.120}); "
+                        "expected buffers torch can copy"
+                    ) from e
+
+    def _copy(
+        self,
+        pick: Pick,
+        key: CopyKey,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        src_slots: Sequence[int],
+        dst_slots: Sequence[int],
+        runs: Sequence[Run],
+    ) -> None:
+        """One copy with `pick`'s strategy, timed and recorded if the planner measures it."""
         strategy = pick.strategy
         if not pick.measure:
             strategy.copy_found(src, dst, src_slots, dst_slots, runs)
-            return strategy.name
+            return
         _wait_for_devices(src, dst)
         started = self._clock()
         strategy.copy_found(src, dst, src_slots, dst_slots, runs)
         _wait_for_devices(src, dst)
         self.planner.record(key, strategy.name, self._clock() - started, len(src_slots))
-        return strategy.name
 
 
 def _wait_for_devices(*buffers: torch.Tensor) -> None:
