@@ -348,3 +348,44 @@ def test_the_lane_gives_back_by_token_and_refuses_a_malformed_one(server: Server
         assert status == 200 and live_leases(server) == base + 1
         assert call(sock, "/v1/release", {"request": token}) == (200, {})
         assert live_leases(server) == base
+
+
+def test_give_backs_cut_off_by_a_cancelled_task_are_sent_by_aclose(
+    server: Server, relay: Relay
+) -> None:
+    """The tokens a call takes to give back (`take_requests`) before its own request, when the
+    task is cancelled while they go out: the one in flight and those after it are owed again,
+    and `aclose()` gives them back (before, they were dropped: their leases and reservations
+    held to their ttl)."""
+    base_leases, base_reserved = live_leases(server), reserved_blocks(server)
+    granted = []
+    for seed, (kind, path, body) in enumerate(
+        [
+            ("lease", "/v1/prefetch", {"tokens": cached(server, 11)}),
+            ("lease", "/v1/prefetch", {"tokens": cached(server, 12)}),
+            ("reservation", "/v1/reserve", {"tokens": tokens_of(12_100, 8)}),
+        ]
+    ):
+        token = f"{0xABC0 + seed:016x}"  # the reply of each is lost: the client owes its token
+        reply = post(server, path, {**body, "request": token, "ttl_s": TTL_S}, "default")
+        assert reply.status_code == 200, reply.text
+        granted.append((kind, token))
+    assert live_leases(server) == base_leases + 2 and reserved_blocks(server) > base_reserved
+
+    async def scenario() -> None:
+        client = AsyncClient(relay.url, shared_memory=False, timeout_s=10)
+        owing = client._owing  # what `_post_carrying` does first, cut off as a task can be
+        for kind, token in granted:
+            owing.owed.add_request(kind, token, "default")
+        relay.mode = "hold"
+        sending = asyncio.ensure_future(owing.send_requests(owing.owed.take_requests()))
+        assert await asyncio.to_thread(relay.replied.wait, 10)  # the first one went out
+        sending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        relay.let_through.set()
+        await client.aclose()
+
+    asyncio.run(scenario())
+    assert settles(lambda: live_leases(server), base_leases) == base_leases
+    assert settles(lambda: reserved_blocks(server), base_reserved) == base_reserved

@@ -173,20 +173,33 @@ class AsyncOwing:
     async def flush(self, deadline: float = math.inf, everything: bool = False) -> None:
         await self.send_requests(self.owed.take_requests(), deadline)
         due = self.owed.take_due(math.inf if everything else None)
-        for lease_id, tenant in due:
+        for i, (lease_id, tenant) in enumerate(due):
             if time.monotonic() >= deadline:
                 break
-            # as `Owing.send_releases`: a LeaseError or a transport error ends nothing
-            with contextlib.suppress(KVTierError, httpx.HTTPError):
-                await self._post("/v1/release", {"lease_id": lease_id}, tenant)
+            try:  # as `Owing.send_releases`: a LeaseError or a transport error ends nothing
+                with contextlib.suppress(KVTierError, httpx.HTTPError):
+                    await self._post("/v1/release", {"lease_id": lease_id}, tenant)
+            except BaseException:  # cancelled: the rest, this one included, is owed again
+                for again, who in due[i:]:
+                    self.owed.give_back(who, [again])
+                raise
         self.schedule()  # what was owed meanwhile, or given back
 
     async def send_requests(self, owed: list[Request], deadline: float = math.inf) -> None:
-        for kind, token, tenant in owed:
+        """Give back what each of `owed`'s lost replies may have been granted. A task cancelled
+        meanwhile owes again the tokens not known to be given back (the one in flight too: a
+        give-back of a token the server took already is a no-op), so that the next call or
+        `close()` sends them: the caller took them from `owed` (`take_requests`)."""
+        for i, (kind, token, tenant) in enumerate(owed):
             if time.monotonic() >= deadline:
                 return
-            with contextlib.suppress(KVTierError, httpx.HTTPError):
-                await self._post(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+            try:
+                with contextlib.suppress(KVTierError, httpx.HTTPError):
+                    await self._post(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+            except BaseException:
+                for again in owed[i:]:
+                    self.owed.add_request(*again)
+                raise
 
     async def give_back(self, kind: str, token: str, tenant: str) -> None:
         if not self.closed:
