@@ -8,7 +8,9 @@ Two stores writing one directory would overwrite each other's slots and each rec
 written, and refuses with a `ConfigError` naming the holder's pid when another process (or
 another open tier in this one) has it. The pid is written into the file after locking, for that
 message only: the lock itself is the kernel's, so it goes with its holder, however it ends
-(`close`, exit, SIGKILL), and a stale pid in the file means nothing. The file is opened without
+(`close`, exit, SIGKILL), and a stale pid in the file means nothing; a pid that cannot be
+written (a full filesystem: the tier then meets its capacity check, which names the free bytes)
+leaves the file empty, and the holder "unknown" in that message. The file is opened without
 following a link and created 0600. It is checked on the open descriptor before anything is
 written into it: a lock file that is not a regular file, or that has another name too (a hard
 link: truncating it and writing the pid would overwrite the file behind the other name), is a
@@ -62,8 +64,11 @@ class DirectoryLock:
                     f"{self.path}; stop it, or give this store another path",
                 ) from None
             os.fchmod(fd, 0o600)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:  # the pid is for the message above only: a full disk leaves the file empty
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError:
+                pass
             private_directory(directory, field)
         except BaseException:
             os.close(fd)
