@@ -27,8 +27,10 @@ Contract:
 - `check_out(layout, out, kind, num_tokens, device)`: a destination for the cached prefix of a
   prompt of `num_tokens` tokens: a tensor of the layout's dtype in `kind`'s shape with room for
   every full block of the prompt (more tokens or pages are left as they are), on `device` when
-  one is named, in memory the store can copy into (`check_memory`); else `InvalidKVError` /
-  `InvalidArgumentError`, before anything is read.
+  one is named, in memory the store can copy into (`check_memory`) and write in place
+  (`check_writable`: no grad, no inference tensor outside inference mode, no elements that
+  share memory); else `InvalidKVError` / `InvalidArgumentError`, before anything is read or
+  written. A store's `kv` is only read: an `expand()`ed one is fine.
 - `blocks_view(kv, kind, block_tokens, count)` is a `[count, *block_shape]` view of the first
   `count` blocks of `kv`: writes into it land in `kv`.
 - `prefix_of(out, kind, count, block_tokens)` is the part of `out` that holds `count` blocks.
@@ -133,9 +135,44 @@ def check_out(
             f"out: got shape {tuple(out.shape)}, expected {want} (layout {kind!r}: room for "
             f"the {full} full blocks of {num_tokens} tokens)"
         )
-    if out.requires_grad:
-        raise InvalidKVError("out: requires grad; expected a plain buffer to copy into")
+    check_writable(out, "out")
     return out
+
+
+def check_writable(tensor: torch.Tensor, name: str) -> None:
+    """`InvalidKVError` naming `name` unless torch lets the store write every element of
+    `tensor` in place, each into its own memory, here and now: refused are a tensor that
+    requires grad, an inference tensor outside `torch.inference_mode()` (torch refuses the
+    write), and one whose elements may share memory (an `expand()`ed or overlapping
+    `as_strided` view: torch refuses some, and writes the others' shared bytes more than once).
+
+    The overlap test is sufficient, not exact: the dims of size > 1, sorted by stride, each
+    need a stride past the furthest element of the dims before it (`stride >= 1 + sum((size -
+    1) * stride)`). Every dense or sliced layout passes; an exotic interleaved one that does
+    not overlap may be refused too (clone it). Memory torch cannot tell is read-only (a tensor
+    over a read-only numpy array or mmap) is not detected."""
+    if tensor.requires_grad:
+        raise InvalidKVError(f"{name}: requires grad; expected a plain buffer to copy into")
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise InvalidKVError(
+            f"{name}: an inference tensor (made under torch.inference_mode()), which torch "
+            "lets no one write outside inference mode; expected a normal tensor (clone() it "
+            "outside inference mode, or call inside torch.inference_mode())"
+        )
+    if tensor.numel() == 0:
+        return
+    reach = 0  # the furthest element, in elements from the first, of the dims seen so far
+    for size, stride in sorted(
+        ((n, st) for n, st in zip(tensor.shape, tensor.stride(), strict=True) if n > 1),
+        key=lambda dim: dim[1],
+    ):
+        if stride < 1 + reach:
+            raise InvalidKVError(
+                f"{name}: got shape {tuple(tensor.shape)} with strides {tensor.stride()}, "
+                "whose elements may share memory (an expand()ed or overlapping as_strided "
+                "view); expected a tensor with memory of its own for each element (clone() it)"
+            )
+        reach += (size - 1) * stride
 
 
 def store_blocks(

@@ -15,11 +15,12 @@ Contract:
   store's residency view (`transfer/leasing.py`: a lookup per slot, without the store's
   lock); the caller keeps its leases until the kernel is done (on CUDA the launch returns
   before it is).
-- Arguments: shapes, dtypes (q, k and v in the pool's dtype), devices, head counts (query heads
-  a multiple of kv heads), lengths (>= 1, within the block table, at most 2**31 - 1), the slots
-  a launch reads of an engine's table (in the pool, before the table becomes int32, which would
-  wrap 2**32 + s onto slot s) are checked first, each failure an `InvalidArgumentError` naming
-  the value and what was expected.
+- Arguments: shapes, dtypes (q, k and v in the pool's dtype), devices, strides (q, k_new and
+  v_new each with a contiguous last dimension; any other strides, each tensor read by its
+  own), head counts (query heads a multiple of kv heads), lengths (>= 1, within the block
+  table, at most 2**31 - 1), the slots a launch reads of an engine's table (in the pool,
+  before the table becomes int32, which would wrap 2**32 + s onto slot s) are checked first,
+  each failure an `InvalidArgumentError` naming the value and what was expected.
 - Dispatch: the Triton kernels (`paged_attention.py`) on CUDA tensors, and on CPU tensors under
   Triton's interpreter; the torch reference otherwise (a CPU without `TRITON_INTERPRET=1`, or no
   Triton), so every path runs everywhere. `backend` says which.
@@ -247,7 +248,8 @@ def _lengths(values: Sequence[int] | torch.Tensor, name: str, batch: int) -> tor
         raise InvalidArgumentError(
             f"{name}: got {lens.tolist()!r:.80}, expected every length >= 1 and <= {INT32_MAX}"
         )
-    return lens.to(torch.int32)  # checked first: 2**31 would wrap to a negative length
+    # checked first: 2**31 would wrap to a negative length; contiguous, as the kernels read it
+    return lens.to(torch.int32).contiguous()
 
 
 def _describe(value: object) -> str:

@@ -192,6 +192,8 @@ if triton is not None:
         stride_qh,
         stride_kt,
         stride_kh,
+        stride_vt,
+        stride_vh,
         stride_slot,
         stride_kv,
         stride_t,
@@ -255,9 +257,10 @@ if triton is not None:
             j = start + tl.arange(0, TOKENS_)
             valid = j < n_new
             kmask = valid[:, None] & dmask[None, :]
-            offs = (first + j)[:, None] * stride_kt + h * stride_kh + d[None, :]
-            k = tl.load(KNEW + offs, mask=kmask, other=0.0)
-            v = tl.load(VNEW + offs, mask=kmask, other=0.0)
+            k_offs = (first + j)[:, None] * stride_kt + h * stride_kh + d[None, :]
+            v_offs = (first + j)[:, None] * stride_vt + h * stride_vh + d[None, :]
+            k = tl.load(KNEW + k_offs, mask=kmask, other=0.0)
+            v = tl.load(VNEW + v_offs, mask=kmask, other=0.0)
             # rows past the sequence see every valid key: finite garbage, never stored
             visible = valid[None, :] & ((j[None, :] <= i[:, None]) | ~real[:, None])
             m, denom, acc = _online_step(q, k, v, visible, m, denom, acc, scale, PRECISION)
@@ -295,7 +298,9 @@ def paged_decode(
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention (see the module doc); every seq_lens[b] must be >= 1. Unchecked."""
+    """Decode attention (see the module doc); every seq_lens[b] must be >= 1. Unchecked: q and
+    `out` need a contiguous last dimension (their other strides are passed), the table
+    contiguous rows and seq_lens a contiguous int32 tensor."""
     assert triton is not None, "Triton is not installed"
     batch, q_heads, head_dim = q.shape
     kv_heads, block_tokens = buffer.shape[4], buffer.shape[3]
@@ -327,7 +332,9 @@ def paged_extend(
     scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Extend attention (see the module doc); every new_lens[b] must be >= 1. Unchecked."""
+    """Extend attention (see the module doc); every new_lens[b] must be >= 1. Unchecked: q,
+    k_new, v_new and `out` need a contiguous last dimension (each is read by its own other
+    strides), the table contiguous rows and the lengths contiguous int32 tensors."""
     assert triton is not None, "Triton is not installed"
     q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, block_tokens = buffer.shape[4], buffer.shape[3]
@@ -341,7 +348,8 @@ def paged_extend(
         q, k_new, v_new, kv, block_table, prefix_lens, starts, new_lens, out,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-        s_slot, s_kv, s_t, s_h, block_table.stride(0), out.stride(0), out.stride(1),
+        v_new.stride(0), v_new.stride(1), s_slot, s_kv, s_t, s_h, block_table.stride(0),
+        out.stride(0), out.stride(1),
         GROUP=q_heads // kv_heads, D=head_dim, BLOCK_D=_pow2(head_dim), BT=block_tokens,
         BLOCK_M_=BLOCK_M, TOKENS_=max(TOKENS[q.device.type], _pow2(block_tokens)),
         PRECISION=_precision(q.dtype),
