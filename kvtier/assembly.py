@@ -238,7 +238,7 @@ def _events(
             f"events.{e.name}", e.address, f"an address to {verb} ({e.reason})"
         ) from None
     index = state.index
-    observer = IndexEvents(publisher, index, namespaces.tenant_of, state.lock)
+    observer = IndexEvents(publisher, index, namespaces.tenant_of, state.lock, namespaces.seeds)
     index.observer = observer
     observer.announce()  # what recovery brought back: a restarted store's first words
     return publisher

@@ -79,9 +79,11 @@ def test_a_router_rebuilds_a_pod_from_its_snapshot_and_follows_it_from_there(
     with Client(live.url, api_key=KEY_A, shared_memory=False) as a:
         a.store(longer, kv_of(20, seed=3))  # the message that shows the gap
     assert wait_until(lambda: index.score(longer) == {"pod-1": 20.0})
-    assert index.score(prompt_b) == {"pod-1": 12.0}  # from the snapshot
+    # from the join's retell, which starts with AllBlocksCleared (`EventPublisher._retell`),
+    # or from the snapshot when the store's own message came first and showed the gap
+    assert index.score(prompt_b) == {"pod-1": 12.0}
     stats = sub.stats()
-    assert stats["gaps"] >= 1 and stats["resyncs"] >= 1 and stats["resets"] == 0
+    assert stats["gaps"] >= 1 and stats["resets"] == 0
     # from there on, the live events: a clear forgets a's blocks
     live.admin("/v1/admin/clear", params={"tenant": "a"})
     assert wait_until(lambda: index.score(longer) == {})

@@ -48,7 +48,8 @@ store wrote its new blocks to, and removals next to each other in one medium as 
 first words after a restart (recovery rebuilt the index from disk before events were on).
 `retold(wanted)` is the same for some tenants, returned: given the store's lock
 (`store_lock`), the observer is the publisher's `source`, and a topic that lost events to a
-full queue is told again from it (`EventPublisher._resync`).
+full queue is told again from it (`EventPublisher._resync`), as are the topics of every one of
+`tenants` when a peer joins (`EventPublisher._retell`: AllBlocksCleared first).
 `snapshot(store, tenant)` is the same, returned rather than sent, with each topic's sequence
 number at that moment (`GET /v1/blocks`, the routers' resync).
 """
@@ -57,7 +58,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -95,10 +96,13 @@ class IndexEvents:
         index: RadixIndex,
         tenant_of: Callable[[bytes], str | None],
         store_lock: AbstractContextManager[Any] | None = None,
+        tenants: Iterable[str] = (),
     ) -> None:
         """`store_lock`: the lock every edit of `index` holds; with it, the publisher resyncs
-        a lost topic from this observer (module doc)."""
+        a lost topic from this observer (module doc). `tenants`: every tenant `tenant_of`
+        names, whose topics a retell clears (`EventPublisher._retell`)."""
         self.publisher, self.index, self.tenant_of = publisher, index, tenant_of
+        self.tenants = tuple(tenants)
         self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
         assert all(len(wire.medium_bytes(m)) <= wire.MEDIUM_ROOM for m in self.media)
         self.range = index.forest.node_blocks  # numbers a node takes (`EVENT_RANGE`)

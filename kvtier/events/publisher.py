@@ -35,7 +35,9 @@ Contract:
   (`RESYNC_MIN_S`, `RESYNC_LOCK_SHARE`); in between, a lost topic's events are dropped unsent.
   A topic's first message starts with AllBlocksCleared: a router forgets what the publisher's
   past life told it; the store then tells what it holds (`IndexEvents.announce`). A peer that
-  joins later (`peers.Joins`) is told every block held (`_retell`), spaced the same way.
+  joins later (`peers.Joins`; a SUB that reconnects after a restart, which missed those first
+  words) is told AllBlocksCleared on every topic, then every block held (`_retell`), spaced the
+  same way: every peer hears both, and ends with the store's blocks.
 - The PUB binds `endpoint` and connects to each of `connect` (subscribers that bind: llm-d's).
 - Incarnations: every topic's numbers start at `first_seq`; a store's, at the microseconds since
   the epoch at its start (`assembly._events`; vLLM's at 0): a restarted publisher's
@@ -88,6 +90,7 @@ class Source(Protocol):
     """What a publisher resyncs a lost topic from (`IndexEvents`)."""
 
     store_lock: AbstractContextManager[Any]  # held by every edit that queues an event
+    tenants: tuple[str, ...]  # every tenant that can hold blocks: a retell clears their topics
 
     def retold(self, wanted: Callable[[str], bool]) -> list[Event]:
         """Events telling of every block the tenants `wanted` names hold, parents first.
@@ -177,14 +180,9 @@ class EventPublisher:
     # ---- what the store tells ------------------------------------------------------------
 
     def stored(
-        self,
-        tenant: str,
-        hashes: Sequence[int],
-        parent: int | None,
-        tokens: Sequence[int],
-        block_size: int,
-        medium: str,
-    ) -> None:
+        self, tenant: str, hashes: Sequence[int], parent: int | None, tokens: Sequence[int],
+        block_size: int, medium: str,
+    ) -> None:  # fmt: skip
         be, le = np.asarray(hashes, ">u8").tobytes(), np.asarray(tokens, "<u4").tobytes()
         self._put(tenant, wire.Stored(wire.Blocks(be, parent, le, block_size), medium))
 
@@ -356,20 +354,22 @@ class EventPublisher:
         self._send([*kept, *cleared, *unsent, *told])  # per topic, in this order (`_send`)
 
     def _retell(self, source: Source) -> None:
-        """Tell every topic every block held, for the peers that joined (`peers.Joins`), after
-        what is queued: read under the store's lock, spaced as resyncs are. Routers that
-        knew the blocks learn nothing new (a BlockStored of a known block changes nothing)."""
+        """After what is queued, tell every topic (every tenant's, with `per_tenant`, holding or
+        not) AllBlocksCleared, then every block held, for the peers that joined (`peers.Joins`;
+        one may know a past life's blocks): read under the store's lock, spaced as resyncs are."""
         with source.store_lock:
             start = time.monotonic()
             with self._lock:
                 kept = list(self.pending)
                 self.pending.clear()
                 self._stats["retells"] += 1
+                tenants = {*source.tenants, *(topic.tenant for topic in self._topics.values())}
             told = source.retold(lambda tenant: True)
             held = time.monotonic() - start
         self._joins.told()
         self._resync_at = time.monotonic() + max(RESYNC_MIN_S, held / RESYNC_LOCK_SHARE)
-        self._send([*kept, *told])
+        cleared = [(t, wire.CLEARED) for t in sorted(tenants if self.settings.per_tenant else [""])]
+        self._send([*kept, *cleared, *told])  # per topic, in this order (`_send`)
 
     def _send(self, batch: list[Event]) -> None:
         grouped: dict[str, list[wire.Spec]] = {}
