@@ -5,7 +5,8 @@ topic: `kv@<pod>@<model>[@<tenant>]`, so a pod is the topic's second field) as i
 wire (`kvtier.events` documents the format: vLLM's, which kvtier's and vLLM's publishers send).
 `score(tokens)` answers `{pod: weighted prefix length}`: for each pod, the leading full blocks
 of `tokens` it holds in a row, each counted as `block_size * weight` of the best medium the pod
-holds it in (`DEFAULT_WEIGHTS`).
+holds it in (`DEFAULT_WEIGHTS`); with `tenant=`, in its topics and those of no tenant only (a
+topic tenants share, `kv@<pod>@<model>`, cannot tell them apart: every tenant's copy counts).
 
 Keys. A publisher's block hashes are its own (kvtier's are counters, vLLM's are hashes of its
 own chaining, salted per process), so the index keys blocks by content: a block's key chains
@@ -99,6 +100,7 @@ def seed(lora_name: str | None) -> bytes:
 @dataclass
 class _Source:
     pod: str
+    tenant: str | None  # the topic's fourth field, if any (module doc)
     keys: dict[Any, bytes] = field(default_factory=dict)  # the source's hash -> key
     masks: dict[Any, int] = field(default_factory=dict)  # the source's hash -> media bitmask
     held: dict[bytes, int] = field(default_factory=dict)  # key -> its hashes' media, together
@@ -187,7 +189,9 @@ class PrefixIndex:
     def _source(self, source: str) -> _Source:
         found = self._sources.get(source)
         if found is None:
-            found = self._sources[source] = _Source(pod_of(source))
+            parts = source.split("@")
+            tenant = parts[3] if len(parts) > 3 else None
+            found = self._sources[source] = _Source(pod_of(source), tenant)
             self._blocks.setdefault(found.pod, 0)
         return found
 
@@ -293,8 +297,11 @@ class PrefixIndex:
 
     # ---- answering ---------------------------------------------------------------------
 
-    def score(self, tokens: Tokens, lora_name: str | None = None) -> dict[str, float]:
-        """`{pod: weighted prefix length in tokens}` for every pod holding the first block;
+    def score(
+        self, tokens: Tokens, lora_name: str | None = None, tenant: str | None = None
+    ) -> dict[str, float]:
+        """`{pod: weighted prefix length in tokens}` for every pod holding the first block
+        (`tenant`: in its topics, or in topics of no tenant: module doc);
         `InvalidTokensError` unless `tokens` are ids in [0, 2**32) (a cast would wrap -1 or
         2**32 + 5 into another prompt's ids)."""
         if len(tokens) == 0:
@@ -307,6 +314,8 @@ class PrefixIndex:
                 best: dict[str, float] = {}
                 for name, mask in self._where.get(key, {}).items():
                     src = self._sources[name]
+                    if tenant is not None and src.tenant not in (None, tenant):
+                        continue
                     if alive is None or src.pod in alive:
                         best[src.pod] = max(best.get(src.pod, 0.0), self._weight(src, mask))
                 if not best:

@@ -38,13 +38,14 @@ class Router:
         self.assigned = dict.fromkeys(self.pods, 0)
         self._count = 0
 
-    def choose(self, tokens: Sequence[int] | np.ndarray) -> str:
-        """The pod for a request of `tokens`, counted as assigned to it."""
+    def choose(self, tokens: Sequence[int] | np.ndarray, tenant: str | None = None) -> str:
+        """The pod for a request of `tokens` (by `tenant`: its topics' blocks only, where
+        topics are per tenant, `PrefixIndex.score`), counted as assigned to it."""
         if self.policy == "round-robin":
             pod = self.pods[self._count % len(self.pods)]
         else:
             assert self.index is not None
-            scores = self.index.score(tokens)
+            scores = self.index.score(tokens, tenant=tenant)
             candidates = self.pods
             if self.policy == "prefix-load":
                 mean = (self._count + 1) / len(self.pods)
