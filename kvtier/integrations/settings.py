@@ -42,7 +42,7 @@ class RelaySettings:
 
     endpoint: str  # the sidecar's `events.endpoint`, as this host reaches it
     replay_endpoint: str | None = None  # its `events.replay_endpoint`
-    topic: str = ""  # relay only the topics that start with it
+    topic: str = ""  # relay only it and the topics under it (`vllm_events.relayed`)
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> RelaySettings | None:
@@ -57,7 +57,7 @@ class RelaySettings:
                 raise ConfigError(key, where[key], "tcp://HOST:PORT (no *) or ipc://PATH")
         topic = where["kvtier.events_topic"] or ""
         if not isinstance(topic, str) or len(topic) > 200:
-            raise ConfigError("kvtier.events_topic", topic, "a topic (or its start)")
+            raise ConfigError("kvtier.events_topic", topic, "a topic of at most 200 characters")
         return cls(str(where[_RELAY[0]]), where[_RELAY[1]], topic)
 
 

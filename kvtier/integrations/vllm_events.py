@@ -24,8 +24,10 @@ it into vLLM's classes:
 Events that are not kvtier's to tell are dropped whole and counted: a block size other than
 vLLM's (`block_size`: a router reads one size a pod; set the sidecar's `block_tokens` to vLLM's
 `block_size`), extra keys (kvtier keys blocks by tokens alone), a payload that is not events or
-a field of the wrong type (`bad`). Only topics that start with `kvtier.events_topic` are relayed
-(default: every topic the sidecar publishes): a sidecar shared by tenants sets
+a field of the wrong type (`bad`). Only `kvtier.events_topic` and the topics under it
+(`<topic>@<tenant>`) are relayed (`relayed`; default: every topic the sidecar publishes; never
+a topic that merely starts with the same characters, another tenant's whose id starts with
+this one's): a sidecar shared by tenants sets
 `events.per_tenant_topic`, and each engine the topic of its own tenant, else other tenants'
 blocks are told as this pod's.
 
@@ -104,7 +106,7 @@ class Relay:
     def _take_in(self, source: str, payload: bytes, snapshot: bool) -> int:
         """A message's events (`snapshot`: a snapshot's, which replace the topic's) queued."""
         events = self._read(payload)
-        if not source.startswith(self.topic):
+        if not relayed(source, self.topic):
             return 0
         with self._lock:
             if self.muted:
@@ -312,6 +314,13 @@ class Relay:
         self.held = {}
         self.blocks = 0
         self.muted = True
+
+
+def relayed(source: str, topic: str) -> bool:
+    """Whether the relay of `topic` takes a message of `source`: every topic for "", else
+    `topic` itself and the topics under it (`topic@<tenant>`). Never a topic that only starts
+    with the same characters: `kv@pod@model@alice` is not `kv@pod@model@alice.b`'s."""
+    return not topic or source == topic or source.startswith(topic + "@")
 
 
 def count(queued: list[tuple[str, KVCacheEvent]]) -> int:
