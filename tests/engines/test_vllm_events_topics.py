@@ -27,7 +27,7 @@ TOPICS = [BASE, f"{BASE}@alice", f"{BASE}@alice.b", f"{BASE}@alice2", f"{BASE}x"
 
 def stored(first: int) -> bytes:
     event = ["BlockStored", [first], None, list(range(first, first + 4)), 4, None, "CPU", None]
-    return msgpack.packb([0.0, [event], None])
+    return bytes(msgpack.packb([0.0, [event], None]))
 
 
 @pytest.mark.parametrize(
