@@ -1,8 +1,9 @@
 """The vLLM connector's plans (`vllm.py`): what its scheduler side asks its workers to copy
-(`LoadJob`, `SaveJob`, sent in `KvtierMetadata`), and what it follows of each request
-(`Planned`), which requests it plans for at all (`keyed_by_tokens`), and what of a finished
-request's output it saves (`output_save`). Plain data without vLLM: vLLM pickles the metadata
-from its scheduler process to its workers."""
+(`LoadJob`, `SaveJob`, sent in `KvtierMetadata`), what it follows of each request (`Planned`,
+its blocks: `follow_blocks`), which requests it plans for at all (`keyed_by_tokens`), what of a
+prompt (`prompt_save`) and of a finished request's output (`output_save`) it saves, and what of
+a save a worker keeps when a load of its step failed to fill some of its blocks (`cut_before`).
+Plain data without vLLM: vLLM pickles the metadata from its scheduler process to its workers."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class SaveJob:
     key: str
     start: int = 0
     release: bool = False
+    output: int = 0  # of `tokens`, the last ones past the prompt's whole blocks (`decode_tokens`)
 
 
 @dataclass
@@ -45,9 +47,33 @@ class Planned:
     key: str
     blocks: list[int] = field(default_factory=list)
     local: int = 0  # vLLM's own prefix hit when kvtier was asked
-    external: int = 0  # tokens kvtier loads
     found: int = 0  # kvtier's prefix at the lookup, in whole vLLM blocks (0: not known)
     saved: bool = False
+    asked: bool = False  # kvtier answered the lookup (`found`): counted once admitted
+    admitted: bool = False  # vLLM allocated its blocks; a later lookup (resumed) asks again
+
+
+def follow_blocks(requests: dict[str, Planned], scheduled: Any) -> dict[str, int]:
+    """Bring the block ids of the `requests` followed up to date with a step's vLLM
+    `SchedulerOutput` (`scheduled`); the tokens each request it schedules computed before it."""
+    computed: dict[str, int] = {}
+    for new in scheduled.scheduled_new_reqs:
+        computed[new.req_id] = new.num_computed_tokens
+        planned = requests.get(new.req_id)
+        if planned is not None:
+            planned.blocks = list(new.block_ids[0])
+    cached = scheduled.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        computed[req_id] = cached.num_computed_tokens[i]
+        planned = requests.get(req_id)
+        more = cached.new_block_ids[i]
+        if planned is None or more is None:
+            continue
+        if req_id in cached.resumed_req_ids:
+            planned.blocks = list(more[0])
+        else:
+            planned.blocks.extend(more[0])
+    return computed
 
 
 def keyed_by_tokens(request: Any) -> bool:
@@ -84,4 +110,33 @@ def output_save(
         return None
     tokens = tuple(request.all_token_ids[:whole])
     blocks = tuple(block_ids[: whole // bs])
-    return SaveJob(request.request_id, tokens, blocks, planned.key, start, release=True)
+    output = max(0, whole - prompt)
+    return SaveJob(request.request_id, tokens, blocks, planned.key, start, True, output)
+
+
+def prompt_save(req_id: str, planned: Planned, done: int, bs: int) -> SaveJob | None:
+    """The save of a prompt computed up to `done` tokens (vLLM blocks of `bs` tokens): its
+    whole blocks past those kvtier held at the lookup (`found`); None while some are still to
+    compute, or when kvtier held them all."""
+    whole = len(planned.tokens) - len(planned.tokens) % bs
+    if done < len(planned.tokens) or whole <= planned.found:
+        return None
+    blocks = tuple(planned.blocks[: whole // bs])
+    return SaveJob(req_id, planned.tokens[:whole], blocks, planned.key, planned.found)
+
+
+def cut_before(job: SaveJob, unfilled: set[int], bs: int) -> SaveJob | None:
+    """`job` up to its first block in `unfilled` (blocks a load failed to fill: their KV, and
+    that of every later block, computed over them, is not the tokens'), sending nothing of them
+    (even if the prefix below `start` has left kvtier: `saving.store_job`); `job` itself when
+    none is. None when nothing is left to send, but a `release` job is kept (without blocks if
+    need be): vLLM holds the request's blocks until it is reported."""
+    cut = next((i for i, block in enumerate(job.blocks) if block in unfilled), None)
+    if cut is None:
+        return job
+    whole = cut * bs
+    if whole <= job.start:
+        return SaveJob(job.req_id, (), (), job.key, release=True) if job.release else None
+    output = max(0, job.output - (len(job.tokens) - whole))
+    tokens, blocks = job.tokens[:whole], job.blocks[:cut]
+    return SaveJob(job.req_id, tokens, blocks, job.key, job.start, job.release, output)

@@ -13,7 +13,9 @@ Contract:
   preemptions calls `flush` before its forward may write them.
 - `store_job` is the store itself, from vLLM's paged KV (`load_job`, a load into it): the KV
   past the prefix kvtier was seen to hold (`job.start`) is copied out and stored below it; if
-  that prefix has left kvtier since (the store reports less cached than `start`), all of it is.
+  that prefix has left kvtier since (the store reports less cached than `start`), all of it is:
+  so every block of a job must hold its tokens' KV, below `start` too (the connector cuts a
+  save before the first block a load of its step did not fill: `plans.cut_before`).
 - `save` (the connector's: `store_job`, then counts) is never let raise here: a failure is logged
   by it. Every `release` job is reported in `take_sent` once done, saved or not, and is never
   dropped; others are skipped (counted in `skipped`) while `backlog` jobs are queued, so a

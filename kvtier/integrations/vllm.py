@@ -26,8 +26,13 @@ Contract:
 - A load that returns fewer tokens than planned (the blocks left kvtier, the sidecar failed)
   reports the blocks it did not fill in `get_block_ids_with_load_errors` (vLLM recomputes from
   there with `kv_load_failure_policy: recompute`); an asynchronous one is still reported in
-  `finished_recving`. The scheduler never claims a hit for a request whose load failed, nor
-  saves from its step (a prompt's save waits for the step after its synchronous load).
+  `finished_recving`. The scheduler never claims a hit for a request whose load failed. No
+  save sends a block a load failed (or has yet) to fill, nor any later block of its request,
+  whichever request's (vLLM shares a synchronous load's blocks at once): a prompt's save waits
+  for the step after a synchronous load into any of its blocks, and a worker cuts each save
+  before the first block its step's loads did not fill (`plans.cut_before`), ere it queues it.
+- A lookup and its hit are counted once vLLM admits the request (vLLM retries one that lacks
+  blocks: the sidecar is asked once until then); `vllm_stats.py` says each count.
 - A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
   counted in `stats` (and in vLLM's logs and `/metrics`: `vllm_stats.py`); never a failure.
 - Tenants: a call's tenant is its API key's: `kvtier.api_key`, or the key `kvtier.tenant_keys`
@@ -68,8 +73,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.integrations import vllm_events
-from kvtier.integrations.plans import LoadJob, Planned, SaveJob, keyed_by_tokens, output_save
+from kvtier.integrations import plans, vllm_events
+from kvtier.integrations.plans import LoadJob, Planned, SaveJob, output_save
 from kvtier.integrations.resets import reset_or_log
 from kvtier.integrations.saving import Saves, load_job, store_job
 from kvtier.integrations.settings import (
@@ -132,7 +137,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._done: set[str] = set()
         self.saving = Saves(self._save)  # the saves' thread (`saving.py`)
         self._load_errors: set[int] = set()
-        self._spoiled: set[str] = set()  # requests whose synchronous load failed this step
+        self._unfilled: set[int] = set()  # blocks this step's synchronous loads did not fill
         self._worker_lock = threading.Lock()
 
     @property
@@ -145,38 +150,32 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         req_id = request.request_id
-        if not keyed_by_tokens(request):
+        if not plans.keyed_by_tokens(request):
             self.stats["other_inputs"] += 1
             return 0, False
         key = self._key_for(request)
         if key is None or req_id in self._failed:
             return 0, False
-        tokens = tuple(request.prompt_token_ids or ())
-        self._requests[req_id] = Planned(tokens, key, local=num_computed_tokens)
-        try:
-            found = self._client(key).lookup(list(tokens)).num_tokens
-        except (KVTierError, OSError) as e:
-            self._error("lookup", e)
-            return 0, False
-        self.stats["lookups"] += 1
-        self._requests[req_id].found = found - found % self.block_size
-        usable = min(found, len(tokens) - 1)
-        usable -= usable % self.block_size
-        new = usable - num_computed_tokens
-        if new <= 0:
-            return 0, False
-        self.stats["hit_tokens"] += new
-        return new, self.settings.load_async
+        planned = self._requests.get(req_id)
+        if planned is None or planned.admitted:  # asked once until admitted (vLLM retries)
+            planned = self._requests[req_id] = self._lookup(request, key)
+        planned.local = num_computed_tokens
+        usable = min(planned.found, len(planned.tokens) - 1)
+        new = usable - usable % self.block_size - num_computed_tokens
+        return (new, self.settings.load_async) if new > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         planned = self._requests.get(request.request_id)
         if planned is None:
             return
+        if not planned.admitted:  # counted as vLLM counts: once admitted, the hit it took
+            planned.admitted = True
+            self.stats["lookups"] += planned.asked
+            self.stats["hit_tokens"] += max(0, num_external_tokens)
         ids = list(blocks.get_block_ids()[0])
         planned.blocks = ids
         if num_external_tokens <= 0:
             return
-        planned.external = num_external_tokens
         first = planned.local // self.block_size
         count = num_external_tokens // self.block_size
         stop = planned.local + num_external_tokens
@@ -186,40 +185,21 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> KvtierMetadata:
-        s = self.settings
+        s, bs = self.settings, self.block_size
         preempted = scheduler_output.preempted_req_ids or ()
         flush = any(r in self._saving for r in preempted)  # whatever Planned it has now
         meta = KvtierMetadata(self._loads, self._saves, s.load_async, s.save_async, flush)
-        loading = {job.req_id for job in self._loads}  # saved a step later: the load may fail
+        loading = {b for job in self._loads for b in job.blocks}  # saved a step later: may fail
         meta.reset, self._reset = self._reset, False
         self._loads, self._saves = [], []
-        computed: dict[str, int] = {}  # tokens computed before this step, per request
-        for new in scheduler_output.scheduled_new_reqs:
-            computed[new.req_id] = new.num_computed_tokens
-            planned = self._requests.get(new.req_id)
-            if planned is not None:
-                planned.blocks = list(new.block_ids[0])
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            computed[req_id] = cached.num_computed_tokens[i]
-            planned = self._requests.get(req_id)
-            more = cached.new_block_ids[i]
-            if planned is None or more is None:
-                continue
-            if req_id in cached.resumed_req_ids:
-                planned.blocks = list(more[0])
-            else:
-                planned.blocks.extend(more[0])
+        computed = plans.follow_blocks(self._requests, scheduler_output)
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             planned = self._requests.get(req_id)
-            if planned is None or planned.saved or req_id in loading:
+            if planned is None or planned.saved or loading.intersection(planned.blocks):
                 continue
-            done = computed.get(req_id, 0) + count
-            whole = len(planned.tokens) - len(planned.tokens) % self.block_size
-            if done >= len(planned.tokens) and whole > planned.found:  # kvtier lacks some
-                blocks = tuple(planned.blocks[: whole // self.block_size])
-                save = SaveJob(req_id, planned.tokens[:whole], blocks, planned.key, planned.found)
-                meta.saves.append(save)  # of the blocks past those kvtier held at the lookup
+            save = plans.prompt_save(req_id, planned, computed.get(req_id, 0) + count, bs)
+            if save is not None:
+                meta.saves.append(save)
                 planned.saved = True
                 self._saving.add(req_id)
         return meta
@@ -235,7 +215,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         for req_id, planned in self._requests.items():
             if req_id in failed or invalid & set(planned.blocks):
                 self._failed.add(req_id)
-                planned.external = planned.found = 0
+                planned.found = 0
                 planned.saved = False
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
@@ -286,14 +266,13 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if meta.reset:  # no KV of the old weights stored from here; then this rank's sidecar
             self.saving.drop()
             reset_or_log(map(self._client, self.settings.api_keys()), f"rank {self.tp_rank}")
-        self._spoiled = set()
+        self._unfilled = set()
         for job in meta.loads:
             if not meta.load_async:
                 missing = self._load(job)  # done before the forward: nothing to report
                 with self._worker_lock:
                     self._finish_load(job.req_id, missing, report=False)
-                if missing:  # this step computes over blocks it did not fill: save none of it
-                    self._spoiled.add(job.req_id)
+                self._unfilled.update(missing)  # this step computes over them: saved nowhere
                 continue
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-load")
@@ -319,8 +298,8 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, KvtierMetadata) or not meta.saves:
             return
         device = self._layers[0].device if self._layers else torch.device("cpu")
-        saves = [job for job in meta.saves if job.release or job.req_id not in self._spoiled]
-        self.saving.run(saves, not meta.save_async, device)
+        cut = (plans.cut_before(job, self._unfilled, self.block_size) for job in meta.saves)
+        self.saving.run([job for job in cut if job is not None], not meta.save_async, device)
         self.stats["skipped_saves"] = self.saving.skipped
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -356,9 +335,19 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             sent, stored = store_job(self._client(job.key), self._layers, job, self.block_size)
             self.stats["sent_tokens"] += sent
             self.stats["saved_tokens"] += stored
-            self.stats["decode_tokens"] += stored if job.release else 0
+            self.stats["decode_tokens"] += min(stored, job.output)  # stored from the end
         except Exception as e:  # a save that fails is a later miss, never a crash
             self._error("store", e)
+
+    def _lookup(self, request: Any, key: str) -> Planned:
+        """A request to follow, with kvtier's prefix of its prompt (none if the sidecar fails)."""
+        planned = Planned(tuple(request.prompt_token_ids or ()), key)
+        try:
+            found = self._client(key).lookup(list(planned.tokens)).num_tokens
+            planned.found, planned.asked = found - found % self.block_size, True
+        except (KVTierError, OSError) as e:
+            self._error("lookup", e)
+        return planned
 
     def _load(self, job: LoadJob) -> list[int]:
         """Copy the job's blocks from kvtier; the vLLM block ids it could not fill."""

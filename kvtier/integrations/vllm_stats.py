@@ -25,12 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS = {
-    "lookups": "Prompts the scheduler asked kvtier about",
-    "hit_tokens": "Prompt tokens kvtier held past vLLM's own prefix hit, claimed for loading",
+    "lookups": "Requests vLLM admitted whose prompt kvtier was asked about (once each)",
+    "hit_tokens": "Prompt tokens past vLLM's own prefix hit vLLM took from kvtier at admission",
     "loaded_tokens": "Tokens loaded from kvtier into vLLM's blocks",
     "saved_tokens": "Tokens newly stored in kvtier (prompts and outputs)",
     "sent_tokens": "Tokens whose KV saves copied out of vLLM's blocks to kvtier",
-    "decode_tokens": "Tokens of finished requests' outputs newly stored in kvtier",
+    "decode_tokens": "Tokens of finished requests' outputs newly stored (blocks past the prompt's)",
     "skipped_saves": "Prompt saves skipped while the saves' queue was full (per rank)",
     "failed_loads": "Loads that came back short; vLLM recomputed from there (per rank)",
     "errors": "Calls to the kvtier sidecar that failed (per rank)",
