@@ -123,6 +123,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         # scheduler side
         self._requests: dict[str, Planned] = {}
         self._failed: set[str] = set()  # loads that failed: never claimed again
+        self._seen: set[str] = set()  # requests asked about (until `request_finished`)
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []  # of finished requests, for the next step
         self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps for us
@@ -150,10 +151,12 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         req_id = request.request_id
+        first = req_id not in self._seen  # refusals counted once a request (vLLM retries)
+        self._seen.add(req_id)
         if not plans.keyed_by_tokens(request):
-            self.stats["other_inputs"] += 1
+            self.stats["other_inputs"] += first
             return 0, False
-        key = self._key_for(request)
+        key = self._key_for(request, first)
         if key is None or req_id in self._failed:
             return 0, False
         planned = self._requests.get(req_id)
@@ -224,6 +227,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         its prompt may still be queued (`kvtier.save_async`)."""
         req_id = request.request_id
         planned = self._requests.pop(req_id, None)
+        self._seen.discard(req_id)
         self._failed.discard(req_id)
         self._saving.discard(req_id)
         if planned is None:
@@ -368,9 +372,9 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             self.stats["failed_loads"] += 1
             self._load_errors.update(missing)
 
-    def _key_for(self, request: Any) -> str | None:
+    def _key_for(self, request: Any, count: bool) -> str | None:
         key, refused = self.settings.key_for(request)
-        if refused is not None:
+        if refused is not None and count:
             if not self.stats[refused]:
                 log.warning(REFUSALS[refused])
             self.stats[refused] += 1

@@ -172,9 +172,12 @@ elif scenario == "retries":
     before = lookups()
     # A takes 62 of the 63 blocks for 12 steps; B (kvtier holds 32 of its tokens) waits
     sched.add_request(request("A", list(range(base + 1000, base + 1980)), max_tokens=12))
-    sched.add_request(request("B", prompt))
+    named = {"kv_transfer_params": {"kvtier_tenant": "bob"}}  # untrusted here: refused
+    sched.add_request(request("N", list(range(base + 3000, base + 3040)), extra_args=named))
+    sched.add_request(request("B", prompt))  # waits behind N
     run(sched, worker, caches)
     out["sidecar_lookups"] = lookups() - before
+    out["untrusted_names"] = sched.connector.stats["untrusted_names"]
 elif scenario == "skip":
     prompt = list(range(base, base + 40))
     store(prompt[:32])
@@ -223,10 +226,13 @@ def test_a_worker_cuts_each_save_before_the_first_block_a_load_failed_to_fill(
 
 
 def test_a_request_retried_for_blocks_is_looked_up_and_counted_once(sidecar: Server) -> None:
+    """vLLM asks again for a request it could not give blocks: one lookup, one hit, and one
+    refusal (`untrusted_names`) a request, not one a retry."""
     seen = drive(sidecar, "retries", base=44_000)
     assert seen["loaded_tokens"] == 32, seen
     assert seen["lookups"] == 2 and seen["hit_tokens"] == 32, seen  # A (a miss) and B
     assert seen["sidecar_lookups"] == 2, seen
+    assert seen["untrusted_names"] == 1, seen  # N, refused once however often it is retried
 
 
 def test_a_request_that_skips_cached_prefixes_counts_no_hit(sidecar: Server) -> None:
