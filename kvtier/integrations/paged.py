@@ -223,7 +223,7 @@ def _host_slots(
         raise InvalidKVError(f"host layout {layout!r}, expected one of {HOST_LAYOUTS}")
     if not _integer_vector(slots):
         raise InvalidKVError(
-            f"host slots: got {_described(slots)}, expected a 1-D integer tensor of slot ids"
+            f"host slots: got {_described(slots)}, expected a 1-D int64 or int32 tensor of slot ids"
         )
     dims, geometry = _HOST_GEOMETRY[layout]
     if dims == 6:
@@ -245,11 +245,12 @@ def _host_slots(
 
 
 def _integer_vector(slots: object) -> bool:
+    """A 1-D tensor of int64 or int32 ids: a narrower dtype would wrap the bounds check (520
+    compared as uint8 is 8), and torch indexes with a uint8 (or bool) tensor as a mask."""
     return (
         isinstance(slots, torch.Tensor)
         and slots.dim() == 1
-        and not (slots.dtype.is_floating_point or slots.dtype.is_complex)
-        and slots.dtype != torch.bool
+        and slots.dtype in (torch.int64, torch.int32)
     )
 
 

@@ -43,10 +43,11 @@ Contract:
   when SGLang registers it (`ConfigError` naming the field), and SGLang's page size must be a
   multiple of kvtier's `block_tokens` and at least 8 tokens.
 - A sidecar that fails is a miss (`batch_exists` 0, `batch_get_v1` all False, `batch_set_v1`
-  all False: SGLang retries the backup later), logged and counted in `stats`, never an
-  exception into SGLang's threads; so is a host index the gather or scatter refuses, and a
-  load whose KV is not the layout SGLang's host pool registered with (a sidecar restarted on
-  another model behind the same URL): never cast into the host pool.
+  all False: those pages stay out of kvtier; SGLang 0.5.23 does not back them up again),
+  logged and counted in `stats`, never an exception into SGLang's threads; so is a host index
+  the gather or scatter refuses, and a load whose KV is not the layout SGLang's host pool
+  registered with (a sidecar restarted on another model behind the same URL): never cast
+  into the host pool.
 
 MLA (`MLATokenToKVPoolHost`: one latent of C values per token and layer, no separate V): kvtier
 holds the latent as one head of K and V halves, so the sidecar's model is `num_kv_heads: 1`,
@@ -292,6 +293,10 @@ def sidecar_url(url: Any) -> str:
         raise ConfigError("kvtier.url", url, expected) from None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.port == 0:
         raise ConfigError("kvtier.url", url, expected)
+    if "@" in parts.netloc:  # credentials: never shown
+        raise ConfigError("kvtier.url", "(a URL with a user, not shown)", f"{expected}, no user")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError("kvtier.url", url, f"{expected}: no path, query or fragment")
     return url
 
 
