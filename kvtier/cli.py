@@ -13,7 +13,9 @@
                                            replay a Mooncake trace against a real store
 
 A bad config stops the command with the message of its `ConfigError` (field, bad value, what
-was expected) and exit status 2; nothing is started.
+was expected) and exit status 2; nothing is started. Every line printed goes through `say`:
+what came from outside (a server's reply or error, a status field) is shown with its control
+characters escaped (`\x1b`), never as a terminal escape or a forged line.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kvtier.config import (
     KVTierConfig,
@@ -34,9 +36,25 @@ from kvtier.config import (
 )
 from kvtier.errors import KVTierError
 from kvtier.store import KVStore
+from kvtier.text import printable
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
 from kvtier.tiers.disk.codec import tier_codec
 from kvtier.tiers.disk.slabs import DamagedDiskError
+
+
+def say(text: str, file: TextIO | None = None) -> None:
+    """Print `text` as one line (to `file`, else stdout) with its control characters escaped
+    (`text.printable`): every line the CLI prints goes through here, so nothing a server, a
+    cluster node or a file said reaches the terminal as an escape sequence or a line of its
+    own."""
+    print(printable(text), file=file)
+
+
+def say_json(data: Any) -> None:
+    """`data` as indented JSON, each line through `say` (`json.dumps` escapes every control
+    character in a string, so the lines are as JSON wrote them)."""
+    for line in json.dumps(data, indent=2).splitlines():
+        say(line)
 
 
 def _config(path: str | None) -> KVTierConfig:
@@ -64,9 +82,9 @@ def cmd_reset(args: argparse.Namespace) -> int:
     with Client(args.url, api_key=args.key, shared_memory=False) as client:
         why = reset_tenants([client])
     if why is not None:
-        print(f"kvtier reset: {why}", file=sys.stderr)
+        say(f"kvtier reset: {why}", file=sys.stderr)
         return 1
-    print("reset: the tenant's cached KV is forgotten")
+    say("reset: the tenant's cached KV is forgotten")
     return 0
 
 
@@ -76,7 +94,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     with Client(args.url, api_key=args.key, shared_memory=False) as client:
         status = client.status()
     if args.json:
-        print(json.dumps(status, indent=2))
+        say_json(status)
         return 0
     if "tenant" in status:  # a tenant key's: that tenant's own figures
         _print_tenant_status(status)
@@ -84,34 +102,34 @@ def cmd_status(args: argparse.Namespace) -> int:
     _print_status(status)
     mover = status["mover"]
     ready = mover["prefetch_to_ready_s"]
-    print(
+    say(
         f"ops: {status['ops']['lookups']} lookups (hit rate {status['hit_rate']:.1%}), "
         f"{status['ops']['stores']} stores, {status['ops']['prefetches']} prefetches, "
         f"{status['index']['leases']} leases live, "
         f"{status['index'].get('reservations', 0)} reservations live"
     )
-    print(
+    say(
         f"mover: {mover['in_flight']} flights in flight, {mover['queued_transfers']} copies "
         f"queued, {mover['failed_flights']} failed, {mover['backpressure_drops']} dropped "
         f"(backpressure); prefetch to ready p50 {ready['p50'] * 1e3:.2f} ms, "
         f"p99 {ready['p99'] * 1e3:.2f} ms"
     )
     for path, moved in status["paths"].items():
-        print(
+        say(
             f"  {path:<12}{format_size(moved['bytes']):>12} moved, "
             f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s recently"
         )
     if "busy" in status.get("inflight", {}):  # a server that has the budget, global figures
         held = status["inflight"]
-        print(
+        say(
             f"requests in flight: {format_size(held['held_bytes'])} of "
             f"{format_size(held['limit_bytes'])} held, {held['waits']} waited for room, "
             f"{held['busy']} refused busy"
         )
     if "remote" in status:
-        print(_remote_line(status["remote"]))
+        say(_remote_line(status["remote"]))
     if "events" in status:
-        print(_events_line(status["events"]))
+        say(_events_line(status["events"]))
     return 0
 
 
@@ -119,30 +137,30 @@ def _print_tenant_status(status: dict[str, Any]) -> None:
     """A tenant's status (`KVStore.status(tenant=...)`, what a tenant key is shown): its
     blocks, quotas and floors per tier, its leases and its calls."""
     layout = status["layout"]
-    print(
+    say(
         f"tenant {status['tenant']}: model {layout['model']}, {layout['dtype']}, "
         f"{layout['block_tokens']} tokens = {format_size(layout['block_bytes'])} per block"
     )
-    print(f"{'tier':<6}{'capacity':>12}{'blocks':>9}{'reserved':>10}{'held':>9}{'quota':>9}"
+    say(f"{'tier':<6}{'capacity':>12}{'blocks':>9}{'reserved':>10}{'held':>9}{'quota':>9}"
           f"{'floor':>9}{'hits':>10}")  # fmt: skip
     for name, tier in status["tiers"].items():
         cells = [tier.get(k) for k in ("blocks", "reserved_blocks", "held_blocks")]
         cells += [tier.get(k) for k in ("quota_blocks", "floor_blocks", "hits")]
         shown = ["-" if cell is None else str(cell) for cell in cells]  # None: no quota, floor
         widths = (9, 10, 9, 9, 9, 10)
-        print(
+        say(
             f"{name:<6}{format_size(tier['capacity_bytes']):>12}"
             + "".join(f"{cell:>{width}}" for cell, width in zip(shown, widths, strict=True))
         )
     ops, leases = status["ops"], status["leases"]
-    print(
+    say(
         f"ops: {ops['lookups']} lookups (hit rate {status['hit_rate']:.1%}), {ops['stores']} "
         f"stores, {ops['loads']} loads, {ops['prefetches']} prefetches; {leases['live']} of "
         f"{leases['quota']} leases live, {status['locked_blocks']} blocks locked"
     )
     if "inflight" in status:  # the sidecar's: the tenant's share of the request budget
         held = status["inflight"]
-        print(
+        say(
             f"requests in flight: {format_size(held['held_bytes'])} of "
             f"{format_size(held['limit_bytes'])} (the tenant's share) held"
         )
@@ -175,27 +193,27 @@ def cmd_info(args: argparse.Namespace) -> int:
         status = store.status()
         store.check()
     if args.json:
-        print(json.dumps(status, indent=2))
+        say_json(status)
         return 0
     _print_status(status)
-    print(f"tenants: {status['index']['tenants']}; check passed")
+    say(f"tenants: {status['index']['tenants']}; check passed")
     return 0
 
 
 def _print_status(status: dict[str, Any]) -> None:
     layout = status["layout"]
-    print(
+    say(
         f"model {layout['model']}: {layout['dtype']}, {layout['block_tokens']} tokens "
         f"= {format_size(layout['block_bytes'])} per block; write policy "
         f"{status['policy']['write']}"
     )
     width = max(10, *(len(t["location"]) + 2 for t in status["tiers"].values()))
-    print(
+    say(
         f"{'tier':<6}{'location':<{width}}{'capacity':>12}{'slots':>10}{'used':>12}{'blocks':>9}"
         f"{'reserved':>10}"
     )
     for name, tier in status["tiers"].items():
-        print(  # reserved: slots of reservations (a server before the field: 0)
+        say(  # reserved: slots of reservations (a server before the field: 0)
             f"{name:<6}{tier['location']:<{width}}{format_size(tier['capacity_bytes']):>12}"
             f"{tier['slots']:>10}{format_size(tier['used_bytes']):>12}{tier['blocks']:>9}"
             f"{tier.get('reserved_slots', 0):>10}"
@@ -218,7 +236,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             else f"{name} none"
             for name in config.tier_names
         )
-        print(
+        say(
             f"{path}: ok ({layout.model_name}, {format_size(layout.block_bytes)} per block; "
             f"{sizes})"
         )
@@ -250,15 +268,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         report = check_directory(Path(args.path), fix=args.fix)
     except DamagedDiskError as exc:  # a problem found, like a corrupt slot: status 1
-        print(f"{args.path}: damaged: {exc}")
+        say(f"{args.path}: damaged: {exc}")
         return 1
-    print(f"{args.path}: {report.slots} slots: {report.valid} valid, {report.empty} empty")
+    say(f"{args.path}: {report.slots} slots: {report.valid} valid, {report.empty} empty")
     for name in PROBLEMS:
-        print(f"  {name.replace('_', ' '):<18}{getattr(report, name):>8}")
+        say(f"  {name.replace('_', ' '):<18}{getattr(report, name):>8}")
     if args.fix:
-        print(f"  retired            {report.retired:>8}")
+        say(f"  retired            {report.retired:>8}")
     if report.problems and not args.fix:
-        print("problems found: run with --fix (with the store stopped) to retire those slots")
+        say("problems found: run with --fix (with the store stopped) to retire those slots")
         return 1
     return 0
 
@@ -308,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command][1](args)
     except KVTierError as exc:
-        print(f"kvtier: {exc}", file=sys.stderr)
+        say(f"kvtier: {exc}", file=sys.stderr)
         return 2
 
 

@@ -4,7 +4,9 @@ Requests: `RequestHeaders`, the headers of every request (msgpack bodies both wa
 key as a bearer token, the tenant where no key names it). Replies: `reply_body(reply)`, a
 success's decoded body, or the error the server reported raised as the store's own error type
 (`ERROR_TYPES`), else as a `ServiceError`; a body that does not decode is a `ReplyError`. What a
-body holds is checked later, field by field (`service/replies.py`).
+body holds is checked later, field by field (`service/replies.py`). An error's kind and detail
+are the server's words: cut (64, 2000 characters) and made `text.printable` before they are
+raised, so a message of ours never carries a terminal escape or a forged line.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvtier.client.connections import (
 )
 from kvtier.errors import ClosedError, InvalidArgumentError, KVTierError, ReplyError
 from kvtier.service import wire
+from kvtier.text import printable
 
 ERROR_TYPES: dict[str, type[KVTierError]] = {
     kind: cls for cls, (_, kind) in wire.ERRORS.items() if cls is not ClosedError
@@ -129,9 +132,9 @@ def reply_body(response: Reply) -> dict[str, Any]:
     if not 200 <= response.status < 300:
         try:
             body = wire.decode(response.content, response.content_type)
-            kind, detail = str(body.get("error"))[:64], str(body.get("detail"))[:2000]
+            kind, detail = printable(body.get("error"), 64), printable(body.get("detail"), 2000)
         except wire.WireError:
-            kind, detail = "http", response.content[:200].decode("utf-8", "replace")
+            kind, detail = "http", printable(response.content[:200].decode("utf-8", "replace"))
         cls = ERROR_TYPES.get(kind)
         if cls is not None and response.status >= 400 and response.status not in (401, 403, 413):
             raise cls(detail)

@@ -15,8 +15,12 @@ unknown key with 401 and `WWW-Authenticate: Basic`, so that the browser asks for
 
 While the store recovers the page still answers, saying so, with the build figures.
 
-The page carries no inline script or style: its Content-Security-Policy allows only this
-origin's `/page.js` and `/page.css`, no frames, no forms.
+The page carries no inline script or style. Its headers (`HEADERS`), on every answer of its
+paths, refusals (400, 401, 403, 405) included: the Content-Security-Policy `default-src 'none';
+script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; frame-ancestors 'none';
+base-uri 'none'; form-action 'none'` (scripts, styles, images and fetches from this origin only,
+nothing inline, no frames, no forms), nosniff, no referrer, no store. The Host check's 421 and
+the 404 of an unknown path are the app's (`guard.py`, `app.py`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ HEADERS = {
     "referrer-policy": "no-referrer",
     "cache-control": "no-store",
 }
+OTHER_METHODS = ["HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+"""The methods the page's paths refuse (405), with its headers: it answers GET only."""
 _STATIC = {"/page.css": "text/css", "/page.js": "text/javascript"}
 _MAX_CREDENTIALS = 4096
 
@@ -77,6 +83,14 @@ def add_page(app: FastAPI, service: Service) -> None:
 
     for path, media in _STATIC.items():
         app.get(path, include_in_schema=False)(_static(statics[path], media))
+    for path in ("/", *_STATIC):  # FastAPI's own 405 would carry no `HEADERS`
+        app.api_route(path, methods=OTHER_METHODS, include_in_schema=False)(_not_allowed)
+
+
+async def _not_allowed(request: Request) -> Response:
+    refusal = _refusal(405, "method_not_allowed", f"{request.method[:16]}: expected GET")
+    refusal.headers["allow"] = "GET"
+    return refusal
 
 
 def _static(body: bytes, media: str) -> Any:
@@ -101,7 +115,11 @@ PAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _refusal(status: int, kind: str, detail: str, ask: bool = False) -> Response:
-    headers = {"www-authenticate": 'Basic realm="kvtier", charset="UTF-8"'} if ask else None
+    """The page's error reply: JSON, with the page's `HEADERS` (its body may repeat what the
+    request said: never sniffed, framed, or kept)."""
+    headers = dict(HEADERS)
+    if ask:
+        headers["www-authenticate"] = 'Basic realm="kvtier", charset="UTF-8"'
     return JSONResponse({"error": kind, "detail": detail}, status, headers=headers)
 
 

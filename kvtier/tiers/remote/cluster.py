@@ -39,6 +39,9 @@ Contract:
   connects), the call is a counted miss and `last_error` says which node was named
   (`NodeRefused`). A table naming one such host is refused whole: the cluster is not connected
   to.
+- `last_error` (shown by `stats()`, so by the status API, `/readyz` and `kvtier status`) holds
+  what a node said, so it is kept as `text.printable` makes it: control characters escaped, at
+  most `ERROR_CHARS` characters.
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ from redis.retry import Retry
 
 from kvtier.config.network import NodeFilter
 from kvtier.errors import InvalidArgumentError
+from kvtier.text import printable
 from kvtier.tiers.remote.connection import (
     SplitValueConnection,
     SplitValueSSLConnection,
     Value,
+    only_allowed,
     value_nbytes,
 )
 from kvtier.tiers.remote.entry import (
@@ -82,6 +87,9 @@ CLUSTER_FAILURES = (Exception,)
 whatever else its handling of a broken or hostile reply raises. Seen with redis-py 8: an error
 `-MOVED abc` or `-ASK x y` is a ValueError, an ASK to a node outside its slot table an
 AttributeError, a bulk length past 2**63 an OverflowError. Each is a failure of the cluster."""
+
+ERROR_CHARS = 512
+"""`last_error` is cut to this many characters (module doc): a node's error line has no bound."""
 
 COUNTERS = ("puts", "already_present", "too_large", "hits", "misses", "verify_failures", "errors",
             "round_trips", "bytes_in", "bytes_out")  # fmt: skip
@@ -107,27 +115,6 @@ class ClusterSettings:
     password: str | None = field(default=None, repr=False)  # AUTH; never shown
     tls: TlsSettings | None = None
     allowed: tuple[str, ...] | None = None  # `NodeFilter` entries; None: any node
-
-
-class NodeRefused(Exception):
-    """The cluster named a node outside `ClusterSettings.allowed` (module doc)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        super().__init__(
-            f"the cluster named {host}:{port}, a node outside tiers.remote.allowed_nodes: "
-            "not connected to"
-        )
-
-
-def _only(allowed: NodeFilter) -> Callable[[tuple[str, int]], tuple[str, int]]:
-    """redis-py's `address_remap`: every address a node names, as it is when `allowed`."""
-
-    def check(address: tuple[str, int]) -> tuple[str, int]:
-        if not allowed.allows(address[0]):
-            raise NodeRefused(*address)
-        return address
-
-    return check
 
 
 def parse_node(node: str) -> tuple[str, int]:
@@ -210,7 +197,7 @@ class RemoteCluster:
             try:
                 out.append(decode_value(reply, expect[i]))
             except RemoteValueError as e:
-                self.last_error = f"{key.decode(errors='replace')}: {e.reason}"
+                self._say(f"{key.decode(errors='replace')}: {e.reason}")
                 self._count("verify_failures", 1)
                 bad.append(key)
                 out.append(None)
@@ -273,10 +260,14 @@ class RemoteCluster:
             with self._lock:
                 self._stats[name] += n
 
-    def _failed(self, error: Exception) -> None:
-        """A command of a round trip failed (its reply is `error`): counted, and said."""
-        self.last_error = f"{type(error).__name__}: {error}"
+    def _failed(self, error: Exception, where: str = "") -> None:
+        """A call into the cluster failed with `error`: counted, and said."""
+        self._say(f"{where}{type(error).__name__}: {error}")
         self._count("errors", 1)
+
+    def _say(self, text: str) -> None:
+        """Keep `text` (the cluster's words in it) as `last_error`, bounded (module doc)."""
+        self.last_error = printable(text, ERROR_CHARS)
 
     def _connect(self) -> RedisCluster | None:
         """The client, connected now if need be (None: a miss; module doc)."""
@@ -313,7 +304,7 @@ class RemoteCluster:
                 "ssl_check_hostname": tls.check_hostname,
             }
         if self._allowed is not None:
-            secure["address_remap"] = _only(self._allowed)
+            secure["address_remap"] = only_allowed(self._allowed)
         first = self._startup[0]
         host = f"[{first.host}]" if ":" in first.host else first.host
         try:
@@ -335,8 +326,7 @@ class RemoteCluster:
                 **secure,
             )
         except CLUSTER_FAILURES as e:
-            self.last_error = f"connect: {type(e).__name__}: {e}"
-            self._count("errors", 1)
+            self._failed(e, "connect: ")
             return None
         return self._install(client)
 
@@ -390,8 +380,7 @@ class RemoteCluster:
         try:
             return run(client)
         except CLUSTER_FAILURES as e:
-            self.last_error = f"{type(e).__name__}: {e}"
-            self._count("errors", 1)
+            self._failed(e)
             self._refresh(client)
             return None
         finally:

@@ -1,13 +1,16 @@
 """The redis-py connection the remote tier's cluster client uses (`cluster.py`): it sends a
 value's header and payload one after the other as one Redis value, the payload from where it
-lies (`entry.SplitValue`), and reads replies through a `paced.PacedSocket`."""
+lies (`entry.SplitValue`), and reads replies through a `paced.PacedSocket`; and the check
+that keeps it off nodes outside `tiers.remote.allowed_nodes` (`only_allowed`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from redis.connection import Connection, SSLConnection
 
+from kvtier.config.network import NodeFilter
 from kvtier.tiers.remote.entry import SplitValue
 from kvtier.tiers.remote.paced import Pace, PacedSocket
 
@@ -79,3 +82,25 @@ class SplitValueConnection(Connection):
 
 class SplitValueSSLConnection(SplitValueConnection, SSLConnection):
     """`SplitValueConnection` over TLS (`tiers.remote.tls`)."""
+
+
+class NodeRefused(Exception):
+    """The cluster named a node outside `ClusterSettings.allowed` (`cluster.py`): the host is
+    as the node named it; `cluster.py` escapes it before it is shown."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(
+            f"the cluster named {host}:{port}, a node outside tiers.remote.allowed_nodes: "
+            "not connected to"
+        )
+
+
+def only_allowed(allowed: NodeFilter) -> Callable[[tuple[str, int]], tuple[str, int]]:
+    """redis-py's `address_remap`: every address a node names, as it is when `allowed`."""
+
+    def check(address: tuple[str, int]) -> tuple[str, int]:
+        if not allowed.allows(address[0]):
+            raise NodeRefused(*address)
+        return address
+
+    return check
