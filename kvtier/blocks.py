@@ -69,7 +69,13 @@ from typing import Any, NewType, Protocol
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError, InvalidArgumentError, InvalidKVError, InvalidTokensError
+from kvtier.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidKVError,
+    InvalidTokensError,
+    shown,
+)
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -161,7 +167,7 @@ def check_start(start: object, num_tokens: int, block_tokens: int) -> int:
     `block_tokens` in [0, num_tokens], else `InvalidArgumentError` naming it."""
     if type(start) is not int or not 0 <= start <= num_tokens or start % block_tokens:
         raise InvalidArgumentError(
-            f"start: got {start!r}, expected a multiple of block_tokens ({block_tokens}) "
+            f"start: got {shown(start)}, expected a multiple of block_tokens ({block_tokens}) "
             f"in [0, {num_tokens}]"
         )
     return start // block_tokens
@@ -175,12 +181,11 @@ def check_device(device: torch.device | str | None) -> torch.device | None:
         target = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         target = None
+    got = f"device: got {shown(device)}"
     if target is None or target.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(f"device: got {device!r}, expected 'cpu', 'cuda' or 'cuda:N'")
-    if target.type == "cuda" and (target.index or 0) >= torch.cuda.device_count():
-        raise InvalidArgumentError(
-            f"device: got {device!r}, but this machine has {torch.cuda.device_count()} CUDA devices"
-        )
+        raise InvalidArgumentError(f"{got}, expected 'cpu', 'cuda' or 'cuda:N'")
+    if target.type == "cuda" and (target.index or 0) >= (count := torch.cuda.device_count()):
+        raise InvalidArgumentError(f"{got}, but this machine has {count} CUDA devices")
     return target
 
 
@@ -290,7 +295,7 @@ def _encode_sequence(tokens: Sequence[int]) -> bytes:
     for position, value in enumerate(tokens):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise InvalidTokensError(
-                f"tokens[{position}]: got {value!r} ({type(value).__name__}), expected an int"
+                f"tokens[{position}]: got {shown(value)} ({type(value).__name__}), expected an int"
             ) from None
     _raise_out_of_range(list(tokens))
     raise AssertionError("unreachable: struct refused tokens that look valid")
@@ -300,7 +305,7 @@ def _raise_out_of_range(values: list[int]) -> None:
     for position, value in enumerate(values):
         if not 0 <= value < 2**32:
             raise InvalidTokensError(
-                f"tokens[{position}]: got {value}, expected a token id in [0, 2**32)"
+                f"tokens[{position}]: got {shown(int(value))}, expected a token id in [0, 2**32)"
             )
 
 

@@ -7,9 +7,54 @@ commits. Our own bugs are `assert`s (or `InvariantError` from a `check()`), neve
 
 Each error also subclasses the closest builtin (`ValueError`, `KeyError`, ...), so callers that
 catch builtins keep working.
+
+A caller's value in a message is `shown(value)`: bounded, whatever its size, and never an int
+converted to decimal past 40 digits (Python refuses past 4300, and the work grows with the
+square of the length), so a huge argument gets the typed error a small bad one gets.
 """
 
 from __future__ import annotations
+
+import reprlib
+
+SHOWN_CHARS = 80
+"""The most characters `shown` keeps of a value's repr (a marker of its length follows)."""
+
+_DIGITS = 10**40
+
+
+def _integer(value: int) -> str:
+    if -_DIGITS < value < _DIGITS:
+        return repr(value)
+    sign = "a negative" if value < 0 else "an"
+    return f"{sign} integer of {value.bit_length()} bits"
+
+
+class _Bounded(reprlib.Repr):
+    """`reprlib`'s bounded repr, with ints (inside containers too) through `_integer`."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return _integer(x)
+
+
+_REPR = _Bounded()
+_REPR.maxstring = _REPR.maxother = SHOWN_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 8
+
+
+def shown(value: object) -> str:
+    """`value` as an error message shows it: its repr, at most `SHOWN_CHARS` characters plus
+    a marker; an int past 40 digits (sign included) as `an integer of N bits`. The work is
+    bounded by the shown size (containers show their first few items), and it never raises."""
+    if type(value) is int:
+        return _integer(value)
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a caller's object whose __repr__ fails is still named
+        text = f"<a {type(value).__name__}>"
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}… (cut: {len(text)} characters)"
 
 
 class KVTierError(Exception):
@@ -23,7 +68,9 @@ class ConfigError(KVTierError, ValueError):
         self.field = field
         self.value = value
         self.expected = expected
-        super().__init__(f"config field {field!r}: got {value!r}, expected {expected}")
+        # a path or URL of the operator's is shown whole; anything else bounded (`shown`)
+        got = repr(value) if type(value) is str and len(value) <= 1024 else shown(value)
+        super().__init__(f"config field {field!r}: got {got}, expected {expected}")
 
 
 class InvalidTokensError(KVTierError, ValueError):

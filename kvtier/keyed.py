@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kvtier.errors import InvalidArgumentError
+from kvtier.errors import InvalidArgumentError, shown
 
 TOP = 0x8000_0000
 DIGEST_WORDS = 8  # BLAKE2b-256: 8 words of 32 bits, 31 kept
@@ -47,8 +47,8 @@ class KeyedPages:
     def __init__(self, page_tokens: int, scope: str = "") -> None:
         if type(page_tokens) is not int or page_tokens < DIGEST_WORDS:
             raise InvalidArgumentError(
-                f"page_tokens: got {page_tokens!r}, expected at least {DIGEST_WORDS} tokens per "
-                "page (a page carries 248 bits of its key)"
+                f"page_tokens: got {shown(page_tokens)}, expected at least {DIGEST_WORDS} tokens "
+                "per page (a page carries 248 bits of its key)"
             )
         if not isinstance(scope, str):
             raise InvalidArgumentError(f"scope: got {type(scope).__name__}, expected a str")

@@ -30,6 +30,7 @@ from kvtier.errors import (
     InvariantError,
     LeaseError,
     StorageError,
+    shown,
 )
 from kvtier.index import BlockRef, LeaseId
 from kvtier.index.node import Node
@@ -44,7 +45,7 @@ def check_tenant(tenant: object) -> None:
     one the config lists is `tenancy.Namespaces.seed`'s check)."""
     if type(tenant) is not str:
         raise InvalidArgumentError(
-            f"tenant: got {tenant!r:.80} ({type(tenant).__name__}), expected a tenant id (str)"
+            f"tenant: got {shown(tenant)} ({type(tenant).__name__}), expected a tenant id (str)"
         )
 
 
@@ -101,7 +102,7 @@ class Operations:
             self.expire()
             lease = self.mover.book.get(LeaseId(lease_id)) if type(lease_id) is int else None
             if lease is None or (tenant is not None and lease.tenant != tenant):
-                raise LeaseError(f"lease {lease_id!r}: unknown, released or expired")
+                raise LeaseError(f"lease {shown(lease_id)}: unknown, released or expired")
             return lease
 
     def release_done(self, lease_ids: Sequence[int], tenant: str) -> int:
@@ -111,7 +112,9 @@ class Operations:
         tenant's: never told apart). How many were released. `InvalidArgumentError`, and
         nothing released, unless `lease_ids` is a list or tuple of ints."""
         if not isinstance(lease_ids, (list, tuple)) or any(type(r) is not int for r in lease_ids):
-            raise InvalidArgumentError(f"release: got {lease_ids!r:.60}, expected lease ids (ints)")
+            raise InvalidArgumentError(
+                f"release: got {shown(lease_ids)}, expected lease ids (ints)"
+            )
         with self.lock:
             self.ensure_open()
             self.expire()
@@ -204,9 +207,9 @@ class Operations:
         names = self.parts.state.index.tiers
         present = tuple(names[t] for t in self.parts.state.present)
         if tier not in present:
-            raise InvalidArgumentError(f"tier: got {tier!r}, expected one of {present}")
+            raise InvalidArgumentError(f"tier: got {shown(tier)}, expected one of {present}")
         if type(num_blocks) is not int or num_blocks < 0:
-            raise InvalidArgumentError(f"num_blocks: got {num_blocks!r}, expected an int >= 0")
+            raise InvalidArgumentError(f"num_blocks: got {shown(num_blocks)}, expected an int >= 0")
         with self.lock:
             self.ensure_open()
             self.expire()

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from kvtier.errors import InvalidArgumentError, LeaseError
+from kvtier.errors import InvalidArgumentError, LeaseError, shown
 
 
 class LookupResult(NamedTuple):
@@ -170,7 +170,7 @@ class Lease:
         """Block until layer `layer` of every block is in place (True) or `timeout` passed."""
         if type(layer) is not int or not 0 <= layer < max(self.num_layers, 1):
             raise InvalidArgumentError(
-                f"layer: got {layer!r}, expected an int in [0, {self.num_layers})"
+                f"layer: got {shown(layer)}, expected an int in [0, {self.num_layers})"
             )
         with self._cond:
             self._cond.wait_for(

@@ -51,7 +51,7 @@ from kvtier.assembly import Parts
 from kvtier.blocks import TOKEN_NBYTES, Tokens, check_device, check_start, encode_tokens
 from kvtier.caller_kv import Destination, kv_layout, store_blocks
 from kvtier.config import KVTierConfig, PolicyConfig, load_config
-from kvtier.errors import InvalidArgumentError, LeaseError
+from kvtier.errors import InvalidArgumentError, LeaseError, shown
 from kvtier.index import LeaseId
 from kvtier.operations import Operations
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
@@ -278,7 +278,7 @@ class KVStore:
         """Cancel a pending lease (its copies still land; nothing waits on them) or release a
         ready one. `LeaseError` if it is not live."""
         if not isinstance(lease, Lease):
-            raise InvalidArgumentError(f"lease: got {lease!r}, expected a Lease")
+            raise InvalidArgumentError(f"lease: got {shown(lease)}, expected a Lease")
         with self._lock:
             self.operations.ensure_open()
             self.mover.book.cancel(lease)
@@ -287,7 +287,7 @@ class KVStore:
         """Unlock a lease. `LeaseError` if it is unknown, released or expired."""
         raw = lease.lease_id if isinstance(lease, Lease) else lease
         if type(raw) is not int:
-            raise InvalidArgumentError(f"lease: got {lease!r}, expected a Lease or an int id")
+            raise InvalidArgumentError(f"lease: got {shown(lease)}, expected a Lease or an int id")
         with self._lock:
             self.operations.ensure_open()
             self.operations.expire()
@@ -379,7 +379,7 @@ def _ahead(
 def _check_flags(**flags: object) -> None:  # each a bool, else InvalidArgumentError
     for name, flag in flags.items():
         if type(flag) is not bool:
-            raise InvalidArgumentError(f"{name}: got {flag!r}, expected True or False")
+            raise InvalidArgumentError(f"{name}: got {shown(flag)}, expected True or False")
 
 
 def _counted(lease: Lease, as_load: bool) -> dict[str, int]:
@@ -394,7 +394,7 @@ def _ttl(policy: PolicyConfig, ttl_s: float | None) -> float:
     longest = policy.max_ttl_s
     if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl <= longest):
         raise InvalidArgumentError(
-            f"ttl_s: got {ttl_s!r}, expected a number of seconds in (0, {longest}] "
+            f"ttl_s: got {shown(ttl_s)}, expected a number of seconds in (0, {longest}] "
             f"(policy.max_ttl_s)"
         )
     return float(ttl)

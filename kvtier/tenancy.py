@@ -85,6 +85,7 @@ from kvtier.errors import (
     NotWrittenError,
     QuotaError,
     UnknownTenantError,
+    shown,
 )
 from kvtier.index import BlockRef, LeaseId, LeaseTable, RadixIndex, push_expiry
 from kvtier.results import Reservation
@@ -289,11 +290,11 @@ class ReservationTable:
         rid = reservation.reservation_id if isinstance(reservation, Reservation) else reservation
         if type(rid) is not int:
             raise InvalidArgumentError(
-                f"reservation: got {reservation!r}, expected a Reservation or its id (int)"
+                f"reservation: got {shown(reservation)}, expected a Reservation or its id (int)"
             )
         entry = self._live.get(rid)
         if entry is None or (tenant is not None and entry.reservation.tenant != tenant):
-            raise LeaseError(f"reservation {rid}: unknown, committed, aborted or expired")
+            raise LeaseError(f"reservation {shown(rid)}: unknown, committed, aborted or expired")
         return entry
 
     def take_written(self, reservation: Reservation | int) -> Reserved:

@@ -37,7 +37,7 @@ import torch
 
 from kvtier.blocks import Tokens, encode_tokens, from_blocks
 from kvtier.caller_kv import KVKind, check_memory
-from kvtier.errors import ReplyError
+from kvtier.errors import ReplyError, shown
 from kvtier.results import StoreResult
 from kvtier.service import replies, wire
 from kvtier.service.replies import Pools
@@ -63,13 +63,13 @@ class LoadPages:
         self.replies.append((start, body))
         truncated = body.get("truncated", False)
         if type(truncated) is not bool:
-            raise ReplyError(f"load.truncated: got {truncated!r:.40}, expected a bool")
+            raise ReplyError(f"load.truncated: got {shown(truncated)}, expected a bool")
         if not truncated:
             return
         end = body.get("num_tokens")
         if type(end) is not int or not start < end < self.asked:
             raise ReplyError(
-                f"load.num_tokens: got {end!r:.40} in a truncated reply, expected a token past "
+                f"load.num_tokens: got {shown(end)} in a truncated reply, expected a token past "
                 f"{start} and before the {self.asked} asked"
             )
         self._next = end

@@ -56,7 +56,7 @@ import torch
 from kvtier.blocks import Tokens, check_start, encode_tokens, to_blocks
 from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
 from kvtier.client.pages import LoadPages, joined, stored
-from kvtier.errors import ReplyError
+from kvtier.errors import ReplyError, shown
 from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.results import Lease, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies
@@ -341,4 +341,4 @@ def _at_most(count: int, bound: int, field: str, what: str) -> None:
 def _sendable(tenant: str, field: str) -> None:
     """`ReplyError` for a tenant that no request header can carry back to the server."""
     if not (tenant.isascii() and tenant.isprintable()):
-        raise ReplyError(f"{field}: got {tenant!r:.80}, expected printable ASCII (a tenant id)")
+        raise ReplyError(f"{field}: got {shown(tenant)}, expected printable ASCII (a tenant id)")

@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 
-from kvtier.errors import ClosedError, InvalidArgumentError, LeaseError
+from kvtier.errors import ClosedError, InvalidArgumentError, LeaseError, shown
 from kvtier.results import Lease
 
 ID_LIMIT = 1 << 64
@@ -47,7 +47,7 @@ def release_of(lease: Lease | int) -> tuple[int, str]:
     request could carry: before, msgpack's `OverflowError`)."""
     raw = lease.lease_id if isinstance(lease, Lease) else lease
     if type(raw) is not int:
-        raise InvalidArgumentError(f"lease: got {lease!r:.80}, expected a Lease or an int id")
+        raise InvalidArgumentError(f"lease: got {shown(lease)}, expected a Lease or an int id")
     if not 0 <= raw < ID_LIMIT:
         raise LeaseError(f"lease {raw}: unknown, released or expired")
     return raw, lease.tenant if isinstance(lease, Lease) else "default"

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.errors import InvalidArgumentError
+from kvtier.errors import InvalidArgumentError, shown
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -44,7 +44,7 @@ def parse_entry(entry: object) -> Network | str:
         name = host_name(entry)
         if name is not None:
             return name
-    raise InvalidArgumentError(f"allowed_nodes: got {entry!r:.80}, expected {EXPECTED}")
+    raise InvalidArgumentError(f"allowed_nodes: got {shown(entry)}, expected {EXPECTED}")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtier.errors import InvalidKVError
+from kvtier.errors import InvalidKVError, shown
 
 
 def geometry(layers: Sequence[torch.Tensor]) -> tuple[int, int, int, int, torch.dtype]:
@@ -97,12 +97,12 @@ def _index(
             value = None
         if isinstance(i, bool) or value is None or not 0 <= value < blocks:
             raise InvalidKVError(
-                f"paged KV: block id {i!r:.40} (of {list(ids)!r:.80}), expected each in "
+                f"paged KV: block id {shown(i)} (of {list(ids)!r:.80}), expected each in "
                 f"[0, {blocks}), an int"
             )
         checked.append(value)
     if writes and len(set(checked)) != len(checked):
-        raise InvalidKVError(f"paged KV: block ids {checked!r:.80}, expected distinct ids")
+        raise InvalidKVError(f"paged KV: block ids {shown(checked)}, expected distinct ids")
     return torch.tensor(checked, dtype=torch.long, device=device)
 
 

@@ -59,7 +59,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from kvtier.blocks import encode_tokens
 from kvtier.client import Client
-from kvtier.errors import ConfigError, InvalidTokensError
+from kvtier.errors import ConfigError, InvalidTokensError, shown
 from kvtier.integrations.settings import ConnectorSettings
 from kvtier.routing.reading import BadEvent, batch_events, block_hash, block_hashes, medium
 from kvtier.routing.subscriber import Subscriber
@@ -247,7 +247,7 @@ class Relay:
                     "kvtier events of %r-token blocks not relayed: vLLM's blocks hold %d (set "
                     "the sidecar's block_tokens to it)", size, self.block_size,
                 )  # fmt: skip
-            raise BadEvent(f"block_size: got {size!r}, expected {self.block_size}")
+            raise BadEvent(f"block_size: got {shown(size)}, expected {self.block_size}")
         if not isinstance(tokens, list) or len(tokens) != len(hashes) * size or not hashes:
             raise BadEvent(f"token_ids: expected {len(hashes)} blocks of {size}")
         try:  # the store's own check: ints in [0, 2**32), so vLLM's encoder takes them

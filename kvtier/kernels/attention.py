@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.errors import InvalidArgumentError, ResidencyError
+from kvtier.errors import InvalidArgumentError, ResidencyError, shown
 from kvtier.kernels import paged_attention as kernels
 from kvtier.results import Lease
 
@@ -141,7 +141,7 @@ class PagedAttention:
             raise InvalidArgumentError("leases: got none, expected one lease per sequence")
         for b, lease in enumerate(leases):
             if not isinstance(lease, Lease):
-                raise InvalidArgumentError(f"leases[{b}]: got {lease!r}, expected a Lease")
+                raise InvalidArgumentError(f"leases[{b}]: got {shown(lease)}, expected a Lease")
             if not lease.ready():
                 raise ResidencyError(
                     f"leases[{b}]: lease {lease.lease_id} is {lease.state.value}, expected "
@@ -186,7 +186,7 @@ class PagedAttention:
     def _check_layer(self, layer: int) -> None:
         if type(layer) is not int or not 0 <= layer < self.layout.num_layers:
             raise InvalidArgumentError(
-                f"layer: got {layer!r}, expected an int in [0, {self.layout.num_layers})"
+                f"layer: got {shown(layer)}, expected an int in [0, {self.layout.num_layers})"
             )
 
     def _check_table(

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import InvalidArgumentError
+from kvtier.errors import InvalidArgumentError, shown
 from kvtier.kernels.paged_attention import INTERPRETED, available
 from kvtier.quant import QuantCodec
 
@@ -59,7 +59,7 @@ def dequantize(
             f"pool: got a {pool.dtype} pool, expected a contiguous {codec.layout.dtype} one"
         )
     if slots.dim() != 1 or slots.numel() != n or slots.dtype != torch.int64:
-        raise InvalidArgumentError(f"slots: expected {n} int64 slot numbers, got {slots!r}")
+        raise InvalidArgumentError(f"slots: expected {n} int64 slot numbers, got {shown(slots)}")
     if n and not (int(slots.min()) >= 0 and int(slots.max()) < pool.shape[0]):
         raise InvalidArgumentError(f"slots: expected slots in [0, {pool.shape[0]})")
     if n and int(torch.unique(slots).numel()) != n:  # two programs writing one slot race

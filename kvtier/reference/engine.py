@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.errors import CapacityError, ConfigError, InvalidArgumentError
+from kvtier.errors import CapacityError, ConfigError, InvalidArgumentError, shown
 from kvtier.reference.llama import Llama
 from kvtier.reference.prefix import Cache, Prefix, open_prefix
 from kvtier.results import LookupResult, StoreResult
@@ -116,7 +116,9 @@ class Engine:
         """`prefill`, then up to `max_new_tokens` greedy tokens, stopping before the model's
         end-of-sequence id."""
         if type(max_new_tokens) is not int or max_new_tokens < 0:
-            raise InvalidArgumentError(f"max_new_tokens: got {max_new_tokens!r}, expected >= 0")
+            raise InvalidArgumentError(
+                f"max_new_tokens: got {shown(max_new_tokens)}, expected >= 0"
+            )
         done = self.prefill(prompt)
         eos = self.model.config.eos_token_id
         tokens: list[int] = []

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvtier.blocks import BlockHasher, KVLayout
 from kvtier.config import KVTierConfig
-from kvtier.errors import InvalidArgumentError
+from kvtier.errors import InvalidArgumentError, shown
 from kvtier.quant import KINDS
 from kvtier.replay.report import Sizing
 from kvtier.tiers.disk.codec import tier_codec
@@ -49,9 +49,13 @@ def parse_codecs(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     for name in names:
         if name not in CODECS:
-            raise InvalidArgumentError(f"--codec: got {name!r}, expected some of {list(CODECS)}")
+            raise InvalidArgumentError(
+                f"--codec: got {shown(name)}, expected some of {list(CODECS)}"
+            )
     if not names or len(set(names)) != len(names):
-        raise InvalidArgumentError(f"--codec: got {text!r}, expected distinct names of {CODECS}")
+        raise InvalidArgumentError(
+            f"--codec: got {shown(text)}, expected distinct names of {CODECS}"
+        )
     return names
 
 

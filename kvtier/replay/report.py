@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.blocks import KVLayout
-from kvtier.errors import InvalidArgumentError
+from kvtier.errors import InvalidArgumentError, shown
 from kvtier.replay.simulate import SimResult
 from kvtier.sizes import format_size
 
@@ -42,7 +42,7 @@ class Sizing:
                 lowest = "> 0" if name == "gpu" else ">= 0 (0: no such tier)"
                 expected = f"{lowest} and at most 100"
                 raise InvalidArgumentError(
-                    f"--{name}: got {value!r}, expected a fraction {expected}"
+                    f"--{name}: got {shown(value)}, expected a fraction {expected}"
                 )
         if self.host == 0 and self.disk > 0:
             raise InvalidArgumentError(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.errors import InvalidArgumentError
+from kvtier.errors import InvalidArgumentError, shown
 from kvtier.replay.replicas import TIERS, FleetRun, replay_fleet
 from kvtier.replay.report import Sizing, pyplot
 from kvtier.replay.runner import ReplayOptions
@@ -34,7 +34,7 @@ def parse_policies(text: str) -> list[str]:
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         raise InvalidArgumentError(
-            f"--route: got {text!r}, expected a comma-separated list of {', '.join(POLICIES)}"
+            f"--route: got {shown(text)}, expected a comma-separated list of {', '.join(POLICIES)}"
         )
     return list(dict.fromkeys(policies))
 

@@ -49,7 +49,7 @@ import torch
 
 from kvtier.blocks import BlockHasher
 from kvtier.config import KVTierConfig, parse_config
-from kvtier.errors import CapacityError, InvalidArgumentError
+from kvtier.errors import CapacityError, InvalidArgumentError, shown
 from kvtier.replay.report import TIERS, Latency, Pacing, ReplayResult, Sizing
 from kvtier.replay.trace import (
     TRACE_BLOCK_TOKENS,
@@ -98,7 +98,7 @@ class ReplayOptions:
         trace_bt = trace_block_tokens(self.trace_block_tokens, "trace_block_tokens")
         if type(bt) is not int or bt < 1 or TRACE_BLOCK_TOKENS % bt or trace_bt % bt:
             raise InvalidArgumentError(
-                f"block_tokens: got {bt!r}, expected a divisor of {TRACE_BLOCK_TOKENS} and of "
+                f"block_tokens: got {shown(bt)}, expected a divisor of {TRACE_BLOCK_TOKENS} and of "
                 f"the trace's block ({trace_bt})"
             )
         if (
@@ -107,22 +107,22 @@ class ReplayOptions:
             or self.block_bytes % _BYTES_PER_HEAD_DIM
         ):
             raise InvalidArgumentError(
-                f"block_bytes: got {self.block_bytes!r}, expected a positive multiple of "
+                f"block_bytes: got {shown(self.block_bytes)}, expected a positive multiple of "
                 f"{_BYTES_PER_HEAD_DIM} (K and V of 512 float16 tokens per unit of head_dim) "
                 f"up to {MAX_BLOCK_BYTES}"
             )
         if self.speed is not None and not self.speed > 0:
-            raise InvalidArgumentError(f"speed: got {self.speed!r}, expected a number > 0")
+            raise InvalidArgumentError(f"speed: got {shown(self.speed)}, expected a number > 0")
         if self.directory is not None and not os.path.isdir(self.directory):
             raise InvalidArgumentError(
-                f"directory: got {self.directory!r}, expected an existing directory"
+                f"directory: got {shown(self.directory)}, expected an existing directory"
             )
 
     def check_trace(self, requests: Sequence[TraceRequest]) -> None:
         """`InvalidArgumentError` unless `requests` are of `trace_block_tokens`-token ids."""
         if requests and requests[0].block_tokens != self.trace_block_tokens:
             raise InvalidArgumentError(
-                f"trace_block_tokens: got {self.trace_block_tokens}, expected the trace's "
+                f"trace_block_tokens: got {shown(self.trace_block_tokens)}, expected the trace's "
                 f"{requests[0].block_tokens} (the tokens its ids name)"
             )
 
@@ -189,8 +189,8 @@ class _Clock:
     def __init__(self, speed: float | None, first_ms: int, last_ms: int) -> None:
         if speed is not None and not (last_ms - first_ms) / 1e3 / speed <= MAX_PACED_S:
             raise InvalidArgumentError(
-                f"speed: got {speed!r}, which stretches the trace's {last_ms - first_ms} ms to "
-                f"{(last_ms - first_ms) / 1e3 / speed:.3g} s; expected a speed that keeps the "
+                f"speed: got {shown(speed)}, which stretches the trace's {last_ms - first_ms} ms "
+                f"to {(last_ms - first_ms) / 1e3 / speed:.3g} s; expected a speed that keeps the "
                 f"schedule within {MAX_PACED_S} s"
             )
         self.speed, self.first_ms = speed, first_ms

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.errors import InvalidArgumentError
+from kvtier.errors import InvalidArgumentError, shown
 from kvtier.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 Chain = Sequence[int]
@@ -43,7 +43,7 @@ def chains(requests: Sequence[TraceRequest], block_tokens: int = TRACE_BLOCK_TOK
     trace_bt = requests[0].block_tokens if requests else TRACE_BLOCK_TOKENS
     if block_tokens < 1 or trace_bt % block_tokens:
         raise InvalidArgumentError(
-            f"block_tokens: got {block_tokens!r}, expected a divisor of the trace's block "
+            f"block_tokens: got {shown(block_tokens)}, expected a divisor of the trace's block "
             f"({trace_bt})"
         )
     k = trace_bt // block_tokens
@@ -71,7 +71,7 @@ class LeafCache:
 
     def __init__(self, capacity: int, policy: Policy) -> None:
         if capacity < 1:
-            raise InvalidArgumentError(f"capacity: got {capacity!r}, expected >= 1 block")
+            raise InvalidArgumentError(f"capacity: got {shown(capacity)}, expected >= 1 block")
         self.capacity = capacity
         self.policy = policy
         self.index = -1

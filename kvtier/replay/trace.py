@@ -39,7 +39,7 @@ from typing import cast
 
 import numpy as np
 
-from kvtier.errors import InvalidArgumentError, TraceError
+from kvtier.errors import InvalidArgumentError, TraceError, shown
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per hash id in a Mooncake trace."""
@@ -114,7 +114,7 @@ class Ceiling:
 def _int_field(record: dict[str, object], name: str, error: _LineError) -> int:
     value = record[name]
     if type(value) is not int or not 0 <= value < MAX_FIELD:
-        raise error(f"{name}: got {value!r:.80}, expected an integer in [0, 2**63)")
+        raise error(f"{name}: got {shown(value)}, expected an integer in [0, 2**63)")
     return value
 
 
@@ -123,7 +123,7 @@ def _seconds_field(record: dict[str, object], error: _LineError) -> int:
     value = record["timestamp"]
     if not (type(value) in (int, float) and 0 <= cast(float, value) < MAX_FIELD // 1000):
         raise error(
-            f"timestamp: got {value!r:.80}, expected seconds, a number in [0, 2**63 / 1000) "
+            f"timestamp: got {shown(value)}, expected seconds, a number in [0, 2**63 / 1000) "
             "(--trace-time-unit s)"
         )
     return round(cast(float, value) * 1000)  # NaN failed the range above
@@ -159,8 +159,8 @@ def parse_line(
     most = 2**32 // block_tokens - 1
     for position, value in enumerate(request.hash_ids):
         if value > most:
-            raise TraceError(path, line, f"hash_ids[{position}]: got {value}, expected an int "
-                             f"in [0, {most}] (a line alone is not renumbered)")  # fmt: skip
+            raise TraceError(path, line, f"hash_ids[{position}]: got {shown(value)}, expected an "
+                             f"int in [0, {most}] (a line alone is not renumbered)")  # fmt: skip
     return request
 
 
@@ -169,7 +169,7 @@ def trace_block_tokens(value: object, name: str = "trace block_tokens") -> int:
     in [1, 2**16]."""
     if type(value) is not int or not 1 <= value <= MAX_TRACE_BLOCK_TOKENS:
         raise InvalidArgumentError(
-            f"{name}: got {value!r}, expected an int in [1, {MAX_TRACE_BLOCK_TOKENS}]"
+            f"{name}: got {shown(value)}, expected an int in [1, {MAX_TRACE_BLOCK_TOKENS}]"
         )
     return value
 
@@ -239,17 +239,17 @@ def _parse(text: str, error: _LineError, block_tokens: int, seconds: bool) -> Tr
         timestamp = _seconds_field(record, error)
     elif type(record["timestamp"]) is float:
         raise error(
-            f"timestamp: got {record['timestamp']!r:.80}, expected integer milliseconds "
+            f"timestamp: got {shown(record['timestamp'])}, expected integer milliseconds "
             "(seconds: --trace-time-unit s)"
         )
     else:
         timestamp = _int_field(record, "timestamp", error)
     ids = record["hash_ids"]
     if not isinstance(ids, list) or not ids:
-        raise error(f"hash_ids: got {ids!r:.80}, expected a non-empty list of ints")
+        raise error(f"hash_ids: got {shown(ids)}, expected a non-empty list of ints")
     for position, value in enumerate(ids):
         if type(value) is not int or not 0 <= value < ID_LIMIT:
-            raise error(f"hash_ids[{position}]: got {value!r:.80}, expected an int in [0, 2**64)")
+            raise error(f"hash_ids[{position}]: got {shown(value)}, expected an int in [0, 2**64)")
     expected = -(-input_length // block_tokens)  # ceil, in ints: no float to overflow
     if len(ids) != expected:
         hint = ""
@@ -298,7 +298,7 @@ def read_trace(
                     raise TraceError(
                         source,
                         number,
-                        f"timestamp: got {request.timestamp_ms}, expected >= "
+                        f"timestamp: got {shown(request.timestamp_ms)}, expected >= "
                         f"{requests[-1].timestamp_ms} (the lines are sorted by time)",
                     )
                 chaining.check(request.hash_ids, error)

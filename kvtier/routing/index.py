@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.blocks import TOKEN_NBYTES, Tokens, encode_tokens
-from kvtier.errors import InvalidTokensError
+from kvtier.errors import InvalidTokensError, shown
 from kvtier.routing.reading import BadEvent, batch_events, block_hash, block_hashes
 from kvtier.routing.reading import medium as medium_of
 
@@ -117,9 +117,9 @@ class PrefixIndex:
         max_blocks: int = MAX_BLOCKS,
     ) -> None:
         if block_size < 1:
-            raise ValueError(f"block_size: got {block_size}, expected >= 1")
+            raise ValueError(f"block_size: got {shown(block_size)}, expected >= 1")
         if max_blocks < 1:
-            raise ValueError(f"max_blocks: got {max_blocks}, expected >= 1")
+            raise ValueError(f"max_blocks: got {shown(max_blocks)}, expected >= 1")
         self.block_size, self.max_blocks = block_size, max_blocks
         self.weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
         self._sources: dict[str, _Source] = {}
@@ -215,7 +215,7 @@ class PrefixIndex:
         hashes, parent, tokens, block_size = block_hashes(event[1]), event[2], event[3], event[4]
         if type(block_size) is not int or block_size != self.block_size:
             self._stats["block_size"] += 1
-            raise BadEvent(f"block_size: got {block_size!r}, expected {self.block_size}")
+            raise BadEvent(f"block_size: got {shown(block_size)}, expected {self.block_size}")
         if not isinstance(tokens, list) or len(tokens) != len(hashes) * block_size:
             raise BadEvent(f"token_ids: expected {len(hashes)} blocks of {block_size}")
         try:  # the store's own check: an id is an int in [0, 2**32), never cast to one

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvtier.errors import shown
 from kvtier.routing.index import PrefixIndex
 
 POLICIES = ("round-robin", "prefix", "prefix-load")
@@ -29,7 +30,7 @@ class Router:
         slack: float = 0.2,
     ) -> None:
         if policy not in POLICIES:
-            raise ValueError(f"policy: got {policy!r}, expected one of {', '.join(POLICIES)}")
+            raise ValueError(f"policy: got {shown(policy)}, expected one of {', '.join(POLICIES)}")
         if policy != "round-robin" and index is None:
             raise ValueError(f"policy {policy!r} needs a PrefixIndex")
         if not pods:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, shown
 from kvtier.service import wire
 
 MAX_PER_TENANT = 4096
@@ -53,7 +53,7 @@ class Grants:
 
     def _table(self, kind: str, tenant: str) -> OrderedDict[str, int]:
         if kind not in KINDS:
-            raise ValueError(f"kind: got {kind!r}, expected one of {KINDS}")
+            raise ValueError(f"kind: got {shown(kind)}, expected one of {KINDS}")
         return self._tables.setdefault((kind, tenant), OrderedDict())
 
     def _put(self, table: OrderedDict[str, int], token: str, value: int) -> None:
@@ -97,6 +97,6 @@ class Grants:
                     )
                 for token, granted in table.items():
                     if not wire.is_request_token(token):
-                        raise KVTierError(f"grants: a malformed token {token!r:.40}")
+                        raise KVTierError(f"grants: a malformed token {shown(token)}")
                     if type(granted) is not int or granted < WITHDRAWN:
                         raise KVTierError(f"grants: token {token} -> {granted!r}")

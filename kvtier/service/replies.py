@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kvtier.blocks import DTYPES, KVLayout
-from kvtier.errors import ReplyError
+from kvtier.errors import ReplyError, shown
 from kvtier.results import (
     Lease,
     LeaseOwner,
@@ -104,7 +104,7 @@ def pools(body: dict[str, Any]) -> Pools:
         match = NAME.fullmatch(name) if isinstance(name, str) else None
         if name is not None and (match is None or match["tier"] != tier):
             raise ReplyError(
-                f"{where}.shared_memory: got {name!r:.80}, expected none or a name "
+                f"{where}.shared_memory: got {shown(name)}, expected none or a name "
                 f"<base>-<pid>-<8 hex>-{tier}"
             )
         ipc = offer.get("cuda_ipc")
@@ -127,7 +127,7 @@ def instance(body: dict[str, Any], where: str) -> str | None:
         return None
     if not isinstance(value, str) or INSTANCE.fullmatch(value) is None:
         raise ReplyError(
-            f"{where}.instance: got {value!r:.80}, expected 16 lowercase hex digits (the "
+            f"{where}.instance: got {shown(value)}, expected 16 lowercase hex digits (the "
             "server's instance id) or none"
         )
     return value
@@ -140,7 +140,7 @@ def lease(
     instance(body, "lease")  # well formed, whoever reads it (the client's pools compare it)
     state = body.get("state")
     if state not in _STATES:
-        raise ReplyError(f"lease.state: got {state!r:.80}, expected a lease state")
+        raise ReplyError(f"lease.state: got {shown(state)}, expected a lease state")
     num_tokens = _int(body, "num_tokens", "lease", MAX_COUNT)
     table = _slots(body, "block_table", "lease", num_tokens, served, "gpu")
     reason = body.get("reason", "")
@@ -178,7 +178,7 @@ def reservation(body: dict[str, Any], served: Pools | None, sent_tokens: int) ->
     instance(body, "reservation")  # well formed, as a lease's
     tier = body.get("tier")
     if tier not in ("gpu", "host", "disk"):
-        raise ReplyError(f"reservation.tier: got {tier!r:.80}, expected gpu, host or disk")
+        raise ReplyError(f"reservation.tier: got {shown(tier)}, expected gpu, host or disk")
     num_tokens = _int(body, "num_tokens", "reservation", MAX_COUNT)
     cached_tokens = _tokens(body, "cached_tokens", "reservation", served)
     if cached_tokens + num_tokens > sent_tokens:
@@ -272,7 +272,7 @@ def loaded(
 def _layout(data: dict[str, Any]) -> KVLayout:
     dtype = data.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise ReplyError(f"pools.layout.dtype: got {dtype!r:.80}, expected one of {list(DTYPES)}")
+        raise ReplyError(f"pools.layout.dtype: got {shown(dtype)}, expected one of {list(DTYPES)}")
     shape = data.get("block_shape")
     if not (
         isinstance(shape, list)
@@ -281,25 +281,25 @@ def _layout(data: dict[str, Any]) -> KVLayout:
         and shape[1] == 2
     ):
         raise ReplyError(
-            f"pools.layout.block_shape: got {shape!r:.80}, expected "
+            f"pools.layout.block_shape: got {shown(shape)}, expected "
             f"[layers, 2, block_tokens, heads, dim] of ints in [1, {MAX_DIM}]"
         )
     layers, _, block_tokens, heads, dim = shape
     rank, size = data.get("tp_rank", 0), data.get("tp_size", 1)  # absent: an older server
     if not (type(size) is int and 1 <= size <= 1024 and type(rank) is int and 0 <= rank < size):
         raise ReplyError(
-            f"pools.layout.tp_rank / tp_size: got {rank!r:.20} / {size!r:.20}, expected a "
+            f"pools.layout.tp_rank / tp_size: got {shown(rank)} / {shown(size)}, expected a "
             "rank in [0, tp_size) and tp_size in [1, 1024]"
         )
     layout = KVLayout("served", layers, heads, dim, dtype, block_tokens, rank, size)
     if data.get("block_tokens") != block_tokens or type(data.get("block_tokens")) is not int:
         raise ReplyError(
-            f"pools.layout.block_tokens: got {data.get('block_tokens')!r:.80}, expected "
+            f"pools.layout.block_tokens: got {shown(data.get('block_tokens'))}, expected "
             f"{block_tokens} (block_shape[2])"
         )
     if data.get("block_bytes") != layout.block_bytes or type(data.get("block_bytes")) is not int:
         raise ReplyError(
-            f"pools.layout.block_bytes: got {data.get('block_bytes')!r:.80}, expected "
+            f"pools.layout.block_bytes: got {shown(data.get('block_bytes'))}, expected "
             f"{layout.block_bytes} (block_shape and dtype)"
         )
     if layout.block_bytes > MAX_POOL_BYTES:
@@ -320,11 +320,11 @@ def _slots(
     limit = None if served is None else served.num_slots(tier)
     if not all(type(s) is int and 0 <= s < (MAX_ID if limit is None else limit) for s in slots):
         raise ReplyError(
-            f"{where}.{name}: got {slots!r:.80}, expected slot ids in "
+            f"{where}.{name}: got {shown(slots)}, expected slot ids in "
             f"[0, {'2**64' if limit is None else limit})"
         )
     if len(set(slots)) != len(slots):
-        raise ReplyError(f"{where}.{name}: got {slots!r:.80}, expected distinct slots")
+        raise ReplyError(f"{where}.{name}: got {shown(slots)}, expected distinct slots")
     if served is not None:
         block_tokens = served.layout.block_tokens
         if num_tokens != len(slots) * block_tokens:
@@ -349,7 +349,7 @@ def _int(data: dict[str, Any], name: str, where: str, maximum: int, minimum: int
     value = data.get(name)
     if type(value) is not int or not minimum <= value <= maximum:
         raise ReplyError(
-            f"{where}.{name}: got {value!r:.80}, expected an int in [{minimum}, {maximum}]"
+            f"{where}.{name}: got {shown(value)}, expected an int in [{minimum}, {maximum}]"
         )
     return value
 
@@ -357,14 +357,16 @@ def _int(data: dict[str, Any], name: str, where: str, maximum: int, minimum: int
 def _time(data: dict[str, Any], name: str, where: str) -> float:
     value = data.get(name)
     if not (isinstance(value, int | float) and type(value) is not bool and abs(value) < 1e300):
-        raise ReplyError(f"{where}.{name}: got {value!r:.80}, expected a finite number below 1e300")
+        raise ReplyError(
+            f"{where}.{name}: got {shown(value)}, expected a finite number below 1e300"
+        )
     return float(value)
 
 
 def _text(data: dict[str, Any], name: str, where: str) -> str:
     value = data.get(name)
     if not isinstance(value, str) or len(value) > 256:
-        raise ReplyError(f"{where}.{name}: got {value!r:.80}, expected text of at most 256 chars")
+        raise ReplyError(f"{where}.{name}: got {shown(value)}, expected text of at most 256 chars")
     return value
 
 

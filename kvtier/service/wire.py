@@ -58,6 +58,7 @@ from kvtier.errors import (
     QuotaError,
     StorageError,
     UnknownTenantError,
+    shown,
 )
 from kvtier.service import flat
 
@@ -198,7 +199,7 @@ def tokens_field(data: dict[str, Any], max_tokens: int) -> np.ndarray | list[int
         if count <= max_tokens and bool in set(map(type, value)):
             at = next(i for i, v in enumerate(value) if type(v) is bool)
             raise WireError(
-                400, "invalid_tokens", f"tokens[{at}]: got {value[at]!r}, expected an int"
+                400, "invalid_tokens", f"tokens[{at}]: got {shown(value[at])}, expected an int"
             )
     else:
         raise WireError(
@@ -224,7 +225,9 @@ def number_field(data: dict[str, Any], name: str, default: float | None) -> floa
             number = float(value)
             if math.isfinite(number):
                 return number
-    raise WireError(400, "invalid_argument", f"{name}: got {value!r:.80}, expected a finite number")
+    raise WireError(
+        400, "invalid_argument", f"{name}: got {shown(value)}, expected a finite number"
+    )
 
 
 def wait_field(data: dict[str, Any], bound: float) -> float:
@@ -234,7 +237,9 @@ def wait_field(data: dict[str, Any], bound: float) -> float:
     if wait_s is None:
         return bound
     if wait_s < 0:
-        raise WireError(400, "invalid_argument", f"wait_s: got {wait_s}, expected seconds >= 0")
+        raise WireError(
+            400, "invalid_argument", f"wait_s: got {shown(wait_s)}, expected seconds >= 0"
+        )
     return min(wait_s, bound)
 
 
@@ -243,7 +248,7 @@ def bool_field(data: dict[str, Any], name: str) -> bool:
     null: a closed, typed field)."""
     value = data.get(name, False)
     if type(value) is not bool:
-        detail = f"{name}: got {value!r:.80}, expected true or false"
+        detail = f"{name}: got {shown(value)}, expected true or false"
         raise WireError(400, "invalid_argument", detail)
     return value
 
@@ -251,7 +256,7 @@ def bool_field(data: dict[str, Any], name: str) -> bool:
 def int_field(data: dict[str, Any], name: str) -> int:
     value = data.get(name)
     if type(value) is not int:
-        raise WireError(400, "invalid_argument", f"{name}: got {value!r:.80}, expected an integer")
+        raise WireError(400, "invalid_argument", f"{name}: got {shown(value)}, expected an integer")
     return value
 
 
@@ -272,7 +277,7 @@ def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
         raise WireError(400, "invalid_kv", "kv: expected the tensor's raw bytes (msgpack bin)")
     if not (isinstance(dtype, str) and dtype in DTYPES):
         raise WireError(
-            422, "invalid_kv", f"dtype: got {dtype!r:.80}, expected one of {list(DTYPES)}"
+            422, "invalid_kv", f"dtype: got {shown(dtype)}, expected one of {list(DTYPES)}"
         )
     if not (
         isinstance(shape, list)
@@ -283,7 +288,7 @@ def kv_from_wire(data: dict[str, Any]) -> torch.Tensor:
         raise WireError(
             400,
             "invalid_kv",
-            f"shape: got {shape!r:.80}, expected a list of at most {MAX_KV_DIMS} sizes whose "
+            f"shape: got {shown(shape)}, expected a list of at most {MAX_KV_DIMS} sizes whose "
             "nonzero ones multiply to less than 2**62",
         )
     torch_dtype = DTYPES[dtype]
@@ -309,7 +314,7 @@ def lease_id_text(text: str) -> int:
     """A lease id of a URL path: decimal digits of an unsigned 64-bit int; `WireError` 400."""
     if not (text.isascii() and text.isdigit() and len(text) <= 20 and int(text) <= MAX_LEASE_ID):
         raise WireError(
-            400, "invalid_argument", f"lease id: got {text!r:.40}, expected an unsigned 64-bit int"
+            400, "invalid_argument", f"lease id: got {shown(text)}, expected an unsigned 64-bit int"
         )
     return int(text)
 
@@ -328,14 +333,14 @@ def release_field(data: dict[str, Any]) -> list[int]:
         raise WireError(
             400,
             "invalid_argument",
-            f"release: got {value!r:.80}, expected a list of at most {MAX_RELEASES} lease ids",
+            f"release: got {shown(value)}, expected a list of at most {MAX_RELEASES} lease ids",
         )
     for item in value:
         if type(item) is not int or not 0 <= item <= MAX_LEASE_ID:
             raise WireError(
                 400,
                 "invalid_argument",
-                f"release: got {item!r:.40}, expected a lease id (an unsigned 64-bit int)",
+                f"release: got {shown(item)}, expected a lease id (an unsigned 64-bit int)",
             )
     return value
 
@@ -364,7 +369,7 @@ def request_field(data: dict[str, Any]) -> str | None:
         raise WireError(
             400,
             "invalid_argument",
-            f"request: got {value!r:.40}, expected a token of {REQUEST_TOKEN_CHARS} lowercase "
+            f"request: got {shown(value)}, expected a token of {REQUEST_TOKEN_CHARS} lowercase "
             "hex chars",
         )
     return value

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvtier.errors import InvariantError, LeaseError
+from kvtier.errors import InvariantError, LeaseError, shown
 from kvtier.index import LeaseId, RadixIndex
 from kvtier.index.leases import LeaseRecord
 from kvtier.results import Lease, LeaseOwner, LeaseState
@@ -182,7 +182,7 @@ class LeaseBook:
         """Unlock a lease in any live state (`LeaseError` if unknown, released or expired)."""
         owner = self._owners.get(lease_id)
         if owner is None:  # never the id of a pin: those are the mover's own
-            raise LeaseError(f"lease {lease_id}: unknown, released or expired")
+            raise LeaseError(f"lease {shown(lease_id)}: unknown, released or expired")
         self.index.leases.release(lease_id)
         self._end(owner, LeaseState.RELEASED if owner.lease.ready() else LeaseState.CANCELLED)
 
@@ -191,7 +191,7 @@ class LeaseBook:
         release a ready one."""
         owner = self._owners.get(LeaseId(lease.lease_id))
         if owner is None or owner.lease is not lease:
-            raise LeaseError(f"lease {lease.lease_id}: unknown, released or expired")
+            raise LeaseError(f"lease {shown(lease.lease_id)}: unknown, released or expired")
         if lease.ready():
             self.release(LeaseId(lease.lease_id))
             return
