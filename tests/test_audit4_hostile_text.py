@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import pytest
 from starlette.testclient import TestClient
+from test_remote_audit import Answer, FakeNode
 
 from kvtier.cli import main
 from kvtier.config import parse_config
@@ -34,74 +35,16 @@ CONTROLS = [chr(c) for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))]
 
 # ---- a fake cluster node: honest about its slots, hostile in its errors ---------------------
 
-COMMANDS = {
-    b"get": (2, 1),
-    b"getrange": (4, 1),
-    b"set": (-3, 1),
-    b"exists": (-2, 1),
-    b"del": (-2, 1),
-}
 
+def erring(error: bytes) -> Answer:
+    """`FakeNode`'s answer to every data command: the error line `error`."""
 
-def _bulk(data: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(data), data)
-
-
-def _array(items: list[bytes]) -> bytes:
-    return b"*%d\r\n" % len(items) + b"".join(items)
-
-
-class FakeNode:
-    """A one-node 'cluster' on a socket: CLUSTER SLOTS names `host` (its own port), every data
-    command is answered with the error line `error`."""
-
-    def __init__(self, error: bytes, host: bytes = b"127.0.0.1") -> None:
-        self.error, self.host = error, host
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _reply(self, args: list[bytes]) -> bytes:
-        name = args[0].upper()
-        if name == b"CLUSTER" and args[1].upper() == b"SLOTS":
-            me = _array([_bulk(self.host), b":%d\r\n" % self.port, _bulk(b"fake")])
-            return _array([_array([b":0\r\n", b":16383\r\n", me])])
-        if name == b"COMMAND":
-            return _array(
-                [
-                    _array([_bulk(n), b":%d\r\n" % a, _array([]), *[b":%d\r\n" % k] * 2, b":1\r\n"])
-                    for n, (a, k) in COMMANDS.items()
-                ]
-            )
-        if name == b"HELLO":
-            return b"%2\r\n+server\r\n+redis\r\n+proto\r\n:3\r\n"
-        if name in (b"CLIENT", b"AUTH", b"READONLY"):
+    def answer(args: list[bytes], conn: socket.socket) -> bytes:
+        if args[0].upper() in (b"AUTH", b"READONLY"):
             return b"+OK\r\n"
-        return b"-ERR " + self.error + b"\r\n"
+        return b"-ERR " + error + b"\r\n"
 
-    def _serve(self, conn: socket.socket) -> None:
-        stream = conn.makefile("rb")
-        with conn, stream:
-            try:
-                while (line := stream.readline()).startswith(b"*"):
-                    args = []
-                    for _ in range(int(line[1:])):
-                        size = int(stream.readline()[1:])
-                        args.append(stream.read(size + 2)[:-2])
-                    conn.sendall(self._reply(args))
-            except (OSError, ValueError):
-                return
-
-    def close(self) -> None:
-        self.server.close()
+    return answer
 
 
 def _last_error(node: FakeNode, allowed: tuple[str, ...] | None = None) -> str:
@@ -129,7 +72,7 @@ def _is_terminal_safe(text: str) -> bool:
 def test_a_nodes_error_line_is_kept_escaped_and_cut_to_512_characters() -> None:
     """An error line of 200 000 characters full of escapes: kept as 512 characters at most
     (and a note of the cut), no control character in it, the escapes shown as `\\x1b`."""
-    node = FakeNode(ESCAPES.replace("\r\n", "\n\x9b").encode() + b"A" * 200_000)
+    node = FakeNode(erring(ESCAPES.replace("\r\n", "\n\x9b").encode() + b"A" * 200_000))
     error = _last_error(node)
     assert _is_terminal_safe(error), repr(error[:200])
     assert "\\x1b]0;PWNED-TITLE\\x07" in error and "\\x0a\\x9bINJECTED LINE" in error
@@ -142,7 +85,7 @@ def test_a_host_name_with_new_lines_in_the_slot_table_is_kept_escaped() -> None:
     """A slot table naming '127.0.0.1\\n<forged line>' (a node outside `allowed_nodes`, so
     refused by name): `last_error` names it on one line, its escapes shown, not sent."""
     forged = b"127.0.0.1\n\x1b[32mremote: connected; 9999 hits (forged line)\x1b[0m\n"
-    error = _last_error(FakeNode(b"never asked", host=forged), allowed=("127.0.0.1",))
+    error = _last_error(FakeNode(erring(b"never asked"), host=forged), allowed=("127.0.0.1",))
     assert "forged line" in error
     assert _is_terminal_safe(error), repr(error)
     assert "127.0.0.1\\x0a\\x1b[32mremote: connected" in error

@@ -200,11 +200,12 @@ def serve_each(server: socket.socket, serve: Callable[[socket.socket], None]) ->
 
 class FakeNode:
     """A RESP server on a loopback port that says it is a one-node cluster owning every slot
-    (HELLO, CLUSTER SLOTS, COMMAND), and hands every other command to `answer`, which returns
-    the reply's bytes or sends them itself (and returns None)."""
+    (HELLO, CLUSTER SLOTS, which names `host` and its own port, COMMAND), and hands every other
+    command to `answer`, which returns the reply's bytes or sends them itself (and returns
+    None)."""
 
-    def __init__(self, answer: Answer) -> None:
-        self.answer = answer
+    def __init__(self, answer: Answer, host: bytes = b"127.0.0.1") -> None:
+        self.answer, self.host = answer, host
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         serve_each(self.server, self._serve)
@@ -225,7 +226,7 @@ class FakeNode:
         if name == b"HELLO":
             return b"%2\r\n+server\r\n+redis\r\n+proto\r\n:3\r\n"
         if name == b"CLUSTER" and args[1].upper() == b"SLOTS":
-            me = array([bulk(b"127.0.0.1"), b":%d\r\n" % self.port, bulk(b"fake")])
+            me = array([bulk(self.host), b":%d\r\n" % self.port, bulk(b"fake")])
             return array([array([b":0\r\n", b":16383\r\n", me])])
         if name == b"COMMAND":
             return array(
