@@ -223,7 +223,8 @@ def _host_slots(
         raise InvalidKVError(f"host layout {layout!r}, expected one of {HOST_LAYOUTS}")
     if not _integer_vector(slots):
         raise InvalidKVError(
-            f"host slots: got {_described(slots)}, expected a 1-D int64 or int32 tensor of slot ids"
+            f"host slots: got {_described(slots)}, expected a 1-D integer tensor (int64 or "
+            "int32) of slot ids"
         )
     dims, geometry = _HOST_GEOMETRY[layout]
     if dims == 6:
