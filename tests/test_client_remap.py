@@ -41,6 +41,7 @@ def _body_calls(server: Server) -> float:
     return sum(float(count) for count in counts)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_failed_remap_gives_back_what_it_was_granted_and_a_later_call_maps_again(
     tmp_path: Path,
 ) -> None:
@@ -69,6 +70,7 @@ def test_a_failed_remap_gives_back_what_it_was_granted_and_a_later_call_maps_aga
         client.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_the_async_client_gives_back_and_maps_again_the_same_way(tmp_path: Path) -> None:
     tokens, port = list(range(400, 400 + 4 * BT)), free_port()
     same = write_config(tmp_path / "same")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from service_server import kv_of, restartable, start
 
@@ -42,6 +43,7 @@ def test_any_str_is_a_key_non_ascii_and_lone_surrogates_included() -> None:
     assert len(set(made)) == len(keys)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_client_that_outlives_a_sidecar_restart_never_serves_the_old_pools(
     tmp_path: Path,
 ) -> None:

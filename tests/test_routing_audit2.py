@@ -136,6 +136,7 @@ class Forwarder:
         self.conns = []
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_router_cut_off_while_its_pod_restarts_forgets_the_past_life(tmp_path: Path) -> None:
     """F1: before, the router expected number 2, heard the new life's number 7 first and filled
     2..6 from the new life's replay buffer: A and B stayed on pod-a for good."""
@@ -257,6 +258,7 @@ def _sent(pub: zmq.Socket[bytes], topic: str, seq: int, payload: bytes, sub: Sub
     return sub.wait(topic, seq + 1, 0.1)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_tenant_keys_snapshot_of_a_shared_topic_is_refused_and_keeps_the_others_blocks(
     tmp_path: Path,
 ) -> None:

@@ -59,6 +59,7 @@ def _pools_body(server: Server) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_each_server_process_has_its_own_instance_in_every_reply_that_names_slots(
     tmp_path: Path,
 ) -> None:
@@ -82,6 +83,7 @@ def test_each_server_process_has_its_own_instance_in_every_reply_that_names_slot
     assert seen[0] != seen[1]
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_client_that_outlives_a_restart_loads_the_new_bytes_through_the_new_pools(
     tmp_path: Path,
 ) -> None:
@@ -117,6 +119,7 @@ def test_a_client_that_outlives_a_restart_loads_the_new_bytes_through_the_new_po
             client.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_the_async_client_outlives_a_restart_the_same_way(tmp_path: Path) -> None:
     tokens = list(range(700, 700 + 8 * BT))
 

@@ -131,6 +131,7 @@ def test_the_decoders_allocations_stay_bounded(make: Callable[[int], bytes]) -> 
     assert peak < 16 * len(body) + MIB, f"{peak / MIB:.1f} MiB for a {len(body) / MIB} MiB body"
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_the_bound_fails_a_general_decoder() -> None:
     """The figure above is one `msgpack.unpackb` does not meet: the test can fail."""
     body = nested_empty_arrays(4 * MIB)

@@ -28,6 +28,7 @@ def fake() -> Iterator[Callable[..., FakeServer]]:
         yield make
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_reset_forgets_the_callers_tenant_only_and_waits_out_a_lease(tmp_path: Path) -> None:
     tenants = {"a": {"api_keys": [KEY_A]}, "b": {"api_keys": [KEY_B]}}
     config = write_config(tmp_path, tenants=tenants, disk="1MiB")
