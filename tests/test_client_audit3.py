@@ -244,6 +244,7 @@ def test_a_paged_load_under_eviction_on_a_real_server_is_always_its_delivered_pr
 # ---- F2: a mapped store over the tenant's gpu quota goes through the body ---------------------
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @BOTH
 def test_a_mapped_store_whose_reservation_is_over_the_quota_stores_through_the_body(
     tmp_path: Path, asynchronous: bool

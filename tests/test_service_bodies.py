@@ -254,6 +254,7 @@ def test_every_reply_decodes_as_msgpack_decodes_it(doc: Any, large: bool) -> Non
     assert flat.loads_reply(body, "application/msgpack") == msgpack.unpackb(body, raw=False)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @pytest.mark.parametrize("size", [4 * MIB, 64 * MIB])
 @pytest.mark.parametrize("make", list(HOSTILE.values()), ids=list(HOSTILE))
 def test_a_hostile_reply_is_a_reply_error_in_bounded_memory(

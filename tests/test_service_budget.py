@@ -190,6 +190,7 @@ def slow_load(server: Server, tokens: list[int], key: str | None = None) -> sock
     return sock
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_client_that_stops_reading_is_cut_off_and_holds_nothing(tmp_path: Path) -> None:
     tokens, kv = tokens_of(50_000, 16 * 1024), kv_of(16 * 1024, seed=7)  # 16 MiB
     service = {"max_body_bytes": 16 * MIB, "body_timeout_s": 1.0}
