@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import unicodedata
 
+ERROR_CHARS = 512
+"""What a status `last_error` field keeps of an error's text, at most (`printable`'s limit): an
+exception's message, a node's error line, has no bound of its own."""
+
 HIDDEN = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
 """The Unicode categories shown escaped: controls, format characters, line and paragraph
 separators, surrogates."""

@@ -44,6 +44,7 @@ from kvtier.blocks import BlockId
 from kvtier.errors import ClosedError
 from kvtier.index import Match
 from kvtier.results import Lease
+from kvtier.text import ERROR_CHARS, printable
 from kvtier.tiers.base import GPU
 from kvtier.transfer.background import Background, BackgroundSettings
 from kvtier.transfer.demotion import Demoter
@@ -224,7 +225,7 @@ class Mover:
         self._published.set()
         if flight.failed:
             self.stats["failed_flights"] += 1
-            self.last_error = flight.failed
+            self.last_error = printable(flight.failed, ERROR_CHARS)
         self.prefetcher.drop_doomed()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
@@ -274,7 +275,7 @@ class Mover:
             except ClosedError:
                 return False
             except Exception as exc:  # a bug: keep it visible in status, and keep moving
-                self.last_error = f"mover step raised {exc!r}"
+                self.last_error = printable(f"mover step raised {exc!r}", ERROR_CHARS)
                 self.stats["step_errors"] += 1
                 log.exception("kvtier mover step failed")
         return True

@@ -54,6 +54,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from kvtier.text import ERROR_CHARS, printable
 from kvtier.tiers.disk.io import SlabFile
 from kvtier.tiers.disk.io_pool import IOPool
 
@@ -163,7 +164,7 @@ class WriteBackoff:
         with self._lock:
             self.delay_s = min(MAX_S, self.delay_s * 2) if self.delay_s else FIRST_S
             self._until = self._clock() + self.delay_s
-            self.last_error = f"{type(error).__name__}: {error}"
+            self.last_error = printable(f"{type(error).__name__}: {error}", ERROR_CHARS)
 
     def written(self) -> None:
         """A batch was written whole: writes go ahead at once again."""

@@ -60,7 +60,7 @@ from redis.retry import Retry
 
 from kvtier.config.network import NodeFilter
 from kvtier.errors import InvalidArgumentError
-from kvtier.text import printable
+from kvtier.text import ERROR_CHARS, printable
 from kvtier.tiers.remote.connection import (
     SplitValueConnection,
     SplitValueSSLConnection,
@@ -87,9 +87,6 @@ CLUSTER_FAILURES = (Exception,)
 whatever else its handling of a broken or hostile reply raises. Seen with redis-py 8: an error
 `-MOVED abc` or `-ASK x y` is a ValueError, an ASK to a node outside its slot table an
 AttributeError, a bulk length past 2**63 an OverflowError. Each is a failure of the cluster."""
-
-ERROR_CHARS = 512
-"""`last_error` is cut to this many characters (module doc): a node's error line has no bound."""
 
 COUNTERS = ("puts", "already_present", "too_large", "hits", "misses", "verify_failures", "errors",
             "round_trips", "bytes_in", "bytes_out")  # fmt: skip

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.text import ERROR_CHARS, printable
 from kvtier.tiers.remote.tier import RemoteTier
 
 
@@ -110,7 +111,7 @@ class RemoteWriter:
             try:
                 done = self.tier.write(job.seed, job.ids, job.start, job.blocks)
             except Exception as e:  # a bug, not the cluster (which never raises): say it, go on
-                self.last_error = f"{type(e).__name__}: {e}"
+                self.last_error = printable(f"{type(e).__name__}: {e}", ERROR_CHARS)
                 done = [False] * len(job.blocks)
             with self._cond:
                 self._pending -= job.nbytes
