@@ -146,6 +146,7 @@ def test_the_start_logs_what_it_swept(tmp_path: Path, caplog: pytest.LogCaptureF
     assert len(swept) == 1 and name in swept[0].rsplit(": ", 1)[1].split()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_start_that_fails_after_the_pools_exist_leaves_no_segment(tmp_path: Path) -> None:
     config = write_config(tmp_path, disk="1MiB")
     (tmp_path / "disk").write_text("a file where the disk tier's directory should be")
@@ -175,6 +176,7 @@ def test_a_start_that_fails_after_the_pools_exist_leaves_no_segment(tmp_path: Pa
         assert process.wait(30) == 0
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_dev_shm_too_small_for_the_pools_is_refused_at_start_naming_the_capacity(
     tmp_path: Path,
 ) -> None:
