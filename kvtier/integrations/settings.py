@@ -6,7 +6,8 @@ cache, checked when vLLM builds it.
   value has its type (a string "false" is not a boolean), keys are resolved (`env:NAME`).
   Keys without the `kvtier.` prefix belong to other connectors and are left alone.
 - `closed` and `api_key` are the checks the SGLang backend (`sglang.py`) shares.
-- `check_layout` refuses a sidecar whose model layout is not the worker's KV.
+- `check_layout` refuses a sidecar whose model layout is not the worker's KV, or (with
+  `kvtier.model`, `served_model`) whose model has another name.
 - `shard` is the tensor-parallel rank and size whose KV this process holds.
 - `kv_cache_refusal` says why a KV cache would make kvtier hand out wrong bytes, or None.
   kvtier keys a block by its tokens and copies a request's blocks whole, so it takes only a
@@ -27,13 +28,14 @@ from typing import Any
 
 from kvtier.config.events import is_peer_address
 from kvtier.config.fields import resolve_api_key
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, shown
 from kvtier.integrations import paged
 
 _BOOLEANS = {"kvtier.load_async": True, "kvtier.save_async": True, "kvtier.save_decode": True,
              "kvtier.trust_tenant_param": False}  # fmt: skip
 _RELAY = ("kvtier.events_endpoint", "kvtier.events_replay_endpoint", "kvtier.events_topic")
-KNOWN = ("kvtier.url", "kvtier.urls", "kvtier.api_key", "kvtier.tenant_keys", *_BOOLEANS, *_RELAY)
+KNOWN = ("kvtier.url", "kvtier.urls", "kvtier.api_key", "kvtier.tenant_keys", "kvtier.model",
+         *_BOOLEANS, *_RELAY)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,14 @@ def closed(extra: Mapping[str, Any], known: tuple[str, ...]) -> None:
         raise ConfigError(unknown[0], extra[unknown[0]], f"one of {', '.join(known)}")
 
 
+def served_model(extra: Mapping[str, Any]) -> str | None:
+    """`kvtier.model`: the name the sidecar's model must have (`check_layout`); None: unset."""
+    model = extra.get("kvtier.model")
+    if model is not None and not (isinstance(model, str) and model.strip()):
+        raise ConfigError("kvtier.model", model, "the sidecar's model.name, a non-empty string")
+    return model
+
+
 def api_key(extra: Mapping[str, Any]) -> str | None:
     """`kvtier.api_key`, resolved (`env:NAME`); None when unset."""
     key = extra.get("kvtier.api_key")
@@ -170,10 +180,21 @@ def api_key(extra: Mapping[str, Any]) -> str | None:
     return resolve_api_key(key, "kvtier.api_key") if key else None
 
 
-def check_layout(layers: list[Any], served: Any, shard: tuple[int, int], url: str) -> None:
+def check_layout(
+    layers: list[Any], served: Any, shard: tuple[int, int], url: str, model: str | None = None
+) -> None:
     """`ConfigError` unless the sidecar's model layout (`served`, its `Layout`) is this vLLM
-    worker's paged KV (`layers`) and tensor-parallel `shard`, and its `block_tokens` divides
-    vLLM's block size."""
+    worker's paged KV (`layers`) and tensor-parallel `shard`, its `block_tokens` divides
+    vLLM's block size, and (with `model`, `kvtier.model`) its model is named `model`: two
+    models of one geometry (a base model and its fine-tune) have KV of the same shape, and
+    only the name tells them apart."""
+    if model is not None and served.model_name != model:
+        raise ConfigError(
+            "kvtier.model",
+            model,
+            f"the model.name of the sidecar at {url}, {shown(served.model_name)}: its KV is "
+            "another model's (point kvtier.url at this model's sidecar, or fix the name)",
+        )
     _, heads, size, dim, dtype = paged.geometry(layers)
     ours = (len(layers), heads, dim, dtype, *shard)
     theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype,

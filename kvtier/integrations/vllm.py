@@ -82,6 +82,7 @@ from kvtier.integrations.settings import (
     ConnectorSettings,
     check_layout,
     kv_cache_refusal,
+    served_model,
     shard,
 )
 from kvtier.integrations.vllm_stats import COUNTERS, KvtierStats, StatsBuilders, gained_since
@@ -112,6 +113,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self.tp_rank, self.tp_size = shard(vllm_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.settings = ConnectorSettings.parse(extra, self.tp_size)
+        self.model = served_model(extra)  # the sidecar's model must have this name, if set
         # the scheduler asks rank 0's sidecar; a rank that lacks a block fails its load
         self.url = self.settings.urls[self.tp_rank if role == KVConnectorRole.WORKER else 0]
         self.key = self.settings.key
@@ -257,7 +259,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         sidecar's model layout (layers, KV heads, head size, dtype, block size)."""
         self._layers = list(kv_caches.values())
         served = self._client(self.key).layout()
-        check_layout(self._layers, served, (self.tp_rank, self.tp_size), self.url)
+        check_layout(self._layers, served, (self.tp_rank, self.tp_size), self.url, self.model)
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The counts gained since the last call, for vLLM's logs and `/metrics`."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -142,10 +142,6 @@ class Engine:
 
 
 def served_layout(cache: Cache) -> KVLayout:
-    """The layout of the KV `cache` holds: the store's own; the sidecar's (`Client.layout`)
-    with the model's name from its status (the client's layout names it "served")."""
-    if isinstance(cache, KVStore):
-        return cache.layout
-    layout = cache.layout()
-    name = cache.status()["layout"]["model"]
-    return replace(layout, model_name=name)
+    """The layout of the KV `cache` holds: the store's own; the sidecar's (`Client.layout`,
+    which names its model)."""
+    return cache.layout if isinstance(cache, KVStore) else cache.layout()

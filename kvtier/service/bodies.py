@@ -73,6 +73,7 @@ def pools(
     return {
         "max_body_bytes": store.config.service.max_body_bytes,  # a store in the body: pieces
         "layout": {
+            "model": layout.model_name,  # an engine checks it (`kvtier.model`), as the geometry
             "dtype": layout.dtype_name,
             "block_shape": list(layout.block_shape),
             "block_bytes": layout.block_bytes,

@@ -49,6 +49,8 @@ from kvtier.tiers.shm import NAME
 
 MAX_DIM = 1 << 20
 """Bound on each of a block's five sizes."""
+MAX_MODEL_CHARS = 1024
+"""Bound on the length of the model's name (`pools.layout.model`)."""
 MAX_POOL_BYTES = 1 << 50
 """Bound on a pool's bytes (`num_slots * block_bytes`): 1 PiB."""
 MAX_COUNT = 1 << 40
@@ -291,7 +293,13 @@ def _layout(data: dict[str, Any]) -> KVLayout:
             f"pools.layout.tp_rank / tp_size: got {shown(rank)} / {shown(size)}, expected a "
             "rank in [0, tp_size) and tp_size in [1, 1024]"
         )
-    layout = KVLayout("served", layers, heads, dim, dtype, block_tokens, rank, size)
+    model = data.get("model", "served")  # absent: an older server
+    if not (isinstance(model, str) and 0 < len(model) <= MAX_MODEL_CHARS):
+        raise ReplyError(
+            f"pools.layout.model: got {shown(model)}, expected a model name of 1 to "
+            f"{MAX_MODEL_CHARS} characters"
+        )
+    layout = KVLayout(model, layers, heads, dim, dtype, block_tokens, rank, size)
     if data.get("block_tokens") != block_tokens or type(data.get("block_tokens")) is not int:
         raise ReplyError(
             f"pools.layout.block_tokens: got {shown(data.get('block_tokens'))}, expected "
