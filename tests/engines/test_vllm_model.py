@@ -47,7 +47,7 @@ def test_a_sidecar_of_another_models_name_is_refused_at_start(sidecar: Server) -
 
 
 def test_the_sidecar_of_the_named_model_is_used(sidecar: Server) -> None:
-    report = engine_report(launch(sidecar, MODEL["name"]))
+    report = engine_report(launch(sidecar, str(MODEL["name"])))
     assert report["finished"] == "FINISHED_LENGTH_CAPPED", report
     with Client(sidecar.url, api_key=ALICE) as client:
         assert client.lookup(PROMPT).num_tokens == 32  # its two whole blocks, saved
