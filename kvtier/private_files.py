@@ -18,6 +18,12 @@ something there first):
   link, of at most `max_bytes`; with `private`, a file that another user owns or that any
   group or other user may read or write is refused. Every refusal is a `ConfigError` naming
   the path and what was found.
+- `make_private(path, field)` makes an existing regular file 0600 by `fchmod` on a descriptor
+  opened without following a link; one that has another name too (a hard link: the chmod would
+  change the file behind it) or that another user owns is a `ConfigError`.
+- `owner_expected(what, remedy)` is what a refusal of a file or directory that another user owns
+  says is expected (a disk tier's directory and files, `tiers/disk/lock.py` and `slabs.py`):
+  owned by this process's user, whose uid it names.
 Modes are set with `fchmod`/`chmod` after creation, so the umask never widens or narrows them.
 `file_kind(st_mode)` names what was found instead of a file, for such messages.
 """
@@ -121,6 +127,34 @@ def read_regular(path: Path, field: str, max_bytes: int, *, private: bool = Fals
     if len(data) > max_bytes:
         raise ConfigError(field, str(path), f"a file of at most {max_bytes} bytes")
     return data
+
+
+def make_private(path: Path, field: str) -> None:
+    """Make the existing regular file `path` 0600 (see the module's contract)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.geteuid():
+                shown = f"{path} (owner uid {info.st_uid})"
+                raise ConfigError(field, shown, owner_expected("a file", "chown it"))
+            if info.st_nlink != 1:  # fchmod would change the file behind the other name
+                links = f"a file of one link, found {info.st_nlink} (copy it rather than link it)"
+                raise ConfigError(field, str(path), links)
+            if stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) != FILE_MODE:
+                os.fchmod(fd, FILE_MODE)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        expected = f"a file this user can make private, mode 0600 ({exc.strerror})"
+        raise ConfigError(field, str(path), expected) from None
+
+
+def owner_expected(what: str, remedy: str) -> str:
+    """The `expected` of a `ConfigError` refusing `what` (a directory, a slab file) that another
+    user owns: its owner can change it whenever it likes, whatever its mode (swap a slab for
+    one holding KV of its choosing), so no mode makes it this process's."""
+    return f"{what} owned by this process's user, uid {os.geteuid()} ({remedy})"
 
 
 def _write_temporary(path: Path, data: bytes) -> Path:

@@ -12,10 +12,18 @@ message only: the lock itself is the kernel's, so it goes with its holder, howev
 written (a full filesystem: the tier then meets its capacity check, which names the free bytes)
 leaves the file empty, and the holder "unknown" in that message. The file is opened without
 following a link and created 0600. It is checked on the open descriptor before anything is
-written into it: a lock file that is not a regular file, or that has another name too (a hard
-link: truncating it and writing the pid would overwrite the file behind the other name), is a
-`ConfigError` naming it. The directory is made 0700 on the same descriptor discipline
-(`private_directory`): kvtier's files there are its tenants' KV.
+written into it: a lock file that is not a regular file, that has another name too (a hard
+link: truncating it and writing the pid would overwrite the file behind the other name), or
+that another user owns, is a `ConfigError` naming it.
+
+Before the lock file is opened, the directory must be this process's user's (`private_directory`,
+checked on a descriptor of it, so a path that is a link is judged by the directory it leads to):
+one another user owns is a `ConfigError` naming it, its owner's uid and this user's, whatever its
+mode. Its owner could otherwise swap a slab for one holding KV of its choosing, which the store
+would serve after a restart; nothing is created or read in such a directory. An own directory
+is made 0700 on that descriptor: kvtier's files there are its tenants' KV. Once it is, no other
+user (root aside) can add, replace or rename an entry in it, which is what lets `slabs.py` check
+each slab's owner by path before opening it without following a link.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import stat
 from pathlib import Path
 
 from kvtier.errors import ConfigError
+from kvtier.private_files import owner_expected
 
 LOCK_FILE = "kvtier.lock"
 
@@ -35,6 +44,7 @@ class DirectoryLock:
 
     def __init__(self, directory: Path, field: str) -> None:
         self.path = directory / LOCK_FILE
+        private_directory(directory, field)  # before anything is created in it
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         except OSError as exc:
@@ -51,6 +61,12 @@ class DirectoryLock:
                     str(self.path),
                     f"a lock file of one link, found {info.st_nlink} links (delete it: the "
                     "store creates a new one)",
+                )
+            if info.st_uid != os.geteuid():
+                raise ConfigError(
+                    field,
+                    f"{self.path} (owner uid {info.st_uid})",
+                    owner_expected("a lock file", "delete it: the store creates a new one"),
                 )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -69,7 +85,6 @@ class DirectoryLock:
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             except OSError:
                 pass
-            private_directory(directory, field)
         except BaseException:
             os.close(fd)
             raise
@@ -87,22 +102,26 @@ class DirectoryLock:
 
 
 def private_directory(directory: Path, field: str) -> None:
-    """Make the tier directory 0700 (`fchmod` on a descriptor of it, never by path), when this
-    process's user owns it; one owned by another user that group or others may enter or list
-    is a `ConfigError` naming its mode (kvtier cannot tighten it, and would leave every
-    tenant's KV readable)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    """Check that this process's user owns the tier directory, and make it 0700 (`fchmod` on a
+    descriptor of it, never by path). One another user owns is a `ConfigError` naming it, its
+    mode and owner, whatever its mode: that user could swap the slabs in it (the module)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise ConfigError(field, str(directory), f"a directory ({exc.strerror})") from None
     try:
         info = os.fstat(fd)
-        if not info.st_mode & 0o077:
-            return
         if info.st_uid != os.geteuid():
             raise ConfigError(
                 field,
                 f"{directory} (mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid})",
-                "a directory no group or other user can read (this user cannot chmod it: "
-                "chmod 700 it, or use another)",
+                owner_expected(
+                    "a directory",
+                    f"`chown -R {os.geteuid()}` it if its slabs are this store's, else use "
+                    "another path: its owner could swap them for KV of its choosing",
+                ),
             )
-        os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o700 | 0o700)
+        if info.st_mode & 0o077:
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o700 | 0o700)
     finally:
         os.close(fd)

@@ -14,7 +14,11 @@ file, never a planted one, synced and renamed over it). A slab path that is not 
 an existing slab the tier cannot open read-write (a read-only copy restored from a backup) or
 that has another name (a hard link: writing it would write the other file too, `own_slab`).
 Slabs and an existing superblock are made 0600 on their descriptor (a restored 0644 copy let
-any local user read every tenant's KV).
+any local user read every tenant's KV). A slab (stale ones too) or superblock another user
+owns is a `DamagedDiskError` naming its owner, never read, written or deleted: it stops the
+start (and `kvtier check`) rather than being retired (it may hold KV of its owner's choosing; a
+slab of this store's chowned by mistake is chowned back, not lost). Checked by `lstat` before
+an open that follows no link: the directory is this user's and 0700 (`lock.py`) by then.
 
 A slab is a file named exactly `slab_path` gives (`slab-00000.kvt`, five digits or more, as
 `f"{n:05d}"` writes them); any other name in the directory, however like one (`slab-00000
@@ -49,7 +53,7 @@ from typing import Any
 
 from kvtier.blocks import DTYPES, KVLayout
 from kvtier.errors import ConfigError
-from kvtier.private_files import file_kind, read_regular, write_atomically
+from kvtier.private_files import file_kind, make_private, read_regular, write_atomically
 from kvtier.quant import QuantSpec
 from kvtier.tiers.disk.io import ALIGN, SlabFile
 
@@ -115,6 +119,7 @@ def read_superblock(path: Path, field: str) -> dict[str, Any] | None:
     superblock = path / SUPERBLOCK
     if not os.path.lexists(superblock):
         return None
+    _check_owner(superblock, os.lstat(superblock), field)
     try:
         text = read_regular(superblock, field, SUPERBLOCK_MAX_BYTES)
     except ConfigError as exc:
@@ -168,27 +173,11 @@ def check_superblock(path: Path, geometry: dict[str, Any]) -> bool:
             f"a directory of this layout and geometry ({geometry}), found {have}; "
             "use another path or delete this one",
         )
-    _make_private(path / SUPERBLOCK, "tiers.disk.path")
-    return False
-
-
-def _make_private(path: Path, field: str) -> None:
-    """Make the existing regular file `path` 0600 (`fchmod` on a descriptor opened without
-    following a link); `DamagedDiskError` when it cannot be, or is a hard link."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            info = os.fstat(fd)
-            if info.st_nlink != 1:  # fchmod would change the file behind the other name
-                links = f"a file of one link, found {info.st_nlink} (copy it rather than link it)"
-                raise DamagedDiskError(field, str(path), links)
-            if stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) != 0o600:
-                os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        expected = f"a file this user can make private, mode 0600 ({exc.strerror})"
-        raise DamagedDiskError(field, str(path), expected) from None
+        make_private(path / SUPERBLOCK, "tiers.disk.path")
+    except ConfigError as exc:
+        raise DamagedDiskError(exc.field, exc.value, exc.expected) from None
+    return False
 
 
 _SLAB_NAME = re.compile(r"slab-([0-9]{5,})\.kvt")
@@ -231,7 +220,7 @@ def check_room(path: Path, capacity_bytes: int, field: str) -> None:
     reserve."""
     held = 0
     for slab in slab_files(path).values():
-        if regular_file(slab, field):
+        if regular_file(slab, "tiers.disk.path"):
             held += os.stat(slab, follow_symlinks=False).st_blocks * 512
     free, size = free_bytes(path)
     spare = free - reserve_bytes(size)
@@ -261,8 +250,8 @@ def open_slabs(
     those beyond the capacity (it shrank since the last start), and, where an earlier slab was
     short (truncated) and could not grow back for lack of space, the slabs after it, whose
     copies are lost with them (slots are numbered slab by slab, so none may follow a hole;
-    their space goes to the short one next time). An existing slab it
-    cannot open read-write is a `DamagedDiskError` (the slabs opened before it are closed)."""
+    their space goes to the short one next time). An existing slab it cannot open read-write
+    (or another user's, `regular_file`) is a `DamagedDiskError` (those opened before are closed)."""
     found: list[SlabFile] = []
     remaining = total_slots
     try:
@@ -318,8 +307,7 @@ def _opened(path: Path, size: int, direct: bool) -> SlabFile:
 
 
 def sync_directory(path: Path) -> None:
-    """Make the entries of directory `path` durable (`fsync` on it): an unlink is not undone
-    by a power loss once this returns."""
+    """Make the entries of directory `path` durable (`fsync` on it): an unlink survives a crash."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -351,14 +339,24 @@ def own_slab(path: Path, field: str) -> bool:
 
 def regular_file(path: Path, field: str) -> bool:
     """Whether `path` exists; `DamagedDiskError` when it is anything but a regular file (a
-    link is never followed)."""
+    link is never followed) this process's user owns (the module)."""
     try:
-        mode = os.lstat(path).st_mode
+        info = os.lstat(path)
     except FileNotFoundError:
         return False
-    if not stat.S_ISREG(mode):
-        raise DamagedDiskError(field, str(path), f"a regular slab file, found {file_kind(mode)}")
+    if not stat.S_ISREG(info.st_mode):
+        found = file_kind(info.st_mode)
+        raise DamagedDiskError(field, str(path), f"a regular slab file, found {found}")
+    _check_owner(path, info, field)
     return True
+
+
+def _check_owner(path: Path, info: os.stat_result, field: str) -> None:
+    if info.st_uid != os.geteuid():  # never read, written or deleted (the module)
+        uid = os.geteuid()
+        expected = f"a file owned by this process's user, uid {uid} (chown it if this store "
+        expected += "wrote it, else delete it)"
+        raise DamagedDiskError(field, f"{path} (owner uid {info.st_uid})", expected)
 
 
 def _open_existing(path: Path, want: int, slot_bytes: int, faults: dict[str, int]) -> int:
