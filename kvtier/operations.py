@@ -55,6 +55,8 @@ class Operations:
         self.lock = parts.state.lock
         self.mover = parts.mover
         self.closed = False
+        # one table per tenant, counted in calls and when background writes land alike
+        parts.state.tenant_ops.update((t, c.ops) for t, c in parts.tenant_counters.items())
 
     def ensure_open(self) -> None:
         if self.closed:
@@ -69,11 +71,7 @@ class Operations:
 
     def count(self, tenant: str, **events: int) -> None:
         """Add `events` (operation counters, `TENANT_OPS`) to the global and `tenant`'s own."""
-        own = self.parts.tenant_counters[tenant].ops
-        ops = self.parts.state.ops
-        for name, n in events.items():
-            ops[name] += n
-            own[name] += n
+        self.parts.state.count(tenant, **events)
 
     def count_lookup(self, tenant: str, tokens: int, hit: int, by_tier: Sequence[int]) -> None:
         """A lookup of `tokens` tokens hit `hit` tokens, `by_tier[t]` blocks whose fastest copy

@@ -223,7 +223,7 @@ class KVStore:
             namespace = self.operations.namespace(tenant)
             self.operations.expire()
             end = self.index.match(namespace, key).end
-            held = self.parts.reader.read_prefix(end, dest.blocks, first)
+            held = self.parts.reader.read_prefix(end, dest.blocks, first, self.mover)
             self._writes.copy_hot_to_host(end)
             self.operations.count(tenant, loads=1, loaded_tokens=max(0, held - first) * bt)
             return LoadResult(held * bt, dest.result(max(0, held - first)))

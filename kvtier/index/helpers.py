@@ -1,5 +1,6 @@
 """Helpers of `radix.py`'s walks and edits: the common prefix of a node and a key, a block's
-fastest tier moving (`depth` and its parent's `child_res`), and what a subtree drop removes."""
+fastest tier moving (`depth` and its parent's `child_res`), and what a subtree drop removes
+(and whether a lock forbids it)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,9 @@ def subtree_tails(ref: BlockRef) -> list[tuple[Node, int]]:
         below.append(child)
         stack.extend(child.children.values() if child.children else ())
     return [(child, child.size) for child in reversed(below)] + [(node, node.size - i)]
+
+
+def subtree_locked(ref: BlockRef) -> bool:
+    """Whether a node that `drop_subtree(ref)` would cut is locked in some tier (a lease, a
+    flight's or the store's pin): then nothing of it may be dropped yet."""
+    return any(any(node.locks or ()) for node, _ in subtree_tails(ref))

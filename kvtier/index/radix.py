@@ -46,7 +46,7 @@ from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId
 from kvtier.index import node
 from kvtier.index.eviction import CandidateSets
 from kvtier.index.forest import Forest
-from kvtier.index.helpers import common_blocks, shift_depth, subtree_tails
+from kvtier.index.helpers import common_blocks, shift_depth, subtree_locked, subtree_tails
 from kvtier.index.leases import LeaseTable
 from kvtier.index.node import (
     EVENT_RANGE,
@@ -375,13 +375,12 @@ class RadixIndex(EvictionQueries):
         return self.forest.cut(node, count)
 
     def drop_subtree(self, ref: BlockRef) -> list[tuple[int, int]]:
-        """Remove a block and everything cached below it (none locked), leaf-first, e.g. a copy
-        found corrupt with the orphans it would leave; the freed copies as (tier, slot) pairs."""
-        freed: list[tuple[int, int]] = []
-        for tail, count in subtree_tails(ref):
-            for tier, slots in enumerate(self.drop_tail(tail, count)):
-                freed += [(tier, slot) for slot in slots]
-        return freed
+        """Remove a block and everything cached below it, leaf-first, e.g. a copy found corrupt
+        with the orphans it would leave; the freed copies as (tier, slot) pairs. None of it may
+        be locked (`subtree_locked`, asserted before anything changes)."""
+        assert not subtree_locked(ref), "dropping a leased block"
+        dropped = [self.drop_tail(tail, count) for tail, count in subtree_tails(ref)]
+        return [(t, s) for per_tier in dropped for t, slots in enumerate(per_tier) for s in slots]
 
     # ---- consistency --------------------------------------------------------------------
 

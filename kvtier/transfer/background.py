@@ -252,6 +252,7 @@ class Background:
             positions=[],
             dst={HOST: stage, DISK: dst} if self.background else {DISK: dst},
             namespace=bytes(namespace),
+            tenant=tenant,
             key=key[: (start + count) * kb],
             first_block=start,
             write=Transfer(source, tuple(stage), disk, tuple(dst), metas),
@@ -284,8 +285,8 @@ class Background:
             slots = slots[:first] + slots[first + keep :]
         self.state.free(DISK, slots)
         flight.kept = keep
-        if self.background:
-            self.state.ops["stored_tokens"] += keep * self.index.block_tokens
+        if self.background:  # landed after the call returned: counted now, for its tenant too
+            self.state.count(flight.tenant, stored_tokens=keep * self.index.block_tokens)
         lost = len(ok) - good
         if lost:
             self.stats["failed_blocks"] += lost

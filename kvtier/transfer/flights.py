@@ -96,9 +96,11 @@ class DemotionFlight(BlockFlight):
 @dataclass(eq=False, kw_only=True)
 class InsertFlight(BlockFlight):
     """Writes new blocks that extend a disk-only prefix from host staging slots to disk; they
-    enter the index (blocks `first_block` on of `key` in `namespace`) once durable."""
+    enter the index (blocks `first_block` on of `key` in `namespace`) once durable, counted
+    stored for `tenant` then if they landed after the call."""
 
     namespace: bytes
+    tenant: str
     key: bytes
     first_block: int
     write: Transfer

@@ -9,7 +9,7 @@
 (`flights.py`). Copies finish on executor threads, which only queue the flight and wake the
 mover's thread; `reap()` then publishes, under the cache's lock, every finished flight whose
 joined flights are published, through the planner of its type. `step()` is one round of the
-thread: publish, expire leases, keep watermarks, lift.
+thread: publish, expire leases, drop corrupt blocks no longer locked, keep watermarks, lift.
 
 Contract:
 - With an `InlineExecutor` (`mover.background: false`), every flight runs inside the call that
@@ -42,7 +42,7 @@ import torch
 
 from kvtier.blocks import BlockId
 from kvtier.errors import ClosedError
-from kvtier.index import Match
+from kvtier.index import BlockRef, Match
 from kvtier.results import Lease
 from kvtier.text import ERROR_CHARS, printable
 from kvtier.tiers.base import GPU
@@ -186,6 +186,11 @@ class Mover:
                 return
             self._published.wait(deadline - now)
 
+    def doom(self, ref: BlockRef) -> None:
+        """A load found `ref`'s disk copy corrupt while some of it is locked: it is dropped,
+        with what hangs below it, once nothing there is (`Prefetcher.doom`)."""
+        self.prefetcher.doom(ref)
+
     def note_lookup(self, namespace: BlockId, key: bytes) -> None:
         self.prefetcher.note_lookup(namespace, key)
         self._wake.set()
@@ -244,10 +249,12 @@ class Mover:
             self._drained.wait(min(left, POLL_S if polled else 0.05))
 
     def step(self) -> None:
-        """One round of the mover's work: publish, expire, keep watermarks, lift. The thread
-        runs it on every wake; inline stores call it after each change."""
+        """One round of the mover's work: publish, expire, drop corrupt blocks no longer
+        locked, keep watermarks, lift. The thread runs it on every wake; inline stores call
+        it after each change."""
         self.reap()
         self.state.ops["leases_expired"] += self.expire()
+        self.prefetcher.drop_doomed()
         self.work.keep_watermarks()
         if self.lift_on_lookup:
             low = self.work.watermarks[GPU][1] * self.state.gpu.num_slots

@@ -31,6 +31,7 @@ from typing import cast
 from kvtier.blocks import BlockId
 from kvtier.errors import CapacityError, InvariantError
 from kvtier.index import BlockRef, Match
+from kvtier.index.helpers import subtree_locked
 from kvtier.index.node import Node, path
 from kvtier.results import Lease
 from kvtier.tiers.base import DISK, GPU, HOST
@@ -116,6 +117,11 @@ class Prefetcher:
             raise
         return self.book.open(record, tenant, tuple(table), flights, self._layers, canceller)
 
+    def _stages(self) -> bool:
+        """Whether disk blocks come up through host: when the policy keeps host copies, or
+        when it must (a CUDA pool)."""
+        return self.keep_host_copy or self.gpu.device.type != "cpu"
+
     def _layers(self, groups: int) -> int:
         return self.num_layers * groups // self.groups
 
@@ -152,8 +158,7 @@ class Prefetcher:
         owner = end.root.ids  # room is made for the namespace of the prefix (fair shares)
         from_disk = [(p, ref) for p, ref in new if ref.node.fastest(ref.i) == DISK]
         on_cuda = self.gpu.device.type != "cpu"
-        # through host when the policy keeps host copies, or when it must (a CUDA pool)
-        stage = bool(from_disk) and (self.keep_host_copy or on_cuda)
+        stage = bool(from_disk) and self._stages()
         stage = stage and self.demoter.can_make_room(HOST, len(from_disk), owner)
         if from_disk and not stage and on_cuda and self.demoter.can_make_room(GPU, count, owner):
             raise CapacityError(
@@ -250,8 +255,7 @@ class Prefetcher:
             self.state.free(GPU, gpu_dst)
             self.state.free(HOST, stage)
             if flight.bad_position is not None:
-                bad = refs[flight.positions.index(flight.bad_position)]
-                self._doomed[self.index.block_id(bad)] = self._address(flight.pin.end, bad)
+                self.doom(refs[flight.positions.index(flight.bad_position)])
         else:
             counters = self.state.counters
             for position, ref, slot in zip(flight.positions, refs, gpu_dst, strict=True):
@@ -268,19 +272,16 @@ class Prefetcher:
         for lease in list(flight.leases):
             self.book.settle(lease)
 
-    def _address(self, end: Node, ref: BlockRef) -> tuple[BlockId, bytes]:
-        """(namespace, key up to and including `ref`): how to find a block again later."""
-        key = b""
-        for node in self.index.path(end):
-            if node is ref.node:
-                key += node.key[: (ref.i + 1) * self.index.key_nbytes]
-                break
-            key += node.key
-        return self.index.namespace_of(end), key
+    def doom(self, ref: BlockRef) -> None:
+        """`ref`'s disk copy failed verification: `drop_doomed` drops it (and what hangs below
+        it) once nothing there is locked; until then `match` stops before it."""
+        nodes = self.index.path(ref.node)
+        key = b"".join(node.key for node in nodes[:-1])
+        key += ref.node.key[: (ref.i + 1) * self.index.key_nbytes]
+        self._doomed[self.index.block_id(ref)] = (self.index.namespace_of(ref.node), key)
 
     def drop_doomed(self) -> None:
         """Drop each corrupt block (and what hangs below it) once nothing there is locked."""
-        num_tiers = len(self.state.pools)
         for block_id, (namespace, key) in list(self._doomed.items()):
             match = self.index.match(namespace, key)
             end = match.end
@@ -290,9 +291,10 @@ class Prefetcher:
             ):
                 del self._doomed[block_id]  # gone already
                 continue
-            if _subtree_locked(end, num_tiers):
+            ref = BlockRef(end, end.size - 1)
+            if subtree_locked(ref):
                 continue
-            for tier, slot in self.index.drop_subtree(BlockRef(end, end.size - 1)):
+            for tier, slot in self.index.drop_subtree(ref):
                 self.state.free(tier, [slot])
             self.state.ops["corrupt_dropped"] += 1
             del self._doomed[block_id]
@@ -305,7 +307,9 @@ class Prefetcher:
 
     def lift(self, below: Callable[[], bool]) -> None:
         """Bring remembered prefixes up while `below()` (the gpu tier is under its low
-        watermark), without evicting anything and without a lease."""
+        watermark), without a lease and without evicting, demoting or dropping anything: a
+        prefix is lifted only when the free slots of gpu (and of host, for the disk blocks
+        staged there) hold it, else skipped."""
         while self._lifts and below():
             namespace, key = self._lifts.popleft()
             match = self.match(namespace, key)
@@ -314,11 +318,11 @@ class Prefetcher:
             )
             try:
                 _, joined, new = self._missing(match.end)
-                if new and len(new) <= self.gpu.num_free:
+                staged = sum(ref.node.fastest(ref.i) == DISK for _, ref in new)
+                staged = staged if self._stages() else 0
+                if new and len(new) <= self.gpu.num_free and staged <= self.state.host.num_free:
                     self._plan(match.end, new, joined)
                     self.stats["lifted_blocks"] += len(new)
-            except CapacityError:  # host staging slots were not to be had: skip it
-                pass
             finally:
                 self.index.leases.release(pin.lease_id)
 
@@ -339,18 +343,6 @@ class Prefetcher:
                     f"block {block_id.hex()}: in flight to gpu slot {slot}, "
                     "but no live flight owns it"
                 )
-
-
-def _subtree_locked(end: Node, num_tiers: int) -> bool:
-    """Whether `end` or anything below it is locked in some tier."""
-    stack = [end]
-    while stack:
-        node = stack.pop()
-        if any(node.locked(t) for t in range(num_tiers)):
-            return True
-        if node.children:
-            stack.extend(node.children.values())
-    return False
 
 
 def _slot(slot: int | None) -> int:

@@ -4,8 +4,9 @@ The cache's shared state: what every part that moves blocks reads and writes.
 
 `CacheState` bundles the index, the tiers' pools (gpu, host[, disk], in tier order; a store
 without a host tier has one of no slots in its place: `present`, `below`), the event
-counters per tier, the operation counters, whose blocks they are (`Namespaces`) and the one
-lock that serialises every change to them. The store's calls and the mover's thread take
+counters per tier, the operation counters (global, and each tenant's own: `count` adds to
+both, as blocks stored in the background land too), whose blocks they are (`Namespaces`) and
+the one lock that serialises every change to them. The store's calls and the mover's thread take
 `lock`; the copies themselves run without it (`flights.py`). Nothing here does work: the
 parts that do (`demotion.py`, `prefetch.py`, `background.py`, `leasing.py`, `mover.py`,
 `persist.py`) each take this one object instead of a handful of the store's fields.
@@ -99,6 +100,8 @@ class CacheState:
     counters: Sequence[TierCounters] = ()
     ops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # each tenant's TENANT_OPS: the store's `tenant_counters[t].ops`, entered by `Operations`
+    tenant_ops: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.counters:
@@ -138,6 +141,13 @@ class CacheState:
         without a host tier, which the config allows only without a disk tier)."""
         lower = tier + 1
         return lower if lower < len(self.pools) and self.pools[lower].num_slots else None
+
+    def count(self, tenant: str, **events: int) -> None:
+        """Add `events` (operation counters, `TENANT_OPS`) to the global and `tenant`'s own."""
+        own = self.tenant_ops[tenant]
+        for name, n in events.items():
+            self.ops[name] += n
+            own[name] += n
 
     def free(self, tier: int, slots: Sequence[int]) -> None:
         """Give `slots` of `tier` back to its pool (the index no longer names them)."""
