@@ -294,7 +294,8 @@ def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> Rem
         namespace: BlockId, tenant: str, key: bytes, blocks: torch.Tensor, first: int
     ) -> int:
         stored = writes.store_new(namespace, tenant, key, blocks, first, share=False)
-        return stored.stored_tokens // config.layout.block_tokens
+        taken = stored.stored_tokens + stored.pending_tokens  # pending: landing on disk
+        return taken // config.layout.block_tokens
 
     return RemoteLink(state.index, tier, writer, state.lock, store_blocks)
 

@@ -2,11 +2,13 @@
 
 Why. A router such as llm-d learns where blocks live from each vLLM pod's KV events, and in its
 pod-discovery mode it dials one endpoint a pod: vLLM's. The sidecar publishes what kvtier holds
-(the host, disk and remote copies vLLM's own events never mention) on an endpoint of its own
+(the host and disk copies vLLM's own events never mention) on an endpoint of its own
 (`events`), which that mode never dials. With `kvtier.events_endpoint` set, the connector's
 scheduler subscribes to the sidecar's events and hands them to vLLM at each step
 (`take_events`), which publishes them with its own: one stream a pod, kvtier's media (CPU,
-DISK, REMOTE; GPU for a gpu tier of the sidecar's) next to vLLM's GPU blocks.
+DISK; GPU for a gpu tier of the sidecar's) next to vLLM's GPU blocks. No event says REMOTE:
+the medium is reserved, never sent (README "KV events": no node can tell truthfully what the
+shared cluster gained or lost).
 
 How. A `routing.Subscriber` feeds a `Relay` (its `reading.Sink`): a gap is filled from the
 sidecar's replay endpoint (`kvtier.events_replay_endpoint`), else from its `GET /v1/blocks`

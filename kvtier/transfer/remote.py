@@ -1,21 +1,31 @@
 """The store's link to the remote tier (issue 14): what it shares, and what it takes back.
 
 - **Out** (`after_store`, called by the write path under the cache's lock, right after new
-  blocks entered the index): their ids along the path (chained now, `Forest.ids_of`) and a host
-  copy of their KV go to the `RemoteWriter`, which writes them behind the caller; a backlog past
-  `tiers.remote.max_pending_bytes` is dropped and counted. Blocks stored below a prefix that
-  lives only on disk go out too (`after_store_key`: their insert flight may enter the index
-  after the call, so their ids are chained from the key, as a reader chains them). Blocks that
-  came from the remote are not sent back.
+  blocks entered the index): their ids along the path (chained now, `Forest.ids_of`) and their
+  KV go to the `RemoteWriter`, which copies to host memory the leading blocks its backlog has
+  room for (`tiers.remote.max_pending_bytes`) and writes them behind the caller; the rest are
+  dropped and counted. Blocks stored below a prefix that lives only on disk go out too
+  (`after_store_key`: their insert flight may enter the index after the call, so their ids are
+  chained from the key, as a reader chains them). Blocks that came from the remote are not
+  sent back.
 - **In** (`fill`, called by `prefetch` and `load` before they take the lock): the blocks of the
-  request past the local cached prefix that the cluster holds in a row are read (one round trip
-  to probe, one to read), verified, and stored into the local tiers through the ordinary write
-  path (`store_blocks`, the callback the store gives), as if computed here: placement, room,
-  prefix closure and quotas are the write path's. Then the prefetch or load runs as usual and
-  finds them. Only a verified leading run is stored: a block missing or failing verification
-  ends it (the rest would break prefix closure). KV the local tiers refuse (a quantized host
-  cannot keep a value past fp16's range, which the cluster holds plain) is not stored:
-  `fill_refused`, and the prefetch or load serves the local prefix as if the cluster had none.
+  request past the local cached prefix that the cluster holds in a row (one round trip to
+  probe) are read in chunks, one round trip each: the first of at most `group_blocks` blocks,
+  each next one twice the last, up to `FILL_CHUNK_BYTES` (at least one block). Each chunk is
+  verified and stored into the local tiers through the ordinary write path (`store_blocks`, the
+  callback the store gives), as if computed here: placement, room, prefix closure and quotas
+  are the write path's. Then the prefetch or load runs as usual and finds them. Only a verified
+  leading run is stored: a block missing or failing verification ends it (the rest would break
+  prefix closure). A chunk the local tiers do not take whole (no room for it: a store is all or
+  nothing; or KV they cannot keep: a quantized host cannot keep a value past fp16's range,
+  which the cluster holds plain) ends the fill, counted in `fill_refused`: so a fill reads at
+  most one chunk more than the local tiers keep, whatever the prompt's length, and the
+  prefetch or load serves what was stored. Below a prefix that lives only on disk the blocks
+  go in insert flights, which a background mover may land after the call: the first chunk
+  taken (stored or pending) ends the fill (the next would extend blocks not in the index yet);
+  one not taken whole is refused, counted, as above.
+  Counters: `fills` (fills that stored blocks), `filled_blocks`, `fill_misses` (the cluster
+  served none), `fill_refused`.
 
 Contract: nothing here raises because of the cluster; it never holds the cache's lock during a
 round trip. Ids sent out are the index's; ids asked for are chained from the request's tokens
@@ -33,13 +43,18 @@ import torch
 from kvtier.blocks import BlockId
 from kvtier.errors import InvalidKVError
 from kvtier.index import Node, RadixIndex
+from kvtier.tiers.base import DISK
 from kvtier.tiers.remote.tier import RemoteTier
 from kvtier.tiers.remote.writer import RemoteWriter
+
+FILL_CHUNK_BYTES = 16 * 2**20
+"""The most a fill reads from the cluster in one round trip (at least one block): with the
+local tiers' refusal ending a fill, the bound on what it reads and does not keep."""
 
 StoreBlocks = Callable[[BlockId, str, bytes, torch.Tensor, int], int]
 """`store_blocks(namespace, tenant, key, blocks, first)`: store the blocks of `key` from position
 `first` on, `blocks` `[n, *block_shape]` (tokens from `first * block_tokens`), under the lock;
-returns how many were stored."""
+returns how many were taken: stored, or pending (landing on disk after the call)."""
 
 
 class RemoteLink:
@@ -63,8 +78,7 @@ class RemoteLink:
         stored: queue them for the cluster. Under the cache's lock."""
         forest = self.index.forest  # the path's ids node by node: O(nodes), not O(blocks)
         ids = forest.hasher.split(b"".join(forest.ids_of(node) for node in self.index.path(end)))
-        copies = blocks.detach().to("cpu", copy=True)
-        self.writer.submit(bytes(namespace), ids, start, list(copies.unbind(0)))
+        self.writer.submit(bytes(namespace), ids, start, blocks)  # it copies what it takes
 
     def after_store_key(
         self, namespace: BlockId, key: bytes, start: int, blocks: torch.Tensor
@@ -75,8 +89,7 @@ class RemoteLink:
         kb, hasher = self.index.key_nbytes, self.index.forest.hasher
         stop = (start + len(blocks)) * kb
         ids = hasher.split(hasher.chain(namespace, key[:stop], kb))
-        copies = blocks.detach().to("cpu", copy=True)
-        self.writer.submit(bytes(namespace), ids, start, list(copies.unbind(0)))
+        self.writer.submit(bytes(namespace), ids, start, blocks)  # it copies what it takes
 
     def probe(self, namespace: BlockId, key: bytes, local: int) -> tuple[list[bytes], int]:
         """The ids of `key`'s whole blocks, and how many past the first `local` the cluster
@@ -94,31 +107,45 @@ class RemoteLink:
         (module doc); how many were stored. Without the cache's lock."""
         kb = self.index.key_nbytes
         with self._lock:
-            local = self.index.lookup(namespace, key).num_blocks
+            match = self.index.match(namespace, key)
+        local, below_disk = match.num_blocks, match.end.fastest_last() == DISK
         ids, run = self.probe(namespace, key, local)
-        seed = bytes(namespace)
         if not ids:
             return 0
-        if run == 0:
-            self._count(fill_misses=1)
-            return 0
-        layout = self.tier.layout
-        out = torch.empty((run, *layout.block_shape), dtype=layout.dtype)
-        served = self.tier.read(seed, ids, local, list(out.unbind(0)))
-        good = served.index(False) if False in served else run
-        if good == 0:
-            self._count(fill_misses=1)
-            return 0
-        try:
-            with self._lock:
-                stored = self._store_blocks(
-                    namespace, tenant, key[: (local + good) * kb], out[:good], local
-                )
-        except InvalidKVError:  # the cluster's bytes, refused here: a miss, not the call's error
-            self._count(fill_refused=1)
-            return 0
-        self._count(fills=1, filled_blocks=stored)
-        return stored
+        layout, seed = self.tier.layout, bytes(namespace)
+        most = max(1, FILL_CHUNK_BYTES // layout.block_bytes)
+        pos, stop, step = local, local + run, min(self.tier.group_blocks, most)
+        served_any = refused = False
+        while pos < stop:
+            count = min(step, stop - pos)
+            out = torch.empty((count, *layout.block_shape), dtype=layout.dtype)
+            served = self.tier.read(seed, ids, pos, list(out.unbind(0)))
+            good = served.index(False) if False in served else count
+            if good == 0:
+                break
+            served_any = True
+            try:
+                with self._lock:
+                    stored = self._store_blocks(
+                        namespace, tenant, key[: (pos + good) * kb], out[:good], pos
+                    )
+            except InvalidKVError:  # the cluster's bytes, refused here: a miss, not the call's
+                stored, refused = 0, True
+            pos += stored
+            if stored < good:  # not taken whole: no room, or KV refused
+                refused = True
+                break
+            if good < count or below_disk:  # the verified run ends; or the blocks land later,
+                break  # on disk, and the next chunk cannot chain to them until they do
+            step = min(2 * step, most)
+        filled = pos - local
+        self._count(
+            fills=int(filled > 0),
+            filled_blocks=filled,
+            fill_misses=int(not served_any),
+            fill_refused=int(refused),
+        )
+        return filled
 
     def status(self) -> dict[str, Any]:
         figures = self.tier.stats()

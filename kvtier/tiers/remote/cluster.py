@@ -8,8 +8,9 @@ Contract:
   nothing) and are counted in `stats()`. A caller's mistake (keys and expectations of
   different lengths) is an `InvalidArgumentError`.
 - `get` serves a payload only when `entry.decode_value` accepted it against the block the
-  caller expected; a value that fails is deleted (it can never become right) and counted in
-  `verify_failures`. It reads at most `entry.max_value_nbytes` of each value (GETRANGE), so a
+  caller expected; a value that fails (an empty one too: EXISTS, sent with the read, tells it
+  from no key) is deleted (it can never become right) and counted in `verify_failures`. It
+  reads at most `entry.max_value_nbytes` of each value (GETRANGE), so a
   huge value written under a key costs a reader no more memory than a block.
 - `put` writes with `SET ... NX`: a block some node stored already is left as it is (same id,
   same bytes: ids are chained from the tokens) and counted in `already_present`. A value
@@ -178,20 +179,25 @@ class RemoteCluster:
             )
 
         ends = [max_value_nbytes(meta) - 1 for meta in expect]
-        replies = self._pipelined([("GETRANGE", k, 0, e) for k, e in zip(keys, ends, strict=True)])
+        commands: list[tuple[Any, ...]] = []
+        for key, end in zip(keys, ends, strict=True):
+            commands += [("EXISTS", key), ("GETRANGE", key, 0, end)]
+        replies = self._pipelined(commands) or []
         out: list[tuple[str, memoryview] | None] = []
         bad: list[bytes] = []
         for i, key in enumerate(keys):
-            reply = replies[i] if replies is not None and i < len(replies) else None
+            exists, reply = replies[2 * i : 2 * i + 2] if len(replies) > 2 * i + 1 else (0, None)
             if isinstance(reply, Exception):
                 self._failed(reply)
                 if str(reply).startswith("WRONGTYPE"):  # not a string: never a block of ours
                     bad.append(key)
                 reply = None
-            if not isinstance(reply, bytes) or not reply:  # GETRANGE of no key: b""
+            if not isinstance(reply, bytes) or not (reply or exists == 1):  # no key: b"" too
                 out.append(None)
                 continue
             try:
+                if not reply:
+                    raise RemoteValueError("an empty value")
                 out.append(decode_value(reply, expect[i]))
             except RemoteValueError as e:
                 self._say(f"{key.decode(errors='replace')}: {e.reason}")

@@ -20,7 +20,8 @@ Contract:
 - No token, tenant name or secret leaves the process: keys and values carry only ids
   (`entry.py`), which are keyed by the namespace seed.
 - Values carry their codec; a payload that does not decode (`CorruptPayload`) or names a codec
-  this build lacks is a miss, counted in `verify_failures`, and deleted. A block a quantized
+  this build lacks is a miss, counted in `verify_failures` and `misses` (not in `hits`, which
+  the cluster counted when its checks passed), and deleted. A block a quantized
   codec cannot keep (not finite) is stored plain.
 - Thread-safe (the mover's threads share one tier). A write copies no payload: each value goes
   out as its header and a view of the block (`entry.SplitValue`).
@@ -132,10 +133,14 @@ class RemoteTier:
         return served
 
     def stats(self) -> dict[str, Any]:
-        """The cluster's counters, with payloads that did not decode in `verify_failures`."""
+        """The cluster's counters, with payloads that did not decode in `verify_failures`, and
+        as misses, not hits."""
+        with self._lock:  # first: each one counted here was a hit of the cluster's already
+            failed = self._decode_failures
         figures = self.cluster.stats()
-        with self._lock:
-            figures["verify_failures"] += self._decode_failures
+        figures["verify_failures"] += failed
+        figures["hits"] -= failed
+        figures["misses"] += failed
         return figures
 
     def check(self) -> None:

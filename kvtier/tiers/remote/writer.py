@@ -1,18 +1,20 @@
 """Writes to the remote tier behind the caller: one thread, a bounded backlog, drops counted.
 
-`submit(seed, ids, start, blocks)` queues blocks start.. of a path (host copies the caller made;
-the writer owns them) and returns at once; the thread writes them with `RemoteTier.write`. A
-submission is queued as far as the backlog's room under `max_pending_bytes` goes, its leading
-blocks (a reader needs a prefix: a tail without its head is worth nothing), the rest dropped
-and counted (`dropped_blocks`); an idle writer takes at least one block, so a store larger than
-the bound (or a bound below one block) still shares its head. A slow or dead cluster costs a
-store a counter, never a wait. `drain` waits
-until the backlog is written (or its timeout); `close` stops the thread and drops what is left.
+`submit(seed, ids, start, blocks)` queues blocks start.. of a path and returns at once; the
+thread writes them with `RemoteTier.write`. A submission is queued as far as the backlog's room
+under `max_pending_bytes` goes, its leading blocks (a reader needs a prefix: a tail without its
+head is worth nothing), the rest dropped and counted (`dropped_blocks`); an idle writer takes
+at least one block, so a store larger than the bound (or a bound below one block) still shares
+its head. The writer copies into host memory the blocks it takes, and only those: what it
+holds is what `pending_bytes` says (never a view pinning a larger copy). A slow or dead cluster
+costs a store a counter, never a wait. `drain` waits until the backlog is written (or its
+timeout); `close` stops the thread and drops what is left.
 Thread-safe.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -48,25 +50,24 @@ class RemoteWriter:
         self._thread = threading.Thread(target=self._run, name="kvtier-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(
-        self, seed: bytes, ids: Sequence[bytes], start: int, blocks: list[torch.Tensor]
-    ) -> bool:
-        """Queue blocks start.. of the path `ids`, as many leading ones as the backlog has room
-        for (module doc); whether all were queued (the rest dropped, counted; all of them once
-        the writer is closed)."""
-        sizes = [block.numel() * block.element_size() for block in blocks]
+    def submit(self, seed: bytes, ids: Sequence[bytes], start: int, blocks: torch.Tensor) -> bool:
+        """Queue blocks start.. of the path `ids` (`blocks`, `[n, *block_shape]`, on any device:
+        copied, the caller keeps them), as many leading ones as the backlog has room for
+        (module doc); whether all were queued (the rest dropped, counted; all of them once the
+        writer is closed)."""
+        size = math.prod(blocks.shape[1:]) * blocks.element_size()
         with self._cond:
-            room, taken = self.max_pending_bytes - self._pending, 0
-            while not self._closed and taken < len(sizes) and sizes[taken] <= room:
-                room -= sizes[taken]
-                taken += 1
-            if not self._closed and taken == 0 and blocks and not self._pending:
-                taken = 1  # an idle writer takes one block whatever its size
+            room = max(0, self.max_pending_bytes - self._pending)
+            taken = min(len(blocks), room // size) if size else len(blocks)
+            if self._closed:
+                taken = 0
+            elif not taken and not self._pending:
+                taken = min(1, len(blocks))  # an idle writer takes one block whatever its size
             self.stats["dropped_blocks"] += len(blocks) - taken
             if taken:
-                nbytes = sum(sizes[:taken])
-                self._jobs.append(_Job(seed, ids, start, blocks[:taken], nbytes))
-                self._pending += nbytes
+                kept = blocks[:taken].detach().to("cpu", copy=True)  # its own: what it counts
+                self._jobs.append(_Job(seed, ids, start, list(kept.unbind(0)), taken * size))
+                self._pending += taken * size
                 self.stats["queued_blocks"] += taken
                 self._cond.notify_all()
         return taken == len(blocks)
