@@ -17,8 +17,9 @@ of `page_tokens / block_tokens` kvtier blocks.
 Contract:
 - Different keys give different pages, as BLAKE2b's collisions are out of reach: each page's
   tokens hold 248 bits of the key's digest (8 words of 31 bits), which is why a page must have
-  at least 8 tokens (`InvalidArgumentError` otherwise). kvtier's block ids then chain the
-  pages (`blocks.py`), so a page is found only under the same keys before it.
+  at least 8 tokens (and at most `MAX_PAGE_TOKENS`, 65,536; `InvalidArgumentError` otherwise).
+  kvtier's block ids then chain the pages (`blocks.py`), so a page is found only under the same
+  keys before it.
 - Disjoint from prompts: every synthetic token is >= 2**31, and no vocabulary comes near, so
   a keyed path never meets a token path. A client that sends such ids itself reaches only
   its own tenant's keyed data: tenants are namespaces of their own (`tenancy.py`).
@@ -41,14 +42,18 @@ from kvtier.errors import InvalidArgumentError, shown
 
 TOP = 0x8000_0000
 DIGEST_WORDS = 8  # BLAKE2b-256: 8 words of 32 bits, 31 kept
+MAX_PAGE_TOKENS = 2**16
+"""The most tokens a page may have: 16 of kvtier's largest blocks (4096 tokens). A page's
+tokens are a list built per page, so an unbounded `page_tokens` (2**40) exhausted memory."""
 
 
 class KeyedPages:
     def __init__(self, page_tokens: int, scope: str = "") -> None:
-        if type(page_tokens) is not int or page_tokens < DIGEST_WORDS:
+        if type(page_tokens) is not int or not DIGEST_WORDS <= page_tokens <= MAX_PAGE_TOKENS:
             raise InvalidArgumentError(
-                f"page_tokens: got {shown(page_tokens)}, expected at least {DIGEST_WORDS} tokens "
-                "per page (a page carries 248 bits of its key)"
+                f"page_tokens: got {shown(page_tokens)}, expected an int in [{DIGEST_WORDS}, "
+                f"{MAX_PAGE_TOKENS}] tokens per page (a page carries 248 bits of its key, and "
+                "its tokens are built in memory)"
             )
         if not isinstance(scope, str):
             raise InvalidArgumentError(f"scope: got {type(scope).__name__}, expected a str")

@@ -6,7 +6,8 @@ prefixes through kvtier (the embedded `KVStore` or the sidecar's `Client`).
 
 One request, in order:
 
-    lookup(prompt[:-1])            how much is cached (and on which tier)
+    check the ids                  each in [0, vocab_size), before the cache is touched
+    lookup(prompt[:-1])            how much is cached (and on which tier); none for one token
     prefetch -> lease              the cached prefix of P tokens on the gpu tier, locked
     step(prompt[P:], start=P)      per layer: the model's q/k/v of the new tokens; attention =
                                    paged extend over the leased pages + the new tokens, causal
@@ -32,10 +33,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvtier.blocks import KVLayout
-from kvtier.errors import CapacityError, ConfigError, InvalidArgumentError, shown
+from kvtier.blocks import KVLayout, token_array
+from kvtier.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidArgumentError,
+    InvalidTokensError,
+    shown,
+)
 from kvtier.reference.llama import Llama
 from kvtier.reference.prefix import Cache, Prefix, open_prefix
 from kvtier.results import LookupResult, StoreResult
@@ -46,9 +54,10 @@ from kvtier.store import KVStore
 class Prefill:
     """A prompt's prefill. `logits` `[len(prompt) - reused_tokens, vocab]` are those of the
     positions computed (the reused ones have none); `kv` `[L, 2, len(prompt), Hkv, D]` is the
-    whole prompt's, in the model's dtype. `hit` is what `lookup` found (of `prompt[:-1]`),
-    `reused_tokens` what was attended over from cached pages, `stored` what `store` did;
-    `seconds` is the wall time of the whole prefill, store included."""
+    whole prompt's, in the model's dtype. `hit` is what `lookup` found (of `prompt[:-1]`; all
+    zeros for a one-token prompt, which has nothing to reuse), `reused_tokens` what was attended
+    over from cached pages, `stored` what `store` did; `seconds` is the wall time of the whole
+    prefill, store included."""
 
     logits: torch.Tensor
     kv: torch.Tensor
@@ -92,13 +101,29 @@ class Engine:
             )
 
     def prefill(self, prompt: Sequence[int]) -> Prefill:
-        """Compute the prompt, reusing its cached prefix, and store its new full blocks."""
+        """Compute the prompt, reusing its cached prefix, and store its new full blocks.
+
+        `prompt` is one or more ids of the model's vocabulary: anything else (an empty prompt,
+        a non-int, an id outside [0, vocab_size)) is refused before the cache is touched
+        (`InvalidArgumentError` when empty, `InvalidTokensError` naming the id otherwise). A
+        one-token prompt has no prefix to reuse: nothing is looked up, and it is computed cold."""
         if len(prompt) == 0:
             raise InvalidArgumentError("prompt: got no tokens, expected at least one")
+        ids = torch.from_numpy(token_array(list(prompt)).astype(np.int64))
+        vocab = self.model.config.vocab_size
+        if int(ids.max()) >= vocab:
+            at = int((ids >= vocab).nonzero()[0, 0])  # the first one
+            raise InvalidTokensError(
+                f"prompt[{at}]: got {int(ids[at])}, expected a token id of the model's "
+                f"vocabulary, in [0, {vocab})"
+            )
         started = time.perf_counter()
-        hit = self.cache.lookup(list(prompt[:-1]), tenant=self.tenant)
+        reusable = list(prompt[:-1])  # the last token is always computed (it picks the next)
+        if reusable:
+            hit = self.cache.lookup(reusable, tenant=self.tenant)
+        else:
+            hit = LookupResult(0, 0, 0, 0)
         prefix = self._open(prompt) if hit.num_tokens else None
-        ids = torch.tensor(list(prompt), dtype=torch.int64)
         if prefix is None:
             logits, kv = self.model.forward(ids)
             reused = 0
