@@ -13,7 +13,9 @@
                                            replay a Mooncake trace against a real store
 
 A bad config stops the command with the message of its `ConfigError` (field, bad value, what
-was expected) and exit status 2; nothing is started. Every line printed goes through `say`:
+was expected) and exit status 2; nothing is started. So does a sidecar's status reply that
+`kvtier status` cannot print as a table (`status_reply.check_status`: a `ReplyError` naming the
+field, before any line of the table). Every line printed goes through `say`:
 what came from outside (a server's reply or error, a status field) is shown with its control
 characters escaped (`\x1b`), never as a terminal escape or a forged line.
 """
@@ -35,6 +37,7 @@ from kvtier.config import (
     parse_config,
 )
 from kvtier.errors import KVTierError
+from kvtier.status_reply import check_status
 from kvtier.store import KVStore
 from kvtier.text import printable
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
@@ -92,10 +95,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     from kvtier.client import Client
 
     with Client(args.url, api_key=args.key, shared_memory=False) as client:
-        status = client.status()
+        reply = client.status()
     if args.json:
-        say_json(status)
+        say_json(reply)
         return 0
+    status = check_status(reply)  # a field missing or mistyped: `ReplyError`, exit 2
     if "tenant" in status:  # a tenant key's: that tenant's own figures
         _print_tenant_status(status)
         return 0

@@ -18,6 +18,12 @@ says whether it kept the trace's clock. The runs and simulations are independent
 does them in N worker processes (`parallel.py`; default one per core, 1 with `--speed`), with
 the same figures; the fleet and routed modes run in this process. The last line printed is the
 tiered run's ratio to the infinite-cache ceiling.
+
+Checked before the trace is read (`InvalidArgumentError`, exit 2): `--sweep` and `--codec` each
+replace the sizes as typed, so they are refused together, and with `--replicas N` / `--remote`
+/ `--route`, which run the sizes as typed once (`checks.py`); `--remote` without
+`--remote-nodes` needs redis-server on PATH (`replicas.check_cluster`). Every line printed goes
+through `say` (the JSON is as `json.dumps` escapes it).
 """
 
 from __future__ import annotations
@@ -27,18 +33,17 @@ import contextlib
 import importlib.util
 import json
 import math
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from typing import TextIO
 
 from kvtier.blocks import KVLayout
 from kvtier.config import KVTierConfig, load_config
-from kvtier.errors import InvalidArgumentError
+from kvtier.replay.checks import check_modes, check_plot
 from kvtier.replay.codecs import codec_sizing, fit, parse_codecs
 from kvtier.replay.parallel import Workload, default_jobs, replay_all, task_count
-from kvtier.replay.replicas import cluster_nodes, format_fleet, replay_fleet
+from kvtier.replay.replicas import check_cluster, cluster_nodes, format_fleet, replay_fleet
 from kvtier.replay.report import (
     ReplayResult,
     Sizing,
@@ -50,15 +55,13 @@ from kvtier.replay.report import (
 from kvtier.replay.routed import format_routed, parse_policies, plot_routed, replay_routed
 from kvtier.replay.runner import ReplayOptions
 from kvtier.replay.trace import Ceiling, TraceRequest, ceiling, read_trace
+from kvtier.text import printable
 
 SWEEP_SCALES = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """`--sweep`: each run's tier sizes are the given ones times one of these."""
 
 MAX_REPLICAS = 1024
 """`--replicas`: the most stores one run builds (each is a whole `KVStore`, all open at once)."""
-
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-"""`--plot`: the image formats it writes, by the file's suffix."""
 
 
 def add_arguments(cmd: argparse.ArgumentParser) -> None:
@@ -142,6 +145,14 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )
 
 
+def say(text: str, file: TextIO | None = None) -> None:
+    """Print `text`, each of its lines with its control characters escaped (`text.printable`):
+    what came from outside (a trace's path, a config's model name) is escaped where it is put in
+    a line, so that it can neither forge a line nor reach the terminal as an escape."""
+    for line in text.split("\n"):
+        print(printable(line), file=file)
+
+
 def _layout(args: argparse.Namespace) -> KVLayout:
     """The model the planner buys for: `--config`'s, or the embedded default's."""
     return (load_config(args.config) if args.config else KVTierConfig()).layout
@@ -176,7 +187,7 @@ def _progress(total: int) -> Iterator[Callable[[int], None] | None]:
 
 def run_replay(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
-        print(f"kvtier: --limit: got {args.limit}, expected >= 1", file=sys.stderr)
+        say(f"kvtier: --limit: got {args.limit}, expected >= 1", sys.stderr)
         return 2
     trace_bt = args.trace_block_tokens
     options = ReplayOptions(
@@ -189,18 +200,19 @@ def run_replay(args: argparse.Namespace) -> int:
         directory=args.dir,
     )
     if not 1 <= args.replicas <= MAX_REPLICAS:
-        print(f"kvtier: --replicas: got {args.replicas}, expected 1 to {MAX_REPLICAS}",
-              file=sys.stderr)  # fmt: skip
+        say(f"kvtier: --replicas: got {args.replicas}, expected 1 to {MAX_REPLICAS}", sys.stderr)
         return 2
     if args.jobs is not None and args.jobs < 1:
-        print(f"kvtier: --jobs: got {args.jobs}, expected >= 1", file=sys.stderr)
+        say(f"kvtier: --jobs: got {args.jobs}, expected >= 1", sys.stderr)
         return 2
     if args.plot:
-        _check_plot(args.plot, [args.trace, args.config])
+        check_plot(args.plot, [args.trace, args.config])
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("kvtier: --plot: matplotlib is not installed; pip install 'kvtier[plot]'",
-              file=sys.stderr)  # fmt: skip
+        say("kvtier: --plot: matplotlib is not installed; pip install 'kvtier[plot]'", sys.stderr)
         return 2
+    check_modes(args)
+    if args.remote:
+        check_cluster(_remote_nodes(args))
     layout = _layout(args)  # --config read in every mode: a bad one stops before the trace
     sizings = _sizings(args, layout)  # sizes and policies are checked before the trace is read
     if args.route is not None:
@@ -229,63 +241,46 @@ def run_replay(args: argparse.Namespace) -> int:
         }
         print(json.dumps(document, indent=2))
         return 0
-    print(
-        f"trace {args.trace}: {limit.requests:,} requests, {limit.references:,} block "
+    say(
+        f"trace {printable(args.trace)}: {limit.requests:,} requests, {limit.references:,} block "
         f"references, {limit.unique_blocks:,} unique blocks; infinite-cache prefix hit rate "
         f"{limit.hit_rate:.1%}"
     )
     if jobs > 1:
-        print(
+        say(
             f"runs and simulations in {jobs} worker processes (--jobs {jobs}): the same figures "
             "as --jobs 1, but latencies and wall times measured beside other tasks (--jobs 1 "
             "for clean ones)"
         )
     fits = {c: fit(c, layout) for c in parse_codecs(args.codec)} if args.codec else {}
     for result in results:
-        print(format_result(result))
+        say(format_result(result))
         found = fits.get(result.sizing.label)
         shrink = {"host": found.host, "disk": found.disk} if found is not None else None
-        print(model_sizes(result, layout, shrink))
+        say(model_sizes(result, layout, shrink))
     if fits:
         shown = ", ".join(f"{f.codec} {f.host:.2f}x / {f.disk:.2f}x" for f in fits.values())
-        print(f"blocks the same bytes hold (host / disk slots, {layout.model_name}): {shown}")
+        say(
+            f"blocks the same bytes hold (host / disk slots, {printable(layout.model_name)}): "
+            f"{shown}"
+        )
     if len(results) > 1:
-        print(format_table(results))
+        say(format_table(results))
     if args.plot:
-        print(f"plot: {args.plot}")
+        say(f"plot: {printable(args.plot)}")
     others = ", ".join(f"{r.sizing.label} {r.ratio:.3f}" for r in results if r is not typed)
-    print(
+    say(
         f"ratio to the infinite-cache ceiling ({typed.sizing.label}): "
         f"{typed.ratio:.3f}" + (f" ({others})" if others else "")
     )
     return 0
 
 
-def _check_plot(path: str, inputs: list[str | None]) -> None:
-    """`InvalidArgumentError` unless `--plot` names a new or existing image file, by its
-    suffix, in an existing directory, and none of the command's `inputs`: checked before the
-    replay, not found out when it is drawn."""
-    target = Path(path)
-    problem = None
-    if target.suffix.lower() not in PLOT_SUFFIXES:
-        problem = f"a file ending in {', '.join(PLOT_SUFFIXES)}"
-    elif not target.parent.is_dir():
-        problem = f"a file in an existing directory ({str(target.parent)!r} is not one)"
-    elif target.is_dir():
-        problem = "a file, not a directory"
-    elif not os.access(target if target.exists() else target.parent, os.W_OK):
-        problem = "a file kvtier may write (this one, or its directory, is read-only to it)"
-    elif target.exists() and any(p and Path(p).exists() and target.samefile(p) for p in inputs):
-        problem = "a file other than the command's trace and config"
-    if problem is not None:
-        raise InvalidArgumentError(f"--plot: got {path!r}, expected {problem}")
-
-
 def _typed(results: list[ReplayResult], args: argparse.Namespace) -> ReplayResult:
     """The run of the sizes as typed, which the closing line and the JSON's ratio describe: a
     sweep's x1 point, else the first run (the tiered one, or the first codec)."""
     if args.sweep:
-        return next(r for r in results if r.sizing.label == "x1")
+        return next((r for r in results if r.sizing.label == "x1"), results[0])
     return results[0]
 
 
@@ -304,12 +299,12 @@ def _run_fleet(
     if args.json:
         print(json.dumps({"trace": args.trace, "runs": [r.to_dict() for r in runs]}, indent=2))
         return 0
-    print(
-        f"trace {args.trace}: {limit.requests:,} requests over {args.replicas} replicas "
-        f"(round robin), each sized gpu {sizing.gpu:g} / host {sizing.host:g} / disk "
+    say(
+        f"trace {printable(args.trace)}: {limit.requests:,} requests over {args.replicas} "
+        f"replicas (round robin), each sized gpu {sizing.gpu:g} / host {sizing.host:g} / disk "
         f"{sizing.disk:g} of the unique blocks; ceiling {limit.hit_rate:.1%}"
     )
-    print(format_fleet(runs))
+    say(format_fleet(runs))
     return 0
 
 
@@ -342,18 +337,18 @@ def _run_routed(
         print(json.dumps(document, indent=2))
         return 0
     shared = ", sharing a remote tier" if args.remote else ""
-    print(
-        f"trace {args.trace}: {limit.requests:,} requests over {args.replicas} replicas"
-        f"{shared}, each sized gpu {sizing.gpu:g} / host {sizing.host:g} / disk "
+    say(
+        f"trace {printable(args.trace)}: {limit.requests:,} requests over {args.replicas} "
+        f"replicas{shared}, each sized gpu {sizing.gpu:g} / host {sizing.host:g} / disk "
         f"{sizing.disk:g} of the unique blocks; ceiling {limit.hit_rate:.1%}"
     )
     for n in counts:
         if n != args.replicas:
             rates = ", ".join(f"{r.policy} {r.hit_rate:.1%}" for r in by_count[n][1:])
-            print(f"N = {n}: one store {by_count[n][0].hit_rate:.1%}; {rates}")
-    print(format_routed(runs))
+            say(f"N = {n}: one store {by_count[n][0].hit_rate:.1%}; {rates}")
+    say(format_routed(runs))
     if args.plot:
-        print(f"plot: {args.plot}")
+        say(f"plot: {printable(args.plot)}")
     return 0
 
 

@@ -29,13 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvtier.config import KVTierConfig, parse_config
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, InvalidArgumentError
 from kvtier.replay.fleet_router import FleetRouter, events_config
 from kvtier.replay.report import Sizing
-from kvtier.replay.runner import ReplayOptions, replay_config
+from kvtier.replay.runner import ReplayOptions, replay_config, zero_kv
 from kvtier.replay.trace import Ceiling, TraceRequest
 from kvtier.store import KVStore
 from kvtier.tiers.remote.local import LocalCluster, have_redis
@@ -99,17 +97,25 @@ class FleetRun:
         }
 
 
+def check_cluster(nodes: Sequence[str] | None) -> None:
+    """`InvalidArgumentError` unless `cluster_nodes(nodes)` has a cluster to give: `nodes`, or
+    redis-server and redis-cli on PATH to start one (checked before any run)."""
+    if not nodes and not have_redis():
+        raise InvalidArgumentError(
+            "--remote: got no --remote-nodes and no redis-server / redis-cli on PATH; expected "
+            "--remote-nodes host:port,... or Debian's redis-server (apt-get install "
+            "redis-server) to start a cluster"
+        )
+
+
 @contextlib.contextmanager
 def cluster_nodes(nodes: Sequence[str] | None) -> Iterator[list[str]]:
-    """`nodes`, or those of a cluster started on loopback for the block."""
+    """`nodes`, or those of a cluster started on loopback for the block (`check_cluster`
+    first)."""
     if nodes:
         yield list(nodes)
         return
-    if not have_redis():
-        raise RuntimeError(
-            "--remote needs a cluster: --remote-nodes host:port,... or Debian's redis-server "
-            "(apt-get install redis-server) to start one"
-        )
+    check_cluster(nodes)
     with (
         tempfile.TemporaryDirectory(prefix="kvtier-replay-redis-") as tmp,
         LocalCluster(Path(tmp), primaries=3) as cluster,
@@ -141,9 +147,7 @@ def replay_fleet(
         router = FleetRouter(stores, policy, options.block_tokens) if policy else None
         assigned = [0] * replicas
         try:
-            kv = torch.zeros(
-                (1, 2, longest, 1, stores[0].layout.head_dim), dtype=stores[0].layout.dtype
-            )
+            kv = zero_kv(stores[0].layout, longest)
             started = time.perf_counter()
             for i, request in enumerate(requests):
                 tokens = request.tokens()

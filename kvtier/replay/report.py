@@ -21,6 +21,7 @@ from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError, shown
 from kvtier.replay.simulate import SimResult
 from kvtier.sizes import format_size
+from kvtier.text import printable
 
 TIERS = ("gpu", "host", "disk")
 
@@ -224,15 +225,16 @@ def model_sizes(
     result: ReplayResult, layout: KVLayout, shrink: dict[str, float] | None = None
 ) -> str:
     """What each tier of `result` holds, in blocks and bytes of the model of `layout` (the same
-    tokens in its blocks): what a planner buys. `shrink`: per tier, how many times smaller a
-    block is there (a quantized tier's codec)."""
+    tokens in its blocks; its name escaped, `printable`): what a planner buys. `shrink`: per
+    tier, how many times smaller a block is there (a quantized tier's codec)."""
     parts = []
     for tier, blocks in result.capacity_blocks.items():
         model_blocks = blocks * result.block_tokens // layout.block_tokens
         nbytes = round(model_blocks * layout.block_bytes / (shrink or {}).get(tier, 1.0))
         parts.append(f"{tier} {model_blocks:,} blocks ({format_size(nbytes)})")
+    name = printable(layout.model_name)
     return (
-        f"  as {layout.model_name} ({layout.dtype_name}, {layout.block_tokens}-token blocks of "
+        f"  as {name} ({layout.dtype_name}, {layout.block_tokens}-token blocks of "
         f"{format_size(layout.block_bytes)}): " + ", ".join(parts)
     )
 

@@ -9,8 +9,10 @@ Per request, in trace order (sleeping to the trace's clock only when `speed` is 
     store.store(tokens, kv)                     the request's blocks not cached yet
 
 Tokens served per tier are read from the lookup, before the prefetch moves anything; what the
-lookup does not cover is recomputed. The KV is one zero buffer of the longest request, sliced:
-its content does not matter for hit rates, but the store copies it like any other.
+lookup does not cover is recomputed. The KV is one zero token `expand`ed to the longest request
+(`zero_kv`: a store only reads it, so one token of memory serves a request of 2**20 tokens of
+64 MiB blocks), sliced: its content does not matter for hit rates, but the store copies it like
+any other.
 
 Drops. A store that cannot place blocks drops them (`StoreResult.dropped_tokens`): always the
 request's last ones (what is cached, then what is pending on disk, come first). `Drops` keeps
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.blocks import BlockHasher
+from kvtier.blocks import BlockHasher, KVLayout
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError, InvalidArgumentError, shown
 from kvtier.replay.report import TIERS, Latency, Pacing, ReplayResult, Sizing
@@ -257,6 +259,14 @@ class Drops:
         return [ids[b // k] * k + b % k for b in range(first, last)]
 
 
+def zero_kv(layout: KVLayout, tokens: int) -> torch.Tensor:
+    """Zero KV of `tokens` tokens in `layout` ("layers"), for `store` to read: one token's
+    memory, `expand`ed (stride 0 along the tokens), however long the request or big the block."""
+    shape = (layout.num_layers, 2, tokens, layout.num_kv_heads, layout.head_dim)
+    one = torch.zeros((*shape[:2], 1, *shape[3:]), dtype=layout.dtype)
+    return one.expand(shape)
+
+
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
@@ -291,10 +301,7 @@ def replay(
         served = dict.fromkeys((*tiers, "recomputed"), 0)
         drops = Drops(options.block_tokens, options.trace_block_tokens)
         layout = config.layout
-        kv = torch.zeros(
-            (layout.num_layers, 2, longest, layout.num_kv_heads, layout.head_dim),
-            dtype=layout.dtype,
-        )
+        kv = zero_kv(layout, longest)
         started = time.perf_counter()
         with KVStore(config) as store:
             for request in requests:

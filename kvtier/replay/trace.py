@@ -136,9 +136,11 @@ class _Malformed(ValueError):
 def _json_object(pairs: list[tuple[str, object]]) -> dict[str, object]:
     record = dict(pairs)
     if len(record) < len(pairs):
-        names = [name for name, _ in pairs]
-        repeated = next(name for name in names if names.count(name) > 1)
-        raise _Malformed(f"key {repeated!r} given twice, expected each key once")
+        seen: set[str] = set()  # linear: a line of many keys is refused as fast as it is read
+        for name, _ in pairs:
+            if name in seen:
+                raise _Malformed(f"key {name!r} given twice, expected each key once")
+            seen.add(name)
     return record
 
 

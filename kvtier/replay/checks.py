@@ -1,0 +1,63 @@
+"""The checks `kvtier replay` makes of its arguments before it reads the trace: options that
+ask for several sets of runs where one is made (`check_modes`), and where `--plot` writes
+(`check_plot`). Each raises `InvalidArgumentError` naming the option and what was expected;
+nothing has run then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from kvtier.errors import InvalidArgumentError
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+"""`--plot`: the image formats it writes, by the file's suffix."""
+
+
+def check_modes(args: argparse.Namespace) -> None:
+    """`InvalidArgumentError` naming both options when `args` ask for two sets of runs where
+    one is made: `--sweep` with `--codec` (each replaces the tiered sizes), or either of them
+    with `--replicas N` / `--remote` / `--route` (a fleet runs the sizes as typed only)."""
+    asked = (("--sweep", args.sweep), ("--codec", args.codec is not None))
+    many = [name for name, on in asked if on]
+    fleet = [
+        name
+        for name, on in (
+            ("--route", args.route is not None),
+            ("--replicas", args.replicas > 1),
+            ("--remote", args.remote),
+        )
+        if on
+    ]
+    if len(many) == 2:
+        raise InvalidArgumentError(
+            "--sweep with --codec: got both, expected one of them (a sweep scales the sizes as "
+            "typed; --codec runs them once per codec)"
+        )
+    if many and fleet:
+        raise InvalidArgumentError(
+            f"{many[0]} with {fleet[0]}: got both, expected one of them ({fleet[0]} runs the "
+            "sizes as typed, once)"
+        )
+
+
+def check_plot(path: str, inputs: list[str | None]) -> None:
+    """`InvalidArgumentError` unless `--plot` names a new or existing image file, by its
+    suffix, in an existing directory, and none of the command's `inputs`: checked before the
+    replay, not found out when it is drawn."""
+    target = Path(path)
+    problem = None
+    if target.suffix.lower() not in PLOT_SUFFIXES:
+        problem = f"a file ending in {', '.join(PLOT_SUFFIXES)}"
+    elif not target.parent.is_dir():
+        problem = f"a file in an existing directory ({str(target.parent)!r} is not one)"
+    elif target.is_dir():
+        problem = "a file, not a directory"
+    elif not os.access(target if target.exists() else target.parent, os.W_OK):
+        problem = "a file kvtier may write (this one, or its directory, is read-only to it)"
+    elif target.exists() and any(p and Path(p).exists() and target.samefile(p) for p in inputs):
+        problem = "a file other than the command's trace and config"
+    if problem is not None:
+        raise InvalidArgumentError(f"--plot: got {path!r}, expected {problem}")
