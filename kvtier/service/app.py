@@ -5,7 +5,7 @@
 
 Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `guard.py`, `hot.py`):
 
-    GET  /healthz /readyz                     alive / recovered and serving
+    GET  /healthz /readyz                     alive (503: the start failed) / recovered and serving
     GET  /                                    the status page (`page.py`), for a browser
     GET  /v1/status                           live figures: a tenant key sees its tenant's
     GET  /v1/config /metrics                  config with keys redacted; Prometheus text
@@ -120,9 +120,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def _start_quietly(service: Service) -> None:
-    """Start the store; a failure is logged and reported by /readyz (the process stays up). A
-    refusal of ours (`KVTierError`: a config field, a damaged disk, a held lock) says what is
-    wrong and what to do in its message, logged as one line; anything else with its traceback."""
+    """Start the store; a failure is logged and reported by /readyz and /healthz (503: a
+    liveness probe restarts it). A refusal of ours (`KVTierError`: a config field, a damaged
+    disk, a held lock) is logged as one line (it says what to do); anything else traced."""
     try:
         service.start()
     except KVTierError as exc:
@@ -210,10 +210,13 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
 
     # ---- liveness, readiness, status ------------------------------------------------------
 
-    @app.get("/healthz", responses=schemas.responses(schemas.OK, *schemas.EDGE))
-    async def healthz() -> dict[str, Any]:
-        """The process is alive (also while it recovers)."""
-        return {"ok": True}
+    @app.get("/healthz", responses=schemas.responses(schemas.OK, 503, *schemas.EDGE))
+    async def healthz() -> Response:
+        """Alive (also while it recovers); 503 once the store failed to start: a restart."""
+        if service.failure:
+            detail = f"the store failed to start: {service.failure}"
+            return JSONResponse({"error": "start_failed", "detail": detail}, 503)
+        return JSONResponse({"ok": True})
 
     @app.get("/readyz", responses=schemas.responses(schemas.READY, 503, *schemas.EDGE))
     async def readyz() -> Response:

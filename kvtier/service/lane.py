@@ -9,7 +9,8 @@ took 0.03 ms. A client that maps the server's pools (same host, same user:
 `service.shared_memory`) reaches this lane too: the server names it in `GET /v1/pools`
 (`lane`), and a client that cannot reach it stays on HTTP (`kvtier/client/lane.py`).
 
-    Lane(service, handlers).start() -> name    listens; `stop()` closes it and its connections
+    Lane(service, handlers).start() -> name    listens; `stop()` closes it and its connections,
+                                               the calls in progress answered first
 
 Where: an abstract Unix socket (Linux: no file, nothing left behind by a SIGKILL), named
 `kvtier-lane-<pid>-<8 hex>` (`frames.NAME`). Who: a peer whose uid (SO_PEERCRED) is not the
@@ -72,7 +73,9 @@ connection is marked answering, the ender only once it is not. So a client that 
 goodbye where it expected a reply sends the call again (`kvtier/client/lane.py`): a call that
 crossed the close is not lost to a `TransportError`. A frame begun when its connection is ended
 for room is not answered either (it has not been admitted). Ending one answering a call, or one
-too slow mid-frame, writes no goodbye.
+too slow mid-frame, writes no goodbye. `stop` (SIGTERM) ends the idle ones at once and each
+one answering a call once its reply is sent (as HTTP finishes the requests in progress); only
+one still answering after `STOP_S` is cut.
 
 Hostile input: a frame longer than `frame_limit(config)` (the tokens `service.max_tokens`
 allows, and 1 MiB of fields) closes the connection before its body is read; one slower than
@@ -128,6 +131,7 @@ class Lane:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open: dict[socket.socket, _Connection] = {}
         self._lock = threading.Lock()
+        self._stopping = False
 
     def start(self) -> str | None:
         """Listen on a new lane; its name, or None (logged) when it cannot listen. Called on
@@ -147,24 +151,27 @@ class Lane:
         return name
 
     def stop(self) -> None:
-        """Stop listening, end every connection and wait (up to `STOP_S`) for their threads."""
+        """Stop listening, end the idle connections (`GOODBYE`), and each one answering a call
+        once its reply is sent; wait `STOP_S` at most, then cut the ones still answering."""
         listener, self._listener = self._listener, None
         if listener is not None:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
             listener.close()
         with self._lock:  # (no thread closes its connection while it is ended here)
+            self._stopping = True  # a reply sent from now ends its connection (`_mark`)
             open_now = list(self._open.items())
             for conn, state in open_now:
-                if state.answering:
-                    with contextlib.suppress(OSError):
-                        conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
-                else:  # idle: its client may send its call again (`GOODBYE`)
+                if not state.answering:  # idle: its client may send its call again
                     del self._open[conn]
                     frames.say_goodbye(conn)
         deadline = time.monotonic() + STOP_S
         for _, state in open_now:
             state.thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            for conn in self._open:  # answering past `STOP_S`: cut
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
 
     def _accept(self) -> None:
         failing = False
@@ -218,6 +225,10 @@ class Lane:
         with self._lock:
             state = self._open.get(conn)
             if state is None:
+                return False
+            if self._stopping and not answering:  # its reply sent (or none begun): ended
+                del self._open[conn]
+                frames.say_goodbye(conn)
                 return False
             state.answering = answering
             if not answering:

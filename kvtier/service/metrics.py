@@ -179,7 +179,10 @@ def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
         "used_bytes": "Bytes of the tier's slots in use (capacity_bytes' unit)",
         "blocks": "Blocks with a copy in the tier",
         "dirty_blocks": "Blocks whose slowest copy is in the tier (nothing below them)",
-        "leased_blocks": "Blocks of the tier that leases or pins hold",
+        "leased_blocks": (
+            "Blocks of the tier that clients' leases hold (not the pins of reservations or of "
+            "the mover)"
+        ),
         "free_slots": "Free slots of the tier",
         "reserved_slots": "Slots of live and quarantined reservations",
         "quarantined_slots": "Slots of expired reservations in quarantine",

@@ -2,12 +2,16 @@
 
 Start-up: the config is validated (before anything starts), a non-loopback address without auth
 is refused, the server secret is read or created, the shared-memory segments that killed servers
-left in /dev/shm are removed (`tiers/shm.py`), the port is bound, and the store is built on
-a thread (disk recovery included) while /healthz already answers; /readyz turns 200 when it is
-done. SIGTERM or SIGINT: uvicorn stops accepting connections and finishes the requests in
-progress, then the store closes: pending leases end, flights in flight are waited for (at most
-30 s) and published, the disk tier is left consistent (every copy in the index is durable),
-and the process exits 0. The next start recovers everything durable.
+left in /dev/shm are removed (`tiers/shm.py`), the port is bound (one in use: a `ConfigError`
+naming it, before any store is built), and the store is built on a thread (disk recovery
+included) while /healthz already answers; /readyz turns 200 when it is done, and a store that
+fails to start turns /healthz 503 too (`app.py`), for a liveness probe to restart it.
+SIGTERM or SIGINT: uvicorn stops accepting connections and finishes the requests in progress
+(the local lane its calls: `lane.py`), then the store closes: pending leases end, flights in
+flight are waited for (at most 30 s) and published, the disk tier is left consistent (every
+copy in the index is durable), and the process exits 0. The next start recovers everything
+durable. A second SIGINT while that waits forces the exit: the store is not closed, and the
+process says so and exits 1.
 
 Garbage collection: once the app is built (every module imported: torch, the web stack), its
 objects are frozen out of the cyclic collector (`gc.freeze`). They live as long as the process,
@@ -24,11 +28,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import socket
 from collections.abc import Iterator
 
 import uvicorn
+from fastapi import FastAPI
 
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
+from kvtier.service.admission import Service
 from kvtier.service.app import create_app
 from kvtier.service.auth import Auth, require_loopback, server_secret
 from kvtier.service.protocol import protocol_class
@@ -41,7 +49,7 @@ MAX_HEAD_BYTES = 64 * 1024
 """The most bytes of request line and headers a request may carry (431 past it)."""
 
 
-def build_app(config: KVTierConfig, host: str) -> object:
+def build_app(config: KVTierConfig, host: str) -> FastAPI:
     """The app for `config` served on `host`; `ConfigError` before anything starts."""
     require_loopback(host, Auth(config))
     secret = server_secret(config.service.state_dir)
@@ -59,10 +67,36 @@ def build_app(config: KVTierConfig, host: str) -> object:
     return create_app(config, factory, host)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (listening starts in uvicorn), as uvicorn binds
+    one; a port that cannot be bound (in use, not allowed) is a `ConfigError`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            "service.port", port, f"a port free to bind on {host} ({exc.strerror or exc})"
+        ) from None
+    return sock
+
+
 class _Server(uvicorn.Server):
     """uvicorn re-raises the signal that stopped it once it has shut down, so that the process
     dies of it (status 143 for SIGTERM); here SIGTERM is the ordinary way to stop, and a clean
-    shutdown exits 0."""
+    shutdown exits 0. It serves on the socket `bind` made, and logs where, as uvicorn does on
+    one it binds itself."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:  # uvicorn says where it listens only on a socket of its own
+            host, port = sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", shown, port
+            )
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -75,10 +109,11 @@ def serve(config: KVTierConfig, host: str | None = None, port: int | None = None
     host = config.service.host if host is None else host
     port = config.service.port if port is None else port
     app = build_app(config, host)
+    listener = bind(host, port)  # before the store is built: a port in use ends it here
     gc.freeze()  # the start-up's objects leave every later full collection (module doc)
     server = _Server(
         uvicorn.Config(
-            app,  # type: ignore[arg-type]
+            app,
             host=host,
             port=port,
             log_level="info",
@@ -92,5 +127,17 @@ def serve(config: KVTierConfig, host: str | None = None, port: int | None = None
             http=protocol_class(MAX_HEAD_BYTES, config.service.body_timeout_s),
         )
     )
-    server.run()
-    return 0
+    server.run(sockets=[listener])
+    return 1 if _forced_open(server, app.state.service) else 0
+
+
+def _forced_open(server: uvicorn.Server, service: Service) -> bool:
+    """Whether a second signal forced the exit past the store's close (uvicorn skips the
+    app's shutdown then): logged in one line, and the exit status is 1, not 0."""
+    if not server.force_exit or (service.store is None and service.ready.is_set()):
+        return False
+    log.error(
+        "kvtier: forced to exit by a second signal: the store was not closed (copies in flight "
+        "dropped); the next start recovers what was durable"
+    )
+    return True

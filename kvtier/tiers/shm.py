@@ -10,7 +10,9 @@ stores of one process differ), `tier` is `gpu` or `host`. Nothing else is ever a
 
 Contract:
 - `create_shared` makes a new segment (O_EXCL, mode 0600, exactly `nbytes`, its pages
-  reserved: no SIGBUS later when /dev/shm runs short); the creator unlinks it when its pool
+  reserved: no SIGBUS later when /dev/shm runs short) and holds an exclusive `flock` on it for
+  as long as the mapping lives (the lock is the open file's, which the mapping keeps: it ends
+  with the mapping, or with the process however it dies); the creator unlinks it when its pool
   closes (`SlotPool.close`).
 - `map_shared` maps an existing segment only if it is exactly what its creator made: a name
   matching `NAME` (else `InvalidArgumentError`), a regular file (not a symlink: O_NOFOLLOW),
@@ -18,14 +20,22 @@ Contract:
   A segment that is missing or fails a check raises `OSError` (`SegmentMismatch` for a check)
   and nothing is mapped; nothing is ever written outside the mapping.
 - `sweep_stale` removes the segments that a killed owner left behind: names matching `NAME`
-  with base `kvtier`, regular files of this user, whose owner pid is not alive, or is alive but
-  started after the segment was last changed (the pid was reused). It never removes a segment
-  whose owner is alive (pids of another pid namespace count as alive where /proc shows them).
+  with base `kvtier`, regular files of this user, whose lock it can take (no process holds
+  the segment's mapping), and whose owner pid is not alive or is alive but started after the
+  segment was last changed (the pid was reused). It never removes a segment whose owner is
+  alive: the lock tells, whatever pid namespace the owner is in (a server per container,
+  sharing /dev/shm, sees no other's pid); the pid check keeps a segment of an older kvtier,
+  which took no lock, while its pid is alive here.
+
+The race of a new segment: the sweeper may take the lock of a segment created a moment ago,
+before its creator locked it. The creator then finds, once it holds the lock, that the name no
+longer links to its file (swept), and creates it again.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -79,9 +89,8 @@ def create_shared(name: str, nbytes: int) -> mmap.mmap:
     container 64 MiB unless `--shm-size` says more), or one that others fill later, would
     otherwise kill the process with SIGBUS when it first writes a page past the room. Too
     little room is an `OSError` (ENOSPC) naming what is free, and no segment is left."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     path = SHM_DIR / check_name(name)
-    fd = os.open(path, flags, 0o600)
+    fd = _create_locked(path)
     try:
         os.fchmod(fd, 0o600)  # exactly, whatever the umask
         os.ftruncate(fd, nbytes)
@@ -93,6 +102,23 @@ def create_shared(name: str, nbytes: int) -> mmap.mmap:
         raise
     finally:
         os.close(fd)
+
+
+def _create_locked(path: Path) -> int:
+    """A new file at `path` (O_EXCL), its open file holding an exclusive `flock`, and still
+    linked at `path` once locked (else a sweeper took it in between: made again)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        fd = os.open(path, flags, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a sweeper holds it for an instant at most
+        mine = os.fstat(fd)
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+        os.close(fd)  # swept before it was locked: the name is free again
 
 
 def _reserve(fd: int, nbytes: int) -> None:
@@ -165,12 +191,33 @@ def sweep_stale(directory: Path = SHM_DIR) -> list[str]:
             continue
         if _owner_alive(int(match["pid"]), min(st.st_mtime, st.st_ctime), boot):
             continue
-        try:
-            os.unlink(entry.path)
-        except FileNotFoundError:
-            continue
-        swept.append(entry.name)
+        if _unlink_unlocked(entry.path, st):
+            swept.append(entry.name)
     return sorted(swept)
+
+
+def _unlink_unlocked(path: str, st: os.stat_result) -> bool:
+    """Unlink the file `st` describes at `path` if no process holds its lock (its owner's
+    mapping); whether it was unlinked. The lock is held across the unlink, so that a creator
+    that locks it after finds it gone (`_create_locked`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone meanwhile, or not ours to open
+    try:
+        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != (st.st_dev, st.st_ino):
+            return False  # another file under the name now
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its owner lives, maybe in another pid namespace
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
 
 
 def _owner_alive(pid: int, changed_at: float, boot: float | None) -> bool:
