@@ -8,7 +8,8 @@
 - `lift_on_lookup` lifts a prefix only into free slots: it never drops or demotes a host block
   to stage the disk blocks it lifts (it dropped acknowledged blocks with no disk copy yet).
 - Blocks a background insert lands after the store call returned count in the storing tenant's
-  own `stored_tokens` as in the global one (only the global one grew).
+  own `stored_tokens` as in the global one (only the global one grew); blocks that landed
+  before the call's own reap are counted once, by the call (they were counted twice).
 
 The stores run their background copies on a `SteppedExecutor`, so that the test decides when a
 pinned flight lands; `check()` follows every step.
@@ -32,6 +33,7 @@ from conftest import (
 from kvtier.config import KVTierConfig
 from kvtier.results import LeaseState, StoreResult
 from kvtier.store import KVStore
+from kvtier.transfer import InlineExecutor
 from kvtier.transfer.stepped import SteppedExecutor
 
 S = list(range(100, 108))  # two blocks
@@ -217,5 +219,24 @@ def test_blocks_landing_after_the_call_count_in_each_tenants_stored_tokens(
         assert store.status()["ops"]["stored_tokens"] == total + 12
         assert store.status("a")["ops"]["stored_tokens"] == before["a"] + 8
         assert store.status("b")["ops"]["stored_tokens"] == before["b"] + 4
+    finally:
+        store.close()
+
+
+def test_blocks_landing_before_the_calls_own_reap_are_counted_once(tmp_path: Path) -> None:
+    # an executor that completes each copy as it is submitted: the insert flight's disk write
+    # is done before the call's reap, which publishes it inside the call (a fast disk); the
+    # call counted its stored tokens and `publish_insert` counted them again
+    on_disk_only(disk_config(tmp_path), [S])
+    store = KVStore(disk_config(tmp_path, background=True), executor=InlineExecutor())
+    try:
+        before = store.status()["ops"]["stored_tokens"], store.status("default")["ops"]
+        result = store.store([*S, 9, 10, 11, 12], kv_for(store, 12, seed=5))
+        assert result.stored_tokens + result.pending_tokens == 4
+        assert store.drain()
+        store.check()
+        assert store.status()["ops"]["stored_tokens"] - before[0] == 4
+        assert store.status("default")["ops"]["stored_tokens"] - before[1]["stored_tokens"] == 4
+        assert store.lookup([*S, 9, 10, 11, 12]).num_tokens == 12
     finally:
         store.close()

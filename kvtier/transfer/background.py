@@ -285,7 +285,8 @@ class Background:
             slots = slots[:first] + slots[first + keep :]
         self.state.free(DISK, slots)
         flight.kept = keep
-        if self.background:  # landed after the call returned: counted now, for its tenant too
+        if self.background and not flight.in_call:  # landed after the call: counted now, for
+            # its tenant too (one that landed before the call's own reap is the call's)
             self.state.count(flight.tenant, stored_tokens=keep * self.index.block_tokens)
         lost = len(ok) - good
         if lost:

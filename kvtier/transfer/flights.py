@@ -105,6 +105,7 @@ class InsertFlight(BlockFlight):
     first_block: int
     write: Transfer
     kept: int = field(default=0, init=False)  # blocks that entered the index when published
+    in_call: bool = field(default=False, init=False)  # published inside the storing call
 
 
 _F = TypeVar("_F", bound=Flight)

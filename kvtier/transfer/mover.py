@@ -155,7 +155,9 @@ class Mover:
         flight = self.work.insert_on_disk(match, key, blocks, namespace, tenant)
         if flight is None:
             return 0, 0
+        flight.in_call = True  # published by this reap, it is the call's to count
         self.reap()
+        flight.in_call = False
         return len(flight.write.src_slots), flight.kept if flight.published else 0
 
     def throttle(self, most: int = 0, ahead: Callable[[], int] | None = None) -> None:
