@@ -13,7 +13,9 @@ between embedded and sidecar by configuration alone:
 On the same host (`shared_memory=True`, the default) the client maps the server's memory pools from
 /dev/shm: `store` reserves slots, writes the blocks straight into the mapped pool and commits;
 `load` leases the prefix, copies the pages asked for (from `start` on) out of the mapped gpu pool
-and owes the release, which rides on the next prefetch or reserve (`releases.py`). No KV byte
+and owes the release, which rides on the next prefetch or reserve (`releases.py`); a copy not
+surely within the lease's ttl is kept only once its release, sent at once, is answered, else
+the prompt is loaded through the body (`held.py`). No KV byte
 crosses the socket. Where the pools cannot be mapped (another host, a CUDA pool) or a call cannot
 go that way (new blocks below a disk-only prefix, a prefix larger than the gpu tier), the KV
 travels in the body instead. A CUDA gpu pool is opened through its CUDA IPC description
@@ -48,6 +50,8 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
                      only for the slots of replies of the server instance mapped
     lane.py          `LaneConnections` / `AsyncLaneConnections`: the clients' connections to
                      the server's local lane
+    held.py          `LeaseFrom`: a load's lease, and until when it surely holds its slots
+                     (a copy out of the mapped pool is kept only if it did)
     releases.py      `OwedReleases`: the releases of loads, carried by later requests, and
                      the request tokens of prefetches and reserves whose replies were lost
     owing.py         `Owing` / `AsyncOwing`: sending what is owed (a flusher thread or task,

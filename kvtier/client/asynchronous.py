@@ -1,8 +1,9 @@
 """`AsyncClient`: the asyncio twin of `Client` (`blocking.py`), the same methods as coroutines.
 
 It maps the server's pools at its first request rather than at construction (a constructor
-cannot await); the shared-memory path and its fallback to the body are `Client`'s (a reply of
-another server instance maps the new server's pools and lane: `pools.py`), and so are
+cannot await); the shared-memory path and its fallback to the body are `Client`'s (a load's
+copy kept only where its lease held the slots through it: `held.py`; a reply of another server
+instance maps the new server's pools and lane: `pools.py`), and so are
 owed releases (`releases.py`), sent here by a task the event loop starts `RELEASE_AFTER_S`
 after a load rather than by a thread. Its failures are `Client`'s too: a connection refused,
 reset or timed out is a `TransportError`, not httpx's own exception. A prefetch or reserve
@@ -13,9 +14,7 @@ token, as `Client`'s does (`owing.py`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -25,11 +24,12 @@ from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_a
 from kvtier.caller_kv import kv_layout
 from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES, check_url
+from kvtier.client.held import LeaseFrom, held_until
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.mapper import AsyncMapper
 from kvtier.client.owing import AsyncOwing, AsyncPost
 from kvtier.client.pages import LoadPages, StorePieces, prefetch_body
-from kvtier.client.pools import NOTHING_RESERVED, LeaseFrom, MappedView, ReservationFrom
+from kvtier.client.pools import NOTHING_RESERVED, MappedView, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token, release_of
 from kvtier.client.transport import (
     REFUSALS,
@@ -39,7 +39,7 @@ from kvtier.client.transport import (
     httpx_send,
     reply_body,
 )
-from kvtier.errors import CapacityError, ClosedError
+from kvtier.errors import CapacityError, LeaseError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import frames, replies, wire
 
@@ -135,19 +135,6 @@ class AsyncClient(MappedView):
                 await self._owing.give_back(kind, token, tenant)
             raise
 
-    @contextlib.asynccontextmanager
-    async def _keeping(self, kind: str, token: str, tenant: str) -> AsyncIterator[None]:
-        """`Client._keeping`: around reading a granted reply, a failure gives the grant back;
-        so does a reply that came after `aclose()` (then `ClosedError`)."""
-        try:
-            yield
-        except BaseException:
-            await self._owing.give_back(kind, token, tenant)
-            raise
-        if self._owing.closed:
-            await self._owing.give_back(kind, token, tenant)
-            raise ClosedError(f"the client closed while its {kind} was asked: given back")
-
     async def _map(self) -> None:
         """Map the server's pools before the first call that may use them; a failed
         `/v1/pools` (a sidecar still starting) is asked again at the next call."""
@@ -169,19 +156,19 @@ class AsyncClient(MappedView):
         ttl_s: float | None = None,
         wait: bool = True,
     ) -> Lease:
-        return (await self._prefetch(tokens, tenant, ttl_s, wait))[0]
+        return (await self._prefetch(tokens, tenant, ttl_s, wait)).lease
 
     async def _prefetch(
         self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool, as_load: bool = False
     ) -> LeaseFrom:
-        """`prefetch`, and the server instance of the reply that granted the lease (`as_load`:
-        a load's, counted as one: `pages.prefetch_body`)."""
+        """`Client._prefetch`: the lease, its server instance and until when it surely holds."""
         with self._calls.call():
-            request = prefetch_body(tokens, ttl_s, wait, as_load)
+            request, asked_at = prefetch_body(tokens, ttl_s, wait, as_load), time.monotonic()
             token, body = await self._post_granting("lease", "/v1/prefetch", request, tenant)
-            async with self._keeping("lease", token, tenant):
+            async with self._owing.keeping("lease", token, tenant):
                 instance = await self._server.instance(body, "lease", tenant)
                 lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
+                held = held_until(asked_at, body)
             if wait and lease.state is LeaseState.PENDING:
                 try:
                     lease = await self.wait_for(lease)
@@ -190,7 +177,7 @@ class AsyncClient(MappedView):
                     raise
             if wait:
                 lease.wait(0)  # raises LeaseError for an ended lease
-            return lease, instance
+            return LeaseFrom(lease, instance, held)
 
     async def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """As `Client.wait_for` (READY, ended: `LeaseError`, pending past `timeout_s`: returned
@@ -283,19 +270,23 @@ class AsyncClient(MappedView):
             if "gpu" in self._pools.buffers:
                 assert dest is not None
                 try:
-                    lease, instance = await self._prefetch(tokens, tenant, None, True, True)
-                except CapacityError:
-                    pass
+                    granted = await self._prefetch(tokens, tenant, None, True, True)
+                except (CapacityError, LeaseError):
+                    pass  # larger than the gpu tier can lease, or ended unready: the body
                 else:
+                    lease, first = granted.lease, start // dest.layout.block_tokens
                     try:
-                        first = start // dest.layout.block_tokens
-                        kv = self._pools.read_blocks(lease, instance, dest, first)
+                        kv = self._pools.read_blocks(lease, granted.instance, dest, first)
                     except BaseException:
                         await self.release(lease)
                         raise
-                    self._owing.owe(lease, tenant)  # released on a later request's way
-                    if kv is not None:  # None: not the pools mapped here, the body path
+                    if kv is None:  # not the pools mapped here: the body path
+                        self._owing.owe(lease, tenant)  # released on a later request's way
+                    elif await self._owing.settle(granted, tenant):  # held through the copy
                         return LoadResult(lease.num_tokens, kv)
+                    else:  # it ended first: the copy thrown away, none of it left in `out`
+                        kv.zero_()
+                        dest = self._pools.destination(pages.asked, out, kind, wanted, start)
             while (request := pages.next()) is not None:  # a long prefix: several replies
                 pages.add(await self._post("/v1/load", request, tenant))
             return self._pools.loaded(pages, wanted, pages.asked, dest, start)
@@ -319,7 +310,7 @@ class AsyncClient(MappedView):
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
             token, body = await self._post_granting("reservation", "/v1/reserve", request, tenant)
-            async with self._keeping("reservation", token, tenant):
+            async with self._owing.keeping("reservation", token, tenant):
                 instance = await self._server.instance(body, "reservation", tenant)
                 reservation = self._pools.reservation(body, request["tokens"])
             return reservation, instance

@@ -4,8 +4,10 @@ Each method is one request, or on the shared-memory path (`pools.py`) a few: `st
 reserve + write into the mapped pool + commit (abort if the write fails), `load` is lease (a
 prefetch marked `as_load`, which the server counts as a load) + copy out of the mapped gpu
 pool, its release owed (`releases.py`: carried by the next prefetch or reserve, else sent by
-the flusher thread within `RELEASE_AFTER_S`, or at `close()`). Where a call cannot go that way,
-its KV travels in the body.
+the flusher thread within `RELEASE_AFTER_S`, or at `close()`) once the lease surely held its
+slots through the copy; where that is not sure by time, released at once, and a lease that
+ended first throws the copy away (`held.py`). Where a call cannot go that way (or its lease
+ended before the copy did, or before it was ready), its KV travels in the body.
 
 Each prefetch and reserve carries a fresh `request` token; one whose reply is lost (a
 `TransportError`, an interrupt) owes a give-back by that token, sent before the next prefetch or
@@ -20,10 +22,8 @@ call's KV goes through them if they are the reply's instance, else through the b
 
 from __future__ import annotations
 
-import contextlib
 import time
 import urllib.parse
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,14 +32,15 @@ from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_a
 from kvtier.caller_kv import kv_layout
 from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES, Connections
+from kvtier.client.held import LeaseFrom, held_until
 from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
 from kvtier.client.owing import Owing, Post
 from kvtier.client.pages import LoadPages, StorePieces, prefetch_body
-from kvtier.client.pools import NOTHING_RESERVED, LeaseFrom, MappedView, ReservationFrom
+from kvtier.client.pools import NOTHING_RESERVED, MappedView, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token, release_of
 from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, reply_body
-from kvtier.errors import CapacityError, ClosedError
+from kvtier.errors import CapacityError, LeaseError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import frames, replies, wire
 
@@ -133,19 +134,6 @@ class Client(MappedView):
                 self._owing.give_back(kind, token, tenant)
             raise
 
-    @contextlib.contextmanager
-    def _keeping(self, kind: str, token: str, tenant: str) -> Iterator[None]:
-        """Around reading a granted reply: a failure gives the grant back; so does a reply that
-        came after `close()` (then `ClosedError`)."""
-        try:
-            yield
-        except BaseException:
-            self._owing.give_back(kind, token, tenant)
-            raise
-        if self._owing.closed:
-            self._owing.give_back(kind, token, tenant)
-            raise ClosedError(f"the client closed while its {kind} was asked: given back")
-
     # ---- the engine contract ------------------------------------------------------------
 
     def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
@@ -162,23 +150,25 @@ class Client(MappedView):
     ) -> Lease:
         """Lease the cached prefix on the server's gpu tier. With `wait`, return it READY
         (waiting on the server, which bounds each wait); else as it is (`wait_for`)."""
-        return self._prefetch(tokens, tenant, ttl_s, wait)[0]
+        return self._prefetch(tokens, tenant, ttl_s, wait).lease
 
     def _prefetch(
         self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool, as_load: bool = False
     ) -> LeaseFrom:
-        """`prefetch`, and the server instance of the reply that granted the lease (`as_load`:
-        a load's, counted as one: `pages.prefetch_body`)."""
+        """`prefetch`, the server instance of the reply that granted the lease, and until when
+        it surely holds its slots (`held.py`; `as_load`: a load's, counted as one:
+        `pages.prefetch_body`)."""
         with self._calls.call():
-            request = prefetch_body(tokens, ttl_s, wait, as_load)
+            request, asked_at = prefetch_body(tokens, ttl_s, wait, as_load), time.monotonic()
             token, body = self._post_granting("lease", "/v1/prefetch", request, tenant)
-            with self._keeping("lease", token, tenant):
+            with self._owing.keeping("lease", token, tenant):
                 instance = self._server.instance(body, "lease", tenant)
                 lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
+                held = held_until(asked_at, body)
             if not wait or lease.ready():
-                return lease, instance
+                return LeaseFrom(lease, instance, held)
             try:
-                return self.wait_for(lease), instance
+                return LeaseFrom(self.wait_for(lease), instance, held)
             except BaseException:  # interrupted, or the wait failed: the lease is still ours
                 self._owing.owe(lease, tenant)  # released soon, never left to its ttl
                 raise
@@ -274,19 +264,23 @@ class Client(MappedView):
             if "gpu" in self._pools.buffers:
                 assert dest is not None
                 try:
-                    lease, instance = self._prefetch(tokens, tenant, None, True, True)
-                except CapacityError:
-                    pass  # larger than the gpu tier can lease: through the body
+                    granted = self._prefetch(tokens, tenant, None, True, True)
+                except (CapacityError, LeaseError):
+                    pass  # larger than the gpu tier can lease, or ended unready: the body
                 else:
+                    lease, first = granted.lease, start // dest.layout.block_tokens
                     try:
-                        first = start // dest.layout.block_tokens
-                        kv = self._pools.read_blocks(lease, instance, dest, first)
+                        kv = self._pools.read_blocks(lease, granted.instance, dest, first)
                     except BaseException:
                         self.release(lease)
                         raise
-                    self._owing.owe(lease, tenant)  # released on a later request's way
-                    if kv is not None:  # None: not the pools mapped here, the body path
+                    if kv is None:  # not the pools mapped here: the body path
+                        self._owing.owe(lease, tenant)  # released on a later request's way
+                    elif self._owing.settle(granted, tenant):  # held through the copy
                         return LoadResult(lease.num_tokens, kv)
+                    else:  # it ended first: the copy thrown away, none of it left in `out`
+                        kv.zero_()
+                        dest = self._pools.destination(pages.asked, out, kind, wanted, start)
             while (request := pages.next()) is not None:  # a long prefix: several replies
                 pages.add(self._post("/v1/load", request, tenant))
             return self._pools.loaded(pages, wanted, pages.asked, dest, start)
@@ -303,7 +297,7 @@ class Client(MappedView):
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
             token, body = self._post_granting("reservation", "/v1/reserve", request, tenant)
-            with self._keeping("reservation", token, tenant):
+            with self._owing.keeping("reservation", token, tenant):
                 instance = self._server.instance(body, "reservation", tenant)
                 reservation = self._pools.reservation(body, request["tokens"])
             return reservation, instance

@@ -10,7 +10,10 @@ a prefetch or reserve gives back its tenant's tokens before it is sent (`send_re
 Contract:
 - `give_back(kind, token, tenant)` owes a token; once closed (nothing would send it) it is sent
   at once on a connection of its own (`alone`), so a reply that came after `close()` leaves
-  nothing held.
+  nothing held. `keeping(kind, token, tenant)` wraps the reading of a granted reply: a failure
+  gives the grant back, and so does a reply that came after `close()` (then `ClosedError`).
+- `settle(granted, tenant)`: a shared-memory load's lease, its copy done: whether the lease held
+  its slots until then (`held.py`), its release owed or sent.
 - The flusher holds its `Owing` weakly between waits of at most a second: a client dropped
   without `close()` is collected and its thread ends (the server's ttl ends what it owed).
 - Sending: a `KVTierError` (a lease already ended, a transport failure) is passed over; the
@@ -25,13 +28,14 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
 
+from kvtier.client.held import LeaseFrom
 from kvtier.client.releases import GIVE_BACK_PATHS, OwedReleases, Request
-from kvtier.errors import KVTierError
+from kvtier.errors import ClosedError, KVTierError, LeaseError
 from kvtier.results import Lease
 
 Post = Callable[[str, dict[str, Any], str], Any]
@@ -97,6 +101,36 @@ class Owing:
             return
         with contextlib.suppress(KVTierError):
             self._alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+
+    @contextlib.contextmanager
+    def keeping(self, kind: str, token: str, tenant: str) -> Iterator[None]:
+        """Around reading a granted reply: a failure gives the grant back; so does a reply that
+        came after `close()` (then `ClosedError`)."""
+        try:
+            yield
+        except BaseException:
+            self.give_back(kind, token, tenant)
+            raise
+        if self.closed:
+            self.give_back(kind, token, tenant)
+            raise ClosedError(f"the client closed while its {kind} was asked: given back")
+
+    def settle(self, granted: LeaseFrom, tenant: str) -> bool:
+        """A load's lease, its copy out of the mapped pool done: whether the lease held its
+        slots until now (`held.py`). Surely so by time: its release owed, True. Else released
+        now: True once answered, False for a `LeaseError` (it ended first: the copy may be
+        another prompt's). Another failure of that release owes it again, and propagates."""
+        if granted.held_now():
+            self.owe(granted.lease, tenant)
+            return True
+        try:
+            self._post("/v1/release", {"lease_id": granted.lease.lease_id}, tenant)
+        except LeaseError:
+            return False
+        except BaseException:
+            self.owe(granted.lease, tenant)
+            raise
+        return True
 
     def send_releases(self, due: list[tuple[int, str]], deadline: float = math.inf) -> None:
         for lease_id, tenant in due:
@@ -208,6 +242,32 @@ class AsyncOwing:
             return
         with contextlib.suppress(KVTierError, httpx.HTTPError):
             await self._alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+
+    @contextlib.asynccontextmanager
+    async def keeping(self, kind: str, token: str, tenant: str) -> AsyncIterator[None]:
+        """`Owing.keeping`, after `aclose()`."""
+        try:
+            yield
+        except BaseException:
+            await self.give_back(kind, token, tenant)
+            raise
+        if self.closed:
+            await self.give_back(kind, token, tenant)
+            raise ClosedError(f"the client closed while its {kind} was asked: given back")
+
+    async def settle(self, granted: LeaseFrom, tenant: str) -> bool:
+        """`Owing.settle`."""
+        if granted.held_now():
+            self.owe(granted.lease, tenant)
+            return True
+        try:
+            await self._post("/v1/release", {"lease_id": granted.lease.lease_id}, tenant)
+        except LeaseError:
+            return False
+        except BaseException:
+            self.owe(granted.lease, tenant)
+            raise
+        return True
 
     async def close(self, deadline: float) -> None:
         self.closed = True

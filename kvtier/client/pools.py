@@ -63,8 +63,6 @@ from kvtier.service import replies
 from kvtier.service.cuda_ipc import import_pool
 from kvtier.tiers.shm import map_shared, segment_id
 
-LeaseFrom = tuple[Lease, str | None]
-"""A lease and the server instance of the reply that granted it (`read_blocks`)."""
 ReservationFrom = tuple[Reservation, str | None]
 """A reservation and the server instance of the reply that granted it (`writable`)."""
 NOTHING_RESERVED: ReservationFrom = (Reservation(0, "default", 0, 0, "gpu", (), 0.0), None)

@@ -41,8 +41,10 @@ def cleared(store: KVStore, tenant: str | None) -> dict[str, Any]:
         raise WireError(404, "unknown_tenant", f"?tenant=: {exc}") from None
 
 
-def lease(lease: Lease, instance: str) -> dict[str, Any]:
-    """A lease as `/v1/prefetch` and `/v1/leases/{id}` answer it, from server `instance`."""
+def lease(lease: Lease, instance: str, ttl_s: float | None = None) -> dict[str, Any]:
+    """A lease as `/v1/prefetch` and `/v1/leases/{id}` answer it, from server `instance`; a
+    prefetch's says the `ttl_s` it was granted for, counted from its grant (the client's proof
+    that the lease held through a copy: `client/held.py`)."""
     return {
         "lease_id": lease.lease_id,
         "tenant": lease.tenant,
@@ -53,6 +55,7 @@ def lease(lease: Lease, instance: str) -> dict[str, Any]:
         "layers_ready": lease.layers_ready,
         "reason": lease.reason,
         "instance": instance,
+        **({} if ttl_s is None else {"ttl_s": ttl_s}),
     }
 
 

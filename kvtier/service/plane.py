@@ -65,7 +65,7 @@ class Plane:
                 await await_lease(lease, left)
             if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
                 break
-        return bodies.lease(lease, self.instance)
+        return bodies.lease(lease, self.instance, _granted_ttl(store, ttl))
 
     def prefetch_blocking(
         self, store: KVStore, tenant: str, data: dict[str, Any]
@@ -85,7 +85,7 @@ class Plane:
                     lease.wait(left)
             if lease.state is not LeaseState.FAILED or time.monotonic() >= deadline:
                 break
-        return bodies.lease(lease, self.instance)
+        return bodies.lease(lease, self.instance, _granted_ttl(store, ttl))
 
     def lease_blocking(self, store: KVStore, tenant: str, data: dict[str, Any]) -> dict[str, Any]:
         """`GET /v1/leases/{id}?wait_s=` for the lane (`frames.PATHS`): the lease's state,
@@ -232,3 +232,9 @@ async def await_lease(lease: Lease, wait_s: float) -> None:
     failure is the caller's to read from the lease's state."""
     with contextlib.suppress(asyncio.TimeoutError, LeaseError):
         await asyncio.wait_for(lease.wait_async(), wait_s)
+
+
+def _granted_ttl(store: KVStore, ttl: float | None) -> float:
+    """The ttl a prefetch's lease was granted for: the one asked (checked by the store), or
+    `policy.lease_ttl_s`."""
+    return store.config.policy.lease_ttl_s if ttl is None else float(ttl)

@@ -86,6 +86,7 @@ LEASE = _obj(
         "num_tokens": _INT,
         "block_table": {"type": "array", "items": _INT},
         "expires_at": _NUM,
+        "ttl_s": _NUM,  # a prefetch's: its ttl from its grant (`client/held.py`)
         "state": {"enum": ["pending", "ready", "released", "cancelled", "expired", "failed"]},
         "layers_ready": _INT,
         "reason": _STR,
