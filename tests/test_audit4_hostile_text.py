@@ -11,6 +11,7 @@ of this file), the sidecar a real HTTP server, the page the real app.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -112,6 +113,13 @@ class _Sidecar(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def sidecar() -> Iterator[tuple[str, type[_Sidecar]]]:
+    with fake_sidecar() as served:
+        yield served
+
+
+@contextlib.contextmanager
+def fake_sidecar() -> Iterator[tuple[str, type[_Sidecar]]]:
+    """An HTTP server answering every GET with its handler's `status` and `body` (set them)."""
     handler = type("Handler", (_Sidecar,), {})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

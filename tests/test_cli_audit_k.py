@@ -15,14 +15,13 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
+from test_audit4_hostile_text import _Sidecar, fake_sidecar
 
 from kvtier.cli import main
 from kvtier.config import parse_config
@@ -31,31 +30,10 @@ from kvtier.replay.trace import parse_line
 from kvtier.store import KVStore
 
 
-class _Sidecar(BaseHTTPRequestHandler):
-    body: ClassVar[Any] = {}
-
-    def do_GET(self) -> None:
-        data = json.dumps(self.body).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def sidecar() -> Iterator[tuple[str, type[_Sidecar]]]:
-    handler = type("Handler", (_Sidecar,), {})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_sidecar() as served:
+        yield served
 
 
 def _real_status() -> dict[str, Any]:
