@@ -200,6 +200,12 @@ def test_a_killed_primary_and_a_dead_cluster_leave_the_local_tiers_serving(
         assert down.drain()
         status = down.status()["remote"]
         assert not status["connected"] and status["errors"] >= 1
+        assert status["writer_failed_blocks"] >= 1  # and it says why, the cluster's words
+        assert "blocks not written" in status["writer_last_error"], status["writer_last_error"]
+        assert (
+            f"127.0.0.1:{port}" in status["writer_last_error"]
+            or status["last_error"] in (status["writer_last_error"])
+        )
         down.check()
 
 

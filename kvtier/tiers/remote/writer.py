@@ -46,7 +46,7 @@ class RemoteWriter:
         self._closed = False
         self.stats = dict.fromkeys(("queued_blocks", "written_blocks", "failed_blocks"), 0)
         self.stats["dropped_blocks"] = 0
-        self.last_error = ""  # what the last write that raised said (a bug: the tier never does)
+        self.last_error = ""  # why the last write that failed failed (the cluster's error)
         self._thread = threading.Thread(target=self._run, name="kvtier-remote-writer", daemon=True)
         self._thread.start()
 
@@ -114,6 +114,11 @@ class RemoteWriter:
             except Exception as e:  # a bug, not the cluster (which never raises): say it, go on
                 self.last_error = printable(f"{type(e).__name__}: {e}", ERROR_CHARS)
                 done = [False] * len(job.blocks)
+            else:
+                if not all(done):  # the cluster's reason: its last error (no exception here)
+                    why = self.tier.cluster.last_error or "the cluster did not take them"
+                    failed = f"{len(done) - sum(done)} blocks not written: {why}"
+                    self.last_error = printable(failed, ERROR_CHARS)
             with self._cond:
                 self._pending -= job.nbytes
                 self.stats["written_blocks"] += sum(done)
