@@ -274,6 +274,7 @@ def _held(payload: bytes) -> set[tuple[int, str]]:
     return {(h, e[6]) for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored" for h in e[1]}
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @pytest.mark.parametrize("seed", range(3))
 def test_a_router_that_ignores_clears_ends_exact_too(seed: int) -> None:
     """llm-d skips `AllBlocksCleared`: after an overflow it would keep every block whose

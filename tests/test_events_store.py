@@ -155,6 +155,7 @@ def test_events_track_where_every_block_lives(tmp_path: Path, ctx: Any) -> None:
     store.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
 def test_a_subscriber_that_binds_gets_every_event_through_connect(
     tmp_path: Path, ctx: Any, host: str

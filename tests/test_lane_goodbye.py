@@ -237,6 +237,7 @@ class Churn:
                     self.held.popleft().close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_client_calling_while_peers_churn_connections_at_the_bound_gets_no_error(
     server: Server,
 ) -> None:
@@ -272,6 +273,7 @@ def test_a_client_calling_while_peers_churn_connections_at_the_bound_gets_no_err
         assert lane.calls >= on_lane(lane.dead, sum(done)), (lane.calls, sum(done), lane.dead)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_an_async_client_calling_while_peers_churn_connections_at_the_bound_gets_no_error(
     server: Server,
 ) -> None:

@@ -39,6 +39,7 @@ def test_two_replicas_recompute_what_the_other_holds_unless_they_share(tmp_path:
     assert shared.remote["errors"] == 0
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_the_command_prints_both_runs_and_the_gain(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
