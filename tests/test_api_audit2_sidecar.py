@@ -153,6 +153,7 @@ def test_a_ready_lease_shows_every_layer_as_the_stores_does(
         asyncio.run(run())
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_mapped_instance_changes_when_the_client_remaps_after_a_restart(tmp_path: Path) -> None:
     first, second = list(range(1, 1 + 4 * BT)), list(range(5001, 5001 + 4 * BT))
     with restartable(tmp_path) as (config, port, started):

@@ -30,6 +30,7 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_info_on_the_default_config_prints_three_tiers(tmp_path: Path) -> None:
     with mounted_tmpfs(tmp_path / "fs", "2304m") as cwd:
         done = run("info", cwd=cwd)

@@ -139,6 +139,7 @@ def test_many_connections_that_never_read_share_the_buffer_instead_of_copying_it
     assert grown < 30, f"{grown:.0f} MiB for 24 replays of a 6.5 MiB buffer"
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_reader_that_falls_behind_still_gets_every_message_and_the_end_marker(ctx: Any) -> None:
     """A replay of 3000 messages of about 5 KB to a router that reads only 0.5 s after asking:
     more than ZMQ's high-water marks hold on either side. Every message comes, in order, then

@@ -162,6 +162,7 @@ def test_connections_past_the_bound_are_closed_before_the_hello(server: Server) 
             time.sleep(0.05)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="needs prlimit (Linux)")
 def test_a_lane_that_ran_out_of_descriptors_accepts_again(tmp_path: Path) -> None:
     """A peer that makes the server run out of file descriptors (any local user can, with idle

@@ -185,6 +185,7 @@ def test_a_cluster_that_requires_a_password_serves_only_with_it(tmp_path: Path) 
         remote.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_over_tls_only_a_client_that_verifies_the_cluster_and_shows_a_certificate_is_served(
     tmp_path: Path,
 ) -> None:

@@ -172,6 +172,7 @@ def test_a_router_cut_off_while_its_pod_restarts_forgets_the_past_life(tmp_path:
     forwarder.stop()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_restarted_pod_is_not_swallowed_by_the_floor_of_an_earlier_snapshot(
     tmp_path: Path,
 ) -> None:

@@ -137,6 +137,7 @@ def test_a_random_schedule_keeps_the_budget_whole() -> None:
 # ---- a real server --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_concurrent_loads_hold_no_more_than_the_budget(tmp_path: Path) -> None:
     """Loads of 36 MiB: past malloc's largest mmap threshold (32 MiB), each is its own mapping
     and leaves the process when freed, so the peak RSS shows what was held at once."""
