@@ -122,7 +122,7 @@ def _reset_peak() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError as exc:
-        pytest.skip(f"cannot reset this process' peak memory: {exc}")
+        pytest.skip(reason=f"cannot reset this process' peak memory: {exc}")
 
 
 def test_long_request_of_big_blocks_holds_no_kv_of_its_length(

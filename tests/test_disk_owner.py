@@ -41,7 +41,7 @@ def give_away(path: Path) -> None:
     try:
         os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
     except PermissionError:
-        pytest.skip("making a file another user's takes root")
+        pytest.skip(reason="making a file another user's takes root")
 
 
 def take_back(path: Path) -> None:
