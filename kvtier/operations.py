@@ -179,13 +179,20 @@ class Operations:
         _, run = self.parts.remote.probe(namespace, key, hit.num_tokens // bt)
         return hit._replace(num_tokens=hit.num_tokens + run * bt, remote_tokens=run * bt)
 
-    def fill_from_remote(self, key: bytes, tenant: str) -> None:
+    def fill_from_remote(self, key: bytes, tenant: str, for_gpu: bool = False) -> None:
         """With a remote tier: store locally what it holds past the cached prefix of `key`
-        (`transfer/remote.py`), before a prefetch or load takes the lock."""
+        (`transfer/remote.py`), before a prefetch or load takes the lock. `for_gpu` (a
+        prefetch's): up to the prefix's first blocks that `tenant` could hold on gpu (its gpu
+        quota, else the tier): a prefetch is all or nothing, and a fill past that bound would turn
+        a prefetch that leases a shorter prefix into a `CapacityError`."""
         if self.parts.remote is not None:
             with self.lock:
                 namespace = self.namespace(tenant)
-            self.parts.remote.fill(namespace, tenant, key)
+            most = None
+            if for_gpu:
+                quota = self.parts.shares.limits[tenant].quota[GPU]
+                most = self.parts.state.gpu.num_slots if quota is None else quota
+            self.parts.remote.fill(namespace, tenant, key, most)
 
     def drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -24,6 +24,8 @@
   go in insert flights, which a background mover may land after the call: the first chunk
   taken (stored or pending) ends the fill (the next would extend blocks not in the index yet);
   one not taken whole is refused, counted, as above.
+  A prefetch's fill stops within the blocks its tenant could hold on gpu (`most`): a prefetch
+  is all or nothing, and a longer prefix would make one that leases a shorter prefix fail.
   Counters: `fills` (fills that stored blocks), `filled_blocks`, `fill_misses` (the cluster
   served none), `fill_refused`.
 
@@ -102,19 +104,24 @@ class RemoteLink:
         ids = [bytes(i) for i in hasher.split(hasher.chain(namespace, key[: total * kb], kb))]
         return ids, self.tier.probe(bytes(namespace), ids, local)
 
-    def fill(self, namespace: BlockId, tenant: str, key: bytes) -> int:
+    def fill(self, namespace: BlockId, tenant: str, key: bytes, most: int | None = None) -> int:
         """Store locally the blocks of `key` past its cached prefix that the cluster holds
-        (module doc); how many were stored. Without the cache's lock."""
+        (module doc), within its first `most` blocks (None: all); how many were stored.
+        Without the cache's lock."""
         kb = self.index.key_nbytes
         with self._lock:
             match = self.index.match(namespace, key)
         local, below_disk = match.num_blocks, match.end.fastest_last() == DISK
+        if most is not None and local >= most:
+            return 0
         ids, run = self.probe(namespace, key, local)
+        if most is not None:
+            run = min(run, most - local)
         if not ids:
             return 0
         layout, seed = self.tier.layout, bytes(namespace)
-        most = max(1, FILL_CHUNK_BYTES // layout.block_bytes)
-        pos, stop, step = local, local + run, min(self.tier.group_blocks, most)
+        largest = max(1, FILL_CHUNK_BYTES // layout.block_bytes)
+        pos, stop, step = local, local + run, min(self.tier.group_blocks, largest)
         served_any = refused = False
         while pos < stop:
             count = min(step, stop - pos)
@@ -137,7 +144,7 @@ class RemoteLink:
                 break
             if good < count or below_disk:  # the verified run ends; or the blocks land later,
                 break  # on disk, and the next chunk cannot chain to them until they do
-            step = min(2 * step, most)
+            step = min(2 * step, largest)
         filled = pos - local
         self._count(
             fills=int(filled > 0),
