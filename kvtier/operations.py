@@ -182,17 +182,24 @@ class Operations:
     def fill_from_remote(self, key: bytes, tenant: str, for_gpu: bool = False) -> None:
         """With a remote tier: store locally what it holds past the cached prefix of `key`
         (`transfer/remote.py`), before a prefetch or load takes the lock. `for_gpu` (a
-        prefetch's): up to the prefix's first blocks that `tenant` could hold on gpu (its gpu
-        quota, else the tier): a prefetch is all or nothing, and a fill past that bound would turn
-        a prefetch that leases a shorter prefix into a `CapacityError`."""
-        if self.parts.remote is not None:
-            with self.lock:
-                namespace = self.namespace(tenant)
-            most = None
+        prefetch's): nothing when `tenant` holds all the leases its quota allows (the prefetch
+        is refused: a refused call changes nothing), else up to the prefix's first blocks it
+        could still lease on gpu (its gpu quota less what it holds, else the tier): a prefetch
+        is all or nothing, and a fill past that bound would turn a prefetch of a shorter prefix
+        into a `CapacityError` or `QuotaError`."""
+        if self.parts.remote is None:
+            return
+        most = None
+        with self.lock:
+            namespace = self.namespace(tenant)
             if for_gpu:
-                quota = self.parts.shares.limits[tenant].quota[GPU]
-                most = self.parts.state.gpu.num_slots if quota is None else quota
-            self.parts.remote.fill(namespace, tenant, key, most)
+                limits = self.parts.shares.limits[tenant]
+                if self.mover.book.leases_of(tenant) >= limits.leases:
+                    return
+                quota, most = limits.quota[GPU], self.parts.state.gpu.num_slots
+                if quota is not None:
+                    most = min(most, quota - self.parts.writes.holding(tenant, namespace, GPU))
+        self.parts.remote.fill(namespace, tenant, key, most)
 
     def drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from test_remote_audit3 import config, kv_for, node
+
+from kvtier.errors import QuotaError
 
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # `config`'s layout: layers, K/V, tokens, heads, dim, fp16
 
@@ -43,4 +46,44 @@ def test_a_prefetch_fills_only_what_the_gpu_tier_could_lease(redis_nodes: list[s
         got = b.load(tokens)  # a load takes the rest: the host tier holds it
         assert got.num_tokens == 256 and torch.equal(got.kv, kv)
         assert b.status()["remote"]["filled_blocks"] == 64
+        b.check()
+
+
+def test_a_prefetch_refused_for_its_lease_quota_fills_nothing(redis_nodes: list[str]) -> None:
+    ca = config(redis_nodes)
+    tokens, other = list(range(41_000, 41_032)), list(range(42_000, 42_016))
+    kv = kv_for(tokens, seed=22)
+    cb = {**sized(ca, 64, 128), "tenants": {"default": {"quota": {"leases": 1}}}}
+    with node(ca) as a, node(cb) as b:
+        assert a.store(tokens, kv).stored_tokens == 32
+        assert a.drain()
+        assert b.store(other, kv_for(other, seed=23)).stored_tokens == 16
+        held = b.prefetch(other)  # the one lease the quota allows
+        with pytest.raises(QuotaError, match=r"quota\.leases"):
+            b.prefetch(tokens)
+        assert b.status()["remote"]["filled_blocks"] == 0  # a refused call changes nothing
+        assert b.lookup(tokens).num_tokens - b.lookup(tokens).remote_tokens == 0
+        b.release(held.lease_id)
+        lease = b.prefetch(tokens)
+        assert lease.num_tokens == 32 and b.status()["remote"]["filled_blocks"] == 8
+        b.release(lease.lease_id)
+        b.check()
+
+
+def test_a_prefetch_fills_only_what_its_gpu_quota_leaves(redis_nodes: list[str]) -> None:
+    ca = config(redis_nodes)
+    tokens, other = list(range(43_000, 43_256)), list(range(44_000, 44_016))
+    kv = kv_for(tokens, seed=24)
+    cb = {**sized(ca, 64, 128), "tenants": {"default": {"quota": {"gpu": 12 * BLOCK_BYTES}}}}
+    with node(ca) as a, node(cb) as b:
+        assert a.store(tokens, kv).stored_tokens == 256
+        assert a.drain()
+        assert b.store(other, kv_for(other, seed=25)).stored_tokens == 16
+        held = b.prefetch(other)  # 4 of its 12 gpu blocks held
+        lease = b.prefetch(tokens)
+        assert lease.num_tokens == 32  # 8 blocks: what the quota leaves
+        got = b.load(tokens[:32])
+        assert got.num_tokens == 32 and torch.equal(got.kv, kv[:, :, :32])
+        b.release(lease.lease_id)
+        b.release(held.lease_id)
         b.check()

@@ -24,8 +24,9 @@
   go in insert flights, which a background mover may land after the call: the first chunk
   taken (stored or pending) ends the fill (the next would extend blocks not in the index yet);
   one not taken whole is refused, counted, as above.
-  A prefetch's fill stops within the blocks its tenant could hold on gpu (`most`): a prefetch
-  is all or nothing, and a longer prefix would make one that leases a shorter prefix fail.
+  A prefetch's fill stops within the blocks its tenant could still lease on gpu (`most`,
+  `Operations.fill_from_remote`): a prefetch is all or nothing, and a longer prefix would make
+  one that leases a shorter prefix fail.
   Counters: `fills` (fills that stored blocks), `filled_blocks`, `fill_misses` (the cluster
   served none), `fill_refused`.
 
