@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -253,14 +254,58 @@ def _codec(
 
 
 def _tls_settings(tls: RemoteTlsConfig | None) -> TlsSettings | None:
-    """`tiers.remote.tls` with its files checked: each a readable regular file."""
+    """`tiers.remote.tls` with its files checked: each a readable regular file, loaded as a
+    connection loads it (`_load_tls`)."""
     if tls is None:
         return None
     for name in ("ca_file", "cert_file", "key_file"):
         path = getattr(tls, name)
         if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
             raise ConfigError(f"tiers.remote.tls.{name}", path, "a readable file")
+    _load_tls(tls)
     return TlsSettings(tls.ca_file, tls.cert_file, tls.key_file, tls.check_hostname)
+
+
+class _Passphrase(Exception):
+    """The key file asked for a passphrase (`_load_tls`)."""
+
+
+def _no_passphrase() -> bytes:
+    raise _Passphrase
+
+
+def _load_tls(tls: RemoteTlsConfig) -> None:
+    """Load the TLS files as every connection will, now: `ca_file` and `cert_file` PEM
+    certificates, `key_file` an unencrypted PEM key of `cert_file`'s certificate; a
+    `ConfigError` naming the field otherwise. An encrypted key is not supported: OpenSSL would
+    ask for its passphrase on the terminal, in the connect thread, at every connect."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for name in ("ca_file", "cert_file"):
+        path = getattr(tls, name)
+        try:
+            if path is not None:
+                context.load_verify_locations(cafile=path)
+        except ssl.SSLError as e:
+            raise ConfigError(
+                f"tiers.remote.tls.{name}", path, f"PEM certificates (OpenSSL: {e.reason or e})"
+            ) from None
+    if tls.cert_file is None or tls.key_file is None:
+        return
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file, password=_no_passphrase)
+    except _Passphrase:
+        raise ConfigError(
+            "tiers.remote.tls.key_file",
+            tls.key_file,
+            "an unencrypted PEM private key (one with a passphrase is not supported; "
+            "`openssl pkey -in KEY -out PLAIN` writes it unencrypted)",
+        ) from None
+    except ssl.SSLError as e:
+        raise ConfigError(
+            "tiers.remote.tls.key_file",
+            tls.key_file,
+            f"the PEM private key of cert_file's certificate (OpenSSL: {e.reason or e})",
+        ) from None
 
 
 def _remote_link(config: KVTierConfig, state: CacheState, writes: Writes) -> RemoteLink | None:

@@ -10,13 +10,13 @@ Contract:
 - `get` serves a payload only when `entry.decode_value` accepted it against the block the
   caller expected; a value that fails (an empty one too: EXISTS, sent with the read, tells it
   from no key) is deleted (it can never become right) and counted in `verify_failures`. It
-  reads at most `entry.max_value_nbytes` of each value (GETRANGE), so a
-  huge value written under a key costs a reader no more memory than a block.
+  asks for at most `entry.max_value_nbytes` of each value (GETRANGE) and reads a reply no
+  further (`rounds.reply_bound`): a huge value or reply costs no more memory than a block.
 - `put` writes with `SET ... NX`: a block some node stored already is left as it is (same id,
   same bytes: ids are chained from the tokens) and counted in `already_present`. A value
-  larger than `max_value_bytes` is not sent (`too_large`). A value may be an
-  `entry.SplitValue`: its header and payload go out one after the other as one Redis value
-  (`SplitValueConnection`), so the payload is never copied into a joined buffer.
+  larger than `max_value_bytes` is not sent (`too_large`; `last_error` says their sizes). A
+  value may be an `entry.SplitValue`: its header and payload go out one after the other as one
+  Redis value (`SplitValueConnection`), so the payload is never copied into a joined buffer.
 - One pipelined round trip per call to each node that serves one of its keys, sent and read
   by `rounds.py`: each command sent once, a redirect not followed, a node's failure a miss of
   its own keys only (the other nodes' replies stand), a node that could not be reached or did
@@ -24,8 +24,9 @@ Contract:
   within `timeout_s` + their bytes / `paced.MIN_REPLY_RATE`. `group_blocks` in the keys
   (`entry.py`) keeps a group on one node.
 - It connects on a thread of its own when made (an idle node says whether it can reach the
-  cluster); `connected` is true while the last call reached a node, false after one that
-  reached none (a cluster down since), until a call reaches one again.
+  cluster); `connected` is true while the last call reached a node (a node's error reply,
+  `-OOM` under `maxmemory` or an ACL's `-NOPERM`, came from one), false after one that reached
+  none (no connection, timeouts: a cluster down since), until a call reaches one again.
 - Without a connection, a call tries to connect at most once per `reconnect_s`; in between,
   calls are misses at once, so a dead cluster costs a store nothing but a counter. A call made
   while another thread connects waits for that connect's outcome, as long as its own would take.
@@ -56,6 +57,7 @@ from typing import Any, TypeVar
 
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
@@ -153,7 +155,10 @@ class RemoteCluster:
         (stored, or present already). False where the cluster failed or the value is too big."""
         limit = self.settings.max_value_bytes
         sendable = [i for i, (_, value) in enumerate(entries) if value_nbytes(value) <= limit]
-        self._count("too_large", len(entries) - len(sendable))
+        if over := [value_nbytes(value) for _, value in entries if value_nbytes(value) > limit]:
+            self._count("too_large", len(over))
+            self._say(f"{len(over)} values of {min(over)} to {max(over)} bytes not sent: "
+                      f"over max_value_bytes ({limit})")  # fmt: skip
         done = [False] * len(entries)
         replies = self._pipelined([("SET", *entries[i], "NX") for i in sendable])
         for i, reply in zip(sendable, replies or [], strict=False):
@@ -351,7 +356,10 @@ class RemoteCluster:
         replies = self._round_trip(
             lambda client: round_trip(client, commands, self.settings.timeout_s, self._down)
         )
-        self._reachable = replies is not None and not all(isinstance(r, Exception) for r in replies)
+        # a node's error reply (-OOM, -NOPERM, -MOVED) came from a node: reached (module doc)
+        self._reachable = replies is not None and any(
+            isinstance(r, ResponseError) or not isinstance(r, Exception) for r in replies
+        )
         if replies is not None and any(isinstance(r, Exception) for r in replies):
             client = self._client
             if client is not None:  # a redirect or a failed node: the table may have moved

@@ -12,7 +12,7 @@ from redis.connection import Connection, SSLConnection
 
 from kvtier.config.network import NodeFilter
 from kvtier.tiers.remote.entry import SplitValue
-from kvtier.tiers.remote.paced import Pace, PacedSocket
+from kvtier.tiers.remote.paced import Budget, Pace, PacedSocket
 
 Value = bytes | memoryview | SplitValue
 JOIN_BELOW = 6000  # chunks up to this size are joined into one send (redis-py's cutoff)
@@ -28,9 +28,10 @@ class SplitValueConnection(Connection):
     is. Other commands are packed as redis-py packs them; small chunks are joined (as redis-py
     does) so a pipeline of probes is still one send. Its socket is a `paced.PacedSocket`: a
     reply dripped slower than `paced.MIN_REPLY_RATE` is a timeout; with `pace` set, the replies
-    share that bound (`rounds.py`)."""
+    share that bound (`rounds.py`), and with `budget` set, their bytes are bounded by it."""
 
     pace: Pace | None = None  # the round trip's, while `rounds.round_trip` reads its replies
+    budget: Budget | None = None  # the bytes its commands asked for, as long (`rounds.py`)
 
     def _connect(self) -> Any:
         sock = super()._connect()
@@ -44,7 +45,7 @@ class SplitValueConnection(Connection):
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         sock: object = self._sock
         if isinstance(sock, PacedSocket):
-            sock.start_reply(self.pace)
+            sock.start_reply(self.pace, self.budget)
         try:
             return super().read_response(*args, **kwargs)
         finally:

@@ -62,8 +62,11 @@ With a MAC key (`ValueMeta.mac_key`, derived from the cluster secret that kvtier
 to 16 bytes (the payload's, and the header's over every byte before it, the payload's
 included), and a reader that holds the key accepts only such values: a value written without
 the key (or with another) is a miss, so a writer without the secret cannot make a node serve
-its bytes. It costs a SHA-256 pass over each payload on both sides (about 1.6 GB/s a core on
-this machine, against xxh3's 57).
+its bytes. The key is the secret's as seen by one key prefix (`prefix_mac_key`, which
+`tier.RemoteTier` applies): the MACs bind the block, its layout and codec, and the deployment,
+so a value copied from one prefix's key to another's (old weights' KV under a new prefix) is a
+miss there, not a block. It costs a SHA-256 pass over each payload on both sides (about 1.6
+GB/s a core on this machine, against xxh3's 57).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ TAG_BYTES = 8
 PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 MAGIC = b"KVTR"
 VALUE_VERSION = 1
-KEYED_VERSION = 2  # the checksums are MACs (module doc)
+KEYED_VERSION = 3  # the checksums are MACs by a prefix's key (2: by the secret's; module doc)
 CHECKSUM_BYTES = 16
 LAYOUT_BYTES = 16
 MAX_CODEC_CHARS = 8
@@ -116,6 +119,12 @@ def mac_key_of(secret: bytes) -> bytes:
     """The MAC key of values from the cluster `secret` (which also keys tenant salts: the two
     uses get keys of their own)."""
     return hmac.digest(secret, b"kvtier remote value MAC v2", hashlib.sha256)
+
+
+def prefix_mac_key(mac_key: bytes, prefix: str) -> bytes:
+    """The MAC key of the values under the key prefix `prefix`, from `mac_key` (`mac_key_of`):
+    a value copied from one prefix's key to another's fails its MACs there (module doc)."""
+    return hmac.digest(mac_key, b"key prefix " + check_prefix(prefix).encode(), hashlib.sha256)
 
 
 def _digest(data: bytes | bytearray | memoryview, key: bytes | None) -> bytes:

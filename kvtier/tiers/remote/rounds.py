@@ -26,6 +26,11 @@ Contract:
   is in within `timeout_s` + its bytes so far / `paced.MIN_REPLY_RATE`; a node not connected
   yet is connected to only while that holds, at the cost of at most its connect (tried twice)
   and handshake, each under `timeout_s`.
+- Bounded in bytes: a node's replies may take what its commands asked for (`reply_bound`: a
+  GETRANGE's range, plus `REPLY_SLACK` a command for the framing, a status, an error line),
+  read under one `paced.Budget`; a node that sends more (a GETRANGE answered with a bulk of
+  gigabytes) fails once its bytes pass that bound (`paced.ReplyTooLong`, its connection
+  closed), before the parser buffers the rest: a call holds no more than it asked for.
 - A node that could not be reached or did not answer in time (`UNREACHED`) is down (`Down`)
   for `down_s`: its commands fail at once, with no connection tried, so a stalled node costs
   one timeout per `down_s`, not one per call.
@@ -46,11 +51,24 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvtier.tiers.remote.paced import Pace
+from kvtier.tiers.remote.paced import Budget, Pace
+
+REPLY_SLACK = 1024
+"""Bytes a reply to any command may take beyond the value it asked for (module doc): RESP
+framing, an integer or a status, an error line (a `-NOPERM` names its key)."""
 
 UNREACHED = (RedisConnectionError, RedisTimeoutError, OSError)
 """A node's failures that put it down: it could not be reached or did not answer in time. A
 reply it answered that cannot be parsed closes the connection only (the next call tries it)."""
+
+
+def reply_bound(command: Sequence[Any]) -> int:
+    """The most bytes a node's reply to `command` ((name, key, *args)) may take: a
+    GETRANGE's range (`start`..`end`, both >= 0) and `REPLY_SLACK`; any other's, the slack."""
+    name = command[0]
+    if (name.decode() if isinstance(name, bytes) else str(name)).upper() == "GETRANGE":
+        return max(0, int(command[3]) - int(command[2]) + 1) + REPLY_SLACK
+    return REPLY_SLACK
 
 
 class NodeFailed(Exception):
@@ -119,6 +137,7 @@ def round_trip(
             _close(pool, conn)
             continue
         sent.append((name, pool, conn, indices))
+        conn.budget = Budget(sum(reply_bound(commands[i]) for i in indices))
 
     # each node's replies once its first bytes are in: a node that stalls holds no other up
     waiting = {conn.fileno(): (name, pool, conn, indices) for name, pool, conn, indices in sent}
@@ -130,6 +149,7 @@ def round_trip(
         if not ready:
             for name, pool, conn, indices in waiting.values():
                 _failed(replies, indices, name, TimeoutError("no reply in the call's time"), down)
+                conn.budget = None
                 _close(pool, conn)
             break
         for fd in ready:
@@ -154,10 +174,10 @@ def _read(
             answered += 1
     except Exception as e:
         _failed(replies, indices[answered:], name, e, down)
-        conn.pace = None
+        conn.pace = conn.budget = None
         _close(pool, conn)
         return
-    conn.pace = None
+    conn.pace = conn.budget = None
     pool.release(conn)
 
 

@@ -23,6 +23,9 @@ Contract:
   this build lacks is a miss, counted in `verify_failures` and `misses` (not in `hits`, which
   the cluster counted when its checks passed), and deleted. A block a quantized
   codec cannot keep (not finite) is stored plain.
+- With `mac_key` (`entry.mac_key_of` the cluster secret), values carry MACs keyed by
+  `entry.prefix_mac_key(mac_key, prefix)`: a value another prefix's nodes wrote (copied under
+  this prefix's key) fails them, a verify failure, deleted.
 - Thread-safe (the mover's threads share one tier). A write copies no payload: each value goes
   out as its header and a view of the block (`entry.SplitValue`).
 """
@@ -45,6 +48,7 @@ from kvtier.tiers.remote.entry import (
     check_prefix,
     encode_value_parts,
     path_keys,
+    prefix_mac_key,
 )
 
 
@@ -65,7 +69,8 @@ class RemoteTier:
         self.prefix = check_prefix(prefix)
         self.group_blocks = group_blocks
         self.codec = codec if codec is not None else NoneCodec()
-        self.mac_key = mac_key  # values authenticated with it (`entry`), else checksummed
+        # values authenticated with the prefix's key of it (`entry`), else checksummed
+        self.mac_key = None if mac_key is None else prefix_mac_key(mac_key, self.prefix)
         self._decode_failures = 0  # under `_lock`: the mover's threads read at once
         self._lock = threading.Lock()
 
