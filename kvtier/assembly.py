@@ -112,7 +112,7 @@ class Parts:
         self.namespaces = Namespaces(config.tenants, hasher, config.layout.fingerprint, secret)
         self.state = state = CacheState(index, pools, self.namespaces)
         # fair shares (tenancy.py): floors steer eviction, quotas bound what a tenant holds
-        self.shares = TenantShares(config, [pool.num_slots for pool in pools])
+        self.shares = TenantShares(config, pools)
         index.set_floors(self.shares.floors(self.namespaces.seeds))
         policy = write_policy(config.policy.write, config.policy.selective_hits)
         self.policy = policy = policy if config.tiers.host is not None else policy.without_host()

@@ -56,6 +56,7 @@ from kvtier.index import LeaseId
 from kvtier.operations import Operations
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.tiers.base import GPU
+from kvtier.transfer.persist import Persisted, persisted
 from kvtier.transfer.shared import Executor
 
 PREFETCH_ATTEMPTS = 4
@@ -326,15 +327,14 @@ class KVStore:
         dropped, left = self.operations.reset(tenant)
         return {"dropped_blocks": dropped, "left_blocks": left, "remote": bool(self.parts.remote)}
 
-    def persist(self) -> int:
-        """Give every cached block a durable disk copy now; return how many were written (a
-        restart recovers them: `persist.py`). Without a disk tier: `InvalidArgumentError`."""
-        return self.operations.persist()
+    def persist(self) -> Persisted:
+        """Give every cached block a durable disk copy now, as the disk holds them (`persist.py`):
+        how many written (an int), `left_blocks` without one; no disk: `InvalidArgumentError`."""
+        return persisted(self.operations.persist(), self.parts.state)
 
     def drain(self, timeout_s: float = 30.0) -> bool:
-        """Do the mover's pending work now and wait for every copy in flight: watermark
-        demotion, disk writes, prefetches. True if it is all in the index within `timeout_s`
-        (for checkpoints, benchmarks and tests; the mover does the same on its own)."""
+        """Do the mover's pending work now and wait for every copy in flight (demotion, disk
+        writes, prefetches): True if it is all in the index within `timeout_s` (checkpoints)."""
         return self.operations.drain(timeout_s)
 
     def evict(self, tier: str, num_blocks: int) -> int:

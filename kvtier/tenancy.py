@@ -13,11 +13,10 @@ parent's id, namespace seed, tenant (never a secret) and tokens). The demoter, t
 
 Quotas and fair-share floors (DESIGN invariant 9: no tenant pins a tier or evicts another
 below its floor). `TenantShares` is resolved once, when the store is built, from
-`tenants.<id>.quota`, `tenants.<id>.floor` and the slots of each tier (a size is whole blocks,
-a fraction is of the tier's slots, both rounded down). Unset values default to an equal split
-among the configured tenants: with n >= 2 tenants, each one's quota and floor in a tier are
-`slots // n`; a single tenant has no quota but the tiers themselves and no floor, so nothing
-changes for it. The floors of one tier must fit in it (`ConfigError` otherwise).
+`tenants.<id>.quota`, `tenants.<id>.floor` and each tier's slots (a size is whole slots of that
+tier's slot bytes, a fraction is of its slots, both rounded down). Unset: an equal split among
+the configured tenants (n >= 2: `slots // n` of a tier each; a single tenant has no quota but the
+tiers and no floor, so nothing changes for it). A tier's floors must fit in it (`ConfigError`).
 
 What a tenant holds, and what its quota bounds (checked before anything changes; over it, the
 call raises `QuotaError` naming the tenant, the tier, what it asked and the limit):
@@ -89,6 +88,7 @@ from kvtier.errors import (
 )
 from kvtier.index import BlockRef, LeaseId, LeaseTable, RadixIndex, push_expiry
 from kvtier.results import Reservation
+from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta
 from kvtier.tiers.pool import SlotPool
 
@@ -98,8 +98,7 @@ QUOTA_TIERS = ("gpu", "host")
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """One tenant's limits, in blocks per tier (by tier index; `quota` is None where the tier
-    has no quota: disk) and in live leases."""
+    """One tenant's limits: blocks per tier (by tier index; `quota` None: none, as disk), leases."""
 
     quota: tuple[int | None, ...]
     floor: tuple[int, ...]
@@ -107,12 +106,13 @@ class TenantLimits:
 
 
 class TenantShares:
-    def __init__(self, config: KVTierConfig, slots: Sequence[int]) -> None:
-        """Limits of every tenant of `config`, over tiers of `slots[t]` slots (fastest
-        first, as `config.tier_names`). `ConfigError` if a tier's floors exceed it."""
+    def __init__(self, config: KVTierConfig, tiers: Sequence[Tier]) -> None:
+        """Limits of every tenant of `config` over `tiers` (fastest first, as `config.tier_names`;
+        sizes count their slot bytes). `ConfigError` if a tier's floors exceed it."""
         tenants = config.tenants
         split = len(tenants) >= 2
-        block_bytes = config.layout.block_bytes
+        slots = [tier.num_slots for tier in tiers]
+        sizes = [tier.capacity_bytes // max(1, tier.num_slots) for tier in tiers]  # as status
         self.tier_names = config.tier_names
         self.limits: dict[str, TenantLimits] = {}
         for tenant, settings in tenants.items():
@@ -122,12 +122,12 @@ class TenantShares:
                 share = slots[tier] // len(tenants)
                 given = getattr(settings.quota, name) if name in QUOTA_TIERS else None
                 if given is not None:
-                    quota.append(given.blocks(slots[tier], block_bytes))
+                    quota.append(given.blocks(slots[tier], sizes[tier]))
                 else:  # a single tenant: the tier itself is its bound (CapacityError past it)
                     quota.append(share if split and name in QUOTA_TIERS else None)
                 given = getattr(settings.floor, name)
                 default = share if split else 0
-                floor.append(default if given is None else given.blocks(slots[tier], block_bytes))
+                floor.append(default if given is None else given.blocks(slots[tier], sizes[tier]))
             self.limits[tenant] = TenantLimits(tuple(quota), tuple(floor), settings.quota.leases)
         for tier, name in enumerate(self.tier_names):
             total = sum(limits.floor[tier] for limits in self.limits.values())

@@ -262,7 +262,10 @@ def test_a_clear_the_disk_cannot_make_durable_says_so_and_a_restart_shows_what_i
     with running(config) as server, Client(server.url, shared_memory=False) as client:
         client.store(a, kv_a, tenant="a")
         client.store(b, kv_b, tenant="b")
-        assert server.admin("/v1/admin/persist").json() == {"persisted_blocks": 16}
+        assert server.admin("/v1/admin/persist").json() == {
+            "persisted_blocks": 16,
+            "left_blocks": 0,
+        }
         assert server.admin("/v1/admin/clear", params={"tenant": "a"}).json() == {
             "dropped_blocks": 8
         }

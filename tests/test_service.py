@@ -684,7 +684,7 @@ def test_a_restart_recovers_what_was_persisted_with_the_same_block_ids(tmp_path:
     with running(config) as first, Client(first.url) as client:
         assert client.store(a, kv_a) == StoreResult(32, 32, 0)
         assert client.store(b, kv_b) == StoreResult(16, 16, 0)
-        assert first.admin("/v1/admin/persist").json() == {"persisted_blocks": 12}
+        assert first.admin("/v1/admin/persist").json() == {"persisted_blocks": 12, "left_blocks": 0}
         assert client.store(late, kv_of(8, seed=3)) == StoreResult(8, 8, 0)  # memory only
     secret = tmp_path / "state" / "secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and secret.stat().st_size == 32

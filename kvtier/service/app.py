@@ -355,11 +355,11 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         "/v1/admin/persist", responses=schemas.responses(schemas.PERSISTED, 400, *schemas.ADMIN)
     )
     async def admin_persist(request: Request) -> Response:
-        """Give every cached block a durable disk copy now (400 without a disk tier): a restart
-        recovers what was persisted. Stopping the server does not persist the memory tiers."""
+        """Give every cached block a durable disk copy now, as the disk holds them (400 without
+        one): `left_blocks` have none. Stopping the server does not persist the memory tiers."""
         if not service.auth.is_admin(request.headers.get("authorization")):
             return _error(403, "forbidden", "admin endpoints need the admin key")
-        return await _admin(request, service, lambda store: {"persisted_blocks": store.persist()})
+        return await _admin(request, service, bodies.persisted)
 
     return hot
 

@@ -1,5 +1,6 @@
 """Response bodies built from the store's objects: a lease, the pools a same-host client may
-map, the effective configuration with its keys redacted, the store's checks, an admin clear.
+map, the effective configuration with its keys redacted, the store's checks, an admin clear
+and persist.
 
 A lease and the pools carry `instance`, the server's instance id (`admission.Service`), as a
 reservation does (`plane.py`): a client reads or writes a mapped pool for slots only when the
@@ -39,6 +40,14 @@ def cleared(store: KVStore, tenant: str | None) -> dict[str, Any]:
         return {"dropped_blocks": store.clear(tenant)}
     except UnknownTenantError as exc:  # `tenant` is the only tenant a clear names
         raise WireError(404, "unknown_tenant", f"?tenant=: {exc}") from None
+
+
+def persisted(store: KVStore) -> dict[str, Any]:
+    """What `/v1/admin/persist` answers: `persisted_blocks` written now, and `left_blocks`
+    still without a durable disk copy (a disk smaller than the cache, or writes it refused): a
+    restart would not recover those."""
+    written = store.persist()
+    return {"persisted_blocks": int(written), "left_blocks": written.left_blocks}
 
 
 def lease(lease: Lease, instance: str, ttl_s: float | None = None) -> dict[str, Any]:

@@ -132,7 +132,9 @@ RESET = _obj(
     {"dropped_blocks": _INT, "left_blocks": _INT, "remote": {"type": "boolean"}},
     ("dropped_blocks", "left_blocks", "remote"),
 )
-PERSISTED = _obj({"persisted_blocks": _INT}, ("persisted_blocks",))
+PERSISTED = _obj(
+    {"persisted_blocks": _INT, "left_blocks": _INT}, ("persisted_blocks", "left_blocks")
+)
 CHECKED = _obj({"ok": {"type": "boolean"}, "detail": _STR}, ("ok",))
 ERROR = _obj({"error": _STR, "detail": _STR}, ("error", "detail"))
 

@@ -6,16 +6,50 @@ parent is durable no later than the block itself, so a crash in the middle leave
 few orphans, which recovery discards and counts. Admission rules do not apply: persisting is
 an explicit request (an engine's checkpoint, a graceful shutdown, a test's acknowledgement).
 When the disk tier is full, its own least-recently-used leaves make room; what still does not
-fit is left in memory and not counted as persisted.
+fit (a disk smaller than what is cached, writes the disk refused) is left in memory, not counted
+as persisted, and counted in `Persisted.left_blocks` (`persisted`): the caller learns what a
+restart would not recover.
 """
 
 from __future__ import annotations
 
 from kvtier.index import BlockRef
 from kvtier.transfer.demotion import Demoter, plan_copy_down, run_copy
-from kvtier.transfer.shared import Runner
+from kvtier.transfer.shared import CacheState, Runner
 
 BATCH = 64
+
+
+class Persisted(int):
+    """What `KVStore.persist()` returns: the blocks it wrote (the int itself, as it always
+    was), and `left_blocks`, the cached blocks still without a durable disk copy just after it
+    (0 when every block has one; blocks stored meanwhile by other threads count too)."""
+
+    left_blocks: int
+
+    def __new__(cls, written: int, left_blocks: int) -> Persisted:
+        result = super().__new__(cls, written)
+        result.left_blocks = left_blocks
+        return result
+
+    def __repr__(self) -> str:
+        return f"Persisted({int(self)}, left_blocks={self.left_blocks})"
+
+
+def persisted(written: int, state: CacheState) -> Persisted:
+    """`written` with the blocks of the index that have no disk copy now (under the cache's
+    lock, taken here: it is reentrant)."""
+    disk_tier = len(state.pools) - 1
+    left = 0
+    with state.lock:
+        for root in list(state.index.roots()):
+            stack = list(root.children.values()) if root.children else []
+            while stack:
+                node = stack.pop()
+                left += sum(slot is None for slot in node.slots[disk_tier])
+                if node.children:
+                    stack.extend(node.children.values())
+    return Persisted(written, left)
 
 
 def persist(demoter: Demoter, runner: Runner) -> int:
