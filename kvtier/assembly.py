@@ -193,6 +193,7 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
             disk_cfg.capacity.resolve(0),
             codec=_codec(disk_cfg, layout, "tiers.disk"),
             fsync=disk_cfg.fsync,
+            hashing=config.hashing.algorithm,
         )
         made.append(disk)
     return list(made)

@@ -5,6 +5,7 @@
     kvtier reset [--url URL] [--key KEY]   forget the key's tenant's cached KV (new weights
                                            under the same model.name); exit 1 unless all of it
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
+                                           (keyed by serve's secret in service.state_dir, if any)
     kvtier validate FILE...                check config files as serve would (keys, address),
                                            starting nothing; print each one's tier sizes
     kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems,
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,7 +38,8 @@ from kvtier.config import (
     load_config,
     parse_config,
 )
-from kvtier.errors import KVTierError
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.private_files import read_regular
 from kvtier.status_reply import check_status
 from kvtier.store import KVStore
 from kvtier.text import printable
@@ -193,7 +196,8 @@ def _remote_line(remote: dict[str, Any]) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    with KVStore(_config(args.config)) as store:
+    config = _config(args.config)
+    with KVStore(config, secret=_server_secret(config)) as store:
         status = store.status()
         store.check()
     if args.json:
@@ -202,6 +206,25 @@ def cmd_info(args: argparse.Namespace) -> int:
     _print_status(status)
     say(f"tenants: {status['index']['tenants']}; check passed")
     return 0
+
+
+def _server_secret(config: KVTierConfig) -> bytes:
+    """The server secret in `service.state_dir` that `serve` keys tenant salts with (its disk
+    copies are found under them), read as the server reads it; b"" when there is none yet.
+    Read only: `info` never creates the directory or the secret."""
+    from kvtier.service.auth import SECRET_BYTES
+
+    path = Path(config.service.state_dir) / "secret"
+    if not os.path.lexists(path):
+        return b""
+    secret = read_regular(path, "service.state_dir", SECRET_BYTES, private=True)
+    if len(secret) != SECRET_BYTES:
+        raise ConfigError(
+            "service.state_dir",
+            str(path),
+            f"a secret file of {SECRET_BYTES} bytes, found {len(secret)}",
+        )
+    return secret
 
 
 def _print_status(status: dict[str, Any]) -> None:

@@ -149,7 +149,7 @@ class Operations:
             self.mover.drain()
             seeds = self.parts.namespaces.seeds
             namespaces = list(seeds.values()) if tenant is None else [self.namespace(tenant)]
-            return _clear(self.parts, namespaces)
+            return _clear(self.parts, namespaces, None if tenant is None else [tenant])
 
     def reset(self, tenant: str) -> tuple[int, int]:
         """`clear(tenant)` once `tenant`'s live reservations are void (ended as at expiry: KV
@@ -262,8 +262,11 @@ class Operations:
                 pool.close()
 
 
-def _clear(parts: Parts, namespaces: Sequence[BlockId]) -> int:
-    """Drop every unheld subtree of `namespaces`; retire their disk copies durably."""
+def _clear(parts: Parts, namespaces: Sequence[BlockId], tenants: Sequence[str] | None) -> int:
+    """Drop every unheld subtree of `namespaces`; retire their disk copies durably, and the
+    copies recovery left on disk under `tenants`' ids (every tenant's when None) in namespaces
+    the config does not know (`recovery.py`: a config rolled back would serve them). How many
+    blocks and such copies were dropped."""
     index, pools = parts.state.index, parts.state.pools
     all_tiers = parts.state.all_tiers
     dropped = 0
@@ -282,11 +285,15 @@ def _clear(parts: Parts, namespaces: Sequence[BlockId]) -> int:
             dropped += before - index.num_blocks
     disk = parts.state.disk
     left = disk.free_durably(on_disk) if disk is not None and on_disk else 0
+    copies = len(on_disk)
+    if disk is not None:
+        kept, kept_left = disk.retire_kept(tenants)
+        dropped, copies, left = dropped + kept, copies + kept, left + kept_left
     if left:
         assert disk is not None
         raise StorageError(
             f"clear: {dropped} blocks were dropped, but the disk refused to retire "
-            f"{left} of their {len(on_disk)} disk copies "
+            f"{left} of their {copies} disk copies "
             f"({disk.backoff.last_error}): up to {left} of these blocks may come "
             "back after a restart; clear again then"
         )

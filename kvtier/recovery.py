@@ -17,7 +17,11 @@ free slots, they did: a duplicate outlived a durable `clear` of its block (the c
 the copy the index holds) and came back at the next start, and an orphan came back as soon as
 its parent was stored again. Copies of unknown namespaces are left as they are (a tenant taken
 out of the config and put back finds them), as are corrupt and foreign slots (nothing can
-bring those back); all of them are free slots, overwritten as the tier needs room.
+bring those back); all of them are free slots, overwritten as the tier needs room. The tier
+notes the unknown namespaces' copies by the tenant id in their headers (`DiskTier.keep`): a
+clear or reset of that tenant (of every tenant, for a clear of all) retires them durably
+(`operations.py`), else a config rolled back (hash algorithm, secret) would serve KV from
+before the reset.
 """
 
 from __future__ import annotations
@@ -56,10 +60,12 @@ def recover(disk: DiskTier, index: RadixIndex, namespaces: Namespaces) -> dict[s
         "bad_ids": 0,
     }
     by_namespace: dict[bytes, list[RestoreEntry]] = defaultdict(list)
+    kept: dict[int, str] = {}
     for copy in newest.values():
         header = copy.header
         if namespaces.tenant_of(header.namespace) is None:
             counts["unknown_namespace"] += 1
+            kept[copy.slot] = header.tenant
             continue
         by_namespace[header.namespace].append(
             RestoreEntry(header.block_id, header.parent_id, header.tokens, {DISK: copy.slot})
@@ -75,6 +81,7 @@ def recover(disk: DiskTier, index: RadixIndex, namespaces: Namespaces) -> dict[s
     disk.claim(claimed + stale)
     if stale:
         disk.free_durably(stale)
+    disk.keep(kept)
     counts["recovered"] = len(claimed)
     counts["seconds"] = round(time.perf_counter() - start, 3)
     return counts

@@ -86,6 +86,8 @@ def store_status(parts: Parts) -> dict[str, Any]:
         tiers["disk"]["direct_io"] = parts.state.disk.direct
         tiers["disk"]["codec"] = parts.state.disk.codec.name
         tiers["disk"]["faults"] = dict(parts.state.disk.faults)
+        # copies of namespaces the config does not know, in free slots (not in used_bytes)
+        tiers["disk"]["kept_blocks"] = parts.state.disk.num_kept
         tiers["disk"].update(
             parts.state.disk.write_status()
         )  # refused_writes, backoff_s, last error

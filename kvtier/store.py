@@ -315,10 +315,10 @@ class KVStore:
 
     def clear(self, tenant: str | None = None) -> int:
         """Drop every cached block (of `tenant`, when given) that no lease, pin or reservation
-        holds, in every tier; return how many were dropped. Durable: their disk copies are
-        retired and synced before this returns. Where the disk refuses that, the blocks are
-        dropped all the same (nothing serves them) and `StorageError` says how many, and how
-        many disk copies may come back at the next start (to be cleared again then)."""
+        holds, in every tier, and its disk copies of unknown namespaces (`recovery.py`); return
+        how many. Durable: disk copies are retired and synced before this returns. Where the
+        disk refuses that, the blocks are dropped all the same (nothing serves them) and
+        `StorageError` says how many, and how many may come back at the next start."""
         return self.operations.clear(tenant)
 
     def reset(self, tenant: str = "default") -> dict[str, Any]:

@@ -21,7 +21,8 @@ checked on a descriptor of it, so a path that is a link is judged by the directo
 one another user owns is a `ConfigError` naming it, its owner's uid and this user's, whatever its
 mode. Its owner could otherwise swap a slab for one holding KV of its choosing, which the store
 would serve after a restart; nothing is created or read in such a directory. An own directory
-is made 0700 on that descriptor: kvtier's files there are its tenants' KV. Once it is, no other
+is made 0700 on that descriptor: kvtier's files there are its tenants' KV (one that cannot be,
+on a read-only filesystem or in /proc, is a `ConfigError` naming it and why). Once it is, no other
 user (root aside) can add, replace or rename an entry in it, which is what lets `slabs.py` check
 each slab's owner by path before opening it without following a link.
 """
@@ -122,6 +123,14 @@ def private_directory(directory: Path, field: str) -> None:
                 ),
             )
         if info.st_mode & 0o077:
-            os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o700 | 0o700)
+            try:
+                os.fchmod(fd, stat.S_IMODE(info.st_mode) & 0o700 | 0o700)
+            except OSError as exc:  # a read-only filesystem, /proc: nothing was changed
+                raise ConfigError(
+                    field,
+                    f"{directory} (mode {stat.S_IMODE(info.st_mode):04o})",
+                    f"a directory it can make private, chmod 700 ({exc.strerror}): make it "
+                    "so, or use another path",
+                ) from None
     finally:
         os.close(fd)

@@ -55,6 +55,7 @@ from kvtier.blocks import DTYPES, KVLayout
 from kvtier.errors import ConfigError
 from kvtier.private_files import file_kind, make_private, read_regular, write_atomically
 from kvtier.quant import QuantSpec
+from kvtier.tiers.disk.geometry import LATER_RULES, differences
 from kvtier.tiers.disk.io import ALIGN, SlabFile
 
 SUPERBLOCK = "kvtier-disk.json"
@@ -88,9 +89,10 @@ OPTIONAL_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
         lambda v: quant_layout(v) is not None,
         "the codec id, block_shape and dtype of a quantized tier",
     ),
+    **LATER_RULES,
 }
-"""Keys a superblock has only sometimes: `quant`, in a tier whose codec is quantized, what
-`kvtier check` needs to decode its copies (`{codec, block_shape, dtype}`)."""
+"""Keys a superblock has only sometimes: `quant`, a quantized tier's `{codec, block_shape,
+dtype}` (`kvtier check` decodes its copies by it), and the later keys (`geometry.py`)."""
 
 
 def quant_layout(value: object) -> KVLayout | None:
@@ -166,12 +168,12 @@ def check_superblock(path: Path, geometry: dict[str, Any]) -> bool:
         new = not slab_files(path)
         write_atomically(path / SUPERBLOCK, json.dumps(geometry).encode())
         return new
-    if have != geometry:
+    if changed := differences(have, geometry):
         raise ConfigError(
             "tiers.disk.path",
             str(path),
-            f"a directory of this layout and geometry ({geometry}), found {have}; "
-            "use another path or delete this one",
+            f"a directory of this layout and geometry; its superblock differs in "
+            f"{'; '.join(changed)}; use another path or delete this one",
         )
     try:
         make_private(path / SUPERBLOCK, "tiers.disk.path")

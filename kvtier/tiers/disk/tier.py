@@ -1,6 +1,7 @@
 """The disk tier: block copies in fixed slots of preallocated slab files on local NVMe.
 
-    <path>/kvtier-disk.json      geometry: slot size, slots per slab, layout fingerprint
+    <path>/kvtier-disk.json      geometry: slot size, slots per slab, layout fingerprint (and
+                                 its fields), hash algorithm
     <path>/slab-00000.kvt        slots 0 .. S-1
     <path>/slab-00001.kvt        slots S .. 2S-1           (S = slots_per_slab)
 
@@ -40,6 +41,9 @@ Contract:
 - `free` retires copies as it frees their slots (a failed retire is counted: the copy is still
   verified when read); `free_durably` also syncs them and says how many may still come back at
   the next start (a clear needs to know).
+- `keep` notes copies recovery left in free slots (namespaces the config does not know), by
+  tenant id; a slot allocated since is no longer noted (its copy is being overwritten), and
+  `retire_kept` retires those of some tenants (or all) durably, for a clear or reset.
 - A refused write (copy, sync or retire) starts a backoff (`slab_set.WriteBackoff`):
   `accepting_writes()` is False while it lasts, and the mover plans no background write to this
   tier meanwhile.
@@ -58,7 +62,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -69,6 +73,7 @@ from kvtier.tiers.disk import slabs
 from kvtier.tiers.disk.codec import Codec, get_codec
 from kvtier.tiers.disk.copies import BlockMeta, BlockWriter
 from kvtier.tiers.disk.format import header_region_size, slot_size
+from kvtier.tiers.disk.geometry import DEFAULT_HASHING, MODEL_NAME_CHARS
 from kvtier.tiers.disk.io import SlabFile, probe_direct
 from kvtier.tiers.disk.io_pool import IOPool
 from kvtier.tiers.disk.lock import DirectoryLock
@@ -96,6 +101,7 @@ class DiskTier:
         codec: Codec | str = "none",
         fsync: str = "batch",
         workers: int = 8,  # I/O in flight; deeper queues keep NVMe (and this VM's disk) busy
+        hashing: str = DEFAULT_HASHING,  # `hashing.algorithm`: the block ids
     ) -> None:
         self.layout = layout
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
@@ -129,6 +135,15 @@ class DiskTier:
                 "slots_per_slab": self.slots_per_slab,
                 "layout": self.layout.fingerprint.hex(),
                 "itemsize": self.layout.itemsize,
+                "hashing": hashing,  # another algorithm: none of the copies could be found
+                "model": {  # what `layout` fingerprints, readable: a refusal names the change
+                    "name": layout.model_name[:MODEL_NAME_CHARS],
+                    "num_layers": layout.num_layers,
+                    "num_kv_heads": layout.num_kv_heads,
+                    "head_dim": layout.head_dim,
+                    "dtype": layout.dtype_name,
+                    "block_tokens": layout.block_tokens,
+                },
             }
             if self.codec.lossy:  # what `kvtier check` needs to decode the copies
                 geometry["quant"] = {
@@ -158,6 +173,7 @@ class DiskTier:
             layout, self.codec, self.header_region, slab_set, self._health
         )
         self._retirer = CopyRetirer(self.header_region, slab_set, self._health)
+        self._kept: dict[int, str] = {}  # free slot -> tenant id of the copy left in it
 
     # ---- slots (the same contract as SlotPool) ---------------------------------------------
 
@@ -188,7 +204,11 @@ class DiskTier:
 
     def allocate(self, n: int) -> list[int]:
         self._ensure_open()
-        return self._slots.allocate(n)
+        slots = self._slots.allocate(n)
+        if self._kept:  # a kept copy's slot taken: the copy is overwritten, no longer kept
+            for slot in slots:
+                self._kept.pop(slot, None)
+        return slots
 
     def free(self, slots: Sequence[int]) -> None:
         """Free slots and retire their copies: the header region is zeroed, so that a restart
@@ -207,6 +227,28 @@ class DiskTier:
         left = len(slots) if self._closed else self._retirer.retire_durably(slots)
         self._slots.free(slots)
         return left
+
+    def keep(self, copies: dict[int, str]) -> None:
+        """Note valid copies left in free slots (slot -> the tenant id in its header: recovery's
+        copies of namespaces the config does not know), for `retire_kept`."""
+        assert not any(self._slots.is_allocated(slot) for slot in copies)
+        self._kept.update(copies)
+
+    @property
+    def num_kept(self) -> int:
+        """The noted copies still in their free slots (no allocation has taken them)."""
+        return len(self._kept)
+
+    def retire_kept(self, tenants: Collection[str] | None) -> tuple[int, int]:
+        """Retire durably the noted copies of `tenants` (of every tenant when None) that are
+        still in their free slots, and forget them; return (how many, how many of them the
+        disk refused to retire or sync: those may come back at the next start)."""
+        slots = [s for s, t in self._kept.items() if tenants is None or t in tenants]
+        for slot in slots:
+            del self._kept[slot]
+        if not slots:
+            return 0, 0
+        return len(slots), len(slots) if self._closed else self._retirer.retire_durably(slots)
 
     def accepting_writes(self) -> bool:
         """False while the tier backs off after refused writes: plan no background write."""
