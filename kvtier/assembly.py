@@ -214,10 +214,14 @@ def _events(
     config: KVTierConfig, state: CacheState, namespaces: Namespaces
 ) -> EventPublisher | None:
     """`events`: a publisher, fed by the index's observer; a `ConfigError` naming the address
-    when it cannot be bound."""
+    when it cannot be bound, or `model.name` when it holds an '@' the default topic would carry
+    (`EventsConfig`: a topic is unambiguous)."""
     events = config.events
     if events is None:
         return None
+    if events.topic is None and "@" in config.model.name:  # a router splits topics at '@'
+        expected = "no '@' (the default events topic: kv@<host name>@<model name>), or events.topic"
+        raise ConfigError("model.name", config.model.name, expected)
     topic = events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
     settings = EventSettings(
         topic,

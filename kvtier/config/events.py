@@ -5,12 +5,19 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, model_validator
 
 from kvtier.config.fields import InvalidValue, Section, int_in, matching, one_of
 
-_ENDPOINT = re.compile(r"(tcp://[A-Za-z0-9_.*\-\[\]:]{1,255}:\d{1,5}|ipc://[^\x00]{1,200})")
-_TOPIC = re.compile(r"[\x21-\x7e]{1,200}")  # printable ASCII, no space
+# an ipc path: no NUL byte and no lone surrogate (ZMQ takes the address as UTF-8)
+_ENDPOINT = re.compile(
+    r"(tcp://[A-Za-z0-9_.*\-\[\]:]{1,255}:\d{1,5}|ipc://[^\x00\ud800-\udfff]{1,200})"
+)
+_TOPIC = re.compile(r"(?=.{1,200}$)[\x21-\x3f\x41-\x7e]+(@[\x21-\x3f\x41-\x7e]+){0,2}")
+_TOPIC_TEXT = (
+    "1 to 200 printable ASCII characters, no space, at most three fields split by '@' "
+    "(kv@<pod>@<model>: a router reads the pod from the second and a tenant from a fourth)"
+)
 
 
 _WHERE = "a ZMQ address to bind: tcp://HOST:PORT or ipc://PATH"
@@ -36,7 +43,7 @@ def _peers(value: object) -> object:
 
 
 class EventsConfig(Section):
-    """A ZMQ PUB at `endpoint` in vLLM's KV-event wire format (llm-d reads it); a ROUTER at
+    """A ZMQ PUB at `endpoint` in llm-d's KV-event layout (positional events); a ROUTER at
     `replay_endpoint` answers replay requests from the last `buffer` messages per topic (and
     `buffer_bytes` of them at most). No message's payload passes `max_message_bytes`: longer
     runs of blocks go out as several events (a router refuses messages past its own bound:
@@ -44,15 +51,25 @@ class EventsConfig(Section):
     `per_tenant_topic` each tenant's events go to `<topic>@<tenant>` only. The PUB also
     connects to each address of `connect`: a subscriber that binds and waits for publishers to
     come to it, as llm-d's indexer does with a static `zmqEndpoint` (and vLLM connects to it),
-    gets every message too."""
+    gets every message too.
+
+    A topic is unambiguous: a router splits it at '@' (`kv@<pod>@<model>[@<tenant>]`,
+    `kvtier.routing`), so `topic` has at most three fields, and exactly three with
+    `per_tenant_topic` (the tenant's is the fourth); a default topic refuses a model name with
+    an '@' (`assembly._events`). Tenant names hold none."""
 
     endpoint: Annotated[str, matching(_ENDPOINT, _WHERE)]
     replay_endpoint: Annotated[str | None, matching(_ENDPOINT, _WHERE, True)] = None
     connect: Annotated[tuple[str, ...], BeforeValidator(_peers)] = ()
-    topic: Annotated[
-        str | None, matching(_TOPIC, "1 to 200 printable ASCII characters, no space", True)
-    ] = None
+    topic: Annotated[str | None, matching(_TOPIC, _TOPIC_TEXT, True)] = None
     per_tenant_topic: Annotated[bool, one_of((True, False))] = False
     buffer: Annotated[int, int_in(1, 1_000_000)] = 10_000
     buffer_bytes: Annotated[int, int_in(1 << 16, 1 << 36)] = 64 << 20
     max_message_bytes: Annotated[int, int_in(1 << 16, 1 << 30)] = 8 << 20
+
+    @model_validator(mode="after")
+    def _tenant_is_fourth(self) -> EventsConfig:
+        if self.per_tenant_topic and self.topic is not None and self.topic.count("@") != 2:
+            expected = "kv@<pod>@<model>: three fields split by '@' (a tenant's is fourth)"
+            raise InvalidValue(self.topic, expected, key="topic")
+        return self

@@ -3,6 +3,14 @@
 - `allow_ipv6(sock, *addresses)`: ZMQ refuses an IPv6 literal (`tcp://[::1]:5557`: "No such
   device") unless the socket asks for IPv6; IPv4 addresses alone leave it off, so that a bound
   IPv4 endpoint keeps its IPv4 spelling.
+- `limit_frames(pub, topic, per_tenant)`: a peer of the PUB sends it subscriptions, and ZMQ
+  took a frame of any size whole (a 64 MiB one grew the sidecar by 64 MiB and more); now a
+  frame longer than the longest subscription of use (a topic the publisher can send, and its
+  1-byte header), or than `HANDSHAKE_BYTES` (ZMQ bounds the handshake's frames by the same
+  option), drops its peer (`MAXMSGSIZE`). What it does not bound: ZMQ keeps every
+  distinct subscription in a trie, some 45 bytes a byte (100,000 distinct ones of 70 bytes:
+  320 MiB), and `XPUB_MANUAL` keeps them as well; only keeping the endpoint from untrusted
+  peers prevents that.
 - `BindError`: an address the publisher could not bind or connect to.
 - `Joins` watches a PUB for peers that join it (a subscriber that connects to its endpoint,
   or one of `events.connect` that it reaches; ZMQ's handshake-succeeded event, after each
@@ -23,11 +31,21 @@ from zmq.utils.monitor import recv_monitor_message
 from kvtier.errors import InvalidArgumentError
 
 JOIN_GRACE_S = 0.2
+TENANT_BYTES = 64  # a tenant id's longest (`config/tenants.py`: [A-Za-z0-9_.-]{1,64})
+HANDSHAKE_BYTES = 1024
+"""A peer's ZMTP READY command: its socket type and a routing id of up to 255 bytes."""
 
 
 def allow_ipv6(sock: zmq.Socket[bytes], *addresses: str) -> None:
     if any("[" in address for address in addresses):
         sock.setsockopt(zmq.IPV6, 1)
+
+
+def limit_frames(pub: zmq.Socket[bytes], topic: str, per_tenant: bool) -> None:
+    """Bound the frames `pub`'s peers may send (module doc); and linger a second at close."""
+    longest = len(topic.encode()) + (1 + TENANT_BYTES if per_tenant else 0)
+    pub.setsockopt(zmq.MAXMSGSIZE, max(1 + longest, HANDSHAKE_BYTES))
+    pub.setsockopt(zmq.LINGER, 1000)
 
 
 class BindError(InvalidArgumentError):

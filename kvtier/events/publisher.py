@@ -1,7 +1,7 @@
-"""`EventPublisher`: KV events on a ZMQ PUB in the wire format vLLM's publisher uses and llm-d's
-consumer reads, with a replay endpoint.
+"""`EventPublisher`: KV events on a ZMQ PUB in llm-d's documented layout (`pkg/kvevents`; what
+vLLM sent before 0.33, whose events are tagged maps: `kvtier.routing.reading`), with replay.
 
-Wire (vLLM 0.33 `distributed/kv_events.py`; llm-d `pkg/kvevents`): ZMQ PUB, each message three
+Wire (llm-d `pkg/kvevents`; vLLM's batch and frames): ZMQ PUB, each message three
 frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, one more per message of
 that topic), and a msgpack payload, an event batch `[ts (float, seconds), [event,
 ...], dp_rank (nil: kvtier is no data-parallel rank)]`, each event a positional array:
@@ -66,7 +66,7 @@ import zmq
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.events import wire
-from kvtier.events.peers import BindError, Joins, allow_ipv6
+from kvtier.events.peers import BindError, Joins, allow_ipv6, limit_frames
 from kvtier.events.replay import Backlog, ReplayServer
 
 MEDIUM = ("GPU", "CPU", "DISK", "REMOTE")  # by tier index: gpu, host, disk, remote
@@ -154,7 +154,7 @@ class EventPublisher:
         self._packer = wire.Packer(self._message_room - len(wire.CLEARED))  # under `_sending`
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 1000)
+        limit_frames(self._pub, settings.topic, settings.per_tenant)  # peers' subscriptions
         allow_ipv6(self._pub, endpoint, *connect)
         self._joins = Joins(self._pub)  # before any peer can join: peers owed the state
         self._backlog = Backlog(settings.buffer, settings.buffer_bytes)

@@ -13,6 +13,11 @@ signed), b""]`. Anyone who can connect may send, and may never read; so:
 - a request costs O(1), whatever its numbers: it opens a replay, a cursor on the backlog. A
   connection's replays go one after another, in the order asked; at most `MAX_REPLAYS` are open
   (a new one ends the oldest, whoever asked it), and one that sends nothing for `STALL_S` ends;
+- a turn takes every request that came, for `TAKE_S` at most, and opens a replay for each,
+  once for requests a connection repeated in that turn (the same start and topic): a flood is
+  read as fast as ZMQ hands it over, not a few hundred a turn (50 flooding connections kept a
+  router's replay unanswered 10 s after they stopped: 0.1 s now, 4 s when each request
+  differs);
 - ZMQ queues at most `REPLY_HWM` messages for a connection (`SNDHWM`, `ROUTER_MANDATORY`): a
   reply that does not fit stays in its replay and goes at a later turn, so a peer that never
   reads costs that many messages however often it asks, and a peer that reads late still gets
@@ -38,7 +43,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_REQUEST = 4096  # bytes of one frame of a replay request (a topic name at most)
 REPLY_HWM = 32  # messages queued for one connection at most
 MAX_REPLAYS = 16  # replays open at once
-MAX_TAKEN = 256  # requests taken in one turn at most
+TAKE_S = 0.005  # the longest one turn takes requests for
 STALL_S = 10.0  # a replay that could send nothing for this long ends
 BUSY_S = 0.001  # how soon the next turn comes while replays are moving
 
@@ -117,27 +122,33 @@ class ReplayServer:
         self._moving = False  # the last turn sent something
 
     def turn(self, wait_s: float) -> int:
-        """Wait up to `wait_s` for requests (`BUSY_S` while replays are moving), open a replay
-        for each that came, and send each open replay what its connection takes; the number of
-        replay requests taken."""
+        """Wait up to `wait_s` for requests (`BUSY_S` while replays are moving), take those that
+        came (for `TAKE_S` at most), open a replay for each (once for a request its connection
+        repeated in the turn: module doc), and send each open replay what its connection takes;
+        the number of replay requests taken."""
         wait = min(wait_s, BUSY_S) if self._moving else wait_s
         taken = 0
         if self.socket.poll(max(1, int(wait * 1000))):
-            for _ in range(MAX_TAKEN):
+            asked: dict[tuple[bytes, ...], None] = {}  # in the order first asked
+            end = time.monotonic() + TAKE_S
+            while time.monotonic() < end:
                 try:
                     frames = self.socket.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                taken += self._open(frames)
+                if len(frames) in (3, 4) and len(frames[2]) == 8:  # else no request: no answer
+                    asked[tuple(frames)] = None  # the same request again: answered once
+                    taken += 1
+            for request in asked:
+                self._open(request)
         self._moving = self._pump()
         return taken
 
     def close(self) -> None:
         self.socket.close()
 
-    def _open(self, frames: list[bytes]) -> bool:
-        if len(frames) not in (3, 4) or len(frames[2]) != 8:
-            return False  # not a replay request: nothing to answer
+    def _open(self, frames: tuple[bytes, ...]) -> None:
+        """Open the replay `frames` ask for (a request: `turn` checked its shape)."""
         client, start = frames[0], int.from_bytes(frames[2], "big")
         topic = frames[3].decode(errors="replace") if len(frames) == 4 else self.topic
         span = self.backlog.span(topic)
@@ -146,7 +157,6 @@ class ReplayServer:
         self._replays.append(
             _Replay(client, topic, max(start, span.start), span.stop, self.clock())
         )
-        return True
 
     def _pump(self) -> bool:
         """Send each connection's first open replay what the connection takes, `REPLY_HWM`

@@ -2,7 +2,7 @@
 
 `PrefixIndex.apply(source, payload)` takes one event message of one source (a publisher's
 topic: `kv@<pod>@<model>[@<tenant>]`, so a pod is the topic's second field) as it came off the
-wire (`kvtier.events` documents the format: vLLM's, which kvtier's and vLLM's publishers send).
+wire (`kvtier.events`; kvtier's positional events or vLLM 0.33's tagged maps: `reading`).
 `score(tokens)` answers `{pod: weighted prefix length}`: for each pod, the leading full blocks
 of `tokens` it holds in a row, each counted as `block_size * weight` of the best medium the pod
 holds it in (`DEFAULT_WEIGHTS`); with `tenant=`, in its topics and those of no tenant only (a
@@ -60,7 +60,8 @@ from typing import Any
 
 from kvtier.blocks import TOKEN_NBYTES, Tokens, encode_tokens
 from kvtier.errors import InvalidTokensError, shown
-from kvtier.routing.reading import BadEvent, batch_events, block_hash, block_hashes
+from kvtier.routing import checks
+from kvtier.routing.reading import BadEvent, batch_events, block_hash, block_hashes, positional
 from kvtier.routing.reading import medium as medium_of
 
 # Per medium, about the share of a recomputation a hit from it saves (1: all of it). kvtier's
@@ -116,12 +117,9 @@ class PrefixIndex:
         weights: Mapping[str, float] | None = None,
         max_blocks: int = MAX_BLOCKS,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size: got {shown(block_size)}, expected >= 1")
-        if max_blocks < 1:
-            raise ValueError(f"max_blocks: got {shown(max_blocks)}, expected >= 1")
-        self.block_size, self.max_blocks = block_size, max_blocks
-        self.weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
+        self.block_size = int(checks.number("block_size", block_size, 1, integer=True))
+        self.max_blocks = int(checks.number("max_blocks", max_blocks, 1, integer=True))
+        self.weights = checks.weights(DEFAULT_WEIGHTS if weights is None else weights)
         self._sources: dict[str, _Source] = {}
         self._where: dict[bytes, dict[str, int]] = {}  # key -> {source: media bitmask}
         self._blocks: dict[str, int] = {}  # pod -> hashes its sources map
@@ -162,7 +160,7 @@ class PrefixIndex:
 
     def _decode(self, payload: bytes) -> list[Any]:
         try:
-            return batch_events(payload)
+            return [positional(event) for event in batch_events(payload)]
         except BadEvent:
             with self._lock:
                 self._stats["bad"] += 1
@@ -303,10 +301,11 @@ class PrefixIndex:
         """`{pod: weighted prefix length in tokens}` for every pod holding the first block
         (`tenant`: in its topics, or in topics of no tenant: module doc);
         `InvalidTokensError` unless `tokens` are ids in [0, 2**32) (a cast would wrap -1 or
-        2**32 + 5 into another prompt's ids)."""
-        if len(tokens) == 0:
-            return {}
-        keys = chain(seed(lora_name), encode_tokens(tokens), self.block_size)
+        2**32 + 5 into another prompt's ids), `InvalidArgumentError` unless `lora_name` and
+        `tenant` are strings or None (`checks`)."""
+        checks.name("tenant", tenant)
+        data = encode_tokens(tokens)  # first: None, "" or a dict is an InvalidTokensError too
+        keys = chain(seed(checks.name("lora_name", lora_name)), data, self.block_size)
         scores: dict[str, float] = {}
         with self._lock:
             alive: set[str] | None = None

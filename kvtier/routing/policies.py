@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.errors import shown
+from kvtier.errors import InvalidArgumentError, shown
+from kvtier.routing import checks
 from kvtier.routing.index import PrefixIndex
 
 POLICIES = ("round-robin", "prefix", "prefix-load")
@@ -29,13 +30,18 @@ class Router:
         index: PrefixIndex | None = None,
         slack: float = 0.2,
     ) -> None:
+        """`InvalidArgumentError` naming the argument unless: `policy` is one of `POLICIES`,
+        with an `index` for a prefix policy; `pods` holds at least one; `slack` is a finite
+        number >= 0 (a NaN bound admitted no replica)."""
         if policy not in POLICIES:
-            raise ValueError(f"policy: got {shown(policy)}, expected one of {', '.join(POLICIES)}")
+            expected = f"one of {', '.join(POLICIES)}"
+            raise InvalidArgumentError(f"policy: got {shown(policy)}, expected {expected}")
         if policy != "round-robin" and index is None:
-            raise ValueError(f"policy {policy!r} needs a PrefixIndex")
+            raise InvalidArgumentError(f"policy {policy!r} needs a PrefixIndex")
         if not pods:
-            raise ValueError("pods: expected at least one")
-        self.pods, self.policy, self.index, self.slack = list(pods), policy, index, slack
+            raise InvalidArgumentError("pods: expected at least one")
+        self.slack = checks.number("slack", slack, 0.0)
+        self.pods, self.policy, self.index = list(pods), policy, index
         self.assigned = dict.fromkeys(self.pods, 0)
         self._count = 0
 

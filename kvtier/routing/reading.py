@@ -1,8 +1,15 @@
-"""Reading an event message's untrusted fields (the wire format `kvtier.events` documents:
-vLLM's, which kvtier's and vLLM's publishers send), for every reader of them: the router's
+"""Reading an event message's untrusted fields (the wire format `kvtier.events` documents,
+and vLLM 0.33's tagged events: below), for every reader of them: the router's
 index (`index.py`) and the vLLM connector's relay (`kvtier.integrations.vllm_events`). Each
 raises `BadEvent` naming the field and what was expected; nothing here is executed or taken as
 a path.
+
+Two spellings of an event are read: the positional array kvtier sends (llm-d's documented
+layout, which vLLM sent before 0.33: `["BlockStored", hashes, parent, tokens, block_size,
+lora_id, medium, lora_name]`), and the tagged map vLLM 0.33 sends (`{"type": "BlockStored",
+"block_hashes": ..., ...}`, msgspec's `tag=True`), which `positional` turns into the first (the
+router's index does; the relay reads kvtier's arrays only); a map's fields past those are
+ignored.
 
 Bounds: a message's decode is bounded (`batch_events`: `MAX_EVENTS`, `MAX_ARRAYS`, `MAX_ITEMS`,
 `MAX_MAPS`), whatever the length the subscriber let through: a message past them is a
@@ -28,7 +35,8 @@ MAX_ARRAYS = 4 * MAX_EVENTS
 MAX_ITEMS = 1 << 22
 """Array entries one message may hold, all its arrays together: 4 Mi, the tokens of an 8 MiB
 kvtier message of realistic ids (3-5 bytes each packed) and their hashes."""
-MAX_MAPS = 16  # the format has none: a few are let through for fields it may grow
+MAX_MAPS = MAX_EVENTS + 16  # vLLM 0.33 sends each event as a map (module doc)
+MAX_MAP_LEN = 32  # fields of one map (a vLLM 0.33 BlockStored has 16)
 
 
 class _Budget:
@@ -61,7 +69,7 @@ def batch_events(payload: bytes) -> list[Any]:
     try:
         batch = msgpack.unpackb(
             payload, raw=False, strict_map_key=True, max_array_len=MAX_ITEMS,
-            max_map_len=MAX_MAPS, max_ext_len=0, list_hook=budget.array,
+            max_map_len=MAX_MAP_LEN, max_ext_len=0, list_hook=budget.array,
             object_hook=budget.map,
         )  # fmt: skip
     except BadEvent:
@@ -75,6 +83,30 @@ def batch_events(payload: bytes) -> list[Any]:
     return batch[1]
 
 
+FIELD_NAMES = {
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
+"""Per kind, the fields of its positional array after the kind, by their vLLM names."""
+
+
+def positional(event: Any) -> Any:
+    """`event` as a positional array when it is a tagged map of a known kind (module doc);
+    anything else as it came (a map of no known kind stays a map: its reader counts it bad).
+    A field the map lacks is nil in the array: the reader checks each field's type."""
+    if not isinstance(event, dict):
+        return event
+    kind = event.get("type")
+    names = FIELD_NAMES.get(kind) if isinstance(kind, str) else None
+    if names is None:
+        return event
+    return [kind, *(event.get(name) for name in names)]
+
+
 def starts_cleared(payload: bytes) -> bool:
     """Does the batch's first event say AllBlocksCleared? Read from the payload's head, a few
     fields, whatever its size (a subscriber needs no recovery for a gap before it)."""
@@ -84,7 +116,16 @@ def starts_cleared(payload: bytes) -> bool:
         if reader.read_array_header() < 2:
             return False
         reader.skip()  # ts
-        if reader.read_array_header() < 1 or reader.read_array_header() < 1:
+        if reader.read_array_header() < 1:
+            return False
+        head = payload[reader.tell()]
+        if 0x80 <= head <= 0x8F or head in (0xDE, 0xDF):  # a tagged map (vLLM 0.33)
+            for _ in range(reader.read_map_header()):
+                if reader.unpack() == "type":
+                    return bool(reader.unpack() == "AllBlocksCleared")
+                reader.skip()
+            return False
+        if reader.read_array_header() < 1:
             return False
         return bool(reader.unpack() == "AllBlocksCleared")
     except Exception:  # not a batch of events: `batch_events` counts it when it is applied

@@ -1,0 +1,43 @@
+"""The routing API's argument checks (`PrefixIndex`, `Router`): each raises
+`InvalidArgumentError` naming the argument, the value and what was expected, at construction or
+call, before anything changes (a NaN weight or slack otherwise scored a pod holding a whole
+prompt 0, or made `choose` fail later with a bare `ValueError`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from kvtier.errors import InvalidArgumentError, shown
+
+
+def number(name: str, value: object, least: float, integer: bool = False) -> float:
+    """`value` when it is a finite number (an int with `integer`; never a bool) >= `least`."""
+    kinds = (int,) if integer else (int, float)
+    if (
+        not isinstance(value, kinds)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < least
+    ):
+        kind = "an int" if integer else "a finite number"
+        raise InvalidArgumentError(f"{name}: got {shown(value)}, expected {kind} >= {least:g}")
+    return value
+
+
+def weights(value: object) -> dict[str, float]:
+    """`value` as a table of medium name -> weight, each a finite number >= 0."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"weights: got {shown(value)}, expected a mapping")
+    for medium in value:
+        if not isinstance(medium, str):
+            raise InvalidArgumentError(f"weights: got key {shown(medium)}, expected a medium name")
+        number(f"weights[{medium!r}]", value[medium], 0.0)
+    return {medium: float(weight) for medium, weight in value.items()}
+
+
+def name(argument: str, value: object) -> str | None:
+    """`value` when it is a string or None."""
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgumentError(f"{argument}: got {shown(value)}, expected a string or None")
+    return value
