@@ -26,6 +26,8 @@ something there first):
   owned by this process's user, whose uid it names.
 Modes are set with `fchmod`/`chmod` after creation, so the umask never widens or narrows them.
 `file_kind(st_mode)` names what was found instead of a file, for such messages.
+- `is_path(value)`: whether `value` can name a file at all (a config's path fields are held to
+  it, `config/fields.py`); `private_dir` refuses any other with a `ConfigError` naming `field`.
 """
 
 from __future__ import annotations
@@ -44,8 +46,26 @@ _GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _GROUP_OTHER_ANY = 0o077
 
 
+PATH_EXPECTED = "a path: a string, not blank, without a NUL byte or a lone surrogate"
+
+
+def is_path(value: object) -> bool:
+    """Whether `value` is a string the OS can take as a path: not blank, no NUL byte (no system
+    call takes one) and nothing the filesystem's encoding cannot write (a lone surrogate, as
+    YAML's `"\\ud800"` makes; `\\udc80`-`\\udcff` stand for undecodable bytes and are kept)."""
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        return False
+    try:
+        os.fsencode(value)
+    except UnicodeError:
+        return False
+    return True
+
+
 def private_dir(path: str | os.PathLike[str], field: str) -> Path:
     """`path` as a directory only its owner can write; created 0700 when missing."""
+    if not is_path(os.fspath(path)):
+        raise ConfigError(field, os.fspath(path), PATH_EXPECTED)
     directory = Path(path)
     missing = []
     for candidate in (directory, *directory.parents):

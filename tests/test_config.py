@@ -17,6 +17,7 @@ from kvtier.config import (
     DiskTierConfig,
     GpuTierConfig,
     HiddenLine,
+    HiddenText,
     KVTierConfig,
     PolicyConfig,
     TiersConfig,
@@ -269,8 +270,9 @@ BAD_FILES = [
     ("no tenants", "tenants: {}", "tenants", {}),
     ("tenant with a key", "tenants: {a: {limits: 1}}", "tenants.a.limits", "limits"),
     ("port 70000", "service: {port: 70000}", "service.port", 70000),
-    ("section not a mapping", "policy: write_back", "policy", "write_back"),
-    ("non-mapping top level", "- model\n- tiers\n", "<top level>", ["model", "tiers"]),
+    # text where no field's value goes is not shown, only its kind: it may be a secrets file's
+    ("section not a mapping", "policy: write_back", "policy", HiddenText("a string")),
+    ("non-mapping top level", "- model\n- tiers\n", "<top level>", HiddenText("a list", 1, 1)),
     ("empty file", "# nothing here\n", "<top level>", None),
     ("repeated key", "block_tokens: 16\nblock_tokens: 32\n", "<yaml>", HiddenLine(2, 1)),
 ]

@@ -21,17 +21,21 @@ Invariants of a `KVTierConfig`:
   bytes holds at least one block of `layout`;
 - `0 < low_watermark <= high_watermark <= 1` on gpu and host;
 - there is at least one tenant and every tenant id matches `[A-Za-z0-9_.-]{1,64}`.
+- every path (`tiers.disk.path`, `service.state_dir`, the TLS files) is one a system call takes:
+  no NUL byte, no lone surrogate (`private_files.is_path`).
 
 This package reads no environment variables and measures no memory: a fraction is resolved by
 the tier that owns it, through `Capacity.resolve`.
 
 Modules, imports pointing down the list:
-- `loading.py`: YAML files and mappings in, `KVTierConfig` or `ConfigError` out; keys hidden.
+- `loading.py`: YAML files and mappings in, `KVTierConfig` or `ConfigError` out; keys hidden,
+  and any text that is no field's value.
 - `root.py`: `KVTierConfig`, its `model` and `hashing` sections, the rule across sections.
 - `tiers.py`, `movement.py` (`policy`, `mover`), `service.py`, `tenants.py`: the sections.
 - `fields.py`: the validated field types and the `Section` base they are written with.
 """
 
+from kvtier.config.fields import HiddenText
 from kvtier.config.loading import (
     HiddenKey,
     HiddenLine,
@@ -54,6 +58,7 @@ __all__ = [
     "HashingConfig",
     "HiddenKey",
     "HiddenLine",
+    "HiddenText",
     "HostTierConfig",
     "KVTierConfig",
     "ModelConfig",

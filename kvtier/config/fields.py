@@ -4,12 +4,16 @@ Contract:
 - Every check here runs before (or instead of) pydantic's own and, on a bad value, raises
   `InvalidValue(value, expected, key)`: the bad input as given, a phrase for what would do (it
   becomes `ConfigError.expected`), and optionally the key below pydantic's location where the
-  fault lies. The sections' own validators raise it too; `loading.py` turns it into a
+  fault lies (`NotASection` where a mapping goes: the value is not shown). The sections' own
+  validators raise it too; `loading.py` turns it into a
   `ConfigError`, and nothing else reads it.
+- A path (`FilePath`) is a string the OS can take as one (`private_files.is_path`: no NUL byte,
+  no lone surrogate), so that a file's open never fails with anything but an `OSError`.
 - Types are exact: `True` is not an int and `1` is not `True`; a float is accepted only where
   the field says number.
 - `Section` is the base of every section: frozen, strict, and closed to unknown keys (the
-  error lists the allowed ones).
+  error lists the allowed ones, and names the unknown key when it is letters, `_` and `-`
+  only: any other may be text of a file that is no config, a secret's, and is not shown).
 - Capacities: `MemoryCapacity` is a size or a fraction in (0, 1] (gpu, host and the per-tier
   tenant settings); `DiskCapacity` is a size only. Both serialise back through
   `Capacity.to_config`.
@@ -33,6 +37,7 @@ from pydantic import (
 )
 
 from kvtier.errors import ConfigError
+from kvtier.private_files import PATH_EXPECTED, is_path
 from kvtier.sizes import FRACTION_EXPECTED, Capacity
 
 _DISK_EXPECTED = "a size like '1TiB' (a fraction of free memory is for gpu and host only)"
@@ -44,6 +49,50 @@ class InvalidValue(ValueError):
     def __init__(self, value: object, expected: str, key: str | None = None) -> None:
         super().__init__(expected)
         self.value, self.expected, self.key = value, expected, key
+
+
+class HiddenText:
+    """Stands in an error for document text where no field's value goes (a top level that is
+    not a mapping, a scalar or a list where a section goes, an unknown key that is not a
+    misspelling's shape): its `kind` ('a string'), and its `line` and `column` (1-based) when
+    known; never the text, which may be anything (a secrets file given for a config)."""
+
+    def __init__(self, kind: str, line: int | None = None, column: int | None = None) -> None:
+        self.kind, self.line, self.column = kind, line, column
+
+    @classmethod
+    def of(cls, value: object, line: int | None = None, column: int | None = None) -> HiddenText:
+        """`value` described by its kind ('a string', 'a list')."""
+        return cls(_KIND_NAMES.get(type(value), f"a {type(value).__name__}"), line, column)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HiddenText) and self._parts() == other._parts()
+
+    def __hash__(self) -> int:
+        return hash((HiddenText, *self._parts()))
+
+    def _parts(self) -> tuple[str, int | None, int | None]:
+        return self.kind, self.line, self.column
+
+    def __repr__(self) -> str:
+        where = f" at line {self.line}, column {self.column}" if self.line is not None else ""
+        return f"<{self.kind}{where}: not shown>"
+
+
+_KIND_NAMES = {
+    str: "a string",
+    list: "a list",
+    tuple: "a list",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    bytes: "binary data",
+}
+
+
+class NotASection(InvalidValue):
+    """Raised where a section (a mapping) goes and something else came: the error shows its
+    kind, never its text (`HiddenText`)."""
 
 
 def rule(ok: Callable[[Any], bool], expected: str) -> BeforeValidator:
@@ -101,6 +150,15 @@ def _disk_capacity(value: object) -> Capacity:
 
 PositiveInt = Annotated[int, int_in(1)]
 Name = Annotated[str, rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")]
+FilePath = Annotated[str, rule(is_path, PATH_EXPECTED)]
+"""A file or directory: refused here, naming its field, when no system call could take it."""
+HostText = Annotated[
+    str,
+    rule(
+        lambda v: isinstance(v, str) and v.isprintable() and " " not in v and v != "",
+        "a host name or an IP address (printable, no space)",
+    ),
+]
 Fraction01 = Annotated[float, number_in(0.0, 1.0, "a fraction in (0, 1]")]
 MemoryCapacity = Annotated[
     Capacity,
@@ -168,6 +226,11 @@ def resolve_api_key(ref: str, field: str) -> str:
     return key
 
 
+_SHOWN_KEY = re.compile(r"[A-Za-z_-]{1,40}")
+"""An unknown key shown in its error, as a misspelled one is; any other (digits, `:`, `=`,
+`$`: a line of a secrets file or of /etc/shadow read as a key) is not."""
+
+
 class Section(BaseModel):
     """Frozen and closed to unknown keys."""
 
@@ -180,5 +243,8 @@ class Section(BaseModel):
             for key in data:
                 if key not in cls.model_fields:
                     allowed = ", ".join(cls.model_fields) or "none"
-                    raise InvalidValue(key, f"a known key; allowed: {allowed}", key=str(key))
+                    expected = f"a known key; allowed: {allowed}"
+                    if isinstance(key, str) and _SHOWN_KEY.fullmatch(key):
+                        raise InvalidValue(key, expected, key=key)
+                    raise InvalidValue(HiddenText("a key"), expected, key="<a key, not shown>")
         return data

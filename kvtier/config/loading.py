@@ -13,7 +13,12 @@ Contract:
   any of the keys given there, is replaced by `HiddenKey()`. A YAML error comes before the keys
   are known, so it shows no text of the file: its value is a `HiddenLine` (line and column) and
   its `expected` names the kind of fault, with every quoted part of the reader's words and
-  every alias, anchor and tag name left out (`_fault_kind`).
+  every alias, anchor and tag name left out (`_fault_kind`). Nor is text where no field's value
+  goes shown (a top level that is not a mapping, a scalar or a list where a section goes, as a
+  secrets file given for a config has): its value is a `HiddenText` naming its kind (and, in a
+  file, the top level's line and column).
+- A file is opened without blocking and read only when it is a regular file (a link to one is
+  followed): a FIFO, a device or a directory is refused naming the path.
 - `default_config()` is the embedded default (`kvtier serve` without `--config`) and equals
   `configs/default.yaml`: `KVTierConfig()` and a disk tier of `DEFAULT_DISK`.
 """
@@ -22,15 +27,17 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from kvtier.config.fields import InvalidValue
+from kvtier.config.fields import HiddenText, InvalidValue, NotASection
 from kvtier.config.root import KVTierConfig
 from kvtier.errors import ConfigError
+from kvtier.private_files import file_kind
 
 
 class _Absent:
@@ -93,10 +100,15 @@ def _config_error(exc: ValidationError, source: str, keys: set[str]) -> ConfigEr
     else:
         value = _Absent() if error["type"] == "missing" else error["input"]
         expected = _PHRASES.get(error["type"], error["msg"])
+    if isinstance(cause, NotASection) or error["type"] in _SECTION_TYPES:
+        value = value if value is None else HiddenText.of(value)  # no field's value: not shown
     if _KEY_FIELDS.intersection(path) or any(key in repr(value) for key in keys):
         value = HiddenKey()
     return ConfigError(".".join(path) or "<top level>", value, f"{expected} (in {source})")
 
+
+_SECTION_TYPES = frozenset({"model_type", "dict_type"})
+"""pydantic's errors for something else where a section (a mapping) goes."""
 
 # secret and password: tiers.remote's
 _KEY_FIELDS = frozenset({"api_keys", "admin_key", "secret", "password"})
@@ -155,7 +167,8 @@ def parse_config(mapping: object, source: str = "<dict>") -> KVTierConfig:
         raise ConfigError("<top level>", f"{values} values with its aliases written out",
                           f"at most {MAX_VALUES} values (in {source})")  # fmt: skip
     if not isinstance(mapping, Mapping):
-        raise ConfigError("<top level>", mapping, f"a mapping of config sections (in {source})")
+        shown = mapping if mapping is None else HiddenText.of(mapping)
+        raise ConfigError("<top level>", shown, f"a mapping of config sections (in {source})")
     try:
         return KVTierConfig.model_validate(dict(mapping))
     except ValidationError as exc:
@@ -222,19 +235,48 @@ MAX_FILE_CHARS = 2**20
 """The longest config file read (the shipped ones are under 6,000 characters)."""
 
 
+def _read_text(source: str) -> str:
+    """The text of the regular file `source` (a link to one followed), at most
+    `MAX_FILE_CHARS + 1` characters. Opened with O_NONBLOCK, so that a FIFO blocks neither
+    the open nor a read: anything but a regular file is refused naming what it is."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise ConfigError("<file>", source, "a readable YAML file") from exc
+    with open(fd, encoding="utf-8") as file:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            expected = f"a readable YAML file (a regular file), found {file_kind(mode)}"
+            raise ConfigError("<file>", source, expected)
+        try:
+            return file.read(MAX_FILE_CHARS + 1)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError("<file>", source, "a readable YAML file") from exc
+
+
+def _load_yaml(text: str) -> tuple[object, tuple[int, int]]:
+    """The document in `text` (`yaml.load` with `_UniqueKeyLoader`, a SafeLoader) and the line
+    and column (1-based) where its top level starts ((0, 0) for an empty document)."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, (0, 0)
+        mark = node.start_mark
+        return loader.construct_document(node), (mark.line + 1, mark.column + 1)
+    finally:
+        loader.dispose()
+
+
 def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
     """Read and validate a YAML config file. Raises `ConfigError`, never a YAML or OS error."""
     source = os.fspath(path)
-    try:
-        with open(source, encoding="utf-8") as file:
-            text = file.read(MAX_FILE_CHARS + 1)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("<file>", source, "a readable YAML file") from exc
+    text = _read_text(source)
     if len(text) > MAX_FILE_CHARS:
         raise ConfigError("<file>", source, f"a YAML file of at most {MAX_FILE_CHARS} characters")
     fault: ConfigError | None = None  # raised outside the handler: no YAML error chained
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+        data, start = _load_yaml(text)
     except yaml.MarkedYAMLError as exc:  # its text and marks quote the file: none shown
         mark = exc.problem_mark or exc.context_mark
         line, column = (mark.line + 1, mark.column + 1) if mark is not None else (0, 0)
@@ -248,6 +290,9 @@ def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
         fault = ConfigError("<yaml>", source, "valid YAML nested less deeply")
     if fault is not None:
         raise fault
+    if data is not None and not isinstance(data, Mapping):  # its kind and where, not its text
+        expected = f"a mapping of config sections (in {source})"
+        raise ConfigError("<top level>", HiddenText.of(data, *start), expected)
     return parse_config(data, source)
 
 

@@ -18,7 +18,16 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, model_validator
 
-from kvtier.config.fields import InvalidValue, KeyRef, Name, Section, int_in, number_in, one_of
+from kvtier.config.fields import (
+    FilePath,
+    HostText,
+    InvalidValue,
+    KeyRef,
+    Section,
+    int_in,
+    number_in,
+    one_of,
+)
 
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
 _HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
@@ -50,9 +59,9 @@ class ServiceConfig(Section):
     """The sidecar (`kvtier serve`): where it listens, where it keeps its state, its limits.
     Auth is on when any tenant has an API key; without auth only a loopback address is served."""
 
-    host: Name = "127.0.0.1"
+    host: HostText = "127.0.0.1"
     port: Annotated[int, int_in(1, 65535)] = 8750
-    state_dir: Name = "./kvtier-state"  # the server secret that keys tenant salts (0600)
+    state_dir: FilePath = "./kvtier-state"  # the server secret that keys tenant salts (0600)
     shared_memory: Annotated[bool, one_of((True, False))] = True
     max_tokens: Annotated[int, int_in(1, 1 << 24)] = 1 << 20
     max_body_bytes: Annotated[int, int_in(1024)] = 1 << 30

@@ -19,7 +19,14 @@ from typing import Annotated
 
 from pydantic import BeforeValidator
 
-from kvtier.config.fields import InvalidValue, KeyRef, MemoryCapacity, Section, int_in
+from kvtier.config.fields import (
+    InvalidValue,
+    KeyRef,
+    MemoryCapacity,
+    NotASection,
+    Section,
+    int_in,
+)
 
 _TENANT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -58,8 +65,11 @@ class TenantConfig(Section):
 
 
 def _tenant_ids(value: object) -> object:
-    if not isinstance(value, Mapping) or not value:
-        raise InvalidValue(value, "a mapping of at least one tenant id to its settings")
+    expected = "a mapping of at least one tenant id to its settings"
+    if not isinstance(value, Mapping):
+        raise NotASection(value, expected)
+    if not value:
+        raise InvalidValue(value, expected)
     for key in value:
         if not isinstance(key, str) or not _TENANT_ID.fullmatch(key):
             raise InvalidValue(key, "a tenant id matching [A-Za-z0-9_.-]{1,64}")

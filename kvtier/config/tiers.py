@@ -24,10 +24,10 @@ from pydantic import BeforeValidator, model_validator
 
 from kvtier.config.fields import (
     DiskCapacity,
+    FilePath,
     Fraction01,
     InvalidValue,
     MemoryCapacity,
-    Name,
     SecretRef,
     Section,
     int_in,
@@ -111,7 +111,7 @@ class DiskTierConfig(_CodecFields):
     name of `codec`, is still read."""
 
     capacity: DiskCapacity
-    path: Name = "./kvtier-data"
+    path: FilePath = "./kvtier-data"
     fsync: Annotated[FsyncMode, one_of(get_args(FsyncMode))] = "batch"
 
     @model_validator(mode="before")
@@ -161,11 +161,13 @@ class RemoteTlsConfig(Section):
     """TLS to the cluster (Redis `tls-port`, `tls-cluster yes`): the nodes' certificates are
     verified against `ca_file`; `cert_file` + `key_file` are this node's client certificate,
     for a cluster that asks for one (`tls-auth-clients yes`). Files are checked when the store
-    starts (a missing or unreadable one is a `ConfigError` naming the field)."""
+    starts, loaded as a connection loads them: a missing or unreadable one, one that is not a
+    PEM certificate, a key that does not match `cert_file` or is encrypted (not supported: its
+    passphrase would be asked for on the terminal) is a `ConfigError` naming the field."""
 
-    ca_file: Name
-    cert_file: Name | None = None
-    key_file: Name | None = None
+    ca_file: FilePath
+    cert_file: FilePath | None = None
+    key_file: FilePath | None = None
     check_hostname: Annotated[bool, one_of((True, False))] = True
 
     @model_validator(mode="after")

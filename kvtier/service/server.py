@@ -1,11 +1,14 @@
 """`kvtier serve`: the sidecar process.
 
-Start-up: the config is validated (before anything starts), a non-loopback address without auth
-is refused, the server secret is read or created, the shared-memory segments that killed servers
-left in /dev/shm are removed (`tiers/shm.py`), the port is bound (one in use: a `ConfigError`
-naming it, before any store is built), and the store is built on a thread (disk recovery
-included) while /healthz already answers; /readyz turns 200 when it is done, and a store that
-fails to start turns /healthz 503 too (`app.py`), for a liveness probe to restart it.
+Start-up: the config is validated (before anything starts), every `env:` key and secret is read
+(the tenants' and admin keys by `Auth`, the remote tier's secret and password here: an unset or
+short one is a `ConfigError` naming its field, never its value, before the port is bound or the
+store built), a non-loopback address without auth is refused, the server secret is read or
+created, the shared-memory segments that killed servers left in /dev/shm are removed
+(`tiers/shm.py`), the port is bound (one in use: a `ConfigError` naming it, before any store is
+built), and the store is built on a thread (disk recovery included) while /healthz already
+answers; /readyz turns 200 when it is done, and a store that fails to start turns /healthz 503
+too (`app.py`), for a liveness probe to restart it.
 SIGTERM or SIGINT: uvicorn stops accepting connections and finishes the requests in progress
 (the local lane its calls: `lane.py`), then the store closes: pending leases end, flights in
 flight are waited for (at most 30 s) and published, the disk tier is left consistent (every
@@ -35,6 +38,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvtier.config import KVTierConfig
+from kvtier.config.fields import resolve_key
 from kvtier.errors import ConfigError
 from kvtier.service.admission import Service
 from kvtier.service.app import create_app
@@ -52,6 +56,7 @@ MAX_HEAD_BYTES = 64 * 1024
 def build_app(config: KVTierConfig, host: str) -> FastAPI:
     """The app for `config` served on `host`; `ConfigError` before anything starts."""
     require_loopback(host, Auth(config))
+    _check_remote_secrets(config)
     secret = server_secret(config.service.state_dir)
     swept = sweep_stale()
     if swept:
@@ -65,6 +70,17 @@ def build_app(config: KVTierConfig, host: str) -> FastAPI:
         return KVStore(config, secret=secret, shared_memory=shared)
 
     return create_app(config, factory, host)
+
+
+def _check_remote_secrets(config: KVTierConfig) -> None:
+    """Read the remote tier's `env:` secret and password now (`resolve_key`): the store reads
+    them when it is built, on a thread, where an unset one would only turn /healthz 503."""
+    remote = config.tiers.remote
+    if remote is None:
+        return
+    for name, ref in (("secret", remote.secret), ("password", remote.password)):
+        if ref is not None:
+            resolve_key(ref, f"tiers.remote.{name}")
 
 
 def bind(host: str, port: int) -> socket.socket:
