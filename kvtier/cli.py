@@ -38,8 +38,7 @@ from kvtier.config import (
     load_config,
     parse_config,
 )
-from kvtier.errors import ConfigError, KVTierError
-from kvtier.private_files import read_regular
+from kvtier.errors import KVTierError
 from kvtier.status_reply import check_status
 from kvtier.store import KVStore
 from kvtier.text import printable
@@ -212,19 +211,10 @@ def _server_secret(config: KVTierConfig) -> bytes:
     """The server secret in `service.state_dir` that `serve` keys tenant salts with (its disk
     copies are found under them), read as the server reads it; b"" when there is none yet.
     Read only: `info` never creates the directory or the secret."""
-    from kvtier.service.auth import SECRET_BYTES
+    from kvtier.service.auth import read_secret
 
     path = Path(config.service.state_dir) / "secret"
-    if not os.path.lexists(path):
-        return b""
-    secret = read_regular(path, "service.state_dir", SECRET_BYTES, private=True)
-    if len(secret) != SECRET_BYTES:
-        raise ConfigError(
-            "service.state_dir",
-            str(path),
-            f"a secret file of {SECRET_BYTES} bytes, found {len(secret)}",
-        )
-    return secret
+    return read_secret(path) if os.path.lexists(path) else b""
 
 
 def _print_status(status: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ import hashlib
 import ipaddress
 import os
 import secrets
+from pathlib import Path
 
 from kvtier.config import HiddenKey, KVTierConfig
 from kvtier.config.fields import resolve_api_key
@@ -127,6 +128,12 @@ def server_secret(state_dir: str | os.PathLike[str]) -> bytes:
             str(path.parent),
             f"a directory the server can write its secret in ({exc.strerror or exc})",
         ) from None
+    return read_secret(path)
+
+
+def read_secret(path: Path) -> bytes:
+    """The server secret at `path` (`service.state_dir`'s `secret`): an owner-only regular file
+    of `SECRET_BYTES`; a `ConfigError` naming `service.state_dir` otherwise."""
     secret = read_regular(path, "service.state_dir", SECRET_BYTES, private=True)
     if len(secret) != SECRET_BYTES:
         raise ConfigError(
