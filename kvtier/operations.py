@@ -1,5 +1,5 @@
-"""The operator's side of a store: status, check, clear, persist, drain, evict, close, and
-looking leases and reservations up by id.
+"""The operator's side of a store: status, check, clear, persist, drain, evict, close, looking
+leases and reservations up by id; and the remote tier's fill before a prefetch or load.
 
 `Operations` works on a store's `Parts` (`assembly.py`) under the cache's lock; `KVStore`
 forwards its operator methods here, so that the store class itself is the engine contract.
@@ -179,27 +179,47 @@ class Operations:
         _, run = self.parts.remote.probe(namespace, key, hit.num_tokens // bt)
         return hit._replace(num_tokens=hit.num_tokens + run * bt, remote_tokens=run * bt)
 
-    def fill_from_remote(self, key: bytes, tenant: str, for_gpu: bool = False) -> None:
+    def fill_from_remote(
+        self, key: bytes, tenant: str, release: Sequence[int] | None = None
+    ) -> None:
         """With a remote tier: store locally what it holds past the cached prefix of `key`
-        (`transfer/remote.py`), before a prefetch or load takes the lock. `for_gpu` (a
-        prefetch's): nothing when `tenant` holds all the leases its quota allows (the prefetch
-        is refused: a refused call changes nothing), else up to the prefix's first blocks it
-        could still lease on gpu (its gpu quota less what it holds, else the tier): a prefetch
-        is all or nothing, and a fill past that bound would turn a prefetch of a shorter prefix
-        into a `CapacityError` or `QuotaError`."""
+        (`transfer/remote.py`), before a prefetch or load takes the lock.
+
+        `release` (a prefetch's; None for a load): the leases it is done with, released first
+        as it would before its quotas are checked. Then nothing is filled when `tenant` holds
+        all the leases its quota allows (the prefetch is refused, and changes nothing), else no
+        further than it could lease on gpu (`_leasable`): a prefetch is all or nothing, and a
+        longer prefix would turn a lease of a shorter one into a `CapacityError`."""
         if self.parts.remote is None:
             return
+        if release:
+            self.release_done(release, tenant)
         most = None
         with self.lock:
             namespace = self.namespace(tenant)
-            if for_gpu:
-                limits = self.parts.shares.limits[tenant]
-                if self.mover.book.leases_of(tenant) >= limits.leases:
+            if release is not None:
+                most = self._leasable(namespace, key, tenant)
+                if most is None:
                     return
-                quota, most = limits.quota[GPU], self.parts.state.gpu.num_slots
-                if quota is not None:
-                    most = min(most, quota - self.parts.writes.holding(tenant, namespace, GPU))
         self.parts.remote.fill(namespace, tenant, key, most)
+
+    def _leasable(self, namespace: BlockId, key: bytes, tenant: str) -> int | None:
+        """How many of `key`'s first blocks a prefetch of `tenant` could lease on gpu now: those
+        its leases hold, and as many more as its gpu quota leaves and no lock or reservation
+        holds; None when its lease quota is used up (`fill_from_remote`). Under the lock."""
+        limits, state = self.parts.shares.limits[tenant], self.parts.state
+        if self.mover.book.leases_of(tenant) >= limits.leases:
+            return None
+        match = state.index.match(namespace, key)
+        held_here = match.num_blocks - state.index.leases.unheld_blocks(match.end)
+        seeds = self.parts.namespaces.seeds.values()
+        locked = sum(state.index.leases.held_blocks(seed) for seed in seeds)
+        locked += self.parts.reservations.held(GPU)
+        most = held_here + state.gpu.num_slots - locked
+        quota = limits.quota[GPU]
+        if quota is not None:
+            most = min(most, held_here + quota - self.parts.writes.holding(tenant, namespace, GPU))
+        return most
 
     def drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -247,7 +247,7 @@ class KVStore:
         `as_load`: a load's lease (read from shared memory): counted as a load (`_counted`)."""
         key, ttl = encode_tokens(tokens), _ttl(self.config.policy, ttl_s)
         _check_flags(wait=wait, as_load=as_load)
-        self.operations.fill_from_remote(key, tenant, for_gpu=True)
+        self.operations.fill_from_remote(key, tenant, release)
         for attempt in range(PREFETCH_ATTEMPTS):
             with self._lock:
                 namespace = self.operations.namespace(tenant)

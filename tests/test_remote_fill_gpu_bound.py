@@ -87,3 +87,65 @@ def test_a_prefetch_fills_only_what_its_gpu_quota_leaves(redis_nodes: list[str])
         b.release(lease.lease_id)
         b.release(held.lease_id)
         b.check()
+
+
+# ---- the bound counts what the prefetch holds and releases, and what others lock ----------------
+
+
+def test_a_prefetch_extending_a_prefix_its_leases_hold_fills_to_its_quota(
+    redis_nodes: list[str],
+) -> None:
+    ca = config(redis_nodes)
+    tokens = list(range(50_000, 50_256))  # 64 blocks
+    kv = kv_for(tokens, seed=31)
+    cb = {**sized(ca, 64, 128), "tenants": {"default": {"quota": {"gpu": 12 * BLOCK_BYTES}}}}
+    with node(ca) as a, node(cb) as b:
+        assert a.store(tokens, kv).stored_tokens == 256
+        assert a.drain()
+        first = b.prefetch(tokens[:32])  # 8 blocks held on gpu
+        assert first.num_tokens == 32
+        second = b.prefetch(tokens[:64])  # its own 8 cost nothing more: 4 new fit the 12
+        assert second.num_tokens == 48
+        got = b.load(tokens[:48])
+        assert got.num_tokens == 48 and torch.equal(got.kv, kv[:, :, :48])
+        b.release(first.lease_id)
+        b.release(second.lease_id)
+        b.check()
+
+
+def test_a_prefetch_fills_no_further_than_the_slots_other_leases_leave(
+    redis_nodes: list[str],
+) -> None:
+    ca = config(redis_nodes)
+    tokens, other = list(range(52_000, 52_256)), list(range(53_000, 53_016))
+    kv = kv_for(tokens, seed=33)
+    with node(ca) as a, node(sized(ca, 8, 128)) as b:
+        assert a.store(tokens, kv).stored_tokens == 256
+        assert a.drain()
+        assert b.store(other, kv_for(other, seed=34)).stored_tokens == 16
+        held = b.prefetch(other)  # 4 of 8 gpu slots leased
+        lease = b.prefetch(tokens)  # before: filled 8, then CapacityError
+        assert lease.num_tokens == 16
+        b.release(lease.lease_id)
+        b.release(held.lease_id)
+        b.check()
+
+
+@pytest.mark.parametrize("quota", ["leases", "gpu"])
+def test_a_prefetch_releasing_what_its_quota_holds_fills_past_it(
+    redis_nodes: list[str], quota: str
+) -> None:
+    ca = config(redis_nodes)
+    tokens, other = list(range(54_000, 54_032)), list(range(55_000, 55_032))
+    kv = kv_for(tokens, seed=35)
+    limit = {"leases": 1} if quota == "leases" else {"gpu": 8 * BLOCK_BYTES}
+    cb = {**sized(ca, 64, 128), "tenants": {"default": {"quota": limit}}}
+    with node(ca) as a, node(cb) as b:
+        assert a.store(tokens, kv).stored_tokens == 32
+        assert a.drain()
+        assert b.store(other, kv_for(other, seed=36)).stored_tokens == 32
+        held = b.prefetch(other)  # its one lease; 8 of 8 quota blocks
+        lease = b.prefetch(tokens, release=[held.lease_id])  # released before the fill
+        assert lease.num_tokens == 32 and b.status()["remote"]["filled_blocks"] == 8
+        b.release(lease.lease_id)
+        b.check()
