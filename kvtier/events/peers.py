@@ -6,8 +6,9 @@
 - `limit_frames(pub, topic, per_tenant)`: a peer of the PUB sends it subscriptions, and ZMQ
   took a frame of any size whole (a 64 MiB one grew the sidecar by 64 MiB and more); now a
   frame longer than the longest subscription of use (a topic the publisher can send, and its
-  1-byte header), or than `HANDSHAKE_BYTES` (ZMQ bounds the handshake's frames by the same
-  option), drops its peer (`MAXMSGSIZE`). What it does not bound: ZMQ keeps every
+  header: one byte in ZMTP 3.0, a `SUBSCRIBE` command's 10 in ZMTP 3.1, which libzmq 4.3
+  speaks: `SUBSCRIBE_BYTES`), or than `HANDSHAKE_BYTES` (ZMQ bounds the handshake's frames
+  by the same option), drops its peer (`MAXMSGSIZE`). What it does not bound: ZMQ keeps every
   distinct subscription in a trie, some 45 bytes a byte (100,000 distinct ones of 70 bytes:
   320 MiB), and `XPUB_MANUAL` keeps them as well; only keeping the endpoint from untrusted
   peers prevents that.
@@ -32,6 +33,8 @@ from kvtier.errors import InvalidArgumentError
 
 JOIN_GRACE_S = 0.2
 TENANT_BYTES = 64  # a tenant id's longest (`config/tenants.py`: [A-Za-z0-9_.-]{1,64})
+SUBSCRIBE_BYTES = 10
+"""A subscription's header at most: ZMTP 3.1's command (a name-length byte and `SUBSCRIBE`)."""
 HANDSHAKE_BYTES = 1024
 """A peer's ZMTP READY command: its socket type and a routing id of up to 255 bytes."""
 
@@ -44,7 +47,7 @@ def allow_ipv6(sock: zmq.Socket[bytes], *addresses: str) -> None:
 def limit_frames(pub: zmq.Socket[bytes], topic: str, per_tenant: bool) -> None:
     """Bound the frames `pub`'s peers may send (module doc); and linger a second at close."""
     longest = len(topic.encode()) + (1 + TENANT_BYTES if per_tenant else 0)
-    pub.setsockopt(zmq.MAXMSGSIZE, max(1 + longest, HANDSHAKE_BYTES))
+    pub.setsockopt(zmq.MAXMSGSIZE, max(SUBSCRIBE_BYTES + longest, HANDSHAKE_BYTES))
     pub.setsockopt(zmq.LINGER, 1000)
 
 

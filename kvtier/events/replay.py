@@ -13,11 +13,12 @@ signed), b""]`. Anyone who can connect may send, and may never read; so:
 - a request costs O(1), whatever its numbers: it opens a replay, a cursor on the backlog. A
   connection's replays go one after another, in the order asked; at most `MAX_REPLAYS` are open
   (a new one ends the oldest, whoever asked it), and one that sends nothing for `STALL_S` ends;
-- a turn takes every request that came, for `TAKE_S` at most, and opens a replay for each,
-  once for requests a connection repeated in that turn (the same start and topic): a flood is
-  read as fast as ZMQ hands it over, not a few hundred a turn (50 flooding connections kept a
-  router's replay unanswered 10 s after they stopped: 0.1 s now, 4 s when each request
-  differs);
+- a turn takes every request that came, for `TAKE_S` at most, and opens a replay for each;
+  past a connection's first `REPEATS_ANSWERED` requests in the turn (a flood), a request it
+  repeated in that turn (the same start and topic) is answered once: a flood is read as fast
+  as ZMQ hands it over, not a few hundred a turn (50 flooding connections kept a router's
+  replay unanswered 10 s after they stopped: 0.1 s now, 4 s when each request differs), and
+  a client that asks the same twice, a few times, is answered each time;
 - ZMQ queues at most `REPLY_HWM` messages for a connection (`SNDHWM`, `ROUTER_MANDATORY`): a
   reply that does not fit stays in its replay and goes at a later turn, so a peer that never
   reads costs that many messages however often it asks, and a peer that reads late still gets
@@ -44,6 +45,7 @@ MAX_REQUEST = 4096  # bytes of one frame of a replay request (a topic name at mo
 REPLY_HWM = 32  # messages queued for one connection at most
 MAX_REPLAYS = 16  # replays open at once
 TAKE_S = 0.005  # the longest one turn takes requests for
+REPEATS_ANSWERED = 16  # a connection's requests in a turn each answered, repeats included
 STALL_S = 10.0  # a replay that could send nothing for this long ends
 BUSY_S = 0.001  # how soon the next turn comes while replays are moving
 
@@ -123,13 +125,16 @@ class ReplayServer:
 
     def turn(self, wait_s: float) -> int:
         """Wait up to `wait_s` for requests (`BUSY_S` while replays are moving), take those that
-        came (for `TAKE_S` at most), open a replay for each (once for a request its connection
-        repeated in the turn: module doc), and send each open replay what its connection takes;
+        came (for `TAKE_S` at most), open a replay for each (once for a request a flooding
+        connection repeated in the turn: module doc), and send each open replay what its
+        connection takes;
         the number of replay requests taken."""
         wait = min(wait_s, BUSY_S) if self._moving else wait_s
         taken = 0
         if self.socket.poll(max(1, int(wait * 1000))):
-            asked: dict[tuple[bytes, ...], None] = {}  # in the order first asked
+            asked: list[tuple[bytes, ...]] = []  # in the order asked
+            seen: set[tuple[bytes, ...]] = set()
+            per: dict[bytes, int] = {}  # requests taken in this turn, by connection
             end = time.monotonic() + TAKE_S
             while time.monotonic() < end:
                 try:
@@ -137,8 +142,11 @@ class ReplayServer:
                 except zmq.Again:
                     break
                 if len(frames) in (3, 4) and len(frames[2]) == 8:  # else no request: no answer
-                    asked[tuple(frames)] = None  # the same request again: answered once
-                    taken += 1
+                    request, taken = tuple(frames), taken + 1
+                    per[frames[0]] = count = per.get(frames[0], 0) + 1
+                    if count <= REPEATS_ANSWERED or request not in seen:  # a flood's repeats:
+                        seen.add(request)  # answered once
+                        asked.append(request)
             for request in asked:
                 self._open(request)
         self._moving = self._pump()

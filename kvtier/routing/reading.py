@@ -36,7 +36,7 @@ MAX_ITEMS = 1 << 22
 """Array entries one message may hold, all its arrays together: 4 Mi, the tokens of an 8 MiB
 kvtier message of realistic ids (3-5 bytes each packed) and their hashes."""
 MAX_MAPS = MAX_EVENTS + 16  # vLLM 0.33 sends each event as a map (module doc)
-MAX_MAP_LEN = 32  # fields of one map (a vLLM 0.33 BlockStored has 16)
+MAX_MAP_LEN = 64  # fields of one map (a vLLM 0.33 BlockStored has 16: room for later ones)
 
 
 class _Budget:
@@ -120,11 +120,13 @@ def starts_cleared(payload: bytes) -> bool:
             return False
         head = payload[reader.tell()]
         if 0x80 <= head <= 0x8F or head in (0xDE, 0xDF):  # a tagged map (vLLM 0.33)
+            kind = None  # the last "type", as the map's decode keeps it (`positional`)
             for _ in range(reader.read_map_header()):
                 if reader.unpack() == "type":
-                    return bool(reader.unpack() == "AllBlocksCleared")
-                reader.skip()
-            return False
+                    kind = reader.unpack()
+                else:
+                    reader.skip()
+            return bool(kind == "AllBlocksCleared")
         if reader.read_array_header() < 1:
             return False
         return bool(reader.unpack() == "AllBlocksCleared")
