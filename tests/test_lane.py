@@ -180,6 +180,7 @@ FRAMES = st.one_of(
 )
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(payloads=st.lists(FRAMES, min_size=1, max_size=4))
 def test_any_frame_is_answered_with_a_status_and_never_a_500(

@@ -76,6 +76,7 @@ def test_no_such_connection_or_no_ip_is_nobody_known() -> None:
     assert not same_user(None, ("127.0.0.1", 1))
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_a_real_server_names_its_pools_to_another_user_without_a_handle(tmp_path: Path) -> None:
     """Through a real `kvtier serve`: a client run as `nobody` learns the pools' names (it
     cannot open the 0600 files) and gets no CUDA handle; on a machine with CUDA the gpu pool is

@@ -36,6 +36,7 @@ def tokenizer() -> BPETokenizer:
     return load_smollm2_tokenizer()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 def test_model_knows_the_capital_of_france(model: Llama, tokenizer: BPETokenizer) -> None:
     prompt = tokenizer.chat_prompt("What is the capital of France?")
     answer = tokenizer.decode(generate(model, prompt, max_new_tokens=12))
