@@ -266,7 +266,7 @@ BAD_FILES = [
     ("model half given", "model: {name: llama}", "model.num_layers", None),
     ("block_tokens too big", "block_tokens: 8192", "block_tokens", 8192),
     ("block_tokens true", "block_tokens: true", "block_tokens", True),
-    ("bad tenant id", "tenants: {'bad id!': {}}", "tenants", "bad id!"),
+    ("bad tenant id", "tenants: {'bad id!': {}}", "tenants", HiddenText("a key")),  # not shown
     ("no tenants", "tenants: {}", "tenants", {}),
     ("tenant with a key", "tenants: {a: {limits: 1}}", "tenants.a.limits", "limits"),
     ("port 70000", "service: {port: 70000}", "service.port", 70000),

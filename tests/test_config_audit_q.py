@@ -9,8 +9,10 @@
   left up with /healthz 503.
 - A file that is no config (a `.env` of secrets, /etc/shadow) is refused without its text: a top
   level that is not a mapping, or a scalar where a section goes, shows its kind (and the top
-  level its line and column), and an unknown key that is not letters, `_` and `-` is not shown.
-- `--config` on a FIFO or a device is refused at once naming the path (opened with O_NONBLOCK);
+  level its line and column), and an unknown key that is not letters, digits, `_`, `-`, `.` is
+  not shown.
+- `--config` on a FIFO with no writer is refused within `loading.FIFO_WAIT_S`, a device at
+  once, naming the path (opened with O_NONBLOCK);
   a symbolic link to a regular file is followed.
 """
 
@@ -181,7 +183,10 @@ def test_an_unknown_key_that_is_a_line_of_a_secrets_file_is_not_shown(tmp_path: 
 # ---- only a regular file is read ---------------------------------------------------------------
 
 
-def test_a_fifo_given_as_the_config_is_refused_at_once(tmp_path: Path) -> None:
+def test_a_fifo_given_as_the_config_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvtier.config.loading, "FIFO_WAIT_S", 0.5)  # no writer: refused then
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)
     caught: list[BaseException] = []

@@ -131,7 +131,7 @@ def test_a_forged_value_passes_plain_checksums_but_not_a_reader_that_authenticat
         )
         assert tier.write(seed, ids, 0, blocks) == [True, True]
         for value in (forged, guess) if mac_key is not None else (forged,):
-            attacker.set(path_keys(prefix, ids, 1, 2, 4)[0], value)
+            attacker.set(path_keys(prefix, ids, 1, 2, 4, mac_key is not None)[0], value)
             out = [torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.dtype) for _ in range(2)]
             assert tier.read(seed, ids, 0, out) == [True, served]
             assert torch.equal(out[0], blocks[0])

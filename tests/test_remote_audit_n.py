@@ -62,8 +62,8 @@ def test_a_value_copied_under_another_key_prefix_fails_its_macs_and_is_deleted(
     assert old.write(seed, ids, 0, list(blocks(4))) == [True] * 4
     host, port = redis_nodes[0].split(":")
     attacker = RedisCluster(host=host, port=int(port))
-    copied = path_keys("wv2", ids, 0, 4, 4)
-    for source, target in zip(path_keys("wv1", ids, 0, 4, 4), copied, strict=True):
+    copied = path_keys("wv2", ids, 0, 4, 4, keyed=True)  # authenticated values' keys
+    for source, target in zip(path_keys("wv1", ids, 0, 4, 4, keyed=True), copied, strict=True):
         value = attacker.get(source)
         assert isinstance(value, bytes)
         attacker.set(target, value)

@@ -136,7 +136,7 @@ def test_an_empty_value_under_a_blocks_key_is_a_verify_failure_and_deleted(
     mac_key = mac_key_of(b"cluster-secret-0123456789") if authenticate else None
     a, b = tier(redis_nodes, mac_key), tier(redis_nodes, mac_key)
     seed, ids = path(f"empty-{authenticate}", 500, 2)
-    keys = path_keys("auditz", ids, 0, 2, 4)
+    keys = path_keys("auditz", ids, 0, 2, 4, keyed=authenticate)
     assert b.cluster.put([(keys[0], b"")]) == [True]  # planted before any node writes it
     kv = blocks(2)
     assert a.write(seed, ids, 0, list(kv)) == [True, True]  # SET NX: block 0 refused

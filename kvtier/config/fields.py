@@ -226,9 +226,18 @@ def resolve_api_key(ref: str, field: str) -> str:
     return key
 
 
-_SHOWN_KEY = re.compile(r"[A-Za-z_-]{1,40}")
-"""An unknown key shown in its error, as a misspelled one is; any other (digits, `:`, `=`,
-`$`: a line of a secrets file or of /etc/shadow read as a key) is not."""
+_SHOWN_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""An unknown key shown in its error, as a misspelled one is (`host2`, `model.name`); any
+other (`:`, `=`, `$`, `/`, a space or a quote, or over 64 characters: a line of a secrets
+file or of /etc/shadow read as a key) is not."""
+
+
+def shown_key(key: object) -> object:
+    """`key` as an error may show it: itself when `_SHOWN_KEY` matches it, else
+    `HiddenText("a key")`."""
+    if isinstance(key, str) and _SHOWN_KEY.fullmatch(key):
+        return key
+    return HiddenText("a key")
 
 
 class Section(BaseModel):

@@ -18,7 +18,9 @@ Contract:
   secrets file given for a config has): its value is a `HiddenText` naming its kind (and, in a
   file, the top level's line and column).
 - A file is opened without blocking and read only when it is a regular file (a link to one is
-  followed): a FIFO, a device or a directory is refused naming the path.
+  followed) or a FIFO or pipe (`--config <(envsubst < tmpl)`, a piped `/dev/stdin`), the latter
+  read with poll() to its end within `FIFO_WAIT_S` in all (no writer, or a stalled one, is
+  refused naming the path and the wait); a device or a directory is refused naming the path.
 - `default_config()` is the embedded default (`kvtier serve` without `--config`) and equals
   `configs/default.yaml`: `KVTierConfig()` and a disk tier of `DEFAULT_DISK`.
 """
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import stat
+import time
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -235,23 +239,61 @@ MAX_FILE_CHARS = 2**20
 """The longest config file read (the shipped ones are under 6,000 characters)."""
 
 
+FIFO_WAIT_S = 10.0
+"""How long a FIFO or pipe given as the config (`--config <(envsubst < tmpl)`, `/dev/stdin`)
+may take, from the open to its end, before it is refused: one with no writer or a stalled one
+is a `ConfigError`, never a hang."""
+
+
 def _read_text(source: str) -> str:
-    """The text of the regular file `source` (a link to one followed), at most
-    `MAX_FILE_CHARS + 1` characters. Opened with O_NONBLOCK, so that a FIFO blocks neither
-    the open nor a read: anything but a regular file is refused naming what it is."""
+    """The text of `source`, at most `MAX_FILE_CHARS + 1` characters: a regular file (a link to
+    one followed), or a FIFO or pipe read to its end within `FIFO_WAIT_S` (`_read_stream`).
+    Opened with O_NONBLOCK, so that a FIFO blocks neither the open nor a read: anything else
+    (a directory, a device) is refused naming what it is."""
     try:
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise ConfigError("<file>", source, "a readable YAML file") from exc
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # open() on a directory raises
+        os.close(fd)
+        expected = f"a readable YAML file (a regular file or a FIFO), found {file_kind(mode)}"
+        raise ConfigError("<file>", source, expected)
     with open(fd, encoding="utf-8") as file:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            expected = f"a readable YAML file (a regular file), found {file_kind(mode)}"
-            raise ConfigError("<file>", source, expected)
         try:
-            return file.read(MAX_FILE_CHARS + 1)
+            if stat.S_ISREG(mode):
+                return file.read(MAX_FILE_CHARS + 1)
+            return _read_stream(fd, source).decode("utf-8")[: MAX_FILE_CHARS + 1]
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError("<file>", source, "a readable YAML file") from exc
+
+
+def _read_stream(fd: int, source: str) -> bytes:
+    """The bytes of the FIFO `fd` (opened O_NONBLOCK) up to its end, at most
+    `4 * MAX_FILE_CHARS + 1`, waiting with poll() no longer than `FIFO_WAIT_S` in all."""
+    limit = 4 * MAX_FILE_CHARS + 1  # more bytes are more than MAX_FILE_CHARS characters
+    deadline = time.monotonic() + FIFO_WAIT_S
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            expected = (
+                f"a readable YAML file (a FIFO or pipe that ends within {FIFO_WAIT_S:g} s;"
+                " none came: no writer, or one that stalled)"
+            )
+            raise ConfigError("<file>", source, expected)
+        try:
+            chunk = os.read(fd, min(1 << 16, limit - size))
+        except BlockingIOError:
+            continue
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def _load_yaml(text: str) -> tuple[object, tuple[int, int]]:

@@ -3,7 +3,9 @@ may hold (quotas) or keep against the others (floors).
 
 Contract:
 - `Tenants` is a plain dict (so that configs pickle; treat it as read-only) of at least one
-  tenant id matching `[A-Za-z0-9_.-]{1,64}` to its `TenantConfig`.
+  tenant id matching `[A-Za-z0-9_.-]{1,64}` to its `TenantConfig`; an invalid one is shown in
+  its error only as `fields.shown_key` shows a key (one with `=`, `:` etc., a secrets line
+  read as an id, is not).
 - Per-tier quotas and floors are sizes or fractions of the tier; unset ones are resolved by
   `tenancy.py` against the live tiers, never here. That the floors of a tier fit in it is
   checked there too.
@@ -26,6 +28,7 @@ from kvtier.config.fields import (
     NotASection,
     Section,
     int_in,
+    shown_key,
 )
 
 _TENANT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -72,7 +75,7 @@ def _tenant_ids(value: object) -> object:
         raise InvalidValue(value, expected)
     for key in value:
         if not isinstance(key, str) or not _TENANT_ID.fullmatch(key):
-            raise InvalidValue(key, "a tenant id matching [A-Za-z0-9_.-]{1,64}")
+            raise InvalidValue(shown_key(key), "a tenant id matching [A-Za-z0-9_.-]{1,64}")
     return dict(value)
 
 

@@ -1,6 +1,7 @@
 """One block in the remote tier (issue 14): its key, and its value, one per block.
 
-Keys. `<prefix>:v1:{<group tag>}:<block id, hex>`, as bytes (v1: `KEY_VERSION`). The prefix
+Keys. `<prefix>:v1:{<group tag>}:<block id, hex>`, as bytes (v1: `KEY_VERSION`; `v3`,
+`KEYED_KEY_VERSION`, for authenticated values, module end). The prefix
 names one deployment (an operator's `tiers.remote.key_prefix`: several fleets may share a
 cluster). The block id is kvtier's chained id (`blocks.py`), so the model layout, the tenant's
 namespace and the whole token prefix are inside it, and no token or tenant name is in a key. The
@@ -15,7 +16,8 @@ spread over the cluster:
     key of 6    kvtier:v1:{<id4[:8] hex>}:<id6 hex>
 
 `block_key` builds one key; `path_keys(prefix, ids, start, stop, group_blocks)` the keys of
-positions start..stop-1 of a path whose ids (from position 0) are `ids`.
+positions start..stop-1 of a path whose ids (from position 0) are `ids` (`keyed=True`: the
+keys of authenticated values).
 
 Values. A remote value is written by one kvtier node and read by any other that shares the
 cluster, or by none: the cluster may drop it, truncate it (a failover mid-write), or hold what
@@ -53,7 +55,9 @@ Invariants:
 - A reader checks the ids it expected, not the ids the value claims: a value stored under the
   wrong key (a bug, a collision, a hostile writer) is a miss.
 - Changing the layout of the bytes needs a new `VALUE_VERSION`; changing the key scheme, a new
-  `KEY_VERSION` (it is part of every key, so old keys are simply never asked for).
+  `KEY_VERSION` (it is part of every key, so old keys are simply never asked for); and a new
+  `KEYED_VERSION` a new `KEYED_KEY_VERSION`, so that nodes of two releases never read (and
+  delete as forged) each other's authenticated values.
 
 Authenticated values (`tiers.remote.authenticate`). xxh3 catches damage, not forgery: whoever
 can write to the cluster can read a value, change its payload and recompute both checksums.
@@ -65,8 +69,12 @@ the key (or with another) is a miss, so a writer without the secret cannot make 
 its bytes. The key is the secret's as seen by one key prefix (`prefix_mac_key`, which
 `tier.RemoteTier` applies): the MACs bind the block, its layout and codec, and the deployment,
 so a value copied from one prefix's key to another's (old weights' KV under a new prefix) is a
-miss there, not a block. It costs a SHA-256 pass over each payload on both sides (about 1.6
-GB/s a core on this machine, against xxh3's 57).
+miss there, not a block. Authenticated values live under keys of their own, `:v3:` where plain
+ones have `:v1:` (`KEYED_KEY_VERSION`, the value version it holds): the nodes of a release that
+wrote version 2 values under `:v1:` keys, and plain nodes, never ask for them, so in a rolling
+upgrade neither side reads the other's values as forged and deletes them (or skips its own
+write, SET NX, where the other's value sits): each keeps its cache. It costs a SHA-256 pass over
+each payload on both sides (about 1.6 GB/s a core on this machine, against xxh3's 57).
 """
 
 from __future__ import annotations
@@ -82,6 +90,7 @@ from kvtier.blocks import ALGORITHMS
 from kvtier.errors import InvalidArgumentError, KVTierError
 
 KEY_VERSION = 1
+KEYED_KEY_VERSION = 3  # authenticated values' keys (module doc): apart from v1 and version 2's
 TAG_BYTES = 8
 PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 MAGIC = b"KVTR"
@@ -144,19 +153,21 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
-def block_key(prefix: str, group_first_id: bytes, block_id: bytes) -> bytes:
-    """The key of `block_id`, whose group starts with the block `group_first_id`."""
+def block_key(prefix: str, group_first_id: bytes, block_id: bytes, keyed: bool = False) -> bytes:
+    """The key of `block_id`, whose group starts with the block `group_first_id` (`keyed`:
+    of its authenticated value, under `KEYED_KEY_VERSION`)."""
     tag = group_first_id[:TAG_BYTES].hex()
-    return f"{prefix}:v{KEY_VERSION}:{{{tag}}}:{block_id.hex()}".encode("ascii")
+    version = KEYED_KEY_VERSION if keyed else KEY_VERSION
+    return f"{prefix}:v{version}:{{{tag}}}:{block_id.hex()}".encode("ascii")
 
 
 def path_keys(
-    prefix: str, ids: list[bytes], start: int, stop: int, group_blocks: int
+    prefix: str, ids: list[bytes], start: int, stop: int, group_blocks: int, keyed: bool = False
 ) -> list[bytes]:
     """The keys of positions start..stop-1 of a path whose block ids, from position 0, are
-    `ids` (at least `stop` of them)."""
+    `ids` (at least `stop` of them); `keyed`: of authenticated values (`block_key`)."""
     assert 0 <= start <= stop <= len(ids) and group_blocks >= 1
-    return [block_key(prefix, ids[p - p % group_blocks], ids[p]) for p in range(start, stop)]
+    return [block_key(prefix, ids[p - p % group_blocks], ids[p], keyed) for p in range(start, stop)]
 
 
 def header_nbytes(id_len: int, codec: str) -> int:

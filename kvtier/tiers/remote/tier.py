@@ -155,7 +155,8 @@ class RemoteTier:
     # ---- inside -------------------------------------------------------------------------
 
     def _keys(self, ids: Sequence[bytes], start: int, stop: int) -> list[bytes]:
-        return path_keys(self.prefix, list(ids), start, stop, self.group_blocks)
+        keyed = self.mac_key is not None  # authenticated values' keys of their own (`entry`)
+        return path_keys(self.prefix, list(ids), start, stop, self.group_blocks, keyed)
 
     def _metas(self, seed: bytes, ids: Sequence[bytes], start: int, count: int) -> list[ValueMeta]:
         fingerprint, nbytes = self.layout.fingerprint, self.layout.block_bytes
