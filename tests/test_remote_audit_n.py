@@ -135,7 +135,7 @@ def tls_config(tls: dict[str, str]) -> dict[str, Any]:
 def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Path]:
     """Two CAs' certificates, and the first's key encrypted with a passphrase."""
     if shutil.which("openssl") is None:
-        pytest.skip("no openssl")
+        pytest.skip(reason="no openssl on PATH: the TLS files are made with it")
     directory = tmp_path_factory.mktemp("tls")
     ours, other = make_certificates(directory / "ours"), make_certificates(directory / "other")
     encrypted = directory / "encrypted.key"

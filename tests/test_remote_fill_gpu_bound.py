@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_remote_audit3 import config, kv_for, node
 
+from kvtier import KVStore
 from kvtier.errors import QuotaError
 
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # `config`'s layout: layers, K/V, tokens, heads, dim, fp16
@@ -29,13 +30,18 @@ def sized(cfg: dict[str, Any], gpu: int, host: int) -> dict[str, Any]:
     return {**cfg, "tiers": tiers}
 
 
+def shared(a: KVStore, tokens: list[int], kv: torch.Tensor) -> None:
+    """`a` stores `tokens`' KV whole and writes it to the cluster (checked)."""
+    assert a.store(tokens, kv).stored_tokens == len(tokens)
+    assert a.drain()
+
+
 def test_a_prefetch_fills_only_what_the_gpu_tier_could_lease(redis_nodes: list[str]) -> None:
     ca = config(redis_nodes)
     tokens = list(range(40_000, 40_256))  # 64 blocks of 4 tokens
     kv = kv_for(tokens, seed=21)
     with node(ca) as a, node(sized(ca, 8, 128)) as b:
-        assert a.store(tokens, kv).stored_tokens == 256
-        assert a.drain()
+        shared(a, tokens, kv)
         lease = b.prefetch(tokens)
         assert lease.num_tokens == 32  # the first 8 blocks: what gpu holds
         got = b.load(tokens[:32])
@@ -55,8 +61,7 @@ def test_a_prefetch_refused_for_its_lease_quota_fills_nothing(redis_nodes: list[
     kv = kv_for(tokens, seed=22)
     cb = {**sized(ca, 64, 128), "tenants": {"default": {"quota": {"leases": 1}}}}
     with node(ca) as a, node(cb) as b:
-        assert a.store(tokens, kv).stored_tokens == 32
-        assert a.drain()
+        shared(a, tokens, kv)
         assert b.store(other, kv_for(other, seed=23)).stored_tokens == 16
         held = b.prefetch(other)  # the one lease the quota allows
         with pytest.raises(QuotaError, match=r"quota\.leases"):
@@ -76,8 +81,7 @@ def test_a_prefetch_fills_only_what_its_gpu_quota_leaves(redis_nodes: list[str])
     kv = kv_for(tokens, seed=24)
     cb = {**sized(ca, 64, 128), "tenants": {"default": {"quota": {"gpu": 12 * BLOCK_BYTES}}}}
     with node(ca) as a, node(cb) as b:
-        assert a.store(tokens, kv).stored_tokens == 256
-        assert a.drain()
+        shared(a, tokens, kv)
         assert b.store(other, kv_for(other, seed=25)).stored_tokens == 16
         held = b.prefetch(other)  # 4 of its 12 gpu blocks held
         lease = b.prefetch(tokens)
@@ -100,8 +104,7 @@ def test_a_prefetch_extending_a_prefix_its_leases_hold_fills_to_its_quota(
     kv = kv_for(tokens, seed=31)
     cb = {**sized(ca, 64, 128), "tenants": {"default": {"quota": {"gpu": 12 * BLOCK_BYTES}}}}
     with node(ca) as a, node(cb) as b:
-        assert a.store(tokens, kv).stored_tokens == 256
-        assert a.drain()
+        shared(a, tokens, kv)
         first = b.prefetch(tokens[:32])  # 8 blocks held on gpu
         assert first.num_tokens == 32
         second = b.prefetch(tokens[:64])  # its own 8 cost nothing more: 4 new fit the 12
@@ -120,8 +123,7 @@ def test_a_prefetch_fills_no_further_than_the_slots_other_leases_leave(
     tokens, other = list(range(52_000, 52_256)), list(range(53_000, 53_016))
     kv = kv_for(tokens, seed=33)
     with node(ca) as a, node(sized(ca, 8, 128)) as b:
-        assert a.store(tokens, kv).stored_tokens == 256
-        assert a.drain()
+        shared(a, tokens, kv)
         assert b.store(other, kv_for(other, seed=34)).stored_tokens == 16
         held = b.prefetch(other)  # 4 of 8 gpu slots leased
         lease = b.prefetch(tokens)  # before: filled 8, then CapacityError
@@ -141,8 +143,7 @@ def test_a_prefetch_releasing_what_its_quota_holds_fills_past_it(
     limit = {"leases": 1} if quota == "leases" else {"gpu": 8 * BLOCK_BYTES}
     cb = {**sized(ca, 64, 128), "tenants": {"default": {"quota": limit}}}
     with node(ca) as a, node(cb) as b:
-        assert a.store(tokens, kv).stored_tokens == 32
-        assert a.drain()
+        shared(a, tokens, kv)
         assert b.store(other, kv_for(other, seed=36)).stored_tokens == 32
         held = b.prefetch(other)  # its one lease; 8 of 8 quota blocks
         lease = b.prefetch(tokens, release=[held.lease_id])  # released before the fill
