@@ -37,19 +37,11 @@ class Persisted(int):
 
 
 def persisted(written: int, state: CacheState) -> Persisted:
-    """`written` with the blocks of the index that have no disk copy now (under the cache's
-    lock, taken here: it is reentrant)."""
-    disk_tier = len(state.pools) - 1
-    left = 0
+    """`written` with the blocks of the index that have no disk copy now (the index's own
+    counts, under the cache's lock, taken here: it is reentrant)."""
     with state.lock:
-        for root in list(state.index.roots()):
-            stack = list(root.children.values()) if root.children else []
-            while stack:
-                node = stack.pop()
-                left += sum(slot is None for slot in node.slots[disk_tier])
-                if node.children:
-                    stack.extend(node.children.values())
-    return Persisted(written, left)
+        index = state.index
+        return Persisted(written, index.num_blocks - index.resident(len(state.pools) - 1))
 
 
 def persist(demoter: Demoter, runner: Runner) -> int:
