@@ -153,6 +153,7 @@ def test_a_prefix_on_the_gpu_tier_is_reused_and_matches_a_cold_run(
         store.check()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_prefix_demoted_to_host_is_reused_and_matches_a_cold_run(
     model: Llama, prompts: tuple[list[int], list[int]]
 ) -> None:

@@ -61,6 +61,7 @@ from kvtier.service.wire import WireError
 MIB = 1 << 20
 KEY_A = "budget-tenant-a-0123456789"
 KEY_B = "budget-tenant-b-0123456789"
+SLOW_ASYNC = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
 
 
 # ---- the budget on its own ------------------------------------------------------------------
@@ -215,7 +216,11 @@ def test_a_client_that_stops_reading_is_cut_off_and_holds_nothing(tmp_path: Path
             assert torch.equal(far.load(tokens).kv, kv)  # the server serves on
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
+@pytest.mark.parametrize(
+    "asynchronous",
+    [False, pytest.param(True, marks=SLOW_ASYNC)],  # the async client's pieces: `pytest -m slow`
+    ids=["Client", "AsyncClient"],
+)
 def test_a_long_prefix_comes_back_in_several_replies(tmp_path: Path, asynchronous: bool) -> None:
     tokens, kv = tokens_of(20_000, 1000), kv_of(1000, seed=4)  # 1,000 KiB, 62 KiB a reply
     config = write_config(tmp_path, gpu_blocks=300, host_blocks=300,
@@ -241,7 +246,11 @@ def test_a_long_prefix_comes_back_in_several_replies(tmp_path: Path, asynchronou
 MSGPACK = {"content-type": "application/msgpack"}
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
+@pytest.mark.parametrize(
+    "asynchronous",
+    [False, pytest.param(True, marks=SLOW_ASYNC)],  # the async client's pieces: `pytest -m slow`
+    ids=["Client", "AsyncClient"],
+)
 def test_a_long_prefix_is_stored_through_the_body_in_pieces(
     tmp_path: Path, asynchronous: bool
 ) -> None:
