@@ -127,10 +127,12 @@ def test_a_stalled_peer_blocks_no_other_and_is_cut_off_mid_length(server: Server
         partial.close()
 
 
-def test_connections_past_the_bound_are_closed_before_the_hello(server: Server) -> None:
-    """With every connection answering a call (here: each call's body not all sent), none
-    can make room: one more is closed before the hello. (Idle ones make room: see
-    `test_lane_bounds.py`.)"""
+def test_connections_mid_body_at_the_bound_make_room_before_the_hello(server: Server) -> None:
+    """Every connection holding a call whose body is not all sent (waiting on its peer, not
+    answered): one more still gets its hello, the one idle longest (mid-body) closed to make
+    room, and a client stays on the lane (auditor U: before, every new connection was closed
+    before its hello; `test_service_audit_u.py`). Idle ones make room too: see
+    `test_lane_bounds.py`."""
     name = lane_of(server)
     held: list[socket.socket] = []
     body = msgpack.packb({"tokens": bytes(4 << 15)}, use_bin_type=True)  # 128 KiB
@@ -138,17 +140,15 @@ def test_connections_past_the_bound_are_closed_before_the_hello(server: Server) 
     try:
         for _ in range(MAX_CONNECTIONS):
             held.append(opened(name))
-        for sock in held:  # admitted on its head, its body awaited: answering a call
+        for sock in held:  # admitted on its head, its body awaited: idle, waiting on its peer
             sock.sendall(struct.pack("<I", len(payload)) + payload[: len(payload) // 2 + 4096])
         time.sleep(TIMEOUT_S / 3)  # their threads read the heads (each body has TIMEOUT_S)
-        extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        extra.settimeout(10)
-        extra.connect("\0" + name)
-        assert closed_by_server(extra)  # no hello: its client stays on HTTP
-        extra.close()
+        opened(name, timeout_s=10).close()  # its hello: room was made
+        held[0].settimeout(10)
+        assert closed_by_server(held[0])  # the one idle longest, its body never finished
         with Client(server.url, api_key=KEY_A) as client:
-            assert client.lookup(tokens_of(1, 8)).num_tokens == 0  # over HTTP
-            assert client._lane is not None and client._lane.dead and client._lane.calls == 0
+            assert client.lookup(tokens_of(1, 8)).num_tokens == 0
+            assert client._lane is not None and not client._lane.dead and client._lane.calls == 1
     finally:
         for sock in held:
             sock.close()

@@ -303,19 +303,20 @@ def test_an_id_and_a_token_together_are_refused(server: Server) -> None:
 
 def test_the_grant_table_is_bounded_per_tenant_and_kind() -> None:
     grants = Grants()
+    ab = ("a", "b")  # the configured tenants
     tokens = [f"{i:016x}" for i in range(MAX_PER_TENANT + 10)]
     for i, token in enumerate(tokens):
-        assert grants.grant("lease", "a", token, i)
-    grants.grant("reservation", "a", tokens[0], 7)
+        assert grants.grant("lease", "a", token, i, ab)
+    grants.grant("reservation", "a", tokens[0], 7, ab)
     grants.check()
     assert grants.size("lease", "a") == MAX_PER_TENANT
-    assert grants.withdraw("lease", "a", tokens[0]) is None  # the oldest: dropped
-    assert grants.withdraw("lease", "a", tokens[-1]) == len(tokens) - 1
-    assert grants.withdraw("lease", "b", tokens[-2]) is None  # another tenant's: not found
-    assert grants.withdraw("lease", "a", tokens[-2]) == len(tokens) - 2
-    assert grants.withdraw("reservation", "a", tokens[0]) == 7
+    assert grants.withdraw("lease", "a", tokens[0], ab) is None  # the oldest: dropped
+    assert grants.withdraw("lease", "a", tokens[-1], ab) == len(tokens) - 1
+    assert grants.withdraw("lease", "b", tokens[-2], ab) is None  # another tenant's: not found
+    assert grants.withdraw("lease", "a", tokens[-2], ab) == len(tokens) - 2
+    assert grants.withdraw("reservation", "a", tokens[0], ab) == 7
     # a withdrawn token is remembered (bounded too): its late request is granted nothing
-    assert not grants.grant("lease", "b", tokens[-2], 1)
+    assert not grants.grant("lease", "b", tokens[-2], 1, ab)
     grants.check()
     assert grants.size("lease", "a") <= MAX_PER_TENANT
 
@@ -323,11 +324,11 @@ def test_the_grant_table_is_bounded_per_tenant_and_kind() -> None:
 def test_check_finds_a_broken_table() -> None:
     grants = Grants(bound=2)
     for token in ("00000000000000a1", "00000000000000a2", "00000000000000a3"):
-        grants.grant("lease", "t", token, 1)
+        grants.grant("lease", "t", token, 1, ("t",))
     grants.check()
     assert grants.size("lease", "t") == 2
     broken = Grants(bound=2)
-    broken.grant("lease", "t", "not-a-token", 1)
+    broken.grant("lease", "t", "not-a-token", 1, ("t",))
     with pytest.raises(KVTierError, match="malformed token"):
         broken.check()
 

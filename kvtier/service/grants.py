@@ -7,15 +7,19 @@ cancelled, the client closed) the server has created a lease or reservation whos
 client never learned: it held its slots to its ttl. With the token the client gives it back
 all the same: `/v1/release {request}` or `/v1/abort {request}` (`plane.py`).
 
-    grant(kind, tenant, token, id) -> bool   remember id for the token; False: the token was
+    grant(kind, tenant, token, id, tenants)  remember id for the token; False: the token was
                                              withdrawn first (its give-back came before its
                                              request was done), so the caller ends what it
                                              made at once
-    withdraw(kind, tenant, token) -> id|None the id granted, forgotten; None: nothing granted
-                                             (yet): the token is remembered as withdrawn, so a
-                                             request carrying it that arrives later grants
+    withdraw(kind, tenant, token, tenants)   the id granted, forgotten; None: nothing granted
+      -> id | None                           (yet): the token is remembered as withdrawn, so
+                                             a request carrying it that arrives later grants
                                              nothing that outlives it
     check()                                  the invariants; `KVTierError` if one fails
+
+`tenants` is the configured ones (`store.namespaces.seeds`): a `tenant` not among them is an
+`UnknownTenantError` (403 `unknown_tenant`, as any call of an unconfigured tenant), and nothing is
+created for it.
 
 Contract and invariants:
 - `kind` is "lease" or "reservation"; the two never share an entry.
@@ -23,7 +27,8 @@ Contract and invariants:
   not found (a withdrawal records a tombstone in the caller's table, acting on nothing else).
 - Bounded: at most `MAX_PER_TENANT` entries (grants and tombstones together) per (kind,
   tenant); past it the oldest is dropped (its lease or reservation then ends at its ttl, as
-  before tokens). Tenants are the configured ones, so the whole table is bounded too.
+  before tokens). A table is made only for a tenant among `tenants`, checked before it is made,
+  so the whole table is bounded too: by the configured tenants, never by the names callers send.
 - A token names one id: a second grant of the same token (a prefetch tried again after a
   FAILED lease) replaces the first.
 - Thread-safe (the HTTP routes' worker threads and the lane's threads share one table).
@@ -33,8 +38,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 
-from kvtier.errors import KVTierError, shown
+from kvtier.errors import KVTierError, UnknownTenantError, shown
 from kvtier.service import wire
 
 MAX_PER_TENANT = 4096
@@ -51,9 +57,13 @@ class Grants:
         self._lock = threading.Lock()
         self._tables: dict[tuple[str, str], OrderedDict[str, int]] = {}
 
-    def _table(self, kind: str, tenant: str) -> OrderedDict[str, int]:
+    def _table(self, kind: str, tenant: str, tenants: Collection[str]) -> OrderedDict[str, int]:
         if kind not in KINDS:
             raise ValueError(f"kind: got {shown(kind)}, expected one of {KINDS}")
+        if tenant not in tenants:  # before a table is made: never one per name a caller sends
+            raise UnknownTenantError(
+                f"tenant {shown(tenant)}: unknown, expected one of {sorted(tenants)}"
+            )
         return self._tables.setdefault((kind, tenant), OrderedDict())
 
     def _put(self, table: OrderedDict[str, int], token: str, value: int) -> None:
@@ -62,9 +72,11 @@ class Grants:
         while len(table) > self.bound:
             table.popitem(last=False)
 
-    def grant(self, kind: str, tenant: str, token: str, granted: int) -> bool:
+    def grant(
+        self, kind: str, tenant: str, token: str, granted: int, tenants: Collection[str]
+    ) -> bool:
         with self._lock:
-            table = self._table(kind, tenant)
+            table = self._table(kind, tenant, tenants)
             held = table.get(token)
             if held == WITHDRAWN:
                 del table[token]
@@ -72,9 +84,9 @@ class Grants:
             self._put(table, token, granted)
             return True
 
-    def withdraw(self, kind: str, tenant: str, token: str) -> int | None:
+    def withdraw(self, kind: str, tenant: str, token: str, tenants: Collection[str]) -> int | None:
         with self._lock:
-            table = self._table(kind, tenant)
+            table = self._table(kind, tenant, tenants)
             held = table.pop(token, None)
             if held is None or held == WITHDRAWN:
                 self._put(table, token, WITHDRAWN)

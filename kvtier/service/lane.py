@@ -42,24 +42,27 @@ lane does not carry (404), a key refused (401, 403), a body past `max_body_bytes
 answered before another byte is read. A longer frame's body is then held in
 `service.max_inflight_bytes` as HTTP holds a `Content-Length` (`budget.py`, on the event loop
 the lane started on: waits for room, 503 busy past `body_timeout_s`), read, and given back once
-answered. So a peer without a key holds at most `HEAD_BYTES` a connection, and a tenant no
-more than its share. The rest of a frame refused before it was read is read and dropped (in
-`HEAD_BYTES` of memory) after the refusal is sent: the connection goes on. (A frame of at most
-`HEAD_BYTES`, as a lookup of up to some 16,000 tokens is, is not charged: 16 MiB at most over
-`MAX_CONNECTIONS`, as HTTP's headers are not; a charged one costs a hop to the event loop,
-some 0.06 ms.)
+answered (or once its connection is ended mid-body). So a peer without a key holds at most
+`HEAD_BYTES` a connection, and a tenant no more than its share. The rest of a frame refused
+before it was read is read and dropped (in `HEAD_BYTES` of memory) after the refusal is sent:
+the connection goes on. (A frame of at most `HEAD_BYTES`, as a lookup of up to some 16,000
+tokens is, is not charged: 16 MiB at most over `MAX_CONNECTIONS`, as HTTP's headers are not; a
+charged one costs a hop to the event loop, some 0.06 ms.)
 
 Time and room: a frame has `service.body_timeout_s` from its first byte to its head's end, and
 as long again from its admission (past any wait for room) to its end, or to the end of the
 dropped rest; a reply its client does not take within that long closes the connection. A
 connection opens to send a call: one without a frame within `min(body_timeout_s,
 FIRST_FRAME_S)` of its hello is closed, and one idle for `IDLE_S` between calls. At
-`MAX_CONNECTIONS`, a new connection makes room: the one idle longest (since its hello, its last
-reply or its frame's first byte; not one answering a call, from its admission to its reply) is
-closed, before the new one's hello, so peers that
-hold connections without calls cannot push other clients off the lane (a client finds its idle
-connection closed and opens another). Only with every connection answering a call (or its
-hello) is a new one closed before the hello (its client stays on HTTP).
+`MAX_CONNECTIONS`, a new connection makes room: the one idle longest is closed, before the new
+one's hello. Idle: since its hello, its last reply, or its frame's first byte while that frame
+is still read (its head, its body, or the body's wait for room in the budget, which is then
+cancelled and its hold given back: `lane_state.py`); answering, never closed for room: its
+hello, and a call from its frame read whole and admitted (or refused) to its reply. So peers
+that hold connections without calls, or with frames they never finish, cannot push other
+clients off the lane (a client finds its idle connection closed and opens another). Only with
+every connection answering a call (or its hello) is a new one closed before the hello (its
+client stays on HTTP).
 
 Goodbye: a connection ended between calls (for room, idle past `IDLE_S` or its first frame's
 bound, or by `stop`) gets `frames.GOODBYE`, written without waiting (`frames.say_goodbye`;
@@ -72,10 +75,11 @@ nothing more. And a reply is always written before a goodbye: a thread writes on
 connection is marked answering, the ender only once it is not. So a client that reads the
 goodbye where it expected a reply sends the call again (`kvtier/client/lane.py`): a call that
 crossed the close is not lost to a `TransportError`. A frame begun when its connection is ended
-for room is not answered either (it has not been admitted). Ending one answering a call, or one
-too slow mid-frame, writes no goodbye. `stop` (SIGTERM) ends the idle ones at once and each
-one answering a call once its reply is sent (as HTTP finishes the requests in progress); only
-one still answering after `STOP_S` is cut.
+(for room, or by `stop`), its body read or not, is not answered either (it was not read whole).
+Ending one answering a call, or one too slow mid-frame, writes no goodbye. `stop` (SIGTERM) ends
+the idle ones (a frame still read among them) at once and each one answering a call once its
+reply is sent (as HTTP finishes the requests in progress); only one still answering after
+`STOP_S` is cut.
 
 Hostile input: a frame longer than `frame_limit(config)` (the tokens `service.max_tokens`
 allows, and 1 MiB of fields) closes the connection before its body is read; one slower than
@@ -102,7 +106,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
 from kvtier.service import frames, wire
 from kvtier.service.admission import Service, tenant_of_key
-from kvtier.service.budget import Hold
+from kvtier.service.lane_state import Connection, LaneCall
 from kvtier.service.plane import Handler
 
 log = logging.getLogger("kvtier.service")
@@ -129,7 +133,7 @@ class Lane:
         self.max_tokens = service.config.service.max_tokens
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._open: dict[socket.socket, _Connection] = {}
+        self._open: dict[socket.socket, Connection] = {}
         self._lock = threading.Lock()
         self._stopping = False
 
@@ -163,7 +167,7 @@ class Lane:
             open_now = list(self._open.items())
             for conn, state in open_now:
                 if not state.answering:  # idle: its client may send its call again
-                    del self._open[conn]
+                    self._end(conn)
                     frames.say_goodbye(conn)
         deadline = time.monotonic() + STOP_S
         for _, state in open_now:
@@ -196,7 +200,7 @@ class Lane:
                     frames.say_goodbye(idlest)  # its thread sees the end and goes
                 taken = len(self._open) < MAX_CONNECTIONS and self._listener is not None
                 if taken:
-                    state = _Connection(threading.Thread(
+                    state = Connection(threading.Thread(
                         target=self._serve, args=(conn,), name="kvtier-lane-conn", daemon=True
                     ))  # fmt: skip
                     self._open[conn] = state
@@ -214,8 +218,13 @@ class Lane:
         if not idle:
             return None
         conn = min(idle)[2]
-        del self._open[conn]
+        self._end(conn)
         return conn
+
+    def _end(self, conn: socket.socket) -> None:
+        """Take idle `conn` off the open ones (under the lock), its wait for room cancelled;
+        the caller ends it (`GOODBYE`), which wakes its thread from a read of a frame."""
+        self._open.pop(conn).end()
 
     def _mark(self, conn: socket.socket, answering: bool) -> bool:
         """Mark `conn` answering a call (not to be ended for room), or idle again from now (a
@@ -227,7 +236,7 @@ class Lane:
             if state is None:
                 return False
             if self._stopping and not answering:  # its reply sent (or none begun): ended
-                del self._open[conn]
+                self._end(conn)
                 frames.say_goodbye(conn)
                 return False
             state.answering = answering
@@ -259,7 +268,7 @@ class Lane:
                 if length > self.limit:
                     return  # its body is not read: the connection is done
                 head = frames.read_exactly(conn, min(length, frames.HEAD_BYTES), deadline)
-                call = _Call(conn, length, head)
+                call = LaneCall(conn, length, head)
                 try:
                     reply = frames.frame(list(self.answer(call)))
                 finally:
@@ -287,7 +296,7 @@ class Lane:
             if self._open.pop(conn, None) is not None:
                 frames.say_goodbye(conn)
 
-    def answer(self, call: _Call) -> tuple[int, bytes]:
+    def answer(self, call: LaneCall) -> tuple[int, bytes]:
         """The status and body bytes of one request frame (module doc): its head admitted
         first, then its body charged to the budget and read (`call.unread` left on a
         refusal)."""
@@ -311,13 +320,13 @@ class Lane:
                     f"body of {head.body_length} bytes, more than "
                     f"service.max_body_bytes={self.max_body}",
                 )  # fmt: skip
-            try:
-                if not self._mark(call.conn, True):
-                    raise ConnectionResetError("ended for room")
-                call.answering = True
+            try:  # waiting on room or on its peer for the body: idle (`_make_room` may end it)
                 if call.unread:
                     self._charge(call, tenant, head.body_length)
                     call.read_rest(time.monotonic() + self.timeout_s)
+                if not self._mark(call.conn, True):
+                    raise ConnectionResetError("ended for room")
+                call.answering = True
             except OSError as exc:  # the connection, not the call: nothing to answer
                 raise Gone(str(exc)) from None
             body = cast(bytes, memoryview(call.head)[head.body_at :])  # read in place (`flat`)
@@ -337,21 +346,30 @@ class Lane:
             self.service.metrics.observe(head.path, time.perf_counter() - started)
             self.service.metrics.lane_requests.inc()
 
-    def _charge(self, call: _Call, tenant: str, nbytes: int) -> None:
+    def _charge(self, call: LaneCall, tenant: str, nbytes: int) -> None:
         """Hold the body's `nbytes` in `service.budget` before it is read, as HTTP holds a
         `Content-Length` (`budget.py`: waits for room, 503 busy past `body_timeout_s`)."""
         loop = self._loop
         assert loop is not None, "the lane charges its budget on the loop it started on"
+        with self._lock:
+            state = self._open.get(call.conn)
+        if state is None:
+            raise ConnectionResetError("ended before it waited for room")
         call.hold = self.service.budget.hold(tenant, self.service.auth.enabled)
-        deadline = time.monotonic() + self.timeout_s
-        taking = call.hold.take(nbytes, deadline)
+        taking = call.take(state, nbytes, time.monotonic() + self.timeout_s)
         try:
             taken = asyncio.run_coroutine_threadsafe(taking, loop)
         except RuntimeError:  # the loop is closed: the server is stopping
             taking.close()
             raise ConnectionAbortedError("the server is stopping") from None
         try:
+            with self._lock:  # `end` cancels it from now, or it was ended already
+                state.taking = taken
+                if state.ended:
+                    taken.cancel()
             taken.result(self.timeout_s + STOP_S)
+        except concurrent.futures.CancelledError:  # by `_make_room` or `stop`: ended
+            raise ConnectionResetError("ended while it waited for room") from None
         except concurrent.futures.TimeoutError:  # the loop is stopping: nothing will answer
             taken.cancel()
             raise ConnectionAbortedError("the event loop did not answer") from None
@@ -359,41 +377,6 @@ class Lane:
 
 class Gone(Exception):
     """The connection ended (or was ended for room, or the loop stopped) mid-call."""
-
-
-class _Connection:
-    """An open connection's thread; `answering` while its hello, or a call from its admission
-    (or its refusal) to its reply, is sent, else idle `since` (its hello, last reply or the
-    first byte of the frame it sends): the ones `_make_room` and `stop` end with `GOODBYE`."""
-
-    def __init__(self, thread: threading.Thread) -> None:  # answering its hello at first
-        self.thread, self.since, self.answering = thread, time.monotonic(), True
-
-
-class _Call:
-    """One request frame: its `head` (its first bytes, `frames.HEAD_BYTES` at most) in memory,
-    `unread` bytes of it still in `conn`, and its `hold` in the budget once charged."""
-
-    def __init__(self, conn: socket.socket, length: int, head: bytes) -> None:
-        self.conn, self.length = conn, length
-        self.head: bytes | bytearray = head
-        self.unread = length - len(head)
-        self.hold: Hold | None = None
-        self.answering = False  # its connection marked answering (admitted)
-
-    def read_rest(self, deadline: float) -> None:
-        """The rest of the frame, read after the head (`head`: the whole frame then)."""
-        whole = bytearray(self.length)
-        whole[: len(self.head)] = self.head
-        frames.read_into(self.conn, memoryview(whole)[len(self.head) :], deadline)
-        self.head, self.unread = whole, 0
-
-    def release(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        """Give back the hold (on the loop: the budget is the loop's) once answered."""
-        hold, self.hold = self.hold, None
-        if hold is not None and loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the budget with it
-                loop.call_soon_threadsafe(hold.release)
 
 
 def _refusal(status: int, kind: str, detail: str) -> tuple[int, bytes]:

@@ -9,6 +9,10 @@ coroutine that awaits its lease without holding a thread (`sync_handlers` gives 
 blocking twin), and HTTP's `load`, which holds its reply's bytes in the budget first (the lane
 carries no load).
 
+A give-back by `request` token (`release`, `abort`) of a tenant the config does not list is
+refused as a lookup of it is (`UnknownTenantError`: 403 `unknown_tenant`) before anything is
+remembered for the name: the grants table holds the configured tenants only (`grants.py`).
+
 Every reply that names slots (a lease: prefetch, `/v1/leases`; a reservation) carries the
 server's `instance` (`admission.Service`), so a client never reads or writes the pools it mapped
 from another server process for them (`client/pools.py`).
@@ -57,7 +61,7 @@ class Plane:
                 functools.partial(store.prefetch, as_load=as_load),
                 tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done,
             )  # fmt: skip
-            if not self._grant(tenant, token, lease):  # a lock and a dict: no thread hop
+            if not self._grant(store, tenant, token, lease):  # a lock and a dict: no thread hop
                 await run_in_threadpool(self._withdrawn, store, token, lease)
             done = []
             left = deadline - time.monotonic()
@@ -76,7 +80,7 @@ class Plane:
             lease = store.prefetch(
                 tokens, tenant=tenant, ttl_s=ttl, wait=False, release=done, as_load=as_load
             )
-            if not self._grant(tenant, token, lease):
+            if not self._grant(store, tenant, token, lease):
                 self._withdrawn(store, token, lease)
             done = []
             left = deadline - time.monotonic()
@@ -111,9 +115,10 @@ class Plane:
         token, as_load = wire.request_field(data), wire.bool_field(data, "as_load")
         return tokens, ttl, deadline, wire.release_field(data), token, as_load
 
-    def _grant(self, tenant: str, token: str | None, lease: Lease) -> bool:
+    def _grant(self, store: KVStore, tenant: str, token: str | None, lease: Lease) -> bool:
         """Remember `lease` under `token`; False: the token was withdrawn first."""
-        return token is None or self.grants.grant("lease", tenant, token, lease.lease_id)
+        seeds = store.namespaces.seeds
+        return token is None or self.grants.grant("lease", tenant, token, lease.lease_id, seeds)
 
     @staticmethod
     def _withdrawn(store: KVStore, token: str | None, lease: Lease) -> None:
@@ -128,7 +133,7 @@ class Plane:
             lease = store.lease(wire.int_field(data, "lease_id"), tenant=tenant)
             store.release(lease)
             return {}
-        lease_id = self.grants.withdraw("lease", tenant, token)
+        lease_id = self.grants.withdraw("lease", tenant, token, store.namespaces.seeds)
         if lease_id is not None:
             with contextlib.suppress(LeaseError):  # ended already: nothing left to give back
                 store.release(store.lease(lease_id, tenant=tenant))
@@ -171,7 +176,8 @@ class Plane:
         token = wire.request_field(data)
         reservation = store.reserve(tokens, tenant=tenant, ttl_s=ttl, release=done)
         rid = reservation.reservation_id
-        if token is not None and not self.grants.grant("reservation", tenant, token, rid):
+        seeds = store.namespaces.seeds
+        if token is not None and not self.grants.grant("reservation", tenant, token, rid, seeds):
             with contextlib.suppress(LeaseError):
                 store.abort(rid)
             raise LeaseError(f"request {token}: given back before its reservation was granted")
@@ -194,7 +200,7 @@ class Plane:
             store.reservation(rid, tenant=tenant)
             store.abort(rid)
             return {}
-        granted = self.grants.withdraw("reservation", tenant, token)
+        granted = self.grants.withdraw("reservation", tenant, token, store.namespaces.seeds)
         if granted is not None:
             with contextlib.suppress(LeaseError):  # committed or ended already
                 store.reservation(granted, tenant=tenant)
