@@ -233,6 +233,9 @@ def encode_tokens(tokens: Tokens) -> bytes:
     if isinstance(tokens, (list, tuple)):
         return _encode_sequence(tokens)
     if isinstance(tokens, torch.Tensor):
+        if tokens.is_nested or tokens.is_meta or tokens.layout != torch.strided:
+            form = f"{'nested' if tokens.is_nested else tokens.layout} tensor on {tokens.device}"
+            raise InvalidTokensError(f"tokens: got a {form}, expected a dense tensor with data")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InvalidTokensError(f"tokens: got a tensor of {tokens.dtype}, expected integers")
         if tokens.ndim != 1:
@@ -240,9 +243,7 @@ def encode_tokens(tokens: Tokens) -> bytes:
                 f"tokens: got a tensor of shape {tuple(tokens.shape)}, expected a 1-D tensor"
             )
         # an integer tensor never requires grad, so a CPU one goes to NumPy without a copy
-        return _encode_array(
-            tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy()
-        )
+        return _encode_array(tokens.cpu().numpy())
     if isinstance(tokens, np.ndarray):
         return _encode_array(tokens)
     raise InvalidTokensError(

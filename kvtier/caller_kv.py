@@ -21,24 +21,25 @@ Contract:
 - `kv_layout(name)` is the name if it is one of `LAYOUTS`, else `InvalidArgumentError`.
 - `check_kv_as(layout, kv, kind, num_tokens)`: the KV of `num_tokens` tokens in `kind`, else
   `InvalidKVError` naming what was expected: a dense tensor in CPU or CUDA memory
-  (`check_memory`: a "meta" or sparse tensor, which no copy can read, is refused before a slot
-  is taken); "layers" exactly as `blocks.check_kv`; "blocks" one page per block, a last partly
-  filled page allowed (its tokens are not stored).
-- `check_out(layout, out, kind, num_tokens, device)`: a destination for the cached prefix of a
-  prompt of `num_tokens` tokens: a tensor of the layout's dtype in `kind`'s shape with room for
-  every full block of the prompt (more tokens or pages are left as they are), on `device` when
-  one is named, in memory the store can copy into (`check_memory`) and write in place
+  (`check_memory`: a "meta", sparse or nested tensor, which no copy can read, is refused before
+  a slot is taken); "layers" exactly as `blocks.check_kv`; "blocks" one page per block, a last
+  partly filled page allowed (its tokens are not stored).
+- `check_out(layout, out, kind, num_tokens, device, pools)`: a destination for the cached
+  prefix of a prompt of `num_tokens` tokens: a tensor of the layout's dtype in `kind`'s shape
+  with room for every full block of the prompt (more tokens or pages are left as they are), on
+  `device` when one is named, in memory the store can copy into (`check_memory`) and write in place
   (`check_writable`: no grad, no inference tensor outside inference mode, no elements that
-  share memory); else `InvalidKVError` / `InvalidArgumentError`, before anything is read or
-  written. A store's `kv` is only read: an `expand()`ed one is fine.
+  share memory), and apart from the store's own pools (`check_apart`: a view of a pool's
+  buffer is refused); else `InvalidKVError` / `InvalidArgumentError`, before anything is read
+  or written. A store's `kv` is only read: an `expand()`ed one is fine.
 - `blocks_view(kv, kind, block_tokens, count)` is a `[count, *block_shape]` view of the first
   `count` blocks of `kv`: writes into it land in `kv`.
 - `prefix_of(out, kind, count, block_tokens)` is the part of `out` that holds `count` blocks.
 - `new_kv(layout, kind, count, device)` is an uninitialized tensor of `count` blocks in `kind`.
 - `store_blocks(layout, key, kv, start, kind)`: a store's KV checked (`check_start`,
   `check_kv_as`): the first block it holds and its full blocks as a view.
-- `Destination.of(layout, kind, asked, out, device, default)`: where one load writes, `out`
-  checked first. `blocks(count)` is asked once, when the prefix's length is known: a view of
+- `Destination.of(layout, kind, asked, out, device, default, pools)`: where one load writes,
+  `out` checked first. `blocks(count)` is asked once, when the prefix's length is known: a view of
   `out`, or of a tensor made then on `device` (else `default`; no allocation before the count,
   none when `out` is given). `result(count)` is what the load returns, the part holding the
   first `count` blocks (fewer than asked when a disk copy failed verification on the way;
@@ -47,6 +48,8 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -92,14 +95,15 @@ COPYABLE = ("cpu", "cuda")
 
 def check_memory(tensor: object, name: str) -> None:
     """`InvalidKVError` for a tensor whose memory the store cannot copy (another device than
-    `COPYABLE`, e.g. "meta", which has no data; a sparse or other non-strided layout), named
-    `name`; anything else is left to the type, dtype and shape checks."""
+    `COPYABLE`, e.g. "meta", which has no data; a sparse or other non-strided layout; a nested
+    tensor), named `name`; anything else is left to the type, dtype and shape checks."""
     if not isinstance(tensor, torch.Tensor):
         return
-    if tensor.device.type not in COPYABLE or tensor.layout != torch.strided:
+    if tensor.device.type not in COPYABLE or tensor.layout != torch.strided or tensor.is_nested:
+        form = "a nested tensor" if tensor.is_nested else "a tensor"
         raise InvalidKVError(
-            f"{name}: got a tensor on device {str(tensor.device)!r} in layout "
-            f"{tensor.layout}, expected a strided (dense) tensor in 'cpu' or 'cuda' memory"
+            f"{name}: got {form} on device {str(tensor.device)!r} in layout {tensor.layout}, "
+            "expected a strided (dense) tensor in 'cpu' or 'cuda' memory"
         )
 
 
@@ -109,9 +113,10 @@ def check_out(
     kind: KVKind,
     num_tokens: int,
     device: torch.device | None,
+    pools: Mapping[str, torch.Tensor] = MappingProxyType({}),
 ) -> torch.Tensor:
-    """`out` checked as a destination for the cached prefix of `num_tokens` tokens (module
-    doc)."""
+    """`out` checked as a destination for the cached prefix of `num_tokens` tokens, apart from
+    the buffers of `pools` (a tier name -> its pool's buffer; module doc)."""
     if not isinstance(out, torch.Tensor):
         raise InvalidKVError(f"out: got {type(out).__name__}, expected a torch.Tensor")
     check_memory(out, "out")
@@ -136,6 +141,7 @@ def check_out(
             f"the {full} full blocks of {num_tokens} tokens)"
         )
     check_writable(out, "out")
+    check_apart(out, "out", pools)
     return out
 
 
@@ -173,6 +179,25 @@ def check_writable(tensor: torch.Tensor, name: str) -> None:
                 "view); expected a tensor with memory of its own for each element (clone() it)"
             )
         reach += (size - 1) * stride
+
+
+def check_apart(tensor: torch.Tensor, name: str, pools: Mapping[str, torch.Tensor]) -> None:
+    """`InvalidArgumentError` naming `name` when `tensor` may write into one of `pools`: the
+    bytes from its first element to its last (strides are never negative) meet the buffer's
+    on the same device. A view of a tier's own pool is such a tensor: a load into it would
+    overwrite the cached blocks of other prompts behind the index's back."""
+    if tensor.numel() == 0:
+        return
+    reach = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
+    first = tensor.data_ptr()
+    end = first + (reach + 1) * tensor.element_size()
+    for tier, buffer in pools.items():
+        start = buffer.data_ptr()
+        if buffer.device == tensor.device and start < end and first < start + buffer.nbytes:
+            raise InvalidArgumentError(
+                f"{name}: got a tensor whose memory overlaps the {tier!r} tier's pool of this "
+                "store (slots that hold cached blocks); expected memory of the caller's own"
+            )
 
 
 def store_blocks(
@@ -229,13 +254,15 @@ class Destination:
         out: object,
         device: torch.device | None,
         default: torch.device,
+        pools: Mapping[str, torch.Tensor] = MappingProxyType({}),
     ) -> Destination:
         """A load's destination for a prompt of `asked` tokens: `out` checked against the
-        layout and `device` (`check_out`), or a tensor made on `device` (else `default`) once
-        the count is known."""
+        layout, `device` and the store's `pools` (`check_out`), or a tensor made on `device`
+        (else `default`) once the count is known."""
         if out is None:
             return Destination(layout, kind, device or default)
-        return Destination(layout, kind, default, check_out(layout, out, kind, asked, device))
+        checked = check_out(layout, out, kind, asked, device, pools)
+        return Destination(layout, kind, default, checked)
 
     def blocks(self, count: int) -> torch.Tensor:
         """A `[count, *block_shape]` view to copy the prefix's blocks into."""

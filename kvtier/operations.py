@@ -4,8 +4,9 @@ leases and reservations up by id; and the remote tier's fill before a prefetch o
 `Operations` works on a store's `Parts` (`assembly.py`) under the cache's lock; `KVStore`
 forwards its operator methods here, so that the store class itself is the engine contract.
 It also owns the store's life: `close()` ends it, and every later call of either raises
-`ClosedError` (`ensure_open`). `expire()` ends the leases and reservations past their expiry,
-which every call does first.
+`ClosedError` (`ensure_open`), as does every call in another process than the one that built
+it (the lock is a `home.HomeLock`). `expire()` ends the leases and reservations past their
+expiry, which every call does first.
 
 `check()` verifies DESIGN invariants 2-5 across the parts: the index's own (`RadixIndex.check`),
 the mover's and the reservation table's, each pool's, and that a pool's used slots are exactly
@@ -22,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.arguments import check_tenant, check_timeout
 from kvtier.assembly import Parts
 from kvtier.blocks import BlockId
 from kvtier.errors import (
@@ -32,6 +34,7 @@ from kvtier.errors import (
     StorageError,
     shown,
 )
+from kvtier.home import HomeLock
 from kvtier.index import BlockRef, LeaseId
 from kvtier.index.node import Node
 from kvtier.results import Lease, LookupResult, Reservation
@@ -40,25 +43,18 @@ from kvtier.tiers.base import DISK, GPU
 from kvtier.transfer.persist import persist
 
 
-def check_tenant(tenant: object) -> None:
-    """`InvalidArgumentError` naming `tenant` unless it is a str (a tenant id: whether it is
-    one the config lists is `tenancy.Namespaces.seed`'s check)."""
-    if type(tenant) is not str:
-        raise InvalidArgumentError(
-            f"tenant: got {shown(tenant)} ({type(tenant).__name__}), expected a tenant id (str)"
-        )
-
-
 class Operations:
     def __init__(self, parts: Parts) -> None:
         self.parts = parts
-        self.lock = parts.state.lock
+        self.lock = HomeLock(parts.state.lock)  # this process's only (`home.py`)
         self.mover = parts.mover
         self.closed = False
         # one table per tenant, counted in calls and when background writes land alike
         parts.state.tenant_ops.update((t, c.ops) for t, c in parts.tenant_counters.items())
 
     def ensure_open(self) -> None:
+        """`ClosedError` once the store is closed, or in another process than its own."""
+        self.lock.ensure_home()
         if self.closed:
             raise ClosedError("the store is closed")
 
@@ -222,7 +218,7 @@ class Operations:
         return most
 
     def drain(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + check_timeout("timeout_s", timeout_s)
         with self.lock:
             self.ensure_open()
             while True:

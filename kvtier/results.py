@@ -207,6 +207,12 @@ class Lease:
         why = f": {self._reason}" if self._reason else ""
         raise LeaseError(f"lease {self.lease_id} is {self._state.value}{why}")
 
+    def made_by(self, canceller: Callable[[Lease], None]) -> bool:
+        """Whether this lease cancels through `canceller`: given a store's `cancel`, whether
+        that store made it (bound methods are equal only on the same store), so that a reader
+        of one store's pages (`PagedAttention`) tells another store's lease apart."""
+        return self._canceller is not None and self._canceller == canceller
+
     def cancel(self) -> None:
         """Cancel through the store that made this lease (`KVStore.cancel`)."""
         if self._canceller is None:

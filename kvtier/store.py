@@ -23,6 +23,8 @@ Contract:
   watermark demotion and disk writes happen behind the caller, and `store()` never waits on
   the disk (what cannot be placed is dropped and counted). With `background: false` every copy
   runs in the calling thread and every call returns with its copies done.
+- Per process (`home.py`): in another than the one that built it (a forked child), every call
+  raises `ClosedError` before it reads or writes anything; build one store per process.
 - Thread-safe: one lock serialises calls; copies run outside it. Leases expire after
   `policy.lease_ttl_s` seconds of the store's clock; no call may ask for more than
   `policy.max_ttl_s`.
@@ -47,10 +49,11 @@ from typing import Any
 
 import torch
 
+from kvtier.arguments import check_flags, check_store_args, ttl_of
 from kvtier.assembly import Parts
 from kvtier.blocks import TOKEN_NBYTES, Tokens, check_device, check_start, encode_tokens
-from kvtier.caller_kv import Destination, kv_layout, store_blocks
-from kvtier.config import KVTierConfig, PolicyConfig, load_config
+from kvtier.caller_kv import Destination, KVKind, kv_layout, store_blocks
+from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import InvalidArgumentError, LeaseError, shown
 from kvtier.index import LeaseId
 from kvtier.operations import Operations
@@ -73,12 +76,13 @@ class KVStore:
         executor: Executor | None = None,
         shared_memory: str | None = None,
     ) -> None:
-        """Build the pools and the index of `config` (the embedded default when None), by
-        `assembly.Parts`, whose public names are this store's too. `secret` keys the tenant
-        salts unless `tiers.remote.secret` does (b"" if none: such stores share them, in a
-        cluster too); `clock` drives leases; `executor` runs background copies (`mover.background`;
-        closed with the store). `shared_memory`: a name base, the host and a CPU gpu pool then in
-        /dev/shm/<base>-<pid>-<random>-<tier> (0600). A failed construction closes its tiers."""
+        """Build the pools and index of `config` (None: the embedded default) by `assembly.Parts`,
+        whose public names are this store's too; a failed construction closes its tiers. `secret`
+        keys the tenant salts unless `tiers.remote.secret` does (b"" if none: such stores share
+        them, in a cluster too); `clock` drives leases; `executor` runs background copies
+        (`mover.background`; closed with the store). `shared_memory`: a name base, the host and
+        a CPU gpu pool then in /dev/shm/<base>-<pid>-<random>-<tier> (0600). Per process only."""
+        check_store_args(config, secret, clock)
         self.parts = parts = Parts(config, secret, clock, executor, shared_memory)
         self.config, self.layout = parts.config, parts.config.layout
         self.block_tokens, self.tier_names = self.layout.block_tokens, self.config.tier_names
@@ -90,8 +94,8 @@ class KVStore:
         self.tenant_counters, self.recovery = parts.tenant_counters, parts.recovery
         self.executor, self.demoter, self.mover = parts.executor, parts.demoter, parts.mover
         self.reservations, self.residency = parts.reservations, parts.mover.residency
-        self._writes, self._clock, self._lock = parts.writes, clock, parts.state.lock
-        self.operations = Operations(parts)
+        self._writes, self._clock, self.operations = parts.writes, clock, Operations(parts)
+        self._lock = self.operations.lock  # the cache's lock, in this process only (`home.py`)
         # a store dropped without close(): its copy threads end (the mover's thread ends alone)
         weakref.finalize(self, parts.mover.executor.close)
 
@@ -168,8 +172,8 @@ class KVStore:
         expire like leases; their slots stay allocated in quarantine for
         `policy.reservation_quarantine_s`, so that a late writer writes where no one reads
         (`tenancy.py`). `release`: as `prefetch`'s."""
-        key, ttl = encode_tokens(tokens), _ttl(self.config.policy, ttl_s)
-        self.mover.throttle(*_ahead(self, tenant, key))  # as a store does
+        key, ttl = encode_tokens(tokens), ttl_of(self.config.policy, ttl_s)
+        self.mover.throttle(*_ahead(self, tenant, key, reserver=tenant))  # as a store does
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.release_done(release, tenant)
@@ -216,9 +220,9 @@ class KVStore:
         tier's), `layout` "layers" or "blocks" (pages). `num_tokens` is where the prefix ends,
         from token 0: the KV holds tokens start..num_tokens (none if it ends before)."""
         key, bt = encode_tokens(tokens), self.block_tokens
-        asked, wanted, gpu = len(key) // TOKEN_NBYTES, check_device(device), self.gpu_pool.device
+        asked, wanted = len(key) // TOKEN_NBYTES, check_device(device)
         first = check_start(start, asked, bt)
-        dest = Destination.of(self.layout, kv_layout(layout), asked - start, out, wanted, gpu)
+        dest = _destination(self, kv_layout(layout), asked - start, out, wanted)
         self.operations.fill_from_remote(key, tenant)
         with self._lock:
             namespace = self.operations.namespace(tenant)
@@ -245,8 +249,8 @@ class KVStore:
         joined, not copied twice. `release`: `tenant`'s leases it is done with, released once
         every argument is known good, before its quota is checked (`Operations.release_done`).
         `as_load`: a load's lease (read from shared memory): counted as a load (`_counted`)."""
-        key, ttl = encode_tokens(tokens), _ttl(self.config.policy, ttl_s)
-        _check_flags(wait=wait, as_load=as_load)
+        key, ttl = encode_tokens(tokens), ttl_of(self.config.policy, ttl_s)
+        check_flags(wait=wait, as_load=as_load)
         self.operations.fill_from_remote(key, tenant, release)
         for attempt in range(PREFETCH_ATTEMPTS):
             with self._lock:
@@ -365,36 +369,30 @@ class KVStore:
 
 
 def _ahead(
-    store: KVStore, tenant: str, key: bytes, first: int = 0
+    store: KVStore, tenant: str, key: bytes, first: int = 0, reserver: str | None = None
 ) -> tuple[int, Callable[[], int]]:
-    """What `Mover.throttle` needs of a store or reservation of `key` (its blocks from block
+    """What `Mover.throttle` needs of a store or reservation (`reserver`'s) of `key` (from block
     `first` on): at most how many new blocks it brings, and the planning, under the cache's
-    lock, of their room in the tier above disk (`Writes.make_room_ahead`)."""
+    lock, of their room in the tier above disk (`Writes.make_room_ahead`). `ClosedError` in
+    another process than the store's, before the throttle takes the lock (`home.py`)."""
+    store._lock.ensure_home()
     most = len(key) // TOKEN_NBYTES // store.block_tokens - first
     return most, lambda: store._writes.make_room_ahead(
-        store.operations.namespace(tenant), key, first
+        store.operations.namespace(tenant), key, first, reserver
     )
 
 
-def _check_flags(**flags: object) -> None:  # each a bool, else InvalidArgumentError
-    for name, flag in flags.items():
-        if type(flag) is not bool:
-            raise InvalidArgumentError(f"{name}: got {shown(flag)}, expected True or False")
+def _destination(
+    store: KVStore, kind: KVKind, asked: int, out: object, device: torch.device | None
+) -> Destination:
+    """Where a load of `asked` tokens writes (`Destination.of`): `out`, checked against the
+    layout, `device` and the buffers of the store's memory pools (a view of one is refused),
+    or a new tensor on `device`, else on the gpu tier's."""
+    pools = {pool.name: pool.buffer for pool in store.memory if not pool.closed}
+    return Destination.of(store.layout, kind, asked, out, device, store.gpu_pool.device, pools)
 
 
 def _counted(lease: Lease, as_load: bool) -> dict[str, int]:
     """A prefetch's counts: a load's lease (`as_load`: read through shared memory, released)
     in `loads` and `loaded_tokens` (the tokens leased), any other lease in `prefetches`."""
     return {"loads": 1, "loaded_tokens": lease.num_tokens} if as_load else {"prefetches": 1}
-
-
-def _ttl(policy: PolicyConfig, ttl_s: float | None) -> float:
-    """A lease's or reservation's ttl: `ttl_s` or the default, <= `policy.max_ttl_s`."""
-    ttl = policy.lease_ttl_s if ttl_s is None else ttl_s
-    longest = policy.max_ttl_s
-    if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl <= longest):
-        raise InvalidArgumentError(
-            f"ttl_s: got {shown(ttl_s)}, expected a number of seconds in (0, {longest}] "
-            f"(policy.max_ttl_s)"
-        )
-    return float(ttl)

@@ -28,12 +28,18 @@ Contract:
   cannot keep, and that slot (freed) still holds whatever it held before, another tenant's KV
   perhaps. A committed block whose only copy left did not land is dropped, with those after it.
 - `after_write`: wakes the background mover, which keeps dirty data under the watermarks.
+- `make_room_ahead` (before a store or reservation takes the lock, `Mover.throttle`): host
+  room written down ahead, only as much as the call's blocks could use, and none for a call
+  that `place` would refuse (no tier holds them, or over the reserver's quota): a call that
+  places nothing, or is refused, changes nothing. It is made for the call's namespace (the
+  victims its own room-making takes), and says how many blocks host still lacks room for.
 Thread: every method runs under the cache's lock.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -85,11 +91,7 @@ class Writes:
     ) -> dict[int, list[int]] | None:
         """Slots for `count` new blocks after `match` (module doc); None when no tier can."""
         owner = match.end.root.ids
-        for tier in range(match.end.fastest_last(), min(len(self.state.pools), DISK)):
-            if reserver is not None and isinstance(self.state.pools[tier], QuantPool):
-                continue  # its slots hold payloads: a writer cannot write blocks there
-            if not self.demoter.can_make_room(tier, count, owner):
-                continue
+        for tier in self._tiers(match, count, reserver is not None):
             if reserver is not None:
                 holding = self.holding(reserver, BlockId(owner), tier)
                 self.shares.admit(reserver, tier, holding, count, "a reservation")
@@ -104,6 +106,18 @@ class Writes:
                 slots[HOST] = self.state.pools[HOST].allocate(count)
             return slots
         return None
+
+    def _tiers(self, match: Match, count: int, reserving: bool) -> Iterator[int]:
+        """The tiers `place` may take for `count` new blocks after `match`, fastest first, each
+        checked as it is reached (nothing moved): those prefix closure allows that can make
+        room for all of them (for the prefix's namespace), a quantized host left out of a
+        reservation's."""
+        owner = match.end.root.ids
+        for tier in range(match.end.fastest_last(), min(len(self.state.pools), DISK)):
+            if reserving and isinstance(self.state.pools[tier], QuantPool):
+                continue  # its slots hold payloads: a writer cannot write blocks there
+            if self.demoter.can_make_room(tier, count, owner):
+                yield tier
 
     def store_new(
         self,
@@ -297,23 +311,46 @@ class Writes:
             return None
         return {GPU: pools[GPU].allocate(count), HOST: pools[HOST].allocate(count)}
 
-    def make_room_ahead(self, namespace: BlockId, key: bytes, first: int = 0) -> int:
-        """(Under the cache's lock, from `Mover.throttle`.) The new blocks a store of `key`
-        will place, and the tier above disk written down ahead for them, the match pinned
-        meanwhile as `store_new` pins it (`Background.make_room_ahead`); 0, planning nothing,
-        for none, or below a disk-only prefix (`insert_on_disk` stages its own)."""
+    def make_room_ahead(
+        self, namespace: BlockId, key: bytes, first: int = 0, reserver: str | None = None
+    ) -> int:
+        """(Under the cache's lock, from `Mover.throttle`.) The slots of the tier above disk
+        a store of `key` (a reservation, for `reserver`) could use for its new blocks, written
+        down ahead for them, for `namespace` (`Background.make_room_ahead`: the victims its own
+        room-making would take), the match pinned meanwhile as `store_new` pins it; returns
+        how many of them that tier still cannot take without dropping an unwritten block
+        (`Background.has_room`; 0: it can). Check, then commit: 0, planning nothing, when it
+        brings no new block, when they hang below a disk-only prefix (`insert_on_disk` stages
+        its own), when `place` would find no tier for them (a store that places nothing
+        evicts nothing), or when the reservation would be refused for quota (it changes
+        nothing). At most the tier's slots: blocks placed on gpu reach host only as its copies
+        or demotions."""
         match = self.index.match(namespace, key)
         new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
         if new_blocks <= 0 or match.num_blocks < first or self._tail_on_disk(match):
             return 0
+        if reserver is not None:  # its prefix pin, as `reserve` checks it
+            locking = self.index.leases.unheld_blocks(match.end)
+            holding = self.holding(reserver, namespace, GPU)
+            if not self.shares.fits(reserver, GPU, holding, locking):
+                return 0
         pin = self.index.leases.acquire(
             match.end, self.state.all_tiers, math.inf, 0, resident=False
         )
         try:
-            self.mover.work.make_room_ahead(new_blocks)
+            tier = next(iter(self._tiers(match, new_blocks, reserver is not None)), None)
+            if tier is None:
+                return 0
+            if reserver is not None:
+                holding = self.holding(reserver, namespace, tier)
+                if not self.shares.fits(reserver, tier, holding, new_blocks):
+                    return 0
+            need = min(new_blocks, self.state.host.num_slots)
+            owner = bytes(namespace)
+            self.mover.work.make_room_ahead(need, owner)
         finally:
             self.index.leases.release(pin.lease_id)
-        return new_blocks
+        return 0 if self.mover.work.has_room(need, owner) else need
 
     def _tail_on_disk(self, match: Match) -> bool:
         end = match.end

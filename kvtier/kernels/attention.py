@@ -8,6 +8,8 @@
     store.release(lease)                                # after the kernel has finished
 
 Contract:
+- Leases: a list (or tuple) of leases made by this store (a lease of another is a
+  `LeaseError` naming it: its slots are slot numbers of another pool), each READY.
 - Residency: every slot a launch will read (the first ceil(len / block_tokens) entries of each
   row) must be covered by a READY lease that is live now; else `ResidencyError` names the
   sequence, the position and the slot, and nothing is launched. A slot that was never leased,
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.errors import InvalidArgumentError, ResidencyError, shown
+from kvtier.errors import InvalidArgumentError, LeaseError, ResidencyError, shown
 from kvtier.kernels import paged_attention as kernels
 from kvtier.results import Lease
 
@@ -49,6 +51,7 @@ class PagedAttention:
         self.residency = store.residency  # read without the store's lock
         self.buffer = store.gpu_pool.buffer
         self.layout = store.layout
+        self.canceller = store.cancel  # a lease made by `store` cancels through it
 
     @property
     def backend(self) -> str:
@@ -137,11 +140,20 @@ class PagedAttention:
     def _from_leases(
         self, leases: Sequence[Lease], seq_lens: Sequence[int] | None, allow_empty: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(leases, Sequence):  # a lone Lease, a generator
+            raise InvalidArgumentError(
+                f"leases: got {shown(leases)}, expected a list of leases, one per sequence"
+            )
         if not leases:
             raise InvalidArgumentError("leases: got none, expected one lease per sequence")
         for b, lease in enumerate(leases):
             if not isinstance(lease, Lease):
                 raise InvalidArgumentError(f"leases[{b}]: got {shown(lease)}, expected a Lease")
+            if not lease.made_by(self.canceller):
+                raise LeaseError(
+                    f"leases[{b}]: lease {lease.lease_id} was made by another store, expected "
+                    "one of the store this PagedAttention reads (its slots name other pages)"
+                )
             if not lease.ready():
                 raise ResidencyError(
                     f"leases[{b}]: lease {lease.lease_id} is {lease.state.value}, expected "

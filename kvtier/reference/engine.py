@@ -24,7 +24,9 @@ The generated tokens' KV is not stored. A prompt with nothing cached is a plain
 The cache must hold this model's KV: `Engine` compares the cache's layout with the model's
 (model name, layers, KV heads, head_dim, and no tensor-parallel shard) and refuses another
 with a `ConfigError` naming both; two geometries of the same block bytes, or another model's
-name, are refused too. The cache's `block_tokens` and dtype are the engine's (it casts).
+name, are refused too. The cache's `block_tokens` and dtype are the engine's (it casts). A model
+that is not a reference `Llama`, or a cache that is neither a `KVStore` nor a `Client`, is an
+`InvalidArgumentError` naming it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 
 from kvtier.blocks import KVLayout, token_array
+from kvtier.client import Client
 from kvtier.errors import (
     CapacityError,
     ConfigError,
@@ -84,6 +87,18 @@ class Engine:
     cache may be shared with other engines (it is the store's job to keep them apart)."""
 
     def __init__(self, model: Llama, cache: Cache, *, tenant: str = "default") -> None:
+        """`InvalidArgumentError` unless `model` is a reference `Llama` and `cache` a `KVStore`
+        or a `Client`; `ConfigError` unless the cache holds this model's KV (module doc)."""
+        if not isinstance(model, Llama):
+            raise InvalidArgumentError(
+                f"model: got {shown(model)} ({type(model).__name__}), expected a reference "
+                "Llama (kvtier.reference: load_smollm2(), or a Llama of your own weights)"
+            )
+        if not isinstance(cache, (KVStore, Client)):
+            raise InvalidArgumentError(
+                f"cache: got {shown(cache)} ({type(cache).__name__}), expected a KVStore or a "
+                "kvtier Client"
+            )
         self.model = model
         self.cache = cache
         self.tenant = tenant

@@ -27,7 +27,8 @@ Contract:
 - After `close()` the buffer is dropped and every method but `close` raises `ClosedError`.
 - A pool in POSIX shared memory (`shared_name`, `tiers/shm.py`) unlinks its segment at `close`,
   or failing that when it is collected or the interpreter exits (a SIGKILL leaves it behind for
-  the next `kvtier serve` to sweep).
+  the next `kvtier serve` to sweep); only in the process that created it, never in a forked
+  child.
 
 Subclasses choose the device and the memory behind the buffer (`_allocate_buffer`).
 """
@@ -77,7 +78,11 @@ def _huge_pages(mapping: mmap.mmap) -> None:
             mapping.madvise(advice)
 
 
-def _unlink_segment(name: str) -> None:
+def _unlink_segment(name: str, creator: int) -> None:
+    """Unlink /dev/shm/`name`, in process `creator` only: a forked child that inherited the
+    pool (and its finalizer) exits without taking the segment from its parent."""
+    if os.getpid() != creator:
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(SHM_DIR / name)
 
@@ -169,7 +174,7 @@ class SlotPool:
             self._mapping = create_shared(self.shared_name, nbytes)
             _huge_pages(self._mapping)
             # unlinked at close, or when the pool is collected or the interpreter exits
-            self._unlink = weakref.finalize(self, _unlink_segment, self.shared_name)
+            self._unlink = weakref.finalize(self, _unlink_segment, self.shared_name, os.getpid())
             flat = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes)
             if self.pin_memory:  # page-locked in place, for asynchronous copies to the GPU
                 torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]

@@ -4,12 +4,14 @@ Contract:
 - **Watermark demotion** (`keep_watermarks`): when a memory tier's use, less what its flights
   will free (`pressure`), passes its high watermark, its least-recently-used leaves are acted on
   as `copydown.decide` says, the copies down going in `DemotionFlight`s of up to `BATCH` blocks
-  of one node, freed once the copy is in, down to the low watermark. Only where a lower tier
-  exists: the lowest memory tier drops leaves only on demand. At most `MAX_DEMOTIONS` demotion
-  flights per tier are in flight. A disk that refuses writes (`slab_set.py`) pauses it. This is
-  the mover's own work: fair shares leave it only blocks above floors. Only with a background
-  mover: inline, a block leaves a tier when its slot is needed (`Demoter.make_room`), so that
-  a tier holds what LRU of leaves would hold (issue 13).
+  of one node, freed once the copy is in, down to the low watermark and not past it: a flight
+  takes no more blocks than are still over it. Only where a lower tier exists: the lowest
+  memory tier drops leaves only on demand. At most `MAX_DEMOTIONS` demotion flights per tier
+  are in flight. A disk that refuses writes (`slab_set.py`) pauses it. This is the mover's own
+  work: fair shares leave it only blocks above floors, and a flight no more of a namespace's
+  blocks than keep it at its floor once every flight in the air has landed. Only with a
+  background mover: inline, a block leaves a tier when its slot is needed
+  (`Demoter.make_room`), so that a tier holds what LRU of leaves would hold (issue 13).
 - **Disk inserts** (`insert_on_disk`): new blocks below a prefix that lives only on disk are
   written in an `InsertFlight` (room for them checked in every tier before anything moves);
   they enter the index once durable. This is the one route for such blocks: in the background
@@ -24,7 +26,14 @@ Contract:
   unwritten blocks to make the room, under the watermark or not: host's least recently used
   leaves are written down (or cleared) ahead, as over a watermark, and the call waits for them
   (`Mover.throttle`), bounded, while they are in the air. Two prompts of 100 blocks stored
-  back to back into a host of 128 dropped 72 blocks by backpressure, with an idle disk.
+  back to back into a host of 128 dropped 72 blocks by backpressure, with an idle disk. The
+  caller asks only for room its blocks could use (`Writes.make_room_ahead`): a call that will
+  place nothing, or is refused for quota, has nothing written down for it. The write-ahead is
+  made for the call's tenant: it takes the victims that tenant's own room-making would take
+  (above floors, then its own blocks; a floor keeps off other tenants and watermark work, not
+  the tenant itself), and the host copies of the gpu victims that room-making clears first
+  (`_write_behind`: they are no host victims until then). Before, with two tenants at their
+  floors nothing was written ahead and one kept 1 of its 20 prompts, 14 disk slots free.
 Thread: every method runs under the cache's lock.
 """
 
@@ -76,7 +85,9 @@ class Background:
         self.admission = list(settings.admission)
         self.background = settings.background  # watermark work, staged and late-counted inserts
         self._pending_free = [0] * len(self.pools)  # slots demotion flights will free
+        self._leaving: dict[tuple[int, bytes], int] = {}  # the same, per (tier, namespace)
         self._demoting = [0] * len(self.pools)  # demotion flights in flight per source tier
+        self._copy_only: set[int] = set()  # ids of those planned to free nothing (`ahead`)
         self._inserting = 0  # insert flights in flight
         self.stats = dict.fromkeys(("demote_flights", "insert_flights", "failed_blocks"), 0)
 
@@ -100,29 +111,55 @@ class Background:
         unwritten = self.index.residency.only_in(tier) + self.flights.reserved(tier)
         return unwritten > self.watermarks[tier][0] * self.pools[tier].num_slots
 
-    def has_room(self, need: int) -> bool:
-        """Whether the tier above disk can take `need` new blocks now without dropping one not
-        written down: its free slots and its blocks with a disk copy, which room-making clears
-        first (or there is no such work here: no background mover, no disk)."""
+    def has_room(self, need: int, owner: bytes | None = None) -> bool:
+        """Whether the tier above disk can take `need` new blocks for `owner` (None: any) now
+        without dropping one not written down: its free slots and the blocks with a disk copy
+        that room-making clears first, with floors at least those offered to `owner`
+        (`evictable_share`) less every unwritten one (True without a background mover or disk)."""
         if not need or not self.background or self.state.disk is None:
             return True
         tier, residency = DISK - 1, self.index.residency
-        clean = residency.resident(tier) - residency.only_in(tier)
-        return self.pools[tier].num_free + clean >= need
+        offered = residency.evictable_share(tier, owner)
+        offered = residency.resident(tier) if offered is None else offered
+        return self.pools[tier].num_free + max(0, offered - residency.only_in(tier)) >= need
 
-    def short(self, need: int) -> bool:
-        """Whether `need` new blocks would find no room in the tier above disk without dropping
-        blocks not written down, while write-downs are in the air (module doc)."""
-        return not self.has_room(need) and self._demoting[DISK - 1] > 0
+    def short(self, lacking: int) -> bool:
+        """Whether a call whose room the tier above disk still lacks for `lacking` of its new
+        blocks (`Writes.make_room_ahead`) should wait: write-downs are in the air."""
+        return lacking > 0 and self._demoting[DISK - 1] > 0
 
-    def make_room_ahead(self, need: int) -> None:
+    def make_room_ahead(self, need: int, owner: bytes | None = None) -> None:
         """Write down (or clear) the tier above disk's least recently used leaves until `need`
-        new blocks fit beside what it holds, as demotion over a watermark does."""
+        new blocks fit beside what it holds, as over a watermark but taking the victims
+        `Demoter.make_room(tier, need, owner)` would (above floors, then `owner`'s own), then
+        `_write_behind`, so that room-making clears them rather than drops them. `need` past
+        the tier's slots is held to them (the caller checks that the blocks fit at all)."""
         if self.background and self.state.disk is not None and need:
             tier = DISK - 1
-            self._demote_to(
-                tier, self.pools[tier].num_slots - need, self.pools[tier].num_slots - need
-            )
+            room = max(0, self.pools[tier].num_slots - need)
+            self._demote_to(tier, room, room, owner)
+            if tier and self.pressure(tier) > room:
+                self._write_behind(tier, need, owner)
+
+    def _write_behind(self, tier: int, need: int, owner: bytes | None) -> None:
+        """Write down the `tier` copies (admitted below) of the blocks that room for `need`
+        blocks in the tier above takes (its victims for `owner`): they become `tier` victims
+        only once those faster copies are cleared, out of `_demote_to`'s reach until then."""
+        top, lower = tier - 1, tier + 1
+        want = need - self.pools[top].num_free
+        for ref in self.index.victims(top, owner):
+            if want <= 0 or self._demoting[tier] >= MAX_DEMOTIONS:
+                return
+            node, i = ref
+            want -= i + 1 - (node.depth[top - 1] if top else 0)  # its run in `top` goes
+            target = self.pools[lower]
+            if isinstance(target, DiskTier) and not target.accepting_writes():
+                return
+            if (
+                node.slots[lower][i] is None
+                and decide(self.state, ref, tier, self.admission) is Action.COPY
+            ):
+                self._plan_demotion(ref, tier, lower, BATCH, owner, ahead=1)
 
     def keep_watermarks(self) -> None:
         if not self.background:  # inline: room is made on demand only
@@ -133,15 +170,23 @@ class Background:
                 slots = self.pools[tier].num_slots
                 self._demote_to(tier, high * slots, int(low * slots))
 
-    def _demote_to(self, tier: int, trigger: float, goal: int) -> None:
+    def _demote_to(self, tier: int, trigger: float, goal: int, owner: bytes | None = None) -> None:
         """Past `trigger` slots in use (less what flights will free), demote `tier`'s least
-        recently used leaves down to `goal`."""
+        recently used leaves down to `goal`, never past it (a flight takes at most the blocks
+        still over it), and never a block whose namespace would fall below its floor there,
+        counting what its flights in the air will free (`_spare`), but for `owner`'s own (a
+        call making room for itself, as `Demoter.make_room` takes them)."""
         if self.pressure(tier) <= trigger:
             return
         lower = tier + 1
-        for ref in self.index.victims(tier):
-            if self.pressure(tier) <= goal or self._demoting[tier] >= MAX_DEMOTIONS:
+        for ref in self.index.victims(tier, owner):
+            over = self.pressure(tier) - goal
+            if over <= 0 or self._demoting[tier] >= MAX_DEMOTIONS:
                 return
+            namespace = ref.node.root.ids
+            spare = BATCH if namespace == owner else self._spare(namespace, tier)
+            if spare <= 0:
+                continue  # its flights will take it to its floor: left, as a pass leaves it
             action = decide(self.state, ref, tier, self.admission)
             if action is Action.CLEAR:
                 self.pools[tier].free([self.index.clear_slot(ref, tier)])
@@ -154,18 +199,37 @@ class Background:
                 target = self.pools[lower]
                 if isinstance(target, DiskTier) and not target.accepting_writes():
                     return  # the disk refused writes: try again when its backoff ends
-                self._plan_demotion(ref, tier, lower)
+                self._plan_demotion(ref, tier, lower, min(over, spare), owner)
 
-    def _plan_demotion(self, ref: BlockRef, tier: int, lower: int) -> None:
+    def _spare(self, namespace: bytes, tier: int) -> int:
+        """How many of `namespace`'s `tier` copies the mover may still take: those above its
+        floor there, less what its demotion flights will free (without a floor, `BATCH`: a
+        flight's most)."""
+        residency = self.index.residency
+        floor = residency.floors.get(namespace)
+        if floor is None:
+            return BATCH
+        leaving = self._leaving.get((tier, namespace), 0)
+        return residency.resident_in(namespace, tier) - leaving - floor[tier]
+
+    def _plan_demotion(
+        self, ref: BlockRef, tier: int, lower: int, most: int, owner: bytes | None, ahead: int = 0
+    ) -> None:
+        """Copy down, in one flight, victim `ref` and the blocks before it in its node's run
+        of `tier` (those with no `lower` copy yet): at most `most` of them, and `BATCH`; room
+        below is made for `owner`. `ahead` > 0: `ref` is a victim of the tier `ahead` above
+        `tier`, whose blocks keep their `tier` copies (closure) until the faster ones go, so
+        the flight frees nothing it can count on (`_copy_only`)."""
         node, i = ref
-        first = node.depth[tier - 1] if tier else 0  # where this node's tier-run starts
+        top = tier - ahead  # where this node's run in `top` starts: blocks below it
+        first = node.depth[top - 1] if top else 0
         batch = [
             j
             for j in range(max(first, i - BATCH + 1), i + 1)
             if node.slots[lower][j] is None and node.slots[tier][j] is not None
-        ]
+        ][-most:]
         target = self.pools[lower]
-        if target.num_free < len(batch) and not self.demoter.make_room(lower, len(batch)):
+        if target.num_free < len(batch) and not self.demoter.make_room(lower, len(batch), owner):
             batch = batch[len(batch) - target.num_free :] if target.num_free else []
         if not batch:
             return
@@ -177,7 +241,12 @@ class Background:
             dst={lower: copy.dst},
             copy=copy,
         )
-        self._pending_free[tier] += len(batch)
+        if ahead:
+            self._copy_only.add(id(flight))
+        else:
+            self._pending_free[tier] += len(batch)
+            leaving = (tier, node.root.ids)
+            self._leaving[leaving] = self._leaving.get(leaving, 0) + len(batch)
         self._demoting[tier] += 1
         self.flights.add(flight)
         self.stats["demote_flights"] += 1
@@ -196,7 +265,14 @@ class Background:
         if lost and not flight.failed:
             flight.failed = f"{lost} of {len(ok)} copies to {self.pools[lower].name} failed"
         self.index.leases.release(flight.pin.lease_id)
-        self._pending_free[src] -= len(refs)
+        if id(flight) in self._copy_only:
+            self._copy_only.discard(id(flight))
+        else:
+            self._pending_free[src] -= len(refs)
+            leaving = (src, flight.pin.end.root.ids)
+            self._leaving[leaving] -= len(refs)
+            if not self._leaving[leaving]:
+                del self._leaving[leaving]
         self._demoting[src] -= 1
         for ref in reversed(refs):
             node, i = ref

@@ -20,7 +20,8 @@ Contract:
   (`Background.behind`) or host could take the blocks only by dropping unwritten ones
   (`Background.short`): each published flight wakes it to look again. Before each look it
   publishes finished flights, plans demotions over watermarks, as the thread would, and
-  writes down ahead what the call needs (`make_room_ahead`); it stores nothing.
+  writes down ahead what the call needs, for its tenant (`make_room_ahead`: the victims its
+  own room-making would take); it stores nothing.
 - The thread wakes on every completion (a done callback, or a CUDA event it polls while copies
   run: a launch on such an executor wakes it to start polling) and at least every
   `IDLE_WAKE_S`; it holds the mover only while it works, so a store
@@ -164,8 +165,8 @@ class Mover:
         """Wait, at most `store_wait_s` and without the cache's lock (the caller must not hold
         it), while the work is behind, or host has room for the call's new blocks only by
         dropping unwritten ones (module doc). `most`: at most how many new blocks the call
-        brings; `ahead()` (under the lock) plans their room and says how many. Any thread; it
-        stores nothing."""
+        brings; `ahead()` (under the lock) plans their room and says for how many of them
+        host still lacks it (0: none). Any thread; it stores nothing."""
         if self.store_wait_s <= 0:
             return
         deadline = 0.0
@@ -177,8 +178,8 @@ class Mover:
                     return
                 self.reap()  # flights done: publish them, and plan the next ones down now
                 work.keep_watermarks()
-                need = ahead() if ahead is not None else 0
-                if not work.behind() and not work.short(need):
+                lacking = ahead() if ahead is not None else 0
+                if not work.behind() and not work.short(lacking):
                     return
                 now = time.monotonic()
                 if not deadline:
@@ -259,8 +260,8 @@ class Mover:
         self.prefetcher.drop_doomed()
         self.work.keep_watermarks()
         if self.lift_on_lookup:
-            low = self.work.watermarks[GPU][1] * self.state.gpu.num_slots
-            self.prefetcher.lift(lambda: self.work.pressure(GPU) < low)
+            low = int(self.work.watermarks[GPU][1] * self.state.gpu.num_slots)
+            self.prefetcher.lift(lambda: low - self.work.pressure(GPU))
         self.reap()
 
     # ---- the thread ------------------------------------------------------------------------

@@ -15,7 +15,8 @@ Contract:
   everything below it, at once or as soon as nothing below it is locked, and until then
   `match` stops before it.
 - Lifting (`mover.lift_on_lookup`): prefixes that lookups found below gpu are brought up while
-  the gpu tier is under its low watermark, without evicting anything and without a lease.
+  the gpu tier is under its low watermark, and never past it (of a prefix, its leading blocks
+  that fit), without evicting anything and without a lease.
 - Fair shares: a prefetch makes room for its own namespace.
 Thread: every method runs under the cache's lock.
 """
@@ -305,12 +306,12 @@ class Prefetcher:
         """A lookup hit blocks below gpu: remember the prefix (with `lift_on_lookup` on)."""
         self._lifts.append((namespace, key))
 
-    def lift(self, below: Callable[[], bool]) -> None:
-        """Bring remembered prefixes up while `below()` (the gpu tier is under its low
-        watermark), without a lease and without evicting, demoting or dropping anything: a
-        prefix is lifted only when the free slots of gpu (and of host, for the disk blocks
-        staged there) hold it, else skipped."""
-        while self._lifts and below():
+    def lift(self, room: Callable[[], int]) -> None:
+        """Bring remembered prefixes up while `room()` (the blocks gpu may take and stay at or
+        below its low watermark) is positive, unleased, evicting, demoting or dropping nothing:
+        of each, the leading missing blocks that fit in that room, in the free slots of gpu and
+        (for disk blocks staged there) of host; a prefix none of whose blocks fit is skipped."""
+        while self._lifts and (most := min(room(), self.gpu.num_free)) > 0:
             namespace, key = self._lifts.popleft()
             match = self.match(namespace, key)
             pin = self.index.leases.acquire(
@@ -318,9 +319,9 @@ class Prefetcher:
             )
             try:
                 _, joined, new = self._missing(match.end)
-                staged = sum(ref.node.fastest(ref.i) == DISK for _, ref in new)
-                staged = staged if self._stages() else 0
-                if new and len(new) <= self.gpu.num_free and staged <= self.state.host.num_free:
+                staging = self.state.host.num_free if self._stages() else None
+                new = new[: _leading(new, most, staging)]
+                if new:
                     self._plan(match.end, new, joined)
                     self.stats["lifted_blocks"] += len(new)
             finally:
@@ -343,6 +344,19 @@ class Prefetcher:
                     f"block {block_id.hex()}: in flight to gpu slot {slot}, "
                     "but no live flight owns it"
                 )
+
+
+def _leading(new: list[tuple[int, BlockRef]], most: int, staging: int | None) -> int:
+    """How many leading blocks of `new` a lift takes: at most `most`, and no more disk blocks
+    than `staging` (host's free slots, when disk blocks come up through host; None: unbounded)."""
+    count = 0
+    for _, ref in new[:most]:
+        if staging is not None and ref.node.fastest(ref.i) == DISK:
+            if not staging:
+                break
+            staging -= 1
+        count += 1
+    return count
 
 
 def _slot(slot: int | None) -> int:
