@@ -1,7 +1,10 @@
 """Clients of the sidecar (`kvtier serve`): `Client` (threads) and `AsyncClient` (asyncio).
 
-Same method names, arguments and result types as the embedded `KVStore`, so an engine moves
-between embedded and sidecar by configuration alone:
+The embedded `KVStore`'s engine methods, with the same arguments, checks and result types, so
+an engine moves between embedded and sidecar by configuration alone (the differences: the
+operator's calls are the server's admin routes, `status()` takes no tenant, and with an API
+key a call's tenant may only be the key's; README "The sidecar"). A client is its maker
+process's: in a forked child every call is a `ClosedError`.
 
     with Client("http://127.0.0.1:8750", api_key=...) as kv:     # or KVStore(config)
         hit = kv.lookup(tokens)
@@ -56,7 +59,10 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
                      the request tokens of prefetches and reserves whose replies were lost
     owing.py         `Owing` / `AsyncOwing`: sending what is owed (a flusher thread or task,
                      before the next prefetch or reserve, at `close()`)
-    calls.py         `Calls`: the calls under way that `close()` waits for
+    calls.py         `Calls`: the calls under way that `close()` waits for, and the process
+                     that made the client (a fork's calls refused)
+    arguments.py     the checks of a call's and a constructor's arguments, before a request
+    sending.py       `Sender`: `Client`'s requests (`AsyncSender`: `AsyncClient`'s checks)
     transport.py     request headers, and a response read as its body or the error it reports
 """
 

@@ -3,7 +3,8 @@
 It maps the server's pools at its first request rather than at construction (a constructor
 cannot await); the shared-memory path and its fallback to the body are `Client`'s (a load's
 copy kept only where its lease held the slots through it: `held.py`; a reply of another server
-instance maps the new server's pools and lane: `pools.py`), and so are
+instance maps the new server's pools and lane: `pools.py`; a store whose reservation ended
+before its commit sent again in the body), and so are
 owed releases (`releases.py`), sent here by a task the event loop starts `RELEASE_AFTER_S`
 after a load rather than by a thread. Its failures are `Client`'s too: a connection refused,
 reset or timed out is a `TransportError`, not httpx's own exception. A prefetch or reserve
@@ -22,6 +23,13 @@ import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_array
 from kvtier.caller_kv import kv_layout
+from kvtier.client.arguments import (
+    KeyTenant,
+    check_flag,
+    check_options,
+    check_tokens,
+    waited,
+)
 from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES, check_url
 from kvtier.client.held import LeaseFrom, held_until
@@ -31,6 +39,7 @@ from kvtier.client.owing import AsyncOwing, AsyncPost
 from kvtier.client.pages import LoadPages, StorePieces, prefetch_body
 from kvtier.client.pools import NOTHING_RESERVED, MappedView, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token, release_of
+from kvtier.client.sending import AsyncSender, lease_state
 from kvtier.client.transport import (
     REFUSALS,
     RequestHeaders,
@@ -58,7 +67,7 @@ def _alone(url: str, timeout_s: float, headers: RequestHeaders, limit: int) -> A
     return post
 
 
-class AsyncClient(MappedView):
+class AsyncClient(AsyncSender, MappedView):
     """The asyncio twin of `Client`: the same methods, as coroutines."""
 
     def __init__(
@@ -73,12 +82,14 @@ class AsyncClient(MappedView):
     ) -> None:
         """As `Client`'s."""
         check_url(url)  # a malformed one: `InvalidArgumentError`, as `Client`'s
+        check_options(api_key, tenant, shared_memory, timeout_s, max_reply_bytes)
         self._headers = RequestHeaders(api_key, tenant)
         self._max_reply = max_reply_bytes
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
         self._server = AsyncMapper(self._http, self._headers, (timeout_s, max_reply_bytes))
         self._pools = self._server.pools
         self._calls = Calls()  # what `aclose()` waits for
+        self._key = KeyTenant(self._calls, "authorization" in self._headers.common)
         self._shared_memory = shared_memory
         alone = _alone(url, timeout_s, self._headers, max_reply_bytes)
         self._owing = AsyncOwing(self._post, alone)  # releases, give-backs owed
@@ -96,6 +107,7 @@ class AsyncClient(MappedView):
     async def _post(
         self, path: str, body: dict[str, Any], tenant: str = "default"
     ) -> dict[str, Any]:
+        await self._key.admit(tenant, self._get)  # the process, the tenant (`KeyTenant`)
         await self._map()
         content, headers = wire.encode(body, True), self._headers.for_tenant(tenant)
         lane = self._lane  # one for the call: `AsyncMapper.instance` may replace it
@@ -108,6 +120,7 @@ class AsyncClient(MappedView):
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _get(self, path: str) -> dict[str, Any]:
+        self._calls.check_process()  # a fork's: no socket of the maker's touched
         request = self._http.build_request("GET", path, headers=httpx_headers(self._headers.common))
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
@@ -144,7 +157,7 @@ class AsyncClient(MappedView):
                 self._server.take(pools)
 
     async def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        packed = encode_tokens(tokens)
+        packed = encode_tokens(check_tokens(tokens))
         body = await self._post("/v1/lookup", {"tokens": packed}, tenant)
         return self._pools.lookup(body, len(packed) // 4)
 
@@ -156,7 +169,8 @@ class AsyncClient(MappedView):
         ttl_s: float | None = None,
         wait: bool = True,
     ) -> Lease:
-        return (await self._prefetch(tokens, tenant, ttl_s, wait)).lease
+        check_flag("wait", wait)  # as the store checks it
+        return (await self._prefetch(check_tokens(tokens), tenant, ttl_s, wait)).lease
 
     async def _prefetch(
         self, tokens: Tokens, tenant: str, ttl_s: float | None, wait: bool, as_load: bool = False
@@ -180,8 +194,10 @@ class AsyncClient(MappedView):
             return LeaseFrom(lease, instance, held)
 
     async def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
-        """As `Client.wait_for` (READY, ended: `LeaseError`, pending past `timeout_s`: returned
-        pending, or without it past the client's bound: `WaitTimeoutError`)."""
+        """As `Client.wait_for` (READY; ended: `LeaseError`, a released or expired lease's
+        "unknown, released or expired"; pending past `timeout_s`: returned pending, or without
+        it past the client's bound: `WaitTimeoutError`)."""
+        lease = waited(lease, timeout_s)  # checked before anything is sent
         pacer = WaitPacer(None if timeout_s is None else time.monotonic() + timeout_s)
         while True:
             asked_at, wait_s = pacer.ask()  # bounded without `timeout_s` too (`WaitPacer`)
@@ -196,22 +212,14 @@ class AsyncClient(MappedView):
             await asyncio.sleep(pacer.after(asked_at, wait_s))
 
     async def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
-        """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is
-        reached (`frames.PATHS`)."""
-        headers, lane = self._headers.for_tenant(lease.tenant), self._lane
-        if lane is not None:
-            asked = wire.encode({"lease_id": lease.lease_id, "wait_s": wait_s}, True)
-            reply = await lane.request("/v1/leases", asked, headers)
-            if reply is not None:  # None: the lane cannot be reached, and nothing was sent
-                return reply_body(reply)
-        path, params = f"/v1/leases/{lease.lease_id}", {"wait_s": wait_s}
-        out = httpx_headers(headers)
-        request = self._http.build_request("GET", path, params=params, headers=out)
-        return reply_body(await httpx_send(self._http, request, self._max_reply))
+        """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant (`sending.lease_state`)."""
+        self._calls.check_process()  # a fork's: no socket of the maker's touched
+        headers, limit = self._headers.for_tenant(lease.tenant), self._max_reply
+        return await lease_state(self._http, self._lane, headers, (lease, wait_s), limit)
 
     async def release(self, lease: Lease | int) -> None:
         lease_id, tenant = release_of(lease)  # checked as the store checks it
-        await self._post("/v1/release", {"lease_id": lease_id}, tenant)
+        await self._post("/v1/release", {"lease_id": lease_id}, self._key.held(tenant))
 
     async def store(
         self,
@@ -224,10 +232,11 @@ class AsyncClient(MappedView):
     ) -> StoreResult:
         with self._calls.call():
             kind = kv_layout(layout)
-            tokens = token_array(tokens)  # checked once: the pools' check, reserve and body
+            tokens = token_array(check_tokens(tokens))  # checked once: check_kv, reserve, body
             await self._map()
+            await self.layout()  # `kv` checked against it on every path; the body limit
+            self._pools.check_kv(tokens, kv, start, kind)
             if self._pools.buffers:
-                self._pools.check_kv(tokens, kv, start, kind)
                 try:
                     reservation, instance = await self._reserve(tokens, tenant, None)
                 except CapacityError:  # over its quota or the tier: the body path, as `load`
@@ -239,10 +248,12 @@ class AsyncClient(MappedView):
                     except Exception:
                         await self.abort(reservation)
                         raise
-                    return await self.commit(reservation)
-                if reservation.num_tokens:
+                    try:
+                        return await self.commit(reservation)
+                    except LeaseError:  # it ended before the commit (its ttl): the body path
+                        pass
+                elif reservation.num_tokens:
                     await self.abort(reservation)
-            await self.layout()  # the served pools say the server's body limit
             pieces = StorePieces(tokens, kv, start, kind, self._pools.served)
             while (body := pieces.next()) is not None:
                 pieces.add(await self._post("/v1/store", body, tenant))
@@ -260,7 +271,7 @@ class AsyncClient(MappedView):
     ) -> LoadResult:
         with self._calls.call():
             kind, wanted = kv_layout(layout), check_device(device)
-            tokens = token_array(tokens)  # checked once: the prefetch reuses it
+            tokens = token_array(check_tokens(tokens))  # checked once: the prefetch reuses it
             pages = LoadPages(encode_tokens(tokens), start)  # the body path's replies
             await self._map()
             dest = None
@@ -282,13 +293,15 @@ class AsyncClient(MappedView):
                         raise
                     if kv is None:  # not the pools mapped here: the body path
                         self._owing.owe(lease, tenant)  # released on a later request's way
-                    elif await self._owing.settle(granted, tenant):  # held through the copy
+                    elif await self._owing.settle(granted, tenant, kv):  # held through the copy
                         return LoadResult(lease.num_tokens, kv)
-                    else:  # it ended first: the copy thrown away, none of it left in `out`
-                        kv.zero_()
+                    else:  # it ended first: the copy zeroed, none of it left in `out`
                         dest = self._pools.destination(pages.asked, out, kind, wanted, start)
             while (request := pages.next()) is not None:  # a long prefix: several replies
-                pages.add(await self._post("/v1/load", request, tenant))
+                body = await self._post("/v1/load", request, tenant)
+                if body.get("truncated") is True and pages.block_tokens is None:
+                    pages.block_tokens = (await self.layout()).block_tokens  # pages end on them
+                pages.add(body)
             return self._pools.loaded(pages, wanted, pages.asked, dest, start)
 
     async def layout(self) -> KVLayout:
@@ -306,7 +319,7 @@ class AsyncClient(MappedView):
     async def _reserve(self, tokens: Tokens, tenant: str, ttl_s: float | None) -> ReservationFrom:
         """`reserve`, and the server instance of its reply."""
         with self._calls.call():
-            request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
+            request: dict[str, Any] = {"tokens": encode_tokens(check_tokens(tokens))}
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
             token, body = await self._post_granting("reservation", "/v1/reserve", request, tenant)
@@ -315,16 +328,16 @@ class AsyncClient(MappedView):
                 reservation = self._pools.reservation(body, request["tokens"])
             return reservation, instance
 
-    async def commit(self, reservation: Reservation) -> StoreResult:
-        body = {"reservation_id": reservation.reservation_id}
-        reply = await self._post("/v1/commit", body, reservation.tenant)
-        return self._pools.stored(reply, reservation.cached_tokens + reservation.num_tokens)
+    async def commit(self, reservation: Reservation | int) -> StoreResult:
+        r = self._key.reserved(reservation)  # a Reservation or its id (`Client.commit`)
+        reply = await self._post("/v1/commit", {"reservation_id": r.reservation_id}, r.tenant)
+        return self._pools.stored(reply, r.most_tokens)
 
-    async def abort(self, reservation: Reservation) -> None:
-        body = {"reservation_id": reservation.reservation_id}
-        await self._post("/v1/abort", body, reservation.tenant)
+    async def abort(self, reservation: Reservation | int) -> None:
+        r = self._key.reserved(reservation)
+        await self._post("/v1/abort", {"reservation_id": r.reservation_id}, r.tenant)
 
-    async def reset(self, *, tenant: str = "default") -> dict[str, Any]:
+    async def reset(self, tenant: str = "default") -> dict[str, Any]:
         """`POST /v1/reset` (`Client.reset`)."""
         return replies.reset(await self._post("/v1/reset", {}, tenant))
 

@@ -7,7 +7,9 @@ pool, its release owed (`releases.py`: carried by the next prefetch or reserve, 
 the flusher thread within `RELEASE_AFTER_S`, or at `close()`) once the lease surely held its
 slots through the copy; where that is not sure by time, released at once, and a lease that
 ended first throws the copy away (`held.py`). Where a call cannot go that way (or its lease
-ended before the copy did, or before it was ready), its KV travels in the body.
+ended before the copy did, or before it was ready; or a store's reservation ended before its
+commit, e.g. a write that outlasted its ttl, `policy.lease_ttl_s` by default), its KV travels
+in the body: the call stores or loads what it would have on the mapped path.
 
 Each prefetch and reserve carries a fresh `request` token; one whose reply is lost (a
 `TransportError`, an interrupt) owes a give-back by that token, sent before the next prefetch or
@@ -18,31 +20,44 @@ A lease or reservation reply of another server instance than the pools mapped he
 sidecar restarted at the same URL: `pools.py`) makes the client forget its mappings and ask
 `/v1/pools` again, once per instance; the new pools and lane are taken from then on, and that
 call's KV goes through them if they are the reply's instance, else through the body.
+
+Every argument is checked before a request is sent, as `KVStore` checks it (`arguments.py`):
+a `store`'s `kv` against the served layout and the tokens from `start` on, on the body path
+as on the mapped one. The requests themselves are `Sender`'s (`sending.py`): each checks
+first that this is the process that made the client (a fork's call is a `ClosedError`).
 """
 
 from __future__ import annotations
 
 import time
-import urllib.parse
 from typing import Any
 
 import torch
 
 from kvtier.blocks import KVLayout, Tokens, check_device, encode_tokens, token_array
 from kvtier.caller_kv import kv_layout
+from kvtier.client.arguments import (
+    check_flag,
+    check_options,
+    check_timeout,
+    check_tokens,
+    lease_of,
+    waited,
+)
 from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.held import LeaseFrom, held_until
 from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
-from kvtier.client.owing import Owing, Post
+from kvtier.client.owing import Post
 from kvtier.client.pages import LoadPages, StorePieces, prefetch_body
 from kvtier.client.pools import NOTHING_RESERVED, MappedView, ReservationFrom
-from kvtier.client.releases import may_have_reached, new_token, release_of
-from kvtier.client.transport import REFUSALS, RequestHeaders, WaitPacer, reply_body
+from kvtier.client.releases import release_of
+from kvtier.client.sending import Sender
+from kvtier.client.transport import RequestHeaders, WaitPacer, reply_body
 from kvtier.errors import CapacityError, LeaseError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
-from kvtier.service import frames, replies, wire
+from kvtier.service import replies, wire
 
 
 def _alone(url: str, timeout_s: float, headers: RequestHeaders) -> Post:
@@ -75,19 +90,22 @@ class Client(MappedView):
         """`api_key` (default `$KVTIER_API_KEY`) selects the tenant when the server has auth;
         without auth `tenant` (or each call's `tenant=`) does. `shared_memory`: map the
         server's pools when they are on this host. A reply longer than `max_reply_bytes` is a
-        `ReplyError`, read no further (a load sent in the body is the longest a server sends)."""
+        `ReplyError`, read no further (a load sent in the body is the longest a server sends).
+        Each argument is checked here (`InvalidArgumentError` naming it: `arguments.py`). The
+        client is this process's: used in another (a fork), every call is a `ClosedError`."""
+        check_options(api_key, tenant, shared_memory, timeout_s, max_reply_bytes)
         self._headers = RequestHeaders(api_key, tenant)
         self._http = Connections(url, timeout_s, max_reply_bytes)
         self._server = Mapper(self._http, self._headers, (timeout_s, max_reply_bytes))
         self._pools = self._server.pools
         self._calls, self._timeout_s = Calls(), timeout_s  # what `close()` waits for
         alone = _alone(url, timeout_s, self._headers)
-        self._owing = Owing(self._post, alone)  # releases, give-backs owed
-        self._owed = self._owing.owed
+        self._send = Sender(self._http, self._headers, self._server, self._calls, alone)
+        self._post, self._get = self._send.post, self._send.get  # each checked (`sending.py`)
+        self._owing = self._send.owing  # releases, give-backs owed
+        self._owed, self._key = self._owing.owed, self._send.key
         if shared_memory:
             self._server.map()
-
-    # ---- transport ---------------------------------------------------------------------
 
     @property
     def _lane(self) -> LaneConnections | None:
@@ -97,47 +115,11 @@ class Client(MappedView):
     def _lane(self, lane: LaneConnections | None) -> None:
         self._server.lane = lane
 
-    def _post(self, path: str, body: dict[str, Any], tenant: str = "default") -> dict[str, Any]:
-        headers, encoded = self._headers.for_tenant(tenant), wire.encode(body, True)
-        lane = self._lane  # one for the call: `Mapper.instance` may replace it
-        if lane is not None and path in frames.PATHS:
-            reply = lane.request(path, encoded, headers)
-            if reply is not None:  # None: the lane cannot be reached, and nothing was sent
-                return reply_body(reply)
-        return reply_body(self._http.request("POST", path, encoded, headers))
-
-    def _get(self, path: str) -> dict[str, Any]:
-        return reply_body(self._http.request("GET", path, None, self._headers.common))
-
-    def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
-        """`_post`, carrying the releases owed for `tenant` (`releases.py`), after giving back
-        what lost replies of that tenant may have been granted."""
-        self._owing.send_requests(self._owed.take_requests(tenant))
-        ids = self._owed.take(tenant)
-        try:
-            return self._post(path, {**body, "release": ids} if ids else body, tenant)
-        except BaseException:
-            if ids:
-                self._owing.owe_again(tenant, ids)
-            raise
-
-    def _post_granting(
-        self, kind: str, path: str, request: dict[str, Any], tenant: str
-    ) -> tuple[str, dict[str, Any]]:
-        """`_post_carrying` of a prefetch or reserve with a fresh token; a failure that may have
-        reached the server owes the token's give-back. The token and the reply."""
-        token = new_token()
-        try:
-            return token, self._post_carrying(path, {**request, "request": token}, tenant)
-        except BaseException as exc:
-            if may_have_reached(exc, REFUSALS):
-                self._owing.give_back(kind, token, tenant)
-            raise
-
     # ---- the engine contract ------------------------------------------------------------
 
     def lookup(self, tokens: Tokens, *, tenant: str = "default") -> LookupResult:
-        body = self._post("/v1/lookup", {"tokens": (packed := encode_tokens(tokens))}, tenant)
+        packed = encode_tokens(check_tokens(tokens))
+        body = self._post("/v1/lookup", {"tokens": packed}, tenant)
         return self._pools.lookup(body, len(packed) // 4)
 
     def prefetch(
@@ -150,6 +132,7 @@ class Client(MappedView):
     ) -> Lease:
         """Lease the cached prefix on the server's gpu tier. With `wait`, return it READY
         (waiting on the server, which bounds each wait); else as it is (`wait_for`)."""
+        check_flag("wait", wait)  # as the store checks it
         return self._prefetch(tokens, tenant, ttl_s, wait).lease
 
     def _prefetch(
@@ -159,8 +142,9 @@ class Client(MappedView):
         it surely holds its slots (`held.py`; `as_load`: a load's, counted as one:
         `pages.prefetch_body`)."""
         with self._calls.call():
+            tokens = check_tokens(tokens)
             request, asked_at = prefetch_body(tokens, ttl_s, wait, as_load), time.monotonic()
-            token, body = self._post_granting("lease", "/v1/prefetch", request, tenant)
+            token, body = self._send.granting("lease", "/v1/prefetch", request, tenant)
             with self._owing.keeping("lease", token, tenant):
                 instance = self._server.instance(body, "lease", tenant)
                 lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
@@ -174,13 +158,17 @@ class Client(MappedView):
                 raise
 
     def wait_for(self, lease: Lease, timeout_s: float | None = None) -> Lease:
-        """Wait for a pending lease on the server; the lease as it is then (READY, or ended:
-        `LeaseError` names the state; still pending after `timeout_s`: returned pending).
+        """Wait for a pending lease on the server; the lease as it is then (READY; ended:
+        `LeaseError`, naming the state the server reports, or for a lease it no longer holds,
+        released or reaped past its ttl, "unknown, released or expired": the server keeps no
+        ids of ended leases, so it never says "expired" alone; still pending after
+        `timeout_s`: returned pending).
         Without `timeout_s`, `WaitTimeoutError` past `WaitPacer.MOST_WAIT_S` (`transport.py`)."""
+        lease = waited(lease, timeout_s)
         pacer = WaitPacer(None if timeout_s is None else time.monotonic() + timeout_s)
         while True:
             asked_at, wait_s = pacer.ask()  # bounded without `timeout_s` too (`WaitPacer`)
-            body = self._lease_state(lease, wait_s)
+            body = self._send.lease_state(lease, wait_s)
             self._server.instance(body, "lease", None)  # another server's: its pools mapped
             fresh = self._pools.waited(body, lease, self.release)
             if fresh.state is not LeaseState.PENDING:
@@ -190,22 +178,14 @@ class Client(MappedView):
                 return fresh
             time.sleep(pacer.after(asked_at, wait_s))
 
-    def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
-        """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant; over the lane where it is
-        reached (`frames.PATHS`)."""
-        headers, lane = self._headers.for_tenant(lease.tenant), self._lane
-        if lane is not None:
-            request = wire.encode({"lease_id": lease.lease_id, "wait_s": wait_s}, True)
-            reply = lane.request("/v1/leases", request, headers)
-            if reply is not None:  # None: the lane cannot be reached, and nothing was sent
-                return reply_body(reply)
-        query = urllib.parse.urlencode({"wait_s": wait_s})
-        path = f"/v1/leases/{lease.lease_id}?{query}"
-        return reply_body(self._http.request("GET", path, None, headers))
-
     def release(self, lease: Lease | int) -> None:
         lease_id, tenant = release_of(lease)  # checked as the store checks it
-        self._post("/v1/release", {"lease_id": lease_id}, tenant)
+        self._post("/v1/release", {"lease_id": lease_id}, self._key.held(tenant))
+
+    def cancel(self, lease: Lease) -> None:
+        """`KVStore.cancel`: a pending lease cancelled, a ready one released (the server's
+        `/v1/release` ends a lease in either state); `LeaseError` if it is not live."""
+        self.release(lease_of(lease))
 
     def store(
         self,
@@ -216,12 +196,19 @@ class Client(MappedView):
         start: int = 0,
         layout: str = "layers",
     ) -> StoreResult:
+        """`KVStore.store`. `kv` is checked against the served layout and the tokens from
+        `start` on (`InvalidKVError`, `InvalidArgumentError`) before anything is sent, on the
+        shared-memory path and the body path alike. A reserve refused (`CapacityError`), or a
+        reservation that ended before its commit (`LeaseError`: the write into the mapped pool
+        outlasted its ttl; its slots stay quarantined on the server for
+        `policy.reservation_quarantine_s`), and `kv` is sent again in the body."""
         with self._calls.call():
             kind = kv_layout(layout)
-            tokens = token_array(tokens)  # checked once: the pools' check, reserve and body
+            tokens = token_array(check_tokens(tokens))  # checked once: check_kv, reserve, body
             self._server.refresh()  # a re-map that failed: asked again (`mapper.py`)
+            self.layout()  # the served pools: the layout `kv` is checked against, the body limit
+            self._pools.check_kv(tokens, kv, start, kind)
             if self._pools.buffers:
-                self._pools.check_kv(tokens, kv, start, kind)
                 try:
                     reservation, instance = self._reserve(tokens, tenant, None)
                 except CapacityError:  # over its quota or the tier: the body path, as `load`
@@ -233,10 +220,12 @@ class Client(MappedView):
                     except Exception:
                         self.abort(reservation)
                         raise
-                    return self.commit(reservation)
-                if reservation.num_tokens:
+                    try:
+                        return self.commit(reservation)
+                    except LeaseError:  # it ended before the commit (its ttl): the body path
+                        pass
+                elif reservation.num_tokens:
                     self.abort(reservation)
-            self.layout()  # the served pools say the server's body limit
             pieces = StorePieces(tokens, kv, start, kind, self._pools.served)
             while (body := pieces.next()) is not None:
                 pieces.add(self._post("/v1/store", body, tenant))
@@ -254,7 +243,7 @@ class Client(MappedView):
     ) -> LoadResult:
         with self._calls.call():
             kind, wanted = kv_layout(layout), check_device(device)
-            tokens = token_array(tokens)  # checked once: the prefetch reuses it
+            tokens = token_array(check_tokens(tokens))  # checked once: the prefetch reuses it
             pages = LoadPages(encode_tokens(tokens), start)  # the body path's replies
             self._server.refresh()  # a re-map that failed: asked again (`mapper.py`)
             dest = None
@@ -276,13 +265,15 @@ class Client(MappedView):
                         raise
                     if kv is None:  # not the pools mapped here: the body path
                         self._owing.owe(lease, tenant)  # released on a later request's way
-                    elif self._owing.settle(granted, tenant):  # held through the copy
+                    elif self._owing.settle(granted, tenant, kv):  # held through the copy
                         return LoadResult(lease.num_tokens, kv)
-                    else:  # it ended first: the copy thrown away, none of it left in `out`
-                        kv.zero_()
+                    else:  # it ended first: the copy zeroed, none of it left in `out`
                         dest = self._pools.destination(pages.asked, out, kind, wanted, start)
             while (request := pages.next()) is not None:  # a long prefix: several replies
-                pages.add(self._post("/v1/load", request, tenant))
+                body = self._post("/v1/load", request, tenant)
+                if body.get("truncated") is True and pages.block_tokens is None:
+                    pages.block_tokens = self.layout().block_tokens  # pages end on them
+                pages.add(body)
             return self._pools.loaded(pages, wanted, pages.asked, dest, start)
 
     def reserve(
@@ -293,24 +284,27 @@ class Client(MappedView):
     def _reserve(self, tokens: Tokens, tenant: str, ttl_s: float | None) -> ReservationFrom:
         """`reserve`, and the server instance of its reply."""
         with self._calls.call():
-            request: dict[str, Any] = {"tokens": encode_tokens(tokens)}
+            request: dict[str, Any] = {"tokens": encode_tokens(check_tokens(tokens))}
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
-            token, body = self._post_granting("reservation", "/v1/reserve", request, tenant)
+            token, body = self._send.granting("reservation", "/v1/reserve", request, tenant)
             with self._owing.keeping("reservation", token, tenant):
                 instance = self._server.instance(body, "reservation", tenant)
                 reservation = self._pools.reservation(body, request["tokens"])
             return reservation, instance
 
-    def commit(self, reservation: Reservation) -> StoreResult:
-        body = {"reservation_id": reservation.reservation_id}
-        reply = self._post("/v1/commit", body, reservation.tenant)
-        return self._pools.stored(reply, reservation.cached_tokens + reservation.num_tokens)
+    def commit(self, reservation: Reservation | int) -> StoreResult:
+        """`KVStore.commit`: a `Reservation`, or its id (of this client's tenant)."""
+        r = self._key.reserved(reservation)  # checked as the store checks it
+        reply = self._post("/v1/commit", {"reservation_id": r.reservation_id}, r.tenant)
+        return self._pools.stored(reply, r.most_tokens)
 
-    def abort(self, reservation: Reservation) -> None:
-        self._post("/v1/abort", {"reservation_id": reservation.reservation_id}, reservation.tenant)
+    def abort(self, reservation: Reservation | int) -> None:
+        """`KVStore.abort`: a `Reservation`, or its id (of this client's tenant)."""
+        r = self._key.reserved(reservation)
+        self._post("/v1/abort", {"reservation_id": r.reservation_id}, r.tenant)
 
-    def reset(self, *, tenant: str = "default") -> dict[str, Any]:
+    def reset(self, tenant: str = "default") -> dict[str, Any]:
         """`POST /v1/reset` (`KVStore.reset`): the tenant's KV forgotten; the reply checked."""
         return replies.reset(self._post("/v1/reset", {}, tenant))
 
@@ -334,9 +328,12 @@ class Client(MappedView):
         """Wait for the loads, stores, prefetches and reserves under way (up to `timeout_s`,
         default the client's; one called after is a `ClosedError`: `calls.py`), release and
         give back what is owed (sent until that bound, again), then close the connections and
-        unmap the pools. A call still under way then gives back what it is granted itself."""
+        forget the mapped pools (a tensor taken from `pool_buffer` before is still the live
+        pool's memory: it cannot be unmapped under it). A call still under way then gives back
+        what it is granted itself. In another process than the maker's: `ClosedError`."""
+        check_timeout(timeout_s)
         bound = self._timeout_s if timeout_s is None else timeout_s
-        self._calls.close(bound)
+        self._calls.close(bound)  # in a fork: `ClosedError`, nothing sent nor closed
         self._owing.close(time.monotonic() + bound)
         self._http.close()
         if (lane := self._lane) is not None:

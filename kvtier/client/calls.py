@@ -15,6 +15,12 @@ Contract:
 - `close(timeout_s)` (threads) / `aclose(timeout_s)` (the event loop): admit no more, then wait
   until none is under way, or `timeout_s` passed (what still runs then ends as before, its
   lease to the server's ttl); whether none was left. Thread-safe.
+- A client is its maker process's: its connections, lane and owed releases are shared with a
+  forked child, whose requests and replies would cross the parent's on the same sockets (a
+  child's load answered with the parent's prompt's KV). `check_process()` raises `ClosedError`
+  in any other process; `call()`, `close` and `aclose` check it first, and the clients check
+  it at every request (`arguments.KeyTenant.due`, a GET, a wait on a lease), before a socket
+  is touched.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -37,9 +44,19 @@ class Calls:
         self._cond = threading.Condition()
         self._running = 0
         self._closing = False
+        self._pid = os.getpid()  # the maker's (module doc)
+
+    def check_process(self) -> None:
+        """`ClosedError` unless this is the process that made the client (module doc)."""
+        if (pid := os.getpid()) != self._pid:
+            raise ClosedError(
+                f"this client was made in process {self._pid}, and process {pid} (a fork) cannot "
+                "use its connections: no request is sent; make one client per process"
+            )
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
+        self.check_process()
         inside = _INSIDE.get()
         if self in inside:
             yield  # part of a call already admitted
@@ -58,12 +75,14 @@ class Calls:
                 self._cond.notify_all()
 
     def close(self, timeout_s: float) -> bool:
+        self.check_process()
         own = self._own()
         with self._cond:
             self._closing = True
             return self._cond.wait_for(lambda: self._running <= own, timeout_s)
 
     async def aclose(self, timeout_s: float) -> bool:
+        self.check_process()
         own, deadline = self._own(), time.monotonic() + timeout_s
         with self._cond:
             self._closing = True

@@ -19,8 +19,15 @@ Contract:
 - A server that answers before it has read the whole body (a 413 for a body over its limit)
   and closes: the send fails, and the answer sent is read and returned all the same, so the
   caller gets the refusal rather than a broken pipe.
-- Every failure to connect, send or read, a timeout (`timeout_s`, each socket operation) and a
-  reply that is not HTTP is a `TransportError` naming the call; its connection is closed.
+- A call has `timeout_s` for the whole of it: connecting, sending its request and reading its
+  whole reply, head (interim `100 Continue` replies too) and body (`Deadline`); each socket
+  operation waits at most what is left, so a server that drips its reply a byte at a time
+  cannot hold a call past `timeout_s`. Past it: a `TransportError` naming the call and the
+  bound. (A load of 1 GiB through the body, the longest reply by default, takes about a second
+  on a local link; the default `timeout_s` is 120 s.)
+- Every failure to connect, send or read, a timeout, a reply that is not HTTP and a reply cut
+  short of its Content-Length (or with one that is no count) is a `TransportError` naming the
+  call; its connection is closed.
 - A reply body longer than `max_reply_bytes` (a Content-Length that says so, or bytes that
   keep coming) is a `ReplyError`: no more than that is read, and the connection is closed.
 - `close()` closes the idle connections; one in use is closed when its request ends. A request
@@ -30,12 +37,15 @@ Contract:
 from __future__ import annotations
 
 import http.client
+import io
+import math
 import re
 import select
 import socket
 import threading
+import time
 import urllib.parse
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvtier.errors import ClosedError, InvalidArgumentError, KVTierError, ReplyError
 
@@ -82,12 +92,13 @@ class Connections:
         self._base = parts.path.rstrip("/")
         self._timeout = timeout_s
         self._max_reply = max_reply_bytes
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[Deadline] = []
         self._lock = threading.Lock()
         self._closed = False
 
     def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Reply:
         conn = self._take()
+        conn.deadline = time.monotonic() + self._timeout  # the whole call's (module doc)
         sent: OSError | None = None  # the send's failure, when the server stopped reading
         try:
             try:
@@ -97,12 +108,19 @@ class Connections:
                     raise  # never connected, or a server that stopped reading: no answer
                 sent = exc  # the server may have answered before it stopped reading (413)
             try:
+                conn.sock.settimeout(conn.left())  # what `DeadlineResponse` has for the reply
                 response = conn.getresponse()
                 content = read_reply(response, self._max_reply, f"{method} {path}")
             except (OSError, http.client.HTTPException):
                 if sent is not None:
                     raise sent from None  # no early answer: the send's failure is the news
                 raise
+        except TimeoutError:
+            conn.close()
+            raise TransportError(
+                f"{method} {path}: TimeoutError: not done within timeout_s ({self._timeout} s: "
+                "connecting, sending and the whole reply)"
+            ) from None
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from None
@@ -122,21 +140,21 @@ class Connections:
         for conn in idle:
             conn.close()
 
-    def _take(self) -> http.client.HTTPConnection:
+    def _take(self) -> Deadline:
         while True:
             with self._lock:
                 if self._closed:
                     raise ClosedError("the client is closed: no request is sent")
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+                kind = DeadlineTLS if self._https else Deadline
                 return kind(self._host, self._port, timeout=self._timeout)
             sock = conn.sock
             if sock is not None and still_open(sock):
                 return conn
             conn.close()
 
-    def _give(self, conn: http.client.HTTPConnection) -> None:
+    def _give(self, conn: Deadline) -> None:
         with self._lock:
             if not self._closed:
                 self._idle.append(conn)
@@ -157,11 +175,19 @@ def still_open(sock: socket.socket) -> bool:
 
 def read_reply(response: http.client.HTTPResponse, limit: int, call: str) -> bytes:
     """`response`'s body, or `ReplyError` once it is known to pass `limit` bytes (before
-    reading any when its Content-Length says so; after `limit` + 1 bytes when it does not)."""
-    check_declared_length(response.getheader("content-length"), limit, call)
+    reading any when its Content-Length says so; after `limit` + 1 bytes when it does not).
+    A Content-Length that is no count (negative: http.client would read to the end of the
+    connection) or a body cut short of it is an `http.client.HTTPException` (`read(amt)`
+    returns a short read as it is), as httpx refuses both."""
+    length = response.getheader("content-length")
+    if length is not None and not length.strip().isdigit():
+        raise http.client.HTTPException(f"a Content-Length of {length!r:.40}, expected a count")
+    check_declared_length(length, limit, call)
     content = response.read(limit + 1)
     if len(content) > limit:
         raise reply_too_long(limit, call)
+    if response.length:  # what its Content-Length still said was to come (None: no header)
+        raise http.client.IncompleteRead(content, response.length)
     return content
 
 
@@ -177,3 +203,72 @@ def check_declared_length(length: str | None, limit: int, call: str) -> None:
 def reply_too_long(limit: int, call: str) -> ReplyError:
     """The error of a reply whose bytes passed `limit` as they came (both clients)."""
     return ReplyError(f"{call}: a reply of more than {limit} bytes (max_reply_bytes)")
+
+
+class Deadline(http.client.HTTPConnection):
+    """An `http.client` connection whose calls each end by `deadline` (monotonic; set before
+    each request): connecting, each send and each read of the reply wait at most what is left
+    of it, then `TimeoutError`."""
+
+    deadline = math.inf
+
+    def left(self) -> float:
+        """The seconds left until `deadline`; `TimeoutError` once none are."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        return left
+
+    def connect(self) -> None:
+        self.timeout = self.left()
+        super().connect()
+
+    def send(self, data: Any) -> None:
+        if self.sock is not None:  # None: `connect` first, within what is left
+            self.sock.settimeout(self.left())
+        super().send(data)
+
+    def response_class(  # type: ignore[override]  # a factory that hands on the deadline
+        self, sock: socket.socket, debuglevel: int = 0, method: str | None = None
+    ) -> http.client.HTTPResponse:
+        return DeadlineResponse(sock, self.deadline, debuglevel, method)
+
+
+class DeadlineTLS(Deadline, http.client.HTTPSConnection):
+    """`Deadline` over TLS (its handshake within what is left too)."""
+
+
+class DeadlineResponse(http.client.HTTPResponse):
+    """A reply read by `deadline`: its head (status line, interim replies, headers) and body
+    through `Until`, so each read of the socket waits at most what is left."""
+
+    def __init__(
+        self, sock: socket.socket, deadline: float, debuglevel: int = 0, method: str | None = None
+    ) -> None:
+        super().__init__(sock, debuglevel, method)
+        # the socket's reader made above (unread; it keeps the socket open for this reply
+        # after the connection lets go of it, as http.client's does), read through `Until`
+        self.fp = io.BufferedReader(Until(self.fp.detach(), sock, deadline))
+
+
+class Until(io.RawIOBase):
+    """`raw` (a socket's reader), each read waiting at most until `deadline` (then
+    `TimeoutError`); closing it closes `raw`."""
+
+    def __init__(self, raw: io.RawIOBase, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self.source, self.sock, self.deadline = raw, sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        self.sock.settimeout(left)
+        return self.source.readinto(buffer)
+
+    def close(self) -> None:
+        self.source.close()
+        super().close()

@@ -15,17 +15,19 @@ Contract:
   `RETRY_S` (`dead`), when it tries once more (a server that had no connection to spare may
   have one then). Safe from any number of threads: each call holds a connection of its own,
   taken from the idle ones or opened.
-- Once a request is sent, every failure (a reset, a timeout after `timeout_s`, a reply cut
-  short) is a `TransportError` and its connection is closed; a request is never sent twice,
-  but for a goodbye: the server's `frames.GOODBYE` read where the reply was expected (or,
-  where sending failed, the next bytes on the connection) says the server ended the
-  connection between calls and answers none of the request (`service/lane.py`: "Goodbye"),
-  so the call is sent once more on a new connection, and over HTTP (`None`) where that one
-  cannot be opened or says goodbye too (a server stopping). An idle connection the server has
-  closed (it ends one idle for 10 minutes, or the one idle longest to make room at its
-  connection bound, its goodbye pending) is found before it is used and replaced. A
-  connection is opened only to send a call at once (the server closes one that sends none
-  within seconds).
+- A call has `timeout_s` for the whole of it (sending its frame and reading its whole reply;
+  opening a connection, to the server's hello, within it too): a server that drips its reply a
+  byte at a time cannot hold it longer. Once a request is sent, every failure (a reset, past
+  `timeout_s`, a reply cut short) is a `TransportError` and its connection is closed; a
+  request is never sent twice, but for a goodbye: the server's `frames.GOODBYE` read where the
+  reply was expected (or, where sending failed, the next bytes on the connection) says the
+  server ended the connection between calls and answers none of the request
+  (`service/lane.py`: "Goodbye"), so the call is sent once more on a new connection, and
+  over HTTP (`None`) where that one cannot be opened or says goodbye too (a server stopping).
+  An idle connection the server has closed (it ends one idle for 10 minutes, or the one idle
+  longest to make room at its connection bound, its goodbye pending) is found before it is
+  used and replaced. A connection is opened only to send a call at once (the server closes one
+  that sends none within seconds).
 - A reply is untrusted: a frame longer than `max_reply_bytes`, or that is not
   `[status, body bytes]`, is a `ReplyError` (no more than the limit is read).
 - `retire()`: the lane of a server that is gone (the client re-mapped the pools of a server
@@ -94,29 +96,38 @@ class LaneConnections(_Dead):
         data = frames.frame(request)
         if self.too_long(data):
             return None  # HTTP: unsent
+        deadline = time.monotonic() + self.timeout_s  # the whole call's (module doc)
         for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
             sock = self._take(fresh)
             if sock is None:
                 return None
-            reply = self._send(sock, data, call)
+            reply = self._send(sock, data, call, deadline)
             if reply is not _GOODBYE:
                 self._give(sock)
                 status, content = _reply(reply, call)
                 return Reply(status, wire.MSGPACK, content, path)
         return None  # a goodbye on a new connection too (a server stopping): HTTP, unsent
 
-    def _send(self, sock: socket.socket, data: bytes, call: str) -> Any:
-        """The reply to `data` on `sock`, or `_GOODBYE` (`sock` closed) where the server ended
-        the connection between calls and answers none of it (module doc)."""
+    def _send(self, sock: socket.socket, data: bytes, call: str, deadline: float) -> Any:
+        """The reply to `data` on `sock`, whole by `deadline` (monotonic), or `_GOODBYE` (`sock`
+        closed) where the server ended the connection between calls and answers none of it
+        (module doc)."""
         try:
             try:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-6))
                 sock.sendall(data)
             except OSError:  # ended, or stalled: said goodbye before it was ended, or not
                 if frames.heard_goodbye(sock):
                     sock.close()
                     return _GOODBYE
                 raise
-            reply = _read_frame(sock, self.limit, call)
+            reply = _read_frame(sock, self.limit, call, deadline)
+        except TimeoutError:
+            sock.close()
+            raise TransportError(
+                f"{call}: TimeoutError: not done within timeout_s ({self.timeout_s} s: sending "
+                "and the whole reply)"
+            ) from None
         except OSError as exc:
             sock.close()
             raise TransportError(f"{call}: {type(exc).__name__}: {exc}") from None
@@ -162,9 +173,11 @@ class LaneConnections(_Dead):
         """A new connection past the server's hello, or None (and `dead`) without one."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
         try:
             sock.connect(self.address)
-            hello = _read_frame(sock, 64, "the lane's hello") if frames.same_user(sock) else None
+            ours = frames.same_user(sock)
+            hello = _read_frame(sock, 64, "the lane's hello", deadline) if ours else None
         except (OSError, ReplyError):
             hello = None
         if hello != frames.HELLO:  # not there, not our user's, or not a lane
@@ -241,6 +254,12 @@ class AsyncLaneConnections(_Dead):
                     writer.close()  # the write failed at once, after a goodbye still unread
                     return _GOODBYE
                 reply = await _read_frame_async(reader, self.limit, call)  # or one read
+        except TimeoutError:
+            writer.close()
+            raise TransportError(
+                f"{call}: TimeoutError: not done within timeout_s ({self.timeout_s} s: sending "
+                "and the whole reply)"
+            ) from None
         except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
             writer.close()
             raise TransportError(f"{call}: {type(exc).__name__}: {exc}") from None
@@ -322,13 +341,14 @@ async def _read_frame_async(reader: asyncio.StreamReader, limit: int, call: str)
     return _decoded(await reader.readexactly(length), call)
 
 
-def _read_frame(sock: socket.socket, limit: int, call: str) -> Any:
-    """The next frame's decoded value; `ReplyError` for one longer than `limit` (unread) or
-    not msgpack; `OSError` (EOF included) when the connection ends first."""
-    (length,) = frames.LENGTH.unpack(frames.read_exactly(sock, frames.LENGTH.size))
+def _read_frame(sock: socket.socket, limit: int, call: str, deadline: float) -> Any:
+    """The next frame's decoded value, whole by `deadline` (monotonic; `TimeoutError` past
+    it); `ReplyError` for one longer than `limit` (unread) or not msgpack; `OSError` (EOF
+    included) when the connection ends first."""
+    (length,) = frames.LENGTH.unpack(frames.read_exactly(sock, frames.LENGTH.size, deadline))
     if length > limit:
         raise reply_too_long(limit, call)
-    return _decoded(frames.read_exactly(sock, length), call)
+    return _decoded(frames.read_exactly(sock, length, deadline), call)
 
 
 def _decoded(payload: bytes, call: str) -> Any:

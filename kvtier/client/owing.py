@@ -5,15 +5,19 @@ Two kinds of debt (`releases.py` holds them): the releases of shared-memory load
 the give-backs, by request token, of what prefetches and reserves whose replies were lost may
 have been granted. The flusher thread (started with the first debt) sends each as it falls due;
 a prefetch or reserve gives back its tenant's tokens before it is sent (`send_requests`), and
-`close(deadline)` sends the rest until `deadline`.
+`close(deadline)` sends the rest until `deadline`: it waits for a flush under way until then
+(no longer), and starts no send past it; a send under way ends within its own call's bound (the
+client's `timeout_s`, the whole call: `connections.py`), so `close` ends by `deadline` plus at
+most one call's `timeout_s` (`AsyncOwing.close` by `deadline`: its sends are cancelled there).
 
 Contract:
 - `give_back(kind, token, tenant)` owes a token; once closed (nothing would send it) it is sent
   at once on a connection of its own (`alone`), so a reply that came after `close()` leaves
   nothing held. `keeping(kind, token, tenant)` wraps the reading of a granted reply: a failure
   gives the grant back, and so does a reply that came after `close()` (then `ClosedError`).
-- `settle(granted, tenant)`: a shared-memory load's lease, its copy done: whether the lease held
-  its slots until then (`held.py`), its release owed or sent.
+- `settle(granted, tenant, copy)`: a shared-memory load's lease, its copy done: whether the
+  lease held its slots until then (`held.py`), its release owed or sent; a copy not proven
+  held is zeroed, whatever ends the release (a `LeaseError`, a dead server, a cancel).
 - The flusher holds its `Owing` weakly between waits of at most a second: a client dropped
   without `close()` is collected and its thread ends (the server's ttl ends what it owed).
 - Sending: a `KVTierError` (a lease already ended, a transport failure) is passed over; the
@@ -32,6 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
+import torch
 
 from kvtier.client.held import LeaseFrom
 from kvtier.client.releases import GIVE_BACK_PATHS, OwedReleases, Request
@@ -115,19 +120,24 @@ class Owing:
             self.give_back(kind, token, tenant)
             raise ClosedError(f"the client closed while its {kind} was asked: given back")
 
-    def settle(self, granted: LeaseFrom, tenant: str) -> bool:
-        """A load's lease, its copy out of the mapped pool done: whether the lease held its
+    def settle(self, granted: LeaseFrom, tenant: str, copy: torch.Tensor) -> bool:
+        """A load's lease, its `copy` out of the mapped pool done: whether the lease held its
         slots until now (`held.py`). Surely so by time: its release owed, True. Else released
         now: True once answered, False for a `LeaseError` (it ended first: the copy may be
-        another prompt's). Another failure of that release owes it again, and propagates."""
+        another prompt's). Another failure of that release owes it again, and propagates.
+        Unless True, `copy` is zeroed first: no byte of a copy not proven held is left in the
+        caller's `out` (before, a release cut off by a dead server or a cancel left there
+        another tenant's KV, read after the lease ended)."""
         if granted.held_now():
             self.owe(granted.lease, tenant)
             return True
         try:
             self._post("/v1/release", {"lease_id": granted.lease.lease_id}, tenant)
         except LeaseError:
+            copy.zero_()
             return False
         except BaseException:
+            copy.zero_()
             self.owe(granted.lease, tenant)
             raise
         return True
@@ -151,14 +161,15 @@ class Owing:
                 self._post(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
 
     def close(self, deadline: float) -> None:
-        """Closed from now (a give-back is sent alone); the flusher ended; what is owed sent
-        until `deadline`."""
+        """Closed from now (a give-back is sent alone); the flusher ended (waited for until
+        `deadline`: a send under way ends within its call's bound); what is owed sent until
+        `deadline`."""
         with self._wake:
             self.closed = True
             self._wake.notify()
             flusher = self._flusher
         if flusher is not None:
-            flusher.join()
+            flusher.join(max(0.0, deadline - time.monotonic()))
         self.send_requests(self.owed.take_requests(), deadline)
         self.send_releases(self.owed.take_due(math.inf), deadline)
 
@@ -255,7 +266,7 @@ class AsyncOwing:
             await self.give_back(kind, token, tenant)
             raise ClosedError(f"the client closed while its {kind} was asked: given back")
 
-    async def settle(self, granted: LeaseFrom, tenant: str) -> bool:
+    async def settle(self, granted: LeaseFrom, tenant: str, copy: torch.Tensor) -> bool:
         """`Owing.settle`."""
         if granted.held_now():
             self.owe(granted.lease, tenant)
@@ -263,16 +274,26 @@ class AsyncOwing:
         try:
             await self._post("/v1/release", {"lease_id": granted.lease.lease_id}, tenant)
         except LeaseError:
+            copy.zero_()
             return False
         except BaseException:
+            copy.zero_()
             self.owe(granted.lease, tenant)
             raise
         return True
 
     async def close(self, deadline: float) -> None:
+        """Closed from now; the flushes under way and then what is owed sent until `deadline`
+        (monotonic), no later: a send under way then is cancelled (its debt left to the
+        server's ttl)."""
         self.closed = True
         self._cancel()
-        if self._flushes:
-            await asyncio.gather(*self._flushes, return_exceptions=True)
-        await self.flush(deadline, everything=True)
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(loop.time() + deadline - time.monotonic()):
+                if self._flushes:
+                    await asyncio.gather(*self._flushes, return_exceptions=True)
+                await self.flush(deadline, everything=True)
+        for task in list(self._flushes):  # past `deadline`: no flush outlives `close`
+            task.cancel()
         self._cancel()

@@ -14,8 +14,10 @@ truncated, and joins the parts (`MappedPools.loaded`).
 
 The server is not trusted with the loop's end: a truncated reply must end past its own start
 and within the tokens sent (`ReplyError` otherwise), so a server cannot keep a client asking
-for ever; `truncated` must be a bool. A server before this protocol never sends `truncated`:
-one reply, as before.
+for ever; `truncated` must be a bool. Its end must be a block boundary too, where the layout is
+known (`block_tokens`: a server's pages are whole blocks), so a server cannot make a long load
+take a request a token (quadratic bytes: the tokens are sent again with each). A server before
+this protocol never sends `truncated`: one reply, as before.
 
 Each page is a load of its own on the server, so the prefix may be evicted between two: a later
 page then ends before its own start (its KV empty). The load ends where the pages before it
@@ -44,8 +46,12 @@ from kvtier.service.replies import Pools
 
 
 class LoadPages:
-    def __init__(self, packed: bytes, start: int) -> None:
+    def __init__(self, packed: bytes, start: int, block_tokens: int | None = None) -> None:
+        """A load of the tokens `packed` from `start`. `block_tokens`: the served layout's, which
+        a truncated reply must end on (None: not known; the client sets it before it `add`s a
+        truncated reply, asking the layout then)."""
         self.packed, self.asked = packed, len(packed) // 4
+        self.block_tokens = block_tokens
         self.replies: list[tuple[int, dict[str, Any]]] = []
         self._next: int | None = start
 
@@ -67,10 +73,12 @@ class LoadPages:
         if not truncated:
             return
         end = body.get("num_tokens")
-        if type(end) is not int or not start < end < self.asked:
+        bt = self.block_tokens or 1
+        if type(end) is not int or not start < end < self.asked or end % bt:
+            blocks = f"a block boundary (of {bt} tokens) " if bt > 1 else "a token "
             raise ReplyError(
-                f"load.num_tokens: got {shown(end)} in a truncated reply, expected a token past "
-                f"{start} and before the {self.asked} asked"
+                f"load.num_tokens: got {shown(end)} in a truncated reply from {start}, expected "
+                f"{blocks}past {start} and before the {self.asked} asked"
             )
         self._next = end
 

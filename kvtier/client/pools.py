@@ -42,6 +42,8 @@ Invariants:
 - A load reply in the body is checked against the prompt before it is returned or a byte of
   it lands in the caller's `out`: no more tokens than were asked, in whole blocks where the
   layout is known (`ReplyError`).
+- A caller's `out` is never memory of a pool mapped here (`destination`: a view of
+  `pool_buffer` is refused before anything is asked), so a load writes no server slot.
 """
 
 from __future__ import annotations
@@ -222,11 +224,13 @@ class MappedPools:
     ) -> Destination:
         """Where a load of `asked` tokens from token `start` writes: `start` and `out` checked
         against the served layout (`InvalidArgumentError`, `InvalidKVError`, before anything
-        is asked of the server), or a new tensor on `device` (the CPU)."""
+        is asked of the server), `out` apart from every pool mapped here (a view of one, e.g.
+        of `pool_buffer`, would write the server's slots: `InvalidArgumentError` naming `out`),
+        or a new tensor on `device` (the CPU)."""
         assert self.served is not None, "the layout is known before a load in a caller's layout"
-        layout = self.served.layout
+        layout, cpu = self.served.layout, torch.device("cpu")
         check_start(start, asked, layout.block_tokens)
-        return Destination.of(layout, kind, asked - start, out, device, torch.device("cpu"))
+        return Destination.of(layout, kind, asked - start, out, device, cpu, self.buffers)
 
     def loaded(
         self,

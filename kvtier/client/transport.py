@@ -11,6 +11,7 @@ raised, so a message of ours never carries a terminal escape or a forged line.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
@@ -101,23 +102,33 @@ async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: i
     reads: `limit` bytes of it at most, a `ReplyError` past them (as the blocking client's
     `read_reply`), raw (a content encoding is not undone: kvtier's server sends none, and
     asks for none); httpx's transport failures as `TransportError`, a call after `aclose()` as
-    `ClosedError`."""
+    `ClosedError`. The whole call (connecting, sending, the whole reply) has the client's
+    timeout (`AsyncClient`'s `timeout_s`; httpx's own bounds each read only, so a reply
+    dripped a byte at a time would never end): past it, a `TransportError` naming the call
+    and the bound, as `Connections.request`'s."""
     call = f"{request.method} {request.url.path}"
     if client.is_closed:  # httpx refuses with a bare RuntimeError: the blocking client's error
         raise ClosedError(f"{call}: the client is closed: no request is sent")
+    bound = client.timeout.read
     chunks: list[bytes] = []
     try:
-        response = await client.send(request, stream=True)
-        try:
-            check_declared_length(response.headers.get("content-length"), limit, call)
-            size = 0
-            async for chunk in response.aiter_raw():
-                size += len(chunk)
-                if size > limit:
-                    raise reply_too_long(limit, call)
-                chunks.append(chunk)
-        finally:
-            await response.aclose()
+        async with asyncio.timeout(bound):
+            response = await client.send(request, stream=True)
+            try:
+                check_declared_length(response.headers.get("content-length"), limit, call)
+                size = 0
+                async for chunk in response.aiter_raw():
+                    size += len(chunk)
+                    if size > limit:
+                        raise reply_too_long(limit, call)
+                    chunks.append(chunk)
+            finally:
+                await response.aclose()
+    except TimeoutError:
+        raise TransportError(
+            f"{call}: TimeoutError: not done within timeout_s ({bound} s: connecting, sending and "
+            "the whole reply)"
+        ) from None
     except httpx.TransportError as exc:
         raise TransportError(f"{call}: {type(exc).__name__}: {exc}") from None
     content_type = response.headers.get("content-type")
