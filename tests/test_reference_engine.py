@@ -190,6 +190,7 @@ def test_under_triton_the_reuse_matches_a_cold_run_as_well(
         run_b_over_cached_a(model, store, prompts, "gpu")
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_prompt_cached_whole_still_computes_its_last_token(
     model: Llama, prompts: tuple[list[int], list[int]]
 ) -> None:

@@ -154,6 +154,7 @@ def test_the_async_client_outlives_a_restart_the_same_way(tmp_path: Path) -> Non
         assert after["lane"] > before["lane"]
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_lease_of_another_instance_is_never_read_through_the_mapping(tmp_path: Path) -> None:
     tokens = list(range(300, 300 + 4 * BT))
     with restartable(tmp_path) as (config, port, started):
