@@ -27,6 +27,7 @@ from kvtier.client.arguments import (
     KeyTenant,
     check_flag,
     check_options,
+    check_timeout,
     check_tokens,
     waited,
 )
@@ -347,7 +348,8 @@ class AsyncClient(AsyncSender, MappedView):
     async def aclose(self, timeout_s: float | None = None) -> None:
         """As `Client.close`: wait for the calls under way that may owe a release (up to
         `timeout_s`, default the client's), release and give back what is owed (until that
-        bound again), then close the connections and unmap the pools."""
+        bound again), then close the connections and forget the mapped pools (`Client.close`)."""
+        check_timeout(timeout_s)
         bound = self._timeout_s if timeout_s is None else timeout_s
         await self._calls.aclose(bound)
         await self._owing.close(time.monotonic() + bound)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 
 from kvtier.errors import ClosedError
+from kvtier.home import generation
 
 POLL_S = 0.005
 """How often `aclose` looks whether the calls under way have ended."""
@@ -44,14 +45,14 @@ class Calls:
         self._cond = threading.Condition()
         self._running = 0
         self._closing = False
-        self._pid = os.getpid()  # the maker's (module doc)
+        self._pid, self._generation = os.getpid(), generation()  # the maker's (module doc)
 
     def check_process(self) -> None:
         """`ClosedError` unless this is the process that made the client (module doc)."""
-        if (pid := os.getpid()) != self._pid:
+        if generation() != self._generation:  # a fork since: no system call per check
             raise ClosedError(
-                f"this client was made in process {self._pid}, and process {pid} (a fork) cannot "
-                "use its connections: no request is sent; make one client per process"
+                f"this client was made in process {self._pid}, and process {os.getpid()} (a "
+                "fork) cannot use its connections: no request is sent; make one client per process"
             )
 
     @contextlib.contextmanager

@@ -98,7 +98,7 @@ class LaneConnections(_Dead):
             return None  # HTTP: unsent
         deadline = time.monotonic() + self.timeout_s  # the whole call's (module doc)
         for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
-            sock = self._take(fresh)
+            sock = self._take(fresh, deadline)
             if sock is None:
                 return None
             reply = self._send(sock, data, call, deadline)
@@ -113,8 +113,11 @@ class LaneConnections(_Dead):
         closed) where the server ended the connection between calls and answers none of it
         (module doc)."""
         try:
+            left = deadline - time.monotonic()
+            if left <= 0:  # spent before a byte went: nothing sent (the server does nothing)
+                raise TimeoutError
             try:
-                sock.settimeout(max(deadline - time.monotonic(), 1e-6))
+                sock.settimeout(left)
                 sock.sendall(data)
             except OSError:  # ended, or stalled: said goodbye before it was ended, or not
                 if frames.heard_goodbye(sock):
@@ -154,8 +157,9 @@ class LaneConnections(_Dead):
         for sock in idle:
             sock.close()
 
-    def _take(self, fresh: bool = False) -> socket.socket | None:
-        """An idle connection the server has not closed, or a new one (`fresh`: always)."""
+    def _take(self, fresh: bool, deadline: float) -> socket.socket | None:
+        """An idle connection the server has not closed, or a new one (`fresh`: always) whose
+        hello came by the call's `deadline`."""
         while True:
             with self._lock:
                 if self._closed:
@@ -164,16 +168,16 @@ class LaneConnections(_Dead):
                     return None
                 sock = self._idle.pop() if self._idle and not fresh else None
             if sock is None:
-                return self._open()
+                return self._open(deadline)
             if still_open(sock):
                 return sock  # the server has not closed it
             sock.close()
 
-    def _open(self) -> socket.socket | None:
-        """A new connection past the server's hello, or None (and `dead`) without one."""
+    def _open(self, deadline: float) -> socket.socket | None:
+        """A new connection past the server's hello, by the call's `deadline` (monotonic), or
+        None (and `dead`) without one."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
-        deadline = time.monotonic() + self.timeout_s
+        sock.settimeout(max(deadline - time.monotonic(), 1e-6))
         try:
             sock.connect(self.address)
             ours = frames.same_user(sock)
@@ -225,11 +229,12 @@ class AsyncLaneConnections(_Dead):
         data = frames.frame(request)
         if self.too_long(data):
             return None  # HTTP: unsent
+        deadline = asyncio.get_running_loop().time() + self.timeout_s  # the whole call's
         for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
-            stream = await self._take(fresh)
+            stream = await self._take(fresh, deadline)
             if stream is None:
                 return None
-            reply = await self._send(stream, data, call)
+            reply = await self._send(stream, data, call, deadline)
             if reply is not _GOODBYE:
                 if self._closed or self.retry_at == math.inf:
                     stream[1].close()
@@ -241,12 +246,18 @@ class AsyncLaneConnections(_Dead):
         return None  # a goodbye on a new connection too (a server stopping): HTTP, unsent
 
     async def _send(
-        self, stream: tuple[asyncio.StreamReader, asyncio.StreamWriter], data: bytes, call: str
+        self,
+        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        data: bytes,
+        call: str,
+        deadline: float,
     ) -> Any:
-        """`LaneConnections._send` on a stream."""
+        """`LaneConnections._send` on a stream, `deadline` on the loop's clock."""
         reader, writer = stream
         try:
-            async with asyncio.timeout(self.timeout_s):
+            if deadline <= asyncio.get_running_loop().time():
+                raise TimeoutError  # spent before a byte went: nothing sent
+            async with asyncio.timeout_at(deadline):
                 writer.write(data)
                 if not writer.is_closing():
                     await writer.drain()
@@ -285,7 +296,7 @@ class AsyncLaneConnections(_Dead):
             writer.close()
 
     async def _take(
-        self, fresh: bool = False
+        self, fresh: bool, deadline: float
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         if self._closed:
             raise ClosedError("the client is closed: no request is sent")
@@ -299,7 +310,7 @@ class AsyncLaneConnections(_Dead):
             return None
         stream = None
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout_at(deadline):  # the call's: its hello within it
                 stream = await asyncio.open_unix_connection(self.address)
                 ours = frames.same_user(stream[1].get_extra_info("socket"))
                 hello = await _read_frame_async(stream[0], 64, "the lane's hello") if ours else None
