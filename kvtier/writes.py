@@ -341,8 +341,8 @@ class Writes:
             tier = next(iter(self._tiers(match, new_blocks, reserver is not None)), None)
             if tier is None:
                 return 0
-            if reserver is not None:
-                holding = self.holding(reserver, namespace, tier)
+            if reserver is not None:  # as `place` checks it, the prefix pin held (on gpu)
+                holding = self.holding(reserver, namespace, tier) + (locking if tier == GPU else 0)
                 if not self.shares.fits(reserver, tier, holding, new_blocks):
                     return 0
             need = min(new_blocks, self.state.host.num_slots)

@@ -178,15 +178,18 @@ class Background:
         call making room for itself, as `Demoter.make_room` takes them)."""
         if self.pressure(tier) <= trigger:
             return
-        lower = tier + 1
+        floors, lower = self.index.residency.floors, tier + 1
+        left = None if owner or not floors else {n for n in floors if self._spare(n, tier) > 0}
         for ref in self.index.victims(tier, owner):
             over = self.pressure(tier) - goal
-            if over <= 0 or self._demoting[tier] >= MAX_DEMOTIONS:
-                return
+            if over <= 0 or self._demoting[tier] >= MAX_DEMOTIONS or left == set():
+                return  # (none with blocks to spare: no walk of every victim under the lock)
             namespace = ref.node.root.ids
             spare = BATCH if namespace == owner else self._spare(namespace, tier)
-            if spare <= 0:
-                continue  # its flights will take it to its floor: left, as a pass leaves it
+            if spare <= 0:  # its flights will take it to its floor: left, as a pass leaves it
+                if left is not None:
+                    left.discard(namespace)
+                continue
             action = decide(self.state, ref, tier, self.admission)
             if action is Action.CLEAR:
                 self.pools[tier].free([self.index.clear_slot(ref, tier)])
