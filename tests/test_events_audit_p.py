@@ -187,7 +187,7 @@ def test_a_replay_is_answered_soon_after_a_flood_of_requests() -> None:
                     pass
         assert sent > 20_000
         start, got = time.monotonic(), list[list[bytes]]()
-        while time.monotonic() - start < 1.0 and not (got and got[-1][2] == END_SEQ):
+        while time.monotonic() - start < 3.0 and not (got and got[-1][2] == END_SEQ):  # was 10-14 s
             legit = ctx.socket(zmq.DEALER)  # a router asks again, as a subscriber does
             legit.connect(pub.replay_endpoint)
             legit.send_multipart([b"", bytes(8)])
@@ -197,7 +197,7 @@ def test_a_replay_is_answered_soon_after_a_flood_of_requests() -> None:
                 if got[-1][2] == END_SEQ:
                     break
             legit.close(linger=0)
-        assert got and got[-1][2] == END_SEQ, f"no answer in 1 s after {sent} requests"
+        assert got and got[-1][2] == END_SEQ, f"no answer in 3 s after {sent} requests"
         assert len(got) == 1 + pub.sent()
     finally:
         ctx.destroy(linger=0)
