@@ -145,7 +145,7 @@ def test_ids_match_the_recorded_values() -> None:
     assert b"".join(ids_of(hasher)).hex() == EXPECTED_IDS
 
 
-@pytest.mark.parametrize("hash_seed", ["0", "12345"])
+@pytest.mark.parametrize("hash_seed", ["0", pytest.param("12345", marks=pytest.mark.slow)])
 def test_ids_are_the_same_in_another_process(hash_seed: str) -> None:
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
     child = subprocess.run(

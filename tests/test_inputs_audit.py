@@ -316,6 +316,7 @@ def test_a_capacity_larger_than_the_machine_stops_the_start_naming_it(tmp_path: 
     refused(run("info", "--config", str(path), cwd=tmp_path), "tiers.host.capacity", "allocate")
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_serve_checks_host_and_port_as_the_config_does(tmp_path: Path) -> None:
     state = f"service: {{state_dir: {tmp_path / 'state'}, shared_memory: false}}\n"
     path = config(tmp_path, SMALL_TIERS + state)

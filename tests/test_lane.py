@@ -270,6 +270,7 @@ def test_a_lane_name_from_the_server_is_checked_and_one_out_of_reach_leaves_http
         assert gone.calls == 0
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_stopping_server_ends_its_lane_connections(tmp_path: Path) -> None:
     live = start(write_config(tmp_path))
     try:

@@ -51,6 +51,7 @@ def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
     return bool(predicate())
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_router_rebuilds_a_pod_from_its_snapshot_and_follows_it_from_there(
     server: tuple[Server, str],
 ) -> None:

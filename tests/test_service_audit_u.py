@@ -192,6 +192,7 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield live
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_frames_waiting_for_room_do_not_keep_another_off_the_lane(tight: Server) -> None:
     stalled, body_length = stall_every_connection(tight)
     try:
