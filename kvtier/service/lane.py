@@ -77,9 +77,9 @@ goodbye where it expected a reply sends the call again (`kvtier/client/lane.py`)
 crossed the close is not lost to a `TransportError`. A frame begun when its connection is ended
 (for room, or by `stop`), its body read or not, is not answered either (it was not read whole).
 Ending one answering a call, or one too slow mid-frame, writes no goodbye. `stop` (SIGTERM) ends
-the idle ones (a frame still read among them) at once and each one answering a call once its
-reply is sent (as HTTP finishes the requests in progress); only one still answering after
-`STOP_S` is cut.
+the idle ones at once and each one answering a call, or still reading one (`reading`: room-making
+may end it, `stop` does not), once its reply is sent (as HTTP finishes the requests in
+progress); only one still at it after `STOP_S` is cut.
 
 Hostile input: a frame longer than `frame_limit(config)` (the tokens `service.max_tokens`
 allows, and 1 MiB of fields) closes the connection before its body is read; one slower than
@@ -166,7 +166,7 @@ class Lane:
             self._stopping = True  # a reply sent from now ends its connection (`_mark`)
             open_now = list(self._open.items())
             for conn, state in open_now:
-                if not state.answering:  # idle: its client may send its call again
+                if not state.answering and not state.reading:  # idle: its client sends again
                     self._end(conn)
                     frames.say_goodbye(conn)
         deadline = time.monotonic() + STOP_S
@@ -226,7 +226,7 @@ class Lane:
         the caller ends it (`GOODBYE`), which wakes its thread from a read of a frame."""
         self._open.pop(conn).end()
 
-    def _mark(self, conn: socket.socket, answering: bool) -> bool:
+    def _mark(self, conn: socket.socket, answering: bool, reading: bool = False) -> bool:
         """Mark `conn` answering a call (not to be ended for room), or idle again from now (a
         frame begun, a reply sent); False when it was ended (for room, or by `stop`) already:
         a thread writes on its connection only while marked answering, so `GOODBYE` is the
@@ -239,7 +239,7 @@ class Lane:
                 self._end(conn)
                 frames.say_goodbye(conn)
                 return False
-            state.answering = answering
+            state.answering, state.reading = answering, reading and not answering
             if not answering:
                 state.since = time.monotonic()
             return True
@@ -260,7 +260,7 @@ class Lane:
                 except TimeoutError:  # idle past its bound: ended with `GOODBYE`
                     self._end_idle(conn)
                     return
-                if not self._mark(conn, False):  # (its connection the last one to end for room)
+                if not self._mark(conn, False, reading=True):  # (the last one ended for room)
                     return
                 deadline = time.monotonic() + self.timeout_s
                 rest = frames.read_exactly(conn, frames.LENGTH.size - 1, deadline)

@@ -39,6 +39,7 @@ class Connection:
     def __init__(self, thread: threading.Thread) -> None:  # answering its hello at first
         self.thread, self.since, self.answering = thread, time.monotonic(), True
         self.ended = False
+        self.reading = False  # a frame begun, not yet admitted: `stop` waits for it, room does not
         self.taking: concurrent.futures.Future[None] | None = None  # its wait for room
 
     def end(self) -> None:
