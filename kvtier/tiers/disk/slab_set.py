@@ -42,8 +42,11 @@ would plan the same write again at once: an idle server spun a core at ~7k refus
 second. `WriteBackoff` turns refusals into waits: after a batch with a refused write (or sync,
 or retire) no background write is planned for `delay_s`, which starts at `FIRST_S` and doubles
 with every further refused batch up to `MAX_S`; the first batch that is written whole resets
-it. Callers that need a write now (a persist, a store below a disk-only prefix) still try; the
-disk tier reports the figures in its status (`backoff_s`, `last_write_error`).
+it. Only a refusal after a wait has ended doubles it: the batches of one burst (the mover's
+flights in the air together, a copy and the retire of its slots) fail together and count once,
+so that a disk that is full for a moment is not left alone for `MAX_S` after one burst.
+Callers that need a write now (a persist, a store below a disk-only prefix) still try; the disk
+tier reports the figures in its status (`backoff_s`, `last_write_error`).
 """
 
 from __future__ import annotations
@@ -160,10 +163,16 @@ class WriteBackoff:
         self._until = 0.0
 
     def refused(self, error: OSError) -> None:
-        """A batch had a refused write: wait `delay_s` (doubled, capped) before the next."""
+        """A batch had a refused write: wait `delay_s` before the next, doubled (capped) when
+        the refusal came after the last wait ended; one during a wait (a batch started before
+        it, or a caller that writes anyway) starts the same wait again."""
         with self._lock:
-            self.delay_s = min(MAX_S, self.delay_s * 2) if self.delay_s else FIRST_S
-            self._until = self._clock() + self.delay_s
+            now = self._clock()
+            if not self.delay_s:
+                self.delay_s = FIRST_S
+            elif now >= self._until:
+                self.delay_s = min(MAX_S, self.delay_s * 2)
+            self._until = now + self.delay_s
             self.last_error = printable(f"{type(error).__name__}: {error}", ERROR_CHARS)
 
     def written(self) -> None:
