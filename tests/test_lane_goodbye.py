@@ -153,6 +153,7 @@ def test_a_clients_pooled_connection_ended_for_room_has_goodbye_pending_and_is_r
                 sock.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_connection_silent_past_its_first_frame_bound_says_goodbye(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

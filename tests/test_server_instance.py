@@ -189,6 +189,7 @@ def test_a_lease_of_another_instance_is_never_read_through_the_mapping(tmp_path:
         assert pools.pool_for("gpu", body["instance"]) is not None
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_malformed_instance_is_a_reply_error_naming_the_field(tmp_path: Path) -> None:
     tokens = list(range(400, 400 + 2 * BT))
     with restartable(tmp_path) as (config, port, started):
