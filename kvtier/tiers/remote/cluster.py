@@ -23,13 +23,18 @@ Contract:
   not answer in time down (misses at once) for `reconnect_s`, and the call's replies all in
   within `timeout_s` + their bytes / `paced.MIN_REPLY_RATE`. `group_blocks` in the keys
   (`entry.py`) keeps a group on one node.
-- It connects on a thread of its own when made (an idle node says whether it can reach the
-  cluster); `connected` is true while the last call reached a node (a node's error reply,
-  `-OOM` under `maxmemory` or an ACL's `-NOPERM`, came from one), false after one that reached
-  none (no connection, timeouts: a cluster down since), until a call reaches one again.
-- Without a connection, a call tries to connect at most once per `reconnect_s`; in between,
-  calls are misses at once, so a dead cluster costs a store nothing but a counter. A call made
-  while another thread connects waits for that connect's outcome, as long as its own would take.
+- It connects on a thread of its own (`_connecting`), started when made (an idle node says
+  whether it can reach the cluster) and then, while it has no connection, by a call at most once
+  per `reconnect_s`; that thread asks the startup nodes for the slot table one at a time, each
+  under the timeouts (`client.open_client`), and `close` stops it after the node it is trying.
+  A call waits for a connect under way only until `CONNECT_WAIT` timeouts after it began (a
+  healthy connect is a few round trips, each under `timeout_s`: a node just started finds what
+  the cluster holds once that connect is in), and is a miss at once otherwise: a cluster down
+  or stalled at start costs a call at most `CONNECT_WAIT` timeouts, however many startup nodes
+  it has, and a store nothing more than a counter in between.
+- `connected` is true while the last call reached a node (a node's error reply, `-OOM` under
+  `maxmemory` or an ACL's `-NOPERM`, came from one), false after one that reached none (no
+  connection, timeouts: a cluster down since), until a call reaches one again.
 - After a round trip with a failure in it (a node down, a redirect) the slot table is read again
   from the cluster, at most once per `REFRESH_S`, on a thread of its own: a table read before
   the cluster promoted a replica or moved a slot keeps naming the old node, and its slots would
@@ -52,25 +57,16 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ResponseError
-from redis.maint_notifications import MaintNotificationsConfig
-from redis.retry import Retry
 
 from kvtier.config.network import NodeFilter
 from kvtier.errors import InvalidArgumentError
 from kvtier.text import ERROR_CHARS, printable
-from kvtier.tiers.remote.connection import (
-    SplitValueConnection,
-    SplitValueSSLConnection,
-    Value,
-    only_allowed,
-    value_nbytes,
-)
+from kvtier.tiers.remote.client import ClusterSettings, TlsSettings, open_client, parse_node
+from kvtier.tiers.remote.connection import Value, value_nbytes
 from kvtier.tiers.remote.entry import (
     RemoteValueError,
     ValueMeta,
@@ -81,8 +77,18 @@ from kvtier.tiers.remote.rounds import Down, round_trip
 
 T = TypeVar("T")
 
+__all__ = ["REFRESH_S", "ClusterSettings", "RemoteCluster", "TlsSettings", "parse_node"]
+
 REFRESH_S = 1.0
 """After a failed round trip, the slot table is read again at most this often (module doc)."""
+
+CONNECT_WAIT = 2
+"""A call finds no connection: it waits this many `timeout_s` after a connect began for it (a
+connect is a TCP connect, a handshake and a slot table read, each under `timeout_s`)."""
+
+CLOSE_WAIT = 4
+"""`close` waits this many `timeout_s` (and a second) for a connect under way to end: one
+startup node's tries (a connect retried once, its handshake and its slot table read)."""
 
 CLUSTER_FAILURES = (Exception,)
 """What a call into the cluster client may raise because of the cluster: its own errors
@@ -93,36 +99,6 @@ AttributeError, a bulk length past 2**63 an OverflowError. Each is a failure of 
 
 COUNTERS = ("puts", "already_present", "too_large", "hits", "misses", "verify_failures", "errors",
             "round_trips", "bytes_in", "bytes_out")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class TlsSettings:
-    """TLS to every node: verified against `ca_file`; a client certificate when given."""
-
-    ca_file: str
-    cert_file: str | None = None
-    key_file: str | None = None
-    check_hostname: bool = True
-
-
-@dataclass(frozen=True)
-class ClusterSettings:
-    nodes: tuple[str, ...]  # "host:port" of startup nodes
-    timeout_s: float = 0.5  # connect and socket timeout of one round trip
-    max_value_bytes: int = 512 * 2**20
-    reconnect_s: float = 5.0
-    username: str | None = None  # Redis ACL user (None: "default")
-    password: str | None = field(default=None, repr=False)  # AUTH; never shown
-    tls: TlsSettings | None = None
-    allowed: tuple[str, ...] | None = None  # `NodeFilter` entries; None: any node
-
-
-def parse_node(node: str) -> tuple[str, int]:
-    """`host:port` as (host, port); `InvalidArgumentError` naming it otherwise."""
-    host, _, port = node.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgumentError(f"remote node: got {node!r}, expected host:port")
-    return host, int(port)
 
 
 class RemoteCluster:
@@ -137,8 +113,9 @@ class RemoteCluster:
                 )
         self._lock = threading.Lock()
         self._client: RedisCluster | None = None
-        self._next_connect = 0.0
-        self._idle = threading.Event()  # clear while a thread connects (`_connect`)
+        self._next_connect = self._wait_until = 0.0  # `_start_connect`
+        self._connector: threading.Thread  # the last connect's (`_start_connect`)
+        self._idle = threading.Event()  # clear while it connects
         self._idle.set()
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._seconds = 0.0  # time spent in round trips
@@ -146,7 +123,8 @@ class RemoteCluster:
         self._down = Down(settings.reconnect_s)  # nodes that failed lately (`rounds.py`)
         self.last_error = ""
         self._reachable = self._closed = False  # `connected`; `close` called
-        threading.Thread(target=self._connect, name="kvtier-remote-connect", daemon=True).start()
+        with self._lock:
+            self._start_connect(time.monotonic())
 
     # ---- the calls ----------------------------------------------------------------------
 
@@ -256,10 +234,14 @@ class RemoteCluster:
             assert all(value >= 0 for value in self._stats.values()), self._stats
 
     def close(self) -> None:
+        """Drop the connection; a connect under way stops after the node it is trying, waited
+        for here (at most `CLOSE_WAIT` timeouts and a second; a node that outlasts that is left
+        to its socket timeout, and its client closed)."""
         with self._lock:
             client, self._client, self._closed = self._client, None, True
         if client is not None:
             client.close()
+        self._connector.join(CLOSE_WAIT * self.settings.timeout_s + 1.0)
 
     # ---- inside -------------------------------------------------------------------------
 
@@ -278,74 +260,57 @@ class RemoteCluster:
         self.last_error = printable(text, ERROR_CHARS)
 
     def _connect(self) -> RedisCluster | None:
-        """The client, connected now if need be (None: a miss; module doc)."""
+        """The client; None (a miss) while there is none. A call that finds none starts a
+        connect when `reconnect_s` has passed since the last one began, and waits for a connect
+        under way only until `CONNECT_WAIT` timeouts after it began (module doc)."""
         with self._lock:
-            if self._client is not None:
+            if self._client is not None or self._closed:
                 return self._client
-            waiting = not self._idle.is_set()  # another thread is connecting
             now = time.monotonic()
-            mine = not waiting and now >= self._next_connect
-            if mine:
-                self._next_connect = now + self.settings.reconnect_s
-                self._idle.clear()
-        if waiting:  # bounded by a connect's own timeouts (tried twice)
-            self._idle.wait(2 * self.settings.timeout_s + 1.0)
-            return self._client
-        if not mine:  # tried lately, and failed: a miss at once
-            return None
+            if self._idle.is_set() and now >= self._next_connect:
+                self._start_connect(now)
+            wait = self._wait_until - now
+        if wait > 0:
+            self._idle.wait(wait)
+        return self._client
+
+    def _start_connect(self, now: float) -> None:
+        """Connect on a thread of its own (`_connecting`); the caller holds `_lock`."""
+        self._next_connect = now + self.settings.reconnect_s
+        self._wait_until = now + CONNECT_WAIT * self.settings.timeout_s
+        self._idle.clear()
+        self._connector = threading.Thread(
+            target=self._connecting, name="kvtier-remote-connect", daemon=True
+        )
+        self._connector.start()
+
+    def _connecting(self) -> None:
+        """The startup nodes tried in turn, each alone under the timeouts, until one gives a
+        slot table (installed) or `close` is called; no node's table: counted, once."""
+        error: Exception | None = None
         try:
-            return self._connect_now()
+            for node in self._startup:
+                if self._closed:
+                    return
+                try:
+                    client = open_client(node, self.settings, self._allowed)
+                except CLUSTER_FAILURES as e:
+                    error = e
+                    continue
+                self._install(client)
+                return
+            if error is not None:
+                self._failed(error, f"connect ({len(self._startup)} nodes): ")
         finally:
             self._idle.set()
 
-    def _connect_now(self) -> RedisCluster | None:
-        timeout = self.settings.timeout_s
-        tls = self.settings.tls
-        secure: dict[str, Any] = {"connection_class": SplitValueConnection}
-        if tls is not None:
-            secure = {
-                "connection_class": SplitValueSSLConnection,
-                "ssl_cert_reqs": "required",
-                "ssl_ca_certs": tls.ca_file,
-                "ssl_certfile": tls.cert_file,
-                "ssl_keyfile": tls.key_file,
-                "ssl_check_hostname": tls.check_hostname,
-            }
-        if self._allowed is not None:
-            secure["address_remap"] = only_allowed(self._allowed)
-        first = self._startup[0]
-        host = f"[{first.host}]" if ":" in first.host else first.host
-        try:
-            # given a url, redis-py builds every node's pool from these arguments, so
-            # `connection_class` reaches the nodes it learns of later too (failover, reshard)
-            client = RedisCluster(
-                url=f"redis://{host}:{first.port}",
-                startup_nodes=list(self._startup),
-                socket_connect_timeout=timeout,
-                socket_timeout=timeout,
-                username=self.settings.username,
-                password=self.settings.password,
-                # one retry of a connect (redis-py's slot table read moves on to the next
-                # startup node only with it); `rounds.py` sends each command once
-                retry=Retry(NoBackoff(), 1),
-                # a node's pushed "maintenance" notices would move connections and stretch
-                # timeouts on its word alone: a node is as untrusted as its replies
-                maint_notifications_config=MaintNotificationsConfig(enabled=False),
-                **secure,
-            )
-        except CLUSTER_FAILURES as e:
-            self._failed(e, "connect: ")
-            return None
-        return self._install(client)
-
-    def _install(self, client: RedisCluster) -> RedisCluster | None:
-        """Keep `client` unless another thread connected first (then use that one)."""
+    def _install(self, client: RedisCluster) -> None:
+        """Keep `client`, the connecting thread's; closed instead when `close` came first."""
         with self._lock:
-            kept = None if self._closed else self._client or client
+            kept = None if self._closed else client
             self._client, self._reachable = kept, kept is not None
-        if kept is not client:
+        if kept is None:
             client.close()
-        return kept
 
     def _pipelined(self, commands: list[tuple[Any, ...]]) -> list[Any] | None:
         """The replies of `commands` (each a command and its arguments, the key first), one
