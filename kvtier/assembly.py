@@ -1,6 +1,9 @@
 """Assembly: a store's parts, built from its config (the composition root).
 
-`Parts(config, ...)` makes, in dependency order: the pools (gpu, host[, disk]; in POSIX
+`Parts(config, ...)` first runs every check that can refuse the config (`preflight.py`: tenant
+shares against the planned tier sizes, codecs, the events topic; the remote tier's keys and TLS
+files), so that a refused config creates and cuts nothing on disk; then it makes, in dependency
+order: the pools (gpu, host[, disk]; in POSIX
 shared memory for a sidecar; with `tiers.host: null` a host tier of no slots, `NoHostPool`,
 and the write policy `without_host`), the index, the namespaces (tenant <-> seed), the cache's
 shared state (`transfer/shared.py`), fair shares, the executors (the inline one for copies made
@@ -35,9 +38,11 @@ from kvtier.events import EventPublisher, EventSettings, IndexEvents
 from kvtier.events.peers import BindError
 from kvtier.index import RadixIndex
 from kvtier.policy import write_policy
+from kvtier.preflight import Free, Plan, preflight
 from kvtier.recovery import recover
+from kvtier.shares import TenantShares, TierRoom
 from kvtier.status import TenantCounters
-from kvtier.tenancy import Namespaces, ReservationTable, TenantShares
+from kvtier.tenancy import Namespaces, ReservationTable
 from kvtier.tiers import (
     GpuPool,
     HostPool,
@@ -87,12 +92,25 @@ class Parts:
             raise InvalidArgumentError(
                 "executor: given, but mover.background is false (copies run in the caller)"
             )
+        # every check that can refuse the config, before a tier is made: a disk tier opened
+        # at a lower capacity cuts its slabs (`preflight.py`)
+        device = resolve_device(config.tiers.gpu.device)
+        free = Free(free_device_bytes(device), available_host_bytes())
+        if device.type == "cpu":  # a gpu tier in host memory: host's fraction is of the rest
+            gpu = config.tiers.gpu.capacity.resolve(free.gpu)
+            free = Free(free.gpu, max(0, free.host - gpu))
+        plan = preflight(config, free)
         remote = config.tiers.remote
-        if remote is not None and remote.secret is not None:  # nodes that share it share salts
-            secret = resolve_key(remote.secret, "tiers.remote.secret").encode()
+        if remote is not None:
+            if remote.secret is not None:  # nodes that share it share salts
+                secret = resolve_key(remote.secret, "tiers.remote.secret").encode()
+            if remote.password is not None:
+                resolve_key(remote.password, "tiers.remote.password")
+            _tls_settings(remote.tls)  # its files loaded now, again when the cluster is made
         made: list[Tier] = []
         try:
-            self._build(config, secret, clock, executor, _pools(config, shared_memory, made))
+            pools = _pools(config, plan, shared_memory, made)
+            self._build(config, secret, clock, executor, (plan, pools))
         except BaseException:
             for tier in made:
                 tier.close()
@@ -104,15 +122,21 @@ class Parts:
         secret: bytes,
         clock: Callable[[], float],
         executor: Executor | None,
-        pools: list[Tier],
+        planned: tuple[Plan, list[Tier]],
     ) -> None:
         self.config = config
+        plan, pools = planned
         hasher = BlockHasher(config.hashing.algorithm)
         index = RadixIndex(config.tier_names, config.layout.block_tokens, hasher)
         self.namespaces = Namespaces(config.tenants, hasher, config.layout.fingerprint, secret)
         self.state = state = CacheState(index, pools, self.namespaces)
-        # fair shares (tenancy.py): floors steer eviction, quotas bound what a tenant holds
-        self.shares = TenantShares(config, pools)
+        # fair shares (shares.py): floors steer eviction, quotas bound what a tenant holds; the
+        # rooms `preflight` checked (all known here), with the slots made: a disk tier short of
+        # room has fewer than planned
+        rooms = [
+            TierRoom(p.num_slots, r.slot_bytes) for p, r in zip(pools, plan.rooms, strict=True) if r
+        ]
+        self.shares = TenantShares(config, rooms)
         index.set_floors(self.shares.floors(self.namespaces.seeds))
         policy = write_policy(config.policy.write, config.policy.selective_hits)
         self.policy = policy = policy if config.tiers.host is not None else policy.without_host()
@@ -172,19 +196,24 @@ class Parts:
         return [pool for pool in (self.state.gpu, self.state.host) if pool.num_slots]
 
 
-def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) -> list[Tier]:
+def _pools(
+    config: KVTierConfig, plan: Plan, shared_memory: str | None, made: list[Tier]
+) -> list[Tier]:
+    """The tiers of `plan`'s capacities (gpu, host[, disk]), each appended to `made` as it is
+    made."""
     layout = config.layout
     gpu_cfg, host_cfg = config.tiers.gpu, config.tiers.host
-    device = resolve_device(gpu_cfg.device)
     prefix = None if shared_memory is None else segment_prefix(shared_memory)
+    gpu_bytes, host_bytes = plan.capacities[0], plan.capacities[1]
+    assert gpu_bytes is not None and host_bytes is not None  # planned with the memory free
     gpu = GpuPool.create(
         layout,
-        gpu_cfg.capacity.resolve(free_device_bytes(device)),
+        gpu_bytes,
         gpu_cfg.device,
         None if prefix is None else f"{prefix}-gpu",
     )
     made.append(gpu)
-    made.append(_host_pool(host_cfg, layout, prefix))
+    made.append(_host_pool(host_cfg, layout, host_bytes, prefix))
     disk_cfg = config.tiers.disk
     if disk_cfg is not None:
         disk = DiskTier(
@@ -199,10 +228,11 @@ def _pools(config: KVTierConfig, shared_memory: str | None, made: list[Tier]) ->
     return list(made)
 
 
-def _host_pool(host_cfg: HostTierConfig | None, layout: KVLayout, prefix: str | None) -> SlotPool:
+def _host_pool(
+    host_cfg: HostTierConfig | None, layout: KVLayout, host_bytes: int, prefix: str | None
+) -> SlotPool:
     if host_cfg is None:  # no host tier: one of no slots keeps its place
         return NoHostPool.absent(layout)
-    host_bytes = host_cfg.capacity.resolve(available_host_bytes())
     host_codec = _codec(host_cfg, layout, "tiers.host")  # none or quantized (the schema's)
     if isinstance(host_codec, QuantBytes):  # payloads, never in a shared segment
         return QuantPool.create_quantized(host_codec.quant, host_bytes, host_cfg.pinned)
@@ -214,14 +244,10 @@ def _events(
     config: KVTierConfig, state: CacheState, namespaces: Namespaces
 ) -> EventPublisher | None:
     """`events`: a publisher, fed by the index's observer; a `ConfigError` naming the address
-    when it cannot be bound, or `model.name` when it holds an '@' the default topic would carry
-    (`EventsConfig`: a topic is unambiguous)."""
+    when it cannot be bound (`model.name` with an '@' is refused by `preflight`)."""
     events = config.events
     if events is None:
         return None
-    if events.topic is None and "@" in config.model.name:  # a router splits topics at '@'
-        expected = "no '@' (the default events topic: kv@<host name>@<model name>), or events.topic"
-        raise ConfigError("model.name", config.model.name, expected)
     topic = events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
     settings = EventSettings(
         topic,

@@ -6,8 +6,8 @@
                                            under the same model.name); exit 1 unless all of it
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
                                            (keyed by serve's secret in service.state_dir, if any)
-    kvtier validate FILE...                check config files as serve would (keys, address),
-                                           starting nothing; print each one's tier sizes
+    kvtier validate FILE...                check config files as serve would (keys, address,
+                                           tenant shares), starting nothing; print tier sizes
     kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems,
                                            a damaged superblock or slab file among them)
     kvtier replay TRACE [--gpu F --host F --disk F] [--sweep] [--plot PNG] [--json]
@@ -240,12 +240,16 @@ def _print_status(status: dict[str, Any]) -> None:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Each file as `serve` reads it: the config, its keys (none in two places, each a key a
     request can present; an `env:` key whose variable is unset here is taken as given) and
-    its address (`require_loopback`). Nothing is written, nothing started."""
+    its address (`require_loopback`), and the checks a store makes before it makes a tier
+    (`preflight`: tenant floors and quotas against the tier sizes, codecs; a capacity that is a
+    fraction of free memory is known only at start). Nothing is written, nothing started."""
+    from kvtier.preflight import preflight
     from kvtier.service.auth import Auth, require_loopback
 
     for path in args.files:
         config = load_config(path)
         require_loopback(config.service.host, Auth(config, unset_ok=True))
+        preflight(config, None)
         layout = config.layout
         sizes = ", ".join(
             f"{name} {getattr(config.tiers, name).capacity}{_codec_note(config, name)}"

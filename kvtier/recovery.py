@@ -5,11 +5,13 @@
       ->  claim the restored slots; every other slot is free
 
 What is not restored is counted, never served: torn or damaged headers (`corrupt`), another
-layout's copies (`foreign`), namespaces of tenants this store does not know or of another
-server secret (`unknown_namespace`), older copies of a block id (`duplicates`), copies whose
-parent is missing (`orphans`), and copies whose id is not the hash of their parent id and
-tokens (`bad_ids`). Payloads are verified when read (a recovered copy that fails its checksum
-then is dropped and counted), so recovery reads only the header regions: seconds for 100k blocks.
+layout's copies (`foreign`), copies a capacity lowered since the last start cut away with its
+slots, by slot position whatever they held (`cut`, logged once at start), namespaces of
+tenants this store does not know or of another server secret (`unknown_namespace`), older
+copies of a block id (`duplicates`), copies whose parent is missing (`orphans`), and copies
+whose id is not the hash of their parent id and tokens (`bad_ids`). Payloads are verified
+when read (a recovered copy that fails its checksum then is dropped and counted), so recovery
+reads only the header regions: seconds for 100k blocks.
 
 Duplicates, orphans and bad ids are retired at once, durably (`DiskTier.free_durably`; a
 refusal is counted in the tier's faults): no later start may bring them back. Left on disk as
@@ -26,6 +28,7 @@ before the reset.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 
@@ -36,12 +39,21 @@ from kvtier.tenancy import Namespaces
 from kvtier.tiers.base import DISK
 from kvtier.tiers.disk import DiskTier, ScannedCopy
 
+log = logging.getLogger("kvtier.disk")
+
 
 def recover(disk: DiskTier, index: RadixIndex, namespaces: Namespaces) -> dict[str, float]:
     """Restore the empty `index` from `disk`, keeping the namespaces of known tenants only;
     return what was found, by kind."""
     assert index.num_blocks == 0
     start = time.perf_counter()
+    if disk.cut_copies:
+        log.warning(
+            "disk tier %s: the capacity lowered to %d slots cut %d copies past them",
+            disk.location,
+            disk.num_slots,
+            disk.cut_copies,
+        )
     report = disk.scan()
     newest: dict[bytes, ScannedCopy] = {}
     for copy in report.copies:
@@ -54,6 +66,7 @@ def recover(disk: DiskTier, index: RadixIndex, namespaces: Namespaces) -> dict[s
         "empty": report.empty,
         "corrupt": report.corrupt,
         "foreign": report.foreign,
+        "cut": disk.cut_copies,
         "duplicates": len(report.copies) - len(newest),
         "unknown_namespace": 0,
         "orphans": 0,

@@ -28,7 +28,7 @@ Contract:
 - Thread-safe: one lock serialises calls; copies run outside it. Leases expire after
   `policy.lease_ttl_s` seconds of the store's clock; no call may ask for more than
   `policy.max_ttl_s`.
-- Fair shares (`tenancy.py`, DESIGN invariant 9): what a tenant's leases and reservations hold
+- Fair shares (`shares.py`, DESIGN invariant 9): what a tenant's leases and reservations hold
   is bounded by its quota (`QuotaError` past it, nothing changed), and room made for a
   tenant's call comes from blocks above other tenants' floors, or from its own, never from
   another tenant at or under its floor. `status(tenant)` is that tenant's own figures.

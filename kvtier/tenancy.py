@@ -1,4 +1,5 @@
-"""What a tenant is to the store: its namespace seed, its quotas and floors, and its reservations.
+"""What a tenant is to the store: its namespace seed and its reservations (its quotas and
+floors: `shares.py`).
 
 `Namespaces`: each tenant's namespace seed, and what a disk copy records about a block.
 
@@ -11,26 +12,7 @@ the store is built; nothing here changes afterwards.
 parent's id, namespace seed, tenant (never a secret) and tokens). The demoter, the mover and
 `persist` take this object, not a callback into the store, so calls run down the floors (STYLE 14).
 
-Quotas and fair-share floors (DESIGN invariant 9: no tenant pins a tier or evicts another
-below its floor). `TenantShares` is resolved once, when the store is built, from
-`tenants.<id>.quota`, `tenants.<id>.floor` and each tier's slots (a size is whole slots of that
-tier's slot bytes, a fraction is of its slots, both rounded down). Unset: an equal split among
-the configured tenants (n >= 2: `slots // n` of a tier each; a single tenant has no quota but the
-tiers and no floor, so nothing changes for it). A tier's floors must fit in it (`ConfigError`).
-
-What a tenant holds, and what its quota bounds (checked before anything changes; over it, the
-call raises `QuotaError` naming the tenant, the tier, what it asked and the limit):
-- gpu: the blocks its leases (pending or ready) and its reservations' pins lock, each counted
-  once however many of its locks cover it (`LeaseTable.held_blocks`), plus the gpu slots its
-  reservations hold (live, and expired ones in quarantine);
-- host: the host slots its reservations hold (live or in quarantine);
-- leases: its live leases, counted one by one (empty ones included), so that a flood of leases
-  on one prefix cannot grow the lease table without bound.
-Blocks it merely has cached are bounded by the tiers, not by its quota; the floor of each
-other tenant decides what its stores and prefetches may evict (`index/eviction.py`).
-
-Pure data and arithmetic: the store hands in what it reads from the index, the mover and the
-reservations, under its lock.
+Quotas and fair-share floors: `shares.py`.
 
 `ReservationTable`: the store's live reservations, and the quarantine of expired ones.
 
@@ -75,104 +57,18 @@ from dataclasses import dataclass
 
 from kvtier.blocks import BlockHasher, BlockId, fresh_id, tenant_salt
 from kvtier.canaries import Canaries
-from kvtier.config import KVTierConfig
 from kvtier.errors import (
-    ConfigError,
     InvalidArgumentError,
     InvariantError,
     LeaseError,
     NotWrittenError,
-    QuotaError,
     UnknownTenantError,
     shown,
 )
 from kvtier.index import BlockRef, LeaseId, LeaseTable, RadixIndex, push_expiry
 from kvtier.results import Reservation
-from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta
 from kvtier.tiers.pool import SlotPool
-
-QUOTA_TIERS = ("gpu", "host")
-"""The tiers a tenant can hold slots in: leases and reservations never hold disk slots."""
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """One tenant's limits: blocks per tier (by tier index; `quota` None: none, as disk), leases."""
-
-    quota: tuple[int | None, ...]
-    floor: tuple[int, ...]
-    leases: int
-
-
-class TenantShares:
-    def __init__(self, config: KVTierConfig, tiers: Sequence[Tier]) -> None:
-        """Limits of every tenant of `config` over `tiers` (fastest first, as `config.tier_names`;
-        sizes count their slot bytes). `ConfigError` if a tier's floors exceed it."""
-        tenants = config.tenants
-        split = len(tenants) >= 2
-        slots = [tier.num_slots for tier in tiers]
-        sizes = [tier.capacity_bytes // max(1, tier.num_slots) for tier in tiers]  # as status
-        self.tier_names = config.tier_names
-        self.limits: dict[str, TenantLimits] = {}
-        for tenant, settings in tenants.items():
-            quota: list[int | None] = []
-            floor: list[int] = []
-            for tier, name in enumerate(self.tier_names):
-                share = slots[tier] // len(tenants)
-                given = getattr(settings.quota, name) if name in QUOTA_TIERS else None
-                if given is not None:
-                    quota.append(given.blocks(slots[tier], sizes[tier]))
-                else:  # a single tenant: the tier itself is its bound (CapacityError past it)
-                    quota.append(share if split and name in QUOTA_TIERS else None)
-                given = getattr(settings.floor, name)
-                default = share if split else 0
-                floor.append(default if given is None else given.blocks(slots[tier], sizes[tier]))
-            self.limits[tenant] = TenantLimits(tuple(quota), tuple(floor), settings.quota.leases)
-        for tier, name in enumerate(self.tier_names):
-            total = sum(limits.floor[tier] for limits in self.limits.values())
-            if total > slots[tier]:
-                raise ConfigError(
-                    f"tenants.*.floor.{name}",
-                    f"{total} blocks in all",
-                    f"floors that fit in the {name} tier's {slots[tier]} slots",
-                )
-
-    def floors(self, namespaces: Mapping[str, bytes]) -> dict[bytes, tuple[int, ...]]:
-        """Each tenant's floors by namespace, for `RadixIndex.set_floors`; empty when no
-        tenant has a floor (plain LRU)."""
-        if not any(any(limits.floor) for limits in self.limits.values()):
-            return {}
-        return {namespaces[tenant]: limits.floor for tenant, limits in self.limits.items()}
-
-    def admit_lease(self, tenant: str, leases: int, holding: int, adding: int) -> None:
-        """A new lease of `tenant`, which holds `leases` leases and `holding` gpu blocks, and
-        whose lease would lock `adding` more: `QuotaError` if either would pass its quota."""
-        limits = self.limits[tenant]
-        if leases + 1 > limits.leases:
-            raise QuotaError(
-                f"tenant {tenant!r}: a prefetch asked for lease {leases + 1}, over its quota "
-                f"of {limits.leases} live leases (tenants.{tenant}.quota.leases); "
-                f"release leases first"
-            )
-        self.admit(tenant, 0, holding, adding, "a prefetch")
-
-    def admit(self, tenant: str, tier: int, holding: int, adding: int, what: str) -> None:
-        """`what` (a prefetch, a reservation) of `tenant` would hold `adding` more blocks of
-        `tier` beside the `holding` it holds: `QuotaError` if that passes its quota."""
-        limit = self.limits[tenant].quota[tier]
-        if limit is not None and holding + adding > limit:
-            name = self.tier_names[tier]
-            raise QuotaError(
-                f"tenant {tenant!r}: {what} asked for {adding} more {name} blocks beside the "
-                f"{holding} it holds, over its quota of {limit} (tenants.{tenant}.quota.{name}); "
-                f"release leases or end reservations first"
-            )
-
-    def fits(self, tenant: str, tier: int, holding: int, adding: int) -> bool:
-        """Whether `adding` more blocks of `tier` stay within `tenant`'s quota."""
-        limit = self.limits[tenant].quota[tier]
-        return limit is None or holding + adding <= limit
 
 
 class Namespaces:

@@ -49,7 +49,8 @@ from kvtier.index import Match
 from kvtier.index.node import Node
 from kvtier.policy import WritePolicy
 from kvtier.results import Reservation, StoreResult
-from kvtier.tenancy import ReservationTable, Reserved, TenantShares
+from kvtier.shares import TenantShares
+from kvtier.tenancy import ReservationTable, Reserved
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.tiers.quantized import QuantPool
 from kvtier.transfer.copy import InlineExecutor, Transfer
@@ -81,7 +82,7 @@ class Writes:
         self.remote: RemoteLink | None = None  # the remote tier's link, when configured
 
     def holding(self, tenant: str, namespace: BlockId, tier: int) -> int:
-        """What `tenant` holds of `tier` against its quota (`tenancy.py`): its reserved slots
+        """What `tenant` holds of `tier` against its quota (`shares.py`): its reserved slots
         (live or in quarantine) and, on gpu, the blocks its leases and reservation pins lock."""
         reserved = self.reservations.held(tier, tenant)
         return reserved + self.index.leases.held_blocks(namespace) if tier == GPU else reserved

@@ -7,8 +7,8 @@ Contract:
   its error only as `fields.shown_key` shows a key (one with `=`, `:` etc., a secrets line
   read as an id, is not).
 - Per-tier quotas and floors are sizes or fractions of the tier; unset ones are resolved by
-  `tenancy.py` against the live tiers, never here. That the floors of a tier fit in it is
-  checked there too.
+  `shares.py` against the tiers' sizes, never here. That the floors of a tier fit in it, and
+  that a quota holds a block, is checked there too.
 - API keys are literal keys of at least 16 characters or `env:NAME`; errors never show them
   (`loading.py`).
 """
@@ -35,7 +35,7 @@ _TENANT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class QuotaConfig(Section):
-    """The most a tenant holds at once (`tenancy.py`). `gpu`, `host`: blocks that its leases and
+    """The most a tenant holds at once (`shares.py`). `gpu`, `host`: blocks that its leases and
     reservation pins lock (counted against gpu) plus the slots its reservations hold, per tier,
     as a size ('64MiB') or a fraction of the tier (0.5); unset: its equal share of the tier when
     several tenants are configured, the whole tier for a single one. `leases`: its live leases."""

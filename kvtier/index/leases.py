@@ -12,7 +12,7 @@ store call returns.
 Held blocks: a lock taken for a tenant (its lease, or the pin of its reservation: `held=True`)
 also counts in `node.held` along its path; `held_blocks(namespace)` is the number of blocks of
 a namespace that such locks cover, each counted once however many cover it, kept up to date
-as locks come and go (the tenant's quota, `tenancy.py`). The store's own pins (room-making,
+as locks come and go (the tenant's quota, `shares.py`). The store's own pins (room-making,
 the mover's flights) are not held.
 
 Lease ids are random 63-bit numbers, unique among live leases (`blocks.py`): an id tells a

@@ -26,7 +26,7 @@ and matches that walked through it (for the `selective` write policy).
 `locks[t]` counts the leases (and the store's short pins) on tier t whose prefix covers this
 node; None until the node is first locked, to keep unleased nodes small. `held` counts the locks
 taken for a tenant (its leases and reservations, not the store's own pins) that cover it: the
-tenant's quota counts the blocks of the nodes where it is > 0 (`tenancy.py`).
+tenant's quota counts the blocks of the nodes where it is > 0 (`shares.py`).
 `ev` is the KV-event hash of its first block, block i's `ev + i` (0: none yet): the events
 observer gives a node a range of `EVENT_RANGE` numbers, from a multiple of it, when it first
 tells of one of its blocks (`IndexEvents`); a split gives the tail `ev + at`, and a leaf grows

@@ -16,21 +16,33 @@ Contract:
   the newest one found, and a header holds at most 2**64-1, so one planted copy numbered near
   that would have every later write refused (the disk tier silently taking nothing more).
   No tier writes 2**63 copies (at a million a second, 292,000 years).
+- `count_past(path, slots, ...)` counts the valid headers (any layout) in the slots at and past
+  `slots` of the slab files in `path`, reading header regions only and changing nothing: the
+  copies a capacity lowered to `slots` cuts when the tier opens (`slabs.open_slabs`), for
+  `status()["recovery"]["cut"]`: one header read a slot, at most `MAX_COUNTED` of them (a
+  lower bound past that, so that a cut of a huge tier does not hold start-up), a slab that
+  cannot be read counted as far as it could be; it never raises.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from kvtier.errors import KVTierError
 from kvtier.tiers.disk.format import BlockHeader, CorruptHeader, decode_header
 from kvtier.tiers.disk.io import aligned_buffer
 from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
+from kvtier.tiers.disk.slabs import regular_file, slab_files
 
 SCAN_BATCH = 1024
 MAX_SEQ = 2**63 - 1
 """The highest copy number a scan takes (module doc); `kvtier check` agrees (`check.py`)."""
+MAX_COUNTED = 2**18
+"""`count_past` reads at most this many header regions (about a second or two of reads)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +110,32 @@ def _header_job(slabs: SlabSet, header_region: int, slot: int) -> Callable[[], m
         return buf
 
     return job
+
+
+def count_past(path: Path, slots: int, slot_bytes: int, slots_per_slab: int, header: int) -> int:
+    """Valid headers (of any layout) in slots `slots` and above of the slabs in `path`, whose
+    slots are `slot_bytes` long with `header`-byte header regions, `slots_per_slab` a slab; at
+    most `MAX_COUNTED` slots read (a lower bound past them), a slab that cannot be read counted
+    as far as it could be (never raises: the count is a figure, not a check)."""
+    found, left = 0, MAX_COUNTED
+    for number, slab in sorted(slab_files(path).items()):
+        first = min(slots_per_slab, max(0, slots - number * slots_per_slab))
+        try:
+            if not regular_file(slab, "tiers.disk.path"):  # a link: refused when slabs open
+                continue
+            fd = os.open(slab, os.O_RDONLY | os.O_NOFOLLOW)
+        except (OSError, KVTierError):
+            continue
+        try:
+            end = min(slots_per_slab, os.fstat(fd).st_size // slot_bytes, first + left)
+            for local in range(first, end):
+                left -= 1
+                try:
+                    found += decode_header(os.pread(fd, header, local * slot_bytes)) is not None
+                except CorruptHeader:
+                    continue
+        except OSError:
+            pass  # a read error: the rest of this slab uncounted
+        finally:
+            os.close(fd)
+    return found

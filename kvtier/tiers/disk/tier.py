@@ -30,6 +30,8 @@ Contract:
   its write returned. A failed write or sync makes that copy fail (counted), never raises.
 - `read_blocks` verifies each copy (header checksum, expected block id, layout, payload
   checksum, codec); a copy that fails is reported so and counted, never returned.
+- A capacity lowered since the last start cuts the slabs (`slabs.open_slabs`) when the tier
+  opens; `cut_copies` is how many valid headers the cut slots held (`scan.count_past`).
 - `scan()` reads every header region and returns the valid copies; the store rebuilds its index
   from them (`index/restore.py`) and hands back the slots it keeps. A tier whose directory had
   no superblock and no slab when it opened (its slabs were just created, zero-filled) and that
@@ -79,12 +81,19 @@ from kvtier.tiers.disk.io_pool import IOPool
 from kvtier.tiers.disk.lock import DirectoryLock
 from kvtier.tiers.disk.reads import VerifiedReader
 from kvtier.tiers.disk.retire import CopyRetirer
-from kvtier.tiers.disk.scan import ScannedCopy, ScanReport, scan_slots
+from kvtier.tiers.disk.scan import ScannedCopy, ScanReport, count_past, scan_slots
 from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
 from kvtier.tiers.disk.slabs import check_room, check_superblock, open_slabs
 from kvtier.tiers.slots import SlotAllocator
 
-__all__ = ["BlockMeta", "DiskTier", "ScanReport", "ScannedCopy"]
+__all__ = ["BlockMeta", "DiskTier", "ScanReport", "ScannedCopy", "disk_slot_bytes"]
+
+
+def disk_slot_bytes(layout: KVLayout, codec: Codec) -> int:
+    """The bytes of one slot of a disk tier of `layout` in `codec` (header region and payload,
+    aligned): a capacity holds `capacity // disk_slot_bytes(...)` slots."""
+    header_region = header_region_size(layout.block_tokens, 32)
+    return slot_size(header_region, codec.payload_bound(layout.block_bytes))
 
 
 class DiskTier:
@@ -108,7 +117,7 @@ class DiskTier:
         self.fsync = fsync
         self.header_region = header_region_size(layout.block_tokens, 32)
         self.payload_bytes = self.codec.payload_bound(layout.block_bytes)  # quantized: smaller
-        self.slot_bytes = slot_size(self.header_region, self.payload_bytes)
+        self.slot_bytes = disk_slot_bytes(layout, self.codec)
         fit = capacity_bytes // self.slot_bytes
         if fit < 1:
             raise ConfigError(
@@ -154,6 +163,10 @@ class DiskTier:
             # a new directory: its slabs are created now, zero-filled, and hold no copy
             check_room(self.path, fit * self.slot_bytes, "tiers.disk.capacity")  # before writing
             self._unwritten = check_superblock(self.path, geometry)
+            # the copies a lowered capacity cuts when the slabs open, for recovery's status
+            self.cut_copies = count_past(
+                self.path, fit, self.slot_bytes, self.slots_per_slab, self.header_region
+            )
             self._slab_files = open_slabs(
                 self.path, fit, self.slot_bytes, self.slots_per_slab, self.direct, self.faults
             )
