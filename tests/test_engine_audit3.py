@@ -78,6 +78,7 @@ def test_a_store_of_another_layout_of_the_same_block_bytes_is_refused(
         assert field in str(caught.value) and "tiny" in str(caught.value)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_model_of_another_geometry_or_name_is_refused_by_the_sidecar_layout(
     tmp_path: Path,
 ) -> None:

@@ -99,6 +99,7 @@ def test_a_yaml_error_on_a_key_line_does_not_show_the_key(tmp_path: Path) -> Non
     assert OTHER_KEY not in error and ADMIN_KEY not in error
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_refusals_of_a_presented_key_do_not_echo_it(tmp_path: Path) -> None:
     config = write_config(tmp_path, tenants={"a": {"api_keys": [KEY]}})
     wrong = "wrong-key-0123456789abcdef"

@@ -182,6 +182,7 @@ def test_block_bytes_past_a_real_models_block_are_refused(
         ReplayOptions(block_bytes=64 * 2**20 + 2048)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_replicas_past_the_bound_are_refused_before_any_store_is_built(tmp_path: Path) -> None:
     path = trace(tmp_path / "t.jsonl")
     refused(run("replay", str(path), "--replicas", "1000000"), "--replicas: got 1000000")

@@ -87,6 +87,7 @@ def test_a_stalled_node_costs_one_timeout_then_nothing_and_the_others_serve(
     remote.close()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_dead_node_costs_only_its_own_reads_and_writes(cluster: LocalCluster) -> None:
     """redis-py voided every node's replies when one node's connection failed: each call that
     touched the dead primary was a miss whole, and writes bound for live primaries dropped."""
