@@ -43,8 +43,9 @@ second. `WriteBackoff` turns refusals into waits: after a batch with a refused w
 or retire) no background write is planned for `delay_s`, which starts at `FIRST_S` and doubles
 with every further refused batch up to `MAX_S`; the first batch that is written whole resets
 it. Only a refusal after a wait has ended doubles it: the batches of one burst (the mover's
-flights in the air together, a copy and the retire of its slots) fail together and count once,
-so that a disk that is full for a moment is not left alone for `MAX_S` after one burst.
+flights in the air together, a copy and the retire of its slots) that fail within the wait the
+first of them started count once, so that a disk that is full for a moment is not left alone
+for `MAX_S` after one burst.
 Callers that need a write now (a persist, a store below a disk-only prefix) still try; the disk
 tier reports the figures in its status (`backoff_s`, `last_write_error`).
 """
