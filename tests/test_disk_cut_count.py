@@ -55,6 +55,7 @@ def persisted(tmp_path: Path) -> int:
         store.store(tokens_of(0, STORED * 4), kv_of(STORED * 4, seed=1))
         assert store.persist().left_blocks == 0
         store.check()
+        assert store.disk is not None
         return store.disk.slot_bytes
     finally:
         store.close()
