@@ -47,6 +47,8 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
     blocking.py      `Client`: the calls from threads, over `connections.py`'s keep-alive
                      connections (the standard library's http.client)
     asynchronous.py  `AsyncClient`: the same calls as coroutines (httpx)
+    loops.py         `EventLoopOf`: the event loop an `AsyncClient` belongs to (another
+                     loop's calls refused)
     mapper.py        `Mapper` / `AsyncMapper`: a client's server pools and lane, taken again
                      from a restarted server (its instance id); a failed re-map retried
     pools.py         `MappedPools`: the server's pools mapped here, blocks written and read,
@@ -64,6 +66,7 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
     arguments.py     the checks of a call's and a constructor's arguments, before a request
     sending.py       `Sender`: `Client`'s requests (`AsyncSender`: `AsyncClient`'s checks)
     transport.py     request headers, and a response read as its body or the error it reports
+                     (`alone_post`: `AsyncClient`'s give-back on a connection of its own)
 """
 
 from kvtier.client.asynchronous import AsyncClient

@@ -9,7 +9,15 @@ owed releases (`releases.py`), sent here by a task the event loop starts `RELEAS
 after a load rather than by a thread. Its failures are `Client`'s too: a connection refused,
 reset or timed out is a `TransportError`, not httpx's own exception. A prefetch or reserve
 whose reply is lost (a transport failure, the task cancelled) owes a give-back by its request
-token, as `Client`'s does (`owing.py`).
+token, as `Client`'s does (`owing.py`); once the client is closed, within what is left of that
+call's `timeout_s`, and at least `owing.GRACE_S`.
+
+An `AsyncClient` belongs to the event loop of its first call (`loops.py`): its connections
+are that loop's. A call from another loop (a second `asyncio.run`) is a `ClosedError` that
+names the misuse, and sends nothing; `aclose()` works from any loop (from another, it sends
+what is owed on connections of its own and drops the first loop's untouched), and again after
+one cancelled or failed midway (what that one left owed, sent likewise). Make one
+`AsyncClient` per event loop.
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ from kvtier.client.calls import Calls
 from kvtier.client.connections import MAX_REPLY_BYTES, check_url
 from kvtier.client.held import LeaseFrom, held_until
 from kvtier.client.lane import AsyncLaneConnections
+from kvtier.client.loops import EventLoopOf
 from kvtier.client.mapper import AsyncMapper
-from kvtier.client.owing import AsyncOwing, AsyncPost
+from kvtier.client.owing import AsyncOwing
 from kvtier.client.pages import LoadPages, StorePieces, prefetch_body
 from kvtier.client.pools import NOTHING_RESERVED, MappedView, ReservationFrom
 from kvtier.client.releases import may_have_reached, new_token, release_of
@@ -45,6 +54,7 @@ from kvtier.client.transport import (
     REFUSALS,
     RequestHeaders,
     WaitPacer,
+    alone_post,
     httpx_headers,
     httpx_send,
     reply_body,
@@ -52,20 +62,6 @@ from kvtier.client.transport import (
 from kvtier.errors import CapacityError, LeaseError
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import frames, replies, wire
-
-
-def _alone(url: str, timeout_s: float, headers: RequestHeaders, limit: int) -> AsyncPost:
-    """A POST over HTTP on a connection of its own (a give-back after `aclose()`)."""
-
-    async def post(path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
-        content = wire.encode(body, True)
-        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as alone:
-            asked = alone.build_request(
-                "POST", path, content=content, headers=httpx_headers(headers.for_tenant(tenant))
-            )
-            return reply_body(await httpx_send(alone, asked, limit))
-
-    return post
 
 
 class AsyncClient(AsyncSender, MappedView):
@@ -85,17 +81,16 @@ class AsyncClient(AsyncSender, MappedView):
         check_url(url)  # a malformed one: `InvalidArgumentError`, as `Client`'s
         check_options(api_key, tenant, shared_memory, timeout_s, max_reply_bytes)
         self._headers = RequestHeaders(api_key, tenant)
-        self._max_reply = max_reply_bytes
+        self._max_reply, self._shared_memory = max_reply_bytes, shared_memory
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
         self._server = AsyncMapper(self._http, self._headers, (timeout_s, max_reply_bytes))
         self._pools = self._server.pools
         self._calls = Calls()  # what `aclose()` waits for
         self._key = KeyTenant(self._calls, "authorization" in self._headers.common)
-        self._shared_memory = shared_memory
-        alone = _alone(url, timeout_s, self._headers, max_reply_bytes)
+        alone = alone_post(url, self._headers, max_reply_bytes)  # a give-back after `aclose()`
         self._owing = AsyncOwing(self._post, alone)  # releases, give-backs owed
-        self._owed = self._owing.owed
-        self._timeout_s = timeout_s
+        self._owed, self._timeout_s = self._owing.owed, timeout_s
+        self._loop = EventLoopOf(self._calls)  # the loop of its first call (`loops.py`)
 
     @property
     def _lane(self) -> AsyncLaneConnections | None:
@@ -108,6 +103,7 @@ class AsyncClient(AsyncSender, MappedView):
     async def _post(
         self, path: str, body: dict[str, Any], tenant: str = "default"
     ) -> dict[str, Any]:
+        self._loop.check()  # a fork's, another loop's or a closed client's: nothing sent
         await self._key.admit(tenant, self._get)  # the process, the tenant (`KeyTenant`)
         await self._map()
         content, headers = wire.encode(body, True), self._headers.for_tenant(tenant)
@@ -121,13 +117,14 @@ class AsyncClient(AsyncSender, MappedView):
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _get(self, path: str) -> dict[str, Any]:
-        self._calls.check_process()  # a fork's: no socket of the maker's touched
+        self._loop.check()  # a fork's, another loop's: no socket of the maker's touched
         request = self._http.build_request("GET", path, headers=httpx_headers(self._headers.common))
         return reply_body(await httpx_send(self._http, request, self._max_reply))
 
     async def _post_carrying(self, path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
         """`_post`, carrying the releases owed for `tenant` (`releases.py`), after giving back
         what lost replies of that tenant may have been granted."""
+        self._loop.check()  # before any debt is taken to be sent
         await self._owing.send_requests(self._owed.take_requests(tenant))
         ids = self._owed.take(tenant)
         try:
@@ -138,15 +135,15 @@ class AsyncClient(AsyncSender, MappedView):
             raise
 
     async def _post_granting(
-        self, kind: str, path: str, request: dict[str, Any], tenant: str
+        self, kind: str, path: str, request: dict[str, Any], tenant: str, deadline: float
     ) -> tuple[str, dict[str, Any]]:
-        """`Client._post_granting`: the token and the reply."""
+        """`Sender.granting`: the token and the reply."""
         token = new_token()
         try:
             return token, await self._post_carrying(path, {**request, "request": token}, tenant)
         except BaseException as exc:
             if may_have_reached(exc, REFUSALS):
-                await self._owing.give_back(kind, token, tenant)
+                await self._owing.give_back(kind, token, tenant, deadline)
             raise
 
     async def _map(self) -> None:
@@ -179,8 +176,11 @@ class AsyncClient(AsyncSender, MappedView):
         """`Client._prefetch`: the lease, its server instance and until when it surely holds."""
         with self._calls.call():
             request, asked_at = prefetch_body(tokens, ttl_s, wait, as_load), time.monotonic()
-            token, body = await self._post_granting("lease", "/v1/prefetch", request, tenant)
-            async with self._owing.keeping("lease", token, tenant):
+            deadline = asked_at + self._timeout_s  # the call's: a give-back's too (`owing.py`)
+            token, body = await self._post_granting(
+                "lease", "/v1/prefetch", request, tenant, deadline
+            )
+            async with self._owing.keeping("lease", token, tenant, deadline):
                 instance = await self._server.instance(body, "lease", tenant)
                 lease = self._pools.lease(body, None, len(request["tokens"]) // 4)
                 held = held_until(asked_at, body)
@@ -214,7 +214,7 @@ class AsyncClient(AsyncSender, MappedView):
 
     async def _lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:
         """`GET /v1/leases/{id}?wait_s=`, as the lease's tenant (`sending.lease_state`)."""
-        self._calls.check_process()  # a fork's: no socket of the maker's touched
+        self._loop.check()  # a fork's, another loop's: no socket of the maker's touched
         headers, limit = self._headers.for_tenant(lease.tenant), self._max_reply
         return await lease_state(self._http, self._lane, headers, (lease, wait_s), limit)
 
@@ -323,8 +323,11 @@ class AsyncClient(AsyncSender, MappedView):
             request: dict[str, Any] = {"tokens": encode_tokens(check_tokens(tokens))}
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
-            token, body = await self._post_granting("reservation", "/v1/reserve", request, tenant)
-            async with self._owing.keeping("reservation", token, tenant):
+            deadline = time.monotonic() + self._timeout_s  # the call's (`owing.py`)
+            token, body = await self._post_granting(
+                "reservation", "/v1/reserve", request, tenant, deadline
+            )
+            async with self._owing.keeping("reservation", token, tenant, deadline):
                 instance = await self._server.instance(body, "reservation", tenant)
                 reservation = self._pools.reservation(body, request["tokens"])
             return reservation, instance
@@ -348,18 +351,44 @@ class AsyncClient(AsyncSender, MappedView):
     async def aclose(self, timeout_s: float | None = None) -> None:
         """As `Client.close`: wait for the calls under way that may owe a release (up to
         `timeout_s`, default the client's), release and give back what is owed (until that
-        bound again), then close the connections and forget the mapped pools (`Client.close`)."""
+        bound again), then close the connections and forget the mapped pools (`Client.close`);
+        from any event loop, whatever a part's closing raises (`_close`)."""
         check_timeout(timeout_s)
-        bound = self._timeout_s if timeout_s is None else timeout_s
-        await self._calls.aclose(bound)
-        await self._owing.close(time.monotonic() + bound)
-        await self._http.aclose()
-        if (lane := self._lane) is not None:
-            await lane.aclose()
-        self._pools.clear()
+        await _close(self, self._timeout_s if timeout_s is None else timeout_s)
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _close(client: AsyncClient, bound: float) -> None:
+    """`AsyncClient.aclose`, its waits bounded by `bound` (s). From another event loop than the
+    client's (`loops.py`), or once closed already (a close cancelled or failed midway), the
+    calls under way are waited for only while their loop is open, what is owed is sent on
+    connections of this loop's own (`AsyncOwing.close_alone`), and the first loop's
+    connections are dropped untouched (closed with their loop, or as they are collected).
+    Closed whatever a part's closing raises or a cancel: every call after is a `ClosedError`,
+    and what was owed stays owed to the next `aclose()` (`AsyncOwing.stop`)."""
+    client._calls.check_process()  # a fork's: nothing sent nor closed
+    if client._loop.closed or not client._loop.own():
+        await client._calls.aclose(0.0 if client._loop.ended() else bound)
+        client._loop.close()
+        await client._owing.close_alone(time.monotonic() + bound)
+        client._pools.clear()
+        if (lane := client._lane) is not None:
+            lane.drop()
+        return
+    try:
+        await client._calls.aclose(bound)
+        await client._owing.close(time.monotonic() + bound)
+    finally:
+        client._loop.close()
+        client._owing.stop()
+        client._pools.clear()
+        try:
+            await client._http.aclose()
+        finally:
+            if (lane := client._lane) is not None:
+                await lane.aclose()

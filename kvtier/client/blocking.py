@@ -49,7 +49,7 @@ from kvtier.client.connections import MAX_REPLY_BYTES, Connections
 from kvtier.client.held import LeaseFrom, held_until
 from kvtier.client.lane import LaneConnections
 from kvtier.client.mapper import Mapper
-from kvtier.client.owing import Post
+from kvtier.client.owing import Alone
 from kvtier.client.pages import LoadPages, StorePieces, prefetch_body
 from kvtier.client.pools import NOTHING_RESERVED, MappedView, ReservationFrom
 from kvtier.client.releases import release_of
@@ -60,10 +60,11 @@ from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservat
 from kvtier.service import replies, wire
 
 
-def _alone(url: str, timeout_s: float, headers: RequestHeaders) -> Post:
-    """A POST over HTTP on a connection of its own (a give-back after `close()`)."""
+def _alone(url: str, headers: RequestHeaders) -> Alone:
+    """A POST over HTTP on a connection of its own, within its `timeout_s` (a give-back after
+    `close()`, in what is left of its call's, at least `owing.GRACE_S`)."""
 
-    def post(path: str, body: dict[str, Any], tenant: str) -> dict[str, Any]:
+    def post(path: str, body: dict[str, Any], tenant: str, timeout_s: float) -> dict[str, Any]:
         alone = Connections(url, timeout_s, MAX_REPLY_BYTES)
         try:
             encoded = wire.encode(body, True)
@@ -99,7 +100,7 @@ class Client(MappedView):
         self._server = Mapper(self._http, self._headers, (timeout_s, max_reply_bytes))
         self._pools = self._server.pools
         self._calls, self._timeout_s = Calls(), timeout_s  # what `close()` waits for
-        alone = _alone(url, timeout_s, self._headers)
+        alone = _alone(url, self._headers)
         self._send = Sender(self._http, self._headers, self._server, self._calls, alone)
         self._post, self._get = self._send.post, self._send.get  # each checked (`sending.py`)
         self._owing = self._send.owing  # releases, give-backs owed
@@ -144,8 +145,9 @@ class Client(MappedView):
         with self._calls.call():
             tokens = check_tokens(tokens)
             request, asked_at = prefetch_body(tokens, ttl_s, wait, as_load), time.monotonic()
-            token, body = self._send.granting("lease", "/v1/prefetch", request, tenant)
-            with self._owing.keeping("lease", token, tenant):
+            deadline = asked_at + self._timeout_s  # the call's: a give-back's too (`owing.py`)
+            token, body = self._send.granting("lease", "/v1/prefetch", request, tenant, deadline)
+            with self._owing.keeping("lease", token, tenant, deadline):
                 instance = self._server.instance(body, "lease", tenant)
                 lease = self._pools.lease(body, self.release, len(request["tokens"]) // 4)
                 held = held_until(asked_at, body)
@@ -287,8 +289,11 @@ class Client(MappedView):
             request: dict[str, Any] = {"tokens": encode_tokens(check_tokens(tokens))}
             if ttl_s is not None:
                 request["ttl_s"] = ttl_s
-            token, body = self._send.granting("reservation", "/v1/reserve", request, tenant)
-            with self._owing.keeping("reservation", token, tenant):
+            deadline = time.monotonic() + self._timeout_s  # the call's (`owing.py`)
+            token, body = self._send.granting(
+                "reservation", "/v1/reserve", request, tenant, deadline
+            )
+            with self._owing.keeping("reservation", token, tenant, deadline):
                 instance = self._server.instance(body, "reservation", tenant)
                 reservation = self._pools.reservation(body, request["tokens"])
             return reservation, instance

@@ -288,6 +288,13 @@ class AsyncLaneConnections(_Dead):
         for _, writer in idle:
             writer.close()
 
+    def drop(self) -> None:
+        """Closed, from another event loop than its streams' (`loops.py`): its idle connections
+        are dropped untouched (a closed loop cannot close them: their sockets close as they
+        are collected)."""
+        self._closed = True
+        self._idle = []
+
     def retire(self) -> None:
         """Dead for good, its idle connections closed (module doc)."""
         self.retry_at = math.inf

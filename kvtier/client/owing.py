@@ -11,10 +11,22 @@ client's `timeout_s`, the whole call: `connections.py`), so `close` ends by `dea
 most one call's `timeout_s` (`AsyncOwing.close` by `deadline`: its sends are cancelled there).
 
 Contract:
-- `give_back(kind, token, tenant)` owes a token; once closed (nothing would send it) it is sent
-  at once on a connection of its own (`alone`), so a reply that came after `close()` leaves
-  nothing held. `keeping(kind, token, tenant)` wraps the reading of a granted reply: a failure
-  gives the grant back, and so does a reply that came after `close()` (then `ClosedError`).
+- `give_back(kind, token, tenant, deadline)` owes a token; once closed (nothing would send it)
+  it is sent at once on a connection of its own (`alone`), so a reply that came after `close()`
+  leaves nothing held; that send has what is left of the call's `deadline` (monotonic: the
+  request's start plus the client's `timeout_s`, which bounds the whole call), and at least
+  `GRACE_S`: a call whose reply was lost to its own timeout still gives its grant back (a
+  reachable server answers in milliseconds), and a call never outlasts its `timeout_s` by more
+  than `GRACE_S` (a stalled server's ttl ends the grant). `keeping(kind, token, tenant,
+  deadline)` wraps the reading of a granted reply: a failure gives the grant back, and so does
+  a reply that came after `close()` (then `ClosedError`).
+- `AsyncOwing.stop()`: closed from now, its timer and flushes cancelled (each owes again what
+  it had not sent), for `aclose()` cancelled or failed midway: what is owed is left to
+  `close_alone`. `AsyncOwing.close_alone(deadline)`: `close` where the client's connections
+  cannot be used, from another event loop than the client's (`loops.py`: that loop's flushes
+  and timer are left untouched) or after a `close` that did not end (its flushes, cancelled,
+  waited for first): what is owed is sent on connections of the running loop's own (`alone`)
+  until `deadline`.
 - `settle(granted, tenant, copy)`: a shared-memory load's lease, its copy done: whether the
   lease held its slots until then (`held.py`), its release owed or sent; a copy not proven
   held is zeroed, whatever ends the release (a `LeaseError`, a dead server, a cancel).
@@ -45,6 +57,17 @@ from kvtier.results import Lease
 
 Post = Callable[[str, dict[str, Any], str], Any]
 """`Client._post`: (path, body, tenant) -> reply body."""
+Alone = Callable[[str, dict[str, Any], str, float], Any]
+"""A POST on a connection of its own: (path, body, tenant, timeout_s) -> reply body."""
+
+GRACE_S = 0.25
+"""The least time a give-back after `close()` has, whatever is left of its call's (module doc)."""
+
+
+def _grace(deadline: float) -> float:
+    """A give-back's `timeout_s` after `close()`: what is left until `deadline`, at least
+    `GRACE_S`."""
+    return max(deadline - time.monotonic(), GRACE_S)
 
 
 def _flush_loop(ref: weakref.ref[Owing], wake: threading.Condition, owed: OwedReleases) -> None:
@@ -65,7 +88,7 @@ def _flush_loop(ref: weakref.ref[Owing], wake: threading.Condition, owed: OwedRe
 
 
 class Owing:
-    def __init__(self, post: Post, alone: Post) -> None:
+    def __init__(self, post: Post, alone: Alone) -> None:
         """`post`: the client's own request; `alone`: one on a connection of its own, for a
         give-back after `close()`."""
         self.owed = OwedReleases()
@@ -96,7 +119,9 @@ class Owing:
                 self._flusher.start()
             self._wake.notify()
 
-    def give_back(self, kind: str, token: str, tenant: str) -> None:
+    def give_back(self, kind: str, token: str, tenant: str, deadline: float) -> None:
+        """Owe `token`'s give-back; closed, send it alone by `deadline`, or in `GRACE_S` once
+        that is spent (module doc)."""
         with self._wake:
             closed = self.closed
             if not closed:
@@ -105,19 +130,19 @@ class Owing:
             self.poke()
             return
         with contextlib.suppress(KVTierError):
-            self._alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+            self._alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant, _grace(deadline))
 
     @contextlib.contextmanager
-    def keeping(self, kind: str, token: str, tenant: str) -> Iterator[None]:
+    def keeping(self, kind: str, token: str, tenant: str, deadline: float) -> Iterator[None]:
         """Around reading a granted reply: a failure gives the grant back; so does a reply that
-        came after `close()` (then `ClosedError`)."""
+        came after `close()` (then `ClosedError`); by `deadline` (`give_back`)."""
         try:
             yield
         except BaseException:
-            self.give_back(kind, token, tenant)
+            self.give_back(kind, token, tenant, deadline)
             raise
         if self.closed:
-            self.give_back(kind, token, tenant)
+            self.give_back(kind, token, tenant, deadline)
             raise ClosedError(f"the client closed while its {kind} was asked: given back")
 
     def settle(self, granted: LeaseFrom, tenant: str, copy: torch.Tensor) -> bool:
@@ -176,13 +201,15 @@ class Owing:
 
 AsyncPost = Callable[[str, dict[str, Any], str], Awaitable[Any]]
 """`AsyncClient._post`: (path, body, tenant) -> reply body."""
+AsyncAlone = Callable[[str, dict[str, Any], str, float], Awaitable[Any]]
+"""`Alone`, as a coroutine."""
 
 
 class AsyncOwing:
     """`Owing` for an `AsyncClient`: a flush is a task the event loop starts when the oldest
     debt falls due (one timer at a time), not a thread; the rest is `Owing`'s contract."""
 
-    def __init__(self, post: AsyncPost, alone: AsyncPost) -> None:
+    def __init__(self, post: AsyncPost, alone: AsyncAlone) -> None:
         self.owed = OwedReleases()
         self.closed = False
         self._post, self._alone = post, alone
@@ -246,24 +273,35 @@ class AsyncOwing:
                     self.owed.add_request(*again)
                 raise
 
-    async def give_back(self, kind: str, token: str, tenant: str) -> None:
+    async def give_back(self, kind: str, token: str, tenant: str, deadline: float) -> None:
+        """`Owing.give_back`."""
         if not self.closed:
             self.owed.add_request(kind, token, tenant)
             self.schedule()
             return
-        with contextlib.suppress(KVTierError, httpx.HTTPError):
-            await self._alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant)
+        await self._send_alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant, _grace(deadline))
+
+    async def _send_alone(
+        self, path: str, body: dict[str, Any], tenant: str, timeout_s: float
+    ) -> None:
+        """`body` sent alone within `timeout_s`, or not at all unless it is positive (the
+        server's ttl ends what it would have); a failure passed over (`Owing`'s sending)."""
+        if timeout_s > 0:
+            with contextlib.suppress(KVTierError, httpx.HTTPError):
+                await self._alone(path, body, tenant, timeout_s)
 
     @contextlib.asynccontextmanager
-    async def keeping(self, kind: str, token: str, tenant: str) -> AsyncIterator[None]:
+    async def keeping(
+        self, kind: str, token: str, tenant: str, deadline: float
+    ) -> AsyncIterator[None]:
         """`Owing.keeping`, after `aclose()`."""
         try:
             yield
         except BaseException:
-            await self.give_back(kind, token, tenant)
+            await self.give_back(kind, token, tenant, deadline)
             raise
         if self.closed:
-            await self.give_back(kind, token, tenant)
+            await self.give_back(kind, token, tenant, deadline)
             raise ClosedError(f"the client closed while its {kind} was asked: given back")
 
     async def settle(self, granted: LeaseFrom, tenant: str, copy: torch.Tensor) -> bool:
@@ -297,3 +335,33 @@ class AsyncOwing:
         for task in list(self._flushes):  # past `deadline`: no flush outlives `close`
             task.cancel()
         self._cancel()
+
+    def stop(self) -> None:
+        """Closed from now (a give-back is sent alone); the timer and the flushes under way
+        cancelled (from the client's event loop): each owes again what it had not sent, left
+        to `close_alone`."""
+        self.closed = True
+        self._cancel()
+        for task in list(self._flushes):
+            task.cancel()
+
+    async def close_alone(self, deadline: float) -> None:
+        """`close` where the client's connections cannot be used: what is owed is given back
+        and released on connections of this loop's own (`alone`) until `deadline` (monotonic);
+        the rest is left to the server's ttl. The flushes of the running loop (a `close` of it
+        cancelled or failed midway) are cancelled and waited for first (each owes again what
+        it had not sent); another loop's (the client's, closed or in another thread:
+        `loops.py`) are left alone (a closed loop never runs them; a live one's find the
+        client closed and send nothing)."""
+        self.closed = True
+        running = asyncio.get_running_loop()
+        if own := [task for task in self._flushes if task.get_loop() is running]:
+            for task in own:
+                task.cancel()
+            await asyncio.gather(*own, return_exceptions=True)
+        for kind, token, tenant in self.owed.take_requests():
+            left = deadline - time.monotonic()
+            await self._send_alone(GIVE_BACK_PATHS[kind], {"request": token}, tenant, left)
+        for lease_id, tenant in self.owed.take_due(math.inf):
+            left = deadline - time.monotonic()
+            await self._send_alone("/v1/release", {"lease_id": lease_id}, tenant, left)

@@ -22,7 +22,7 @@ from kvtier.client.calls import Calls
 from kvtier.client.connections import Connections
 from kvtier.client.lane import AsyncLaneConnections
 from kvtier.client.mapper import Mapper
-from kvtier.client.owing import Owing, Post
+from kvtier.client.owing import Alone, Owing
 from kvtier.client.releases import may_have_reached, new_token
 from kvtier.client.transport import (
     REFUSALS,
@@ -44,7 +44,7 @@ class Sender:
         headers: RequestHeaders,
         server: Mapper,
         calls: Calls,
-        alone: Post,
+        alone: Alone,
     ) -> None:
         """`server`: the pools and lane (`Mapper`); `alone`: a give-back's POST on a
         connection of its own (after `close()`)."""
@@ -84,16 +84,17 @@ class Sender:
             raise
 
     def granting(
-        self, kind: str, path: str, request: dict[str, Any], tenant: str
+        self, kind: str, path: str, request: dict[str, Any], tenant: str, deadline: float
     ) -> tuple[str, dict[str, Any]]:
         """`carrying` of a prefetch or reserve with a fresh token; a failure that may have
-        reached the server owes the token's give-back. The token and the reply."""
+        reached the server owes the token's give-back (sent by the call's `deadline` once the
+        client is closed: `Owing.give_back`). The token and the reply."""
         token = new_token()
         try:
             return token, self.carrying(path, {**request, "request": token}, tenant)
         except BaseException as exc:
             if may_have_reached(exc, REFUSALS):
-                self.owing.give_back(kind, token, tenant)
+                self.owing.give_back(kind, token, tenant, deadline)
             raise
 
     def lease_state(self, lease: Lease, wait_s: float) -> dict[str, Any]:

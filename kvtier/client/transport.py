@@ -1,10 +1,12 @@
 """What both clients put on the wire and read back from it, their transport aside.
 
 Requests: `RequestHeaders`, the headers of every request (msgpack bodies both ways, the API
-key as a bearer token, the tenant where no key names it). Replies: `reply_body(reply)`, a
-success's decoded body, or the error the server reported raised as the store's own error type
-(`ERROR_TYPES`), else as a `ServiceError`; a body that does not decode is a `ReplyError`. What a
-body holds is checked later, field by field (`service/replies.py`). An error's kind and detail
+key as a bearer token, the tenant where no key names it); `alone_post`, `AsyncClient`'s POST on
+a connection of its own, in the running event loop (a give-back after `aclose()`).
+Replies: `reply_body(reply)`, a success's decoded body, or the error the server reported
+raised as the store's own error type (`ERROR_TYPES`), else as a `ServiceError`; a body that
+does not decode is a `ReplyError`. What a body holds is checked later, field by field
+(`service/replies.py`). An error's kind and detail
 are the server's words: cut (64, 2000 characters) and made `text.printable` before they are
 raised, so a message of ours never carries a terminal escape or a forged line.
 """
@@ -16,6 +18,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -133,6 +136,26 @@ async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: i
         raise TransportError(f"{call}: {type(exc).__name__}: {exc}") from None
     content_type = response.headers.get("content-type")
     return Reply(response.status_code, content_type, b"".join(chunks), request.url.path)
+
+
+def alone_post(
+    url: str, headers: RequestHeaders, limit: int
+) -> Callable[[str, dict[str, Any], str, float], Awaitable[dict[str, Any]]]:
+    """A POST over HTTP on a connection of its own, within its `timeout_s` (a give-back after
+    `aclose()`, in what is left of its call's, at least `owing.GRACE_S`), in the running event
+    loop."""
+
+    async def post(
+        path: str, body: dict[str, Any], tenant: str, timeout_s: float
+    ) -> dict[str, Any]:
+        content = wire.encode(body, True)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as alone:
+            asked = alone.build_request(
+                "POST", path, content=content, headers=httpx_headers(headers.for_tenant(tenant))
+            )
+            return reply_body(await httpx_send(alone, asked, limit))
+
+    return post
 
 
 def reply_body(response: Reply) -> dict[str, Any]:
