@@ -352,7 +352,7 @@ class AsyncOwing:
         cancelled or failed midway) are cancelled and waited for first (each owes again what
         it had not sent); another loop's (the client's, closed or in another thread:
         `loops.py`) are left alone (a closed loop never runs them; a live one's find the
-        client closed and send nothing)."""
+        client closed and send nothing: what they had taken is left to the server's ttl)."""
         self.closed = True
         running = asyncio.get_running_loop()
         if own := [task for task in self._flushes if task.get_loop() is running]:
