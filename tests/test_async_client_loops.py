@@ -263,18 +263,8 @@ class Gate(Relay):
         self.shut = threading.Event()
         super().__init__(port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.port))
-            self.sockets += [client, upstream]
-            threading.Thread(target=self._forward, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._reply, args=(upstream, client), daemon=True).start()
-
-    def _forward(self, source: socket.socket, sink: socket.socket) -> None:
+    def _copy(self, source: socket.socket, sink: socket.socket) -> None:
+        """`Relay._copy` of the client's bytes, swallowed while `shut` is set."""
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 if not self.shut.is_set():

@@ -69,8 +69,7 @@ class Relay:
             threading.Thread(target=self._copy, args=(client, upstream), daemon=True).start()
             threading.Thread(target=self._reply, args=(upstream, client), daemon=True).start()
 
-    @staticmethod
-    def _copy(source: socket.socket, sink: socket.socket) -> None:
+    def _copy(self, source: socket.socket, sink: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 sink.sendall(data)
