@@ -133,9 +133,10 @@ class Parts:
         # fair shares (shares.py): floors steer eviction, quotas bound what a tenant holds; the
         # rooms `preflight` checked (all known here), with the slots made: a disk tier short of
         # room has fewer than planned
-        rooms = [
-            TierRoom(p.num_slots, r.slot_bytes) for p, r in zip(pools, plan.rooms, strict=True) if r
-        ]
+        rooms = []
+        for pool, room in zip(pools, plan.rooms, strict=True):
+            assert room is not None  # planned with the memory free here: every room known
+            rooms.append(TierRoom(pool.num_slots, room.slot_bytes))
         self.shares = TenantShares(config, rooms)
         index.set_floors(self.shares.floors(self.namespaces.seeds))
         policy = write_policy(config.policy.write, config.policy.selective_hits)
