@@ -2,16 +2,17 @@
 
 `Parts(config, ...)` first runs every check that can refuse the config (`preflight.py`: tenant
 shares against the planned tier sizes, codecs, the events topic; the remote tier's keys and TLS
-files), so that a refused config creates and cuts nothing on disk; then it makes, in dependency
-order: the pools (gpu, host[, disk]; in POSIX
-shared memory for a sidecar; with `tiers.host: null` a host tier of no slots, `NoHostPool`,
-and the write policy `without_host`), the index, the namespaces (tenant <-> seed), the cache's
-shared state (`transfer/shared.py`), fair shares, the executors (the inline one for copies made
-inside a call; a thread or CUDA executor for the background), the demoter, the disk reader, the
-recovered index (when there is a disk tier), the reservation table, the mover and the write
-path. Every part takes the parts it uses, never the store; `KVStore` (`store.py`) holds the
-result and calls into it. A failed assembly closes the tiers it made (their shared memory
-unlinked) before the error propagates.
+files), so that a refused config creates and cuts nothing on disk; then it binds the KV events'
+addresses (one taken refuses the config before a disk tier is opened); then it makes, in
+dependency order: the pools (gpu, host[, disk]; in POSIX shared memory for a sidecar; with
+`tiers.host: null` a host tier of no slots, `NoHostPool`, and the write policy `without_host`),
+the index, the namespaces (tenant <-> seed), the cache's shared state (`transfer/shared.py`),
+fair shares, the executors (the inline one for copies made inside a call; a thread or CUDA
+executor for the background), the demoter, the disk reader, the recovered index (when there is
+a disk tier), the reservation table, the mover, the write path, and the index's observer that
+feeds the events. Every part takes the parts it uses, never the store; `KVStore` (`store.py`)
+holds the result and calls into it. A failed assembly closes the publisher and the tiers it made
+(their shared memory unlinked) before the error propagates.
 """
 
 from __future__ import annotations
@@ -108,10 +109,14 @@ class Parts:
                 resolve_key(remote.password, "tiers.remote.password")
             _tls_settings(remote.tls)  # its files loaded now, again when the cluster is made
         made: list[Tier] = []
-        try:
+        publisher = None
+        try:  # the events' addresses bound first: one taken refuses before a disk is cut
+            publisher = self.events = _publisher(config)
             pools = _pools(config, plan, shared_memory, made)
             self._build(config, secret, clock, executor, (plan, pools))
         except BaseException:
+            if publisher is not None:
+                publisher.close()
             for tier in made:
                 tier.close()
             raise
@@ -181,8 +186,8 @@ class Parts:
         )
         self.remote = _remote_link(config, state, self.writes)
         self.writes.remote = self.remote
-        # after recovery: no replayed past
-        self.events = _events(config, state, self.namespaces)
+        if self.events is not None:  # after recovery: no replayed past
+            _observe(self.events, state, self.namespaces)
         self.tenant_counters = {
             tenant: TenantCounters(len(pools)) for tenant in self.namespaces.seeds
         }
@@ -241,11 +246,9 @@ def _host_pool(
     return HostPool.create(layout, host_bytes, host_cfg.pinned, shared)
 
 
-def _events(
-    config: KVTierConfig, state: CacheState, namespaces: Namespaces
-) -> EventPublisher | None:
-    """`events`: a publisher, fed by the index's observer; a `ConfigError` naming the address
-    when it cannot be bound (`model.name` with an '@' is refused by `preflight`)."""
+def _publisher(config: KVTierConfig) -> EventPublisher | None:
+    """`events`: a publisher (fed by the index's observer, `_observe`); a `ConfigError` naming
+    the address when it cannot be bound (`model.name` with an '@' is refused by `preflight`)."""
     events = config.events
     if events is None:
         return None
@@ -270,11 +273,15 @@ def _events(
         raise ConfigError(
             f"events.{e.name}", e.address, f"an address to {verb} ({e.reason})"
         ) from None
+    return publisher
+
+
+def _observe(publisher: EventPublisher, state: CacheState, namespaces: Namespaces) -> None:
+    """Feed `publisher` from the index: a peer that joined before is told once this is set."""
     index = state.index
     observer = IndexEvents(publisher, index, namespaces.tenant_of, state.lock, namespaces.seeds)
     index.observer = observer
     observer.announce()  # what recovery brought back: a restarted store's first words
-    return publisher
 
 
 def _codec(
