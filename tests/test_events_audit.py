@@ -105,7 +105,7 @@ def test_a_peer_that_asks_again_and_again_without_reading_pins_a_few_messages(ct
         for n in range(16):
             publisher.stored("alice", [16 * round_ + n], None, tokens, len(tokens), "GPU")
         publisher.flush()
-    assert wait_until(lambda: publisher.stats()["replays"] == 40)
+    assert wait_until(lambda: publisher.stats()["replays_asked"] == 40)
     time.sleep(0.3)  # what the publisher queued reaches the connection
     grown = rss_mib() - before
     honest = ctx.socket(zmq.DEALER)
@@ -130,7 +130,7 @@ def test_many_connections_that_never_read_share_the_buffer_instead_of_copying_it
     before = rss_mib()
     for peer in peers:
         peer.send(request(0))
-    assert wait_until(lambda: publisher.stats()["replays"] == 24)
+    assert wait_until(lambda: publisher.stats()["replays_asked"] == 24)
     time.sleep(0.5)  # every peer's replies are queued, as far as its connection takes them
     grown = rss_mib() - before
     for peer in peers:
@@ -185,7 +185,7 @@ def test_malformed_requests_get_nothing_and_odd_ones_only_the_end_marker(ctx: An
         (TOPIC.encode(), 2),
     ]
     assert got[6:] == [[b"", b"", END, b""]]
-    assert publisher.stats()["replays"] == 5
+    assert publisher.stats()["replays_asked"] == 5
     publisher.close()
 
 

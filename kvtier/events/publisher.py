@@ -1,10 +1,10 @@
 """`EventPublisher`: KV events on a ZMQ PUB in llm-d's documented layout (`pkg/kvevents`; what
 vLLM sent before 0.33, whose events are tagged maps: `kvtier.routing.reading`), with replay.
 
-Wire (llm-d `pkg/kvevents`; vLLM's batch and frames): ZMQ PUB, each message three
-frames: the topic (UTF-8), its sequence number (8 bytes, big-endian, one more per message of
-that topic), and a msgpack payload, an event batch `[ts (float, seconds), [event,
-...], dp_rank (nil: kvtier is no data-parallel rank)]`, each event a positional array:
+Wire (llm-d `pkg/kvevents`; vLLM's batch and frames): ZMQ PUB, each message three frames: the
+topic (UTF-8), its sequence number (8 bytes, big-endian, one more per message of that topic),
+and a msgpack payload, an event batch `[ts (float, seconds), [event, ...], dp_rank (nil:
+kvtier is no data-parallel rank)]`, each event a positional array:
 
     ["BlockStored", [hash, ...], parent_hash or nil, [token, ...], block_size, lora_id or nil,
      medium, lora_name or nil]
@@ -16,9 +16,8 @@ out), not a content hash: a router keys blocks by their tokens (`kvtier.routing`
 The medium names the tier: "GPU", "CPU" (host), "DISK", "REMOTE" (`MEDIUM`). A block that
 gains or loses a tier is one event for that medium; removals in a row in one medium go out as
 one event. The queue holds what a store told (`wire.Spec`: numbers and references to immutable
-bytes); the thread packs a whole batch at once (`wire.Packer`).
-
-Replay (a ROUTER socket, vLLM's protocol, served a little at a time): `replay.py`.
+bytes); the thread packs a whole batch at once (`wire.Packer`). Replay (a ROUTER, vLLM's
+protocol): `replay.py`; what the PUB holds for a peer that stops reading: `peers.py`.
 
 Contract:
 - `stored`, `removed` and `cleared` never block and never touch a socket: they append to a queue
@@ -40,14 +39,14 @@ Contract:
   same way: every peer hears both, and ends with the store's blocks.
 - The PUB binds `endpoint` and connects to each of `connect` (subscribers that bind: llm-d's).
 - Incarnations: every topic's numbers start at `first_seq`; a store's, at the microseconds since
-  the epoch at its start (`assembly._events`; vLLM's at 0): a restarted publisher's
-  numbers are past any its past life sent (unless that sent more than a message a microsecond),
-  so a router that missed the restart sees a gap no replay can fill (the new buffer starts at
-  the new first number), never a run to splice onto the old life's (`kvtier.routing`).
+  the epoch at its start (`assembly._events`; vLLM's at 0): a restarted publisher's numbers are
+  past any its past life sent (unless that sent more than a message a microsecond), so a
+  router that missed the restart sees a gap no replay can fill (the new buffer starts at the
+  new first number), never a run to splice onto the old life's (`kvtier.routing`).
 - Each topic has its own sequence numbers and replay buffer (its last `buffer` messages,
   `buffer_bytes` of payload at most). An event holds one tenant's blocks; with `per_tenant`,
-  each tenant's events go to `<topic>@<tenant>` only.
-- `flush()` sends what is queued from the caller's thread; `close()` sends it, then closes.
+  each tenant's events go to `<topic>@<tenant>` only. `flush()` sends what is queued from the
+  caller's thread; `close()` sends it, then closes.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ last held the store's lock longer: each reads the whole index under it (500,000 
 that overflows its queue again and again spends no more than this share of its lock on them."""
 
 Event = tuple[str, wire.Spec]  # (tenant, the event)
-STATS = ("events", "messages", "dropped_events", "replays", "resyncs", "retells")
+STATS = ("events", "messages", "dropped_events", "replays_asked", "replays", "resyncs", "retells")
 
 
 class Source(Protocol):
@@ -154,7 +153,7 @@ class EventPublisher:
         self._packer = wire.Packer(self._message_room - len(wire.CLEARED))  # under `_sending`
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
-        limit_frames(self._pub, settings.topic, settings.per_tenant)  # peers' subscriptions
+        limit_frames(self._pub, settings.topic, settings.per_tenant, settings.max_message_bytes)
         allow_ipv6(self._pub, endpoint, *connect)
         self._joins = Joins(self._pub)  # before any peer can join: peers owed the state
         self._backlog = Backlog(settings.buffer, settings.buffer_bytes)
@@ -196,9 +195,9 @@ class EventPublisher:
 
     def stats(self) -> dict[str, int]:
         """Counts since start: `events`, `messages` sent, `dropped_events` (a full queue's),
-        `replays` served, `resyncs` of lost topics, `retells` to peers that joined; and now:
-        `queued`, the events waiting, and `unsynced_topics`, topics that lost events whose
-        routers are not yet told so."""
+        `replays_asked` (requests taken), `replays` answered in full, `resyncs` of lost
+        topics, `retells` to peers that joined; and now: `queued`, the events waiting, and
+        `unsynced_topics`, topics that lost events whose routers are not yet told so."""
         with self._lock:
             unsynced = sum(topic.lost for topic in self._topics.values())
             return {**self._stats, "queued": len(self.pending), "unsynced_topics": unsynced}
@@ -282,9 +281,10 @@ class EventPublisher:
             # look at least every `LOOK_S` (a long `flush_s` must not hold `close` up)
             wait = min(max(0.0, due - time.monotonic()), LOOK_S)
             if self._replay is not None:
-                if taken := self._replay.turn(wait):
-                    with self._lock:
-                        self._stats["replays"] += taken
+                done = self._replay.turn(wait)
+                with self._lock:
+                    self._stats["replays_asked"] += done.requests
+                    self._stats["replays"] += done.served
             else:
                 self._closing.wait(wait or 0.001)
             if stopping or time.monotonic() >= due:

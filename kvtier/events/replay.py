@@ -19,11 +19,19 @@ signed), b""]`. Anyone who can connect may send, and may never read; so:
   as ZMQ hands it over, not a few hundred a turn (50 flooding connections kept a router's
   replay unanswered 10 s after they stopped: 0.1 s now, 4 s when each request differs), and
   a client that asks the same twice, a few times, is answered each time;
-- ZMQ queues at most `REPLY_HWM` messages for a connection (`SNDHWM`, `ROUTER_MANDATORY`): a
+- ZMQ queues at most `REQUEST_HWM` requests of a connection unread (`RCVHWM`; ZMQ's default,
+  1,000 a connection, let 200 connections that never read take a sidecar from 260 to 1,388 MiB
+  in 10 s), and at most `REPLY_HWM` messages for a connection (`SNDHWM`, `ROUTER_MANDATORY`): a
   reply that does not fit stays in its replay and goes at a later turn, so a peer that never
   reads costs that many messages however often it asks, and a peer that reads late still gets
   every message and the end marker (a ROUTER otherwise drops what passes its high-water mark,
-  end marker included). A payload goes out without a copy: it is the backlog's own bytes;
+  end marker included). A payload goes out without a copy, the backlog's own bytes, and ZMQ
+  holds it until it is on the wire: one that left the backlog meanwhile lives on. So replies ZMQ
+  holds are bounded across all connections too: at most `QUEUED_BYTES` of payload (a message
+  queued for several counted once; one message at least); past it no replay sends until ZMQ lets
+  some go (a peer reads, or is gone). Peers that connect and never read can hold that budget,
+  and then a router's replay times out (it falls back to a snapshot, `kvtier.routing`): memory
+  stays bounded, replay does not stay available to untrusted peers;
 - the messages a replay sends follow each other without a gap: one that left the backlog
   before its turn ends the replay there, with the end marker, and the client asks again.
 """
@@ -43,6 +51,8 @@ from kvtier.events.peers import allow_ipv6
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_REQUEST = 4096  # bytes of one frame of a replay request (a topic name at most)
 REPLY_HWM = 32  # messages queued for one connection at most
+REQUEST_HWM = 16  # requests of one connection ZMQ keeps unread at most
+QUEUED_BYTES = 64 << 20  # payload bytes ZMQ holds for all connections at most (module doc)
 MAX_REPLAYS = 16  # replays open at once
 TAKE_S = 0.005  # the longest one turn takes requests for
 REPEATS_ANSWERED = 16  # a connection's requests in a turn each answered, repeats included
@@ -89,6 +99,12 @@ class Backlog:
             return kept[at] if kept is not None and 0 <= at < len(kept) else None
 
 
+@dataclass(frozen=True)
+class Turn:
+    requests: int  # replay requests taken (each well formed)
+    served: int  # replays answered in full: their end marker sent
+
+
 @dataclass
 class _Replay:
     client: bytes  # the connection's routing id
@@ -117,20 +133,24 @@ class ReplayServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST)
         self.socket.setsockopt(zmq.SNDHWM, REPLY_HWM)
+        self.socket.setsockopt(zmq.RCVHWM, REQUEST_HWM)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so (never blocks)
         self.socket.bind(endpoint)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replays: list[_Replay] = []  # oldest first
         self._moving = False  # the last turn sent something
+        self.served = 0  # replays whose end marker was sent
+        self._held: list[tuple[zmq.MessageTracker, bytes]] = []  # payloads ZMQ holds (kept
+        self._sizes: dict[int, int] = {}  # alive here, so ids stay theirs): id -> size, each once
+        self.held_bytes = 0  # their sum
 
-    def turn(self, wait_s: float) -> int:
+    def turn(self, wait_s: float) -> Turn:
         """Wait up to `wait_s` for requests (`BUSY_S` while replays are moving), take those that
         came (for `TAKE_S` at most), open a replay for each (once for a request a flooding
         connection repeated in the turn: module doc), and send each open replay what its
-        connection takes;
-        the number of replay requests taken."""
+        connection takes; what the turn took and served."""
         wait = min(wait_s, BUSY_S) if self._moving else wait_s
-        taken = 0
+        taken, served = 0, self.served
         if self.socket.poll(max(1, int(wait * 1000))):
             asked: list[tuple[bytes, ...]] = []  # in the order asked
             seen: set[tuple[bytes, ...]] = set()
@@ -150,7 +170,7 @@ class ReplayServer:
             for request in asked:
                 self._open(request)
         self._moving = self._pump()
-        return taken
+        return Turn(taken, self.served - served)
 
     def close(self) -> None:
         self.socket.close()
@@ -171,6 +191,7 @@ class ReplayServer:
         messages at most; close the replays that ended, lost their peer or stalled; did any
         send?"""
         now, moving, busy = self.clock(), False, set()
+        self._release()
         for replay in list(self._replays):
             if replay.client in busy:  # waits for the one asked before it
                 replay.since = now
@@ -183,6 +204,12 @@ class ReplayServer:
                 busy.add(replay.client)
         return moving
 
+    def _release(self) -> None:
+        """Forget the payloads ZMQ let go of (`QUEUED_BYTES`)."""
+        self._held = [(tracker, payload) for tracker, payload in self._held if not tracker.done]
+        self._sizes = {id(payload): len(payload) for _, payload in self._held}
+        self.held_bytes = sum(self._sizes.values())
+
     def _send(self, replay: _Replay) -> int:
         """Send what its connection's queue takes of `replay`, then its end marker; how many
         sent."""
@@ -194,14 +221,25 @@ class ReplayServer:
                 if payload is None:  # it left the backlog: end here, without a gap
                     replay.stop = replay.seq
                     break
-                seq = replay.seq.to_bytes(8, "big")
-                frames = (client, b"", replay.topic.encode(), seq, payload)
-                self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                new = id(payload) not in self._sizes  # else already counted
+                if new and self._held and self.held_bytes + len(payload) > QUEUED_BYTES:
+                    return sent  # the rest once ZMQ lets some go (module doc)
+                head = (client, b"", replay.topic.encode(), replay.seq.to_bytes(8, "big"))
+                # never copied, and once sent held by ZMQ alone: done when ZMQ lets it go
+                tracker = self.socket.send_multipart(
+                    (*head, zmq.Frame(payload, copy=False, track=True)), zmq.NOBLOCK, copy=False
+                )
+                assert tracker is not None
+                self._held.append((tracker, payload))
+                if new:
+                    self._sizes[id(payload)] = len(payload)
+                    self.held_bytes += len(payload)
                 replay.seq += 1
                 sent += 1
             if replay.seq >= replay.stop:
                 self.socket.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
                 replay.ended = True
+                self.served += 1
         except zmq.Again:
             pass  # the connection's queue is full: the rest at a later turn
         except zmq.ZMQError as e:

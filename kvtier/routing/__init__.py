@@ -3,7 +3,8 @@ calls to send a request to the replica that already holds its prefix.
 
 - `index.py`: `PrefixIndex` (events in, `score(tokens) -> {pod: weighted prefix length}`);
 - `subscriber.py`: `Subscriber`, the thread that feeds it from ZMQ publishers and recovers
-  lost messages through their replay endpoints (`replays.py`) and snapshots;
+  lost messages through their replay endpoints (`replays.py`) and snapshots (`snapshots.py`:
+  each asked on a thread of its own, waited for a bounded time);
 - `links.py`: one publisher's SUB socket, bounded, reopened with a backoff;
 - `allowance.py`: what one publisher may make the subscriber do (the pod it speaks for, the
   time its recoveries may take);

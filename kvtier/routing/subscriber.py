@@ -24,25 +24,26 @@ sequence number applied is kept:
 - a number below it (a publisher restarted: vLLM's number from 0 again): the topic's blocks
   are forgotten, then the message is taken as a topic's first.
 
-Snapshots. A publisher added with a `snapshot` (a callable answering as `GET /v1/blocks` does,
-e.g. `kvtier.client.Client(url, api_key=ADMIN_KEY).blocks`) is asked for one first: each
-topic's blocks are replaced by the snapshot's (`PrefixIndex.reset`), and its messages from the
-first not yet taken up to the snapshot's number are skipped as reflected (one queued before it,
-applied again, is harmless: events are applied in order), except one that begins with
-AllBlocksCleared: the topic is followed from it (the same life's clear is followed by the same
-messages). One below them (a new life whose clock stepped back) is a restart. Without
-`add(..., tenant=...)` a snapshot is the pod's whole (the admin key's): a topic the publisher
-spoke on that it does not list (`GET /v1/blocks` lists only topics that hold blocks) holds
-nothing and is cleared. With it, it is that tenant's (a tenant key's, per-tenant topics): it
-tells of that tenant's topic only. vLLM publishers have none.
+Snapshots. A publisher added with a `snapshot` (a callable answering as `GET /v1/blocks` does, e.g.
+`kvtier.client.Client(url, api_key=ADMIN_KEY, shared_memory=False).blocks`: the admin key may not
+map the pools) is asked for one first: each topic's blocks are replaced by the snapshot's
+(`PrefixIndex.reset`), and its messages from the first not yet taken up to the snapshot's number are
+skipped as reflected (one queued before it, applied again, is harmless: events are applied in
+order), except one that begins with AllBlocksCleared: the topic is followed from it (the same life's
+clear is followed by the same messages). One below them (a new life whose clock stepped back) is a
+restart. Without `add(..., tenant=...)` a snapshot is the pod's whole (the admin key's): a topic the
+publisher spoke on that it does not list (`GET /v1/blocks` lists only topics that hold blocks) holds
+nothing and is cleared. With it, it is that tenant's (a tenant key's, per-tenant topics): it tells
+of that tenant's topic only. vLLM publishers have none.
 
-With `resync_s`, each publisher with a snapshot is resynced that often too, repairing whatever
-drifted unseen. A message that brings an orphan (a BlockStored whose parent the index does not
-hold for its topic: the index and the publisher disagree) makes a publisher with a snapshot
-resync at once, rationed as gaps are: after an `AllBlocksCleared` from a publisher that does not
-tell again what it still holds (a kvtier store does, `EventPublisher._resync`), every block
-chained to a forgotten one is an orphan, and on a topic that tenants share that is every
-tenant's, until a snapshot tells the index what the pod holds.
+With `resync_s`, each publisher with a snapshot is resynced that often too (rationed as gaps are),
+repairing whatever drifted unseen. A message that brings an orphan (a BlockStored whose parent the
+index does not hold for its topic: the index and the publisher disagree) makes a publisher with a
+snapshot resync at once, rationed as gaps are: after an `AllBlocksCleared` from a publisher that
+does not tell again what it still holds (a kvtier store does, `EventPublisher._resync`), every block
+chained to a forgotten one is an orphan, and on a topic that tenants share that is every tenant's,
+until a snapshot tells the index what the pod holds.
+
 
 Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is not events):
 - a frame longer than `max_message_bytes` is refused by ZMQ before it is buffered (the
@@ -58,7 +59,8 @@ Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is no
   sends; a gap too long to fit in it is not asked for (a number near 2**64 is one); a
   publisher's recoveries (replay, snapshot) are rationed (`allowance.Ration`): past its share,
   a gap is forgotten without asking;
-- a snapshot's answer is checked as the client checks one (`replies.blocks`), whatever gave it.
+- a snapshot's answer is checked as the client checks one (`replies.blocks`), whatever gave it,
+  and waited for `replay_timeout` at most (`snapshots.py`: a hung pod holds no other up).
 
 `wait(topic, seq, timeout)` returns once `topic`'s messages up to number `seq` - 1 are applied
 (a store's publisher's `next_seq`: a replay routing on events waits for the store it used).
@@ -70,9 +72,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
@@ -81,9 +81,7 @@ from kvtier.routing import replays
 from kvtier.routing.allowance import Ration, Voice
 from kvtier.routing.links import Link, Watch
 from kvtier.routing.reading import BadEvent, Sink, starts_cleared
-from kvtier.service import replies
-
-Snapshot = Callable[[], dict[str, Any]]  # {block_size, topics: [{topic, seq, events}]}
+from kvtier.routing.snapshots import Asker, Snapshot
 
 
 @dataclass(frozen=True)
@@ -100,6 +98,7 @@ class _Publisher:
     link: Link
     added: _Added
     ration: Ration
+    asker: Asker | None  # its snapshot's, if it has one
     resynced_at: float = 0.0
 
 
@@ -212,7 +211,8 @@ class Subscriber:
                         self._context, spec.endpoint, self.max_message_bytes,
                         self.max_queue_bytes,
                     )  # fmt: skip
-                    publishers.append(_Publisher(link, spec, ration, ration.at))
+                    asker = spec.snapshot and Asker(spec.snapshot, self.replay_timeout)
+                    publishers.append(_Publisher(link, spec, ration, asker or None, ration.at))
             now = time.monotonic()
             for publisher in publishers:
                 if publisher.link.due(now):
@@ -232,9 +232,8 @@ class Subscriber:
             if self.resync_s is not None:
                 now = time.monotonic()
                 for publisher in publishers:
-                    snapshot = publisher.added.snapshot
-                    if snapshot and now - publisher.resynced_at >= self.resync_s:
-                        self._resync(publisher)
+                    if publisher.asker and now - publisher.resynced_at >= self.resync_s:
+                        self._heal(publisher)
         for publisher in publishers:
             self._watch.drop(publisher.link)
 
@@ -297,7 +296,7 @@ class Subscriber:
             self._heal(publisher)
 
     def _heal(self, publisher: _Publisher) -> None:
-        """Resync `publisher` after an orphan (module doc), within its recoveries' share."""
+        """Resync `publisher` (an orphan; `resync_s`: module doc) within its recoveries' share."""
         if not publisher.ration.allows():
             return
         started = time.monotonic()
@@ -336,11 +335,10 @@ class Subscriber:
         pod's whole view does not list (module doc); done?"""
         publisher.resynced_at = time.monotonic()
         added = publisher.added
-        if added.snapshot is None:
+        if publisher.asker is None:
             return False
-        try:
-            reply = replies.blocks(added.snapshot())
-        except Exception:  # a server down, a reply of another shape: no snapshot this time
+        reply = publisher.asker.ask()  # None: a server down or hung, a reply of another shape
+        if reply is None:
             self._count("resync_errors")
             return False
         listed = set()

@@ -43,8 +43,9 @@ latency is the service's own (a histogram per route). Names:
     kvtier_remote_connected                              with tiers.remote: 1 while connected
     kvtier_remote_writer_pending_bytes                   the write backlog
     kvtier_remote_<counter>_total                        every count of the status' `remote`
-    kvtier_events_{events,messages,dropped_events,replays,resyncs,retells}_total  `events`: KV
-                                                         events sent, lost to a full queue, ...
+    kvtier_events_{events,messages,dropped_events,replays,replays_asked,resyncs,retells}_total
+                                                         `events`: KV events sent, lost to a
+                                                         full queue, replays answered, asked ...
     kvtier_events_{queued,unsynced_topics}               events waiting to be sent; topics
                                                          that lost events, not yet told again
     python_gc_{objects_collected,objects_uncollectable,collections}_total{generation}
@@ -292,7 +293,8 @@ def _mover(mover: dict[str, Any]) -> Iterator[Any]:
 
 
 def _events(events: dict[str, Any]) -> Iterator[Any]:
-    for field in ("events", "messages", "dropped_events", "replays", "resyncs", "retells"):
+    fields = ("events", "messages", "dropped_events", "replays", "replays_asked", "resyncs")
+    for field in (*fields, "retells"):
         counter = CounterMetricFamily(f"kvtier_events_{field}", f"KV events: {field}")
         counter.add_metric([], events[field])
         yield counter
