@@ -8,6 +8,7 @@
                                            (keyed by serve's secret in service.state_dir, if any)
     kvtier validate FILE...                check config files as serve would (keys, address,
                                            tenant shares), starting nothing; print tier sizes
+                                           (every file; exit 2 if any failed)
     kvtier check PATH [--fix]              check a disk tier directory offline (exit 1: problems,
                                            a damaged superblock or slab file among them)
     kvtier replay TRACE [--gpu F --host F --disk F] [--sweep] [--plot PNG] [--json]
@@ -45,6 +46,7 @@ from kvtier.text import printable
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
 from kvtier.tiers.disk.codec import tier_codec
 from kvtier.tiers.disk.slabs import DamagedDiskError
+from kvtier.tiers.disk.tier import disk_slot_bytes
 
 
 def say(text: str, file: TextIO | None = None) -> None:
@@ -242,31 +244,40 @@ def cmd_validate(args: argparse.Namespace) -> int:
     request can present; an `env:` key whose variable is unset here is taken as given) and
     its address (`require_loopback`), and the checks a store makes before it makes a tier
     (`preflight`: tenant floors and quotas against the tier sizes, codecs; a capacity that is a
-    fraction of free memory is known only at start). Nothing is written, nothing started."""
+    fraction of free memory is known only at start). Nothing is written, nothing started.
+    Every file is checked and its result printed (an error on stderr); 2 if any failed."""
     from kvtier.preflight import preflight
     from kvtier.service.auth import Auth, require_loopback
 
+    failed = 0
     for path in args.files:
-        config = load_config(path)
-        require_loopback(config.service.host, Auth(config, unset_ok=True))
-        preflight(config, None)
+        try:
+            config = load_config(path)
+            require_loopback(config.service.host, Auth(config, unset_ok=True))
+            preflight(config, None)
+            sizes = ", ".join(
+                f"{name} {getattr(config.tiers, name).capacity}{_codec_note(config, name)}"
+                if getattr(config.tiers, name) is not None
+                else f"{name} none"
+                for name in config.tier_names
+            )
+        except KVTierError as exc:
+            say(f"kvtier: {path}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         layout = config.layout
-        sizes = ", ".join(
-            f"{name} {getattr(config.tiers, name).capacity}{_codec_note(config, name)}"
-            if getattr(config.tiers, name) is not None
-            else f"{name} none"
-            for name in config.tier_names
-        )
         say(
             f"{path}: ok ({layout.model_name}, {format_size(layout.block_bytes)} per block; "
             f"{sizes})"
         )
-    return 0
+    return 2 if failed else 0
 
 
 def _codec_note(config: KVTierConfig, tier: str) -> str:
-    """` in <codec id>, <ratio>x the blocks` for a tier that quantizes, ` (lz4)` for one that
-    compresses, checked against the layout as at start (`tier_codec`); else nothing."""
+    """` in <codec id>, <ratio>x the blocks` for a tier that quantizes (the blocks its capacity
+    holds against codec none: slots of the payload on host, of a header and the aligned
+    payload on disk, `disk_slot_bytes`), ` (lz4)` for one that compresses, checked against
+    the layout as at start (`tier_codec`); else nothing."""
     section = getattr(config.tiers, tier)
     name = getattr(section, "codec", "none")
     if name == "none":
@@ -275,7 +286,11 @@ def _codec_note(config: KVTierConfig, tier: str) -> str:
     codec = tier_codec(name, layout, section.codec_group, section.codec_keys, f"tiers.{tier}")
     if not codec.lossy:
         return f" ({name})"
-    ratio = layout.block_bytes / codec.payload_bound(layout.block_bytes)
+    if tier == "disk":  # a disk slot is a header region plus the payload, aligned
+        plain = tier_codec("none", layout, section.codec_group, section.codec_keys, "tiers.disk")
+        ratio = disk_slot_bytes(layout, plain) / disk_slot_bytes(layout, codec)
+    else:  # a host slot is the payload
+        ratio = layout.block_bytes / codec.payload_bound(layout.block_bytes)
     return f" in {codec.name}, {ratio:.2f}x the blocks"
 
 

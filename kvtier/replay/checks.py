@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 from pathlib import Path
 
 from kvtier.errors import InvalidArgumentError
@@ -55,9 +56,20 @@ def check_plot(path: str, inputs: list[str | None]) -> None:
         problem = f"a file in an existing directory ({str(target.parent)!r} is not one)"
     elif target.is_dir():
         problem = "a file, not a directory"
-    elif not os.access(target if target.exists() else target.parent, os.W_OK):
-        problem = "a file kvtier may write (this one, or its directory, is read-only to it)"
+    elif not os.access(target.parent, os.W_OK):  # written beside it, then renamed over it
+        problem = "a file kvtier may write (its directory is read-only to it)"
+    elif _sticky_foreign(target):  # the rename over it would be refused at the end
+        problem = "a file kvtier may replace (another user's, in a sticky directory)"
     elif target.exists() and any(p and Path(p).exists() and target.samefile(p) for p in inputs):
         problem = "a file other than the command's trace and config"
     if problem is not None:
         raise InvalidArgumentError(f"--plot: got {path!r}, expected {problem}")
+
+
+def _sticky_foreign(target: Path) -> bool:
+    """Whether `target` exists, belongs to another user, in a sticky directory (`/tmp`)."""
+    try:
+        found, parent = target.lstat(), target.parent.stat()
+    except OSError:
+        return False
+    return bool(parent.st_mode & stat.S_ISVTX) and found.st_uid != os.geteuid()

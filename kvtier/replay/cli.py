@@ -205,9 +205,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         say(f"kvtier: --jobs: got {args.jobs}, expected >= 1", sys.stderr)
         return 2
-    if args.plot:
+    if args.plot is not None:
         check_plot(args.plot, [args.trace, args.config])
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         say("kvtier: --plot: matplotlib is not installed; pip install 'kvtier[plot]'", sys.stderr)
         return 2
     check_modes(args)
@@ -228,7 +228,7 @@ def run_replay(args: argparse.Namespace) -> int:
     with _progress(len(requests) * len(sizings)) as progress:
         results = replay_all(work, sizings, jobs, progress)
     typed = _typed(results, args)
-    if args.plot:
+    if args.plot is not None:
         plot(results, args.plot)
     if args.json:
         document = {
@@ -266,7 +266,7 @@ def run_replay(args: argparse.Namespace) -> int:
         )
     if len(results) > 1:
         say(format_table(results))
-    if args.plot:
+    if args.plot is not None:
         say(f"plot: {printable(args.plot)}")
     others = ", ".join(f"{r.sizing.label} {r.ratio:.3f}" for r in results if r is not typed)
     say(
@@ -319,7 +319,7 @@ def _run_routed(
     store of N times the capacity, then the N stores under each policy."""
     policies = parse_policies(args.route)
     counts = [args.replicas]
-    if args.plot:
+    if args.plot is not None:
         counts = sorted({*(1 << k for k in range(args.replicas.bit_length())), args.replicas})
     with contextlib.ExitStack() as stack:
         nodes = None
@@ -328,7 +328,7 @@ def _run_routed(
         by_count = {
             n: replay_routed(requests, limit, sizing, options, n, policies, nodes) for n in counts
         }
-    if args.plot:
+    if args.plot is not None:
         plot_routed(by_count, args.plot)
     runs = by_count[args.replicas]
     if args.json:
@@ -347,7 +347,7 @@ def _run_routed(
             rates = ", ".join(f"{r.policy} {r.hit_rate:.1%}" for r in by_count[n][1:])
             say(f"N = {n}: one store {by_count[n][0].hit_rate:.1%}; {rates}")
     say(format_routed(runs))
-    if args.plot:
+    if args.plot is not None:
         say(f"plot: {printable(args.plot)}")
     return 0
 

@@ -226,9 +226,10 @@ def format_fleet(runs: Sequence[FleetRun]) -> str:
     lines = []
     for run in runs:
         parts = ", ".join(f"{t} {run.served[t] / run.tokens:.1%}" for t in TIERS if run.served[t])
+        by_tier = f" ({parts})" if parts else ""  # none when nothing was served
         remote = f"; remote {run.remote}" if run.remote else ""
         lines.append(
-            f"== {run.label}: hit rate {run.hit_rate:.1%} ({parts}), {run.ratio:.3f} of the "
+            f"== {run.label}: hit rate {run.hit_rate:.1%}{by_tier}, {run.ratio:.3f} of the "
             f"ceiling, {run.wall_s:.1f} s{remote}"
         )
     if len(runs) == 2:

@@ -4,17 +4,26 @@ Hit rates are shares of the tokens the trace sends (every hash id a 512-token bl
 ceiling is the infinite-cache prefix hit rate of the same requests (`trace.ceiling`), so
 `ratio = hit_rate / ceiling_rate` is the share of what any cache could serve. The yardsticks
 (`Yardsticks`, `simulate.py`) are exact simulations of one cache of the run's capacity in
-blocks: LRU of leaves (`ratio_to_lru` = the store's hits over its hits) and the offline
-furthest-next-use leaf (a planner's headroom). A paced run (`--speed`) says whether it kept
-the trace's clock (`Pacing`).
+blocks: LRU of leaves (`ratio_to_lru` = the store's hits over its hits, None when it hit
+nothing) and the offline furthest-next-use leaf (a planner's headroom over LRU). They compare
+like with like only when the store dropped nothing: a store drops all the new blocks of a
+request that no tier can take at once (`writes.py`), where a simulation caches the leading ones
+that fit, evicting for them; the text report says so, and the store may then serve less than
+LRU, or more than either. A paced run (`--speed`) says whether it kept the trace's clock
+(`Pacing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtier.blocks import KVLayout
@@ -161,11 +170,12 @@ class ReplayResult:
 
     @property
     def ratio_to_lru(self) -> float | None:
-        """The store's hits over the LRU-of-leaves simulation's (None without yardsticks)."""
+        """The store's hits over the LRU-of-leaves simulation's; None without yardsticks, and
+        None (undefined, shown "n/a") when the simulation hit nothing."""
         if self.yardsticks is None:
             return None
         lru_tokens = self.yardsticks.lru.hits * self.block_tokens
-        return self.hit_tokens / lru_tokens if lru_tokens else 1.0
+        return self.hit_tokens / lru_tokens if lru_tokens else None
 
     def rate(self, tier: str) -> float:
         return self.served.get(tier, 0) / self.tokens
@@ -275,11 +285,23 @@ def _yardsticks(r: ReplayResult) -> list[str]:
     if r.yardsticks is None:
         return []
     lru, furthest = r.yardsticks.lru, r.yardsticks.furthest
-    return [
+    lines = [
         f"  one cache of the same {lru.capacity:,} blocks, simulated: LRU of leaves "
-        f"{lru.hit_rate:.1%} (store/LRU {r.ratio_to_lru:.3f}), furthest next use "
+        f"{lru.hit_rate:.1%} (store/LRU {_lru_ratio(r)}), furthest next use "
         f"(offline) {furthest.hit_rate:.1%}"
     ]
+    if r.dropped_tokens:
+        lines.append(
+            "  not like for like: the store dropped blocks that the simulations cache (the new "
+            "blocks of a request that no tier could take at once are dropped whole)"
+        )
+    return lines
+
+
+def _lru_ratio(r: ReplayResult) -> str:
+    """`ratio_to_lru` to 3 decimals, "n/a" when undefined (the simulation hit nothing)."""
+    ratio = r.ratio_to_lru
+    return "n/a" if ratio is None else f"{ratio:.3f}"
 
 
 def _pacing(p: Pacing | None) -> list[str]:
@@ -309,7 +331,7 @@ def format_table(results: Sequence[ReplayResult]) -> str:
     for r in results:
         s, y = r.sizing, r.yardsticks
         sims = (
-            f"{y.lru.hit_rate:>9.1%}{y.furthest.hit_rate:>9.1%}{r.ratio_to_lru:>8.3f}"
+            f"{y.lru.hit_rate:>9.1%}{y.furthest.hit_rate:>9.1%}{_lru_ratio(r):>8}"
             if y is not None
             else f"{'-':>9}{'-':>9}{'-':>8}"
         )
@@ -364,5 +386,35 @@ def plot(results: Sequence[ReplayResult], path: str) -> None:
     panels[0][0].legend(loc="upper left")
     figure.suptitle("kvtier replay: hit rate by tier, against each tier's size")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     plt.close(figure)
+
+
+def save_figure(figure: Any, path: str) -> None:
+    """Replace `path` by `figure` (a matplotlib figure) rendered in the format its suffix
+    names, atomically: written to a fresh temporary file of its own beside it (`mkstemp`: no
+    other file touched), given the mode a new file gets (0666 less the umask), and renamed
+    over it, so a link planted at `path` is replaced, not followed. A write or rename the
+    system refuses (a sticky directory, another user's file) is an `InvalidArgumentError`
+    naming `--plot`, the temporary file removed."""
+    image = io.BytesIO()
+    figure.savefig(image, format=Path(path).suffix.lstrip(".").lower(), dpi=120)
+    target = Path(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        with os.fdopen(fd, "wb") as out:
+            out.write(image.getvalue())
+            os.fchmod(out.fileno(), 0o666 & ~umask)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        raise InvalidArgumentError(
+            f"--plot: got {path!r}, expected a file kvtier may write ({e.strerror})"
+        ) from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

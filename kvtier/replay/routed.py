@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from kvtier.errors import InvalidArgumentError, shown
 from kvtier.replay.replicas import TIERS, FleetRun, replay_fleet
-from kvtier.replay.report import Sizing, pyplot
+from kvtier.replay.report import Sizing, pyplot, save_figure
 from kvtier.replay.runner import ReplayOptions
 from kvtier.replay.trace import Ceiling, TraceRequest
 from kvtier.routing import POLICIES
@@ -102,5 +102,5 @@ def plot_routed(by_replicas: dict[int, list[FleetRun]], path: str) -> None:
     axes.legend(loc="lower left")
     axes.grid(True, alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     plt.close(figure)

@@ -15,9 +15,11 @@ lookup does not cover is recomputed. The KV is one zero token `expand`ed to the 
 any other.
 
 Drops. A store that cannot place blocks drops them (`StoreResult.dropped_tokens`): always the
-request's last ones (what is cached, then what is pending on disk, come first). `Drops` keeps
-the keys of the blocks whose latest store was dropped, so that the recomputed tokens split into
-those recomputed because their store was dropped and the misses (never stored, or evicted).
+request's last ones (what is cached, then what is pending on disk, come first), and all of its
+new blocks when no memory tier can take them at once (`writes.py`), however many would fit.
+`Drops` keeps the keys of the blocks whose latest store was dropped, so that the recomputed
+tokens split into those recomputed because their store was dropped and the misses (never
+stored, or evicted).
 
 Sizes. The model is scaled down to 1 layer, 1 KV head, float16 and `head_dim` chosen so that
 512 tokens are `block_bytes`; a store block is `block_tokens` (dividing 512 and the trace's
@@ -83,8 +85,9 @@ class ReplayOptions:
     the same code as the background mover, without thread timing, so a replay as fast as
     possible neither outruns nor waits for the disk and two runs give the same figures.
     `speed`: None replays without sleeping; x > 0 keeps the trace's clock, x times faster.
-    `directory`: the existing directory where the disk tier's temporary directory is made (the
-    system's default when None); it is removed after the run."""
+    `directory`: the existing, writable directory where the disk tier's temporary directory is
+    made (the system's default when None; checked by making and removing one); it is removed
+    after the run."""
 
     block_tokens: int = TRACE_BLOCK_TOKENS
     block_bytes: int = 4096
@@ -115,10 +118,8 @@ class ReplayOptions:
             )
         if self.speed is not None and not self.speed > 0:
             raise InvalidArgumentError(f"speed: got {shown(self.speed)}, expected a number > 0")
-        if self.directory is not None and not os.path.isdir(self.directory):
-            raise InvalidArgumentError(
-                f"directory: got {shown(self.directory)}, expected an existing directory"
-            )
+        if self.directory is not None:
+            _check_directory(self.directory)
 
     def check_trace(self, requests: Sequence[TraceRequest]) -> None:
         """`InvalidArgumentError` unless `requests` are of `trace_block_tokens`-token ids."""
@@ -132,6 +133,20 @@ class ReplayOptions:
     def blocks_per_trace_block(self) -> int:
         """Store blocks a trace id becomes."""
         return self.trace_block_tokens // self.block_tokens
+
+
+def _check_directory(directory: str) -> None:
+    """`InvalidArgumentError` unless `directory` is an existing directory where a temporary
+    directory can be made (one is made and removed: /proc, a read-only mount fail here)."""
+    expected = "an existing directory where a temporary directory can be made (--dir)"
+    if not os.path.isdir(directory):
+        raise InvalidArgumentError(f"directory: got {shown(directory)}, expected {expected}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix="kvtier-replay-", dir=directory))
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"directory: got {shown(directory)}, expected {expected} ({exc.strerror})"
+        ) from None
 
 
 def tier_blocks(fraction: float, unique_blocks: int, options: ReplayOptions) -> int:

@@ -33,13 +33,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import BinaryIO, cast
 
 import numpy as np
 
+from kvtier.config.loading import FIFO_WAIT_S
 from kvtier.errors import InvalidArgumentError, TraceError, shown
+from kvtier.private_files import file_kind
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per hash id in a Mooncake trace."""
@@ -277,16 +281,17 @@ def read_trace(
 ) -> list[TraceRequest]:
     """The first `limit` requests (all when None) of the trace at `path`, whose ids name
     `block_tokens` tokens each, their ids renumbered, their timestamps in `seconds` or
-    milliseconds (module doc). Raises `TraceError` naming the
-    first bad line: unreadable, longer than `MAX_LINE_BYTES`, not UTF-8, not a request (one
-    of more than `MAX_REQUEST_TOKENS` tokens among them), with an id after another id than
-    before (`Chaining`), or earlier than the line before."""
+    milliseconds (module doc). Raises `TraceError` naming the file when it is not a regular
+    file (a FIFO is refused, not waited for), or the first bad line: unreadable, longer than
+    `MAX_LINE_BYTES`, not UTF-8, not a request (one of more than `MAX_REQUEST_TOKENS` tokens
+    among them), with an id after another id than before (`Chaining`), or earlier than the
+    line before."""
     source = os.fspath(path)
     requests: list[TraceRequest] = []
     renumber = Renumber(trace_block_tokens(block_tokens))
     chaining = Chaining()
     try:
-        with open(source, "rb") as file:
+        with _open_regular(source) as file:
             lines = iter(lambda: file.readline(MAX_LINE_BYTES + 1), b"")
             for number, line in enumerate(lines, start=1):
                 if limit is not None and len(requests) >= limit:
@@ -310,6 +315,30 @@ def read_trace(
     if not requests:
         raise TraceError(source, 0, "holds no request, expected one JSON object per line")
     return requests
+
+
+def _open_regular(source: str) -> BinaryIO:
+    """`source` opened for reading if it is a regular file (a link to one followed) or a FIFO
+    or pipe (`<(zcat trace.gz)`, `/dev/stdin`) whose first bytes (or end) come within
+    `FIFO_WAIT_S`; else `TraceError` naming what it is, or the wait. Opened with O_NONBLOCK, so
+    that a FIFO with no writer is refused after that wait rather than waited for forever."""
+    fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISFIFO(mode):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(FIFO_WAIT_S * 1000):
+            os.close(fd)
+            raise TraceError(
+                source, 0, f"cannot be read: a FIFO that sent nothing in {FIFO_WAIT_S:g} s"
+            )
+    elif not stat.S_ISREG(mode):
+        os.close(fd)
+        raise TraceError(
+            source, 0, f"cannot be read: {file_kind(mode)}, expected a regular file or a pipe"
+        )
+    os.set_blocking(fd, True)
+    return open(fd, "rb")
 
 
 def _decode(line: bytes, source: str, number: int) -> str:
