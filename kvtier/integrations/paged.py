@@ -46,11 +46,15 @@ def geometry(layers: Sequence[torch.Tensor]) -> tuple[int, int, int, int, torch.
         raise InvalidKVError("paged KV: no layers")
     first = layers[0]
     for layer in layers:
-        if layer.dim() != 4 or layer.shape != first.shape or layer.dtype != first.dtype:
+        if layer.dim() != 4:
+            raise InvalidKVError(
+                f"paged KV: a layer of {layer.dim()} dimensions {tuple(layer.shape)}, expected 4: "
+                "[num_blocks, heads, block_size, 2 * head_dim]"
+            )
+        if layer.shape != first.shape or layer.dtype != first.dtype:
             raise InvalidKVError(
                 f"paged KV: a layer of {tuple(layer.shape)} {layer.dtype}, expected every layer "
-                f"[num_blocks, heads, block_size, 2 * head_dim] like the first, "
-                f"{tuple(first.shape)} {first.dtype}"
+                f"like the first, of its shape and dtype: {tuple(first.shape)} {first.dtype}"
             )
     blocks, heads, size, both = first.shape
     if both % 2:

@@ -1,14 +1,17 @@
 """What the vLLM connector (`vllm.py`) is configured with and what it accepts of vLLM's KV
 cache, checked when vLLM builds it.
 
-- `ConnectorSettings.parse` reads `kv_connector_extra_config`: every `kvtier.*` key is known
-  (a misspelt one is a `ConfigError` listing the known ones, never silently ignored), every
-  value has its type (a string "false" is not a boolean), keys are resolved (`env:NAME`).
-  Keys without the `kvtier.` prefix belong to other connectors and are left alone.
+- `ConnectorSettings.parse` reads `kv_connector_extra_config`: every key that starts with
+  `kvtier` is known (a misspelt one, `kvtier_url` or `" kvtier.url"` too, is a `ConfigError`
+  listing the known ones, never silently ignored), every value has its type (a string "false"
+  is not a boolean), keys are resolved (`env:NAME`), `kvtier.url` and `kvtier.urls` are not
+  both set. Other keys belong to other connectors and are left alone.
 - `closed` and `api_key` are the checks the SGLang backend (`sglang.py`) shares.
 - `check_layout` refuses a sidecar whose model layout is not the worker's KV, or (with
   `kvtier.model`, `served_model`) whose model has another name.
-- `shard` is the tensor-parallel rank and size whose KV this process holds.
+- `shard` is the tensor-parallel rank and size whose KV this process holds; pipeline and
+  context parallelism are refused (their ranks' KV would share keys).
+- `check_blocks` refuses KV tensors viewed in kernel blocks other than vLLM's blocks.
 - `kv_cache_refusal` says why a KV cache would make kvtier hand out wrong bytes, or None.
   kvtier keys a block by its tokens and copies a request's blocks whole, so it takes only a
   cache whose blocks each hold the causal KV of their tokens for as long as the request runs:
@@ -79,14 +82,8 @@ class ConnectorSettings:
     @classmethod
     def parse(cls, extra: Mapping[str, Any], tp_size: int) -> ConnectorSettings:
         closed(extra, KNOWN)
-        urls = extra.get("kvtier.urls") or [extra.get("kvtier.url", "http://127.0.0.1:8750")]
-        if (
-            not isinstance(urls, list)
-            or not all(isinstance(u, str) and u for u in urls)
-            or len(urls) not in (1, tp_size)
-        ):
-            raise ConfigError("kvtier.urls", urls, f"1 or {tp_size} sidecar URLs")
-        if tp_size > 1 and len(urls) != tp_size:
+        urls = sidecar_urls(extra)
+        if len(urls) != tp_size:
             raise ConfigError(
                 "kvtier.urls",
                 urls,
@@ -154,14 +151,33 @@ REFUSALS = {  # `key_for`'s refusals, logged once each
 }
 
 
+def sidecar_urls(extra: Mapping[str, Any]) -> list[str]:
+    """The sidecars of `kvtier.urls`, or `kvtier.url`'s one (default `http://127.0.0.1:8750`);
+    a `ConfigError` naming the key for both set, an empty list, or a URL not a string."""
+    url, urls = extra.get("kvtier.url"), extra.get("kvtier.urls")
+    if urls is None:
+        url = "http://127.0.0.1:8750" if url is None else url
+        if not (isinstance(url, str) and url):
+            raise ConfigError("kvtier.url", url, "the sidecar's URL, a string (http://HOST:PORT)")
+        return [url]
+    if url is not None:
+        raise ConfigError("kvtier.url", url, "unset when kvtier.urls is set (one or the other)")
+    if not (isinstance(urls, list) and urls and all(isinstance(u, str) and u for u in urls)):
+        raise ConfigError(
+            "kvtier.urls", urls, "a non-empty list of sidecar URLs, one per tensor-parallel rank"
+        )
+    return urls
+
+
 def closed(extra: Mapping[str, Any], known: tuple[str, ...]) -> None:
-    """`ConfigError` for a `kvtier.*` key of an engine's extra config that is not `known`; the
-    prefix in any case (`KVTIER.url` is not ignored: it is refused, as is `kvtier.URL`)."""
-    unknown = sorted(
-        str(k) for k in extra if str(k).lower().startswith("kvtier.") and k not in known
-    )
+    """`ConfigError` for a key of an engine's extra config that looks like kvtier's and is not
+    `known`: one that starts with `kvtier` in any case, once stripped, whatever follows
+    (`KVTIER.url`, `kvtier.URL`, `kvtier_url`, `" kvtier.url"` are refused, never ignored).
+    Other keys belong to other connectors or the engine and are left alone."""
+    ours = (k for k in extra if str(k).strip().lower().startswith("kvtier"))
+    unknown = sorted((k for k in ours if k not in known), key=str)
     if unknown:
-        raise ConfigError(unknown[0], extra[unknown[0]], f"one of {', '.join(known)}")
+        raise ConfigError(str(unknown[0]), extra[unknown[0]], f"one of {', '.join(known)}")
 
 
 def served_model(extra: Mapping[str, Any]) -> str | None:
@@ -178,6 +194,21 @@ def api_key(extra: Mapping[str, Any]) -> str | None:
     if key is not None and not isinstance(key, str):
         raise ConfigError("kvtier.api_key", type(key).__name__, "a key or env:NAME")
     return resolve_api_key(key, "kvtier.api_key") if key else None
+
+
+def check_blocks(layers: list[Any], block_size: int) -> None:
+    """`ConfigError` unless the KV tensors' blocks are vLLM's (`cache_config.block_size`, the
+    tokens of the block ids the scheduler plans with): vLLM may view its blocks as several
+    smaller kernel blocks of an attention backend, whose ids the copies would misread."""
+    size = paged.geometry(layers)[2]
+    if size != block_size:
+        raise ConfigError(
+            "cache_config.block_size",
+            block_size,
+            f"the KV tensors' block size, {size}: vLLM views each block of {block_size} tokens "
+            f"as kernel blocks of {size}, which kvtier does not copy (start vLLM with "
+            f"--block-size {size}, or an attention backend whose kernel blocks are {block_size})",
+        )
 
 
 def check_layout(
@@ -211,10 +242,28 @@ def check_layout(
         )
 
 
+_SPLITS = {  # vLLM's ways of splitting a model's KV that `shard` cannot key apart
+    "pipeline_parallel_size": "each stage holds other layers",
+    "decode_context_parallel_size": "each rank holds other tokens of every block",
+    "prefill_context_parallel_size": "each rank holds other tokens of every block",
+}
+
+
 def shard(vllm_config: Any) -> tuple[int, int]:
     """(rank, size) of the KV this process holds: vLLM's tensor-parallel rank and size,
-    (0, 1) for an MLA model, whose ranks hold the same KV."""
-    size = int(vllm_config.parallel_config.tensor_parallel_size)
+    (0, 1) for an MLA model, whose ranks hold the same KV. A `ConfigError` naming the setting
+    under pipeline or context parallelism (`_SPLITS`): its ranks hold other layers or other
+    tokens under one tensor-parallel rank, which kvtier's keys do not tell apart (one rank
+    would load another's bytes)."""
+    parallel = vllm_config.parallel_config
+    for name, why in _SPLITS.items():
+        value = getattr(parallel, name, 1)
+        if value != 1:
+            raise ConfigError(
+                f"parallel_config.{name}", value,
+                f"1 ({why}, which kvtier does not keep apart; supported: tensor parallelism)",
+            )  # fmt: skip
+    size = int(parallel.tensor_parallel_size)
     if size == 1 or getattr(vllm_config.model_config, "use_mla", False):
         return 0, 1
     try:

@@ -26,8 +26,9 @@ Contract:
 - Constructed by SGLang's `StorageBackendFactory` as `cls(storage_config, kwargs)`; options
   from `storage_config.extra_config`: `kvtier.url`, `kvtier.api_key` ('env:NAME' or a key),
   and `interface_v1: 1`, which makes SGLang call the zero-copy `batch_*_v1` methods. Another
-  `kvtier.*` key (the prefix in any case), a value of the wrong type, or a `kvtier.url` that
-  is not `http(s)://HOST[:PORT]` is a `ConfigError` naming it.
+  key that starts with `kvtier` (any case or separator, spaces stripped: `kvtier_url`,
+  `" kvtier.url"`, `KVTIER.url`; `settings.closed`), a value of the wrong type, or a
+  `kvtier.url` that is not `http(s)://HOST[:PORT]` is a `ConfigError` naming it.
 - Pages round trip bit-exact and land in kvtier in its own layout (`[layers, 2, tokens,
   heads, dim]`), whatever SGLang's host layout: two SGLang processes with different host
   layouts share pages.

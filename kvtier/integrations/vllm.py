@@ -44,13 +44,15 @@ Contract:
   queued saves dropped; False (the reset failed) when a remote tier may still hold it.
 - Inputs: a request whose KV depends on more than its tokens (LoRA, multimodal, embeddings)
   neither reads nor writes kvtier (`plans.keyed_by_tokens`, counted in `other_inputs`).
-- Checked at start (`settings.py`): one KV cache group of full causal attention, kvtier's
-  `block_tokens` dividing vLLM's `block_size`, the sidecar's layout the caches'.
+- Checked at start (`settings.py`): one KV cache group of full causal attention, no pipeline
+  or context parallelism, the KV tensors' blocks vLLM's `block_size` (not smaller kernel
+  blocks), kvtier's `block_tokens` dividing it, the sidecar's layout the caches'.
 
 Tensor parallelism: each rank has a sidecar of its own shard (`kvtier.urls` in rank order,
 `model.tp_rank` / `tp_size` in its config, checked); the scheduler asks rank 0's, and a rank
 whose sidecar lacks the blocks fails its load. An MLA model's ranks hold the same KV: one
-unsharded sidecar, its model `num_kv_heads: 1`, `head_dim` half the latent.
+unsharded sidecar, its model `num_kv_heads: 1`, `head_dim` half the latent. Pipeline and
+context parallelism (other layers, or other tokens of a block, under one TP rank) are refused.
 
 Events: with `kvtier.events_endpoint`, kvtier's blocks go out in vLLM's own KV-event stream
 (`take_events`, `vllm_events.py`). Not here yet: loads layer by layer, a GPU run.
@@ -80,6 +82,7 @@ from kvtier.integrations.saving import Saves, load_job, store_job
 from kvtier.integrations.settings import (
     REFUSALS,
     ConnectorSettings,
+    check_blocks,
     check_layout,
     kv_cache_refusal,
     served_model,
@@ -255,9 +258,11 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     # ---- worker side --------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """The engine's paged KV, layer by layer in the engine's order; checked against the
-        sidecar's model layout (layers, KV heads, head size, dtype, block size)."""
+        """The engine's paged KV, layer by layer in the engine's order; its blocks checked to
+        be vLLM's blocks (`check_blocks`), then against the sidecar's model layout (layers, KV
+        heads, head size, dtype, block size)."""
         self._layers = list(kv_caches.values())
+        check_blocks(self._layers, self.block_size)
         served = self._client(self.key).layout()
         check_layout(self._layers, served, (self.tp_rank, self.tp_size), self.url, self.model)
 
