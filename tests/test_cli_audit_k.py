@@ -95,7 +95,7 @@ def test_status_of_a_real_reply_prints(
     assert "hit rate" in capsys.readouterr().out
 
 
-def _trace(path: Path, requests: list[list[int]]) -> str:
+def trace_file(path: Path, requests: list[list[int]]) -> str:
     lines = [
         json.dumps(
             {"timestamp": i, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}
@@ -130,7 +130,7 @@ def test_long_request_of_big_blocks_holds_no_kv_of_its_length(
 ) -> None:
     """2**19 tokens of 256 KiB blocks: a whole zero KV would be 256 MiB; the run's peak grows
     by less than half of it (the tier is 10 blocks, 2.5 MiB)."""
-    trace = _trace(tmp_path / "long.jsonl", [list(range(1024))])
+    trace = trace_file(tmp_path / "long.jsonl", [list(range(1024))])
     args = [trace, "--jobs", "1", "--no-baseline", "--host", "0", "--disk", "0", "--json"]
     _reset_peak()
     before = _memory_kib("VmRSS")
@@ -143,7 +143,7 @@ def test_long_request_of_big_blocks_holds_no_kv_of_its_length(
 def test_remote_without_redis_is_refused_before_any_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    trace = _trace(tmp_path / "t.jsonl", SMALL)
+    trace = trace_file(tmp_path / "t.jsonl", SMALL)
     empty = tmp_path / "bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
@@ -165,7 +165,7 @@ def test_remote_without_redis_is_refused_before_any_run(
 def test_one_sizing_modes_refuse_many_sizings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], named: str
 ) -> None:
-    trace = _trace(tmp_path / "t.jsonl", SMALL)
+    trace = trace_file(tmp_path / "t.jsonl", SMALL)
     assert main(["replay", trace, "--jobs", "1", *extra]) == 2
     out = capsys.readouterr()
     assert out.out == "" and named in out.err, out
@@ -174,7 +174,7 @@ def test_one_sizing_modes_refuse_many_sizings(
 def test_replay_prints_the_model_name_and_trace_path_escaped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = _trace(tmp_path / "a\x1b[31mRED\nforged.jsonl", SMALL)
+    trace = trace_file(tmp_path / "a\x1b[31mRED\nforged.jsonl", SMALL)
     config = tmp_path / "c.yaml"
     config.write_text(
         'model: {name: "evil\\e[31mRED\\nforged line", num_layers: 1, num_kv_heads: 1, '

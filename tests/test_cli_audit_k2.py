@@ -17,19 +17,13 @@ from typing import IO
 
 import pytest
 from conftest import mounted_tmpfs
+from test_cli_audit_k import trace_file
 
 from kvtier.cli import main
 
 
 def write_trace(path: Path, hash_ids: list[list[int]]) -> Path:
-    lines = [
-        json.dumps(
-            {"timestamp": i, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}
-        )
-        for i, ids in enumerate(hash_ids)
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return Path(trace_file(path, hash_ids))
 
 
 def good_trace(path: Path) -> Path:

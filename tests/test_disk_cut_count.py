@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from service_server import kv_of, tokens_of
@@ -27,25 +28,29 @@ KEPT = 32  # the slots the lowered capacity keeps
 STORED = 40  # blocks persisted at the first capacity
 
 
-def config(directory: Path, capacity: int | str) -> KVTierConfig:
-    return parse_config(
-        {
-            "model": {
-                "name": "m",
-                "num_layers": 2,
-                "num_kv_heads": 2,
-                "head_dim": 64,
-                "dtype": "float16",
-            },
-            "block_tokens": 4,
-            "mover": {"background": False},
-            "tiers": {
-                "gpu": {"capacity": "1MiB", "device": "cpu"},
-                "host": {"capacity": "1MiB", "pinned": False},
-                "disk": {"capacity": capacity, "path": str(directory / "disk")},
-            },
-        }
-    )
+def config(
+    directory: Path, capacity: int | str, events: dict[str, Any] | None = None
+) -> KVTierConfig:
+    """The store of these tests (and of `test_events_bind_first.py`, with `events`)."""
+    document: dict[str, Any] = {
+        "model": {
+            "name": "m",
+            "num_layers": 2,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "dtype": "float16",
+        },
+        "block_tokens": 4,
+        "mover": {"background": False},
+        "tiers": {
+            "gpu": {"capacity": "1MiB", "device": "cpu"},
+            "host": {"capacity": "1MiB", "pinned": False},
+            "disk": {"capacity": capacity, "path": str(directory / "disk")},
+        },
+    }
+    if events is not None:
+        document["events"] = events
+    return parse_config(document)
 
 
 def persisted(tmp_path: Path) -> int:

@@ -17,49 +17,11 @@ from typing import Any
 
 import pytest
 import zmq
-from service_server import kv_of, tokens_of
+from service_server import tokens_of
+from test_disk_cut_count import KEPT, STORED, config, persisted
 
-from kvtier.config.loading import parse_config
 from kvtier.errors import ConfigError
 from kvtier.store import KVStore
-
-STORED = 40  # blocks persisted at the first capacity
-KEPT = 32  # the slots the lowered capacity keeps
-
-
-def config(directory: Path, capacity: int | str, events: dict[str, Any] | None = None) -> Any:
-    document: dict[str, Any] = {
-        "model": {
-            "name": "m",
-            "num_layers": 2,
-            "num_kv_heads": 2,
-            "head_dim": 64,
-            "dtype": "float16",
-        },
-        "block_tokens": 4,
-        "mover": {"background": False},
-        "tiers": {
-            "gpu": {"capacity": "1MiB", "device": "cpu"},
-            "host": {"capacity": "1MiB", "pinned": False},
-            "disk": {"capacity": capacity, "path": str(directory / "disk")},
-        },
-    }
-    if events is not None:
-        document["events"] = events
-    return parse_config(document)
-
-
-def persisted(tmp_path: Path) -> int:
-    """Store and persist `STORED` blocks at 1 MiB of disk; the disk's slot size."""
-    store = KVStore(config(tmp_path, "1MiB"))
-    try:
-        store.store(tokens_of(0, STORED * 4), kv_of(STORED * 4, seed=1))
-        assert store.persist().left_blocks == 0
-        store.check()
-        assert store.disk is not None
-        return store.disk.slot_bytes
-    finally:
-        store.close()
 
 
 @pytest.fixture
