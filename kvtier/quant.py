@@ -38,9 +38,9 @@ about 2**-127 decode to 0. An fp8 value comes back within |x| / 16 + scale * 2**
 bits; half the subnormal step) before rounding to the engine's dtype.
 
 Decoding computes in fp32, `float(q - z) * s` (the difference is exact, one rounding) or
-`float(code) * s` for fp8, clamps to the engine dtype's finite range (`QuantCodec.finite`: fp16
-and fp8 dtypes only), then rounds once to the engine's dtype; a decoder that does the same steps
-gets the same bits.
+`float(code) * s` for fp8, clamps to the engine dtype's largest value within fp16's range
+(`QuantCodec.finite`: 65504; bf16 65280; fp8 dtypes their largest), then rounds once to the
+engine's dtype; a decoder that does the same steps gets the same bits.
 
 Contract:
 - `encode(x)` of `[n, *block_shape]` (any float dtype; values must be finite and within
@@ -51,12 +51,14 @@ Contract:
 - `decode` of any bytes of the right size raises `CorruptQuantPayload` (an fp8 code that is
   NaN, a scale that is negative or not finite, an fp8 scale above 65504 / 448: no encoder of
   KV within fp16's range writes one) or returns values that are finite in the layout's dtype:
-  |value| <= 383 * 65504 in fp32 (q - z is at most 255 + 128 steps of a scale <= 65504), which
-  bf16 and fp32 hold; for fp16 (and fp8) dtypes `decode` clamps to the dtype's largest finite
-  value before rounding. A group at fp16's edge decodes up to half a step past 65504 (its scale
-  rounds up to fp16), so without the clamp finite KV near 65504 would come back as infinity;
-  with it the value is 65504, within the same half step. A block that passed its checksum but
-  was written by a broken encoder never reaches the engine as NaN or infinity either.
+  |value| <= 65504 whatever the engine's dtype (`QuantCodec.finite`: the dtype's largest
+  value within fp16's range): `decode` clamps before rounding. A group at fp16's edge decodes
+  up to half a step past 65504 (its scale rounds up to fp16), so without the clamp finite KV
+  near 65504 would come back as infinity in fp16, and in bf16 or fp32 as a value no codec
+  keeps (a disk tier re-encoding a host copy's decode would refuse it); with it the value is
+  65504 (bf16: 65280), within the same half step.
+  A block that passed its checksum but was written by a broken encoder never reaches the
+  engine as NaN or infinity either. So a block one quantized tier keeps, the next keeps.
 - Every block `keepable` takes encodes to a payload `validate` accepts: `encode` checks its
   own output and never returns one that `decode` would refuse (a refusal there is an encoder
   bug, `AssertionError`, never a payload a tier acknowledges).
@@ -90,7 +92,6 @@ DEFAULT_GROUPS = {"int8": (128, 128), "int4": (32, 64)}
 MAX_GROUP = 255  # two hex digits in a codec id
 FP16_MAX = 65504.0
 FP8_SCALE_MAX = FP16_MAX / FP8_MAX * (1 + 2**-20)  # amax / 448, amax within fp16 (fp32 rounding)
-DECODE_BOUND = 383 * FP16_MAX  # no decoded value passes it: q - z <= 255 + 128 steps of <= 65504
 
 
 @dataclass(frozen=True)
@@ -157,10 +158,11 @@ class QuantCodec:
                 self.k_groups = T * row // self.key_group
             self.meta_nbytes = L * (self.k_groups + self.v_groups) * 3
         self.payload_nbytes = self.code_nbytes + self.meta_nbytes
-        top = float(torch.finfo(layout.dtype).max)
-        self.finite = top if top < DECODE_BOUND else None
-        """The layout dtype's largest finite value where a decoded value can pass it (fp16,
-        fp8): `decode` clamps to it before rounding; None (bf16, fp32): nothing to clamp."""
+        self.finite = _finite(layout.dtype)
+        """The largest magnitude `decode` returns: the layout dtype's largest value within
+        fp16's range, the most any codec keeps (`keepable`: 65504 for fp16 and fp32, 65280 for
+        bf16, the dtype's largest for fp8); `decode` clamps to it before rounding, so that a
+        block decoded from one quantized tier is one the next keeps."""
 
     @property
     def name(self) -> str:
@@ -259,8 +261,7 @@ class QuantCodec:
             x = values.reshape(n, L, 2, T, H, D) * scale[:, :, :, None, :, None]
         else:
             x = self._decode_int(codes, meta, n)
-        if self.finite is not None:  # a group at fp16's edge decodes up to half a step past it
-            x.clamp_(-self.finite, self.finite)
+        x.clamp_(-self.finite, self.finite)  # a group at fp16's edge decodes half a step past it
         result = x.to(self.layout.dtype).reshape(n, *self.layout.block_shape)
         if out is None:
             return result
@@ -313,6 +314,17 @@ class QuantCodec:
             k_q = q[:, :, 0].reshape(n, L, self.k_groups, -1)
             k = (k_q - k_z.reshape(n, L, -1, 1)) * k_s.reshape(n, L, -1, 1)
         return torch.stack([k.reshape(n, L, T, self.row), v.reshape(n, L, T, self.row)], dim=2)
+
+
+def _finite(dtype: torch.dtype) -> float:
+    """`dtype`'s largest value within fp16's range (`QuantCodec.finite`)."""
+    top = float(torch.finfo(dtype).max)
+    if top <= FP16_MAX:
+        return top
+    edge = torch.tensor(FP16_MAX, dtype=dtype)
+    if float(edge) > FP16_MAX:  # rounded up (bf16: 65536): the value below it
+        edge = torch.nextafter(edge, torch.zeros_like(edge))
+    return float(edge)
 
 
 def _group(asked: int | None, default: int, row: int) -> int:

@@ -137,12 +137,12 @@ def test_write_through_commit_publishes_only_the_host_copies_that_landed(
     assert store.status()["tiers"]["host"]["blocks"] == 3  # blocks 1-3: block 0 has none
     store.check()
 
-    store.evict("gpu", 4)
-    hit = store.lookup(toks, tenant="b")
-    assert hit.num_tokens == 16 and hit.gpu_tokens == BT  # block 0 stays: no copy below
     kv = store.load(toks, tenant="b").kv.cpu()
     assert torch.equal(kv[:, :, :BT], written[:, :, :BT])  # its own gpu copy, inf and all
     assert _served_close(kv[:, :, BT:], written[:, :, BT:], 0.1)  # int8 rounding, not a's
+    store.evict("gpu", 4)  # block 0 can never be copied down: dropped with all below it
+    assert store.lookup(toks, tenant="b").num_tokens == 0  # (audit L: it held its slot)
+    assert [store.status()["tiers"][t]["blocks"] for t in ("gpu", "host")] == [0, 0]
     store.check()
 
 

@@ -38,6 +38,7 @@ from kvtier.config.fields import (
 )
 from kvtier.config.network import EXPECTED, NodeFilter, parse_entry
 from kvtier.errors import InvalidArgumentError
+from kvtier.quant import MAX_GROUP
 from kvtier.sizes import Capacity
 
 CodecName = Literal["none", "lz4", "fp8", "int8", "int4"]  # `tiers/disk/codec.py`, `quant.py`
@@ -49,18 +50,20 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _group(value: object) -> bool:
-    return value is None or (type(value) is int and 1 <= value <= 4096)
+    return value is None or (type(value) is int and 1 <= value <= MAX_GROUP)
 
 
 class _CodecFields(Section):
     """How a lower tier keeps its copies: `codec` none or lz4 (lossless), fp8, int8 or int4
-    (quantized: `kvtier.quant`); `codec_group` (values a group, int8/int4; default 128 for
-    int8, 64 for int4, or the largest divisor of a token's row below that) and `codec_keys`
-    (K's groups per token, or per channel as KIVI). That the group divides the layout's rows is
-    checked when the tier is built."""
+    (quantized: `kvtier.quant`); `codec_group` (values a group, int8/int4, at most 255; default
+    128 for int8, 32 for K and 64 for V for int4, or the largest divisor of a token's row below
+    that) and `codec_keys` (K's groups per token, or per channel as KIVI). That the group
+    divides the layout's rows is checked when the tier is built."""
 
     codec: Annotated[CodecName, one_of(get_args(CodecName))] = "none"
-    codec_group: Annotated[int | None, rule(_group, "null or an integer in [1, 4096]")] = None
+    codec_group: Annotated[int | None, rule(_group, f"null or an integer in [1, {MAX_GROUP}]")] = (
+        None
+    )
     codec_keys: Annotated[KeyGroups, one_of(get_args(KeyGroups))] = "token"
 
 

@@ -1,11 +1,12 @@
 """Helpers of `radix.py`'s walks and edits: the common prefix of a node and a key, a block's
 fastest tier moving (`depth` and its parent's `child_res`), and what a subtree drop removes
-(and whether a lock forbids it)."""
+(its blocks by fastest tier, its copies per tier, whether a lock forbids it or a floor)."""
 
 from __future__ import annotations
 
 from kvtier.index.eviction import CandidateSets
 from kvtier.index.node import BlockRef, Node
+from kvtier.index.residency import Residency
 
 
 def common_blocks(node: Node, key: bytes, pos: int, kb: int) -> int:
@@ -52,3 +53,38 @@ def subtree_locked(ref: BlockRef) -> bool:
     """Whether a node that `drop_subtree(ref)` would cut is locked in some tier (a lease, a
     flight's or the store's pin): then nothing of it may be dropped yet."""
     return any(any(node.locks or ()) for node, _ in subtree_tails(ref))
+
+
+def by_fastest(ref: BlockRef) -> list[int]:
+    """What `drop_subtree(ref)` removes, per tier of each block's fastest copy (`depth[t]`: a
+    node's first blocks whose fastest copy is in a tier <= t; a root has none)."""
+    counts = [0] * len(ref.node.depth)
+    for node, k in subtree_tails(ref):
+        above = 0
+        for tier, depth in enumerate(node.depth):
+            within = max(0, depth - (node.size - k))
+            counts[tier] += within - above
+            above = within
+    return counts
+
+
+def subtree_copies(ref: BlockRef) -> list[int]:
+    """What `drop_subtree(ref)` removes, as copies per tier (`Residency.resident_in`'s unit)."""
+    counts = [0] * len(ref.node.slots)
+    for node, k in subtree_tails(ref):
+        for tier, slots in enumerate(node.slots):
+            counts[tier] += sum(slot is not None for slot in slots[node.size - k :])
+    return counts
+
+
+def under_floor(residency: Residency, ref: BlockRef, owner: bytes | None) -> bool:
+    """Whether dropping the subtree of `ref`, not of namespace `owner` (None: the store's own
+    work), leaves its namespace under its floor in a tier it has copies in (`residency.py`)."""
+    namespace = ref.node.root.ids
+    floor = residency.floors.get(namespace)
+    if floor is None or namespace == owner:
+        return False
+    return any(
+        n and residency.resident_in(namespace, t) - n < floor[t]
+        for t, n in enumerate(subtree_copies(ref))
+    )

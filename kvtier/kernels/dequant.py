@@ -6,12 +6,12 @@
 One program decodes one token's row of K or V in one layer (`R = H * D` values): grid
 `(n * L * 2 * T,)`. It reads the row's codes (one byte a value, or a nibble for int4), the
 scale and zero point of each value's group (int8/int4: K's groups per token or per channel, V's
-per token; fp8: one scale per head), and writes `(q - z) * s` (or `code * s`) clamped to the
-pool dtype's finite range where a value can pass it (fp16, fp8: `QuantCodec.finite`) and
-rounded to the pool's dtype (to nearest, ties to even; bf16 by hand, see `_rounded`). Scales
-(and zero points) are read a byte at a time and put together, so a payload need not be
-aligned; fp8 codes are decoded to fp32 with integer arithmetic (e4m3fn: 1 sign, 4 exponent bits
-biased by 7, 3 mantissa bits; exponent 0 is subnormal, `code * 2**-9`).
+per token; fp8: one scale per head), and writes `(q - z) * s` (or `code * s`) clamped to
++-`QuantCodec.finite` (the pool dtype's largest value within fp16's range) and rounded to the
+pool's dtype (to nearest, ties to even; bf16 by hand, see `_rounded`). Scales (and zero
+points) are read a byte at a time and put together, so a payload need not be aligned; fp8
+codes are decoded to fp32 with integer arithmetic (e4m3fn: 1 sign, 4 exponent bits biased by
+7, 3 mantissa bits; exponent 0 is subnormal, `code * 2**-9`).
 
 Bit-exact with `QuantCodec.decode`: both compute in fp32, one product after an exact
 difference, clamp to the same bound, and round once to the pool's dtype (the launch also turns
@@ -89,7 +89,7 @@ def _launch(
         "R": codec.row,
         "D": D,
         "BLOCK_R": triton.next_power_of_2(codec.row),
-        "FINITE": codec.finite or 0.0,  # 0: nothing to clamp (bf16, fp32)
+        "FINITE": codec.finite,
     }
     if not INTERPRETED:
         common["enable_fp_fusion"] = False
@@ -153,10 +153,9 @@ if triton is not None:
 
     @triton.jit
     def _put(pool, slots, b, e, value, mask, BLOCK: tl.constexpr, FINITE: tl.constexpr):
-        """Values `e` of the slot block `b` decodes into, clamped to +-FINITE (when not 0:
-        `QuantCodec.finite`) and rounded to the pool's dtype."""
-        if FINITE != 0.0:
-            value = tl.minimum(tl.maximum(value, -FINITE), FINITE)
+        """Values `e` of the slot block `b` decodes into, clamped to +-FINITE
+        (`QuantCodec.finite`) and rounded to the pool's dtype."""
+        value = tl.minimum(tl.maximum(value, -FINITE), FINITE)
         out = pool + tl.load(slots + b) * BLOCK + e
         tl.store(out, _rounded(value, pool.dtype.element_ty), mask=mask)
 

@@ -7,10 +7,11 @@ Contract:
   of one node, freed once the copy is in, down to the low watermark and not past it: a flight
   takes no more blocks than are still over it. Only where a lower tier exists: the lowest
   memory tier drops leaves only on demand. At most `MAX_DEMOTIONS` demotion flights per tier
-  are in flight. A disk that refuses writes (`slab_set.py`) pauses it. This is the mover's own
-  work: fair shares leave it only blocks above floors, and a flight no more of a namespace's
-  blocks than keep it at its floor once every flight in the air has landed. Only with a
-  background mover: inline, a block leaves a tier when its slot is needed
+  are in flight. A disk that refuses writes (`slab_set.py`) pauses it. A block whose copy
+  the lower tier's codec refused is dropped with all below it (`demotion.drop_unkeepable`).
+  This is the mover's own work: fair shares leave it only blocks above floors, and a flight
+  no more of a namespace's blocks than keep it at its floor once every flight in the air has
+  landed. Only with a background mover: inline, a block leaves a tier when its slot is needed
   (`Demoter.make_room`), so that a tier holds what LRU of leaves would hold (issue 13).
 - **Disk inserts** (`insert_on_disk`): new blocks below a prefix that lives only on disk are
   written in an `InsertFlight` (room for them checked in every tier before anything moves);
@@ -52,8 +53,16 @@ from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.pool import SlotPool
 from kvtier.tiers.staging import StagedBlocks
 from kvtier.transfer.copy import Transfer
-from kvtier.transfer.demotion import Action, Demoter, decide, plan_copy_down, record_copies
+from kvtier.transfer.demotion import (
+    Action,
+    Demoter,
+    decide,
+    drop_unkeepable,
+    plan_copy_down,
+    record_copies,
+)
 from kvtier.transfer.flights import DemotionFlight, FlightRunner, Flights, InsertFlight
+from kvtier.transfer.shared import CacheState
 
 BATCH = 32
 """Blocks per demotion flight (one group commit when the lower tier is disk)."""
@@ -256,8 +265,8 @@ class Background:
         self.runner.launch(flight, copy.transfer)
 
     def publish_demotion(self, flight: DemotionFlight) -> None:
-        """The lower copies that landed enter the index; then the source copies are freed
-        (last block first, each then a leaf of its tier) unless leased or needed by closure."""
+        """The lower copies that landed enter the index (one its codec refused goes: `_kept`);
+        then the source copies are freed (last first) unless leased or needed by closure."""
         refs = self.index.refs_at(flight.pin.end, flight.positions)
         src, lower = flight.copy.tier, flight.copy.lower
         flight.dst.pop(lower)
@@ -277,7 +286,7 @@ class Background:
             if not self._leaving[leaving]:
                 del self._leaving[leaving]
         self._demoting[src] -= 1
-        for ref in reversed(refs):
+        for ref in reversed(_kept(self.state, refs, ok, src, lower)):
             node, i = ref
             if (
                 node.slots[src][i] is not None
@@ -371,3 +380,15 @@ class Background:
         if lost:
             self.stats["failed_blocks"] += lost
             flight.failed = flight.failed or f"{lost} of {len(ok)} disk writes failed"
+
+
+def _kept(
+    state: CacheState, refs: list[BlockRef], ok: Sequence[bool], src: int, lower: int
+) -> list[BlockRef]:
+    """`refs` (one prefix's, in order) less the first whose copy into `lower` its codec refused
+    and all after it, dropped with all below them (`drop_unkeepable`, for no owner: never a
+    namespace under its floor)."""
+    for k, ref in enumerate(refs):
+        if not ok[k] and drop_unkeepable(state, ref, src, lower):
+            return refs[:k]
+    return refs

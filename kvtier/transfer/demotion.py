@@ -20,6 +20,10 @@ through `plan_copy_down` (destination slots allocated, the `Transfer` built, wit
 that a disk copy records) and `record_copies` (the index learns each complete copy; the slot of
 a failed one is freed). The copy itself runs wherever the caller runs transfers: inline, or in
 a flight (`flights.py`). DESIGN invariant 1: the index learns of a copy only once complete.
+A copy that failed because the next tier's codec cannot keep the block (NaN, or past fp16's
+range: `encoded.unkeepable`) can never be made: `drop_unkeepable` drops it with all cached
+below it (each an eviction of its fastest tier), unless some is locked or it would take another
+namespace than the owner under a floor, so that it does not hold its slot for good.
 
 Demotion: freeing slots of a tier now, for a call that needs them (the synchronous half).
 
@@ -29,16 +33,15 @@ slots, and acts on each as `decide` says (clear / copy down / drop / skip), a ru
 where the whole run takes one action: a run dropped is one `drop_tail`, a run copied down is
 one `Transfer` of its blocks after one `make_room` below for all of them (the index learns
 the copies in one `add_copies`), a run cleared (after its copy down, or having a slower copy
-already) is one `clear_tail`; anything else (a
-mixed run, a copy that cannot get its room below) goes block by block. So freeing k blocks
+already) is one `clear_tail`; anything else (a mixed run, a copy that cannot get its room below)
+goes block by block. So freeing k blocks
 costs O(k) plus O(log candidates) per run, whatever the size of the cache. A copy to disk
 takes the victim's neighbours along: the blocks of the same node that will be evicted next and
 lack a disk copy go in the same group commit (up to `DISK_BATCH`), so a node's demotion costs
-one sync, not one per
-block. Making room in the next tier recurses into `make_room(tier + 1, ...)`, so a full host
-tier drops (or, with a disk tier, demotes) its own leaves to take a block from the GPU. The copy
-is complete before the index learns of it (DESIGN invariant 1); the slot of the faster copy is
-freed only after the index has forgotten it.
+one sync, not one per block. Making room in the next tier recurses into `make_room(tier + 1,
+...)`, so a full host tier drops (or, with a disk tier, demotes) its own leaves to take a block
+from the GPU. The copy is complete before the index learns of it (DESIGN invariant 1); the slot
+of the faster copy is freed only after the index has forgotten it.
 
 "Can I?" then "do it": `room({tier: n, ...}, owner)` checks every tier the caller needs
 (`can_make_room`: free slots plus what no lease, pin, flight or reservation holds and fair
@@ -68,9 +71,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.index import BlockRef, Node
+from kvtier.index.helpers import by_fastest, subtree_locked, under_floor
 from kvtier.index.node import VictimRun, slowest_counts
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.pool import SlotPool
 from kvtier.transfer.copy import Transfer
+from kvtier.transfer.encoded import unkeepable
 from kvtier.transfer.shared import CacheState, Runner, TierCounters
 
 
@@ -166,6 +172,30 @@ def run_copy(state: CacheState, copy: CopyDown, refs: Sequence[BlockRef], runner
     return record_copies(state, copy, refs, ok)
 
 
+def drop_unkeepable(
+    state: CacheState, ref: BlockRef, tier: int, lower: int, owner: bytes | None = None
+) -> int:
+    """If `ref` has a `tier` copy and none in `lower`, and `lower`'s codec cannot keep it (module
+    doc), drop it and everything cached below it, free their slots and count each as an eviction
+    of its fastest tier; the blocks dropped (0: nothing changed: some of it is locked, or it is
+    not `owner`'s (None: the mover's own work) and would leave its namespace under a floor)."""
+    node, i = ref
+    if node.parent is None or i >= node.size or node.slots[lower][i] is not None:
+        return 0
+    src, slot = state.pools[tier], node.slots[tier][i]
+    if slot is None or subtree_locked(ref) or under_floor(state.index.residency, ref, owner):
+        return 0
+    assert isinstance(src, SlotPool)
+    if not unkeepable(src, state.pools[lower], slot):
+        return 0
+    counts = by_fastest(ref)
+    for t, freed in state.index.drop_subtree(ref):
+        state.free(t, [freed])
+    for t, count in enumerate(counts):
+        state.counters[t].evictions += count
+    return sum(counts)
+
+
 def _slot(slot: int | None) -> int:
     assert slot is not None
     return slot
@@ -243,6 +273,9 @@ class Demoter:
             self._clear_run(node, lo, hi, tier)
         while node.parent is not None and node.depth[tier] > lo:
             i = node.depth[tier] - 1
+            if tried and drop_unkeepable(self.state, BlockRef(node, i), tier, tier + 1, owner):
+                tried = False  # its codec failed it, not the tier below: the rest may go down
+                continue
             self._demote(BlockRef(node, i), tier, owner, may_copy=not tried)
             if node.parent is not None and node.depth[tier] == i + 1:
                 return  # left: the pass moves on
@@ -319,7 +352,8 @@ class Demoter:
 
     def _demote(self, ref: BlockRef, tier: int, owner: bytes | None, may_copy: bool = True) -> None:
         """Act on one victim as `decide` says; without `may_copy` (its copy down failed just
-        now), a block to copy is dropped where it may be, else left."""
+        now), a block to copy is dropped where it may be, else left; one whose copy down its
+        codec refuses is dropped with what is below it (`drop_unkeepable`)."""
         action = decide(self.state, ref, tier, self.admission)
         if action is Action.CLEAR:
             self.pools[tier].free([self.index.clear_slot(ref, tier)])
@@ -328,10 +362,15 @@ class Demoter:
         refused = False  # admitted below, but the copy is a disk write we may not make here
         if action is Action.COPY:
             refused = self._refuses(tier + 1)
-            if may_copy and not refused and self._copy_down(ref, tier, tier + 1, owner):
+            copied = (
+                self._copy_down(ref, tier, tier + 1, owner) if may_copy and not refused else None
+            )
+            if copied:
                 self.pools[tier].free([self.index.clear_slot(ref, tier)])
                 self.counters[tier].demotions += 1
                 return
+            if copied is False and drop_unkeepable(self.state, ref, tier, tier + 1, owner):
+                return  # its copy ran and failed: its codec may refuse it
         elif action is Action.SKIP:
             return
         # making room below may have dropped later blocks of this node: ask again
@@ -341,9 +380,9 @@ class Demoter:
             self.counters[tier].evictions += 1
             self.backpressure_drops += refused
 
-    def _copy_down(self, ref: BlockRef, tier: int, lower: int, owner: bytes | None) -> bool:
+    def _copy_down(self, ref: BlockRef, tier: int, lower: int, owner: bytes | None) -> bool | None:
         """Give the victim (and, for disk, its next-to-go neighbours) a copy in `lower`;
-        whether the victim has one now."""
+        whether the victim has one now, None where no copy ran (no room below, node changed)."""
         node, i = ref
         batch = [ref]
         if isinstance(self.pools[lower], DiskTier):
@@ -353,9 +392,9 @@ class Demoter:
         if not self.make_room(lower, len(batch), owner):
             batch = [ref]
             if not self.make_room(lower, 1, owner):
-                return False
+                return None
         if node.slots[tier][i] is None:  # making room below changed this node: give up on it
-            return False
+            return None
         copy = plan_copy_down(self.state, batch, tier, lower)
         run_copy(self.state, copy, batch, self.runner)
         return node.slots[lower][i] is not None

@@ -12,6 +12,11 @@
                    not decoded), else blocks read, then encoded
 
 Each returns, per block, whether its copy is complete, as `InlineExecutor.run` does.
+
+`unkeepable(src, dst, slot)` says whether a copy into `dst` failed for good: `dst`'s codec (a
+quantized host pool, or a disk tier of a quantized codec) cannot keep the block (a NaN, or a
+value past fp16's range), so no copy of it into `dst` will ever succeed; a demotion then drops
+it rather than leave it stuck above (`demotion.drop_unkeepable`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier
+from kvtier.tiers.disk.codec import QuantBytes
 from kvtier.tiers.pool import SlotPool
 from kvtier.tiers.quantized import QuantPool
 
@@ -28,6 +35,18 @@ from kvtier.tiers.quantized import QuantPool
 def same_codec(pool: QuantPool, disk: DiskTier) -> bool:
     """Whether `disk` keeps the payloads `pool` holds, as they are."""
     return disk.codec.name == pool.codec.id
+
+
+def unkeepable(src: SlotPool, dst: Tier, slot: int) -> bool:
+    """Whether `dst`'s quantized codec cannot keep the block in `src`'s `slot` (module doc);
+    False for a `dst` without one (raw, lossless), which keeps any block."""
+    if isinstance(dst, QuantPool):
+        codec = dst.codec
+    elif isinstance(dst, DiskTier) and isinstance(dst.codec, QuantBytes):
+        codec = dst.codec.quant
+    else:
+        return False
+    return not bool(codec.keepable(src.read([slot])).all())
 
 
 def encode_into(

@@ -170,8 +170,12 @@ class Prefetcher:
             {GPU: count, HOST: len(from_disk)} if stage else {GPU: count}, owner
         ):
             # how many could be freed moves with other tenants' use: told only to a sole tenant
+            sole = len(self.state.namespaces.seeds) == 1
+            if self.gpu.num_free < count and self.demoter.can_make_room(GPU, count, owner):
+                free = f"only {self.gpu.num_free} of" if sole else "not all"
+                raise _stuck(count, free, self.gpu.num_slots)  # tried: some stayed
             freeable = self.gpu.num_free + self.demoter.evictable(GPU, owner)
-            shown = f"only {freeable} of" if len(self.state.namespaces.seeds) == 1 else "not all"
+            shown = f"only {freeable} of" if sole else "not all"
             raise CapacityError(
                 f"prefetch: {count} blocks must come up to gpu, but {shown} "
                 f"{self.gpu.num_slots} gpu slots "
@@ -357,6 +361,16 @@ def _leading(new: list[tuple[int, BlockRef]], most: int, staging: int | None) ->
             staging -= 1
         count += 1
     return count
+
+
+def _stuck(count: int, free: str, slots: int) -> CapacityError:
+    """A prefetch's room-making ran and fell short: blocks it would have moved stayed (`free`:
+    "only N of" to a sole tenant, else "not all", as other tenants' use moves N)."""
+    return CapacityError(
+        f"prefetch: {count} blocks must come up to gpu, but {free} {slots} gpu slots "
+        "could be freed (the rest hold blocks that cannot move down now: no room below, or a "
+        "lower tier refusing copies)"
+    )
 
 
 def _slot(slot: int | None) -> int:
