@@ -36,6 +36,7 @@ from kvtier.errors import (
 )
 from kvtier.home import HomeLock
 from kvtier.index import BlockRef, LeaseId
+from kvtier.index.helpers import by_fastest
 from kvtier.index.node import Node
 from kvtier.results import Lease, LookupResult, Reservation
 from kvtier.status import store_status, tenant_status
@@ -144,7 +145,7 @@ class Operations:
             self.expire()
             self.mover.drain()
             seeds = self.parts.namespaces.seeds
-            namespaces = list(seeds.values()) if tenant is None else [self.namespace(tenant)]
+            namespaces = dict(seeds) if tenant is None else {tenant: self.namespace(tenant)}
             return _clear(self.parts, namespaces, None if tenant is None else [tenant])
 
     def reset(self, tenant: str) -> tuple[int, int]:
@@ -155,7 +156,9 @@ class Operations:
             self.namespace(tenant)  # closed, or an unknown tenant: raised, nothing voided
             self.parts.reservations.void(tenant)
             dropped = self.clear(tenant)
-            return dropped, _blocks_below(self.parts.state.index.root(self.namespace(tenant)))
+            return dropped, sum(
+                by_fastest(BlockRef(self.parts.state.index.root(self.namespace(tenant)), 0))
+            )
 
     def persist(self) -> int:
         with self.lock:
@@ -278,20 +281,22 @@ class Operations:
                 pool.close()
 
 
-def _clear(parts: Parts, namespaces: Sequence[BlockId], tenants: Sequence[str] | None) -> int:
-    """Drop every unheld subtree of `namespaces`; retire their disk copies durably, and the
-    copies recovery left on disk under `tenants`' ids (every tenant's when None) in namespaces
-    the config does not know (`recovery.py`: a config rolled back would serve them). How many
-    blocks and such copies were dropped."""
+def _clear(parts: Parts, namespaces: dict[str, BlockId], tenants: Sequence[str] | None) -> int:
+    """Drop every unheld subtree of `namespaces` (tenant -> namespace), a block counted in its
+    tenant's `cleared` of its fastest copy's tier; retire their disk copies durably, and those
+    recovery left on disk under `tenants`' ids (every tenant's when None) in namespaces the
+    config does not know (`recovery.py`). How many blocks and such copies were dropped."""
     index, pools = parts.state.index, parts.state.pools
     all_tiers = parts.state.all_tiers
     dropped = 0
     on_disk: list[int] = []
-    for namespace in namespaces:
-        root = index.root(namespace)
+    for tenant, namespace in namespaces.items():
+        root, cleared = index.root(namespace), parts.tenant_counters[tenant].cleared
         for child in list(root.children.values()) if root.children else []:
             if any(child.locked(t) for t in all_tiers) or _below_locked(child):
                 continue
+            for tier, count in enumerate(by_fastest(BlockRef(child, 0))):
+                cleared[tier] += count
             before = index.num_blocks
             for tier, slot in index.drop_subtree(BlockRef(child, 0)):
                 if tier == DISK:
@@ -314,16 +319,6 @@ def _clear(parts: Parts, namespaces: Sequence[BlockId], tenants: Sequence[str] |
             "back after a restart; clear again then"
         )
     return dropped
-
-
-def _blocks_below(root: Node) -> int:
-    """The blocks of the nodes below `root`."""
-    count, stack = 0, list(root.children.values()) if root.children else []
-    while stack:
-        node = stack.pop()
-        count += node.size
-        stack.extend(node.children.values() if node.children else ())
-    return count
 
 
 def _below_locked(node: Node) -> bool:

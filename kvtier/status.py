@@ -31,16 +31,19 @@ if TYPE_CHECKING:
 
 @dataclass
 class TenantCounters:
-    """One tenant's events since start: `ops` (TENANT_OPS) and `hits[t]`, the blocks its
-    lookups found whose fastest copy was in tier t. The store adds to these and to the global
-    counters in the same call."""
+    """One tenant's events since start: `ops` (TENANT_OPS); `hits[t]`, the blocks its
+    lookups found whose fastest copy was in tier t; `cleared[t]`, its blocks a reset or an
+    admin clear dropped whose fastest copy was in tier t (the global `cleared` is their sum
+    over tenants). The store adds to these and to the global counters in the same call."""
 
     num_tiers: int
     ops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TENANT_OPS, 0))
     hits: list[int] = field(init=False)
+    cleared: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.hits = [0] * self.num_tiers
+        self.cleared = [0] * self.num_tiers
 
 
 def store_status(parts: Parts) -> dict[str, Any]:
@@ -69,6 +72,7 @@ def store_status(parts: Parts) -> dict[str, Any]:
             "promotions": counters.promotions,
             "demotions": counters.demotions,
             "evictions": counters.evictions,
+            "cleared": sum(own.cleared[tier] for own in parts.tenant_counters.values()),
             "bytes_in": moved_in,
             "bytes_out": moved_out,
         }
@@ -152,6 +156,7 @@ def tenant_status(parts: Parts, tenant: str, namespace: bytes) -> dict[str, Any]
             "quota_blocks": quota,
             "floor_blocks": limits.floor[tier],
             "hits": counters.hits[tier],
+            "cleared": counters.cleared[tier],
         }
     ops = dict(counters.ops)
     lookups = ops["lookup_tokens"]

@@ -299,6 +299,7 @@ def test_a_tenants_status_has_its_own_figures_and_none_of_anothers_activity(
         "quota_blocks": 4,
         "floor_blocks": 4,
         "hits": 2,
+        "cleared": 0,
     }
     assert before["ops"]["lookups"] == 1 and before["ops"]["stored_tokens"] == 2 * BT
     assert not {"paths", "mover", "index", "recovery"} & set(before)

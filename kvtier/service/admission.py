@@ -3,8 +3,9 @@ request acts as.
 
     service.ready_store()              the store, or `WireError` 503 not_ready (with the reason)
     admit(request, service)            the store and the tenant of the caller's key (or the
-                                       tenant it names, without auth); 401/403 otherwise
-    tenant_of_key(service, key, named) the same from the values alone (the local lane's)
+                                       tenant it names, without auth: one the config lists);
+                                       401/403 otherwise
+    tenant_of_key(service, key, named, route)  the same from the values alone (the local lane's)
     admit_viewer(request, service)     for figures: None (global) for the admin key or without
                                        auth, else the key's tenant
     viewer_refusal(request, service)   for global-only routes (/v1/config, /metrics): None for
@@ -89,15 +90,22 @@ def admit(request: Request, service: Service) -> tuple[KVStore, str]:
     store = service.ready_store()
     headers = request.headers
     return store, tenant_of_key(
-        service, headers.get("authorization"), headers.get("x-kvtier-tenant")
+        service, headers.get("authorization"), headers.get("x-kvtier-tenant"), request.url.path
     )
 
 
-def tenant_of_key(service: Service, authorization: str | None, named: str | None) -> str:
+def tenant_of_key(
+    service: Service, authorization: str | None, named: str | None, route: str
+) -> str:
     """The tenant an `Authorization` value admits (or `named`, the `x-kvtier-tenant` value,
-    without auth); 401/403 otherwise. HTTP's headers or the local lane's fields (`lane.py`)."""
+    without auth: `UnknownTenantError`, 403 `unknown_tenant`, unless the config lists it);
+    401/403 otherwise (the admin key, which acts as no tenant, told so for `route`). HTTP's
+    headers or the local lane's fields (`lane.py`)."""
     tenant = service.auth.tenant(authorization, named)
     if tenant is None:
+        if service.auth.is_admin(authorization):
+            detail = f"the admin key acts as no tenant: use a tenant's key for {route[:64]}"
+            raise unauthorized(authorization, detail)
         raise unauthorized(authorization, "unknown API key")
     return tenant
 

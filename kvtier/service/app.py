@@ -8,7 +8,7 @@ Routes (bodies: `wire.py`; auth: `auth.py`; metrics: `metrics.py`; the edge: `gu
     GET  /healthz /readyz                     alive (503: the start failed) / recovered and serving
     GET  /                                    the status page (`page.py`), for a browser
     GET  /v1/status                           live figures: a tenant key sees its tenant's
-    GET  /v1/config /metrics                  config with keys redacted; Prometheus text
+    GET  /v1/config /metrics /openapi.json    config as given, keys redacted; Prometheus; schema
     GET  /v1/pools                            what a same-host client maps: /dev/shm, the lane;
                                               the server's instance id, which every reply
                                               naming slots repeats (`admission.Service`)
@@ -101,6 +101,8 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
         version="0.1.0",
         summary="Tiered KV-cache store for LLM inference: the sidecar API",
         lifespan=lifespan,
+        docs_url=None,  # no Swagger UI, no ReDoc: they would run a CDN's scripts in this
+        redoc_url=None,  # origin, which the page's credentials open (the schema: /openapi.json)
     )
     app.state.service = service
     bound = config.service.host if host is None else host
@@ -264,7 +266,8 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
 
     @app.get("/v1/config", responses=schemas.responses(schemas.ANY_OBJECT, *schemas.ADMIN_GET))
     async def effective_config(request: Request) -> Response:
-        """The effective configuration, with every API key redacted (admin key, with auth)."""
+        """The config as given (values computed at start are in /v1/status), every API key
+        redacted (admin key, with auth)."""
         refusal = viewer_refusal(request, service)
         if refusal is not None:
             return _error(refusal.status, refusal.kind, refusal.detail)
@@ -340,15 +343,11 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
     @app.post("/v1/admin/clear", responses=schemas.responses(schemas.CLEARED, 404, *schemas.ADMIN))
     async def admin_clear(request: Request, tenant: str | None = None) -> Response:
         """Drop every unleased block (of `tenant`, when given: 404 for an unknown one)."""
-        if not service.auth.is_admin(request.headers.get("authorization")):
-            return _error(403, "forbidden", "admin endpoints need the admin key")
         return await _admin(request, service, lambda store: bodies.cleared(store, tenant))
 
     @app.post("/v1/admin/check", responses=schemas.responses(schemas.CHECKED, *schemas.ADMIN))
     async def admin_check(request: Request) -> Response:
         """Run every invariant check of the store now."""
-        if not service.auth.is_admin(request.headers.get("authorization")):
-            return _error(403, "forbidden", "admin endpoints need the admin key")
         return await _admin(request, service, lambda store: bodies.checked(store, service.grants))
 
     @app.post(
@@ -357,8 +356,6 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
     async def admin_persist(request: Request) -> Response:
         """Give every cached block a durable disk copy now, as the disk holds them (400 without
         one): `left_blocks` have none. Stopping the server does not persist the memory tiers."""
-        if not service.auth.is_admin(request.headers.get("authorization")):
-            return _error(403, "forbidden", "admin endpoints need the admin key")
         return await _admin(request, service, bodies.persisted)
 
     return hot
@@ -367,6 +364,9 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
 async def _admin(
     request: Request, service: Service, run: Callable[[KVStore], dict[str, Any]]
 ) -> Response:
+    """`run(store)` for the admin key (403 for any other caller), its result as JSON."""
+    if not service.auth.is_admin(request.headers.get("authorization")):
+        return _error(403, "forbidden", "admin endpoints need the admin key")
     try:
         result = await run_in_threadpool(run, service.ready_store())
     except wire.WireError as exc:

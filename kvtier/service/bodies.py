@@ -1,5 +1,5 @@
 """Response bodies built from the store's objects: a lease, the pools a same-host client may
-map, the effective configuration with its keys redacted, the store's checks, an admin clear
+map, the configuration as given with its keys redacted, the store's checks, an admin clear
 and persist.
 
 A lease and the pools carry `instance`, the server's instance id (`admission.Service`), as a
@@ -110,8 +110,10 @@ def pools(
 
 
 def redacted(config: KVTierConfig) -> dict[str, Any]:
-    """The effective configuration, every API key and secret (the admin key, tenants' keys, the
-    remote tier's `secret` and `password`) replaced by a placeholder, `env:` references too."""
+    """The configuration as given (a value computed at start, such as
+    `service.max_inflight_bytes`, stays null: the values in force are in the status), every
+    API key and secret (the admin key, tenants' keys, the remote tier's `secret` and
+    `password`) replaced by a placeholder, `env:` references too."""
     data = config.to_dict()
     secrets = [(data["service"], "admin_key")]
     if data["tiers"].get("remote") is not None:

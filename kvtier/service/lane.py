@@ -313,7 +313,7 @@ class Lane:
         started = time.perf_counter()
         try:
             store = self.service.ready_store()
-            tenant = tenant_of_key(self.service, head.authorization, head.tenant)
+            tenant = tenant_of_key(self.service, head.authorization, head.tenant, head.path)
             if head.body_length > self.max_body:
                 raise wire.WireError(
                     413, "body_too_large",

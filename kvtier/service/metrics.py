@@ -10,6 +10,7 @@ latency is the service's own (a histogram per route). Names:
     kvtier_tier_{reserved,quarantined,in_flight}_slots{tier}          gauges: slots in use that
                                                          hold no block (reservations, copies)
     kvtier_tier_{hits,promotions,demotions,evictions}_total{tier}
+    kvtier_tier_cleared_total{tier}                      blocks a reset or admin clear dropped
     kvtier_tier_bytes_{in,out}_total{tier}               counters
     kvtier_tier_faults_total{tier,kind}                  disk faults: enospc, write_errors,
                                                          sync_errors, retire_errors, read_errors,
@@ -194,6 +195,7 @@ def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Any]:
         "promotions": "Blocks copied up into the tier",
         "demotions": "Copies freed here after a copy below existed",
         "evictions": "Blocks dropped from the cache from this tier",
+        "cleared": "Blocks a reset or an admin clear dropped with their fastest copy here",
         "bytes_in": "Bytes copied into the tier",
         "bytes_out": "Bytes copied out of the tier",
     }

@@ -172,6 +172,7 @@ _MOVES: tuple[tuple[str, str], ...] = (
     ("promotions", "promoted in"),
     ("demotions", "demoted out"),
     ("evictions", "evicted"),
+    ("cleared", "cleared"),
     ("bytes_in", "bytes in"),
     ("bytes_out", "bytes out"),
 )

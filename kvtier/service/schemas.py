@@ -1,4 +1,4 @@
-"""JSON schemas of the sidecar's bodies, for its OpenAPI document (`/docs`, `/openapi.json`).
+"""JSON schemas of the sidecar's bodies, for its OpenAPI document (`/openapi.json`).
 
 The data-plane routes read raw bodies (msgpack or JSON, `wire.py`) rather than pydantic
 models, to keep a lookup well under a millisecond; these schemas describe the JSON form, so
