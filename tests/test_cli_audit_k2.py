@@ -164,7 +164,7 @@ def test_a_plot_replaces_a_planted_link_instead_of_writing_through_it(tmp_path: 
     victim.write_bytes(b"not yours")
     target = tmp_path / "out.png"
     target.symlink_to(victim)
-    from kvtier.replay.report import save_figure  # here: the old code has none
+    from kvtier.replay.figures import save_figure  # here: the old code has none
 
     figure = _Figure()
     save_figure(figure, str(target))
@@ -178,7 +178,7 @@ def test_a_plot_gets_a_new_files_mode_and_a_failed_write_is_typed(tmp_path: Path
     """The image is 0666 less the umask (a plot is shared, not secret), and a write the system
     refuses is an `InvalidArgumentError` naming --plot with no temporary file left."""
     from kvtier.errors import InvalidArgumentError
-    from kvtier.replay.report import save_figure
+    from kvtier.replay.figures import save_figure
 
     target = tmp_path / "out.png"
     old = os.umask(0o022)

@@ -15,19 +15,15 @@ LRU, or more than either. A paced run (`--speed`) says whether it kept the trace
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError, shown
+from kvtier.replay.figures import save_figure
 from kvtier.replay.simulate import SimResult
 from kvtier.sizes import format_size
 from kvtier.text import printable
@@ -388,33 +384,3 @@ def plot(results: Sequence[ReplayResult], path: str) -> None:
     figure.tight_layout()
     save_figure(figure, path)
     plt.close(figure)
-
-
-def save_figure(figure: Any, path: str) -> None:
-    """Replace `path` by `figure` (a matplotlib figure) rendered in the format its suffix
-    names, atomically: written to a fresh temporary file of its own beside it (`mkstemp`: no
-    other file touched), given the mode a new file gets (0666 less the umask), and renamed
-    over it, so a link planted at `path` is replaced, not followed. A write or rename the
-    system refuses (a sticky directory, another user's file) is an `InvalidArgumentError`
-    naming `--plot`, the temporary file removed."""
-    image = io.BytesIO()
-    figure.savefig(image, format=Path(path).suffix.lstrip(".").lower(), dpi=120)
-    target = Path(path)
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        with os.fdopen(fd, "wb") as out:
-            out.write(image.getvalue())
-            os.fchmod(out.fileno(), 0o666 & ~umask)
-        os.replace(tmp, target)
-        tmp = None
-    except OSError as e:
-        raise InvalidArgumentError(
-            f"--plot: got {path!r}, expected a file kvtier may write ({e.strerror})"
-        ) from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)

@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.errors import InvalidArgumentError, shown
+from kvtier.replay.figures import save_figure
 from kvtier.replay.replicas import TIERS, FleetRun, replay_fleet
-from kvtier.replay.report import Sizing, pyplot, save_figure
+from kvtier.replay.report import Sizing, pyplot
 from kvtier.replay.runner import ReplayOptions
 from kvtier.replay.trace import Ceiling, TraceRequest
 from kvtier.routing import POLICIES

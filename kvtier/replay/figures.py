@@ -1,0 +1,48 @@
+"""`save_figure`: a replay's plot written where `--plot` names, atomically.
+
+Contract: the image replaces the file at the path (a link planted there is replaced, not
+followed), with the mode a new file gets (0666 less the umask: a plot is shared, not secret);
+a write or rename the system refuses is an `InvalidArgumentError` naming `--plot`, and leaves
+no temporary file (`checks.check_plot` refuses what it can foresee before the run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import InvalidArgumentError
+
+
+def save_figure(figure: Any, path: str) -> None:
+    """Replace `path` by `figure` (a matplotlib figure) rendered in the format its suffix
+    names, atomically: written to a fresh temporary file of its own beside it (`mkstemp`: no
+    other file touched), given the mode a new file gets (0666 less the umask), and renamed
+    over it, so a link planted at `path` is replaced, not followed. A write or rename the
+    system refuses (a sticky directory, another user's file) is an `InvalidArgumentError`
+    naming `--plot`, the temporary file removed."""
+    image = io.BytesIO()
+    figure.savefig(image, format=Path(path).suffix.lstrip(".").lower(), dpi=120)
+    target = Path(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        with os.fdopen(fd, "wb") as out:
+            out.write(image.getvalue())
+            os.fchmod(out.fileno(), 0o666 & ~umask)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        raise InvalidArgumentError(
+            f"--plot: got {path!r}, expected a file kvtier may write ({e.strerror})"
+        ) from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
