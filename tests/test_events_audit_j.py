@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import msgpack  # type: ignore[import-untyped]
 import pytest
@@ -250,7 +250,7 @@ def test_a_snapshot_that_answers_late_is_thrown_away_not_applied_over_newer_mess
     next resync (the change's first form) scored block 1 again and moved `applied` back."""
     topic = "kv@p@m"
 
-    def events(*items: list[object]) -> bytes:
+    def events(*items: Sequence[object]) -> bytes:
         return msgpack.packb([time.time(), list(items), None])  # type: ignore[no-any-return]
 
     stored = ["BlockStored", [1], None, [1] * 4, 4, None, "GPU", None]
