@@ -265,6 +265,7 @@ def kv_big(tokens: list[int]) -> torch.Tensor:
     return torch.randn(2, 2, len(tokens), 2, 64).to(torch.float16)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_password_from_the_environment_authenticates_both_stores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

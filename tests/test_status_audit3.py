@@ -133,6 +133,7 @@ def test_as_load_is_a_bool_or_a_400_that_grants_nothing(server: Server, value: A
     assert delta(after["ops"], before["ops"]) == dict.fromkeys(LOAD_OPS, 0)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_reserved_slots_are_reported_and_a_reservation_is_no_lease(
     server: Server, capsys: pytest.CaptureFixture[str]
 ) -> None:

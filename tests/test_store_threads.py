@@ -58,6 +58,7 @@ def run_threads(
     assert not errors, errors[0]
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_threads_store_lookup_prefetch_and_release_with_demotion_to_disk(tmp_path: Path) -> None:
     config = disk_config(
         tmp_path / "disk", capacity=24 * (DISK_BLOCK_BYTES + 4096), gpu_blocks=6, host_blocks=8
