@@ -3,8 +3,7 @@ request acts as.
 
     service.ready_store()              the store, or `WireError` 503 not_ready (with the reason)
     admit(request, service)            the store and the tenant of the caller's key (or the
-                                       tenant it names, without auth: one the config lists);
-                                       401/403 otherwise
+                                       tenant it names, without auth); 401/403 otherwise
     tenant_of_key(service, key, named, route)  the same from the values alone (the local lane's)
     admit_viewer(request, service)     for figures: None (global) for the admin key or without
                                        auth, else the key's tenant
@@ -98,7 +97,7 @@ def tenant_of_key(
     service: Service, authorization: str | None, named: str | None, route: str
 ) -> str:
     """The tenant an `Authorization` value admits (or `named`, the `x-kvtier-tenant` value,
-    without auth: `UnknownTenantError`, 403 `unknown_tenant`, unless the config lists it);
+    without auth, which the calls that act as a tenant check against the config);
     401/403 otherwise (the admin key, which acts as no tenant, told so for `route`). HTTP's
     headers or the local lane's fields (`lane.py`)."""
     tenant = service.auth.tenant(authorization, named)

@@ -9,8 +9,7 @@
 - Auth is on when any tenant has a key. Then every data-plane request carries
   `Authorization: Bearer <key>` and acts as that key's tenant (401 without a key, 403 with an
   unknown one); a request can never name another tenant. Without auth every request acts as
-  the tenant it names (`X-Kvtier-Tenant`, default `default`), one the config lists
-  (`UnknownTenantError` otherwise, before the route runs): for loopback use only, which the
+  the tenant it names (`X-Kvtier-Tenant`, default `default`): for loopback use only, which the
   server enforces at start (`require_loopback`).
 - Admin endpoints need the admin key (403 otherwise, 403 too when none is configured).
 - The server secret keys the tenant salts (`hashing.tenant_salt`): 32 random bytes generated at
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from kvtier.config import HiddenKey, KVTierConfig
 from kvtier.config.fields import resolve_api_key
-from kvtier.errors import ConfigError, UnknownTenantError
+from kvtier.errors import ConfigError
 from kvtier.private_files import create_once, private_dir, read_regular
 
 SECRET_BYTES = 32
@@ -81,20 +80,14 @@ class Auth:
                 f"a key no tenant uses: {places[self._admin]} is the same key",
             )
         self.enabled = bool(self._tenants)
-        self._names = sorted(config.tenants)
 
     def tenant(self, authorization: str | None, named: str | None) -> str | None:
         """The tenant a request acts as, or None when its key is missing or unknown; without
-        auth the tenant `named` (default `default`), `UnknownTenantError` unless the config
-        lists it."""
+        auth the tenant `named` (default `default`), which the calls that act as a tenant check
+        against the config (`UnknownTenantError`); `/v1/pools`, the same for every tenant, and
+        a lease's id, which only its tenant finds, do not need to."""
         if not self.enabled:
-            tenant = named or "default"
-            if tenant not in self._names:
-                more = f" (of {len(tenant)} characters)" if len(tenant) > 64 else ""
-                raise UnknownTenantError(
-                    f"x-kvtier-tenant {tenant[:64]!r}{more}: unknown, expected one of {self._names}"
-                )
-            return tenant
+            return named or "default"
         key = _bearer(authorization)
         return None if key is None else self._tenants.get(_digest(key))
 
