@@ -36,8 +36,7 @@ from kvtier.errors import (
 )
 from kvtier.home import HomeLock
 from kvtier.index import BlockRef, LeaseId
-from kvtier.index.helpers import by_fastest
-from kvtier.index.node import Node
+from kvtier.index.helpers import by_fastest, unheld_subtrees
 from kvtier.results import Lease, LookupResult, Reservation
 from kvtier.status import store_status, tenant_status
 from kvtier.tiers.base import DISK, GPU
@@ -287,14 +286,11 @@ def _clear(parts: Parts, namespaces: dict[str, BlockId], tenants: Sequence[str] 
     recovery left on disk under `tenants`' ids (every tenant's when None) in namespaces the
     config does not know (`recovery.py`). How many blocks and such copies were dropped."""
     index, pools = parts.state.index, parts.state.pools
-    all_tiers = parts.state.all_tiers
     dropped = 0
     on_disk: list[int] = []
     for tenant, namespace in namespaces.items():
         root, cleared = index.root(namespace), parts.tenant_counters[tenant].cleared
-        for child in list(root.children.values()) if root.children else []:
-            if any(child.locked(t) for t in all_tiers) or _below_locked(child):
-                continue
+        for child in unheld_subtrees(root):
             for tier, count in enumerate(by_fastest(BlockRef(child, 0))):
                 cleared[tier] += count
             before = index.num_blocks
@@ -319,17 +315,6 @@ def _clear(parts: Parts, namespaces: dict[str, BlockId], tenants: Sequence[str] 
             "back after a restart; clear again then"
         )
     return dropped
-
-
-def _below_locked(node: Node) -> bool:
-    """Whether anything below `node` is locked in some tier."""
-    stack = list(node.children.values()) if node.children else []
-    while stack:
-        child = stack.pop()
-        if child.locks is not None and any(child.locks):
-            return True
-        stack.extend(child.children.values() if child.children else ())
-    return False
 
 
 def _check(parts: Parts) -> None:

@@ -40,12 +40,12 @@ def test_a_reset_forgets_the_callers_tenant_only_and_waits_out_a_lease(tmp_path:
         b.store(PROMPT, kv_of(32, seed=2))
         server.admin("/v1/admin/persist")  # disk copies too
         lease = a.prefetch(PROMPT[:16])  # a load in flight holds 4 blocks
-        first = a.reset()  # the prompt is one run of blocks, held while any of it is
-        assert first == {"dropped_blocks": 0, "left_blocks": 8, "remote": False}, first
-        assert a.lookup(PROMPT).num_tokens == 32  # still served: the engine asks again
+        first = a.reset()  # the held blocks stay, the 4 after them go
+        assert first == {"dropped_blocks": 4, "left_blocks": 4, "remote": False}, first
+        assert a.lookup(PROMPT).num_tokens == 16  # still served: the engine asks again
         a.release(lease)
         second = a.reset()
-        assert second == {"dropped_blocks": 8, "left_blocks": 0, "remote": False}
+        assert second == {"dropped_blocks": 4, "left_blocks": 0, "remote": False}
         assert a.lookup(PROMPT).num_tokens == 0
         assert b.lookup(PROMPT).num_tokens == 32  # another tenant's KV is not the caller's
         assert reset_tenants([a]) is None  # nothing held: clear at once

@@ -55,6 +55,25 @@ def subtree_locked(ref: BlockRef) -> bool:
     return any(any(node.locks or ()) for node, _ in subtree_tails(ref))
 
 
+def unheld_subtrees(root: Node) -> list[Node]:
+    """The top nodes of the largest subtrees below `root` in which no node is locked in any tier
+    (a lease, a flight's or the store's pin): what a clear drops whole (`drop_subtree`), each
+    apart from the others. A locked node stays with every node above it (prefix closure), and
+    so does a node with a lock anywhere below it; what branches off those is dropped."""
+    order: list[Node] = []  # pre-order, children in their order: every node before its own
+    stack = list(reversed(root.children.values())) if root.children else []
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(node.children.values()) if node.children else ())
+    held = {id(root)}  # nodes kept: locked, or a lock below them
+    for node in reversed(order):  # children before their parents
+        if id(node) in held or any(node.locks or ()):
+            held.add(id(node))
+            held.add(id(node.parent))
+    return [node for node in order if id(node) not in held and id(node.parent) in held]
+
+
 def by_fastest(ref: BlockRef) -> list[int]:
     """What `drop_subtree(ref)` removes, per tier of each block's fastest copy (`depth[t]`: a
     node's first blocks whose fastest copy is in a tier <= t; a root has none)."""
