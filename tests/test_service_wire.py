@@ -174,10 +174,9 @@ def test_a_tenants_status_shows_none_of_another_tenants_activity(auth_server: Se
 
 
 def test_a_rejected_key_is_never_echoed(auth_server: Server) -> None:
-    for path in POSTS:
-        response = auth_server.post(
-            path, content=b'{"tokens": [1]}', headers={**JSON, **admin(REJECTED)}
-        )
+    for path in POSTS:  # an admin route takes no body (400 before the key is looked at)
+        body = b"" if path.startswith("/v1/admin/") else b'{"tokens": [1]}'
+        response = auth_server.post(path, content=body, headers={**JSON, **admin(REJECTED)})
         assert response.status_code in (401, 403) and REJECTED not in response.text
     for path in GETS:
         assert REJECTED not in auth_server.get(path, headers=admin(REJECTED)).text

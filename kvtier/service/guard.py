@@ -16,6 +16,14 @@ resolved to 127.0.0.1). So, on every route:
   no body (a bodiless POST, as the admin routes take, needs none). Neither type is "simple",
   so a page cannot send one without a preflight, and no route grants CORS (no
   `Access-Control-Allow-Origin`; a preflight `OPTIONS` is 405).
+- A `/v1/` POST carries only the query parameters its route reads (`QUERY`: `/v1/admin/clear`
+  its one `tenant`, once; every other POST none), and an admin POST no body (it reads none):
+  otherwise 400 `invalid_argument` naming the parameter, before auth. FastAPI passes over an
+  unknown parameter and keeps the last of a repeated one, so `/v1/load?start=16` answered the
+  KV from token 0, a keyless `/v1/reset?tenant=b` reset tenant `default`, and
+  `/v1/admin/clear?tenants=a` (or a body `{"tenant": "a"}`) cleared every tenant. GET routes
+  are not held to it (the page's `?part=`, a browser's or a scraper's cache-busting parameters
+  change nothing).
 - An exception that escapes a route is logged once, with its traceback, and answered
   `500 {"error": "internal", "detail"}` (when no response has begun); the tests forbid it, so
   this is the last line, not a path.
@@ -29,6 +37,7 @@ import ipaddress
 import json
 import logging
 from collections.abc import Iterable
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -86,6 +95,32 @@ def body_refusal(content_type: str | None, content_length: str | None, chunked: 
     return None
 
 
+QUERY = {"/v1/admin/clear": ("tenant",)}
+"""The query parameters a `/v1/` POST reads (each at most once); a POST not named reads none."""
+
+
+def query_refusal(method: str, path: str, query: bytes, has_body: bool) -> str | None:
+    """Why a `/v1/` POST's query string (or an admin POST's body) may not reach its route, or
+    None when it may: a parameter its route does not read (`QUERY`), one given twice, or a body
+    sent to an admin route (which reads its arguments from the query alone)."""
+    if method != "POST" or not path.startswith("/v1/"):
+        return None
+    admin = path.startswith("/v1/admin/")
+    if admin and has_body:
+        return f"POST {path:.64} takes no body: expected its arguments in the query string"
+    taken = QUERY.get(path.removesuffix("/"), ())  # `/v1/admin/clear/?tenant=`: a redirect
+    seen: set[str] = set()
+    for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+        if name not in taken:
+            expected = f"only {list(taken)}" if taken else "none"
+            expected += "" if taken or admin else " (its arguments in the body)"
+            return f"query parameter {name!r:.80}: POST {path:.64} takes {expected}"
+        if name in seen:
+            return f"query parameter {name!r:.80} given twice: expected it once"
+        seen.add(name)
+    return None
+
+
 class Guard:
     """The ASGI middleware: the Host and body checks, then the app, with the last line of
     defence around it."""
@@ -109,6 +144,13 @@ class Guard:
         if bad_body is not None:
             await _answer(send, 415, "unsupported_media", bad_body, close=True)
             return
+        path, has_body = scope["path"], chunked or headers.get("content-length") not in (None, "0")
+        bad_query = query_refusal(scope["method"], path, scope.get("query_string", b""), has_body)
+        if bad_query is not None:  # in the request's format, as the route's own 400s are
+            admin = path.startswith("/v1/admin/")  # (an admin route's are JSON: it reads no body)
+            packed = wire.is_msgpack(headers.get("content-type")) and not admin
+            await _answer(send, 400, "invalid_argument", bad_query, close=True, packed=packed)
+            return
         started = False
 
         async def tracked(message: Message) -> None:
@@ -125,11 +167,15 @@ class Guard:
                 await _answer(send, 500, "internal", detail, close=True)
 
 
-async def _answer(send: Send, status: int, kind: str, detail: str, close: bool = False) -> None:
-    """A JSON `{error, detail}` response; `close`: the connection ends after it, since the
-    request's body may be left unread."""
-    body = json.dumps({"error": kind, "detail": detail}).encode()
-    headers = [(b"content-type", wire.JSON.encode()), (b"content-length", str(len(body)).encode())]
+async def _answer(
+    send: Send, status: int, kind: str, detail: str, close: bool = False, packed: bool = False
+) -> None:
+    """A JSON (`packed`: msgpack) `{error, detail}` response; `close`: the connection ends
+    after it, since the request's body may be left unread."""
+    error = {"error": kind, "detail": detail}
+    body = wire.encode(error, True) if packed else json.dumps(error).encode()
+    media = wire.MSGPACK if packed else wire.JSON
+    headers = [(b"content-type", media.encode()), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})

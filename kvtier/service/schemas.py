@@ -163,8 +163,9 @@ GET_STATUSES = (401, 403, 503, *EDGE)
 LEASE_STATUSES = (400, 401, 403, 404, 503, *EDGE)
 ADMIN_GET = (401, 403, *EDGE)
 """/v1/config and /metrics: the admin key, with auth on."""
-ADMIN = (403, 503, *EDGE)
-"""/v1/admin/*: the admin key; not ready, or (clear, persist) the disk refused."""
+ADMIN = (400, 403, 503, *EDGE)
+"""/v1/admin/*: a body or a query parameter it does not read (`guard.py`); the admin key; not
+ready, or (clear, persist) the disk refused."""
 
 LEASE_PARAMETERS: dict[str, Any] = {
     "parameters": [
