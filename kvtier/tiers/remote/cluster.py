@@ -36,7 +36,9 @@ Contract:
   `maxmemory` or an ACL's `-NOPERM`, came from one), false after one that reached none (no
   connection, timeouts: a cluster down since), until a call reaches one again.
 - After a round trip with a failure in it (a node down, a redirect) the slot table is read again
-  from the cluster, at most once per `REFRESH_S`, on a thread of its own: a table read before
+  from the cluster, at most once per `REFRESH_S` and one read at a time (a read of a stalled
+  cluster takes a timeout per node it asks: reads begun each second would pile up threads and
+  sockets, one per second of it), on a thread of its own: a table read before
   the cluster promoted a replica or moved a slot keeps naming the old node, and its slots would
   stay misses.
 - Thread-safe: the mover's threads and the store's callers may call at once.
@@ -120,6 +122,7 @@ class RemoteCluster:
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._seconds = 0.0  # time spent in round trips
         self._refreshed_at = 0.0  # the last slot table read after a failure (`REFRESH_S`)
+        self._refreshing = False  # a slot table read is under way (`_refresh`): one at a time
         self._down = Down(settings.reconnect_s)  # nodes that failed lately (`rounds.py`)
         self.last_error = ""
         self._reachable = self._closed = False  # `connected`; `close` called
@@ -337,15 +340,23 @@ class RemoteCluster:
         timeout each time)."""
         with self._lock:
             now = time.monotonic()
-            if now - self._refreshed_at < REFRESH_S:
-                return
-            self._refreshed_at = now
+            if self._refreshing or now - self._refreshed_at < REFRESH_S:
+                return  # one read at a time: a stalled cluster holds one a timeout per node
+            self._refreshed_at, self._refreshing = now, True
 
         def read() -> None:
-            with contextlib.suppress(*CLUSTER_FAILURES):  # none answers: the next failure retries
-                client.nodes_manager.initialize()
+            try:
+                with contextlib.suppress(*CLUSTER_FAILURES):  # none answers: a next one retries
+                    client.nodes_manager.initialize()
+            finally:
+                with self._lock:
+                    self._refreshing = False
 
-        threading.Thread(target=read, name="kvtier-remote-slots", daemon=True).start()
+        try:
+            threading.Thread(target=read, name="kvtier-remote-slots", daemon=True).start()
+        except RuntimeError:  # no thread to be had: a later failure asks again
+            with self._lock:
+                self._refreshing = False
 
     def _round_trip(self, run: Callable[[RedisCluster], T]) -> T | None:
         """`run` on the cluster, timed and counted; None when the cluster failed it."""

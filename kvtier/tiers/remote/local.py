@@ -3,7 +3,8 @@ benchmarks and `kvtier replay --remote` (not for production: no persistence).
 
 `LocalCluster(directory, primaries, replicas, password, tls)` starts the servers (`--save ""`,
 no AOF, each server's files in `directory`), makes them one cluster with `redis-cli --cluster
-create`, and waits until every node says `cluster_state:ok`. With a `password`, every server
+create`, and waits until every node says `cluster_state:ok` and every replica has finished its
+first sync (so that a primary killed at once fails over). With a `password`, every server
 requires it (`requirepass`; `masterauth` for replicas), written into a 0600 config file, never
 into argv. With `tls` (`make_certificates`: a throwaway CA with `openssl`), the servers listen
 only on TLS, between themselves too, and require a client certificate. `nodes` are their
@@ -129,6 +130,9 @@ class LocalCluster:
                     # replica holding a different primary's keys)
                     "--dbfilename", f"dump-{port}.rdb",
                     "--cluster-node-timeout", "2000",
+                    # a replica syncs at once (default: 5 s later), so that `start` can wait
+                    # for it: one that never synced cannot take over a killed primary
+                    "--repl-diskless-sync-delay", "0",
                     "--save", "",
                     "--appendonly", "no",
                 ],
@@ -154,7 +158,18 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not reach cluster_state:ok")
             time.sleep(0.1)
+        while self._synced_replicas() < self.primaries * self.replicas:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replicas did not finish their first sync")
+            time.sleep(0.1)
         return self
+
+    def _synced_replicas(self) -> int:
+        """How many servers are replicas whose link to their primary is up (first sync done:
+        before it, a replica cannot be promoted when its primary fails)."""
+        return sum(
+            "master_link_status:up" in self._cli(port, "info", "replication") for port in self.ports
+        )
 
     def _config_file(self, port: int) -> Path:
         """The server's config file: the password and TLS files, if any (owner-only: 0600)."""

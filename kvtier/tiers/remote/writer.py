@@ -6,7 +6,8 @@ under `max_pending_bytes` goes, its leading blocks (a reader needs a prefix: a t
 head is worth nothing), the rest dropped and counted (`dropped_blocks`); an idle writer takes
 at least one block, so a store larger than the bound (or a bound below one block) still shares
 its head. The writer copies into host memory the blocks it takes, and only those: what it
-holds is what `pending_bytes` says (never a view pinning a larger copy). A slow or dead cluster
+holds is what `pending_bytes` says (never a view pinning a larger copy; of the path's ids, only
+the few its blocks' keys need: `_path_part`). A slow or dead cluster
 costs a store a counter, never a wait. `drain` waits until the backlog is written (or its
 timeout); `close` stops the thread and drops what is left.
 Thread-safe.
@@ -66,11 +67,26 @@ class RemoteWriter:
             self.stats["dropped_blocks"] += len(blocks) - taken
             if taken:
                 kept = blocks[:taken].detach().to("cpu", copy=True)  # its own: what it counts
-                self._jobs.append(_Job(seed, ids, start, list(kept.unbind(0)), taken * size))
+                base, path = self._path_part(ids, start, taken)
+                self._jobs.append(
+                    _Job(seed, path, start - base, list(kept.unbind(0)), taken * size)
+                )
                 self._pending += taken * size
                 self.stats["queued_blocks"] += taken
                 self._cond.notify_all()
         return taken == len(blocks)
+
+    def _path_part(self, ids: Sequence[bytes], start: int, count: int) -> tuple[int, list[bytes]]:
+        """`(base, ids[base:start + count])`: the part of the path a write of `count` blocks
+        from `start` reads (each block's id, its parent's, its group's first), from `base`, a
+        multiple of `group_blocks` (so rebased positions keep their groups, and the first block
+        sent keeps its parent: `start - base` >= 1 where `start` >= 1). A job keeps this, not
+        the whole path: the ids of a long prompt's every block (about 57 bytes each), held by
+        each job of a few blocks, are not in `pending_bytes`, so a backlog of them would hold
+        many times `max_pending_bytes` (module doc: it holds what it says)."""
+        group = self.tier.group_blocks
+        base = (start - 1) // group * group if start > 0 else 0
+        return base, list(ids[base : start + count])
 
     @property
     def pending_bytes(self) -> int:
