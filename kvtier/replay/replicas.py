@@ -15,7 +15,9 @@ the same requests:
   on another replica, sees it (a router would wait no less for a neighbour's KV).
 
 Per run: tokens served by each tier (the lookup's split, `remote` included) and recomputed, the
-hit rate, its ratio to the trace's ceiling, and the wall time; the gain is shared - alone.
+hit rate, its ratio to the trace's ceiling, the prefetches the gpu tier was too small for (their
+tokens count in the lookup's tiers, as in `runner.replay`), and the wall time; the gain is
+shared - alone.
 """
 
 from __future__ import annotations
@@ -43,14 +45,20 @@ TIERS = ("gpu", "host", "disk", "remote")
 
 @dataclass(frozen=True)
 class FleetRun:
+    """The figures of one run of a fleet (module doc); `assigned` has one entry per replica."""
+
     label: str
-    replicas: int
     served: dict[str, int]  # tier (or "recomputed") -> tokens
     ceiling_tokens: int
     wall_s: float
+    assigned: tuple[int, ...]  # requests per replica
     remote: dict[str, int] | None = None  # the replicas' remote counters, summed
     policy: str | None = None  # the router's (`routed.py`); None: round robin without events
-    assigned: tuple[int, ...] = ()  # requests per replica
+    prefetch_refused: int = 0  # prefetches the gpu tier was too small for
+
+    @property
+    def replicas(self) -> int:
+        return len(self.assigned)
 
     @property
     def imbalance(self) -> float:
@@ -94,6 +102,7 @@ class FleetRun:
             "assigned": list(self.assigned),
             "imbalance": self.imbalance,
             "computed": self.computed,
+            "prefetch_refused": self.prefetch_refused,
         }
 
 
@@ -131,21 +140,29 @@ def replay_fleet(
     replicas: int,
     nodes: Sequence[str] | None,
     policy: str | None = None,
+    scale: int = 1,
 ) -> FleetRun:
     """One run of `replicas` stores (module doc); shared through the cluster of `nodes` when
     it is not None; routed by `policy` on the stores' KV events when it is given
-    (`routed.py`), else round robin without events."""
+    (`routed.py`), else round robin without events. Each store has `scale` times the slots of
+    every tier `sizing` gives one replay (`routed.py`'s one big store: exactly N times a
+    replica's, which scaling the fractions would round otherwise, and past their bound of 100).
+    A prefetch that the gpu tier is too small for is counted (`FleetRun.prefetch_refused`);
+    its tokens count in the tiers the lookup found them in, as in `runner.replay`."""
     options.check_trace(requests)
     served = dict.fromkeys((*TIERS, "recomputed"), 0)
     longest = max(r.num_tokens for r in requests)
     prefix = f"replay-{secrets.token_hex(6)}"  # this run's keys only
     with tempfile.TemporaryDirectory(prefix="kvtier-fleet-", dir=options.directory) as tmp:
         stores = [
-            KVStore(_config(sizing, ceiling, options, f"{tmp}/{i}", nodes, prefix, policy, i))
+            KVStore(
+                _config(sizing, ceiling, options, f"{tmp}/{i}", nodes, prefix, policy, i, scale)
+            )
             for i in range(replicas)
         ]
         router = FleetRouter(stores, policy, options.block_tokens) if policy else None
         assigned = [0] * replicas
+        refused = 0
         try:
             kv = zero_kv(stores[0].layout, longest)
             started = time.perf_counter()
@@ -159,8 +176,10 @@ def replay_fleet(
                     served[tier] += getattr(hit, f"{tier}_tokens")
                 served["recomputed"] += len(tokens) - hit.num_tokens
                 if hit.num_tokens > hit.gpu_tokens:
-                    with contextlib.suppress(CapacityError):
+                    try:
                         store.release(store.prefetch(tokens))
+                    except CapacityError:
+                        refused += 1
                 store.store(tokens, kv[:, :, : len(tokens)])
                 if nodes is not None:
                     store.drain()
@@ -186,15 +205,11 @@ def replay_fleet(
     label = f"{replicas} replicas" + (", shared remote" if nodes is not None else ", alone")
     if policy is not None:
         label = f"{replicas} replicas, {policy}" + (", shared remote" if nodes else "")
+    if scale > 1:
+        named = "1 store" if replicas == 1 else f"{replicas} stores"
+        label = f"{named} x{scale} capacity" + (", shared remote" if nodes else "")
     return FleetRun(
-        label,
-        replicas,
-        served,
-        ceiling.prefix_tokens,
-        wall_s,
-        remote,
-        policy,
-        tuple(assigned),
+        label, served, ceiling.prefix_tokens, wall_s, tuple(assigned), remote, policy, refused
     )
 
 
@@ -207,10 +222,16 @@ def _config(
     prefix: str,
     policy: str | None = None,
     replica: int = 0,
+    scale: int = 1,
 ) -> KVTierConfig:
-    """A replica's config: one replay's, with the shared remote tier when `nodes` is given, and
-    events on loopback when a `policy` routes on them."""
-    config = replay_config(sizing, ceiling.unique_blocks, options, directory).to_dict()
+    """A replica's config: one replay's, every tier `scale` times its slots, with the shared
+    remote tier when `nodes` is given, and events on loopback when a `policy` routes on them."""
+    base = replay_config(sizing, ceiling.unique_blocks, options, directory)
+    config = base.to_dict()
+    for tier in ("gpu", "host", "disk"):
+        found = getattr(base.tiers, tier)
+        if found is not None:  # replay_config sizes tiers in bytes: a whole number of slots
+            config["tiers"][tier]["capacity"] = found.capacity.nbytes * scale
     if policy is not None:
         config["events"] = events_config(replica)
     if nodes is not None:
@@ -228,9 +249,15 @@ def format_fleet(runs: Sequence[FleetRun]) -> str:
         parts = ", ".join(f"{t} {run.served[t] / run.tokens:.1%}" for t in TIERS if run.served[t])
         by_tier = f" ({parts})" if parts else ""  # none when nothing was served
         remote = f"; remote {run.remote}" if run.remote else ""
+        refused = (
+            f"; {run.prefetch_refused:,} prefetches refused (gpu too small; their tokens count "
+            "as hits)"
+            if run.prefetch_refused
+            else ""
+        )
         lines.append(
             f"== {run.label}: hit rate {run.hit_rate:.1%}{by_tier}, {run.ratio:.3f} of the "
-            f"ceiling, {run.wall_s:.1f} s{remote}"
+            f"ceiling, {run.wall_s:.1f} s{remote}{refused}"
         )
     if len(runs) == 2:
         lines.append(

@@ -1,6 +1,6 @@
 """`kvtier replay TRACE --replicas N --route POLICY[,POLICY...]`: a fleet of N stores whose
 requests a router places by the stores' own KV events (issue 16), against one store with N
-times the capacity, in the same run.
+times the capacity (N times a replica's slots in each tier), in the same run.
 
 Each replica is a `KVStore` sized as one `replay` run, publishing its events on a loopback ZMQ
 socket (`events_config`: topic `kv@replica-<i>@replay`, a replay endpoint); one `Subscriber`
@@ -12,7 +12,8 @@ routed on the fleet as it is (a gateway, serving a conversation's turns seconds 
 see no less).
 
 Per policy: hit rate, tokens per tier, the share of prefill computed, requests per replica and
-the imbalance (max / mean), and the ratio of the hit rate to the one big store's. `--plot`
+the imbalance (max / mean), and the ratio of the hit rate to the one big store's ("n/a" when
+that store hit nothing), and the prefetches the gpu tier was too small for, if any. `--plot`
 draws hit rate against N (1, 2, 4, ... N) per policy. The trace's timestamps are not kept:
 requests run back to back, so a per-replica queue is not modelled.
 """
@@ -49,20 +50,13 @@ def replay_routed(
     policies: Sequence[str],
     nodes: Sequence[str] | None = None,
 ) -> list[FleetRun]:
-    """One store of `replicas` times `sizing` (the yardstick), then `replicas` stores of
-    `sizing` per policy, in that order; shared through the cluster of `nodes` when given."""
-    big = scaled(sizing, replicas)
-    runs = [replay_fleet(requests, limit, big, options, 1, nodes)]
+    """One store of `replicas` times the slots of each tier of `sizing` (the yardstick), then
+    `replicas` stores of `sizing` per policy, in that order; shared through the cluster of
+    `nodes` when given."""
+    runs = [replay_fleet(requests, limit, sizing, options, 1, nodes, scale=replicas)]
     for policy in policies:
         runs.append(replay_fleet(requests, limit, sizing, options, replicas, nodes, policy))
     return runs
-
-
-def scaled(sizing: Sizing, factor: int) -> Sizing:
-    return Sizing(
-        f"{sizing.label} x{factor}", sizing.gpu * factor, sizing.host * factor,
-        sizing.disk * factor,
-    )  # fmt: skip
 
 
 def format_routed(runs: Sequence[FleetRun]) -> str:
@@ -76,12 +70,17 @@ def format_routed(runs: Sequence[FleetRun]) -> str:
     for run in runs:
         name = f"1 store x{replicas} capacity" if run is big else run.label
         tiers = "".join(f"{run.served[t] / max(run.tokens, 1):>7.1%}" for t in TIERS)
-        ratio = run.hit_rate / big.hit_rate if big.hit_rate else 1.0
+        ratio = f"{run.hit_rate / big.hit_rate:.3f}" if big.hit_rate else "n/a"
         assigned = " / ".join(str(n) for n in run.assigned) if run.policy else "-"
         lines.append(
-            f"{name:<28}{run.hit_rate:>9.1%}{ratio:>11.3f}{tiers}{run.computed:>9.1%}"
+            f"{name:<28}{run.hit_rate:>9.1%}{ratio:>11}{tiers}{run.computed:>9.1%}"
             f"{run.imbalance if run.policy else 1.0:>10.2f}  {assigned}"
         )
+    if any(run.prefetch_refused for run in runs):
+        refused = ", ".join(
+            f"{'1 store' if run is big else run.policy} {run.prefetch_refused:,}" for run in runs
+        )
+        lines.append(f"prefetches refused (gpu too small; their tokens count as hits): {refused}")
     return "\n".join(lines)
 
 

@@ -33,7 +33,8 @@ size of the one-cache simulations it is compared with.
 
 Pacing. With `speed`, request i is due `(t_i - t_0) / speed` seconds after the first request
 starts (the store is open by then); the replay sleeps until it is due, or starts it late when
-the previous requests ran past it, and reports how far behind it fell (`Pacing`). A schedule
+the previous requests ran past it, and reports how far behind it fell (`Pacing`): a request's
+lag is measured when it starts, after any sleep, so a sleep that ended late counts too. A schedule
 longer than `MAX_PACED_S` is refused before the store opens.
 
 Threads. The replay runs with one torch intra-op thread (restored afterwards): its copies are
@@ -216,7 +217,8 @@ class _Clock:
         self.late = self.requests = 0
 
     def wait(self, request: TraceRequest) -> None:
-        """Sleep until `request` is due, or note how late it starts."""
+        """Sleep until `request` is due, then note how late it starts (after the sleep: one
+        that overslept starts late too)."""
         if self.speed is None:
             return
         now = time.perf_counter()
@@ -226,6 +228,9 @@ class _Clock:
         lag = now - self.origin - self.due_s
         if lag < 0:
             time.sleep(-lag)
+            # measured again: a sleep ends late when the process is held up (a busy CPU),
+            # and the request then starts late all the same
+            lag = time.perf_counter() - self.origin - self.due_s
         self.requests += 1
         self.max_lag_s = max(self.max_lag_s, lag)
         if lag > LATE_S:
