@@ -131,6 +131,7 @@ def test_a_huge_page_size_is_refused_typed_naming_the_range() -> None:
 DEGENERATE = {"[0]*33": [0] * 33, "[0]*49": [0] * 49, "[1, 2]*24+[0]": [1, 2] * 24 + [0]}
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 @pytest.mark.parametrize("name", list(DEGENERATE))
 def test_over_a_cached_prefix_the_logits_are_the_models_incremental_pass_exactly(
     smollm2: Llama, name: str
