@@ -5,8 +5,9 @@ disk, in group commits of up to `BATCH` blocks per source tier. Root-first means
 queued after its parent; a batch of one source tier may still be synced before its parents'
 batch of another (a host child flushed while its gpu parent's batch fills), so a crash in the
 middle leaves at worst a few orphans, which recovery discards and counts: nothing `persist`
-returned as durable is lost, since it returns once every batch is synced. Admission rules do not apply: persisting is
-an explicit request (an engine's checkpoint, a graceful shutdown, a test's acknowledgement).
+returned as durable is lost, since it returns once every batch is synced. Admission rules do
+not apply: persisting is an explicit request (an engine's checkpoint, a graceful shutdown, a
+test's acknowledgement).
 It writes into the disk tier's free slots only and makes no room there: every block on disk is
 durable already (a disk-only one is the cache's only copy), so dropping one to write another
 would lose a cached block and gain no durable one. When the free slots run out the walk stops,
