@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.plans import keyed_by_tokens
+from kvtier.integrations.plans import LoadFence, LoadJob, keyed_by_tokens
 from kvtier.integrations.settings import ConnectorSettings
 
 
@@ -90,3 +90,15 @@ def test_a_tenant_key_never_shows_in_the_error() -> None:
     with pytest.raises(ConfigError) as error:
         parse({"kvtier.tenant_keys": {"x": "secret-key-0123456789", "y": 3}})
     assert "secret-key" not in str(error.value)
+
+
+def load(*blocks: int) -> LoadJob:
+    return LoadJob("R", tuple(range(4 * len(blocks))), 0, blocks, "k")
+
+
+def test_the_fence_holds_the_blocks_of_this_steps_loads_and_the_last_steps() -> None:
+    fence = LoadFence()
+    assert fence.blocks([load(1, 2)]) == {1, 2}
+    assert fence.blocks([]) == {1, 2}  # the step after: its plan is made before the output
+    assert fence.blocks([load(3)]) == {3}
+    assert fence.blocks([load(4)]) == {3, 4}

@@ -1,8 +1,9 @@
 """The vLLM connector's plans (`vllm.py`): what its scheduler side asks its workers to copy
 (`LoadJob`, `SaveJob`, sent in `KvtierMetadata`), what it follows of each request (`Planned`,
 its blocks: `follow_blocks`), which requests it plans for at all (`keyed_by_tokens`), what of a
-prompt (`prompt_save`) and of a finished request's output (`output_save`) it saves, and what of
-a save a worker keeps when a load of its step failed to fill some of its blocks (`cut_before`).
+prompt (`prompt_save`) and of a finished request's output (`output_save`) it saves, which blocks
+no save may send yet (`LoadFence`), and what of a save a worker keeps when a load of its step
+failed to fill some of its blocks (`cut_before`).
 Plain data without vLLM: vLLM pickles the metadata from its scheduler process to its workers."""
 
 from __future__ import annotations
@@ -53,6 +54,24 @@ class Planned:
     admitted: bool = False  # vLLM allocated its blocks; a later lookup (resumed) asks again
 
 
+class LoadFence:
+    """The blocks of recent loads, which no prompt save planned now may send: a load that
+    fails reports its blocks in its step's output, and vLLM's async scheduling (its default)
+    plans the next step before it has processed that output (two batches in flight), so the
+    blocks of the loads of this step and of the step before are fenced. A save planned then
+    would send a synchronous load's unfilled blocks, and the KV computed over them, as the
+    prompt's KV."""
+
+    def __init__(self) -> None:
+        self._before: frozenset[int] = frozenset()
+
+    def blocks(self, loads: list[LoadJob]) -> set[int]:
+        """The fenced blocks of a step whose loads are `loads` (called once a step)."""
+        now = frozenset(b for job in loads for b in job.blocks)
+        before, self._before = self._before, now
+        return set(now | before)
+
+
 def follow_blocks(requests: dict[str, Planned], scheduled: Any) -> dict[str, int]:
     """Bring the block ids of the `requests` followed up to date with a step's vLLM
     `SchedulerOutput` (`scheduled`); the tokens each request it schedules computed before it."""
@@ -79,7 +98,8 @@ def follow_blocks(requests: dict[str, Planned], scheduled: Any) -> dict[str, int
 def keyed_by_tokens(request: Any) -> bool:
     """Whether a vLLM request's KV is a function of its token ids alone (`vllm.py`, Inputs): no
     LoRA adapter, no multimodal input, no prompt embeddings, the extra keys of vLLM's block
-    hashes besides the cache salt."""
+    hashes besides the cache salt. Asked again when it finishes (`output_save`): a streaming
+    session's later chunk may bring an image that its first chunk, looked up, did not have."""
     return (
         not getattr(request, "lora_request", None)
         and not getattr(request, "mm_features", None)
@@ -94,10 +114,11 @@ def output_save(
     request: Any, planned: Planned, block_ids: list[int], bs: int, decode: bool = True
 ) -> SaveJob | None:
     """The `release` save of a finished vLLM request (blocks of `bs` tokens), if it did not end
-    in an error: with `decode`, the whole blocks its output filled past its prompt's; and its
-    prompt's past those kvtier held (`found`) if that was computed but never saved (its save
-    waits for the step after a synchronous load: `vllm.py`)."""
-    if request.status.name in UNSAVED:
+    in an error and its KV is still its tokens' alone (`keyed_by_tokens`): with `decode`, the
+    whole blocks its output filled past its prompt's; and its prompt's past those kvtier held
+    (`found`) if that was computed but never saved (its save waits two steps after a load into
+    its blocks: `LoadFence`)."""
+    if request.status.name in UNSAVED or not keyed_by_tokens(request):
         return None
     prompt = len(planned.tokens) - len(planned.tokens) % bs
     # KV in place: computed by steps whose output vLLM has processed (async scheduling)

@@ -29,7 +29,7 @@ Contract:
   `finished_recving`. The scheduler never claims a hit for a request whose load failed. No
   save sends a block a load failed (or has yet) to fill, nor any later block of its request,
   whichever request's (vLLM shares a synchronous load's blocks at once): a prompt's save waits
-  for the step after a synchronous load into any of its blocks, and a worker cuts each save
+  two steps after a load into any of its blocks (`plans.LoadFence`), and a worker cuts each save
   before the first block its step's loads did not fill (`plans.cut_before`), ere it queues it.
 - A lookup and its hit are counted once vLLM admits the request (vLLM retries one that lacks
   blocks: the sidecar is asked once until then); `vllm_stats.py` says each count.
@@ -42,8 +42,8 @@ Contract:
   credentials, as vLLM's server takes them from the client).
 - Weights changed (`reset_cache`, `resets.py`): every tenant's KV in the sidecars forgotten,
   queued saves dropped; False (the reset failed) when a remote tier may still hold it.
-- Inputs: a request whose KV depends on more than its tokens (LoRA, multimodal, embeddings)
-  neither reads nor writes kvtier (`plans.keyed_by_tokens`, counted in `other_inputs`).
+- Inputs: a request whose KV depends on more than its tokens (LoRA, multimodal, embeddings;
+  a session from a chunk that brings an image) neither reads nor writes kvtier (`keyed_by_tokens`).
 - Checked at start (`settings.py`): one KV cache group of full causal attention, no pipeline
   or context parallelism, the KV tensors' blocks vLLM's `block_size` (not smaller kernel
   blocks), kvtier's `block_tokens` dividing it, the sidecar's layout the caches'.
@@ -133,6 +133,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._saves: list[SaveJob] = []  # of finished requests, for the next step
         self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps for us
         self._saving: set[str] = set()  # requests with a prompt save planned: a preemption flushes
+        self._fence = plans.LoadFence()  # blocks of recent loads: no save sends them yet
         self._reset = False  # `reset_cache` asked: the next step's plan says so
         scheduler = role == KVConnectorRole.SCHEDULER
         self.relay = vllm_events.start(self.settings, vllm_config, self.url) if scheduler else None
@@ -180,8 +181,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             planned.admitted = True
             self.stats["lookups"] += planned.asked
             self.stats["hit_tokens"] += max(0, num_external_tokens)
-        ids = list(blocks.get_block_ids()[0])
-        planned.blocks = ids
+        planned.blocks = ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
             return
         first = planned.local // self.block_size
@@ -197,7 +197,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         preempted = scheduler_output.preempted_req_ids or ()
         flush = any(r in self._saving for r in preempted)  # whatever Planned it has now
         meta = KvtierMetadata(self._loads, self._saves, s.load_async, s.save_async, flush)
-        loading = {b for job in self._loads for b in job.blocks}  # saved a step later: may fail
+        loading = self._fence.blocks(self._loads)  # saved two steps later: loads may fail
         meta.reset, self._reset = self._reset, False
         self._loads, self._saves = [], []
         computed = plans.follow_blocks(self._requests, scheduler_output)
