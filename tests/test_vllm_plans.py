@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.plans import LoadFence, LoadJob, keyed_by_tokens
+from kvtier.integrations.plans import (
+    LoadFence,
+    LoadJob,
+    Planned,
+    Save,
+    after_failures,
+    keyed_by_tokens,
+)
 from kvtier.integrations.settings import ConnectorSettings
 
 
@@ -98,7 +105,25 @@ def load(*blocks: int) -> LoadJob:
 
 def test_the_fence_holds_the_blocks_of_this_steps_loads_and_the_last_steps() -> None:
     fence = LoadFence()
-    assert fence.blocks([load(1, 2)]) == {1, 2}
-    assert fence.blocks([]) == {1, 2}  # the step after: its plan is made before the output
-    assert fence.blocks([load(3)]) == {3}
-    assert fence.blocks([load(4)]) == {3, 4}
+    assert fence.blocks([load(1, 2)], ["R"]) == {1, 2}
+    assert fence.blocks([], ["S"]) == {1, 2}  # the step after: its plan is made before the output
+    assert fence.computed_over("S", {2}) and not fence.computed_over("R", {2})
+    assert fence.blocks([load(3)], ["S"]) == {3} and not fence.computed_over("S", {1, 2})
+    assert fence.blocks([load(4)], []) == {3, 4}
+
+
+def test_a_failed_load_spoils_a_sharer_a_later_step_computed_and_recomputes_the_rest() -> None:
+    fence = LoadFence()
+    fence.blocks([load(1, 2)], ["R", "C"])  # step 1: R loads blocks 1, 2; C shares them
+    fence.blocks([], ["R", "S", "D"])  # step 2, planned before step 1's output: S computes too
+    loader = Planned(tuple(range(56)), "k", [1, 2, 3], local=0, found=32, save=Save.SENT)
+    same_step = Planned(tuple(range(64)), "k", [1, 2, 4, 5], local=32, found=0)
+    later = Planned(tuple(range(64)), "k", [1, 2, 6, 7], local=32, found=0)
+    apart = Planned(tuple(range(64)), "k", [8, 9])
+    requests = {"R": loader, "C": same_step, "S": later, "D": apart}
+    assert after_failures(requests, set(), {1, 2}, fence, 16) == {"R", "C", "S"}
+    assert (loader.found, loader.save) == (0, Save.DUE)  # recomputed by vLLM, saved again
+    assert same_step.save is Save.DUE  # vLLM takes back what the failed step computed
+    assert later.save is Save.SPOILED and not later.due  # it keeps step 2's, over 1 and 2
+    assert after_failures(requests, {"S"}, set(), fence, 16) == {"S"}
+    assert later.save is Save.SPOILED and apart.save is Save.DUE

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.integrations.plans import Planned, output_save
+from kvtier.integrations.plans import Planned, Save, output_save
 from kvtier.integrations.settings import REFUSALS, ConnectorSettings
 
 OWN, ALICE, BOB = "o" * 20, "a" * 20, "b" * 20
@@ -64,5 +64,5 @@ def test_a_finished_request_whose_prompt_save_waited_saves_its_prompt_too() -> N
     job = output_save(finished(tokens, 39), planned, [5, 6, 7], 16, decode=False)
     assert job is not None and job.start == 16 and job.tokens == tuple(tokens[:32])
     assert job.blocks == (5, 6) and job.release
-    planned.saved = True  # its save went out: only the output's blocks, of which there are none
+    planned.save = Save.SENT  # its save went out: only the output's blocks, of which there are none
     assert output_save(finished(tokens, 39), planned, [5, 6, 7], 16) is None

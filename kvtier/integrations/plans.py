@@ -8,7 +8,9 @@ Plain data without vLLM: vLLM pickles the metadata from its scheduler process to
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 
@@ -40,6 +42,14 @@ class SaveJob:
     output: int = 0  # of `tokens`, the last ones past the prompt's whole blocks (`decode_tokens`)
 
 
+class Save(Enum):
+    """Where a request's prompt save stands."""
+
+    DUE = "due"  # planned once the prompt is computed past kvtier's prefix
+    SENT = "sent"  # planned (queued, perhaps): only its output's blocks may follow
+    SPOILED = "spoiled"  # computed over another request's failed load: nothing is saved
+
+
 @dataclass
 class Planned:
     """A request the scheduler side follows until it finishes."""
@@ -49,9 +59,13 @@ class Planned:
     blocks: list[int] = field(default_factory=list)
     local: int = 0  # vLLM's own prefix hit when kvtier was asked
     found: int = 0  # kvtier's prefix at the lookup, in whole vLLM blocks (0: not known)
-    saved: bool = False
+    save: Save = Save.DUE
     asked: bool = False  # kvtier answered the lookup (`found`): counted once admitted
     admitted: bool = False  # vLLM allocated its blocks; a later lookup (resumed) asks again
+
+    @property
+    def due(self) -> bool:
+        return self.save is Save.DUE
 
 
 class LoadFence:
@@ -63,13 +77,47 @@ class LoadFence:
     prompt's KV."""
 
     def __init__(self) -> None:
-        self._before: frozenset[int] = frozenset()
+        self._before: frozenset[int] = frozenset()  # of the loads of the step before
+        self._now: frozenset[int] = frozenset()
+        self._scheduled: frozenset[str] = frozenset()  # the requests the last step scheduled
 
-    def blocks(self, loads: list[LoadJob]) -> set[int]:
-        """The fenced blocks of a step whose loads are `loads` (called once a step)."""
-        now = frozenset(b for job in loads for b in job.blocks)
-        before, self._before = self._before, now
-        return set(now | before)
+    def blocks(self, loads: list[LoadJob], scheduled: Iterable[str]) -> set[int]:
+        """The fenced blocks of a step whose loads are `loads` and which schedules the requests
+        `scheduled` (called once a step)."""
+        self._before, self._now = self._now, frozenset(b for job in loads for b in job.blocks)
+        self._scheduled = frozenset(scheduled)
+        return set(self._now | self._before)
+
+    def computed_over(self, req_id: str, blocks: set[int]) -> bool:
+        """Whether the last step scheduled `req_id` after a step whose loads wrote some of
+        `blocks`: planned before that step's output was known (async scheduling), it computed
+        over them."""
+        return req_id in self._scheduled and not blocks.isdisjoint(self._before)
+
+
+def after_failures(
+    requests: dict[str, Planned], failed: set[str], invalid: set[int], fence: LoadFence, bs: int
+) -> set[str]:
+    """A step's failed loads (`failed` by request, `invalid` by vLLM block) applied to the
+    `requests` followed (blocks of `bs` tokens); the ids of those they touch, which no later
+    lookup claims. vLLM recomputes a request whose own load failed from its first unfilled
+    block, and one sharing such a block (its prefix cache) from the tokens it had before the
+    failed step: either's prompt is saved once recomputed (`found` 0). A sharer that a later
+    step scheduled before the failure was known (async scheduling) keeps what that step
+    computed over the unfilled block (vLLM takes back only the failed step's tokens): it saves
+    nothing (`Save.SPOILED`), neither its prompt nor its output."""
+    touched = set()
+    for req_id, planned in requests.items():
+        held = invalid.intersection(planned.blocks)
+        if req_id not in failed and not held:
+            continue
+        touched.add(req_id)
+        shared = held.difference(planned.blocks[planned.local // bs : planned.found // bs])
+        if planned.save is Save.SPOILED or fence.computed_over(req_id, shared):
+            planned.save = Save.SPOILED
+        else:
+            planned.found, planned.save = 0, Save.DUE
+    return touched
 
 
 def follow_blocks(requests: dict[str, Planned], scheduled: Any) -> dict[str, int]:
@@ -118,14 +166,16 @@ def output_save(
     whole blocks its output filled past its prompt's; and its prompt's past those kvtier held
     (`found`) if that was computed but never saved (its save waits two steps after a load into
     its blocks: `LoadFence`)."""
-    if request.status.name in UNSAVED or not keyed_by_tokens(request):
+    if request.status.name in UNSAVED or planned.save is Save.SPOILED:
+        return None
+    if not keyed_by_tokens(request):
         return None
     prompt = len(planned.tokens) - len(planned.tokens) % bs
     # KV in place: computed by steps whose output vLLM has processed (async scheduling)
     done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
     done = min(done, len(request.all_token_ids), len(block_ids) * bs)
     whole = done - done % bs if decode else min(done - done % bs, prompt)
-    unsaved = not planned.saved and done >= len(planned.tokens)
+    unsaved = planned.due and done >= len(planned.tokens)
     start = min(planned.found, prompt) if unsaved else prompt
     if whole <= start:
         return None

@@ -29,8 +29,9 @@ Contract:
   `finished_recving`. The scheduler never claims a hit for a request whose load failed. No
   save sends a block a load failed (or has yet) to fill, nor any later block of its request,
   whichever request's (vLLM shares a synchronous load's blocks at once): a prompt's save waits
-  two steps after a load into any of its blocks (`plans.LoadFence`), and a worker cuts each save
-  before the first block its step's loads did not fill (`plans.cut_before`), ere it queues it.
+  two steps after a load into any of its blocks (`plans.LoadFence`), a sharer that a later step
+  computed over a failed load's block saves nothing (`plans.after_failures`), and a worker cuts
+  each save before the first block its step's loads did not fill (`plans.cut_before`).
 - A lookup and its hit are counted once vLLM admits the request (vLLM retries one that lacks
   blocks: the sidecar is asked once until then); `vllm_stats.py` says each count.
 - A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
@@ -76,7 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import plans, vllm_events
-from kvtier.integrations.plans import LoadJob, Planned, SaveJob, output_save
+from kvtier.integrations.plans import LoadJob, Planned, Save, SaveJob, output_save
 from kvtier.integrations.resets import reset_or_log
 from kvtier.integrations.saving import Saves, load_job, store_job
 from kvtier.integrations.settings import (
@@ -197,34 +198,32 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         preempted = scheduler_output.preempted_req_ids or ()
         flush = any(r in self._saving for r in preempted)  # whatever Planned it has now
         meta = KvtierMetadata(self._loads, self._saves, s.load_async, s.save_async, flush)
-        loading = self._fence.blocks(self._loads)  # saved two steps later: loads may fail
+        loading = self._fence.blocks(self._loads, scheduler_output.num_scheduled_tokens)
         meta.reset, self._reset = self._reset, False
         self._loads, self._saves = [], []
         computed = plans.follow_blocks(self._requests, scheduler_output)
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             planned = self._requests.get(req_id)
-            if planned is None or planned.saved or loading.intersection(planned.blocks):
+            if planned is None or not planned.due or loading.intersection(planned.blocks):
                 continue
             save = plans.prompt_save(req_id, planned, computed.get(req_id, 0) + count, bs)
             if save is not None:
                 meta.saves.append(save)
-                planned.saved = True
+                planned.save = Save.SENT
                 self._saving.add(req_id)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Loads that failed (by request, or by block): never claimed again, and the prompt,
-        recomputed by vLLM, is saved. Finished requests saved: their blocks are vLLM's."""
+        recomputed by vLLM, is saved; a sharer vLLM does not recompute saves nothing
+        (`plans.after_failures`). Finished requests saved: their blocks are vLLM's."""
         self._holding.difference_update(connector_output.finished_sending or ())
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         invalid = set(connector_output.invalid_block_ids or ())
         if not failed and not invalid:  # every step: nothing to look through
             return
-        for req_id, planned in self._requests.items():
-            if req_id in failed or invalid & set(planned.blocks):
-                self._failed.add(req_id)
-                planned.found = 0
-                planned.saved = False
+        bs = self.block_size
+        self._failed.update(plans.after_failures(self._requests, failed, invalid, self._fence, bs))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         """True (vLLM keeps the blocks until a worker reports the request in
@@ -238,7 +237,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if planned is None:
             return False, None
         job = output_save(request, planned, block_ids, self.block_size, self.settings.save_decode)
-        if job is None and not (planned.saved and self.settings.save_async):
+        if job is None and not (planned.save is Save.SENT and self.settings.save_async):
             return False, None
         self._saves.append(job or SaveJob(req_id, (), (), planned.key, release=True))
         self._holding.add(req_id)

@@ -5,6 +5,9 @@ real `kvtier serve`:
   A synchronous load (`kvtier.load_async: false`) fails in step N (the prefix left kvtier
   after the lookup); the prompt's save planned in step N+1 must not send the blocks the load
   left unwritten: kvtier then holds nothing but the prompt's true KV.
+- A request that takes such a load's blocks from vLLM's prefix cache in the step after it,
+  before the failure is known, computes its own KV over them, and vLLM takes back only the
+  failed step's tokens: it saves nothing.
 - A streaming session (a resumable request) looked up on a text chunk, whose next chunk
   brings an image: its KV from there depends on the image, so its save at the session's end
   stores none of it (the first chunk's prompt blocks stay saved).
@@ -141,6 +144,34 @@ if scenario == "async":
     out["plans"] = plans
     out["held"], out["true"] = true_tokens(prompt)
     out["failed_loads"] = worker.stats["failed_loads"]
+elif scenario == "share":
+    prompt = list(range(base, base + 56))  # R: kvtier holds its first 2 blocks
+    other = prompt[:32] + list(range(base + 5000, base + 5024))  # S shares R's 2 loaded blocks
+    with Client(url, api_key=key) as client:
+        client.store(prompt[:32], kv(range(32)))
+    sched, worker, caches = make(True, load_async=False, save_async=False)
+    tables, plans = {}, []
+    def evict(meta):  # the prefix leaves kvtier between the lookups and R's load
+        plans.append([[j.req_id, list(j.blocks)] for j in meta.saves])
+        if meta.loads and "loaded" not in out:
+            out["loaded"] = list(meta.loads[0].blocks)
+            clear()
+    sched.add_request(request("R", prompt, max_tokens=4))
+    so = sched.schedule(); result = execute(so, worker, caches, tables, evict)
+    sched.add_request(request("S", other, max_tokens=4))  # before R's step's output is known
+    for _ in range(30):
+        later = sched.schedule() if sched.requests else None
+        after = execute(later, worker, caches, tables, evict) if later else None
+        sched.update_from_output(so, result)
+        if later is None:
+            break
+        so, result = later, after
+    worker.saving.flush()
+    out["plans"], out["tables"] = plans, tables
+    out["held"], out["true"] = true_tokens(prompt)
+    with Client(url, api_key=key) as client:
+        out["other_held"] = client.lookup(other).num_tokens
+    out["failed_loads"] = worker.stats["failed_loads"]
 elif scenario == "session":
     first = list(range(base, base + 20))
     image = [base + 900] * 32  # an image's placeholder tokens: the same for every image
@@ -198,3 +229,15 @@ def test_a_sessions_chunk_with_an_image_is_not_saved_as_tokens(sidecar: Server) 
     out = drive(sidecar, "session", base=620_000)
     assert out["with_image"] is True and out["first_saved"] == 16, out
     assert out["held"] == 16, out  # the first chunk's prompt block; nothing past the image
+
+
+def test_a_request_a_later_step_computed_over_a_failed_load_saves_nothing(sidecar: Server) -> None:
+    # S takes R's two loaded blocks from vLLM's prefix cache in the step after R's load, before
+    # that load's failure is known, and computes its own tail over them; vLLM recomputes R, and
+    # takes back from S only what the failed step computed (none), so S's KV past them is not
+    # its tokens' (before: S's prompt was saved, blocks [1, 2, 5])
+    out = drive(sidecar, "share", base=630_000)
+    assert out["failed_loads"] == 1 and set(out["loaded"]) <= set(out["tables"]["S"]), out
+    assert not any(req == "S" for step in out["plans"] for req, _ in step), out
+    assert out["other_held"] == 32, out  # the prefix R saved once recomputed; none of S's tail
+    assert out["held"] == out["true"] and out["held"] >= 48, out  # R recomputed and saved true
