@@ -8,35 +8,14 @@ branch off them goes (`index.helpers.unheld_subtrees`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
+from test_restart_audit_q import config  # block 4; gpu 64 KiB, host 256 KiB, disk 1 MiB
 
-from kvtier import KVStore, parse_config
+from kvtier import KVStore
 
+TENANTS = ("a", "b")
 SHARED = list(range(1000, 1004))  # one block of 4 tokens, first in every prompt
-
-
-def config(path: Path) -> Any:
-    return parse_config(
-        {
-            "model": {
-                "name": "demo",
-                "num_layers": 2,
-                "num_kv_heads": 2,
-                "head_dim": 8,
-                "dtype": "float32",
-            },
-            "block_tokens": 4,
-            "mover": {"background": False},
-            "tenants": {"a": {}, "b": {}},
-            "tiers": {
-                "gpu": {"capacity": "64KiB", "device": "cpu"},
-                "host": {"capacity": "256KiB"},
-                "disk": {"capacity": "1MiB", "path": str(path)},
-            },
-        }
-    )
 
 
 def prompt(branch: int, blocks: int = 3) -> list[int]:
@@ -44,7 +23,7 @@ def prompt(branch: int, blocks: int = 3) -> list[int]:
 
 
 def test_a_reset_drops_the_branches_beside_a_leased_shared_block(tmp_path: Path) -> None:
-    with KVStore(config(tmp_path)) as store:
+    with KVStore(config(tmp_path, TENANTS)) as store:
         for tenant in ("a", "b"):
             for branch in (1, 2, 3):
                 store.store(prompt(branch), torch.randn(2, 2, 12, 2, 8), tenant=tenant)
@@ -64,7 +43,7 @@ def test_a_reset_drops_the_branches_beside_a_leased_shared_block(tmp_path: Path)
 
 
 def test_a_clear_keeps_a_leased_branch_and_its_path_and_drops_the_rest(tmp_path: Path) -> None:
-    with KVStore(config(tmp_path)) as store:
+    with KVStore(config(tmp_path, TENANTS)) as store:
         for branch in (1, 2):
             store.store(prompt(branch), torch.randn(2, 2, 12, 2, 8), tenant="a")
         deeper = prompt(1, 5)  # branch 1 grown by two more blocks

@@ -120,36 +120,12 @@ def execute(so, worker, caches, tables, hook=None):
                                               invalid_block_ids=errors))
 
 out = {}
-if scenario == "async":
+if scenario == "async":  # with opts["share"]: S, sharing R's loaded blocks, a step later
     prompt = list(range(base, base + 56))  # 3 whole blocks; kvtier holds the first 2
+    other = prompt[:32] + list(range(base + 5000, base + 5024))
     with Client(url, api_key=key) as client:
         client.store(prompt[:32], kv(range(32)))
     sched, worker, caches = make(True, load_async=False, save_async=opts["save_async"])
-    sched.add_request(request("R", prompt, max_tokens=4))
-    tables, plans = {}, []
-    def evict(meta):  # the prefix leaves kvtier between the lookup and R's load
-        plans.append([[j.req_id, list(j.blocks)] for j in meta.saves])
-        if meta.loads:
-            out["loaded"] = list(meta.loads[0].blocks)
-            clear()
-    so = sched.schedule(); result = execute(so, worker, caches, tables, evict)
-    for _ in range(20):  # two batches in flight: step N+1 is planned before N's output
-        later = sched.schedule() if sched.requests else None
-        after = execute(later, worker, caches, tables, evict) if later else None
-        sched.update_from_output(so, result)
-        if later is None:
-            break
-        so, result = later, after
-    worker.saving.flush()
-    out["plans"] = plans
-    out["held"], out["true"] = true_tokens(prompt)
-    out["failed_loads"] = worker.stats["failed_loads"]
-elif scenario == "share":
-    prompt = list(range(base, base + 56))  # R: kvtier holds its first 2 blocks
-    other = prompt[:32] + list(range(base + 5000, base + 5024))  # S shares R's 2 loaded blocks
-    with Client(url, api_key=key) as client:
-        client.store(prompt[:32], kv(range(32)))
-    sched, worker, caches = make(True, load_async=False, save_async=False)
     tables, plans = {}, []
     def evict(meta):  # the prefix leaves kvtier between the lookups and R's load
         plans.append([[j.req_id, list(j.blocks)] for j in meta.saves])
@@ -158,8 +134,9 @@ elif scenario == "share":
             clear()
     sched.add_request(request("R", prompt, max_tokens=4))
     so = sched.schedule(); result = execute(so, worker, caches, tables, evict)
-    sched.add_request(request("S", other, max_tokens=4))  # before R's step's output is known
-    for _ in range(30):
+    if opts.get("share"):
+        sched.add_request(request("S", other, max_tokens=4))  # before R's step's output is known
+    for _ in range(30):  # two batches in flight: step N+1 is planned before N's output
         later = sched.schedule() if sched.requests else None
         after = execute(later, worker, caches, tables, evict) if later else None
         sched.update_from_output(so, result)
@@ -236,7 +213,7 @@ def test_a_request_a_later_step_computed_over_a_failed_load_saves_nothing(sideca
     # that load's failure is known, and computes its own tail over them; vLLM recomputes R, and
     # takes back from S only what the failed step computed (none), so S's KV past them is not
     # its tokens' (before: S's prompt was saved, blocks [1, 2, 5])
-    out = drive(sidecar, "share", base=630_000)
+    out = drive(sidecar, "async", base=630_000, save_async=False, share=True)
     assert out["failed_loads"] == 1 and set(out["loaded"]) <= set(out["tables"]["S"]), out
     assert not any(req == "S" for step in out["plans"] for req, _ in step), out
     assert out["other_held"] == 32, out  # the prefix R saved once recomputed; none of S's tail
