@@ -35,7 +35,7 @@ pytest.importorskip("vllm", reason="vLLM is installed apart: bash tests/engines/
 
 HERE = Path(__file__).resolve().parent
 
-DRIVER = """
+PRELUDE = """
 import json, sys, tempfile
 from pathlib import Path
 sys.path[:0] = [sys.argv[5], str(Path(sys.argv[5]).parent)]
@@ -47,8 +47,6 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.utils.hashing import sha256
 from kvtier.client import Client
-from kvtier.integrations.plans import LoadJob, SaveJob
-from kvtier.integrations.vllm import KvtierMetadata
 scenario, url, key, admin = sys.argv[1:5]
 opts = json.loads(sys.argv[6])
 SEED, BS = 9, ve.BLOCK
@@ -72,6 +70,15 @@ def true_tokens(prompt):  # of kvtier's prefix of `prompt`, how many hold the fo
     want = kv(range(got.num_tokens))
     same = [torch.equal(got.kv[:, :, p].cpu(), want[:, :, p]) for p in range(got.num_tokens)]
     return got.num_tokens, sum(same)
+"""
+"""A driver's first part (`drive` runs it in a process of its own): its arguments, the forward's
+KV by position (`kv`), a store, an admin clear, and how much of a prefix kvtier holds true."""
+
+DRIVER = (
+    PRELUDE
+    + """
+from kvtier.integrations.plans import LoadJob, SaveJob
+from kvtier.integrations.vllm import KvtierMetadata
 
 def lookups():
     r = httpx.get(url + "/v1/status", headers={"authorization": "Bearer " + key})
@@ -189,12 +196,13 @@ for name in ("lookups", "hit_tokens"):
 out["loaded_tokens"] = worker.stats["loaded_tokens"]
 print(json.dumps(out))
 """
+)
 
 
-def drive(server: Server, scenario: str, **opts: Any) -> dict[str, Any]:
-    """Run one of `DRIVER`'s scenarios in a process of its own; what it printed."""
+def drive(server: Server, scenario: str, driver: str = DRIVER, **opts: Any) -> dict[str, Any]:
+    """Run one of `driver`'s scenarios in a process of its own; what it printed."""
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(DRIVER), scenario, server.url, ALICE, ADMIN_KEY,
+        [sys.executable, "-c", textwrap.dedent(driver), scenario, server.url, ALICE, ADMIN_KEY,
          str(HERE), json.dumps(opts)],
         capture_output=True, text=True, timeout=200, check=False,
     )  # fmt: skip

@@ -18,56 +18,22 @@ real `kvtier serve`:
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
-from service_server import ADMIN_KEY, Server
-from test_vllm_connector import ALICE
+import test_vllm_audit4 as audit4
+from service_server import Server
+from test_vllm_audit4 import PRELUDE
 from test_vllm_connector import sidecar as sidecar  # the module's fixture
 
 pytest.importorskip("vllm", reason="vLLM is installed apart: bash tests/engines/install.sh vllm")
 
-HERE = Path(__file__).resolve().parent
-
-DRIVER = """
-import json, sys, tempfile
-from pathlib import Path
-sys.path[:0] = [sys.argv[5], str(Path(sys.argv[5]).parent)]
-import httpx, torch
-import vllm_engine as ve
-from vllm import SamplingParams
+DRIVER = (
+    PRELUDE
+    + """
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm.utils.hashing import sha256
-from kvtier.client import Client
-scenario, url, key, admin = sys.argv[1:5]
-opts = json.loads(sys.argv[6])
-SEED, BS = 9, ve.BLOCK
-base = opts["base"]
-
-def kv(positions):  # kvtier's layout of the forward's KV: [layers, 2, tokens, heads, dim]
-    rows = torch.stack([ve.kv_at(SEED, p) for p in positions], 1)
-    return torch.stack((rows[..., : ve.DIM], rows[..., ve.DIM :]), 1)
-
-def clear():
-    r = httpx.post(url + "/v1/admin/clear", headers={"authorization": "Bearer " + admin})
-    assert r.status_code == 200, r.text
-
-def true_tokens(prompt):  # of kvtier's prefix of `prompt`, how many hold the forward's KV
-    with Client(url, api_key=key) as client:
-        got = client.load(prompt)
-    want = kv(range(got.num_tokens))
-    same = [torch.equal(got.kv[:, :, p].cpu(), want[:, :, p]) for p in range(got.num_tokens)]
-    return got.num_tokens, sum(same)
 
 def make(asynchronous=False, **args):
     tmp = Path(tempfile.mkdtemp()); (tmp / "config.json").write_text(json.dumps(ve.MODEL))
@@ -123,8 +89,7 @@ out = {}
 if scenario == "async":  # with opts["share"]: S, sharing R's loaded blocks, a step later
     prompt = list(range(base, base + 56))  # 3 whole blocks; kvtier holds the first 2
     other = prompt[:32] + list(range(base + 5000, base + 5024))
-    with Client(url, api_key=key) as client:
-        client.store(prompt[:32], kv(range(32)))
+    store(prompt[:32])
     sched, worker, caches = make(True, load_async=False, save_async=opts["save_async"])
     tables, plans = {}, []
     def evict(meta):  # the prefix leaves kvtier between the lookups and R's load
@@ -176,18 +141,12 @@ elif scenario == "session":
         out["held"] = client.lookup(list(session.all_token_ids)).num_tokens
 print(json.dumps(out))
 """
+)
 
 
 def drive(server: Server, scenario: str, **opts: Any) -> dict[str, Any]:
     """Run one of `DRIVER`'s scenarios in a process of its own; what it printed."""
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(DRIVER), scenario, server.url, ALICE, ADMIN_KEY,
-         str(HERE), json.dumps(opts)],
-        capture_output=True, text=True, timeout=200, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return report
+    return audit4.drive(server, scenario, DRIVER, **opts)
 
 
 @pytest.mark.parametrize("save_async", [False, True])
