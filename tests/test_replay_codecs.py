@@ -104,3 +104,19 @@ def test_sizes_are_printed_in_blocks_and_bytes_of_the_configs_model(
     host_blocks = round(0.5 * int4.host * 8) * 32  # 3.4x the blocks in (about) the same bytes
     nbytes = format_size(round(host_blocks * 4096 / int4.host))
     assert f"host {host_blocks} blocks ({nbytes})" in lines[1] and host_blocks > 3 * 128
+
+
+def test_a_size_too_large_under_a_codec_is_refused_as_typed_and_no_tier_reads_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [[0, 1], [0, 1], [2, 3]])
+    ratio = fit("int4").host  # 3.51: 50 typed is 175 blocks' worth, past the bound of 100
+    assert main(["replay", str(path), "--codec", "none,int4", "--host", "50", "--disk", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--host: got 50.0, which under --codec int4" in err
+    assert f"expected at most {100 / ratio:.3g}" in err and "175" in err
+    assert main(["replay", str(path), "--codec", "int4", "--host", "28", "--disk", "0"]) == 0
+    # a gpu-only run's host and disk are no tier at all, not a tier of 0 %
+    assert main(["replay", str(path), "--gpu", "0.5", "--block-bytes", "2048"]) == 0
+    only = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gpu-only"))
+    assert only.split()[1:4] == ["50%", "none", "none"]

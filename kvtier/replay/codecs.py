@@ -26,7 +26,7 @@ from kvtier.blocks import BlockHasher, KVLayout
 from kvtier.config import KVTierConfig
 from kvtier.errors import InvalidArgumentError, shown
 from kvtier.quant import KINDS
-from kvtier.replay.report import Sizing
+from kvtier.replay.report import MOST, Sizing
 from kvtier.tiers.disk.codec import tier_codec
 from kvtier.tiers.disk.format import header_region_size, slot_size
 
@@ -71,7 +71,17 @@ def fit(codec: str, layout: KVLayout | None = None) -> CodecFit:
 
 def codec_sizing(base: Sizing, codec: CodecFit) -> Sizing:
     """`base` with host and disk holding the blocks their bytes hold under `codec` (gpu keeps
-    the engine's dtype); labelled with the codec's name."""
+    the engine's dtype); labelled with the codec's name. A typed size whose blocks under the
+    codec pass a tier's bound (100 times the trace's unique blocks) is refused naming the value
+    typed, not the scaled one the user never wrote."""
+    for name, ratio in (("host", codec.host), ("disk", codec.disk)):
+        typed = getattr(base, name)
+        if typed * ratio > MOST:
+            raise InvalidArgumentError(
+                f"--{name}: got {shown(typed)}, which under --codec {codec.codec} holds "
+                f"{ratio:.2f}x the blocks ({typed * ratio:.1f} times the trace's unique "
+                f"blocks), expected at most {MOST / ratio:.3g} ({MOST:g} / {ratio:.2f})"
+            )
     return dataclasses.replace(
         base, label=codec.codec, host=base.host * codec.host, disk=base.disk * codec.disk
     )

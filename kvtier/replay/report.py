@@ -29,6 +29,8 @@ from kvtier.sizes import format_size
 from kvtier.text import printable
 
 TIERS = ("gpu", "host", "disk")
+MOST = 100
+"""The largest tier a replay takes, in times the trace's unique blocks."""
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,9 @@ class Sizing:
     def __post_init__(self) -> None:
         for name in TIERS:
             value = getattr(self, name)
-            if not 0 <= value <= 100 or (name == "gpu" and value == 0):
+            if not 0 <= value <= MOST or (name == "gpu" and value == 0):
                 lowest = "> 0" if name == "gpu" else ">= 0 (0: no such tier)"
-                expected = f"{lowest} and at most 100"
+                expected = f"{lowest} and at most {MOST}"
                 raise InvalidArgumentError(
                     f"--{name}: got {shown(value)}, expected a fraction {expected}"
                 )
@@ -221,10 +223,13 @@ def share(fraction: float) -> str:
     return f"{fraction * 100:.{digits}f}%"
 
 
+def _tier(fraction: float) -> str:
+    """A host or disk tier's size: "none" for 0, which `--host 0`/`--disk 0` means."""
+    return share(fraction) if fraction else "none"
+
+
 def _sizes(sizing: Sizing) -> str:
-    disk = share(sizing.disk) if sizing.disk else "none"
-    host = share(sizing.host) if sizing.host else "none"
-    return f"gpu {share(sizing.gpu)}, host {host}, disk {disk}"
+    return f"gpu {share(sizing.gpu)}, host {_tier(sizing.host)}, disk {_tier(sizing.disk)}"
 
 
 def model_sizes(
@@ -333,7 +338,7 @@ def format_table(results: Sequence[ReplayResult]) -> str:
         )
         hits = "".join(f"{r.rate(t):>9.1%}" if t in r.served else f"{'-':>9}" for t in TIERS)
         lines.append(
-            f"{s.label:<10}{share(s.gpu):>7}{share(s.host):>7}{share(s.disk):>7}{hits}"
+            f"{s.label:<10}{share(s.gpu):>7}{_tier(s.host):>7}{_tier(s.disk):>7}{hits}"
             f"{r.hit_rate:>8.1%}{r.ceiling_rate:>9.1%}{r.ratio:>7.3f}{sims}{r.wall_s:>8.1f}"
         )
     return "\n".join(lines)
