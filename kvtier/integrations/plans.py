@@ -48,6 +48,7 @@ class Save(Enum):
     DUE = "due"  # planned once the prompt is computed past kvtier's prefix
     SENT = "sent"  # planned (queued, perhaps): only its output's blocks may follow
     SPOILED = "spoiled"  # computed over another request's failed load: nothing is saved
+    NEVER = "never"  # the connector's `kv_role` is kv_consumer: it loads and saves nothing
 
 
 @dataclass
@@ -66,6 +67,15 @@ class Planned:
     @property
     def due(self) -> bool:
         return self.save is Save.DUE
+
+
+def roles(kv_transfer_config: Any) -> tuple[bool, Save]:
+    """What vLLM's `kv_role` lets the connector do, as vLLM's own properties read it: whether
+    it loads (`kv_consumer`, `kv_both`), and the save state its requests start in: `DUE` where
+    it saves (`kv_producer`, `kv_both`), `NEVER` for a consumer (a decode instance that reads
+    what prefill instances stored: it writes nothing back)."""
+    saves = bool(kv_transfer_config.is_kv_producer)
+    return bool(kv_transfer_config.is_kv_consumer), Save.DUE if saves else Save.NEVER
 
 
 class LoadFence:
@@ -115,7 +125,7 @@ def after_failures(
         shared = held.difference(planned.blocks[planned.local // bs : planned.found // bs])
         if planned.save is Save.SPOILED or fence.computed_over(req_id, shared):
             planned.save = Save.SPOILED
-        else:
+        elif planned.save is not Save.NEVER:
             planned.found, planned.save = 0, Save.DUE
     return touched
 
@@ -166,7 +176,7 @@ def output_save(
     whole blocks its output filled past its prompt's; and its prompt's past those kvtier held
     (`found`) if that was computed but never saved (its save waits two steps after a load into
     its blocks: `LoadFence`)."""
-    if request.status.name in UNSAVED or planned.save is Save.SPOILED:
+    if request.status.name in UNSAVED or planned.save in (Save.SPOILED, Save.NEVER):
         return None
     if not keyed_by_tokens(request):
         return None

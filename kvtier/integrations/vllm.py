@@ -45,6 +45,7 @@ Contract:
   queued saves dropped; False (the reset failed) when a remote tier may still hold it.
 - Inputs: a request whose KV depends on more than its tokens (LoRA, multimodal, embeddings;
   a session from a chunk that brings an image) neither reads nor writes kvtier (`keyed_by_tokens`).
+- `kv_role` (`plans.roles`): kv_both loads and saves, kv_consumer only loads, kv_producer saves.
 - Checked at start (`settings.py`): one KV cache group of full causal attention, no pipeline
   or context parallelism, the KV tensors' blocks vLLM's `block_size` (not smaller kernel
   blocks), kvtier's `block_tokens` dividing it, the sidecar's layout the caches'.
@@ -122,6 +123,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self.url = self.settings.urls[self.tp_rank if role == KVConnectorRole.WORKER else 0]
         self.key = self.settings.key
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.loads, self.first_save = plans.roles(self._kv_transfer_config)
         self._clients: dict[str, Client] = {}
         self._clients_lock = threading.Lock()
         self.stats = dict.fromkeys(COUNTERS, 0)  # since start (`vllm_stats.py` says each)
@@ -231,9 +233,8 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         its prompt may still be queued (`kvtier.save_async`)."""
         req_id = request.request_id
         planned = self._requests.pop(req_id, None)
-        self._seen.discard(req_id)
-        self._failed.discard(req_id)
-        self._saving.discard(req_id)
+        for followed in (self._seen, self._failed, self._saving):
+            followed.discard(req_id)
         if planned is None:
             return False, None
         job = output_save(request, planned, block_ids, self.block_size, self.settings.save_decode)
@@ -351,10 +352,10 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
 
     def _lookup(self, request: Any, key: str) -> Planned:
         """A request to follow, with kvtier's prefix of its prompt (none if the sidecar fails)."""
-        planned = Planned(tuple(request.prompt_token_ids or ()), key)
-        try:
-            found = self._client(key).lookup(list(planned.tokens)).num_tokens
-            planned.found, planned.asked = found - found % self.block_size, True
+        planned = Planned(tuple(request.prompt_token_ids or ()), key, save=self.first_save)
+        try:  # a producer's requests are followed for their saves, and never asked about
+            found = self._client(key).lookup(list(planned.tokens)).num_tokens if self.loads else 0
+            planned.found, planned.asked = found - found % self.block_size, self.loads
         except (KVTierError, OSError) as e:
             self._error("lookup", e)
         return planned

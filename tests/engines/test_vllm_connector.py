@@ -372,3 +372,21 @@ def test_counts_are_reported_once_and_token_counts_by_one_rank() -> None:
     summed = one.aggregate(two)
     assert summed.data == {"errors": 3, "lookups": 0} and summed.reduce() == {"errors": 3}
     assert KvtierStats(data={"lookups": 0}).is_empty() and not summed.is_empty()
+
+
+def test_a_kv_consumer_only_loads_and_a_kv_producer_only_saves(sidecar: Server) -> None:
+    # vLLM's kv_role, as its is_kv_consumer / is_kv_producer read it: a decode instance
+    # (consumer) reads what a prefill instance (producer) stored and writes nothing back
+    prompt = list(range(13000, 13040))
+    consumer = engine(sidecar, prompt=prompt, kv_role="kv_consumer")
+    assert consumer["stats"]["sent_tokens"] == 0 and saved(sidecar, prompt) == 0
+    assert consumer["scheduler_stats"]["lookups"] == 1  # it asked, and held nothing
+    producer = engine(sidecar, prompt=prompt, kv_role="kv_producer")
+    assert producer["stats"]["saved_tokens"] == 32 and saved(sidecar, prompt) == 32
+    again = engine(sidecar, prompt=prompt, kv_role="kv_producer")  # held, but never asked
+    assert again["hit"] == 0 and again["scheduler_stats"]["lookups"] == 0
+    assert again["loaded_tokens"] == 0 and again["computed_prompt"]
+    loaded = engine(sidecar, prompt=prompt, kv_role="kv_consumer", max_tokens=30)
+    assert loaded["loaded_tokens"] == 32 and loaded["bit_exact"] is True
+    assert loaded["stats"]["sent_tokens"] == 0  # not its output's blocks either
+    assert saved(sidecar, prompt + [7] * 30) == 32

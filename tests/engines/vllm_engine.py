@@ -33,7 +33,8 @@ of one 576-value latent per token and layer, layers `[blocks, 1, block_size, 576
 (after the request, `reset_prefix_cache(reset_connector=True)`, as a weight update's cascade
 does: the report's `reset` is its answer, `held_after_reset` what kvtier then holds of the
 prompt, and `again` the same prompt served once more, with KV of seed `seed + 1`: new weights),
-reset_when_finished (the same reset in the step the request finishes, its saves not yet sent).
+reset_when_finished (the same reset in the step the request finishes, its saves not yet sent),
+kv_role (vLLM's: kv_both when absent).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
         parallel_config=ParallelConfig(tensor_parallel_size=args.get("tp_size", 1)),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=extra,
+            kv_role=args.get("kv_role", "kv_both"), kv_connector_extra_config=extra,
             kv_load_failure_policy="recompute"),
         device_config=DeviceConfig("cpu"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
