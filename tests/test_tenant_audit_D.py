@@ -11,6 +11,7 @@ typo) or a body `{"tenant": "a"}` as a clear of every tenant. Each is now 400
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,3 +102,24 @@ def test_an_admin_clear_takes_one_tenant_in_its_query_and_no_body(server: Server
     assert cached(server) == {"a": 16, "b": 16, "c": 16}  # nothing was cleared
     assert server.admin("/v1/admin/clear", params={"tenant": "a"}).json()["dropped_blocks"] == 4
     assert cached(server) == {"a": 0, "b": 16, "c": 16}
+
+
+def test_an_admin_post_with_a_zero_length_however_written_has_no_body(server: Server) -> None:
+    # HTTP allows "Content-Length: 00"; it was taken for a body (415, or 400 "takes no body")
+    host, port = server.url.removeprefix("http://").split(":")
+    for length in ("0", "00", "000"):
+        request = (
+            f"POST /v1/admin/check HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Authorization: Bearer {ADMIN_KEY}\r\nContent-Length: {length}\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(request)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200 "), (length, reply[:300])
+        assert b'"ok":true' in reply.replace(b" ", b"")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # one byte is a body
+        sock.sendall(request.replace(b"Content-Length: 000", b"Content-Length: 01") + b"x")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 415 ")

@@ -90,9 +90,15 @@ def body_refusal(content_type: str | None, content_length: str | None, chunked: 
         if wire.media_type(content_type) in wire.MEDIA_TYPES:
             return None
         return f"Content-Type {content_type!r:.100}: expected one of {list(wire.MEDIA_TYPES)}"
-    if chunked or content_length not in (None, "0"):
+    if chunked or not no_length(content_length):
         return f"a body without a Content-Type: expected one of {list(wire.MEDIA_TYPES)}"
     return None
+
+
+def no_length(content_length: str | None) -> bool:
+    """Whether a Content-Length says there is no body: absent, or zero however written ("00"
+    too, which HTTP allows; the server has refused one that is not digits)."""
+    return content_length is None or content_length.strip().lstrip("0") == ""
 
 
 QUERY = {"/v1/admin/clear": ("tenant",)}
@@ -144,7 +150,7 @@ class Guard:
         if bad_body is not None:
             await _answer(send, 415, "unsupported_media", bad_body, close=True)
             return
-        path, has_body = scope["path"], chunked or headers.get("content-length") not in (None, "0")
+        path, has_body = scope["path"], chunked or not no_length(headers.get("content-length"))
         bad_query = query_refusal(scope["method"], path, scope.get("query_string", b""), has_body)
         if bad_query is not None:  # in the request's format, as the route's own 400s are
             admin = path.startswith("/v1/admin/")  # (an admin route's are JSON: it reads no body)
