@@ -55,6 +55,7 @@ from kvtier.client.transport import (
     RequestHeaders,
     WaitPacer,
     alone_post,
+    direct,
     httpx_headers,
     httpx_send,
     reply_body,
@@ -82,7 +83,7 @@ class AsyncClient(AsyncSender, MappedView):
         check_options(api_key, tenant, shared_memory, timeout_s, max_reply_bytes)
         self._headers = RequestHeaders(api_key, tenant)
         self._max_reply, self._shared_memory = max_reply_bytes, shared_memory
-        self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s, transport=direct())
         self._server = AsyncMapper(self._http, self._headers, (timeout_s, max_reply_bytes))
         self._pools = self._server.pools
         self._calls = Calls()  # what `aclose()` waits for

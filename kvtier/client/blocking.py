@@ -92,7 +92,8 @@ class Client(MappedView):
         without auth `tenant` (or each call's `tenant=`) does. `shared_memory`: map the
         server's pools when they are on this host. A reply longer than `max_reply_bytes` is a
         `ReplyError`, read no further (a load sent in the body is the longest a server sends).
-        Each argument is checked here (`InvalidArgumentError` naming it: `arguments.py`). The
+        Each argument is checked here (`InvalidArgumentError` naming it: `arguments.py`), and
+        the pools mapped (a `/v1/pools` that fails raises here, its connection closed). The
         client is this process's: used in another (a fork), every call is a `ClosedError`."""
         check_options(api_key, tenant, shared_memory, timeout_s, max_reply_bytes)
         self._headers = RequestHeaders(api_key, tenant)
@@ -106,7 +107,11 @@ class Client(MappedView):
         self._owing = self._send.owing  # releases, give-backs owed
         self._owed, self._key = self._owing.owed, self._send.key
         if shared_memory:
-            self._server.map()
+            try:
+                self._server.map()
+            except BaseException:  # no client to close: its connection is closed here
+                self._http.close()
+                raise
 
     @property
     def _lane(self) -> LaneConnections | None:

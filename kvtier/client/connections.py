@@ -26,8 +26,9 @@ Contract:
   bound. (A load of 1 GiB through the body, the longest reply by default, takes about a second
   on a local link; the default `timeout_s` is 120 s.)
 - Every failure to connect, send or read, a timeout, a reply that is not HTTP and a reply cut
-  short of its Content-Length (or with one that is no count) is a `TransportError` naming the
-  call; its connection is closed.
+  short of its Content-Length (or with one that is not ASCII digits, or a chunk size that is
+  not hex digits: `DeadlineResponse`) is a `TransportError` naming the call (and the value);
+  its connection is closed.
 - A reply body longer than `max_reply_bytes` (a Content-Length that says so, or bytes that
   keep coming) is a `ReplyError`: no more than that is read, and the connection is closed.
 - `close()` closes the idle connections; one in use is closed when its request ends. A request
@@ -49,6 +50,8 @@ from typing import Any, NamedTuple
 
 from kvtier.errors import ClosedError, InvalidArgumentError, KVTierError, ReplyError
 
+_MAX_LINE = 65536
+"""The longest chunk-size line read, as http.client's own bound (`_MAXLINE`)."""
 MAX_REPLY_BYTES = (1 << 30) + (1 << 20)
 """The longest reply body a client reads by default: a KV as long as the server's default
 `service.max_body_bytes` takes in (a load sent in the body), and room for the fields around it."""
@@ -180,8 +183,10 @@ def read_reply(response: http.client.HTTPResponse, limit: int, call: str) -> byt
     connection) or a body cut short of it is an `http.client.HTTPException` (`read(amt)`
     returns a short read as it is), as httpx refuses both."""
     length = response.getheader("content-length")
-    if length is not None and not length.strip().isdigit():
-        raise http.client.HTTPException(f"a Content-Length of {length!r:.40}, expected a count")
+    if length is not None and _COUNT.fullmatch(length) is None:
+        raise http.client.HTTPException(
+            f"a Content-Length of {length!r:.40}, expected a count (ASCII digits)"
+        )
     check_declared_length(length, limit, call)
     content = response.read(limit + 1)
     if len(content) > limit:
@@ -191,10 +196,19 @@ def read_reply(response: http.client.HTTPResponse, limit: int, call: str) -> byt
     return content
 
 
+_COUNT = re.compile(r"[ \t]*[0-9]+[ \t]*")
+"""A Content-Length, as HTTP has it: ASCII digits (`str.isdigit` takes "²" and `str.strip`
+drops "\\x1f", neither of which `int` reads: a raw `ValueError` escaped the call)."""
+_CHUNK_SIZE = re.compile(rb"[ \t]*[0-9A-Fa-f]+[ \t]*(;[^\r\n]*)?\r?\n")
+"""A chunk-size line: hex digits, an optional extension (`int(line, 16)`, which http.client
+uses, takes "-1" too: a read to the end of the connection, past `max_reply_bytes`)."""
+
+
 def check_declared_length(length: str | None, limit: int, call: str) -> None:
     """`ReplyError` when a reply's Content-Length header says it passes `limit` bytes (both
-    clients, before they read the body)."""
-    if length is not None and length.strip().isdigit() and int(length) > limit:
+    clients, before they read the body); one that is no count is left to the caller (the
+    blocking client refuses it, httpx does)."""
+    if length is not None and _COUNT.fullmatch(length) and int(length) > limit:
         raise ReplyError(
             f"{call}: a reply of {int(length)} bytes, more than {limit} (max_reply_bytes)"
         )
@@ -249,6 +263,21 @@ class DeadlineResponse(http.client.HTTPResponse):
         # the socket's reader made above (unread; it keeps the socket open for this reply
         # after the connection lets go of it, as http.client's does), read through `Until`
         self.fp = io.BufferedReader(Until(self.fp.detach(), sock, deadline))
+
+    def _read_next_chunk_size(self) -> int:
+        """The next chunk's size, read as http.client does, but hex digits only: a line that
+        is none (a negative size: http.client read the rest of the connection whole, past
+        `max_reply_bytes`, or raised a raw `ValueError`) is an `HTTPException` naming it (a
+        `TransportError` for the caller), its connection closed."""
+        line = self.fp.readline(_MAX_LINE + 1)
+        if len(line) > _MAX_LINE:
+            raise http.client.LineTooLong("chunk size")
+        if _CHUNK_SIZE.fullmatch(line) is None:
+            self.close()  # where the body ends is not known: the connection is done
+            raise http.client.HTTPException(
+                f"a chunk size line of {line[:40]!r}, expected hex digits"
+            )
+        return int(line.split(b";", 1)[0], 16)
 
 
 class Until(io.RawIOBase):

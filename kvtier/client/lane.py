@@ -28,6 +28,9 @@ Contract:
   longest to make room at its connection bound, its goodbye pending) is found before it is
   used and replaced. A connection is opened only to send a call at once (the server closes one
   that sends none within seconds).
+- A connection whose opening is interrupted (a task cancelled, a `KeyboardInterrupt`) before
+  the server's hello is closed there and then: before, it stayed open, and the server kept it,
+  for as long as the error lived.
 - A reply is untrusted: a frame longer than `max_reply_bytes`, or that is not
   `[status, body bytes]`, is a `ReplyError` (no more than the limit is read).
 - `retire()`: the lane of a server that is gone (the client re-mapped the pools of a server
@@ -184,6 +187,9 @@ class LaneConnections(_Dead):
             hello = _read_frame(sock, 64, "the lane's hello", deadline) if ours else None
         except (OSError, ReplyError):
             hello = None
+        except BaseException:  # interrupted before the hello: closed, never left open
+            sock.close()
+            raise
         if hello != frames.HELLO:  # not there, not our user's, or not a lane
             sock.close()
             self.retry_at = time.monotonic() + RETRY_S
@@ -323,6 +329,10 @@ class AsyncLaneConnections(_Dead):
                 hello = await _read_frame_async(stream[0], 64, "the lane's hello") if ours else None
         except (OSError, EOFError, asyncio.IncompleteReadError, ReplyError):
             hello = None
+        except BaseException:  # cancelled before the hello: closed, never left open (module doc)
+            if stream is not None:
+                stream[1].close()
+            raise
         if stream is None or hello != frames.HELLO:  # not there, not our user's, not a lane
             if stream is not None:
                 stream[1].close()

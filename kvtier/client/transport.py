@@ -1,8 +1,9 @@
 """What both clients put on the wire and read back from it, their transport aside.
 
 Requests: `RequestHeaders`, the headers of every request (msgpack bodies both ways, the API
-key as a bearer token, the tenant where no key names it); `alone_post`, `AsyncClient`'s POST on
-a connection of its own, in the running event loop (a give-back after `aclose()`).
+key as a bearer token, the tenant where no key names it); `direct`, `AsyncClient`'s transport
+(no proxy of the environment); `alone_post`, `AsyncClient`'s POST on a connection of its own,
+in the running event loop (a give-back after `aclose()`).
 Replies: `reply_body(reply)`, a success's decoded body, or the error the server reported
 raised as the store's own error type (`ERROR_TYPES`), else as a `ServiceError`; a body that
 does not decode is a `ReplyError`. What a body holds is checked later, field by field
@@ -138,6 +139,15 @@ async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: i
     return Reply(response.status_code, content_type, b"".join(chunks), request.url.path)
 
 
+def direct() -> httpx.AsyncHTTPTransport:
+    """`AsyncClient`'s transport: straight to the server's URL, as `Client`'s `http.client`
+    goes, never through a proxy named by the environment (`HTTP_PROXY`, `ALL_PROXY`: httpx
+    takes those unless given a transport, and sent them every request, the API key and the KV
+    in it, for a sidecar on 127.0.0.1 too). The environment's CA files (`SSL_CERT_FILE`) still
+    count for an https URL."""
+    return httpx.AsyncHTTPTransport()
+
+
 def alone_post(
     url: str, headers: RequestHeaders, limit: int
 ) -> Callable[[str, dict[str, Any], str, float], Awaitable[dict[str, Any]]]:
@@ -149,7 +159,7 @@ def alone_post(
         path: str, body: dict[str, Any], tenant: str, timeout_s: float
     ) -> dict[str, Any]:
         content = wire.encode(body, True)
-        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as alone:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s, transport=direct()) as alone:
             asked = alone.build_request(
                 "POST", path, content=content, headers=httpx_headers(headers.for_tenant(tenant))
             )
