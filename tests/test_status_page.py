@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +28,7 @@ from starlette.testclient import TestClient
 
 from kvtier.client import Client
 from kvtier.config import parse_config
+from kvtier.errors import ClosedError
 from kvtier.service import render
 from kvtier.service.app import create_app
 from kvtier.service.history import History, Sample, rates_between
@@ -282,3 +284,31 @@ def test_everything_from_outside_is_escaped() -> None:
     assert "<script>alert" not in html
     assert html.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 6
     assert figures(html)["mover.last_error"] == hostile  # and read back as it was
+
+
+def test_a_failed_sample_is_skipped_and_a_closed_store_ends_the_sampling() -> None:
+    class Flaky(_Counting):
+        """Fails its 2nd and 3rd status (a transient error), then closes at its 8th."""
+
+        calls = 0
+
+        def status(self) -> dict[str, Any]:
+            self.calls += 1
+            if self.calls in (2, 3):
+                raise RuntimeError("transient")
+            if self.calls >= 8:
+                raise ClosedError("the store is closed")
+            return super().status()
+
+    history = History(interval_s=0.01, keep=50)
+    source = Flaky()
+    history.start(source)
+    deadline = time.monotonic() + 10
+    while source.calls < 8:  # before: the thread ended at the 2nd, one sample in the ring
+        assert time.monotonic() < deadline, source.calls
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.1)
+    assert source.calls == 8 and history.failed == 2  # no status asked after the close
+    assert len(history.samples()) == 5
+    history.stop()
+    history.check()

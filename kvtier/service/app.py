@@ -280,7 +280,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         refusal = viewer_refusal(request, service)
         if refusal is not None:
             return _error(refusal.status, refusal.kind, refusal.detail)
-        body, content_type = service.metrics.render()
+        body, content_type = await run_in_threadpool(service.metrics.render)  # store.status()
         return Response(body, media_type=content_type)
 
     @app.get("/v1/pools", responses=schemas.responses(schemas.POOLS, *schemas.GET_STATUSES))

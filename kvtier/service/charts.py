@@ -1,7 +1,9 @@
 """SVG line charts for the status page: drawn here as text, no library and no script.
 
     line_chart(title, series, fmt, y_max=None) -> str
-        series: name -> [(wall seconds, value or None)], oldest first; None is a gap
+        series: name -> [(seconds, value or None)], oldest first; None is a gap. The seconds
+        are on a clock that only goes forward (the history's monotonic `t`): a wall clock's
+        jump would draw the points out of order and mislabel the axis
         fmt: how an axis value reads (a percentage, bytes per second)
 
 Contract: the SVG is self-contained, styled by classes only (`series-<i>` in the order given,
@@ -29,19 +31,19 @@ def line_chart(
     y_max: float | None = None,
 ) -> str:
     """A chart of `series` (module doc), with its legend."""
-    walls = [wall for points in series.values() for wall, _ in points]
+    times = [at for points in series.values() for at, _ in points]
     values = [v for points in series.values() for _, v in points if v is not None]
     top = y_max if y_max is not None else max([1.0, *values])
-    if not walls:
+    if not times:
         return f'<figure class="chart"><figcaption>{escape(title)}</figcaption>' + (
             '<p class="empty">no samples yet</p></figure>'
         )
-    first, last = min(walls), max(walls)
+    first, last = min(times), max(times)
     span = max(last - first, 1e-9)
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
-    def x(wall: float) -> float:
-        return LEFT + (wall - first) / span * plot_w
+    def x(at: float) -> float:
+        return LEFT + (at - first) / span * plot_w
 
     def y(value: float) -> float:
         return TOP + plot_h - min(value, top) / top * plot_h
@@ -67,8 +69,8 @@ def line_chart(
         parts.append(f'<g class="series-{i}" data-series="{escape(name)}" data-points="{drawn}">')
         for run in _runs(points):
             if len(run) == 1:
-                wall, value = run[0]
-                parts.append(f'<circle cx="{x(wall):.1f}" cy="{y(value):.1f}" r="2"/>')
+                at, value = run[0]
+                parts.append(f'<circle cx="{x(at):.1f}" cy="{y(value):.1f}" r="2"/>')
             else:
                 coords = " ".join(f"{x(w):.1f},{y(v):.1f}" for w, v in run)
                 parts.append(f'<polyline points="{coords}"/>')
@@ -84,12 +86,12 @@ def line_chart(
 def _runs(points: Sequence[Point]) -> list[list[tuple[float, float]]]:
     """The points split at gaps (None), each run of values to draw as one line."""
     runs: list[list[tuple[float, float]]] = [[]]
-    for wall, value in points:
+    for at, value in points:
         if value is None:
             if runs[-1]:
                 runs.append([])
         else:
-            runs[-1].append((wall, value))
+            runs[-1].append((at, value))
     return [run for run in runs if run]
 
 

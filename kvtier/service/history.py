@@ -15,8 +15,13 @@ Contract:
   minute is a gap, not a 0 %), split by tier as the hit blocks' tokens; a path's bandwidth is
   the bytes it moved over the interval's length. Counters only grow; an interval across a
   restart of the counters (none today) would read as a gap.
+- Time is the monotonic clock's (`t`): the intervals' lengths, the samples' order and the
+  charts' time axis (`render.py`) are right across a jump of the wall clock (a correction, a
+  resume from suspend), which `wall` only dates.
 - Sampling is one `store.status()` every `interval_s` on its own thread; a status that fails
-  (the store closing) ends the thread quietly: the page then shows what the ring holds.
+  because the store closed ends the thread quietly (the page then shows what the ring holds);
+  any other failure is logged (once) and skipped: the next sample's interval is that much
+  longer (its rates the average over it), and the charts go on.
 
 Invariants (`check()`): at most `keep` samples, times strictly increasing.
 """
@@ -24,16 +29,18 @@ Invariants (`check()`): at most `keep` samples, times strictly increasing.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvtier.errors import InvariantError
+from kvtier.errors import ClosedError, InvariantError
 
 SAMPLE_S = 2.0
 KEEP = 300
+log = logging.getLogger(__name__)
 
 
 class _Status(Protocol):
@@ -70,8 +77,10 @@ class Sample:
 
 @dataclass(frozen=True)
 class Rates:
-    """One interval's figures, ending at `wall` and lasting `seconds`."""
+    """One interval's figures, ending at `t` (monotonic seconds; `wall`, epoch seconds) and
+    lasting `seconds`."""
 
+    t: float
     wall: float
     seconds: float
     hit_rate: float | None  # None: no lookups in the interval
@@ -92,6 +101,7 @@ def rates_between(a: Sample, b: Sample) -> Rates:
         path: (moved - a.path_bytes.get(path, 0)) / seconds for path, moved in b.path_bytes.items()
     }
     return Rates(
+        t=b.t,
         wall=b.wall,
         seconds=seconds,
         hit_rate=found / asked if asked > 0 else None,
@@ -110,6 +120,7 @@ class History:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.failed = 0  # samples whose status failed otherwise than by the store closing
 
     def start(self, store: _Status) -> None:
         """Sample `store` now and then every `interval_s`, on a daemon thread."""
@@ -154,5 +165,9 @@ class History:
         while not self._stop.wait(self.interval_s):
             try:
                 self.take(store)
-            except Exception:  # the store closing under us: keep what the ring holds
+            except ClosedError:  # the store closing under us: keep what the ring holds
                 return
+            except Exception as e:  # one sample lost (a longer interval), not every later one
+                if not self.failed:
+                    log.warning("status history: a sample failed (%s); sampling on", e)
+                self.failed += 1

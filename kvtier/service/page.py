@@ -58,7 +58,7 @@ _MAX_CREDENTIALS = 4096
 
 def add_page(app: FastAPI, service: Service) -> None:
     """Add the page's routes to `app` (module doc)."""
-    started = time.time()
+    started = (time.time(), time.monotonic())  # the date shown; the uptime's clock
     statics = {
         path: (files("kvtier.service") / "static" / path[1:]).read_bytes() for path in _STATIC
     }
@@ -77,8 +77,8 @@ def add_page(app: FastAPI, service: Service) -> None:
         viewer = _viewer(service, request.headers.get("authorization"))
         if isinstance(viewer, Response):
             return viewer
-        view = await run_in_threadpool(_view, service, viewer, started)
-        html = render.live(view) if part == "main" else render.document(view)
+        draw = render.live if part == "main" else render.document  # 3-18 ms: off the loop
+        html = await run_in_threadpool(lambda: draw(_view(service, viewer, started)))
         return HTMLResponse(html, headers=HEADERS)
 
     for path, media in _STATIC.items():
@@ -159,7 +159,7 @@ def _as_bearer(authorization: str | None) -> str | None:
     return f"Bearer {key}" if key else None
 
 
-def _view(service: Service, tenant: str | None, started: float) -> render.View:
+def _view(service: Service, tenant: str | None, started: tuple[float, float]) -> render.View:
     """One snapshot of the store for the page: its status as `tenant` sees it (global: None)."""
     store = service.store
     status = None if store is None else store.status(tenant=tenant)
@@ -179,17 +179,19 @@ def _view(service: Service, tenant: str | None, started: float) -> render.View:
     )
 
 
-def _build(started: float) -> dict[str, str]:
+def _build(started: tuple[float, float]) -> dict[str, str]:
+    """The build and the process: `started` is (wall, monotonic) seconds at start; the uptime
+    is on the monotonic clock, which no wall-clock jump moves."""
     try:
         version = metadata.version("kvtier")
     except metadata.PackageNotFoundError:
         version = "unknown (not installed)"
-    uptime = time.time() - started
+    uptime = time.monotonic() - started[1]
     return {
         "kvtier": version,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "pid": str(os.getpid()),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started[0])),
         "up": f"{uptime / 3600:.1f} h" if uptime >= 3600 else f"{uptime:.0f} s",
     }

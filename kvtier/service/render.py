@@ -253,7 +253,7 @@ def _series(
     series: dict[str, list[Point]] = {}
     for r in rates:
         for name, value in pick(r).items():
-            series.setdefault(name, []).append((r.wall, value))
+            series.setdefault(name, []).append((r.t, value))  # monotonic: no clock jumps
     return series
 
 
@@ -261,7 +261,7 @@ def _hits(status: Mapping[str, Any], rates: list[Rates] | None) -> str:
     if rates is None:
         return ""
     series = _series(rates, lambda r: r.tier_hit_rate)
-    series["all tiers"] = [(r.wall, r.hit_rate) for r in rates]
+    series["all tiers"] = [(r.t, r.hit_rate) for r in rates]
     chart = line_chart("Hit rate by tier (tokens found / asked)", series, _share, 1.0)
     return f"<section><h2>Hit rate</h2>{chart}</section>"
 
@@ -301,10 +301,9 @@ def _config(config: Mapping[str, Any] | None) -> str:
     tenants = config.get("tenants", {})
     keyed = sum(bool(t.get("api_keys")) for t in tenants.values())
     rows.append(f"<dt>tenants</dt><dd>{len(tenants)} ({keyed} with API keys)</dd>")
-    return (
-        "<section><details><summary><h2>Config</h2></summary>"
-        f"<dl class='config'>{''.join(rows)}</dl></details></section>"
-    )
+    # A plain section, not a <details>: the script replaces the live part every 2 s, and a
+    # <details> the viewer opened came back closed, so the config could not be read.
+    return f"<section><h2>Config</h2><dl class='config'>{''.join(rows)}</dl></section>"
 
 
 def _flat(name: str, value: Any) -> list[str]:

@@ -16,7 +16,10 @@
     if (busy) return false;
     busy = true;
     try {
-      const response = await fetch(location.pathname + "?part=main", {
+      // origin + path, not a relative URL: a page opened at http://:KEY@host/ has the key in
+      // its own URL, and fetch refuses a URL with credentials in it (the browser still sends
+      // the ones it took for this origin)
+      const response = await fetch(location.origin + location.pathname + "?part=main", {
         cache: "no-store",
         credentials: "same-origin",
       });
