@@ -5,6 +5,7 @@ planner reads: sizes not rounded to nothing, a sweep's closing line about the si
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,9 @@ def test_a_size_too_large_under_a_codec_is_refused_as_typed_and_no_tier_reads_no
     assert main(["replay", str(path), "--codec", "none,int4", "--host", "50", "--disk", "0"]) == 2
     err = capsys.readouterr().err
     assert "--host: got 50.0, which under --codec int4" in err
-    assert f"expected at most {100 / ratio:.3g}" in err and "175" in err
+    assert f"expected at most {math.floor(100 / ratio * 100) / 100:g}" in err and "175" in err
+    bound = float(err.split("expected at most ")[1].split()[0])  # rounded down: itself taken
+    assert bound * ratio <= 100 < (bound + 0.01) * ratio
     assert main(["replay", str(path), "--codec", "int4", "--host", "28", "--disk", "0"]) == 0
     # a gpu-only run's host and disk are no tier at all, not a tier of 0 %
     assert main(["replay", str(path), "--gpu", "0.5", "--block-bytes", "2048"]) == 0

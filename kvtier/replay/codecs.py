@@ -20,6 +20,7 @@ and the run replays that many blocks. Hit rates depend on where blocks are, not 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from kvtier.blocks import BlockHasher, KVLayout
@@ -80,7 +81,8 @@ def codec_sizing(base: Sizing, codec: CodecFit) -> Sizing:
             raise InvalidArgumentError(
                 f"--{name}: got {shown(typed)}, which under --codec {codec.codec} holds "
                 f"{ratio:.2f}x the blocks ({typed * ratio:.1f} times the trace's unique "
-                f"blocks), expected at most {MOST / ratio:.3g} ({MOST:g} / {ratio:.2f})"
+                f"blocks), expected at most {math.floor(MOST / ratio * 100) / 100:g} "
+                f"({MOST:g} / {ratio:.4g})"
             )
     return dataclasses.replace(
         base, label=codec.codec, host=base.host * codec.host, disk=base.disk * codec.disk
