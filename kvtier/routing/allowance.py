@@ -8,7 +8,11 @@
   then no other publisher can take that pod, whoever is heard first.
 - `Ration`: the time its recoveries (a replay, a snapshot asked on a gap) may take, about
   `RECOVERY_SHARE` of the subscriber's thread in the long run: a publisher whose endpoints let
-  every request run to its timeout cannot keep the other publishers waiting.
+  every request run to its timeout cannot keep the other publishers waiting. A replay is charged
+  the time its endpoint took, not the time the subscriber then takes to apply what it brought
+  (what those messages would have cost live): a router slow enough to lose messages was
+  charged for being slow, and its next gap forgot every block of the pod without asking.
+- `Added`, `Publisher`: a publisher as `Subscriber.add` names it, and as its thread holds it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.routing.index import pod_of
+from kvtier.routing.links import Link
+from kvtier.routing.snapshots import Asker, Snapshot
 
 MAX_TOPIC_CHARS = 256  # as a sidecar's snapshot names one at most
 RECOVERY_SHARE = 0.1
@@ -68,3 +74,21 @@ class Ration:
     def spent(self, since: float) -> None:
         """A recovery that began at `since` has ended."""
         self.credit -= time.monotonic() - since
+
+
+@dataclass(frozen=True)
+class Added:
+    endpoint: str
+    replay_endpoint: str | None
+    snapshot: Snapshot | None
+    tenant: str | None  # the snapshot is this tenant's view; None: the pod's whole
+    voice: Voice
+
+
+@dataclass
+class Publisher:
+    link: Link
+    added: Added
+    ration: Ration
+    asker: Asker | None  # its snapshot's, if it has one
+    resynced_at: float = 0.0

@@ -1,4 +1,4 @@
-"""The routing API's argument checks (`PrefixIndex`, `Router`): each raises
+"""The routing API's argument checks (`PrefixIndex`, `Router`, `Subscriber`): each raises
 `InvalidArgumentError` naming the argument, the value and what was expected, at construction or
 call, before anything changes (a NaN weight or slack otherwise scored a pod holding a whole
 prompt 0, or made `choose` fail later with a bare `ValueError`)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from kvtier.config.events import is_peer_address
 from kvtier.errors import InvalidArgumentError, shown
 
 
@@ -40,4 +41,20 @@ def name(argument: str, value: object) -> str | None:
     """`value` when it is a string or None."""
     if value is not None and not isinstance(value, str):
         raise InvalidArgumentError(f"{argument}: got {shown(value)}, expected a string or None")
+    return value
+
+
+def sizes(**values: object) -> tuple[int, ...]:
+    """Each of `values` (by argument name) when it is an int >= 1: a bound in bytes or items
+    (`max_message_bytes=0` divided by zero in the subscriber's thread)."""
+    return tuple(int(number(name, value, 1, integer=True)) for name, value in values.items())
+
+
+def address(name: str, value: object) -> str:
+    """`value` when it is a ZMQ address to connect to (`tcp://HOST:PORT`, no `*`, or
+    `ipc://PATH`: `kvtier.config.events.is_peer_address`)."""
+    if not is_peer_address(value):
+        expected = "a ZMQ address to connect to: tcp://HOST:PORT (no *) or ipc://PATH"
+        raise InvalidArgumentError(f"{name}: got {shown(value)}, expected {expected}")
+    assert isinstance(value, str)
     return value

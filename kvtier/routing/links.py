@@ -60,7 +60,8 @@ class Link:
         self.opened_at = 0.0
 
     def open(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-        """Open the SUB and its monitor (module doc); closed before."""
+        """Open the SUB and its monitor (module doc); closed before. `zmq.ZMQError`, both
+        closed again, when ZMQ refuses the address."""
         assert self.socket is None and self.monitor is None
         sub = self.context.socket(zmq.SUB)
         allow_ipv6(sub, self.endpoint)
@@ -69,9 +70,13 @@ class Link:
         sub.setsockopt(zmq.RCVHWM, self.hwm)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sub.connect(self.endpoint)
         self.socket, self.monitor = sub, monitor
-        self.opened_at = time.monotonic()
+        self.opened_at = time.monotonic()  # a refusal is a connection that lasted nothing
+        try:
+            sub.connect(self.endpoint)
+        except zmq.ZMQError:  # an address ZMQ refuses (`tcp://..:5`): closed, for `lost`
+            self.close()
+            raise
         return sub, monitor
 
     def close(self) -> None:
@@ -109,11 +114,18 @@ class Watch(Generic[T]):
         self.poller = zmq.Poller()
         self.owners: dict[zmq.Socket[bytes], T] = {}  # a SUB, or its monitor -> its owner
 
-    def add(self, link: Link, owner: T) -> None:
-        """Poll `link`'s sockets, opened now, for `owner`."""
-        for sock in link.open():
+    def add(self, link: Link, owner: T) -> bool:
+        """Poll `link`'s sockets, opened now, for `owner`; False when ZMQ refused the address
+        (`link` is then `lost`: opened again after its backoff, and the thread goes on)."""
+        try:
+            sockets = link.open()
+        except zmq.ZMQError:
+            link.lost()
+            return False
+        for sock in sockets:
             self.owners[sock] = owner
             self.poller.register(sock, zmq.POLLIN)
+        return True
 
     def drop(self, link: Link) -> None:
         """Stop polling `link`'s sockets, and close them."""

@@ -57,8 +57,10 @@ Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is no
   did (then a hostile publisher heard first could take a pod's name: name the pods);
 - a replay ends after `replay_timeout`, and after `max_replay_bytes` whatever the endpoint
   sends; a gap too long to fit in it is not asked for (a number near 2**64 is one); a
-  publisher's recoveries (replay, snapshot) are rationed (`allowance.Ration`): past its share,
-  a gap is forgotten without asking;
+  publisher's recoveries (replay, snapshot) are rationed (`allowance.Ration`; a replay by the
+  time it took to fetch, not to apply): past its share, a gap is forgotten without asking;
+- an address of no ZMQ shape is refused by `add`; one ZMQ refuses at connect all the same is
+  retried as a lost connection is (`links.Watch.add`): the thread goes on;
 - a snapshot's answer is checked as the client checks one (`replies.blocks`), whatever gave it,
   and waited for `replay_timeout` at most (`snapshots.py`: a hung pod holds no other up).
 
@@ -72,35 +74,15 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
 from kvtier.errors import InvalidArgumentError
-from kvtier.routing import replays
-from kvtier.routing.allowance import Ration, Voice
+from kvtier.routing import checks, replays
+from kvtier.routing.allowance import Added, Publisher, Ration, Voice
 from kvtier.routing.links import Link, Watch
 from kvtier.routing.reading import BadEvent, Sink, starts_cleared
 from kvtier.routing.snapshots import Asker, Snapshot
-
-
-@dataclass(frozen=True)
-class _Added:
-    endpoint: str
-    replay_endpoint: str | None
-    snapshot: Snapshot | None
-    tenant: str | None  # the snapshot is this tenant's view; None: the pod's whole
-    voice: Voice
-
-
-@dataclass
-class _Publisher:
-    link: Link
-    added: _Added
-    ration: Ration
-    asker: Asker | None  # its snapshot's, if it has one
-    resynced_at: float = 0.0
-
 
 MAX_MESSAGE_BYTES = 8 << 20
 """The longest message a subscriber takes by default: a kvtier publisher's longest by default
@@ -126,11 +108,16 @@ class Subscriber:
         max_topics: int = MAX_TOPICS,
         max_queue_bytes: int = MAX_QUEUE_BYTES,
     ) -> None:
-        self.index, self.replay_timeout, self.resync_s = index, replay_timeout, resync_s
-        self.max_message_bytes, self.max_replay_bytes = max_message_bytes, max_replay_bytes
-        self.max_topics, self.max_queue_bytes = max_topics, max_queue_bytes
+        self.index, self.replay_timeout = index, checks.number("replay_timeout", replay_timeout, 0)
+        self.resync_s = resync_s if resync_s is None else checks.number("resync_s", resync_s, 1e-3)
+        self.max_message_bytes, self.max_replay_bytes = checks.sizes(
+            max_message_bytes=max_message_bytes, max_replay_bytes=max_replay_bytes
+        )
+        self.max_topics, self.max_queue_bytes = checks.sizes(
+            max_topics=max_topics, max_queue_bytes=max_queue_bytes
+        )
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._added: list[_Added] = []
+        self._added: list[Added] = []
         self._removed: list[Voice] = []  # the voices of publishers to stop hearing
         self._applied: dict[str, int] = {}  # topic -> messages applied (its next number)
         self._floors: dict[str, range] = {}  # topic -> numbers a snapshot reflects (module doc)
@@ -138,7 +125,7 @@ class Subscriber:
         self._cond = threading.Condition()
         self._stats = dict.fromkeys(COUNTS, 0)
         self._stopping = False
-        self._watch: Watch[_Publisher] = Watch()  # the thread's, as are the sockets it polls
+        self._watch: Watch[Publisher] = Watch()  # the thread's, as are the sockets it polls
         self._thread = threading.Thread(target=self._run, name="kvtier-route-sub", daemon=True)
         self._thread.start()
 
@@ -154,7 +141,12 @@ class Subscriber:
         `snapshot`, and `tenant` whose view it is: module doc). `pod`: the pod it speaks for,
         claimed now: no other publisher may speak for it, whoever is heard first, and this one
         for no other (without it, the first pod it names that no other publisher named). A
-        pod claimed and not `remove`d since is an `InvalidArgumentError`."""
+        pod claimed and not `remove`d since, or an address of no ZMQ shape to connect to
+        (`checks.address`: it stopped the thread, every pod unheard since), is an
+        `InvalidArgumentError`; one ZMQ refuses anyway is retried as a lost connection is."""
+        checks.address("endpoint", endpoint)
+        if replay_endpoint is not None:
+            checks.address("replay_endpoint", replay_endpoint)
         with self._cond:
             voice = Voice(self.max_topics)
             if pod is not None:
@@ -162,7 +154,7 @@ class Subscriber:
                     raise InvalidArgumentError(f"pod {pod!r}: already claimed by another publisher")
                 voice.pod = pod
                 self._owners[pod] = voice
-            self._added.append(_Added(endpoint, replay_endpoint, snapshot, tenant, voice))
+            self._added.append(Added(endpoint, replay_endpoint, snapshot, tenant, voice))
 
     def remove(self, pod: str) -> None:
         """Stop hearing the publisher that speaks for `pod` and forget its blocks: its sockets
@@ -197,7 +189,7 @@ class Subscriber:
     # ---- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        publishers: list[_Publisher] = []
+        publishers: list[Publisher] = []
         while not self._stopping:
             with self._cond:  # removals first: a pod removed, then added again
                 added, self._added = self._added, []
@@ -212,11 +204,11 @@ class Subscriber:
                         self.max_queue_bytes,
                     )  # fmt: skip
                     asker = spec.snapshot and Asker(spec.snapshot, self.replay_timeout)
-                    publishers.append(_Publisher(link, spec, ration, asker or None, ration.at))
+                    publishers.append(Publisher(link, spec, ration, asker or None, ration.at))
             now = time.monotonic()
             for publisher in publishers:
-                if publisher.link.due(now):
-                    self._watch.add(publisher.link, publisher)
+                if publisher.link.due(now) and not self._watch.add(publisher.link, publisher):
+                    self._count("disconnects")  # an address ZMQ refuses: retried (`Link.lost`)
             for sock, publisher in self._watch.ready(20):
                 link = publisher.link
                 if sock not in self._watch.owners:  # closed by an earlier one
@@ -226,7 +218,7 @@ class Subscriber:
                     self._watch.drop(link)
                     link.lost()
                     continue
-                while link.socket is not None and link.socket.poll(0):
+                while not self._stopping and link.socket is not None and link.socket.poll(0):
                     link.heard()
                     self._receive(publisher, link.socket.recv_multipart())
             if self.resync_s is not None:
@@ -237,7 +229,7 @@ class Subscriber:
         for publisher in publishers:
             self._watch.drop(publisher.link)
 
-    def _forget(self, publisher: _Publisher, voice: Voice) -> bool:
+    def _forget(self, publisher: Publisher, voice: Voice) -> bool:
         """If `publisher` speaks with `voice` (`remove`): its sockets closed, each topic it
         spoke on cleared and its numbers forgotten; was it?"""
         if publisher.added.voice is not voice:
@@ -250,7 +242,7 @@ class Subscriber:
                 self._applied.pop(topic, None)
         return True
 
-    def _receive(self, publisher: _Publisher, frames: list[bytes], resync: bool = True) -> None:
+    def _receive(self, publisher: Publisher, frames: list[bytes], resync: bool = True) -> None:
         """Apply one message (module doc); `resync`: a gap may be filled from a snapshot (once
         per message: a snapshot that does not cover it is not asked for again)."""
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -295,7 +287,7 @@ class Subscriber:
         if resync and self.index.orphans() > orphans and publisher.added.snapshot is not None:
             self._heal(publisher)
 
-    def _heal(self, publisher: _Publisher) -> None:
+    def _heal(self, publisher: Publisher) -> None:
         """Resync `publisher` (an orphan; `resync_s`: module doc) within its recoveries' share."""
         if not publisher.ration.allows():
             return
@@ -305,7 +297,7 @@ class Subscriber:
         finally:
             publisher.ration.spent(started)
 
-    def _admit(self, publisher: _Publisher, topic: str) -> bool:
+    def _admit(self, publisher: Publisher, topic: str) -> bool:
         """May `publisher` speak on `topic` (module doc)? Counted when not."""
         with self._cond:  # `add` claims pods from the caller's thread
             admitted = publisher.added.voice.admits(topic, self._owners)
@@ -314,7 +306,7 @@ class Subscriber:
         return admitted
 
     def _recover(
-        self, publisher: _Publisher, topic: str, start: int | None, stop: int, resync: bool
+        self, publisher: Publisher, topic: str, start: int | None, stop: int, resync: bool
     ) -> tuple[bool, bool]:
         """Messages start..stop-1 of `topic` were lost (`start` None: nothing is known of it):
         `(filled, resynced)`, filled from the replay endpoint, else (`resync`) a snapshot that
@@ -324,13 +316,21 @@ class Subscriber:
             return False, False
         started = time.monotonic()
         try:
-            if self._fill(publisher, topic, start, stop):
-                return True, False
+            got = self._replay(publisher, topic, start, stop)
+        finally:  # the fetch only: applying it costs what the messages would have live
+            publisher.ration.spent(started)
+        if got:
+            for seq in sorted(got):
+                self._apply(topic, seq, got[seq])
+            self._count("replayed", len(got))
+            return True, False
+        started = time.monotonic()
+        try:
             return False, resync and self._resync(publisher) and topic in self._floors
         finally:
             publisher.ration.spent(started)
 
-    def _resync(self, publisher: _Publisher) -> bool:
+    def _resync(self, publisher: Publisher) -> bool:
         """Replace each topic's blocks by the publisher's snapshot, and clear the topics the
         pod's whole view does not list (module doc); done?"""
         publisher.resynced_at = time.monotonic()
@@ -364,21 +364,19 @@ class Subscriber:
         self._count("resyncs")
         return True
 
-    def _fill(self, publisher: _Publisher, topic: str, start: int | None, stop: int) -> bool:
-        """Apply messages start..stop-1 of `topic` from the replay endpoint (`replays.run`);
-        all of them? Bounded whatever the endpoint sends: `replay_timeout` in all,
+    def _replay(
+        self, publisher: Publisher, topic: str, start: int | None, stop: int
+    ) -> dict[int, bytes] | None:
+        """Messages start..stop-1 of `topic` from the replay endpoint (`replays.run`), all of
+        them, or None. Bounded whatever the endpoint sends: `replay_timeout` in all,
         `max_replay_bytes`, `max_message_bytes` a message."""
         where = publisher.added.replay_endpoint
-        got = where and replays.run(
+        if where is None:
+            return None
+        return replays.run(
             self._context, where, topic, start, stop,
             self.max_message_bytes, self.replay_timeout, self.max_replay_bytes,
         )  # fmt: skip
-        if not got:
-            return False
-        for seq in sorted(got):
-            self._apply(topic, seq, got[seq])
-        self._count("replayed", len(got))
-        return True
 
     def _apply(self, topic: str, seq: int, payload: bytes) -> None:
         try:
