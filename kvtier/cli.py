@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -65,12 +67,27 @@ def say_json(data: Any) -> None:
 
 
 def _config(path: str | None) -> KVTierConfig:
-    return load_config(path) if path else default_config()
+    """The config `--config` names, or the embedded default when the flag is not given. An
+    empty `--config ""` (`--config "$CONFIG"` with the variable unset) is a path that names no
+    file, refused as such: it never falls back to the default silently."""
+    return default_config() if path is None else load_config(path)
+
+
+def _hangup(signum: int, frame: object) -> None:
+    """SIGHUP to `kvtier serve`: logged and ignored. Its default action killed the process
+    with no clean stop (copies in flight dropped, the pools left in /dev/shm until the next
+    start), and systemd's `Restart=on-failure` takes a death by SIGHUP for a clean exit, so it
+    stayed down. The config is read only at start: a change needs a restart."""
+    logging.getLogger("kvtier.serve").warning(
+        "kvtier: SIGHUP ignored: the config is read only at start (restart to apply a change; "
+        "SIGTERM stops cleanly)"
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvtier.service.server import serve
 
+    signal.signal(signal.SIGHUP, _hangup)  # before the config is read: a reload never kills it
     config = _config(args.config)
     given = {"host": args.host, "port": args.port}
     if any(value is not None for value in given.values()):  # checked as service.host/port are
@@ -364,6 +381,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVTierError as exc:
         say(f"kvtier: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvtier status | head -1`: the reader has what it wanted
+        _quiet_stdout()
+        return 141  # as a shell reports a command that SIGPIPE ended (128 + 13)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush at exit does not raise
+    (and print) a second BrokenPipeError into the terminal."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ tier's payload bytes, a disk slot's header and payload) and checks:
 - every tier codec against the layout (`tier_codec`: `tiers.<name>.codec_group`);
 - a disk capacity that holds a slot (`tiers.disk.capacity`);
 - the tenants' shares (`shares.check_shares`: floors that fit each tier, no quota of 0 blocks);
-- the events' default topic (`model.name` without '@' unless `events.topic` is set).
+- the events' topic: the default's `model.name` without '@' (unless `events.topic` is set),
+  and the topic, a tenant's suffix included, within a router's bound (`_check_topic`).
 `Parts` runs it first, with the memory free on this machine, so that a refused config never
 opens the disk tier (a lower `tiers.disk.capacity` cuts the slabs when the tier opens);
 `kvtier validate` runs it with `free` None: a capacity that is a fraction of free memory is
@@ -22,6 +23,7 @@ fit), a damaged directory found by recovery, and an `events` address that cannot
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from kvtier.config import KVTierConfig
@@ -89,8 +91,32 @@ def preflight(config: KVTierConfig, free: Free | None) -> Plan:
     if remote is not None:
         tier_codec(remote.codec, layout, remote.codec_group, remote.codec_keys, "tiers.remote")
     check_shares(config, rooms)
+    _check_topic(config)
+    return Plan(tuple(capacities), tuple(rooms))
+
+
+def _check_topic(config: KVTierConfig) -> None:
+    """The events topic (`events.topic`, else the default `kv@<host name>@<model name>`,
+    `assembly._publisher`), with `@<tenant>` under `per_tenant_topic`: the default's model name
+    without '@', and the longest topic within `MAX_TOPIC_CHARS`, past which a router's
+    subscriber (`routing/allowance.py`) ignores every event on it."""
+    from kvtier.routing.allowance import MAX_TOPIC_CHARS
+
     events = config.events
-    if events is not None and events.topic is None and "@" in config.model.name:
+    if events is None:
+        return
+    if events.topic is None and "@" in config.model.name:
         expected = "no '@' (the default events topic: kv@<host name>@<model name>), or events.topic"
         raise ConfigError("model.name", config.model.name, expected)
-    return Plan(tuple(capacities), tuple(rooms))
+    topic = events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
+    tenant = max(len(name) for name in config.tenants) + 1 if events.per_tenant_topic else 0
+    if len(topic) + tenant > MAX_TOPIC_CHARS:
+        field, value = ("events.topic", events.topic) if events.topic else ("model.name", None)
+        expected = (
+            f"an events topic of at most {MAX_TOPIC_CHARS} characters, a tenant's '@<tenant>' "
+            f"included (routers ignore longer ones): this one has {len(topic) + tenant}"
+        )
+        if value is None:  # the default topic: the model name, bounded in the message
+            value = f"a name of {len(config.model.name)} characters"
+            expected += "; shorten model.name or set events.topic"
+        raise ConfigError(field, value, expected)

@@ -4,9 +4,10 @@ its secret, a disk tier's directory and superblock.
 Contract (every path here is untrusted: another user, or a planted link, may have put
 something there first):
 - `private_dir(path, field)` returns a directory that no group or other user can write: one it
-  creates is mode 0700 (its missing parents 0755), whatever the umask; an existing one with a
-  group or other write bit, or anything that is not a directory, is refused with a
-  `ConfigError` naming the path and its mode. Refusing rather than fixing: a directory others
+  creates is mode 0700 (its missing parents 0755), whatever the umask; an existing one that
+  another user owns (who may write it whatever its mode: delete or swap the server secret), or
+  with a group or other write bit, or anything that is not a directory, is refused with a
+  `ConfigError` naming the path, its mode and owner. Refusing rather than fixing: a directory others
   could write may already hold their files, so a chmod now would not make it ours.
 - `write_atomically(path, data)` replaces `path` with a file of exactly `data`, mode 0600: a
   temporary file beside it is created with O_CREAT|O_EXCL|O_NOFOLLOW (a stale one, or a link
@@ -87,6 +88,9 @@ def private_dir(path: str | os.PathLike[str], field: str) -> Path:
         raise ConfigError(field, str(directory), f"a directory ({exc.strerror})") from None
     if not stat.S_ISDIR(info.st_mode):
         raise ConfigError(field, str(directory), f"a directory, found {file_kind(info.st_mode)}")
+    if info.st_uid != os.geteuid():  # its owner may write it, whatever its mode
+        shown = f"{directory} (mode {_mode(info.st_mode)}, owner uid {info.st_uid})"
+        raise ConfigError(field, shown, owner_expected("a directory", "chown it, or use another"))
     if info.st_mode & _GROUP_OTHER_WRITE:
         raise ConfigError(
             field,

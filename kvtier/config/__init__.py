@@ -24,8 +24,9 @@ Invariants of a `KVTierConfig`:
 - every path (`tiers.disk.path`, `service.state_dir`, the TLS files) is one a system call takes:
   no NUL byte, no lone surrogate (`private_files.is_path`).
 
-This package reads no environment variables and measures no memory: a fraction is resolved by
-the tier that owns it, through `Capacity.resolve`.
+This package measures no memory (a fraction is resolved by the tier that owns it, through
+`Capacity.resolve`) and reads no environment variable while parsing: an `env:NAME` key or
+secret is read only when the service resolves it at start (`fields.resolve_key`).
 
 Modules, imports pointing down the list:
 - `loading.py`: YAML files and mappings in, `KVTierConfig` or `ConfigError` out; keys hidden,

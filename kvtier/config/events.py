@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, model_validator
 
-from kvtier.config.fields import InvalidValue, Section, int_in, matching, one_of
+from kvtier.config.fields import InvalidValue, Section, int_in, matching, one_of, rule
 
 # an ipc path: no NUL byte and no lone surrogate (ZMQ takes the address as UTF-8)
 _ENDPOINT = re.compile(
@@ -20,16 +20,25 @@ _TOPIC_TEXT = (
 )
 
 
-_WHERE = "a ZMQ address to bind: tcp://HOST:PORT or ipc://PATH"
+_WHERE = "a ZMQ address to bind: tcp://HOST:PORT (a port in 0..65535) or ipc://PATH"
 _PEERS = "a list of up to 16 ZMQ addresses to connect to: tcp://HOST:PORT (no *) or ipc://PATH"
+
+
+def is_bind_address(entry: object) -> bool:
+    """Is `entry` a ZMQ address to bind: an endpoint's shape and a TCP port in 0..65535 (0: one
+    the system picks). A larger port is refused: ZMQ bound it modulo 65536 (`:99999` listened
+    on 34463), so routers told the configured address heard nothing."""
+    if not isinstance(entry, str) or not _ENDPOINT.fullmatch(entry):
+        return False
+    return not entry.startswith("tcp://") or int(entry.rpartition(":")[2]) < 65536
 
 
 def is_peer_address(entry: object) -> bool:
     """Is `entry` a ZMQ address to connect to: an endpoint's shape, but no `*` (a wildcard
     binds; nothing connects to it), and a TCP port in 1..65535?"""
-    if not isinstance(entry, str) or "*" in entry or not _ENDPOINT.fullmatch(entry):
+    if not isinstance(entry, str) or "*" in entry or not is_bind_address(entry):
         return False
-    return not entry.startswith("tcp://") or 0 < int(entry.rpartition(":")[2]) < 65536
+    return not entry.startswith("tcp://") or int(entry.rpartition(":")[2]) > 0
 
 
 def _peers(value: object) -> object:
@@ -58,8 +67,10 @@ class EventsConfig(Section):
     `per_tenant_topic` (the tenant's is the fourth); a default topic refuses a model name with
     an '@' (`assembly._events`). Tenant names hold none."""
 
-    endpoint: Annotated[str, matching(_ENDPOINT, _WHERE)]
-    replay_endpoint: Annotated[str | None, matching(_ENDPOINT, _WHERE, True)] = None
+    endpoint: Annotated[str, rule(is_bind_address, _WHERE)]
+    replay_endpoint: Annotated[
+        str | None, rule(lambda v: v is None or is_bind_address(v), _WHERE)
+    ] = None
     connect: Annotated[tuple[str, ...], BeforeValidator(_peers)] = ()
     topic: Annotated[str | None, matching(_TOPIC, _TOPIC_TEXT, True)] = None
     per_tenant_topic: Annotated[bool, one_of((True, False))] = False

@@ -27,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import select
@@ -252,8 +253,11 @@ def _read_text(source: str) -> str:
     (a directory, a device) is refused naming what it is."""
     try:
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        raise ConfigError("<file>", source, "a readable YAML file") from exc
+    except OSError as exc:  # why, in the OS's words (not allowed, a loop of links), but missing
+        why = "" if exc.errno == errno.ENOENT else f" ({exc.strerror})"
+        raise ConfigError("<file>", source, f"a readable YAML file{why}") from None
+    except ValueError:  # a NUL byte in the path
+        raise ConfigError("<file>", source, "a readable YAML file (a path without NUL)") from None
     mode = os.fstat(fd).st_mode
     if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # open() on a directory raises
         os.close(fd)
@@ -264,8 +268,11 @@ def _read_text(source: str) -> str:
             if stat.S_ISREG(mode):
                 return file.read(MAX_FILE_CHARS + 1)
             return _read_stream(fd, source).decode("utf-8")[: MAX_FILE_CHARS + 1]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError("<file>", source, "a readable YAML file") from exc
+        except UnicodeDecodeError:  # what, never the bytes (they may be a secret's)
+            expected = "a YAML file in UTF-8 (it holds bytes that are not UTF-8 text)"
+            raise ConfigError("<file>", source, expected) from None
+        except OSError as exc:
+            raise ConfigError("<file>", source, f"a readable YAML file ({exc.strerror})") from None
 
 
 def _read_stream(fd: int, source: str) -> bytes:

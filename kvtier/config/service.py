@@ -28,6 +28,10 @@ from kvtier.config.fields import (
     number_in,
     one_of,
 )
+from kvtier.sizes import MAX_SIZE
+
+MOST_BODY_BYTES = 1 << 50
+"""The largest `max_body_bytes` (1PiB): the most a client takes a server's `/v1/pools` to say."""
 
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
 _HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
@@ -64,8 +68,11 @@ class ServiceConfig(Section):
     state_dir: FilePath = "./kvtier-state"  # the server secret that keys tenant salts (0600)
     shared_memory: Annotated[bool, one_of((True, False))] = True
     max_tokens: Annotated[int, int_in(1, 1 << 24)] = 1 << 20
-    max_body_bytes: Annotated[int, int_in(1024)] = 1 << 30
-    max_inflight_bytes: Annotated[int, int_in(2048)] | None = None  # default: `inflight_bytes`
+    # bounded: a larger one (10**30) passed, and `/v1/pools`, which names it in msgpack (64-bit
+    # integers), was a 500 that no client could connect past; a client takes at most
+    # MOST_BODY_BYTES there (`service/replies.py`), the budget at most a size (1024PiB)
+    max_body_bytes: Annotated[int, int_in(1024, MOST_BODY_BYTES)] = 1 << 30
+    max_inflight_bytes: Annotated[int, int_in(2048, MAX_SIZE)] | None = None  # `inflight_bytes`
     prefetch_wait_s: Annotated[float, number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
     body_timeout_s: Annotated[float, number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
     allowed_hosts: Annotated[tuple[str, ...], BeforeValidator(_host_names)] = ()

@@ -56,13 +56,19 @@ class FloorConfig(Section):
     disk: MemoryCapacity | None = None
 
 
+def _key_list(value: object) -> tuple[object, ...]:
+    """`api_keys` as a tuple: a list (one key alone, `api_keys: KEY`, is refused naming the list
+    it belongs in, not shown; pydantic said "Input should be a valid tuple")."""
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise InvalidValue(value, "a list of API keys ([KEY, ...], or [env:NAME])")
+
+
 class TenantConfig(Section):
     """Per-tenant settings: the API keys that act as this tenant (literal, or 'env:NAME'), its
     quota and its floors."""
 
-    api_keys: Annotated[
-        tuple[KeyRef, ...], BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)
-    ] = ()
+    api_keys: Annotated[tuple[KeyRef, ...], BeforeValidator(_key_list)] = ()
     quota: QuotaConfig = QuotaConfig()
     floor: FloorConfig = FloorConfig()
 
