@@ -317,7 +317,7 @@ def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert (info.value.field, info.value.value) == ("<file>", str(path))
-    assert info.value.expected == "a readable YAML file"
+    assert info.value.expected == "a readable YAML file (No such file or directory)"
     assert repr(str(path)) in str(info.value)
 
 

@@ -27,7 +27,6 @@ Contract:
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import select
@@ -253,9 +252,8 @@ def _read_text(source: str) -> str:
     (a directory, a device) is refused naming what it is."""
     try:
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:  # why, in the OS's words (not allowed, a loop of links), but missing
-        why = "" if exc.errno == errno.ENOENT else f" ({exc.strerror})"
-        raise ConfigError("<file>", source, f"a readable YAML file{why}") from None
+    except OSError as exc:  # why, in the OS's words (missing, not allowed, a loop of links)
+        raise ConfigError("<file>", source, f"a readable YAML file ({exc.strerror})") from None
     except ValueError:  # a NUL byte in the path
         raise ConfigError("<file>", source, "a readable YAML file (a path without NUL)") from None
     mode = os.fstat(fd).st_mode
