@@ -87,6 +87,14 @@ def test_a_bad_connector_setting_is_a_config_error_naming_it(
     assert error.value.field == field
 
 
+def test_a_misspelt_keys_value_is_never_shown() -> None:
+    secret = "alice-secret-api-key-0123456789"  # a misspelt kvtier.api_key holds the key
+    for misspelt in ("kvtier_api_key", "KVTIER.api_key", "kvtier.apikey"):
+        with pytest.raises(ConfigError) as error:
+            ConnectorSettings.parse({misspelt: secret}, 1)
+        assert error.value.field == misspelt and secret not in str(error.value)
+
+
 def test_tensor_parallel_ranks_need_a_sidecar_each() -> None:
     with pytest.raises(ConfigError, match="one sidecar URL per tensor-parallel rank"):
         parse({"kvtier.url": "http://a:1"}, 2)

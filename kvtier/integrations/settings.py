@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config.events import is_peer_address
-from kvtier.config.fields import resolve_api_key
+from kvtier.config.fields import HiddenText, resolve_api_key
 from kvtier.errors import ConfigError, shown
 from kvtier.integrations import paged
 
@@ -173,11 +173,13 @@ def closed(extra: Mapping[str, Any], known: tuple[str, ...]) -> None:
     """`ConfigError` for a key of an engine's extra config that looks like kvtier's and is not
     `known`: one that starts with `kvtier` in any case, once stripped, whatever follows
     (`KVTIER.url`, `kvtier.URL`, `kvtier_url`, `" kvtier.url"` are refused, never ignored).
-    Other keys belong to other connectors or the engine and are left alone."""
+    Other keys belong to other connectors or the engine and are left alone. The value is not
+    shown: a misspelt `kvtier.api_key`'s is the key, and the error goes to the engine's log."""
     ours = (k for k in extra if str(k).strip().lower().startswith("kvtier"))
     unknown = sorted((k for k in ours if k not in known), key=str)
     if unknown:
-        raise ConfigError(str(unknown[0]), extra[unknown[0]], f"one of {', '.join(known)}")
+        hidden = HiddenText.of(extra[unknown[0]])
+        raise ConfigError(str(unknown[0]), hidden, f"one of {', '.join(known)}")
 
 
 def served_model(extra: Mapping[str, Any]) -> str | None:

@@ -28,7 +28,10 @@ Contract:
   and `interface_v1: 1`, which makes SGLang call the zero-copy `batch_*_v1` methods. Another
   key that starts with `kvtier` (any case or separator, spaces stripped: `kvtier_url`,
   `" kvtier.url"`, `KVTIER.url`; `settings.closed`), a value of the wrong type, or a
-  `kvtier.url` that is not `http(s)://HOST[:PORT]` is a `ConfigError` naming it.
+  `kvtier.url` that is not `http(s)://HOST[:PORT]` is a `ConfigError` naming it (a
+  misspelt key's value, maybe an API key, is never shown). Without `interface_v1` SGLang
+  calls the copying `batch_get` / `batch_set`, which kvtier does not serve: an error logged
+  at construction names the key, and each such call is refused and counted in `stats`.
 - Pages round trip bit-exact and land in kvtier in its own layout (`[layers, 2, tokens,
   heads, dim]`), whatever SGLang's host layout: two SGLang processes with different host
   layouts share pages.
@@ -42,7 +45,9 @@ Contract:
   when SGLang registers it, never copied in part. The sidecar's model layout must be one
   rank's: its layers, KV heads per rank, head_dim and dtype are checked against the host pool
   when SGLang registers it (`ConfigError` naming the field), and SGLang's page size must be a
-  multiple of kvtier's `block_tokens` and at least 8 tokens.
+  multiple of kvtier's `block_tokens` and at least 8 tokens. An fp8 KV cache's pools hold
+  its bytes as uint8 (SGLang's store dtype): under a sidecar of an fp8 dtype (`FP8`) they
+  are copied as that dtype, bit for bit.
 - A sidecar that fails is a miss (`batch_exists` 0, `batch_get_v1` all False, `batch_set_v1`
   all False: those pages stay out of kvtier; SGLang 0.5.23 does not back them up again),
   logged and counted in `stats`, never an exception into SGLang's threads; so is a host index
@@ -100,6 +105,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.layout = ""
         self.stats = {"exists_calls": 0, "pages_set": 0, "pages_got": 0, "errors": 0}
         self._lock = threading.Lock()
+        if not extra.get("interface_v1"):  # SGLang's test: bool(extra.get("interface_v1", 0))
+            log.error("kvtier: %s", NOT_V1)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Check the host pool against the sidecar's layout; then pages can move."""
@@ -108,6 +115,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.buffer, self.layout = host_buffer(host)
         served = self.client.layout()
         dtype = host.kv_buffer.dtype
+        if dtype == torch.uint8 and served.dtype in FP8:  # SGLang keeps fp8 KV's bytes as uint8
+            self.buffer, dtype = self.buffer.view(served.dtype), served.dtype
         mla = isinstance(host, MLATokenToKVPoolHost)  # a latent: one head of its halves
         heads, dim = (1, host.kv_cache_dim // 2) if mla else (host.head_num, host.head_dim)
         ours = (host.layer_num, heads, dim, dtype)
@@ -188,19 +197,17 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return self.batch_exists([key]) == 1
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> None:
-        raise NotImplementedError("kvtier serves SGLang through batch_get_v1 (interface_v1: 1)")
+        raise self._legacy("batch_get_v1")
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> None:
-        raise NotImplementedError("kvtier serves SGLang through batch_get_v1 (interface_v1: 1)")
+        raise self._legacy("batch_get_v1")
 
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
     ) -> bool:
-        raise NotImplementedError(
-            "kvtier stores SGLang's pages through batch_set_v1 (interface_v1: 1)"
-        )
+        raise self._legacy("batch_set_v1")
 
     def batch_set(
         self,
@@ -209,9 +216,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        raise NotImplementedError(
-            "kvtier stores SGLang's pages through batch_set_v1 (interface_v1: 1)"
-        )
+        raise self._legacy("batch_set_v1")
 
     def clear(self) -> None:
         """SGLang's "clear HiCache storage" (after a weight update): this tenant's KV in the
@@ -232,6 +237,12 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise ConfigError("mem_pool_host", None, "register_mem_pool_host before any page moves")
         return self.pages
 
+    def _legacy(self, v1: str) -> NotImplementedError:
+        """A call of SGLang's copying interface (`interface_v1` not set): counted as an error,
+        and refused naming the key (SGLang logs it and moves no page)."""
+        self._count("errors", 1)
+        return NotImplementedError(f"kvtier serves SGLang only through {v1}: {NOT_V1}")
+
     def _failed(self, what: str, error: BaseException) -> None:
         self._count("errors", 1)
         log.warning("kvtier %s failed: %s", what, error)
@@ -240,6 +251,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._lock:  # SGLang calls from its backup and prefetch threads at once
             self.stats[stat] += n
 
+
+NOT_V1 = (
+    'the extra config lacks "interface_v1": 1, so SGLang calls batch_get / batch_set, which '
+    "kvtier does not serve: no page is backed up or prefetched (set it)"
+)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The sidecar dtypes of an fp8 KV cache, whose bytes SGLang's pools keep as uint8."""
 
 HOST_POOLS = (MHATokenToKVPoolHost, MLATokenToKVPoolHost)
 """The host pools kvtier copies: exactly these classes, whose `kv_buffer` holds the whole

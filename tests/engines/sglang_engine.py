@@ -19,7 +19,9 @@ default). `pause`: once the backend registered, print `registered` and wait for 
 stdin before the write or read (the test replaces the sidecar meanwhile). `extra`: more of
 the backend's extra config. `mla`: SGLang's MLA pools (`MLATokenToKVPool`,
 `MLATokenToKVPoolHost`: one latent of `LATENT` values per token and layer), written and read
-through their own documented dims. `heads`: KV heads (2 by default, as many as layers).
+through their own documented dims. `dtype` of fp8 (`float8_e4m3fn`): SGLang keeps the KV's
+bytes in uint8 pools, and the test writes and compares those bytes. `heads`: KV heads (2 by
+default, as many as layers).
 `clear`: after the write, the backend's `clear()` as SGLang's controller calls it for "clear
 HiCache storage" (`cleared`: None, or its error).
 """
@@ -142,6 +144,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"backend": type(backend).__name__}
     tokens, seed, layout = list(args["tokens"]), int(args["seed"]), host.layout
     dtype = host.kv_buffer.dtype
+    kv_dtype = getattr(torch, args.get("dtype", "float16"))  # the KV's, the pool's store dtype
     if args.get("pause"):
         print("registered", flush=True)
         sys.stdin.readline()
@@ -149,11 +152,14 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         slots = host.alloc(len(tokens))
         for position, slot in enumerate(slots.tolist()):
             if args.get("mla"):
-                latent = latent_at(seed, position, dtype)
+                latent = latent_at(seed, position, kv_dtype)
+                latent = latent.view(torch.uint8) if dtype == torch.uint8 else latent
                 for layer in range(LAYERS):
                     latent_view(host.kv_buffer, layout, layer, slot).copy_(latent[layer])
                 continue
-            value = kv_at(seed, position, dtype)
+            value = kv_at(seed, position, kv_dtype)
+            if dtype == torch.uint8:  # an fp8 cache, whose bytes SGLang keeps as uint8
+                value = value.view(torch.uint8)
             for kv in (0, 1):
                 for layer in range(LAYERS):
                     slot_view(host.kv_buffer, layout, kv, layer, slot).copy_(value[kv, layer])
@@ -185,11 +191,11 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
             slots = hit.host_indices[:completed].tolist()
             out["bit_exact"] = all(
                 torch.equal(bits(latent_view(host.kv_buffer, layout, layer, slot)),
-                            bits(latent_at(seed, held * PAGE + i, dtype)[layer]))
+                            bits(latent_at(seed, held * PAGE + i, kv_dtype)[layer]))
                 for i, slot in enumerate(slots) for layer in range(LAYERS)
             ) if args.get("mla") else all(
                 torch.equal(bits(slot_view(host.kv_buffer, layout, kv, layer, slot)),
-                            bits(kv_at(seed, held * PAGE + i, dtype)[kv, layer]))
+                            bits(kv_at(seed, held * PAGE + i, kv_dtype)[kv, layer]))
                 for i, slot in enumerate(slots) for kv in (0, 1) for layer in range(LAYERS)
             )  # fmt: skip
         out["completed_tokens"] = completed
