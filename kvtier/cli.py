@@ -87,7 +87,7 @@ def _hangup(signum: int, frame: object) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvtier.service.server import serve
 
-    signal.signal(signal.SIGHUP, _hangup)  # before the config is read: a reload never kills it
+    signal.signal(signal.SIGHUP, _hangup)  # before the config is read (not before the imports)
     config = _config(args.config)
     given = {"host": args.host, "port": args.port}
     if any(value is not None for value in given.values()):  # checked as service.host/port are
@@ -377,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command][1](args)
+        code: int = COMMANDS[args.command][1](args)
+        sys.stdout.flush()  # a reader gone shows here (not at the exit's flush, stdout buffered)
+        return code
     except KVTierError as exc:
         say(f"kvtier: {exc}", file=sys.stderr)
         return 2

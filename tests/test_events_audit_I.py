@@ -217,3 +217,25 @@ def test_a_router_that_is_behind_closes_at_once(ctx: Any) -> None:
         began = time.monotonic()
         sub.close()
     assert time.monotonic() - began < 1.0 and not sub._thread.is_alive()
+
+
+def test_a_router_applying_a_replay_closes_at_once(replaying: Replaying) -> None:
+    """`close()` in the middle of applying what a replay brought (here 297 messages of 0.05 s)
+    waited its 10 s, and the thread went on changing the index after `close()` returned."""
+    slow = SlowIndex(0.05)
+    sub = Subscriber(slow, replay_timeout=2.0)
+    try:
+        sub.add(replaying.pub.endpoint, replaying.server.endpoint, pod="pod-a")
+        slowly_joined(sub, replaying.pub)
+        for seq in range(2, 300):  # all but the last lost: one gap, one replay of 297
+            block = stored([seq - 1], seq - 2 or None, [seq] * BS)
+            replaying.send(seq, batch(block), lost=seq < 299)
+        assert wait_until(lambda: sub.stats()["gaps"] == 1)
+        assert wait_until(lambda: sub.applied(A) > 10)  # inside the replay's apply loop
+    finally:
+        began = time.monotonic()
+        sub.close()
+    applied = sub.stats()["messages"]
+    assert time.monotonic() - began < 1.0 and not sub._thread.is_alive()
+    time.sleep(0.2)
+    assert sub.stats()["messages"] == applied < 200  # nothing applied after close()

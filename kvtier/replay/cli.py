@@ -155,7 +155,7 @@ def say(text: str, file: TextIO | None = None) -> None:
 
 def _layout(args: argparse.Namespace) -> KVLayout:
     """The model the planner buys for: `--config`'s, or the embedded default's."""
-    return (load_config(args.config) if args.config else KVTierConfig()).layout
+    return (load_config(args.config) if args.config is not None else KVTierConfig()).layout
 
 
 def _sizings(args: argparse.Namespace, layout: KVLayout) -> list[Sizing]:

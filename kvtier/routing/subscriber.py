@@ -321,6 +321,8 @@ class Subscriber:
             publisher.ration.spent(started)
         if got:
             for seq in sorted(got):
+                if self._stopping:  # closing: the rest of a replay matters no more
+                    break
                 self._apply(topic, seq, got[seq])
             self._count("replayed", len(got))
             return True, False
