@@ -34,8 +34,8 @@ Contract:
   each save before the first block its step's loads did not fill (`plans.cut_before`).
 - A lookup and its hit are counted once vLLM admits the request (vLLM retries one that lacks
   blocks: the sidecar is asked once until then); `vllm_stats.py` says each count.
-- A sidecar that is down or refuses a call is a miss (lookup 0, save skipped), logged and
-  counted in `stats` (and in vLLM's logs and `/metrics`: `vllm_stats.py`); never a failure.
+- A sidecar that is down, hangs or refuses a call is a miss (a lookup waits 5 s, then none is
+  asked for 10 s: `lookups.py`; a save skipped), logged and counted (`vllm_stats.py`).
 - Tenants: a call's tenant is its API key's: `kvtier.api_key`, or the key `kvtier.tenant_keys`
   gives the name a request carries in its `cache_salt` (or, trusted and salted apart, in
   `kv_transfer_params`: vLLM shares blocks across a salt, `settings.key_for`);
@@ -78,11 +78,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import plans, vllm_events
+from kvtier.integrations.lookups import Lookups, counted_key
 from kvtier.integrations.plans import LoadJob, Planned, Save, SaveJob, output_save
 from kvtier.integrations.resets import reset_or_log
 from kvtier.integrations.saving import Saves, load_job, store_job
 from kvtier.integrations.settings import (
-    REFUSALS,
     ConnectorSettings,
     check_blocks,
     check_layout,
@@ -137,6 +137,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._holding: set[str] = set()  # finished requests whose blocks vLLM keeps for us
         self._saving: set[str] = set()  # requests with a prompt save planned: a preemption flushes
         self._fence = plans.LoadFence()  # blocks of recent loads: no save sends them yet
+        self._lookups = Lookups(self.url)  # short, and none for a while after one failed
         self._reset = False  # `reset_cache` asked: the next step's plan says so
         scheduler = role == KVConnectorRole.SCHEDULER
         self.relay = vllm_events.start(self.settings, vllm_config, self.url) if scheduler else None
@@ -165,7 +166,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if not plans.keyed_by_tokens(request):
             self.stats["other_inputs"] += first
             return 0, False
-        key = self._key_for(request, first)
+        key = counted_key(self.settings, request, self.stats, first)
         if key is None or req_id in self._failed:
             return 0, False
         planned = self._requests.get(req_id)
@@ -337,6 +338,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             self._pool.shutdown(wait=True)
         for client in self._clients.values():
             client.close()
+        self._lookups.close()
 
     # ---- inside -------------------------------------------------------------------------
 
@@ -353,10 +355,16 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     def _lookup(self, request: Any, key: str) -> Planned:
         """A request to follow, with kvtier's prefix of its prompt (none if the sidecar fails)."""
         planned = Planned(tuple(request.prompt_token_ids or ()), key, save=self.first_save)
-        try:  # a producer's requests are followed for their saves, and never asked about
-            found = self._client(key).lookup(list(planned.tokens)).num_tokens if self.loads else 0
-            planned.found, planned.asked = found - found % self.block_size, self.loads
+        if not self.loads:  # a producer's requests are followed for their saves, never asked
+            return planned
+        if not self._lookups.open():  # a lookup failed just now (`lookups.py`): a miss
+            self.stats["skipped_lookups"] += 1
+            return planned
+        try:
+            found = self._lookups.client(key).lookup(list(planned.tokens)).num_tokens
+            planned.found, planned.asked = found - found % self.block_size, True
         except (KVTierError, OSError) as e:
+            self._lookups.failed()
             self._error("lookup", e)
         return planned
 
@@ -378,14 +386,6 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if missing:
             self.stats["failed_loads"] += 1
             self._load_errors.update(missing)
-
-    def _key_for(self, request: Any, count: bool) -> str | None:
-        key, refused = self.settings.key_for(request)
-        if refused is not None and count:
-            if not self.stats[refused]:
-                log.warning(REFUSALS[refused])
-            self.stats[refused] += 1
-        return key
 
     def _client(self, key: str) -> Client:
         with self._clients_lock:

@@ -34,6 +34,7 @@ COUNTERS = {
     "skipped_saves": "Prompt saves skipped while the saves' queue was full (per rank)",
     "failed_loads": "Loads that came back short; vLLM recomputed from there (per rank)",
     "errors": "Calls to the kvtier sidecar that failed (per rank)",
+    "skipped_lookups": "Requests not asked about for 10 s after a lookup failed (a miss each)",
     "untrusted_names": "Requests naming kvtier_tenant without kvtier.trust_tenant_param",
     "unsalted_names": "Requests naming kvtier_tenant without a cache_salt of that tenant's own",
     "other_inputs": "Requests whose KV is not their tokens' alone (LoRA, multimodal, embeds)",

@@ -18,6 +18,8 @@ Run with vLLM installed apart (the default suite does not collect this directory
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -390,3 +392,20 @@ def test_a_kv_consumer_only_loads_and_a_kv_producer_only_saves(sidecar: Server) 
     assert loaded["loaded_tokens"] == 32 and loaded["bit_exact"] is True
     assert loaded["stats"]["sent_tokens"] == 0  # not its output's blocks either
     assert saved(sidecar, prompt + [7] * 30) == 32
+
+
+def test_a_hung_sidecar_holds_the_scheduler_one_short_lookup_not_one_per_request(
+    sidecar: Server,
+) -> None:
+    # vLLM asks inside its scheduling loop: a sidecar that hangs (SIGSTOP) held every new
+    # request for the client's 120 s; now one lookup waits 5 s, then none is asked for 10 s
+    pid = sidecar.process.pid
+    try:
+        report = engine(sidecar, prompt=list(range(14000, 14040)), stop_pid=pid,
+                        warm=list(range(14100, 14140)), kv_role="kv_consumer")  # fmt: skip
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    stats = report["scheduler_stats"]
+    assert (stats["errors"], stats["skipped_lookups"], stats["lookups"]) == (1, 1, 0), stats
+    assert 4.5 <= report["served_s"] < 40, report["served_s"]
+    assert saved(sidecar, list(range(14000, 14040))) == 0  # answering again; nothing saved

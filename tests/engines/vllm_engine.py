@@ -34,13 +34,16 @@ of one 576-value latent per token and layer, layers `[blocks, 1, block_size, 576
 does: the report's `reset` is its answer, `held_after_reset` what kvtier then holds of the
 prompt, and `again` the same prompt served once more, with KV of seed `seed + 1`: new weights),
 reset_when_finished (the same reset in the step the request finishes, its saves not yet sent),
-kv_role (vLLM's: kv_both when absent).
+kv_role (vLLM's: kv_both when absent), stop_pid (SIGSTOP that process, the sidecar, once the
+worker has registered: it hangs from there; the report's `served_s` is how long the warm
+request and the request took).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -186,6 +189,9 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
         for i in range(LAYERS)
     }  # fmt: skip
     worker.register_kv_caches(layers)
+    if args.get("stop_pid"):  # the sidecar hangs from here on (the test resumes it)
+        os.kill(int(args["stop_pid"]), signal.SIGSTOP)
+    started = time.monotonic()
     caches = list(layers.values())
     init_none_hash(sha256)
     if args.get("flush_check"):
@@ -205,6 +211,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
             out["held_after_reset"] = client.lookup(list(args["prompt"])).num_tokens
         out["again"] = serve(scheduler, worker, caches, "r2", list(args["prompt"]), seed + 1, {})
         out["again"]["saved_tokens"] = worker.stats["saved_tokens"]
+    out["served_s"] = time.monotonic() - started  # the warm request's and the request's
     out["warm_stats"] = warm_stats  # the worker's counters after the warm request
     out["stats"] = worker.stats
     out["scheduler_stats"] = scheduler.connector.stats
