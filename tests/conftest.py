@@ -319,6 +319,20 @@ def ctx() -> Iterator[Any]:
     context.destroy(linger=0)
 
 
+@pytest.fixture
+def closing(ctx: Any) -> Iterator[Callable[[Any], Any]]:
+    """`closing(thing)`: `thing`, closed when the test ends (passed or not), before `ctx`."""
+    opened: list[Any] = []
+
+    def keep(thing: Any) -> Any:
+        opened.append(thing)
+        return thing
+
+    yield keep
+    for thing in reversed(opened):
+        thing.close()
+
+
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     """Poll `predicate` every 10 ms until it holds or `timeout` s pass; whether it holds."""
     deadline = time.monotonic() + timeout

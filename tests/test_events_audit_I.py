@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from conftest import wait_until
@@ -35,21 +35,6 @@ from kvtier.events.replay import Backlog, ReplayServer
 from kvtier.routing import PrefixIndex, Subscriber
 
 A = "kv@pod-a@m"
-T = TypeVar("T")
-
-
-@pytest.fixture
-def closing(ctx: Any) -> Iterator[Callable[[T], T]]:
-    """`closing(thing)`: `thing`, closed when the test ends, before `ctx`."""
-    opened: list[Any] = []
-
-    def keep(thing: T) -> T:
-        opened.append(thing)
-        return thing
-
-    yield keep
-    for thing in reversed(opened):
-        thing.close()
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import pytest
@@ -19,21 +18,6 @@ from test_routing import BS, PROMPT, batch, removed, stored
 from kvtier.routing import PrefixIndex, Subscriber
 
 A, B = "kv@pod-a@m", "kv@pod-b@m"
-T = TypeVar("T")
-
-
-@pytest.fixture
-def closing(ctx: Any) -> Iterator[Callable[[T], T]]:
-    """`closing(thing)`: `thing`, closed when the test ends (passed or not), before `ctx`."""
-    opened: list[Any] = []
-
-    def keep(thing: T) -> T:
-        opened.append(thing)
-        return thing
-
-    yield keep
-    for thing in reversed(opened):
-        thing.close()
 
 
 class Pub:

@@ -60,16 +60,18 @@ def storage_config(url: str, **fields: Any) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(**{**values, **fields})
 
 
-def host_pool(mla: bool = False) -> Any:
-    """SGLang's own host pool of the tiny model (MHA: 2 heads of 64; MLA: a 576 latent)."""
+def host_pool(mla: bool = False, layout: str = "page_first", dtype: Any = torch.float16) -> Any:
+    """SGLang's own host pool of the tiny model (MHA: 2 heads of 64; MLA: a 576 latent), in
+    host `layout`, of a KV cache of `dtype`."""
+    pool = {**POOL, "dtype": dtype}
     if mla:
-        device: Any = MLATokenToKVPool(kv_lora_rank=512, qk_rope_head_dim=64, **POOL)
+        device: Any = MLATokenToKVPool(kv_lora_rank=512, qk_rope_head_dim=64, **pool)
         host_class, more = MLATokenToKVPoolHost, {"target_layer_num": LAYERS}
     else:
-        device = MHATokenToKVPool(head_num=2, head_dim=64, **POOL)
+        device = MHATokenToKVPool(head_num=2, head_dim=64, **pool)
         host_class, more = MHATokenToKVPoolHost, {}
     return host_class(
-        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
         pin_memory=False, device="cpu", device_capacity_tokens=device.size,
         start_layer=device.start_layer, end_layer=device.end_layer, **more,
     )  # fmt: skip

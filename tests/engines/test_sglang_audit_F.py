@@ -34,9 +34,8 @@ from service_server import Server, running, write_config, write_mla_config
 pytest.importorskip("sglang", reason="SGLang is installed apart: tests/engines/install.sh sglang")
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from test_sglang_audit3 import host_pool
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.sglang import KvtierHiCacheStorage
@@ -45,7 +44,7 @@ ENGINE = Path(__file__).with_name("sglang_engine.py")
 ALICE = "alice-key-0123456789abcdef"
 SECRET = "a-secret-api-key-0123456789"
 TENANTS = {"alice": {"api_keys": [ALICE]}}
-PAGE, LAYERS = 8, 2
+PAGE = 8
 FP8 = torch.float8_e4m3fn
 
 
@@ -83,19 +82,7 @@ def fp8_mla_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
 
 def fp8_host_pool(layout: str, mla: bool = False) -> Any:
     """SGLang's own host pool of an fp8 KV cache (whose bytes it keeps as uint8)."""
-    pool = {"size": 256, "page_size": PAGE, "dtype": FP8, "layer_num": LAYERS, "device": "cpu",
-            "enable_memory_saver": False}  # fmt: skip
-    if mla:
-        device: Any = MLATokenToKVPool(kv_lora_rank=512, qk_rope_head_dim=64, **pool)
-        host_class, more = MLATokenToKVPoolHost, {"target_layer_num": LAYERS}
-    else:
-        device = MHATokenToKVPool(head_num=2, head_dim=64, **pool)
-        host_class, more = MHATokenToKVPoolHost, {}
-    host = host_class(
-        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout,
-        pin_memory=False, device="cpu", device_capacity_tokens=device.size,
-        start_layer=device.start_layer, end_layer=device.end_layer, **more,
-    )  # fmt: skip
+    host = host_pool(mla, layout, FP8)
     assert host.kv_buffer.dtype == torch.uint8  # SGLang's store dtype for fp8
     return host
 
