@@ -7,10 +7,17 @@ serves. A sidecar that is down answers at once (connection refused: a miss); one
 (stopped, swapping, a full disk under its lock) would hold the scheduler for a client's
 timeout (120 s) at every new request. So:
 
-- a lookup's client waits `LOOKUP_TIMEOUT_S` (5 s; a lookup is a hash walk over the prompt's
-  blocks, milliseconds on a sidecar that works), and
-- after a lookup fails, none is asked for `QUIET_S` (10 s): those requests are misses, each
-  counted in `skipped_lookups`; the next one after it asks again.
+- a lookup waits `LOOKUP_TIMEOUT_S` (5 s; a lookup is a hash walk over the prompt's blocks,
+  0.07 s for 1M tokens on a sidecar that works) at most, plus the resolution of the sidecar's
+  host name (give an IP address): its client's timeout is half of it, since a call first
+  tries the same-host lane (0.1 ms a lookup against 0.6 over HTTP, in vLLM's scheduling loop)
+  and, when that gives up, HTTP; the client's first call, mapping the pools, is bounded so
+  too; and
+- after a lookup fails for want of an answer (a timeout, a connection refused or cut:
+  `TransportError`, `OSError`), none is asked for `QUIET_S` (10 s): those requests are
+  misses, each counted in `skipped_lookups`; the next one after it asks again. A refusal the
+  sidecar answered (one tenant's key refused, a 503 while it recovers) came at once, and
+  silences nothing: it may be that tenant's alone.
 
 A sidecar that hangs then costs the scheduler one `LOOKUP_TIMEOUT_S` every `QUIET_S`, not one
 per request. The workers' loads and saves (larger, on threads of their own but for a
@@ -25,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from kvtier.client import Client
+from kvtier.client import Client, TransportError
 from kvtier.integrations.settings import REFUSALS, ConnectorSettings
 
 log = logging.getLogger("kvtier.vllm")
@@ -47,17 +54,16 @@ class Lookups:
         """Whether a lookup may be asked now (none for `quiet_s` after one failed)."""
         return time.monotonic() >= self._quiet_until
 
-    def failed(self) -> None:
-        """A lookup failed: ask none for `quiet_s`."""
-        self._quiet_until = time.monotonic() + self.quiet_s
+    def failed(self, error: BaseException) -> None:
+        """A lookup failed with `error`: ask none for `quiet_s` if the sidecar did not answer."""
+        if isinstance(error, TransportError | OSError):
+            self._quiet_until = time.monotonic() + self.quiet_s
 
     def client(self, key: str) -> Client:
         with self._lock:
             client = self._clients.get(key)
             if client is None:
-                client = Client(
-                    self.url, api_key=key or None, shared_memory=False, timeout_s=self.timeout_s
-                )
+                client = Client(self.url, api_key=key or None, timeout_s=self.timeout_s / 2)
                 self._clients[key] = client
             return client
 

@@ -364,7 +364,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             found = self._lookups.client(key).lookup(list(planned.tokens)).num_tokens
             planned.found, planned.asked = found - found % self.block_size, True
         except (KVTierError, OSError) as e:
-            self._lookups.failed()
+            self._lookups.failed(e)
             self._error("lookup", e)
         return planned
 

@@ -398,7 +398,8 @@ def test_a_hung_sidecar_holds_the_scheduler_one_short_lookup_not_one_per_request
     sidecar: Server,
 ) -> None:
     # vLLM asks inside its scheduling loop: a sidecar that hangs (SIGSTOP) held every new
-    # request for the client's 120 s; now one lookup waits 5 s, then none is asked for 10 s
+    # request for the client's 120 s; now one lookup waits 5 s at most (here the client's
+    # first call, mapping the pools: 2.5 s), then none is asked for 10 s
     pid = sidecar.process.pid
     try:
         report = engine(sidecar, prompt=list(range(14000, 14040)), stop_pid=pid,
@@ -407,5 +408,5 @@ def test_a_hung_sidecar_holds_the_scheduler_one_short_lookup_not_one_per_request
         os.kill(pid, signal.SIGCONT)
     stats = report["scheduler_stats"]
     assert (stats["errors"], stats["skipped_lookups"], stats["lookups"]) == (1, 1, 0), stats
-    assert 4.5 <= report["served_s"] < 40, report["served_s"]
+    assert 2.0 <= report["served_s"] < 40, report["served_s"]  # one bounded lookup
     assert saved(sidecar, list(range(14000, 14040))) == 0  # answering again; nothing saved
