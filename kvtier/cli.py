@@ -378,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = COMMANDS[args.command][1](args)
-        sys.stdout.flush()  # a reader gone shows here (not at the exit's flush, stdout buffered)
+        if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
+            sys.stdout.flush()  # a reader gone shows here, not at the exit's flush (buffered)
         return code
     except KVTierError as exc:
         say(f"kvtier: {exc}", file=sys.stderr)
@@ -389,8 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _quiet_stdout() -> None:
-    """Point stdout at /dev/null, so that the interpreter's last flush at exit does not raise
-    (and print) a second BrokenPipeError into the terminal."""
+    """Point stdout at /dev/null: the exit's last flush then raises (and prints) nothing."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)

@@ -50,6 +50,8 @@ def test_a_link_local_ipv6_address_with_its_zone_is_an_address() -> None:
     # ZMQ connects to it; the shape check refused the '%' (a router could not add such a pod)
     assert is_peer_address("tcp://[fe80::1%eth0]:5557")
     assert is_bind_address("tcp://[fe80::1%eth0]:0") and not is_peer_address("tcp://[::1]:0")
+    for outside in ("tcp://%%%:5557", "tcp://10.0.0.1%eth0:5557", "tcp://host%:1"):
+        assert not is_peer_address(outside) and not is_bind_address(outside), outside
 
 
 def test_an_events_port_past_65535_is_refused_naming_it() -> None:
@@ -145,6 +147,12 @@ def test_a_closed_pipe_ends_the_cli_quietly(tmp_path: Path) -> None:
             os.close(write)
         assert "Traceback" not in run.stderr and "Exception" not in run.stderr, run.stderr
         assert run.returncode == 141, (unbuffered, run.returncode)
+    closed = subprocess.run(  # started with stdout closed (`>&-`): sys.stdout is None
+        [sys.executable, "-m", "kvtier.cli", "validate", str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
+        preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert closed.returncode == 0 and "Traceback" not in closed.stderr, closed.stderr
 
 
 def _nobody() -> int:

@@ -12,7 +12,8 @@ from kvtier.config.fields import InvalidValue, Section, int_in, matching, one_of
 # a tcp host: a name, an IPv4 or a bracketed IPv6 address (a link-local one's zone after %);
 # an ipc path: no NUL byte and no lone surrogate (ZMQ takes the address as UTF-8)
 _ENDPOINT = re.compile(
-    r"(tcp://[A-Za-z0-9_.*\-\[\]:%]{1,255}:\d{1,5}|ipc://[^\x00\ud800-\udfff]{1,200})"
+    r"(tcp://(\[[0-9A-Fa-f:.]{1,64}(%[A-Za-z0-9_.\-]{1,32})?\]|[A-Za-z0-9_.*\-\[\]:]{1,255})"
+    r":\d{1,5}|ipc://[^\x00\ud800-\udfff]{1,200})"
 )
 _TOPIC = re.compile(r"(?=.{1,200}$)[\x21-\x3f\x41-\x7e]+(@[\x21-\x3f\x41-\x7e]+){0,2}")
 _TOPIC_TEXT = (

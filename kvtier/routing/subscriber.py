@@ -320,11 +320,13 @@ class Subscriber:
         finally:  # the fetch only: applying it costs what the messages would have live
             publisher.ration.spent(started)
         if got:
+            applied = 0
             for seq in sorted(got):
                 if self._stopping:  # closing: the rest of a replay matters no more
                     break
                 self._apply(topic, seq, got[seq])
-            self._count("replayed", len(got))
+                applied += 1
+            self._count("replayed", applied)
             return True, False
         started = time.monotonic()
         try:
