@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,19 +75,6 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 4.0) -> bool:
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
     return bool(predicate())
-
-
-@pytest.fixture
-def closing() -> Iterator[Callable[[Any], Any]]:
-    things: list[Any] = []
-
-    def close_later(thing: Any) -> Any:
-        things.append(thing)
-        return thing
-
-    yield close_later
-    for thing in reversed(things):
-        thing.close()
 
 
 def stale(tokens: list[int]) -> bytes:
