@@ -308,10 +308,9 @@ class Subscriber:
     def _recover(
         self, publisher: Publisher, topic: str, start: int | None, stop: int, resync: bool
     ) -> tuple[bool, bool]:
-        """Messages start..stop-1 of `topic` were lost (`start` None: nothing is known of it):
+        """Messages start..stop-1 of `topic` were lost (`start` None: nothing known of it):
         `(filled, resynced)`, filled from the replay endpoint, else (`resync`) a snapshot that
-        covers `topic` taken; neither when the publisher's recoveries have had their share
-        (`allowance.RECOVERY_SHARE`)."""
+        covers `topic` taken; neither past the recoveries' share (`allowance.RECOVERY_SHARE`)."""
         if not publisher.ration.allows():
             return False, False
         started = time.monotonic()
