@@ -201,7 +201,6 @@ def test_the_page_answers_while_the_store_recovers() -> None:
 def sample(t: float, asked: int, found: int, hits: dict[str, int], moved: int) -> Sample:
     return Sample(
         t=t,
-        wall=1000 + t,
         lookup_tokens=asked,
         hit_tokens=found,
         hits=hits,

@@ -17,7 +17,7 @@ Contract:
   restart of the counters (none today) would read as a gap.
 - Time is the monotonic clock's (`t`): the intervals' lengths, the samples' order and the
   charts' time axis (`render.py`) are right across a jump of the wall clock (a correction, a
-  resume from suspend), which `wall` only dates.
+  resume from suspend), which the history does not read.
 - Sampling is one `store.status()` every `interval_s` on its own thread; a status that fails
   because the store closed ends the thread quietly (the page then shows what the ring holds);
   any other failure is logged (once) and skipped: the next sample's interval is that much
@@ -49,10 +49,9 @@ class _Status(Protocol):
 
 @dataclass(frozen=True)
 class Sample:
-    """The global figures at `t` (monotonic seconds) and `wall` (epoch seconds)."""
+    """The global figures at `t` (monotonic seconds)."""
 
     t: float
-    wall: float
     lookup_tokens: int
     hit_tokens: int
     hits: dict[str, int]  # tier -> blocks found there by lookups, since start
@@ -61,11 +60,10 @@ class Sample:
     block_tokens: int
 
     @classmethod
-    def of(cls, status: dict[str, Any], t: float, wall: float) -> Sample:
+    def of(cls, status: dict[str, Any], t: float) -> Sample:
         tiers = status["tiers"]
         return cls(
             t=t,
-            wall=wall,
             lookup_tokens=status["ops"]["lookup_tokens"],
             hit_tokens=status["ops"]["hit_tokens"],
             hits={tier: figures["hits"] for tier, figures in tiers.items()},
@@ -77,11 +75,9 @@ class Sample:
 
 @dataclass(frozen=True)
 class Rates:
-    """One interval's figures, ending at `t` (monotonic seconds; `wall`, epoch seconds) and
-    lasting `seconds`."""
+    """One interval's figures, ending at `t` (monotonic seconds) and lasting `seconds`."""
 
     t: float
-    wall: float
     seconds: float
     hit_rate: float | None  # None: no lookups in the interval
     tier_hit_rate: dict[str, float | None]
@@ -102,7 +98,6 @@ def rates_between(a: Sample, b: Sample) -> Rates:
     }
     return Rates(
         t=b.t,
-        wall=b.wall,
         seconds=seconds,
         hit_rate=found / asked if asked > 0 else None,
         tier_hit_rate=per_tier,
@@ -139,7 +134,7 @@ class History:
 
     def take(self, store: _Status) -> None:
         """Add one sample of `store` now."""
-        sample = Sample.of(store.status(), time.monotonic(), time.time())
+        sample = Sample.of(store.status(), time.monotonic())
         with self._lock:
             if not self._ring or sample.t > self._ring[-1].t:
                 self._ring.append(sample)
