@@ -18,7 +18,6 @@ holds the result and calls into it. A failed assembly closes the publisher and t
 from __future__ import annotations
 
 import os
-import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from kvtier.events import EventPublisher, EventSettings, IndexEvents
 from kvtier.events.peers import BindError
 from kvtier.index import RadixIndex
 from kvtier.policy import write_policy
-from kvtier.preflight import Free, Plan, preflight
+from kvtier.preflight import Free, Plan, events_topic, preflight
 from kvtier.recovery import recover
 from kvtier.shares import TenantShares, TierRoom
 from kvtier.status import TenantCounters
@@ -252,9 +251,8 @@ def _publisher(config: KVTierConfig) -> EventPublisher | None:
     events = config.events
     if events is None:
         return None
-    topic = events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
     settings = EventSettings(
-        topic,
+        events_topic(config),
         events.per_tenant_topic,
         events.buffer,
         buffer_bytes=events.buffer_bytes,

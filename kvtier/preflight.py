@@ -95,11 +95,17 @@ def preflight(config: KVTierConfig, free: Free | None) -> Plan:
     return Plan(tuple(capacities), tuple(rooms))
 
 
+def events_topic(config: KVTierConfig) -> str:
+    """The topic the store's events go out on: `events.topic`, else `kv@<host name>@<model
+    name>` (a router reads the pod from the second field)."""
+    assert config.events is not None
+    return config.events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
+
+
 def _check_topic(config: KVTierConfig) -> None:
-    """The events topic (`events.topic`, else the default `kv@<host name>@<model name>`,
-    `assembly._publisher`), with `@<tenant>` under `per_tenant_topic`: the default's model name
-    without '@', and the longest topic within `MAX_TOPIC_CHARS`, past which a router's
-    subscriber (`routing/allowance.py`) ignores every event on it."""
+    """The events topic (`events_topic`), with `@<tenant>` under `per_tenant_topic`: the
+    default's model name without '@', and the longest topic within `MAX_TOPIC_CHARS`, past
+    which a router's subscriber (`routing/allowance.py`) ignores every event on it."""
     from kvtier.routing.allowance import MAX_TOPIC_CHARS
 
     events = config.events
@@ -108,7 +114,7 @@ def _check_topic(config: KVTierConfig) -> None:
     if events.topic is None and "@" in config.model.name:
         expected = "no '@' (the default events topic: kv@<host name>@<model name>), or events.topic"
         raise ConfigError("model.name", config.model.name, expected)
-    topic = events.topic or f"kv@{socket.gethostname()}@{config.model.name}"
+    topic = events_topic(config)
     tenant = max(len(name) for name in config.tenants) + 1 if events.per_tenant_topic else 0
     if len(topic) + tenant > MAX_TOPIC_CHARS:
         field, value = ("events.topic", events.topic) if events.topic else ("model.name", None)
