@@ -41,23 +41,32 @@ LOOKUP_TIMEOUT_S = 5.0
 QUIET_S = 10.0
 
 
-class Lookups:
-    """Clients for the scheduler's lookups, by API key, on `url` (module doc)."""
+class Quiet:
+    """A sidecar that did not answer is not asked again for `quiet_s` (module doc): shared by
+    the vLLM scheduler's lookups and SGLang's storage threads (`sglang.py`)."""
 
-    def __init__(self, url: str, timeout_s: float = LOOKUP_TIMEOUT_S, quiet_s: float = QUIET_S):
-        self.url, self.timeout_s, self.quiet_s = url, timeout_s, quiet_s
-        self._clients: dict[str, Client] = {}
-        self._lock = threading.Lock()
-        self._quiet_until = 0.0  # monotonic: no lookup before it
+    def __init__(self, quiet_s: float = QUIET_S):
+        self.quiet_s = quiet_s
+        self._quiet_until = 0.0  # monotonic: no call before it
 
     def open(self) -> bool:
-        """Whether a lookup may be asked now (none for `quiet_s` after one failed)."""
+        """Whether a call may be made now (none for `quiet_s` after one went unanswered)."""
         return time.monotonic() >= self._quiet_until
 
     def failed(self, error: BaseException) -> None:
-        """A lookup failed with `error`: ask none for `quiet_s` if the sidecar did not answer."""
+        """A call failed with `error`: make none for `quiet_s` if the sidecar did not answer."""
         if isinstance(error, TransportError | OSError):
             self._quiet_until = time.monotonic() + self.quiet_s
+
+
+class Lookups(Quiet):
+    """Clients for the scheduler's lookups, by API key, on `url` (module doc)."""
+
+    def __init__(self, url: str, timeout_s: float = LOOKUP_TIMEOUT_S, quiet_s: float = QUIET_S):
+        super().__init__(quiet_s)
+        self.url, self.timeout_s = url, timeout_s
+        self._clients: dict[str, Client] = {}
+        self._lock = threading.Lock()
 
     def client(self, key: str) -> Client:
         with self._lock:

@@ -190,6 +190,15 @@ def served_model(extra: Mapping[str, Any]) -> str | None:
     return model
 
 
+def call_timeout(extra: Mapping[str, Any], default: float) -> float:
+    """`kvtier.timeout_s`: the most seconds one call to the sidecar may wait (`default` when
+    unset); a `ConfigError` naming it for a bool, a non-number, or one outside (0, 3600]."""
+    value = extra.get("kvtier.timeout_s", default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+        raise ConfigError("kvtier.timeout_s", value, "seconds, a number in (0, 3600]")
+    return float(value)
+
+
 def api_key(extra: Mapping[str, Any]) -> str | None:
     """`kvtier.api_key`, resolved (`env:NAME`); None when unset."""
     key = extra.get("kvtier.api_key")

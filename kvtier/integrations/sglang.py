@@ -54,6 +54,12 @@ Contract:
   the gather or scatter refuses, and a load whose KV is not the layout SGLang's host pool
   registered with (a sidecar restarted on another model behind the same URL): never cast
   into the host pool.
+- A call waits `kvtier.timeout_s` (`TIMEOUT_S`, 10 s) at most; after one the sidecar did not
+  answer (a timeout, a connection refused or cut), none is made for `lookups.QUIET_S` (10 s):
+  `batch_exists`, `batch_get_v1` and `batch_set_v1` answer misses meanwhile, each counted in
+  `stats["skipped_calls"]`. A sidecar that hangs then holds SGLang's backup and prefetch
+  threads one timeout every 10 s, not the client's 120 s per call. SGLang's clear is always
+  asked (its failure must be heard).
 
 MLA (`MLATokenToKVPoolHost`: one latent of C values per token and layer, no separate V): kvtier
 holds the latent as one head of K and V halves, so the sidecar's model is `num_kv_heads: 1`,
@@ -82,8 +88,9 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
+from kvtier.integrations.lookups import Quiet
 from kvtier.integrations.resets import reset_tenants
-from kvtier.integrations.settings import api_key, closed
+from kvtier.integrations.settings import api_key, call_timeout, closed
 from kvtier.keyed import KeyedPages
 
 log = logging.getLogger("kvtier.sglang")
@@ -94,16 +101,19 @@ __all__ = ["KvtierHiCacheStorage"]
 class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        closed(extra, ("kvtier.url", "kvtier.api_key"))  # a misspelt key is never ignored
+        closed(extra, ("kvtier.url", "kvtier.api_key", "kvtier.timeout_s"))  # never ignored
         self.url = sidecar_url(extra.get("kvtier.url", "http://127.0.0.1:8750"))
-        self.client = Client(self.url, api_key=api_key(extra))
+        timeout_s = call_timeout(extra, TIMEOUT_S)  # each try (the lane, HTTP) half of it
+        self.client = Client(self.url, api_key=api_key(extra), timeout_s=timeout_s / 2)
+        self.quiet = Quiet()  # none asked for a while after the sidecar did not answer
         self.config = storage_config
         self.scope = scope(storage_config)
         self.pages: KeyedPages | None = None
         self.mem_pool_host: Any = None
         self.buffer: Any = None  # the host pool's kv_buffer as an MHA one (`host_buffer`)
         self.layout = ""
-        self.stats = {"exists_calls": 0, "pages_set": 0, "pages_got": 0, "errors": 0}
+        self.stats = dict.fromkeys(("exists_calls", "pages_set", "pages_got", "errors"), 0)
+        self.stats["skipped_calls"] = 0  # calls answered as misses while `quiet`
         self._lock = threading.Lock()
         if not extra.get("interface_v1"):  # SGLang's test: bool(extra.get("interface_v1", 0))
             log.error("kvtier: %s", NOT_V1)
@@ -145,6 +155,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         prefix = _prefix(extra_info)
         pages = self._pages()
+        if self._skipped():
+            return 0
         try:
             found = self.client.lookup(pages.tokens(prefix + list(keys))).num_tokens
         except (KVTierError, OSError) as e:
@@ -159,6 +171,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         prefix = _prefix(extra_info)
         pages, host = self._pages(), self.mem_pool_host
         start = len(prefix) * host.page_size
+        if self._skipped():
+            return [False] * len(keys)
         try:  # SGLang's indices too: a wrong one is a miss, never an exception in its thread
             kv = paged.host_gather(self.buffer, self.layout, host_indices, host.page_size)
             stored = self.client.store(pages.tokens(prefix + list(keys)), kv, start=start)
@@ -175,6 +189,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         prefix = _prefix(extra_info)
         pages, host = self._pages(), self.mem_pool_host
         ps = host.page_size
+        if self._skipped():
+            return [False] * len(keys)
         try:  # only the pages asked for: SGLang holds the prefix's
             got = self.client.load(pages.tokens(prefix + list(keys)), start=len(prefix) * ps)
         except (KVTierError, OSError) as e:
@@ -243,7 +259,16 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._count("errors", 1)
         return NotImplementedError(f"kvtier serves SGLang only through {v1}: {NOT_V1}")
 
+    def _skipped(self) -> bool:
+        """Whether to answer a miss without asking: the sidecar did not answer a call in the
+        last `Quiet.quiet_s` (counted in `skipped_calls`)."""
+        if self.quiet.open():
+            return False
+        self._count("skipped_calls", 1)
+        return True
+
     def _failed(self, what: str, error: BaseException) -> None:
+        self.quiet.failed(error)
         self._count("errors", 1)
         log.warning("kvtier %s failed: %s", what, error)
 
@@ -256,6 +281,11 @@ NOT_V1 = (
     'the extra config lacks "interface_v1": 1, so SGLang calls batch_get / batch_set, which '
     "kvtier does not serve: no page is backed up or prefetched (set it)"
 )
+TIMEOUT_S = 10.0
+"""The most a call to the sidecar waits by default (`kvtier.timeout_s`): a lookup is a hash walk
+(0.07 s for 1M tokens), a batch of pages a copy through shared memory; a sidecar that hangs
+(stopped, a full disk under its lock) must not hold SGLang's backup and prefetch threads for
+the client's 120 s per call."""
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The sidecar dtypes of an fp8 KV cache, whose bytes SGLang's pools keep as uint8."""
 

@@ -1,0 +1,100 @@
+"""kvtier's SGLang backend against a sidecar that hangs (a real `kvtier serve` under SIGSTOP:
+its sockets take connections and never answer), with SGLang's real host pool on CPU.
+
+SGLang calls the backend from its backup and prefetch threads; each call used to wait the
+client's 120 s, so one stopped sidecar held both threads two minutes per call. A call now
+waits `kvtier.timeout_s` at most, and after one went unanswered the backend answers misses
+without asking for a quiet period (`stats["skipped_calls"]`), then asks again.
+
+    KVTIER_ENGINE_TESTS=1 PYTHONPATH=.engines/sglang:tests/engines/placeholders \\
+        python -m pytest tests/engines/test_sglang_hung.py
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from service_server import Server, running, write_config
+
+pytest.importorskip("sglang", reason="SGLang is installed apart: tests/engines/install.sh sglang")
+
+from test_sglang_audit3 import PAGE, TENANTS, host_pool
+from test_sglang_audit_F import storage_config
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.lookups import Quiet
+from kvtier.integrations.sglang import KvtierHiCacheStorage
+
+
+@pytest.fixture
+def sidecar(tmp_path: object) -> Iterator[Server]:
+    """A sidecar of its own: the test stops it (SIGCONT always sent back)."""
+    with running(write_config(tmp_path, tenants=TENANTS)) as server:  # type: ignore[arg-type]
+        try:
+            yield server
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+
+
+def timed(call: object) -> tuple[object, float]:
+    began = time.monotonic()
+    result = call()  # type: ignore[operator]
+    return result, time.monotonic() - began
+
+
+def test_a_hung_sidecar_costs_one_timeout_then_misses_until_it_answers_again(
+    sidecar: Server,
+) -> None:
+    backend = KvtierHiCacheStorage(storage_config(sidecar.url, extra={"kvtier.timeout_s": 1.0}))
+    backend.quiet = Quiet(0.8)  # 10 s by default
+    host = host_pool()
+    backend.register_mem_pool_host(host)
+    slots = host.alloc(2 * PAGE)
+    host.kv_buffer.copy_(
+        torch.randn(host.kv_buffer.shape, generator=torch.Generator().manual_seed(3))
+    )
+    keys = ["hung-0", "hung-1"]
+    assert backend.batch_set_v1(keys, slots) == [True, True]
+    sidecar.process.send_signal(signal.SIGSTOP)
+    found, took = timed(lambda: backend.batch_exists(keys))
+    assert found == 0 and 0.4 <= took < 3.0, took  # the timeout (lane, then HTTP), not 120 s
+    assert backend.stats["errors"] == 1 and backend.stats["skipped_calls"] == 0
+    out = host.alloc(2 * PAGE)
+    for call in (
+        lambda: backend.batch_get_v1(keys, out),
+        lambda: backend.batch_set_v1(keys, slots),
+    ):
+        answer, took = timed(call)
+        assert answer == [False, False] and took < 0.5, took  # not asked: a miss at once
+    assert backend.batch_exists(keys) == 0
+    assert backend.stats["skipped_calls"] == 3 and backend.stats["errors"] == 1
+    sidecar.process.send_signal(signal.SIGCONT)
+    time.sleep(0.9)  # the quiet period over: asked again, answered (once the sidecar caught up)
+    deadline = time.monotonic() + 10
+    while backend.batch_exists(keys) != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert backend.batch_get_v1(keys, out) == [True, True]
+    backend.close()
+
+
+def test_a_failure_the_sidecar_did_not_cause_silences_nothing(sidecar: Server) -> None:
+    backend = KvtierHiCacheStorage(storage_config(sidecar.url))
+    host = host_pool()
+    backend.register_mem_pool_host(host)
+    wrong = torch.full((PAGE,), 10**6, dtype=torch.int64)  # past the host pool: refused here
+    assert backend.batch_set_v1(["far-0"], wrong) == [False]
+    assert backend.stats["errors"] == 1 and backend.quiet.open()
+    assert backend.batch_set_v1(["near-0"], host.alloc(PAGE)) == [True]  # asked, stored
+    assert backend.stats["skipped_calls"] == 0
+    backend.close()
+
+
+@pytest.mark.parametrize("value", [True, "10", 0, -1.0, 3601, float("nan"), None])
+def test_timeout_s_must_be_seconds(value: object) -> None:
+    extra = {"kvtier.timeout_s": value}
+    with pytest.raises(ConfigError, match=r"kvtier\.timeout_s"):
+        KvtierHiCacheStorage(storage_config("http://127.0.0.1:1", extra=extra))  # type: ignore[dict-item]
