@@ -116,27 +116,25 @@ def test_refusals_of_a_presented_key_do_not_echo_it(tmp_path: Path) -> None:
 
 
 def test_under_umask_0_the_state_and_disk_files_are_private(tmp_path: Path) -> None:
-    with umask(0):
-        config = write_config(tmp_path, disk="256KiB")
-        with running(config) as server, Client(server.url, shared_memory=False) as client:
-            client.store(tokens_of(0, 8), kv_of(8, seed=1))
-            server.admin("/v1/admin/persist")
-            state, disk = tmp_path / "state", tmp_path / "disk"
-            assert (mode(state), mode(state / "secret")) == (0o700, 0o600)
-            assert mode(disk) == 0o700
-            files = sorted(p.name for p in disk.iterdir())
-            assert files == ["kvtier-disk.json", "kvtier.lock", "slab-00000.kvt"]
-            assert {p.name: mode(p) for p in disk.iterdir()} == dict.fromkeys(files, 0o600)
+    config = write_config(tmp_path, disk="256KiB")  # its own file other users cannot write
+    with umask(0), running(config) as server, Client(server.url, shared_memory=False) as client:
+        client.store(tokens_of(0, 8), kv_of(8, seed=1))
+        server.admin("/v1/admin/persist")
+        state, disk = tmp_path / "state", tmp_path / "disk"
+        assert (mode(state), mode(state / "secret")) == (0o700, 0o600)
+        assert mode(disk) == 0o700
+        files = sorted(p.name for p in disk.iterdir())
+        assert files == ["kvtier-disk.json", "kvtier.lock", "slab-00000.kvt"]
+        assert {p.name: mode(p) for p in disk.iterdir()} == dict.fromkeys(files, 0o600)
 
 
 @SLOW
 def test_missing_parents_of_the_state_dir_are_made_without_group_or_other_write(
     tmp_path: Path,
 ) -> None:
-    with umask(0):
-        config = write_config(tmp_path, service={"state_dir": str(tmp_path / "a" / "b" / "state")})
-        with running(config):
-            pass
+    config = write_config(tmp_path, service={"state_dir": str(tmp_path / "a" / "b" / "state")})
+    with umask(0), running(config):
+        pass
     assert (mode(tmp_path / "a"), mode(tmp_path / "a" / "b")) == (0o755, 0o755)
     assert mode(tmp_path / "a" / "b" / "state") == 0o700
 
