@@ -291,8 +291,8 @@ def _codec(
 
 
 def _tls_settings(tls: RemoteTlsConfig | None) -> TlsSettings | None:
-    """`tiers.remote.tls` with its files checked: each a readable regular file, loaded as a
-    connection loads it (`_load_tls`)."""
+    """`tiers.remote.tls` with its files checked: each a readable regular file, the key one
+    no other user can read or write, loaded as a connection loads it (`_load_tls`)."""
     if tls is None:
         return None
     for name in ("ca_file", "cert_file", "key_file"):
@@ -300,6 +300,9 @@ def _tls_settings(tls: RemoteTlsConfig | None) -> TlsSettings | None:
         if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
             raise ConfigError(f"tiers.remote.tls.{name}", path, "a readable file")
     _load_tls(tls)
+    if tls.key_file is not None and os.stat(tls.key_file).st_mode & 0o006:  # as ssh's keys
+        expected = "a private key other users cannot read or write (chmod o-rw it)"
+        raise ConfigError("tiers.remote.tls.key_file", tls.key_file, expected)
     return TlsSettings(tls.ca_file, tls.cert_file, tls.key_file, tls.check_hostname)
 
 

@@ -1,17 +1,22 @@
 """A config file any local user can write is refused: it gives the server its API keys, admin
 key, state and disk directories, so another user could have taken the tenants' data (their own
 key added, the disk tier pointed at a directory of theirs). One its group can write is taken
-(an operators' group), as is a FIFO (`<(envsubst < tmpl)`)."""
+(an operators' group), as is a FIFO (`<(envsubst < tmpl)`). So is the remote tier's TLS key
+that other users can read."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+from test_remote_audit_n import tls_config
 
+from kvtier import KVStore
 from kvtier.cli import main
-from kvtier.config import load_config
+from kvtier.config import load_config, parse_config
 from kvtier.errors import ConfigError
+from kvtier.tiers.remote.local import make_certificates
 
 YAML = "model: {name: tiny, num_layers: 2, num_kv_heads: 2, head_dim: 64, dtype: float16}\n"
 
@@ -39,3 +44,23 @@ def test_kvtier_info_exits_2_on_a_world_writable_config(
     path.chmod(0o646)
     assert main(["info", "--config", str(path)]) == 2
     assert "chmod o-w" in capsys.readouterr().err
+
+
+def test_a_tls_key_other_users_can_read_is_refused_at_start(tmp_path: Path) -> None:
+    """This node's private key for the remote tier's cluster (`tiers.remote.tls.key_file`):
+    one any local user can read lets them pose as this node to the cluster."""
+    if shutil.which("openssl") is None:
+        pytest.skip(reason="no openssl on PATH: the TLS files are made with it")
+    tls = make_certificates(tmp_path / "tls")
+    files = {
+        "ca_file": str(tls.ca_file),
+        "cert_file": str(tls.cert_file),
+        "key_file": str(tls.key_file),
+    }
+    config = tls_config(files)
+    Path(str(tls.key_file)).chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod o-rw") as refused:
+        KVStore(parse_config(config)).close()
+    assert refused.value.field == "tiers.remote.tls.key_file"
+    Path(str(tls.key_file)).chmod(0o640)  # its group may: the server's own group
+    KVStore(parse_config(config)).close()
