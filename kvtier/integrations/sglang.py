@@ -103,8 +103,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         extra = dict(storage_config.extra_config or {})
         closed(extra, ("kvtier.url", "kvtier.api_key", "kvtier.timeout_s"))  # never ignored
         self.url = sidecar_url(extra.get("kvtier.url", "http://127.0.0.1:8750"))
-        timeout_s = call_timeout(extra, TIMEOUT_S)  # each try (the lane, HTTP) half of it
-        self.client = Client(self.url, api_key=api_key(extra), timeout_s=timeout_s / 2)
+        self.timeout_s = call_timeout(extra, TIMEOUT_S)  # each try (lane, HTTP) half of it
+        self.client = Client(self.url, api_key=api_key(extra), timeout_s=self.timeout_s / 2)
         self.quiet = Quiet()  # none asked for a while after the sidecar did not answer
         self.config = storage_config
         self.scope = scope(storage_config)
@@ -115,6 +115,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.stats = dict.fromkeys(("exists_calls", "pages_set", "pages_got", "errors"), 0)
         self.stats["skipped_calls"] = 0  # calls answered as misses while `quiet`
         self._lock = threading.Lock()
+        self._sets = threading.Condition()  # stores under way, and a clear that waits for them
+        self._storing, self._clearing = 0, False
         if not extra.get("interface_v1"):  # SGLang's test: bool(extra.get("interface_v1", 0))
             log.error("kvtier: %s", NOT_V1)
 
@@ -171,7 +173,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         prefix = _prefix(extra_info)
         pages, host = self._pages(), self.mem_pool_host
         start = len(prefix) * host.page_size
-        if self._skipped():
+        if self._skipped() or not self._begin_store():
             return [False] * len(keys)
         try:  # SGLang's indices too: a wrong one is a miss, never an exception in its thread
             kv = paged.host_gather(self.buffer, self.layout, host_indices, host.page_size)
@@ -179,6 +181,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         except (KVTierError, OSError, IndexError, RuntimeError, ValueError) as e:
             self._failed("store", e)
             return [False] * len(keys)
+        finally:
+            self._end_store()
         held = pages.pages(stored.cached_tokens) - len(prefix)
         self._count("pages_set", max(0, held))
         return [i < held for i in range(len(keys))]
@@ -237,8 +241,17 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def clear(self) -> None:
         """SGLang's "clear HiCache storage" (after a weight update): this tenant's KV in the
         sidecar forgotten (`resets.py`); a failure is logged, counted and raised (SGLang's
-        storage attachment then reports the clear failed)."""
-        why = reset_tenants([self.client])
+        storage attachment then reports the clear failed). The stores under way (their pages
+        read from the host pool before it, maybe of the old weights) end first, and none
+        starts until the reset has: no old page lands after it."""
+        with self._sets:
+            self._clearing = True
+            drained = self._sets.wait_for(lambda: not self._storing, self.timeout_s)
+        try:
+            why = reset_tenants([self.client]) if drained else "a store did not end in time"
+        finally:
+            with self._sets:
+                self._clearing = False
         if why is not None:
             self._failed("reset", RuntimeError(why))
             raise KVTierError(f"kvtier reset: {why}")
@@ -258,6 +271,20 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         and refused naming the key (SGLang logs it and moves no page)."""
         self._count("errors", 1)
         return NotImplementedError(f"kvtier serves SGLang only through {v1}: {NOT_V1}")
+
+    def _begin_store(self) -> bool:
+        """Whether a store may start (not while a clear runs: a miss, counted as skipped)."""
+        with self._sets:
+            if self._clearing:
+                self._count("skipped_calls", 1)
+                return False
+            self._storing += 1
+            return True
+
+    def _end_store(self) -> None:
+        with self._sets:
+            self._storing -= 1
+            self._sets.notify_all()
 
     def _skipped(self) -> bool:
         """Whether to answer a miss without asking: the sidecar did not answer a call in the

@@ -13,6 +13,7 @@ without asking for a quiet period (`stats["skipped_calls"]`), then asks again.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -98,3 +99,35 @@ def test_timeout_s_must_be_seconds(value: object) -> None:
     extra = {"kvtier.timeout_s": value}
     with pytest.raises(ConfigError, match=r"kvtier\.timeout_s"):
         KvtierHiCacheStorage(storage_config("http://127.0.0.1:1", extra=extra))  # type: ignore[dict-item]
+
+
+def test_no_store_lands_after_a_clear_nor_starts_during_one(sidecar: Server) -> None:
+    """SGLang's clear follows a weight update; a backup under way holds pages read from the host
+    pool before it (the old weights'). A store that began during the clear used to land after
+    the reset (kept, served to the new weights); now it is a miss, and the clear waits for the
+    stores that began before it, then resets them away too."""
+    backend = KvtierHiCacheStorage(storage_config(sidecar.url, extra={"kvtier.timeout_s": 6.0}))
+    host = host_pool()
+    backend.register_mem_pool_host(host)
+    before, during = ["old-0", "old-1"], ["late-0", "late-1"]
+    slots = host.alloc(2 * PAGE)
+    sidecar.process.send_signal(signal.SIGSTOP)  # every call waits until SIGCONT
+    results: dict[str, object] = {}
+    storing = threading.Thread(
+        target=lambda: results.update(set=backend.batch_set_v1(before, slots))
+    )
+    storing.start()
+    time.sleep(0.3)
+    clearing = threading.Thread(target=lambda: results.update(clear=backend.clear()))
+    clearing.start()
+    time.sleep(0.3)
+    answer, took = timed(lambda: backend.batch_set_v1(during, slots))
+    assert answer == [False, False] and took < 0.5, took  # refused during the clear, not queued
+    sidecar.process.send_signal(signal.SIGCONT)
+    storing.join(10)
+    clearing.join(10)
+    assert results == {"set": [True, True], "clear": None}
+    assert backend.batch_exists(before) == 0 and backend.batch_exists(during) == 0
+    assert backend.batch_set_v1(during, slots) == [True, True]  # after it: stored again
+    assert backend.batch_exists(during) == 2
+    backend.close()
