@@ -1,59 +1,49 @@
 """What a block is: the geometry of its KV, the KV tensors at the public API, and its name.
 
-The geometry of one model's KV cache, and what follows from it.
-
-A block holds the keys and values of `block_tokens` consecutive tokens for every layer, stored
-block-major and contiguous so that one block moves between tiers as one copy:
+The geometry of one model's KV cache, and what follows from it: a block holds the keys and values of
+`block_tokens` consecutive tokens for every layer, stored block-major and contiguous so that one
+block moves between tiers as one copy:
 
     block = [num_layers, 2, block_tokens, num_kv_heads, head_dim]      (2 = K | V)
     pool  = [num_slots, num_layers, 2, block_tokens, num_kv_heads, head_dim]
-
     block_bytes = num_layers * 2 * block_tokens * num_kv_heads * head_dim * itemsize
 
 `KVLayout` is frozen; `fingerprint` names the model and the geometry, and seeds every block id
 (see the block ids below), so blocks of another model or layout can never be confused with ours.
 
-KV tensors at the public API: validated, and cut into blocks or joined back.
-
-The engine hands KV over as `[num_layers, 2, num_tokens, num_kv_heads, head_dim]` (K at 0,
-V at 1); tiers hold blocks as `[n, num_layers, 2, block_tokens, num_kv_heads, head_dim]`.
+KV tensors at the public API, validated, and cut into blocks or joined back: the engine hands KV
+over as `[num_layers, 2, num_tokens, num_kv_heads, head_dim]` (K at 0, V at 1), tiers hold blocks:
 
     kv [L, 2, n*bt, H, D]  --to_blocks (a view)-->  [n, L, 2, bt, H, D]
     [n, L, 2, bt, H, D]    --from_blocks (a copy)-> kv [L, 2, n*bt, H, D], contiguous
 
-Token ids in, canonical bytes out.
+Token ids in, canonical bytes out: the index keys blocks by the bytes of their token ids as
+little-endian uint32, so that the same tokens give the same key (and the same block id) whether they
+arrive as a Python list, a NumPy array or a torch tensor of any integer dtype. `encode_tokens` is on
+every hot path, so each input kind takes its cheapest route: arrays are range-checked and cast in C;
+a list is packed by `struct` in one call, which also rejects negatives, values of 2**32 or more and
+non-integers without a Python loop. Bools are refused in every kind (a bool array, tensor, list item
+or tensor item: `True` is no token id), a list's by one pass over its types in C.
 
-The index keys blocks by the bytes of their token ids as little-endian uint32, so that the same
-tokens give the same key (and the same block id) whether they arrive as a Python list, a NumPy
-array or a torch tensor of any integer dtype. `encode_tokens` is on every hot path, so each input
-kind takes its cheapest route: arrays are range-checked and cast in C; a list is packed by
-`struct` in one call (about 11 us for 2000 ints here, half of building an array from it), which
-also rejects negatives, values of 2**32 or more and non-integers without a Python loop. Bools
-are refused in every kind (a bool array, tensor or list item: `True` is no token id), the
-list's at the cost of one pass over its types in C (another 10-20 us for 2000 ints).
-
-Chained, collision-resistant block ids.
-
+Chained, collision-resistant block ids:
     seed    = H("kvtier-ns/v1" || layout fingerprint || tenant salt)
     id_0    = H(seed    || tokens of block 0)
     id_i    = H(id_{i-1} || tokens of block i)
 
 Tokens enter the hash as little-endian uint32 (`encode_tokens` above), so an id depends only on the
-token values, never on the dtype they arrived in. An id names the whole prefix up to its block:
-two blocks share an id only when everything before them is the same, under the same model
-geometry and the same tenant. `H` is BLAKE2b-128 by default (never Python's `hash()`), so ids
-are stable across processes and machines and safe as keys on disk and in events.
+token values, never on the dtype they arrived in. An id names the whole prefix up to its block: two
+blocks share an id only when everything before them is the same, under the same model geometry and
+the same tenant. `H` is BLAKE2b-128 by default (never Python's `hash()`), so ids are stable across
+processes and machines and safe as keys on disk and in events. The tenant salt is derived here from
+the tenant id and an optional server secret (a keyed BLAKE2b); callers never supply a salt of their
+own.
 
-The tenant salt is derived here from the tenant id and an optional server secret (a keyed
-BLAKE2b); callers never supply a salt of their own.
-
-Ids that a client sees (leases, reservations): random, so that they tell nothing.
-
-An id drawn from a shared counter counts the calls of every other client between two of one's
-own, and a small id is easy to guess (issue 11, point 4). Every such id is instead 63 random
-bits from `secrets` (it fits a signed 64-bit integer, so msgpack, JSON and SQL all carry it
-intact), never 0 (0 means "none" in `Reservation`), and unique among the ids live in its
-table. Guessing a live id of another client takes about 2**63 / (live ids) tries.
+Ids that a client sees (leases, reservations) are random, so that they tell nothing: an id drawn
+from a shared counter counts the calls of every other client between two of one's own, and a small
+id is easy to guess (issue 11, point 4). Every such id is instead 63 random bits from `secrets` (it
+fits a signed 64-bit integer, so msgpack, JSON and SQL all carry it intact), never 0 (0 means "none"
+in `Reservation`), and unique among the ids live in its table. Guessing a live id of another client
+takes about 2**63 / (live ids) tries.
 """
 
 from __future__ import annotations
@@ -286,20 +276,30 @@ def _unsigned(dtype: np.dtype[Any]) -> np.dtype[Any]:
 def _encode_sequence(tokens: Sequence[int]) -> bytes:
     if not tokens:
         raise InvalidTokensError("tokens: got an empty sequence, expected at least one token")
-    try:
+    try:  # struct packs what has __index__, and lets its TypeError by (a float tensor's) ...
         packed = _packer(len(tokens)).pack(*tokens)
-    except struct.error:
-        pass
-    else:  # `struct` packs a bool as 0 or 1: refused, as a bool array is (module doc)
-        if bool not in set(map(type, tokens)):
-            return packed
+    except (struct.error, TypeError, RuntimeError):
+        packed = b""
+    # ... and packs a bool, or a tensor of one, as 0 or 1: refused, as a bool array is
+    if packed and not any(t is bool or issubclass(t, torch.Tensor) for t in set(map(type, tokens))):
+        return packed
     for position, value in enumerate(tokens):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        if not _is_token_int(value):
             raise InvalidTokensError(
                 f"tokens[{position}]: got {shown(value)} ({type(value).__name__}), expected an int"
             ) from None
-    _raise_out_of_range(list(tokens))
-    raise AssertionError("unreachable: struct refused tokens that look valid")
+    _raise_out_of_range([int(value) for value in tokens])
+    assert packed, "struct refused tokens that look valid"
+    return packed  # 0-d integer tensors (a `list(tensor)`)
+
+
+def _is_token_int(value: object) -> bool:
+    """An int (not a bool), a NumPy integer, or a 0-d integer tensor with data."""
+    if isinstance(value, torch.Tensor):
+        kind = value.dtype
+        return value.ndim == 0 and not value.is_meta and not kind.is_floating_point and (
+            not kind.is_complex and kind != torch.bool)  # fmt: skip
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _raise_out_of_range(values: list[int]) -> None:

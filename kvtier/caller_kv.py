@@ -33,7 +33,8 @@ Contract:
   buffer is refused); else `InvalidKVError` / `InvalidArgumentError`, before anything is read
   or written. A store's `kv` is only read: an `expand()`ed one is fine.
 - `blocks_view(kv, kind, block_tokens, count)` is a `[count, *block_shape]` view of the first
-  `count` blocks of `kv`: writes into it land in `kv`.
+  `count` blocks of `kv`, detached from autograd (a store keeps values, never a graph): writes
+  into it land in `kv`.
 - `prefix_of(out, kind, count, block_tokens)` is the part of `out` that holds `count` blocks.
 - `new_kv(layout, kind, count, device)` is an uninitialized tensor of `count` blocks in `kind`.
 - `store_blocks(layout, key, kv, start, kind)`: a store's KV checked (`check_start`,
@@ -213,7 +214,12 @@ def store_blocks(
 
 
 def blocks_view(kv: torch.Tensor, kind: KVKind, block_tokens: int, count: int) -> torch.Tensor:
-    """The first `count` blocks of `kv` as a `[count, *block_shape]` view (no copy)."""
+    """The first `count` blocks of `kv` as a `[count, *block_shape]` view (no copy), detached
+    from autograd: a store copies the values of a `kv` that requires grad, never its graph
+    (copied into a pool's buffer, it made the buffer require grad and chained one more graph
+    node to it with every later store: memory that grew without end, and loads that came
+    back requiring grad)."""
+    kv = kv.detach()
     if kind == "blocks":
         return kv[:count]
     return blocks_of(kv, block_tokens, 0, count)

@@ -70,7 +70,13 @@ class KeyedPages:
         return words + self._filler
 
     def tokens(self, keys: Sequence[bytes | str]) -> list[int]:
-        """The synthetic tokens of a chain of keys, page after page."""
+        """The synthetic tokens of a chain of keys, page after page. `keys` is a sequence of
+        keys: one key alone (a str or bytes) is an `InvalidArgumentError`, not a chain of its
+        characters (a 64-character hex key read as 64 one-character keys was 64 pages)."""
+        if isinstance(keys, (str, bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(
+                f"keys: got one key {shown(keys)}, expected a sequence of keys ([key, ...])"
+            )
         out: list[int] = []
         for key in keys:
             out += self.page(key)

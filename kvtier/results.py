@@ -65,8 +65,10 @@ class Reservation(NamedTuple):
 
 
 class LoadResult(NamedTuple):
-    """The KV of the cached prefix: `kv` is `[num_layers, 2, num_tokens, num_kv_heads, head_dim]`
-    (a new tensor; K at index 0, V at index 1)."""
+    """The KV of the cached prefix: `kv` is `[num_layers, 2, tokens, num_kv_heads, head_dim]`
+    (K at index 0, V at index 1; layout "blocks": pages `[blocks, num_layers, 2, block_tokens,
+    num_kv_heads, head_dim]`) of the tokens from the load's `start` to `num_tokens`: a new
+    tensor, or the part of the caller's `out` that the load wrote."""
 
     num_tokens: int
     kv: torch.Tensor
@@ -161,20 +163,24 @@ class Lease:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until READY (True) or `timeout` seconds passed (False); `LeaseError` if the
-        lease ended without becoming ready."""
+        lease ended without becoming ready. `timeout`: None (no limit) or a number of seconds
+        >= 0 (`seconds_to_wait`), else `InvalidArgumentError`, before waiting."""
+        seconds = seconds_to_wait(timeout)
         with self._cond:
-            self._cond.wait_for(lambda: self._state is not LeaseState.PENDING, timeout)
+            self._cond.wait_for(lambda: self._state is not LeaseState.PENDING, seconds)
             return self._outcome()
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
-        """Block until layer `layer` of every block is in place (True) or `timeout` passed."""
+        """Block until layer `layer` of every block is in place (True) or `timeout` passed
+        (as `wait`'s)."""
         if type(layer) is not int or not 0 <= layer < max(self.num_layers, 1):
             raise InvalidArgumentError(
                 f"layer: got {shown(layer)}, expected an int in [0, {self.num_layers})"
             )
+        seconds = seconds_to_wait(timeout)
         with self._cond:
             self._cond.wait_for(
-                lambda: self._layers > layer or self._state is not LeaseState.PENDING, timeout
+                lambda: self._layers > layer or self._state is not LeaseState.PENDING, seconds
             )
             if self._layers > layer and self._state in (LeaseState.PENDING, LeaseState.READY):
                 return True
@@ -267,6 +273,21 @@ class LeaseOwner:
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
                 loop.call_soon_threadsafe(_wake, future)
+
+
+def seconds_to_wait(timeout: object) -> float | None:
+    """A `Lease.wait` timeout as `threading.Condition` takes it: None stays None (no limit); a
+    number of seconds >= 0 (not a bool), infinity and anything past `threading.TIMEOUT_MAX`
+    cut to that; else `InvalidArgumentError` naming it. (A NaN waited without limit, a string
+    or a huge int raised TypeError or OverflowError from inside the wait.)"""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0:
+        return float(min(timeout, threading.TIMEOUT_MAX))
+    raise InvalidArgumentError(
+        f"timeout: got {shown(timeout)}, expected a number of seconds >= 0, or None to wait "
+        "without limit"
+    )
 
 
 def _wake(future: asyncio.Future[None]) -> None:

@@ -14,7 +14,8 @@ Contract:
 - `kv` tensors are `[num_layers, 2, num_tokens, num_kv_heads, head_dim]` in the layout's dtype.
 - Every method validates its arguments first: bad input raises a `kvtier.errors` exception
   naming the bad value and changes nothing.
-- `lookup` changes only recency; `load` returns a new tensor; `prefetch` is all or nothing.
+- `lookup` changes only recency; `load` returns a new tensor, or the part of `out` it wrote;
+  `prefetch` is all or nothing.
 - When a tier needs room now, its least-recently-used unleased leaves move down (gpu -> host)
   and the lowest tier drops leaves (`transfer/demotion.py`); in a store without a host tier
   (`tiers.host: null`, then without disk too) gpu is the lowest.

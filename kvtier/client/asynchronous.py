@@ -243,6 +243,8 @@ class AsyncClient(AsyncSender, MappedView):
                     reservation, instance = await self._reserve(tokens, tenant, None)
                 except CapacityError:  # over its quota or the tier: the body path, as `load`
                     reservation, instance = NOTHING_RESERVED
+                if (cached := self._pools.all_cached(reservation, tokens)) is not None:
+                    return cached  # the server holds it all: nothing to send
                 pool = self._pools.writable(reservation, start, instance)
                 if pool is not None:
                     try:

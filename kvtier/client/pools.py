@@ -279,6 +279,15 @@ class MappedPools:
             return None
         return self.pool_for(reservation.tier, instance)
 
+    def all_cached(self, reservation: Reservation, tokens: Tokens) -> StoreResult | None:
+        """The store's result when `reservation` found every whole block of `tokens` cached (the
+        server's own store would store nothing): no body is then sent. None otherwise."""
+        assert self.served is not None, "pools are mapped with their layout"
+        whole = len(tokens) // self.served.layout.block_tokens * self.served.layout.block_tokens
+        if reservation.num_tokens or not whole or reservation.cached_tokens < whole:
+            return None
+        return StoreResult(reservation.cached_tokens, 0, 0)
+
     def write_blocks(
         self,
         reservation: Reservation,
