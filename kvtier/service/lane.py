@@ -81,6 +81,13 @@ the idle ones at once and each one answering a call, or still reading one (`read
 may end it, `stop` does not), once its reply is sent (as HTTP finishes the requests in
 progress); only one still at it after `STOP_S` is cut.
 
+Counted: a frame answered (its reply sent, a refusal too: 400, 404, 401, ...) counts once in
+`kvtier_lane_requests_total` and in `kvtier_request_seconds` (its path's series, `other` for a
+path the lane does not carry or a malformed frame), timed from its head read to its reply, as
+HTTP counts its requests; one left unanswered (its connection ended mid-body, for room, or
+too slow) counts in neither. (Before, the 400s and 404s were not counted, and a frame cut off
+mid-body was, as answered.)
+
 Hostile input: a frame longer than `frame_limit(config)` (the tokens `service.max_tokens`
 allows, and 1 MiB of fields) closes the connection before its body is read; one slower than
 its bounds above closes it; a frame that is not that array, or names a path the lane does not
@@ -275,8 +282,11 @@ class Lane:
                     call.release(self._loop)
                 if not call.answering and not self._mark(conn, True):  # a refusal, unmarked
                     return  # ended for room while its head was read: its client sends again
+                took = time.perf_counter() - call.started  # to its reply, as HTTP times it
                 conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
                 conn.sendall(reply)
+                metrics.observe(call.path, took)  # answered: counted (module doc, "Counted")
+                metrics.lane_requests.inc()
                 if not self._mark(conn, False):
                     return
                 if call.unread:  # refused before its body was read: it is skipped
@@ -304,13 +314,13 @@ class Lane:
             head = frames.request_head(call.head, call.length)
         except ValueError as exc:
             return _refusal(400, "malformed_frame", str(exc))
+        call.path = head.path
         handler = self.handlers.get(head.path)
         if handler is None:
             carried = ", ".join(sorted(self.handlers))
             return _refusal(
                 404, "not_found", f"path {head.path[:64]!r}: the lane carries {carried}"
             )
-        started = time.perf_counter()
         try:
             store = self.service.ready_store()
             tenant = tenant_of_key(self.service, head.authorization, head.tenant, head.path)
@@ -342,9 +352,6 @@ class Lane:
             log.exception("kvtier: unexpected error in lane %s", head.path)
             detail = f"an unexpected {type(exc).__name__}; the server's log has the traceback"
             return _refusal(500, "internal", detail)
-        finally:
-            self.service.metrics.observe(head.path, time.perf_counter() - started)
-            self.service.metrics.lane_requests.inc()
 
     def _charge(self, call: LaneCall, tenant: str, nbytes: int) -> None:
         """Hold the body's `nbytes` in `service.budget` before it is read, as HTTP holds a

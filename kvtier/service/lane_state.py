@@ -6,7 +6,8 @@
     connection.end()               taken off the open ones (by the lane, under its lock): its
                                    wait for room in the budget, if any, cancelled
     LaneCall(conn, length, head)   a frame's first bytes (`head`, `frames.HEAD_BYTES` at most)
-                                   read; `unread` bytes of it still in `conn`
+                                   read (`started`); `unread` bytes of it still in `conn`;
+                                   its `path` once its head is parsed
     call.take(state, nbytes, ...)  the coroutine that holds the body's bytes in `call.hold`
     call.read_rest(deadline)       the rest read after the head: `head` is the whole frame then
     call.release(loop)             the hold given back (idempotent)
@@ -59,6 +60,8 @@ class LaneCall:
         self.unread = length - len(head)
         self.hold: Hold | None = None
         self.answering = False  # its connection marked answering (its frame read, admitted)
+        self.path = ""  # its path once its head is read ("": malformed, counted as `other`)
+        self.started = time.perf_counter()  # its head read: its time in `kvtier_request_seconds`
 
     async def take(self, state: Connection, nbytes: int, deadline: float) -> None:
         """Hold `nbytes` in `hold` (on the loop), given back at once when `state` was ended
