@@ -5,10 +5,13 @@ flags, ttls and timeouts. (Tokens are `blocks.encode_tokens`'s, KV tensors `call
 
 from __future__ import annotations
 
-import math
+import sys
 
 from kvtier.config import KVTierConfig, PolicyConfig
 from kvtier.errors import InvalidArgumentError, shown
+
+LARGEST = sys.float_info.max
+"""The largest number of seconds taken (NaN and infinities compare outside it)."""
 
 
 def check_store_args(config: object, secret: object, clock: object) -> None:
@@ -24,10 +27,11 @@ def check_store_args(config: object, secret: object, clock: object) -> None:
             f"secret: got {type(secret).__name__}, expected bytes (b'' for none)"
         )
     now = clock() if callable(clock) else None
-    if isinstance(now, bool) or not isinstance(now, (int, float)):
+    if isinstance(now, bool) or not isinstance(now, (int, float)) or not -LARGEST <= now <= LARGEST:
+        read = f" (it read {shown(now)})" if callable(clock) else ""  # NaN: no lease ever ends
         raise InvalidArgumentError(
-            f"clock: got {shown(clock)}, expected a callable that returns seconds (a number), "
-            f"like time.monotonic"
+            f"clock: got {shown(clock)}{read}, expected a callable that returns seconds (a finite "
+            "number), like time.monotonic"
         )
 
 
@@ -65,8 +69,7 @@ def check_timeout(name: str, timeout_s: object) -> float:
     if (
         isinstance(timeout_s, (int, float))
         and not isinstance(timeout_s, bool)
-        and math.isfinite(timeout_s)
-        and timeout_s >= 0
+        and 0 <= timeout_s <= LARGEST  # compared, never converted first: 10**400 is no float
     ):
         return float(timeout_s)
     raise InvalidArgumentError(

@@ -262,6 +262,8 @@ def test_a_nested_kv_and_bad_drain_timeouts_are_refused(stores: Stores) -> None:
     for bad in ("1", None, -1, float("nan"), True):
         with pytest.raises(InvalidArgumentError, match=f"timeout_s: got {bad!r}"):
             store.drain(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="timeout_s: got an integer of 1329 bits"):
+        store.drain(10**400)  # no float: it was an OverflowError
     assert store.drain(1)
     assert store.lookup(list(range(8))).num_tokens == 0
     store.check()
@@ -275,8 +277,10 @@ def test_a_nested_kv_and_bad_drain_timeouts_are_refused(stores: Stores) -> None:
         ((None,), {"secret": "abc"}, "secret: got str, expected bytes"),
         ((None,), {"clock": 5}, "clock: got 5, expected a callable"),
         ((None,), {"clock": lambda: "now"}, "clock: got .*expected a callable that returns"),
+        ((None,), {"clock": lambda: float("nan")}, r"clock: got .*\(it read nan\).*finite"),
+        ((None,), {"clock": lambda: 10**400}, r"clock: got .*\(it read an integer.*finite"),
     ],
-    ids=["dict", "path", "str secret", "int clock", "clock of str"],
+    ids=["dict", "path", "str secret", "int clock", "clock of str", "NaN clock", "huge clock"],
 )
 def test_a_store_of_bad_arguments_is_refused(
     args: tuple[Any, ...], kwargs: dict[str, Any], message: str
