@@ -209,9 +209,9 @@ class Background:
                 self.state.counters[tier].evictions += 1
             elif action is Action.COPY:
                 target = self.pools[lower]
-                if isinstance(target, DiskTier) and not target.accepting_writes():
-                    return  # the disk refused writes: try again when its backoff ends
-                self._plan_demotion(ref, tier, lower, min(over, spare), owner)
+                refused = isinstance(target, DiskTier) and not target.accepting_writes()
+                if refused or not self._plan_demotion(ref, tier, lower, min(over, spare), owner):
+                    return  # the disk refused writes (its backoff), or no room below: later
 
     def _spare(self, namespace: bytes, tier: int) -> int:
         """How many of `namespace`'s `tier` copies the mover may still take: those above its
@@ -226,12 +226,11 @@ class Background:
 
     def _plan_demotion(
         self, ref: BlockRef, tier: int, lower: int, most: int, owner: bytes | None, ahead: int = 0
-    ) -> None:
-        """Copy down, in one flight, victim `ref` and the blocks before it in its node's run
-        of `tier` (those with no `lower` copy yet): at most `most` of them, and `BATCH`; room
-        below is made for `owner`. `ahead` > 0: `ref` is a victim of the tier `ahead` above
-        `tier`, whose blocks keep their `tier` copies (closure) until the faster ones go, so
-        the flight frees nothing it can count on (`_copy_only`)."""
+    ) -> bool:
+        """Copy down in one flight victim `ref` and the blocks before it in its node's run of
+        `tier` lacking a `lower` copy (at most `most`, and `BATCH`), into room made for `owner`
+        dropping nothing a disk could keep (`Demoter.clean_room`); False: no room. `ahead` > 0:
+        `ref` is a victim `ahead` tiers above, kept here by closure: frees none (`_copy_only`)."""
         node, i = ref
         top = tier - ahead  # where this node's run in `top` starts: blocks below it
         first = node.depth[top - 1] if top else 0
@@ -241,10 +240,10 @@ class Background:
             if node.slots[lower][j] is None and node.slots[tier][j] is not None
         ][-most:]
         target = self.pools[lower]
-        if target.num_free < len(batch) and not self.demoter.make_room(lower, len(batch), owner):
+        if target.num_free < len(batch) and not self.demoter.clean_room(lower, len(batch), owner):
             batch = batch[len(batch) - target.num_free :] if target.num_free else []
         if not batch:
-            return
+            return False
         offset = sum(n.size for n in self.index.path(node)[:-1])
         copy = plan_copy_down(self.state, [BlockRef(node, j) for j in batch], tier, lower)
         flight = DemotionFlight(
@@ -263,6 +262,7 @@ class Background:
         self.flights.add(flight)
         self.stats["demote_flights"] += 1
         self.runner.launch(flight, copy.transfer)
+        return True
 
     def publish_demotion(self, flight: DemotionFlight) -> None:
         """The lower copies that landed enter the index (one its codec refused goes: `_kept`);

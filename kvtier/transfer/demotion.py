@@ -1,7 +1,5 @@
 """Demotion: the one decision and copy path every demotion uses, and freeing slots now.
 
-Moving a block down: the one decision and the one copy path that every demotion uses.
-
 `decide(...)` is the pure demotion decision for a victim of a tier (an LRU leaf of it):
 
     has a copy in a slower tier?          -> CLEAR: forget this copy, free the slot
@@ -14,34 +12,30 @@ Moving a block down: the one decision and the one copy path that every demotion 
 
 The next tier is `CacheState.below(tier)`: none below the lowest tier, nor below gpu in a
 store without a host tier (`tiers.host: null`), whose gpu victims are dropped. It reads only
-the index's view of the block; the caller acts on it. The inline `Demoter`
-(room a call needs now), the background mover's watermark demotion and `persist()` all copy
-through `plan_copy_down` (destination slots allocated, the `Transfer` built, with the metadata
-that a disk copy records) and `record_copies` (the index learns each complete copy; the slot of
-a failed one is freed). The copy itself runs wherever the caller runs transfers: inline, or in
-a flight (`flights.py`). DESIGN invariant 1: the index learns of a copy only once complete.
-A copy that failed because the next tier's codec cannot keep the block (NaN, or past fp16's
-range: `encoded.unkeepable`) can never be made: `drop_unkeepable` drops it with all cached
-below it (each an eviction of its fastest tier), unless some is locked or it would take another
+the index's view of the block; the caller acts on it. The inline `Demoter` (room a call needs
+now), the background mover's watermark demotion and `persist()` all copy through
+`plan_copy_down` (destination slots allocated, the `Transfer` built, with the metadata that a
+disk copy records) and `record_copies` (the index learns each complete copy; the slot of a
+failed one is freed). The copy runs wherever the caller runs transfers: inline, or in a flight
+(`flights.py`). DESIGN invariant 1: the index learns of a copy only once complete. A copy that
+failed because the next tier's codec cannot keep the block (NaN, or past fp16's range:
+`encoded.unkeepable`) can never be made: `drop_unkeepable` drops it with all cached below it
+(each an eviction of its fastest tier), unless some is locked or it would take another
 namespace than the owner under a floor, so that it does not hold its slot for good.
 
-Demotion: freeing slots of a tier now, for a call that needs them (the synchronous half).
-
-`Demoter.make_room(tier, n)` takes victims from `RadixIndex.victim_runs(tier)` (LRU leaves of
-the tier, never leased or pinned, as runs of one node's tail) until the tier's pool has `n` free
-slots, and acts on each as `decide` says (clear / copy down / drop / skip), a run at a time
-where the whole run takes one action: a run dropped is one `drop_tail`, a run copied down is
-one `Transfer` of its blocks after one `make_room` below for all of them (the index learns
-the copies in one `add_copies`), a run cleared (after its copy down, or having a slower copy
-already) is one `clear_tail`; anything else (a mixed run, a copy that cannot get its room below)
-goes block by block. So freeing k blocks
-costs O(k) plus O(log candidates) per run, whatever the size of the cache. A copy to disk
-takes the victim's neighbours along: the blocks of the same node that will be evicted next and
-lack a disk copy go in the same group commit (up to `DISK_BATCH`), so a node's demotion costs
-one sync, not one per block. Making room in the next tier recurses into `make_room(tier + 1,
-...)`, so a full host tier drops (or, with a disk tier, demotes) its own leaves to take a block
-from the GPU. The copy is complete before the index learns of it (DESIGN invariant 1); the slot
-of the faster copy is freed only after the index has forgotten it.
+Freeing slots of a tier now (the synchronous half): `Demoter.make_room(tier, n)` takes victims
+from `RadixIndex.victim_runs(tier)` (LRU leaves of the tier, never leased or pinned, as runs of
+one node's tail) until the tier's pool has `n` free slots, and acts on each as `decide` says, a
+run at a time where the whole run takes one action: a run dropped is one `drop_tail`, a run
+copied down one `Transfer` after one `make_room` below for all of it (the index learns the
+copies in one `add_copies`), a run cleared one `clear_tail`; anything else (a mixed run, a
+copy that cannot get its room below) goes block by block. So freeing k blocks costs O(k) plus
+O(log candidates) per run, whatever the size of the cache. A copy to disk takes the victim's
+neighbours along: the blocks of the same node that will be evicted next and lack a disk copy
+go in the same group commit (up to `DISK_BATCH`), one sync per node, not per block. Making room
+in the next tier recurses into `make_room(tier + 1, ...)`, so a full host tier drops (or, with
+a disk tier, demotes) its own leaves to take a block from the GPU. The slot of the faster copy
+is freed only after the index has forgotten it.
 
 "Can I?" then "do it": `room({tier: n, ...}, owner)` checks every tier the caller needs
 (`can_make_room`: free slots plus what no lease, pin, flight or reservation holds and fair
@@ -50,13 +44,13 @@ cache as it was; only then does it make room, fastest tier first.
 
 The store calls it when an allocation needs room (with an inline mover, the only way a block
 leaves a tier); the background mover (`background.py`) makes the same decisions in flights.
-With `sync_disk` off (background mode) a copy down to disk is never made here, in the
-caller's thread: a leaf that would need one is dropped instead and counted in
-`backpressure_drops`, so that `store()` does not wait on the disk here (a store may wait before
-it starts, at most `mover.store_wait_s`: `Mover.throttle`); and before any such drop, the
-tier's clean leaves (those with a disk copy already) are freed first. `reserved(tier)` is the
-number of slots of a tier held outside the index (flights' and reservations'); room-making
-leaves them out.
+With `sync_disk` off (background mode) a copy down to disk is never made here, in the caller's
+thread: a leaf that would need one is dropped instead and counted in `backpressure_drops`, so
+that `store()` does not wait on the disk here (it may wait before it starts, at most
+`mover.store_wait_s`: `Mover.throttle`); before any such drop the tier's clean leaves (a disk
+copy already) are freed first: `clean_room`, all the mover's own demotions make (they
+can wait for the disk; before, gpu's watermark demotion dropped host blocks an idle disk could
+keep). `reserved(tier)`: slots held outside the index (flights', reservations'): left out.
 
 Fair shares: room is made for an `owner` (the namespace of the tenant whose call needs it; None
 for the store's own work). Victims come from namespaces above their floor, then from the
@@ -240,19 +234,25 @@ class Demoter:
             return True
         if n > pool.num_slots:
             return False
-        if self._writes_back(tier):
-            # under backpressure, clean leaves first (their disk copy exists: freeing them
-            # loses nothing), then the LRU order drops what it must
-            for ref in self.index.victims(tier, owner):
-                if ref.node.slots[tier + 1][ref.i] is not None:
-                    self._demote(ref, tier, owner)
-                    if pool.num_free >= n:
-                        return True
+        if self._writes_back(tier) and self.clean_room(tier, n, owner):
+            return True  # under backpressure clean leaves first, then LRU drops what it must
         for run in self.index.victim_runs(tier, owner):
             self._demote_run(run, tier, n - pool.num_free, owner)
             if pool.num_free >= n:
                 return True
         return pool.num_free >= n
+
+    def clean_room(self, tier: int, n: int, owner: bytes | None = None) -> bool:
+        """`make_room` without its backpressure drops: where `tier`'s next tier is a disk this
+        path may not write, only its clean leaves go (a disk copy already: nothing lost)."""
+        if not self._writes_back(tier):
+            return self.make_room(tier, n, owner)
+        for ref in self.index.victims(tier, owner):
+            if self.pools[tier].num_free >= n:
+                return True
+            if ref.node.slots[tier + 1][ref.i] is not None:
+                self._demote(ref, tier, owner)
+        return self.pools[tier].num_free >= n
 
     def _demote_run(self, run: VictimRun, tier: int, want: int, owner: bytes | None) -> None:
         """Demote the last `want` blocks of `run` (at most), from the end: in one edit or one

@@ -1,0 +1,71 @@
+"""Audit AD: the background mover's own watermark demotion never drops a block that the disk
+could keep.
+
+gpu's watermark demotion copies its LRU leaves to host; when host has no free slot, room is
+made there. That room-making is the mover's own work, not a call that needs room now: a host
+leaf that needs a disk write must wait for host's own watermark demotion to write it down (a
+flight), not be dropped (`mover.backpressure_drops`). Before, with `mover.store_wait_s: 0` (no
+write-ahead by the stores), six 2-block prompts stored one after the other, each followed by
+`drain()`, into gpu and host of 4 blocks lost 3 blocks (two prompts) with 12 of 16 disk slots
+free; with the default wait the same loss came at random, from the mover thread racing the
+stores (2-4 blocks of 28 lost with an idle disk).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.config import parse_config
+from kvtier.store import KVStore
+
+BT = 4
+LAYOUT = {"name": "ad", "num_layers": 1, "num_kv_heads": 1, "head_dim": 6, "dtype": "float16"}
+BLOCK = 1 * 2 * BT * 1 * 6 * 2  # 48 bytes
+
+
+def open_store(path: Path) -> KVStore:
+    """gpu of 4 blocks demoted down to 2 (watermarks 0.5), host of 4, a disk of 16, write_back,
+    every block admitted to disk, stores that never wait for the disk."""
+    config: dict[str, Any] = {
+        "model": LAYOUT,
+        "block_tokens": BT,
+        "tiers": {
+            "gpu": {
+                "capacity": 4 * BLOCK,
+                "device": "cpu",
+                "high_watermark": 0.5,
+                "low_watermark": 0.5,
+            },
+            "host": {"capacity": 4 * BLOCK, "pinned": False},
+            "disk": {"capacity": "128KiB", "path": str(path)},
+        },
+        "mover": {"background": True, "store_wait_s": 0},
+        "policy": {"write": "write_back", "disk_admission_hits": 0},
+    }
+    return KVStore(parse_config(config))
+
+
+def kv(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, n, 1, 6, generator=gen).half()
+
+
+def test_watermark_demotion_writes_host_down_instead_of_dropping(tmp_path: Path) -> None:
+    prompts = [[1000 * i + j for j in range(2 * BT)] for i in range(6)]
+    with open_store(tmp_path) as store:
+        for i, prompt in enumerate(prompts):
+            result = store.store(prompt, kv(2 * BT, i))
+            assert result.stored_tokens == 2 * BT  # gpu had room: the store made none
+            assert store.drain(10)
+            store.check()
+        status = store.status()
+        assert status["mover"]["backpressure_drops"] == 0
+        assert status["tiers"]["disk"]["free_slots"] > 0
+        for i, prompt in enumerate(prompts):  # every prompt whole, bit-exact
+            loaded = store.load(prompt)
+            assert loaded.num_tokens == 2 * BT, (i, [store.lookup(p).num_tokens for p in prompts])
+            assert torch.equal(loaded.kv, kv(2 * BT, i))
+        store.check()
