@@ -245,8 +245,13 @@ class Operations:
             self.expire()
             number = names.index(tier)
             pool = self.parts.state.pools[number]
-            before = pool.num_free
-            self.parts.demoter.make_room(number, min(pool.num_slots, before + num_blocks))
+            self.mover.drain()  # no flight under way: disk copies are made here, as `persist`'s
+            before, demoter = pool.num_free, self.parts.demoter
+            synced, demoter.sync_disk = demoter.sync_disk, True  # demoted, never dropped for it
+            try:
+                demoter.make_room(number, min(pool.num_slots, before + num_blocks))
+            finally:
+                demoter.sync_disk = synced
             return pool.num_free - before
 
     def status(self, tenant: str | None) -> dict[str, Any]:

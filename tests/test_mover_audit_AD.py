@@ -69,3 +69,35 @@ def test_watermark_demotion_writes_host_down_instead_of_dropping(tmp_path: Path)
             assert loaded.num_tokens == 2 * BT, (i, [store.lookup(p).num_tokens for p in prompts])
             assert torch.equal(loaded.kv, kv(2 * BT, i))
         store.check()
+
+
+def test_evict_writes_down_to_disk_with_the_background_mover(tmp_path: Path) -> None:
+    """`evict(tier, n)` demotes a tier's LRU leaves now. With the background mover (the default)
+    its host leaves that lacked a disk copy were dropped (`backpressure_drops`), the disk left
+    empty; with the inline mover the same calls moved them to disk. Now both write them down."""
+    config: dict[str, Any] = {
+        "model": LAYOUT,
+        "block_tokens": BT,
+        "tiers": {
+            "gpu": {"capacity": 10 * BLOCK, "device": "cpu"},
+            "host": {"capacity": 10 * BLOCK, "pinned": False},
+            "disk": {"capacity": "128KiB", "path": str(tmp_path)},
+        },
+        "mover": {"background": True},
+        "policy": {"write": "write_back", "disk_admission_hits": 0},
+    }
+    prompts = [[1000 * i + j for j in range(2 * BT)] for i in range(3)]
+    with KVStore(parse_config(config)) as store:
+        for i, prompt in enumerate(prompts):
+            store.store(prompt, kv(2 * BT, i))
+        assert store.drain(5)
+        assert store.evict("gpu", 10) > 0 and store.evict("host", 10) > 0
+        store.check()
+        status = store.status()
+        assert status["mover"]["backpressure_drops"] == 0
+        blocks = {name: tier["blocks"] for name, tier in status["tiers"].items()}
+        assert blocks == {"gpu": 0, "host": 0, "disk": 6}
+        for i, prompt in enumerate(prompts):
+            loaded = store.load(prompt)
+            assert loaded.num_tokens == 2 * BT and torch.equal(loaded.kv, kv(2 * BT, i))
+        store.check()
