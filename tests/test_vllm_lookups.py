@@ -14,8 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvtier.client import TransportError
-from kvtier.errors import KVTierError
-from kvtier.integrations.lookups import Lookups
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.integrations.lookups import Clients, Lookups
+from kvtier.integrations.settings import call_timeout
 
 TOKENS = list(range(64))
 
@@ -98,3 +99,20 @@ def test_a_refusal_the_sidecar_answers_silences_nothing(refusing: str) -> None:
         assert not lookups.open()
     finally:
         lookups.close()
+
+
+def test_the_workers_clients_wait_their_timeout_not_120_s(hung: str) -> None:
+    """The vLLM workers' loads and saves and the scheduler's reset (`kvtier.timeout_s`): a call
+    waits that at most, each of its tries (the lane, then HTTP) half of it."""
+    clients = Clients(hung, timeout_s=0.8)
+    try:
+        began = time.monotonic()
+        with pytest.raises(TransportError):  # its first call, mapping the pools, bounded too
+            clients.client("a-key-0123456789abcdef").load(TOKENS)
+        assert 0.35 <= time.monotonic() - began < 2.0
+    finally:
+        clients.close()
+    assert call_timeout({}, 120.0) == 120.0 and call_timeout({"kvtier.timeout_s": 3}, 1.0) == 3.0
+    for wrong in (True, "10", 0, -1.0, 3601, float("nan"), None):
+        with pytest.raises(ConfigError, match=r"kvtier\.timeout_s"):
+            call_timeout({"kvtier.timeout_s": wrong}, 120.0)

@@ -22,7 +22,7 @@ timeout (120 s) at every new request. So:
 A sidecar that hangs then costs the scheduler one `LOOKUP_TIMEOUT_S` every `QUIET_S`, not one
 per request. The workers' loads and saves (larger, on threads of their own but for a
 synchronous load) and the scheduler's reset after a weight update (whose failure vLLM must
-hear) keep the client's own timeout.
+hear) wait `kvtier.timeout_s` (`settings.WORKER_TIMEOUT_S`, 120 s, by default) a call.
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ class Quiet:
             self._quiet_until = time.monotonic() + self.quiet_s
 
 
-class Lookups(Quiet):
-    """Clients for the scheduler's lookups, by API key, on `url` (module doc)."""
+class Clients:
+    """Clients on `url` by API key, made at first use: a call waits `timeout_s` at most (each
+    of its tries, the same-host lane then HTTP, half of it)."""
 
-    def __init__(self, url: str, timeout_s: float = LOOKUP_TIMEOUT_S, quiet_s: float = QUIET_S):
-        super().__init__(quiet_s)
+    def __init__(self, url: str, timeout_s: float):
         self.url, self.timeout_s = url, timeout_s
         self._clients: dict[str, Client] = {}
         self._lock = threading.Lock()
@@ -81,6 +81,14 @@ class Lookups(Quiet):
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
+
+
+class Lookups(Clients, Quiet):
+    """Clients for the scheduler's lookups, by API key, on `url` (module doc)."""
+
+    def __init__(self, url: str, timeout_s: float = LOOKUP_TIMEOUT_S, quiet_s: float = QUIET_S):
+        Clients.__init__(self, url, timeout_s)
+        Quiet.__init__(self, quiet_s)
 
 
 def counted_key(

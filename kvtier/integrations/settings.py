@@ -38,7 +38,10 @@ _BOOLEANS = {"kvtier.load_async": True, "kvtier.save_async": True, "kvtier.save_
              "kvtier.trust_tenant_param": False}  # fmt: skip
 _RELAY = ("kvtier.events_endpoint", "kvtier.events_replay_endpoint", "kvtier.events_topic")
 KNOWN = ("kvtier.url", "kvtier.urls", "kvtier.api_key", "kvtier.tenant_keys", "kvtier.model",
-         *_BOOLEANS, *_RELAY)  # fmt: skip
+         "kvtier.timeout_s", *_BOOLEANS, *_RELAY)  # fmt: skip
+WORKER_TIMEOUT_S = 120.0
+"""The most a vLLM worker's load or save, or the scheduler's reset, waits by default
+(`kvtier.timeout_s`; the scheduler's lookups wait `lookups.LOOKUP_TIMEOUT_S`)."""
 
 
 @dataclass(frozen=True)

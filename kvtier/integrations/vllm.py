@@ -35,7 +35,8 @@ Contract:
 - A lookup and its hit are counted once vLLM admits the request (vLLM retries one that lacks
   blocks: the sidecar is asked once until then); `vllm_stats.py` says each count.
 - A sidecar that is down, hangs or refuses a call is a miss (a lookup waits 5 s, then none is
-  asked for 10 s: `lookups.py`; a save skipped), logged and counted (`vllm_stats.py`).
+  asked for 10 s: `lookups.py`; a load or save waits `kvtier.timeout_s`, 120 s; a save
+  skipped), logged and counted (`vllm_stats.py`).
 - Tenants: a call's tenant is its API key's: `kvtier.api_key`, or the key `kvtier.tenant_keys`
   gives the name a request carries in its `cache_salt` (or, trusted and salted apart, in
   `kv_transfer_params`: vLLM shares blocks across a salt, `settings.key_for`);
@@ -75,15 +76,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import plans, vllm_events
-from kvtier.integrations.lookups import Lookups, counted_key
+from kvtier.integrations.lookups import Clients, Lookups, counted_key
 from kvtier.integrations.plans import LoadJob, Planned, Save, SaveJob, output_save
 from kvtier.integrations.resets import reset_or_log
 from kvtier.integrations.saving import Saves, load_job, store_job
 from kvtier.integrations.settings import (
+    WORKER_TIMEOUT_S,
     ConnectorSettings,
+    call_timeout,
     check_blocks,
     check_layout,
     kv_cache_refusal,
@@ -124,8 +126,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self.key = self.settings.key
         self.block_size = int(vllm_config.cache_config.block_size)
         self.loads, self.first_save = plans.roles(self._kv_transfer_config)
-        self._clients: dict[str, Client] = {}
-        self._clients_lock = threading.Lock()
+        self._clients = Clients(self.url, call_timeout(extra, WORKER_TIMEOUT_S))
         self.stats = dict.fromkeys(COUNTERS, 0)  # since start (`vllm_stats.py` says each)
         self._reported: dict[str, int] = {}  # `stats` when vLLM last asked for them
         # scheduler side
@@ -250,7 +251,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._reset = True  # (a save from a prefix kvtier lost sends all: `store_job`)
         # finished requests' saves not yet sent hold the old weights' KV: release them only
         self._saves = [SaveJob(j.req_id, (), (), j.key, release=True) for j in self._saves]
-        return reset_or_log(map(self._client, self.settings.api_keys()), "scheduler")
+        return reset_or_log(map(self._clients.client, self.settings.api_keys()), "scheduler")
 
     def has_pending_block_frees(self) -> bool:
         """Blocks held for saves come back next step: vLLM waits rather than preempts."""
@@ -264,7 +265,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         heads, head size, dtype, block size)."""
         self._layers = list(kv_caches.values())
         check_blocks(self._layers, self.block_size)
-        served = self._client(self.key).layout()
+        served = self._clients.client(self.key).layout()
         check_layout(self._layers, served, (self.tp_rank, self.tp_size), self.url, self.model)
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
@@ -277,7 +278,9 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             return
         if meta.reset:  # no KV of the old weights stored from here; then this rank's sidecar
             self.saving.drop()
-            reset_or_log(map(self._client, self.settings.api_keys()), f"rank {self.tp_rank}")
+            reset_or_log(
+                map(self._clients.client, self.settings.api_keys()), f"rank {self.tp_rank}"
+            )
         self._unfilled = set()
         for job in meta.loads:
             if not meta.load_async:
@@ -336,8 +339,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self.saving.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        for client in self._clients.values():
-            client.close()
+        self._clients.close()
         self._lookups.close()
 
     # ---- inside -------------------------------------------------------------------------
@@ -345,7 +347,9 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     def _save(self, job: SaveJob) -> None:
         """Store the job's blocks (`saving.py` runs it, inline or on its thread)."""
         try:
-            sent, stored = store_job(self._client(job.key), self._layers, job, self.block_size)
+            sent, stored = store_job(
+                self._clients.client(job.key), self._layers, job, self.block_size
+            )
             self.stats["sent_tokens"] += sent
             self.stats["saved_tokens"] += stored
             self.stats["decode_tokens"] += min(stored, job.output)  # stored from the end
@@ -371,7 +375,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     def _load(self, job: LoadJob) -> list[int]:
         """Copy the job's blocks from kvtier; the vLLM block ids it could not fill."""
         try:
-            filled = load_job(self._client(job.key), self._layers, job, self.block_size)
+            filled = load_job(self._clients.client(job.key), self._layers, job, self.block_size)
         except Exception as e:  # a load that fails is vLLM's to recompute, never a crash
             self._error("load", e)
             return list(job.blocks)
@@ -386,13 +390,6 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if missing:
             self.stats["failed_loads"] += 1
             self._load_errors.update(missing)
-
-    def _client(self, key: str) -> Client:
-        with self._clients_lock:
-            client = self._clients.get(key)
-            if client is None:
-                client = self._clients[key] = Client(self.url, api_key=key or None)
-            return client
 
     def _error(self, what: str, error: BaseException) -> None:
         self.stats["errors"] += 1
