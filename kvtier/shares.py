@@ -10,7 +10,8 @@ a single tenant has no quota but the tiers and no floor, so nothing changes for 
 
 Refused (`ConfigError`, by `check_shares` and so by `TenantShares`): a tier's floors that do
 not fit in it (`tenants.*.floor.<tier>`), and a quota that is given but rounds to no block
-(`tenants.<id>.quota.<tier>`: every prefetch of that tenant would be refused). `check_shares`
+or an equal split of no block (more tenants than slots) (`tenants.<id>.quota.<tier>`: every
+prefetch of that tenant would be refused). `check_shares`
 takes the rooms a config plans (`preflight.py`), so that a config is refused before any tier
 is made (a disk tier opened at a lower capacity cuts its slabs); a room that is not known
 without the machine (None: a fraction of its free memory, in `kvtier validate`) is not checked.
@@ -76,6 +77,13 @@ def _column(config: KVTierConfig, name: str, room: TierRoom) -> list[tuple[int |
         given = getattr(settings.quota, name) if name in QUOTA_TIERS else None
         if given is None:  # a single tenant: the tier itself is its bound (CapacityError past it)
             quota = share if split and name in QUOTA_TIERS else None
+            if quota == 0 and room.slots:  # more tenants than slots: none could prefetch
+                raise ConfigError(
+                    f"tenants.{tenant}.quota.{name}",
+                    f"{room.slots} slots // {len(tenants)} tenants = 0 blocks",
+                    f"a {name} tier of at least one block per tenant, or quotas given "
+                    "(tenants.<id>.quota)",
+                )
         else:
             quota = given.blocks(room.slots, room.slot_bytes)
             if quota == 0 and room.slots:  # a tier of no slots (no host tier): moot

@@ -16,9 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kvtier.config import parse_config
+from kvtier.errors import ConfigError
 from kvtier.store import KVStore
 
 BT = 4
@@ -100,4 +102,23 @@ def test_evict_writes_down_to_disk_with_the_background_mover(tmp_path: Path) -> 
         for i, prompt in enumerate(prompts):
             loaded = store.load(prompt)
             assert loaded.num_tokens == 2 * BT and torch.equal(loaded.kv, kv(2 * BT, i))
+        store.check()
+
+
+def test_more_tenants_than_gpu_slots_is_refused_at_start() -> None:
+    """An equal split of a 2-slot gpu among 3 tenants is 0 blocks each: every prefetch, load
+    lease and reservation of every tenant would be a QuotaError. It started without a word."""
+    config: dict[str, Any] = {
+        "model": LAYOUT,
+        "block_tokens": BT,
+        "tiers": {"gpu": {"capacity": 2 * BLOCK, "device": "cpu"}, "host": None, "disk": None},
+        "tenants": {"a": {}, "b": {}, "c": {}},
+    }
+    with pytest.raises(ConfigError, match="2 slots // 3 tenants = 0 blocks") as refused:
+        KVStore(parse_config(config)).close()
+    assert refused.value.field == "tenants.a.quota.gpu"
+    config["tenants"] = {name: {"quota": {"gpu": 0.5}} for name in "abc"}  # given: 1 block each
+    with KVStore(parse_config(config)) as store:
+        lease = store.prefetch(list(range(BT)), tenant="c", wait=False)
+        store.release(lease)
         store.check()

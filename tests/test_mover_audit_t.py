@@ -34,6 +34,10 @@ def tokens(*blocks: int) -> list[int]:
     return [10 * b + j for b in blocks for j in range(BT)]
 
 
+THREE = {name: {"quota": {"gpu": 0.5}} for name in "abc"}
+"""Three tenants of a gpu quota of half a 2-slot gpu (one block) each; the other shares equal."""
+
+
 def open_store(
     stores: list[KVStore],
     gpu: int,
@@ -100,17 +104,16 @@ def test_a_store_too_big_for_every_memory_tier_evicts_nothing(
 def test_a_reservation_refused_for_quota_changes_nothing(
     tmp_path: Path, stores: list[KVStore]
 ) -> None:
-    """Three tenants on default shares of gpu 2, host 5: a's host quota is 1 block."""
-    store = open_store(
-        stores, 2, 5, disk=tmp_path, watermarks=(0.6, 0.3), tenants={"a": {}, "b": {}, "c": {}}
-    )
+    """Three tenants on gpu 2 (a gpu quota of 1 block each, given: an equal split is none),
+    host 5 (a default share): a's host quota is 1 block."""
+    store = open_store(stores, 2, 5, disk=tmp_path, watermarks=(0.6, 0.3), tenants=THREE)
     store.store(tokens(0, 0, 0), kv_for(store, 3 * BT), tenant="a")
-    before = blocks(store, "a")
-    assert before["host"] == 3
+    before, seen = blocks(store, "a"), store.lookup(tokens(0, 0, 0), tenant="a")
+    assert before["host"] == 3 and seen.num_tokens == 3 * BT
     with pytest.raises(QuotaError, match="quota"):
         store.reserve(tokens(1, 0, 0), tenant="a")  # 3 new blocks, none fits a's quota
     assert blocks(store, "a") == before
-    assert store.lookup(tokens(0, 0, 0), tenant="a").host_tokens == 3 * BT
+    assert store.lookup(tokens(0, 0, 0), tenant="a") == seen
     host = store.status()["tiers"]["host"]
     assert (host["evictions"], host["demotions"]) == (0, 0)
     store.check()
@@ -150,9 +153,7 @@ def test_watermark_demotion_to_disk_leaves_a_tenant_its_host_floor(
     """write_through, gpu 2 / host 5 (high 3, low 1 block), three tenants (host floor 1): b's
     store of one block passes host's high watermark, and a keeps its floor there (its blocks,
     looked up once, are admitted to disk: copied down in a flight, not dropped)."""
-    store = open_store(
-        stores, 2, 5, disk=tmp_path, watermarks=(0.6, 0.3), tenants={"a": {}, "b": {}, "c": {}}
-    )
+    store = open_store(stores, 2, 5, disk=tmp_path, watermarks=(0.6, 0.3), tenants=THREE)
     store.store(tokens(0, 0, 0), kv_for(store, 3 * BT), tenant="a")
     assert store.lookup(tokens(0, 0, 0), tenant="a").host_tokens == 3 * BT
     assert blocks(store, "a")["host"] == 3
