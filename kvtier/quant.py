@@ -29,7 +29,9 @@ values, which set a per-token group's scale. KIVI quantizes keys per channel for
 but at T = 16 tokens a block a channel's group is 16 values, so its 3 bytes cost 1.5 bits a
 value: int4 keys/channel is the more accurate and the larger (`benchmarks/bench_quant.py`
 measures both). A zero point is `round(-min / s)`; a group so far from 0 that it falls outside
-int8 gets a wider scale, `z` at -128 or 127 (none does in SmolLM2's KV: the groups straddle 0).
+int8 gets a wider scale, `z` at or near -128 or 127 (none does in SmolLM2's KV: the groups
+straddle 0). Either way `z` is taken from the scale as stored (fp16, rounded up), so every
+value of a group decodes within `s / 2` of itself before rounding to the engine's dtype.
 
 The fp8 scale's floor keeps tiny KV (fp32 denormals: amax / 448 would round to 0, and 0 / 0
 is a NaN code) encodable, and every nonzero decoded value a normal fp32 (the smallest code,
@@ -340,8 +342,10 @@ def _group(asked: int | None, default: int, row: int) -> int:
 def _quantize(groups: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scale (fp16), zero point (int8) and codes (uint8) of each group along the last dim,
     codes taken against the stored scale (module doc). A group whose zero point would fall
-    outside int8 takes z = -128 (all values > 0) or 127 (all < 0) and the scale that covers it
-    from there: `max / (levels + 128)` or `-min / 127`, rounded up to fp16."""
+    outside int8 takes the scale that covers it from z = -128 (all values > 0) or 127 (all
+    < 0): `max / (levels + 128)` or `-min / 127`, rounded up to fp16. Every z is
+    `round(-min / s)` of the scale as stored, clamped to int8, so each value's code is within
+    half a step of it."""
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((hi - lo) / levels).clamp(2.0**-24, FP16_MAX)
     zero = torch.round(-lo / _fp16_up(scale))
@@ -349,7 +353,10 @@ def _quantize(groups: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Te
     scale = torch.where(above, hi / (levels + 128), scale)
     scale = torch.where(below, -lo / 127, scale)
     s = _fp16_up(scale.clamp(2.0**-24, FP16_MAX))
-    zero = torch.where(above | below, zero.clamp(-128, 127), torch.round(-lo / s)).clamp(-128, 127)
+    # z from the scale as stored, for far groups too: rounded up to fp16 (by up to a third where
+    # it is subnormal), a far group's scale no longer put its smallest values at z = -128, and
+    # they were clipped to code 0, up to 22 steps off; from `s`, each is within half a step
+    zero = torch.round(-lo / s).clamp(-128, 127)
     codes = (torch.round(groups / s[..., None]) + zero[..., None]).clamp(0, levels)
     return s.half(), zero.to(torch.int8), codes.to(torch.uint8)
 

@@ -102,7 +102,7 @@ def _check(
     slot_bytes, region = geometry["slot_bytes"], geometry["header_region"]
     per_slab, layout = geometry["slots_per_slab"], bytes.fromhex(geometry["layout"])
     itemsize = geometry["itemsize"]
-    quant = quant_layout(geometry["quant"]) if "quant" in geometry else None
+    quant = _blocks(geometry)
     sizes = (slot_bytes, region, itemsize)
     paths = {n: p for n, p in slab_files(path).items() if own_slab(p, "PATH")}
     direct = probe_direct(path)
@@ -163,6 +163,22 @@ def _check(
     return report
 
 
+def _blocks(geometry: dict[str, Any]) -> KVLayout | None:
+    """The shape and dtype of the directory's blocks, which decoding a quantized copy needs:
+    its `quant` entry, else (a lossless tier) its `model`, as a store decodes by its layout
+    whatever codec a copy records (a lossless tier's quantized copies were corrupt here, and
+    `--fix` retired them, while the store served them); None for an older superblock without
+    either, whose quantized copies cannot be decoded here."""
+    if "quant" in geometry:
+        return quant_layout(geometry["quant"])
+    model = geometry.get("model")
+    if model is None:
+        return None
+    shape = [model["num_layers"], 2, model["block_tokens"], model["num_kv_heads"]]
+    shape.append(model["head_dim"])
+    return quant_layout({"codec": "fp8", "block_shape": shape, "dtype": model["dtype"]})
+
+
 def _raw_bound(payload_region: int, quant: KVLayout | None) -> int:
     """The most raw bytes a copy in a slot of `payload_region` bytes can stand for: a lossless
     copy's block fills the payload region (less its sector padding), a quantized one is a
@@ -178,8 +194,8 @@ def _inspect(
     layout: bytes,
     quant: KVLayout | None,
 ) -> Callable[[], tuple[int, str, BlockHeader | None]]:
-    """One slot's verdict. `quant`: the shape and dtype of a quantized tier's blocks (its
-    superblock's `quant`), without which a quantized copy cannot be decoded, so is corrupt."""
+    """One slot's verdict. `quant`: the shape and dtype of the tier's blocks (`_blocks`),
+    without which a quantized copy cannot be decoded, so is corrupt."""
     slot_bytes, region, itemsize = geometry
 
     def job() -> tuple[int, str, BlockHeader | None]:

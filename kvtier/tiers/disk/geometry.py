@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.blocks import DTYPES
+
 MODEL_KEYS = {"name": str, "num_layers": int, "num_kv_heads": int, "head_dim": int}
 MODEL_KEYS |= {"dtype": str, "block_tokens": int}
 MODEL_NAME_CHARS = 256
@@ -50,6 +52,28 @@ LATER = ("hashing", "model")
 READABLE = ("model",)
 """Later keys that spell out what `layout` fingerprints; a superblock written before them is
 compared on `layout` alone."""
+
+
+def quant_disagreement(geometry: dict[str, Any]) -> str | None:
+    """How a superblock's `quant` entry (the block shape and dtype `kvtier check` decodes a
+    quantized tier's copies by; already checked well-formed) contradicts the rest of it: its
+    dtype against `itemsize`, its shape and dtype against `model` where recorded. None when it
+    agrees or is absent. Unchecked, a `quant` of another shape had `kvtier check` find every
+    copy's payload corrupt and `--fix` retire them all, where the store, which refuses such a
+    superblock (it is not the tier's geometry), would have served them."""
+    quant, model = geometry.get("quant"), geometry.get("model")
+    if quant is None:
+        return None
+    if DTYPES[quant["dtype"]].itemsize != geometry["itemsize"]:
+        return f"quant.dtype {quant['dtype']!r} is not of itemsize {geometry['itemsize']}"
+    if model is None:
+        return None
+    shape = [model["num_layers"], 2, model["block_tokens"], model["num_kv_heads"]]
+    shape.append(model["head_dim"])
+    if quant["block_shape"] != shape or quant["dtype"] != model["dtype"]:
+        found = f"{quant['block_shape']} {quant['dtype']}"
+        return f"quant is {found}, not the model's blocks, {shape} {model['dtype']}"
+    return None
 
 
 def differences(have: dict[str, Any], geometry: dict[str, Any]) -> list[str]:

@@ -55,7 +55,7 @@ from kvtier.blocks import DTYPES, KVLayout
 from kvtier.errors import ConfigError
 from kvtier.private_files import file_kind, make_private, read_regular, write_atomically
 from kvtier.quant import QuantSpec
-from kvtier.tiers.disk.geometry import LATER_RULES, differences
+from kvtier.tiers.disk.geometry import LATER_RULES, differences, quant_disagreement
 from kvtier.tiers.disk.io import ALIGN, SlabFile
 
 SUPERBLOCK = "kvtier-disk.json"
@@ -143,19 +143,19 @@ def read_superblock(path: Path, field: str) -> dict[str, Any] | None:
             shown = shown if len(shown) <= 40 else shown[:37] + "..."
             problem = f"{key} is {shown}, expected {expected}"
             raise DamagedDiskError(field, str(superblock), _expected(problem))
+    wrong = quant_disagreement(geometry)  # `kvtier check` decodes by `quant`
     if geometry["header_region"] >= geometry["slot_bytes"]:
-        raise DamagedDiskError(
-            field, str(superblock), _expected("header_region is not less than slot_bytes")
-        )
+        wrong = "header_region is not less than slot_bytes"
+    if wrong is not None:
+        raise DamagedDiskError(field, str(superblock), _expected(wrong))
     return geometry
 
 
 def _expected(problem: str) -> str:
-    keys = ", ".join(GEOMETRY_RULES)
     problem = problem if len(problem) <= 200 else problem[:197] + "..."
     return (
-        f"a superblock: a JSON object of {keys} as this tier writes it ({problem}); "
-        "restore it, or move the directory away to start empty"
+        f"a superblock: a JSON object of {', '.join(GEOMETRY_RULES)} as this tier writes it "
+        f"({problem}); restore it, or move the directory away to start empty"
     )
 
 
