@@ -34,13 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvtier.config import (
-    KVTierConfig,
-    default_config,
-    format_size,
-    load_config,
-    parse_config,
-)
+from kvtier.config import KVTierConfig, default_config, format_size, load_config, parse_config
 from kvtier.errors import KVTierError
 from kvtier.status_reply import check_status
 from kvtier.store import KVStore
@@ -328,12 +322,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         say(f"  {name.replace('_', ' '):<18}{getattr(report, name):>8}")
     if args.fix:
         say(f"  retired            {report.retired:>8}")
-    if report.problems and not args.fix:
-        say("problems found: run with --fix (with the store stopped) to retire those slots")
+    if report.left:  # to retire, or a retire failed (its error said above): still there
+        say(f"problems found: {report.left} slots " + (FAILED_FIX if args.fix else TO_FIX))
         return 1
     return 0
 
 
+TO_FIX, FAILED_FIX = "to retire: run with --fix (with the store stopped)", "not retired"
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "serve": ("run the sidecar: REST status API, metrics, engine data plane", cmd_serve),
     "status": ("print a running sidecar's status", cmd_status),

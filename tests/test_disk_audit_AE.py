@@ -21,7 +21,7 @@ import torch
 
 from kvtier import KVStore, parse_config
 from kvtier.quant import QuantCodec
-from kvtier.tiers.disk.check import check_directory
+from kvtier.tiers.disk.check import DiskCheckReport, check_directory
 from kvtier.tiers.disk.slabs import DamagedDiskError
 
 BT = 16
@@ -115,3 +115,14 @@ def test_check_takes_a_lossless_tiers_quantized_copies_as_the_store_does(tmp_pat
         assert store.load(tokens(2)).num_tokens == 2 * BT  # the store serves them
     finally:
         store.close()
+
+
+def test_check_exits_1_while_bad_slots_are_left_a_fix_included() -> None:
+    """`kvtier check --fix` exited 0 when some retires failed (an I/O error on the slab), while
+    the README says it exits 1 when it found problems it leaves: `left` counts them."""
+    found = DiskCheckReport(corrupt_headers=2, orphans=1, bad_slots=[3, 9, 11])
+    assert found.problems == found.left == 3  # without --fix: all there
+    found.retired = 2  # --fix, one retire failed
+    assert found.left == 1
+    found.retired = 3
+    assert found.left == 0

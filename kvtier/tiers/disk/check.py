@@ -83,6 +83,11 @@ class DiskCheckReport:
     def problems(self) -> int:
         return sum(getattr(self, name) for name in PROBLEMS)
 
+    @property
+    def left(self) -> int:
+        """The bad slots still there: every one without `--fix`, those a fix failed to retire."""
+        return len(self.bad_slots) - self.retired
+
 
 def check_directory(path: Path, fix: bool = False, progress: bool | None = None) -> DiskCheckReport:
     """Check (and with `fix`, retire the bad slots of) the disk tier in `path`."""
