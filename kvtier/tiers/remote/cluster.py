@@ -32,9 +32,11 @@ Contract:
   the cluster holds once that connect is in), and is a miss at once otherwise: a cluster down
   or stalled at start costs a call at most `CONNECT_WAIT` timeouts, however many startup nodes
   it has, and a store nothing more than a counter in between.
-- `connected` is true while the last call reached a node (a node's error reply, `-OOM` under
-  `maxmemory` or an ACL's `-NOPERM`, came from one), false after one that reached none (no
-  connection, timeouts: a cluster down since), until a call reaches one again.
+- `connected` is true while the last call reached a node that serves (a node's error reply,
+  `-OOM` under `maxmemory` or an ACL's `-NOPERM`, came from one), false after one that reached
+  none (no connection, timeouts: a cluster down since; or only `-CLUSTERDOWN` replies: nodes
+  that answer but serve nothing, a cluster in `cluster_state:fail`), until a call reaches one
+  again. A node with no call for `reconnect_s` probes when `stats()` is read (`liveness.py`).
 - After a round trip with a failure in it (a node down, a redirect) the slot table is read again
   from the cluster, at most once per `REFRESH_S` and one read at a time (a read of a stalled
   cluster takes a timeout per node it asks: reads begun each second would pile up threads and
@@ -62,7 +64,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import ResponseError
 
 from kvtier.config.network import NodeFilter
 from kvtier.errors import InvalidArgumentError
@@ -75,6 +76,7 @@ from kvtier.tiers.remote.entry import (
     decode_value,
     max_value_nbytes,
 )
+from kvtier.tiers.remote.liveness import Liveness, probe, served
 from kvtier.tiers.remote.rounds import Down, round_trip
 
 T = TypeVar("T")
@@ -124,6 +126,7 @@ class RemoteCluster:
         self._refreshed_at = 0.0  # the last slot table read after a failure (`REFRESH_S`)
         self._refreshing = False  # a slot table read is under way (`_refresh`): one at a time
         self._down = Down(settings.reconnect_s)  # nodes that failed lately (`rounds.py`)
+        self._liveness = Liveness(settings.reconnect_s)  # an idle node's probes (`stats`)
         self.last_error = ""
         self._reachable = self._closed = False  # `connected`; `close` called
         with self._lock:
@@ -223,7 +226,10 @@ class RemoteCluster:
         return self._client is not None and self._reachable
 
     def stats(self) -> dict[str, Any]:
-        """Counters since start, the time spent in round trips, and whether it is connected."""
+        """Counters since start, the time spent in round trips, and whether it is connected;
+        with no call for `reconnect_s`, a probe starts (`liveness.py`) that the next shows."""
+        if self._liveness.due():
+            self._start_probe()
         with self._lock:
             figures: dict[str, Any] = dict(self._stats)
             figures["round_trip_seconds"] = round(self._seconds, 6)
@@ -324,15 +330,31 @@ class RemoteCluster:
         replies = self._round_trip(
             lambda client: round_trip(client, commands, self.settings.timeout_s, self._down)
         )
-        # a node's error reply (-OOM, -NOPERM, -MOVED) came from a node: reached (module doc)
-        self._reachable = replies is not None and any(
-            isinstance(r, ResponseError) or not isinstance(r, Exception) for r in replies
-        )
+        self._reachable = replies is not None and any(map(served, replies))
+        self._liveness.called()
         if replies is not None and any(isinstance(r, Exception) for r in replies):
             client = self._client
             if client is not None:  # a redirect or a failed node: the table may have moved
                 self._refresh(client)
         return replies
+
+    def _start_probe(self) -> None:
+        try:
+            threading.Thread(target=self._probe, name="kvtier-remote-probe", daemon=True).start()
+        except RuntimeError:  # no thread to be had: a later read asks again
+            self._liveness.done()
+
+    def _probe(self) -> None:
+        """`liveness.probe` on this thread, its answer in `connected` (module doc)."""
+        try:
+            client = self._connect()
+            timeout, down = self.settings.timeout_s, self._down
+            self._reachable, why = (False, "") if client is None else probe(client, timeout, down)
+            if why and client is not None:  # not reached: said, and the table read again
+                self._say(f"liveness probe: {why}")
+                self._refresh(client)
+        finally:
+            self._liveness.done()
 
     def _refresh(self, client: RedisCluster) -> None:
         """Read the slot table again (module doc), at most once per `REFRESH_S`, on a thread
