@@ -64,3 +64,14 @@ def test_a_tls_key_other_users_can_read_is_refused_at_start(tmp_path: Path) -> N
     assert refused.value.field == "tiers.remote.tls.key_file"
     Path(str(tls.key_file)).chmod(0o640)  # its group may: the server's own group
     KVStore(parse_config(config)).close()
+
+
+def test_a_disk_floor_without_a_disk_tier_is_refused_naming_it() -> None:
+    """`tenants.a.floor.disk` in a config with no disk tier was ignored without a word (the
+    operator believed a's disk blocks kept)."""
+    with pytest.raises(ConfigError, match="no disk tier") as refused:
+        parse_config({"tenants": {"a": {"floor": {"disk": "1GiB"}}, "b": {}}})
+    assert refused.value.field == "tenants.a.floor.disk"
+    disk = {"capacity": "64MiB", "path": "/nonexistent-kvtier-disk"}  # parsed, never opened
+    config = parse_config({"tiers": {"disk": disk}, "tenants": {"a": {"floor": {"disk": 0.5}}}})
+    assert config.tenants["a"].floor.disk is not None

@@ -86,6 +86,15 @@ class KVTierConfig(Section):
                 raise InvalidValue(capacity.to_config(), expected, key=f"tiers.{name}.capacity")
         return self
 
+    @model_validator(mode="after")
+    def _floors_of_tiers_it_has(self) -> KVTierConfig:
+        for tenant, settings in self.tenants.items():  # else a floor no tier would keep
+            if settings.floor.disk is not None and self.tiers.disk is None:
+                expected = "unset: this config has no disk tier (tiers.disk)"
+                given = settings.floor.disk.to_config()
+                raise InvalidValue(given, expected, key=f"tenants.{tenant}.floor.disk")
+        return self
+
     @property
     def layout(self) -> KVLayout:
         m = self.model
