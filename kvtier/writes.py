@@ -182,7 +182,8 @@ class Writes:
     ) -> Reservation:
         """`KVStore.reserve`'s work: a pin on the prefix (within the tenant's quota), slots
         placed as `store` would place them, and the reservation opened in the table (canaries
-        planted); an empty reservation, nothing held, when the blocks cannot be placed."""
+        planted); an empty reservation, nothing held, when the blocks cannot be placed, or when
+        every whole block is cached already (counted as a store, as `store` counts one)."""
         bt = self.index.block_tokens
         match = self.index.match(namespace, key)
         new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
@@ -200,6 +201,8 @@ class Writes:
             raise
         if slots is None:
             self.index.leases.release(pin.lease_id)
+            if new_blocks <= 0 and match.num_blocks:  # held whole: a store with nothing to store
+                self.state.count(tenant, stores=1)  # (a client's ends here, `client/pools.py`)
             return Reservation(0, tenant, match.num_blocks * bt, 0, "gpu", (), 0.0)
         tier = min(slots)
         reservation = Reservation(

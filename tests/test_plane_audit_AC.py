@@ -112,15 +112,25 @@ def test_a_store_the_server_holds_whole_sends_no_body(server: Server) -> None:
     """A mapped client's store of a prefix the server holds whole: its reserve says so (nothing
     to reserve, every whole block cached), and the store ends there. It used to take that for a
     refusal and send the whole KV through `/v1/store` (a 4k-token prompt of a real model: 512
-    MiB over HTTP for nothing); the answer is the body path's."""
+    MiB over HTTP for nothing); the answer is the body path's, and it is counted as a store."""
     tokens, kv = tokens_of(500, 67), kv_of(67, seed=5)  # 16 whole blocks of 4 and 3 tokens
     with Client(server.url, api_key=KEY) as client:
-        before = counts(server).get("/v1/store", 0.0)
+        before, stores = counts(server).get("/v1/store", 0.0), store_count(server)
         assert client.store(tokens, kv).stored_tokens == 64
         assert counts(server).get("/v1/store", 0.0) == before  # through the mapped pool
         again = client.store(tokens, kv)
         assert again == StoreResult(64, 0, 0)
         assert client.store(tokens[:64], kv[:, :, :64]) == again
         assert counts(server).get("/v1/store", 0.0) == before  # no body sent
+        assert store_count(server) == stores + 3  # each a store, as the body path counts one
     with Client(server.url, api_key=KEY, shared_memory=False) as plain:
         assert plain.store(tokens, kv) == again  # the body path's answer is the same
+    assert store_count(server) == stores + 4
+
+
+def store_count(server: Server) -> float:
+    """`kvtier_ops_total{op="stores"}`."""
+    text = server.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
+    found = re.search(r'^kvtier_ops_total\{op="stores"\} (\S+)$', text, re.MULTILINE)
+    assert found is not None, text[:400]
+    return float(found[1])
