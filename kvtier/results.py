@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import math
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -277,15 +278,24 @@ class LeaseOwner:
 
 def seconds_to_wait(timeout: object) -> float | None:
     """A `Lease.wait` timeout as `threading.Condition` takes it: None stays None (no limit); a
-    number of seconds >= 0 (not a bool), infinity and anything past `threading.TIMEOUT_MAX`
-    cut to that; else `InvalidArgumentError` naming it. (A NaN waited without limit, a string
-    or a huge int raised TypeError or OverflowError from inside the wait.)"""
+    real number of seconds (not a bool: an int, a float, a NumPy scalar, a 0-d tensor), below 0
+    taken as 0 (as threading does: `deadline - now` once past it) and infinity and anything past
+    `threading.TIMEOUT_MAX` cut to that; else (NaN, a string) `InvalidArgumentError` naming it.
+    (A NaN waited without limit, a string or a huge int raised TypeError or OverflowError from
+    inside the wait.)"""
     if timeout is None:
         return None
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0:
-        return float(min(timeout, threading.TIMEOUT_MAX))
+    if not isinstance(timeout, bool) and hasattr(timeout, "__float__"):
+        try:
+            seconds = float(timeout)
+        except (TypeError, ValueError, RuntimeError):  # a tensor of several values, say
+            seconds = math.nan
+        except OverflowError:  # an int past the largest float: no limit, as infinity
+            seconds = math.inf
+        if not math.isnan(seconds):
+            return min(max(seconds, 0.0), threading.TIMEOUT_MAX)
     raise InvalidArgumentError(
-        f"timeout: got {shown(timeout)}, expected a number of seconds >= 0, or None to wait "
+        f"timeout: got {shown(timeout)}, expected a number of seconds, or None to wait "
         "without limit"
     )
 

@@ -61,7 +61,7 @@ def test_a_kv_that_requires_grad_is_stored_as_values_never_as_a_graph(
     store.check()
 
 
-@pytest.mark.parametrize("timeout", [float("nan"), "1", -1.0, True, [1.0]])
+@pytest.mark.parametrize("timeout", [float("nan"), "1", True, [1.0], torch.tensor([1.0, 2.0])])
 def test_a_lease_wait_refuses_a_timeout_that_is_no_seconds(
     make_store: Callable[..., KVStore], timeout: object
 ) -> None:
@@ -75,6 +75,8 @@ def test_a_lease_wait_refuses_a_timeout_that_is_no_seconds(
     with pytest.raises(InvalidArgumentError, match="timeout: got"):
         lease.wait_layer(0, timeout)  # type: ignore[arg-type]
     assert lease.wait(0) and lease.wait(float("inf")) and lease.wait_layer(1, 10**400)
+    # what waited before still does: a deadline already past (0), NumPy and tensor seconds
+    assert lease.wait(-1.0) and lease.wait(np.float32(0.5)) and lease.wait(torch.tensor(1))  # type: ignore[arg-type]
     store.release(lease)
     store.check()
 
