@@ -81,12 +81,12 @@ the idle ones at once and each one answering a call, or still reading one (`read
 may end it, `stop` does not), once its reply is sent (as HTTP finishes the requests in
 progress); only one still at it after `STOP_S` is cut.
 
-Counted: a frame answered (its reply sent, a refusal too: 400, 404, 401, ...) counts once in
+Counted: a frame answered (its reply made, a refusal too: 400, 404, 401, ...) counts once in
 `kvtier_lane_requests_total` and in `kvtier_request_seconds` (its path's series, `other` for a
 path the lane does not carry or a malformed frame), timed from its head read to its reply, as
-HTTP counts its requests; one left unanswered (its connection ended mid-body, for room, or
-too slow) counts in neither. (Before, the 400s and 404s were not counted, and a frame cut off
-mid-body was, as answered.)
+HTTP counts its requests, just before the reply is sent (a reply whose send fails counts);
+one left unanswered (its connection ended mid-body, for room, or too slow) counts in
+neither. (Before, the 400s and 404s were not counted, and a frame cut off mid-body was.)
 
 Hostile input: a frame longer than `frame_limit(config)` (the tokens `service.max_tokens`
 allows, and 1 MiB of fields) closes the connection before its body is read; one slower than
@@ -282,11 +282,12 @@ class Lane:
                     call.release(self._loop)
                 if not call.answering and not self._mark(conn, True):  # a refusal, unmarked
                     return  # ended for room while its head was read: its client sends again
-                took = time.perf_counter() - call.started  # to its reply, as HTTP times it
+                # answered: counted before it is sent, so that a client that reads the metrics
+                # after its reply finds it there (module doc, "Counted")
+                metrics.observe(call.path, time.perf_counter() - call.started)
+                metrics.lane_requests.inc()
                 conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
                 conn.sendall(reply)
-                metrics.observe(call.path, took)  # answered: counted (module doc, "Counted")
-                metrics.lane_requests.inc()
                 if not self._mark(conn, False):
                     return
                 if call.unread:  # refused before its body was read: it is skipped
