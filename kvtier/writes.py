@@ -204,16 +204,9 @@ class Writes:
             if new_blocks <= 0 and match.num_blocks:  # held whole: a store with nothing to store
                 self.state.count(tenant, stores=1)  # (a client's ends here, `client/pools.py`)
             return Reservation(0, tenant, match.num_blocks * bt, 0, "gpu", (), 0.0)
-        tier = min(slots)
-        reservation = Reservation(
-            0,  # the table draws the id
-            tenant,
-            match.num_blocks * bt,
-            new_blocks * bt,
-            self.state.pools[tier].name,
-            tuple(slots[tier]),
-            expires_at,
-        )
+        tier, cached, new = min(slots), match.num_blocks * bt, new_blocks * bt
+        name = self.state.pools[tier].name  # the id, 0 here, is drawn by the table
+        reservation = Reservation(0, tenant, cached, new, name, tuple(slots[tier]), expires_at)
         return self.reservations.open(reservation, namespace, key, pin.lease_id, slots)
 
     def publish_reserved(self, entry: Reserved) -> StoreResult:

@@ -187,7 +187,7 @@ class Background:
         call making room for itself, as `Demoter.make_room` takes them)."""
         if self.pressure(tier) <= trigger:
             return
-        floors, lower = self.index.residency.floors, tier + 1
+        floors, lower, full_below = self.index.residency.floors, tier + 1, False
         left = None if owner or not floors else {n for n in floors if self._spare(n, tier) > 0}
         for ref in self.index.victims(tier, owner):
             over = self.pressure(tier) - goal
@@ -207,11 +207,11 @@ class Background:
                 for t, slot in self.index.drop(ref):
                     self.pools[t].free([slot])
                 self.state.counters[tier].evictions += 1
-            elif action is Action.COPY:
+            elif action is Action.COPY and not full_below:  # (none below: clear or drop others)
                 target = self.pools[lower]
-                refused = isinstance(target, DiskTier) and not target.accepting_writes()
-                if refused or not self._plan_demotion(ref, tier, lower, min(over, spare), owner):
-                    return  # the disk refused writes (its backoff), or no room below: later
+                if isinstance(target, DiskTier) and not target.accepting_writes():
+                    return  # the disk refused writes: try again when its backoff ends
+                full_below = not self._plan_demotion(ref, tier, lower, min(over, spare), owner)
 
     def _spare(self, namespace: bytes, tier: int) -> int:
         """How many of `namespace`'s `tier` copies the mover may still take: those above its
