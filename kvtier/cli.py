@@ -322,7 +322,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         say(f"  {name.replace('_', ' '):<18}{getattr(report, name):>8}")
     if args.fix:
         say(f"  retired            {report.retired:>8}")
-    if report.left:  # to retire, or a retire failed (its error said above): still there
+    if report.left:  # to retire; or a retire failed, or a slot could not be read: still there
         say(f"problems found: {report.left} slots " + (FAILED_FIX if args.fix else TO_FIX))
         return 1
     return 0

@@ -126,3 +126,5 @@ def test_check_exits_1_while_bad_slots_are_left_a_fix_included() -> None:
     assert found.left == 1
     found.retired = 3
     assert found.left == 0
+    unread = DiskCheckReport(corrupt_headers=1)  # a slot whose read failed (EIO): no retire
+    assert unread.left == 1  # so `kvtier check` exits 1, with --fix or without

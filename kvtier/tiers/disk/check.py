@@ -85,8 +85,9 @@ class DiskCheckReport:
 
     @property
     def left(self) -> int:
-        """The bad slots still there: every one without `--fix`, those a fix failed to retire."""
-        return len(self.bad_slots) - self.retired
+        """The problems still there: every one without `--fix`; with it, those a retire failed
+        on (an I/O error) and slots that could not be read, which no retire tries."""
+        return self.problems - self.retired
 
 
 def check_directory(path: Path, fix: bool = False, progress: bool | None = None) -> DiskCheckReport:
