@@ -330,8 +330,8 @@ class RemoteCluster:
         replies = self._round_trip(
             lambda client: round_trip(client, commands, self.settings.timeout_s, self._down)
         )
+        self._liveness.called()  # first: a probe under way no longer writes over what it says
         self._reachable = replies is not None and any(map(served, replies))
-        self._liveness.called()
         if replies is not None and any(isinstance(r, Exception) for r in replies):
             client = self._client
             if client is not None:  # a redirect or a failed node: the table may have moved
@@ -342,19 +342,21 @@ class RemoteCluster:
         try:
             threading.Thread(target=self._probe, name="kvtier-remote-probe", daemon=True).start()
         except RuntimeError:  # no thread to be had: a later read asks again
-            self._liveness.done()
+            self._liveness.done(lambda: None)
 
     def _probe(self) -> None:
-        """`liveness.probe` on this thread, its answer in `connected` (module doc)."""
+        """`liveness.probe` on this thread, its answer in `connected` unless a call ended since
+        it began (that call's answer is newer: `Liveness.done`)."""
+        reached = False
         try:
             client = self._connect()
             timeout, down = self.settings.timeout_s, self._down
-            self._reachable, why = (False, "") if client is None else probe(client, timeout, down)
+            reached, why = (False, "") if client is None else probe(client, timeout, down)
             if why and client is not None:  # not reached: said, and the table read again
                 self._say(f"liveness probe: {why}")
                 self._refresh(client)
         finally:
-            self._liveness.done()
+            self._liveness.done(lambda: setattr(self, "_reachable", reached))
 
     def _refresh(self, client: RedisCluster) -> None:
         """Read the slot table again (module doc), at most once per `REFRESH_S`, on a thread

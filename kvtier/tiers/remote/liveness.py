@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from redis.cluster import RedisCluster
@@ -52,22 +53,28 @@ class Liveness:
         self._lock = threading.Lock()
         self._called_at = time.monotonic()
         self._probing = False
+        self._calls = self._since = 0  # calls ended; and when the probe under way began
 
     def called(self) -> None:
-        """A call of the node's ended: it said what it reached."""
+        """A call of the node's ended, before it says what it reached: a probe under way then
+        leaves that alone (`done`)."""
         with self._lock:
             self._called_at = time.monotonic()
+            self._calls += 1
 
     def due(self) -> bool:
         """True (and a probe under way until `done`) when one should start now."""
         with self._lock:
             if self._probing or time.monotonic() - self._called_at < self.every_s:
                 return False
-            self._probing = True
+            self._probing, self._since = True, self._calls
             return True
 
-    def done(self) -> None:
-        """The probe ended: it said what it reached, as a call does."""
+    def done(self, say: Callable[[], None]) -> None:
+        """The probe ended: `say` what it reached (under the lock), unless a call ended since it
+        began, whose answer is newer (a probe that began earlier never writes over it)."""
         with self._lock:
+            if self._calls == self._since:
+                say()
             self._probing = False
             self._called_at = time.monotonic()
