@@ -301,7 +301,7 @@ def _tls_settings(tls: RemoteTlsConfig | None) -> TlsSettings | None:
             raise ConfigError(f"tiers.remote.tls.{name}", path, "a readable file")
     _load_tls(tls)
     if tls.key_file is not None and os.stat(tls.key_file).st_mode & 0o006:  # as ssh's keys
-        expected = "a private key other users cannot read or write (chmod o-rw it)"
+        expected = "a key others cannot read (chmod o-rw; a Kubernetes Secret: defaultMode 0440)"
         raise ConfigError("tiers.remote.tls.key_file", tls.key_file, expected)
     return TlsSettings(tls.ca_file, tls.cert_file, tls.key_file, tls.check_hostname)
 

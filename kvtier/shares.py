@@ -10,8 +10,9 @@ a single tenant has no quota but the tiers and no floor, so nothing changes for 
 
 Refused (`ConfigError`, by `check_shares` and so by `TenantShares`): a tier's floors that do
 not fit in it (`tenants.*.floor.<tier>`), and a quota that is given but rounds to no block
-or an equal split of no block (more tenants than slots) (`tenants.<id>.quota.<tier>`: every
-prefetch of that tenant would be refused). `check_shares`
+or a gpu split of no block (more tenants than gpu slots) (`tenants.<id>.quota.<tier>`: every
+prefetch and reservation of that tenant would be refused; a host quota of 0 refuses nothing
+that needs one). `check_shares`
 takes the rooms a config plans (`preflight.py`), so that a config is refused before any tier
 is made (a disk tier opened at a lower capacity cuts its slabs); a room that is not known
 without the machine (None: a fraction of its free memory, in `kvtier validate`) is not checked.
@@ -77,7 +78,7 @@ def _column(config: KVTierConfig, name: str, room: TierRoom) -> list[tuple[int |
         given = getattr(settings.quota, name) if name in QUOTA_TIERS else None
         if given is None:  # a single tenant: the tier itself is its bound (CapacityError past it)
             quota = share if split and name in QUOTA_TIERS else None
-            if quota == 0 and room.slots:  # more tenants than slots: none could prefetch
+            if quota == 0 and room.slots and name == "gpu":  # none could prefetch or reserve
                 raise ConfigError(
                     f"tenants.{tenant}.quota.{name}",
                     f"{room.slots} slots // {len(tenants)} tenants = 0 blocks",

@@ -6,6 +6,7 @@ that other users can read."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -75,3 +76,20 @@ def test_a_disk_floor_without_a_disk_tier_is_refused_naming_it() -> None:
     disk = {"capacity": "64MiB", "path": "/nonexistent-kvtier-disk"}  # parsed, never opened
     config = parse_config({"tiers": {"disk": disk}, "tenants": {"a": {"floor": {"disk": 0.5}}}})
     assert config.tenants["a"].floor.disk is not None
+
+
+def test_a_fifo_other_users_can_write_is_refused_a_pipe_is_taken(tmp_path: Path) -> None:
+    """A named FIFO of mode 0666 lets any local user write the config into it; the pipe of a
+    `<(envsubst < tmpl)` is 0600 and is read as before."""
+    fifo = tmp_path / "kvtier.fifo"
+    os.mkfifo(fifo)
+    fifo.chmod(0o666)
+    with pytest.raises(ConfigError, match="chmod o-w"):
+        load_config(fifo)  # refused at the open's fstat: no writer needed
+    read, write = os.pipe()
+    os.write(write, YAML.encode())
+    os.close(write)
+    try:
+        assert load_config(f"/proc/self/fd/{read}").model.name == "tiny"
+    finally:
+        os.close(read)

@@ -122,3 +122,12 @@ def test_more_tenants_than_gpu_slots_is_refused_at_start() -> None:
         lease = store.prefetch(list(range(BT)), tenant="c", wait=False)
         store.release(lease)
         store.check()
+    config["tenants"] = {"a": {}, "b": {}, "c": {}}  # a host split of 0 refuses nothing needed
+    config["tiers"] = {"gpu": {"capacity": 6 * BLOCK, "device": "cpu"},
+                       "host": {"capacity": 2 * BLOCK, "pinned": False}, "disk": None}  # fmt: skip
+    with KVStore(parse_config(config)) as store:
+        for i, name in enumerate("abc"):
+            store.store(list(range(BT)), kv(BT, i), tenant=name)
+            assert torch.equal(store.load(list(range(BT)), tenant=name).kv, kv(BT, i))
+            store.release(store.prefetch(list(range(BT)), tenant=name))
+        store.check()

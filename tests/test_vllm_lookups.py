@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvtier.client import TransportError
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError, KVTierError, StorageError
 from kvtier.integrations.lookups import Clients, Lookups
 from kvtier.integrations.settings import call_timeout
 
@@ -95,6 +95,8 @@ def test_a_refusal_the_sidecar_answers_silences_nothing(refusing: str) -> None:
         assert not isinstance(error.value, TransportError), error.value
         lookups.failed(error.value)
         assert lookups.open()  # another tenant's lookups go on
+        lookups.failed(StorageError("the disk refused the write"))  # a 503 answered: an OSError
+        assert lookups.open()
         lookups.failed(TransportError("the sidecar did not answer"))
         assert not lookups.open()
     finally:

@@ -247,9 +247,9 @@ is a `ConfigError`, never a hang."""
 
 def _read_text(source: str) -> str:
     """The text of `source`, at most `MAX_FILE_CHARS + 1` characters: a regular file (a link to
-    one followed) that other users cannot write (one they can would let any local user give
-    the server API keys, paths and an admin key of theirs), or a FIFO or pipe read to its end
-    within `FIFO_WAIT_S` (`_read_stream`). Opened with O_NONBLOCK, so that a FIFO blocks
+    one followed), or a FIFO or pipe read to its end within `FIFO_WAIT_S` (`_read_stream`),
+    that other users cannot write (one they can would let any local user give the server API
+    keys, paths and an admin key of theirs). Opened with O_NONBLOCK, so that a FIFO blocks
     neither the open nor a read: anything else (a directory, a device) is refused naming what
     it is."""
     try:
@@ -263,7 +263,7 @@ def _read_text(source: str) -> str:
         os.close(fd)
         expected = f"a readable YAML file (a regular file or a FIFO), found {file_kind(mode)}"
         raise ConfigError("<file>", source, expected)
-    if stat.S_ISREG(mode) and mode & stat.S_IWOTH:  # any local user could set the keys, the dirs
+    if mode & stat.S_IWOTH:  # any local user could set the keys, the dirs (a FIFO's writer too)
         os.close(fd)
         expected = (
             f"a config file other users cannot write (mode {stat.S_IMODE(mode):04o}: chmod o-w)"

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from kvtier.client import Client, TransportError
+from kvtier.errors import KVTierError
 from kvtier.integrations.settings import REFUSALS, ConnectorSettings
 
 log = logging.getLogger("kvtier.vllm")
@@ -54,8 +55,11 @@ class Quiet:
         return time.monotonic() >= self._quiet_until
 
     def failed(self, error: BaseException) -> None:
-        """A call failed with `error`: make none for `quiet_s` if the sidecar did not answer."""
-        if isinstance(error, TransportError | OSError):
+        """A call failed with `error`: make none for `quiet_s` if the sidecar did not answer
+        (`TransportError`, an `OSError` of the socket; not a refusal it answered, such as a
+        503 `StorageError`, which is an `OSError` too)."""
+        answered = isinstance(error, KVTierError) and not isinstance(error, TransportError)
+        if not answered and isinstance(error, TransportError | OSError):
             self._quiet_until = time.monotonic() + self.quiet_s
 
 

@@ -113,7 +113,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.buffer: Any = None  # the host pool's kv_buffer as an MHA one (`host_buffer`)
         self.layout = ""
         self.stats = dict.fromkeys(("exists_calls", "pages_set", "pages_got", "errors"), 0)
-        self.stats["skipped_calls"] = 0  # calls answered as misses while `quiet`
+        self.stats["skipped_calls"] = 0  # misses not asked: while `quiet`, stores in a clear
         self._lock = threading.Lock()
         self._sets = threading.Condition()  # stores under way, and a clear that waits for them
         self._storing, self._clearing = 0, False

@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,17 @@ def sidecar(tmp_path: object) -> Iterator[Server]:
             server.process.send_signal(signal.SIGCONT)
 
 
+def stop(server: Server) -> None:
+    """SIGSTOP `server` and wait until it is stopped (the signal lands asynchronously: a call
+    sent at once may still be answered)."""
+    server.process.send_signal(signal.SIGSTOP)
+    stat = Path(f"/proc/{server.process.pid}/stat")
+    deadline = time.monotonic() + 5
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the sidecar did not stop"
+        time.sleep(0.005)
+
+
 def timed(call: object) -> tuple[object, float]:
     began = time.monotonic()
     result = call()  # type: ignore[operator]
@@ -50,7 +62,7 @@ def timed(call: object) -> tuple[object, float]:
 def test_a_hung_sidecar_costs_one_timeout_then_misses_until_it_answers_again(
     sidecar: Server,
 ) -> None:
-    backend = KvtierHiCacheStorage(storage_config(sidecar.url, extra={"kvtier.timeout_s": 1.0}))
+    backend = KvtierHiCacheStorage(storage_config(sidecar.url, extra={"kvtier.timeout_s": 2.0}))
     backend.quiet = Quiet(0.8)  # 10 s by default
     host = host_pool()
     backend.register_mem_pool_host(host)
@@ -60,9 +72,9 @@ def test_a_hung_sidecar_costs_one_timeout_then_misses_until_it_answers_again(
     )
     keys = ["hung-0", "hung-1"]
     assert backend.batch_set_v1(keys, slots) == [True, True]
-    sidecar.process.send_signal(signal.SIGSTOP)
+    stop(sidecar)
     found, took = timed(lambda: backend.batch_exists(keys))
-    assert found == 0 and 0.4 <= took < 3.0, took  # the timeout (lane, then HTTP), not 120 s
+    assert found == 0 and 0.9 <= took < 5.0, took  # the timeout (lane, then HTTP), not 120 s
     assert backend.stats["errors"] == 1 and backend.stats["skipped_calls"] == 0
     out = host.alloc(2 * PAGE)
     for call in (
@@ -111,7 +123,7 @@ def test_no_store_lands_after_a_clear_nor_starts_during_one(sidecar: Server) -> 
     backend.register_mem_pool_host(host)
     before, during = ["old-0", "old-1"], ["late-0", "late-1"]
     slots = host.alloc(2 * PAGE)
-    sidecar.process.send_signal(signal.SIGSTOP)  # every call waits until SIGCONT
+    stop(sidecar)  # every call waits until SIGCONT
     results: dict[str, object] = {}
     storing = threading.Thread(
         target=lambda: results.update(set=backend.batch_set_v1(before, slots))
