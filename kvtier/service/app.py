@@ -31,7 +31,7 @@ the store's. Store calls run on worker threads (the store's lock may be held for
 big store or the mover), never on the event loop; waiting for a lease awaits it without a
 thread. Bodies are read by `body.py` (bounded in size and time). Every answer that is not a 200
 is `{error, detail}` with a status its route documents (`schemas.py`): the routes' own, the
-edge's (415, 421), and FastAPI's 404/405 for unknown paths and methods. The lifespan also runs
+edge's (400, 415, 421), and FastAPI's 404/405 for unknown paths and methods. The lifespan also runs
 the local lane (`lane.py`), the data plane's small calls past HTTP.
 """
 
@@ -66,7 +66,7 @@ from kvtier.service.admission import (
 from kvtier.service.admission import admit as _admit
 from kvtier.service.body import Disconnected, read_body
 from kvtier.service.budget import Hold
-from kvtier.service.guard import Guard, HostCheck
+from kvtier.service.guard import Guard, HostCheck, fieldless, http_error
 from kvtier.service.hot import Endpoint, HotRoutes
 from kvtier.service.lane import Lane
 from kvtier.service.page import add_page
@@ -106,19 +106,11 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
     )
     app.state.service = service
     bound = config.service.host if host is None else host
-    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(HotRoutes, routes=_add_routes(app, service))  # inside Guard (`hot.py`)
     app.add_middleware(Guard, hosts=HostCheck(bound, config.service.allowed_hosts))
     add_page(app, service)
     return app
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """FastAPI's own refusals (404 unknown path, 405 wrong method: a CORS preflight is one)
-    as `{error, detail}`."""
-    assert isinstance(exc, HTTPException)
-    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "refused")
-    return _error(exc.status_code, kind, str(exc.detail))
 
 
 def _start_quietly(service: Service) -> None:
@@ -301,6 +293,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
     # ---- data plane (`plane.py`) ---------------------------------------------------------
 
     p = Plane(config, service.instance, service.grants)
+    reset = fieldless("/v1/reset", p.reset)  # a field in its body: 400 (`guard.py`)
     routes: list[tuple[str, Callable[..., Any], dict[str, Any], dict[str, Any], str]] = [
         ("/v1/lookup", p.lookup, schemas.TOKENS, schemas.LOOKUP, "Cached prefix, by tier"),
         ("/v1/prefetch", p.prefetch, schemas.PREFETCH, schemas.LEASE, "Lease the prefix on gpu"),
@@ -310,7 +303,7 @@ def _add_routes(app: FastAPI, service: Service) -> dict[str, Endpoint]:
         ("/v1/reserve", p.reserve, schemas.RESERVE, schemas.RESERVATION, "Reserve slots"),
         ("/v1/commit", p.commit, schemas.RESERVATION_ID, schemas.STORED, "Commit a reservation"),
         ("/v1/abort", p.abort, schemas.ABORT, schemas.EMPTY, "Abort a reservation"),
-        ("/v1/reset", p.reset, schemas.EMPTY, schemas.RESET, "Forget the tenant's cached KV"),
+        ("/v1/reset", reset, schemas.NO_FIELDS, schemas.RESET, "Forget the tenant's cached KV"),
     ]
     bytes_call = functools.partial(call, bytes_reply=True)  # a load's reply is its KV
     hot = {path: _post(app, path, handler, bytes_call if path == "/v1/load" else call,

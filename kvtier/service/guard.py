@@ -24,6 +24,11 @@ resolved to 127.0.0.1). So, on every route:
   `/v1/admin/clear?tenants=a` (or a body `{"tenant": "a"}`) cleared every tenant. GET routes
   are not held to it (the page's `?part=`, a browser's or a scraper's cache-busting parameters
   change nothing).
+- `Host`, `Authorization`, `X-Kvtier-Tenant` and `Content-Type` at most once each: two are
+  400 `invalid_argument` naming the header (never its values), before anything else. The
+  checks here read the last of a repeated header and the routes the first, so `Host: evil,
+  Host: 127.0.0.1` passed the Host check, and two keys acted as the first, whichever a proxy
+  or a client library had put there.
 - An exception that escapes a route is logged once, with its traceback, and answered
   `500 {"error": "internal", "detail"}` (when no response has begun); the tests forbid it, so
   this is the last line, not a path.
@@ -36,9 +41,13 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import parse_qsl
 
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.service import wire
@@ -101,6 +110,35 @@ def no_length(content_length: str | None) -> bool:
     return content_length is None or content_length.strip().lstrip("0") == ""
 
 
+SINGLE_HEADERS = ("host", "authorization", "x-kvtier-tenant", "content-type")
+"""The headers a request may carry at most once: each decides who it is, where or what."""
+
+
+def repeated_header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """Why a request's headers are ambiguous (one of `SINGLE_HEADERS` twice), or None."""
+    seen: set[str] = set()
+    for raw, _ in headers:
+        name = raw.decode("latin-1").lower()  # (ASGI servers lower-case names already)
+        if name in seen and name in SINGLE_HEADERS:
+            return f"header {name!r} given more than once: expected it once"
+        seen.add(name)
+    return None
+
+
+def fieldless(route: str, handler: Callable[[Any, Any, dict[str, Any]], Any]) -> Any:
+    """`handler` for a route whose body names nothing (`/v1/reset`): a field in the body is
+    400 `invalid_argument` naming it, before the handler runs, as a query parameter is
+    (`query_refusal`): `{"tenant": "b"}` reset the caller's own tenant."""
+
+    def checked(store: Any, tenant: Any, data: dict[str, Any]) -> Any:
+        for name in data:
+            detail = f"field {name!r:.80}: POST {route} takes none: expected {{}}"
+            raise wire.WireError(400, "invalid_argument", detail)
+        return handler(store, tenant, data)
+
+    return checked
+
+
 QUERY = {"/v1/admin/clear": ("tenant",)}
 """The query parameters a `/v1/` POST reads (each at most once); a POST not named reads none."""
 
@@ -139,6 +177,10 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        repeated = repeated_header(scope["headers"])
+        if repeated is not None:
+            await _answer(send, 400, "invalid_argument", repeated, close=True)
+            return
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in scope["headers"]}  # fmt: skip
         bad_host = self.hosts.refusal(headers.get("host"))
@@ -171,6 +213,15 @@ class Guard:
             if not started:
                 detail = f"an unexpected {type(exc).__name__}; the server's log has the traceback"
                 await _answer(send, 500, "internal", detail, close=True)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's own refusals (404 unknown path, 405 wrong method: a CORS preflight is one)
+    as `{error, detail}`, with their headers (a 405's `Allow`, which RFC 9110 requires)."""
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "refused")
+    body = json.dumps({"error": kind, "detail": str(exc.detail)}).encode()
+    return Response(body, exc.status_code, headers=exc.headers, media_type=wire.JSON)
 
 
 async def _answer(

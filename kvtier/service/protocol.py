@@ -22,6 +22,10 @@ the same protocol with both bounds:
   saw a broken pipe and httpx a `ReadError` where the server had said 413. A close with
   nothing left to read (keep-alive off, an idle connection at shutdown) is immediate.
 
+- a request the parser refuses (a malformed line or header, a negative or repeated
+  Content-Length, one beside Transfer-Encoding) is `400 {error: "bad_request", detail}` naming
+  what the parser met, not uvicorn's plain-text line; the connection closes.
+
 - a request's scope carries `extensions["kvtier.abort"]`: it drops the connection at once,
   whatever is still buffered for it, so that a reply whose client stopped reading can be given
   up (`budget.HeldResponse`); a plain close would wait for the buffer to drain.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +63,14 @@ def _response(status: int, reason: str, kind: str, detail: str) -> bytes:
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     )
     return head.encode() + body
+
+
+def _malformed(msg: str) -> str:
+    """What the parser refused, for a 400: its error's text (it names what it met: "invalid
+    constant string", "Content-Length can't be present with Transfer-Encoding"), called as it
+    is handled; uvicorn's `msg` where there is none."""
+    error = sys.exc_info()[1]
+    return f"a malformed HTTP request: {(str(error) if error else '') or msg:.200}"
 
 
 def bounded(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol]:
@@ -120,10 +133,10 @@ def bounded(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol]:
 
         def send_400_response(self, msg: str) -> None:
             self._in_head = True  # a head the parser stopped reading: more of it may come
-            if self._refusal is None:  # a malformed request: uvicorn's own answer
-                super().send_400_response(msg)
-                return
-            self.transport.write(self._refusal)
+            refusal = self._refusal
+            if refusal is None:  # a malformed request: as `{error, detail}` too, not uvicorn's
+                refusal = _response(400, "Bad Request", "bad_request", _malformed(msg))
+            self.transport.write(refusal)
             self.transport.close()
 
         def _count(self, nbytes: int) -> None:

@@ -18,15 +18,33 @@ _NUM = {"type": "number"}
 _STR = {"type": "string"}
 # the server process's random id (`admission.Service`), in every reply that names slots
 _INSTANCE = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
-_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1}}
+_TOKENS = {
+    "type": "array",
+    "minItems": 1,  # an empty one is 400 `invalid_tokens`
+    "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
+}
+_TTL = {"type": "number", "exclusiveMinimum": 0}  # at most policy.max_ttl_s (400 past it)
+_WAIT = {"type": "number", "minimum": 0}  # bounded by service.prefetch_wait_s
+_START = {"type": "integer", "minimum": 0}  # a multiple of block_tokens within the tokens
+# what a request's map holds besides its fields (ignored): scalars, strings or lists of
+# scalars (of strings too, in JSON); a nested map or list is 400 (`flat.py`)
+_SCALAR = {"type": ["number", "boolean", "null"]}
+_OTHER = {"anyOf": [_SCALAR, {"type": "string"}, {"type": "array", "items": _SCALAR}]}
+_ANY_SCALAR = {"type": ["number", "boolean", "null", "string"]}
+_OTHER_JSON = {"anyOf": [_ANY_SCALAR, {"type": "array", "items": _ANY_SCALAR}]}
 
 
 def _obj(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": list(required)}
 
 
-TOKENS = _obj({"tokens": _TOKENS}, ("tokens",))
-LOAD = _obj({"tokens": _TOKENS, "start": _INT}, ("tokens",))  # start: as STORE's
+def _request(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A request's flat map (`flat.py`): its fields, and others ignored."""
+    return {**_obj(properties, required), "additionalProperties": _OTHER}
+
+
+TOKENS = _request({"tokens": _TOKENS}, ("tokens",))
+LOAD = _request({"tokens": _TOKENS, "start": _START}, ("tokens",))  # start: as STORE's
 # lease ids a client is done with, released first (`wire.release_field`)
 _RELEASE = {
     "type": "array",
@@ -35,45 +53,47 @@ _RELEASE = {
 }
 # a token the client drew, naming what its prefetch or reserve is granted (`grants.py`)
 _REQUEST = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
-PREFETCH = _obj(
+PREFETCH = _request(
     {
         "tokens": _TOKENS,
-        "ttl_s": _NUM,
-        "wait_s": _NUM,
+        "ttl_s": _TTL,
+        "wait_s": _WAIT,
         "release": _RELEASE,
         "request": _REQUEST,
         "as_load": {"type": "boolean"},  # a shared-memory load: counted as a load (`wire.py`)
     },
     ("tokens",),
 )
-RESERVE = _obj(
-    {"tokens": _TOKENS, "ttl_s": _NUM, "release": _RELEASE, "request": _REQUEST}, ("tokens",)
+RESERVE = _request(
+    {"tokens": _TOKENS, "ttl_s": _TTL, "release": _RELEASE, "request": _REQUEST}, ("tokens",)
 )
-RESERVATION_ID = _obj({"reservation_id": _INT}, ("reservation_id",))
+RESERVATION_ID = _request({"reservation_id": _INT}, ("reservation_id",))
 
 
 def _by_id_or_request(id_field: str) -> dict[str, Any]:
     """By id, or by the request token of the prefetch / reserve (either, not both: 400)."""
     return {
-        "type": "object",
-        "properties": {id_field: _INT, "request": _REQUEST},
-        "anyOf": [{"required": [id_field]}, {"required": ["request"]}],
+        **_request({id_field: _INT, "request": _REQUEST}),
+        "oneOf": [{"required": [id_field]}, {"required": ["request"]}],
     }
 
 
 RELEASE = _by_id_or_request("lease_id")
 ABORT = _by_id_or_request("reservation_id")
-STORE = _obj(
+STORE = _request(
     {
         "tokens": _TOKENS,
         "kv": _STR,
         "dtype": _STR,
         "shape": {"type": "array", "items": _INT},
-        "start": _INT,  # kv holds tokens[start:] (a multiple of block_tokens; default 0)
+        "start": _START,  # kv holds tokens[start:] (a multiple of block_tokens; default 0)
     },
     ("tokens", "kv", "dtype", "shape"),
 )
 EMPTY = _obj({})
+# the body of a route that reads none (`/v1/reset`): a field is 400 (`guard.fieldless`), and
+# the body may be left out (an empty POST)
+NO_FIELDS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 OK = _obj({"ok": {"type": "boolean"}}, ("ok",))
 READY = _obj({"ok": {"type": "boolean"}, "remote": _STR}, ("ok",))  # remote: with tiers.remote
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -154,8 +174,9 @@ _REASONS = {
     507: "the gpu tier cannot hold the prefix beside what is leased",
 }
 
-EDGE = (415, 421)
-"""What every route can answer before it runs (`guard.py`)."""
+EDGE = (400, 415, 421)
+"""What every route can answer before it runs (`guard.py`): 400 a header that decides who or
+where given twice, or a request HTTP's parser refuses (`protocol.py`)."""
 POST_STATUSES = (400, 401, 403, 404, 408, 409, 413, 422, 429, 503, 507, *EDGE)
 """The data-plane routes: a body read (400, 408, 413), auth, and any store error."""
 GET_STATUSES = (401, 403, 503, *EDGE)
@@ -175,7 +196,7 @@ LEASE_PARAMETERS: dict[str, Any] = {
             "required": True,
             "schema": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
         },
-        {"name": "wait_s", "in": "query", "required": False, "schema": {"type": "number"}},
+        {"name": "wait_s", "in": "query", "required": False, "schema": _WAIT},
     ]
 }
 """`GET /v1/leases/{lease_id}`: parsed by the route itself, after auth (a bad id is 400)."""
@@ -211,11 +232,18 @@ def metrics_responses() -> dict[int | str, dict[str, Any]]:
     return out
 
 
+def _in_json(schema: dict[str, Any]) -> dict[str, Any]:
+    """A request's schema in JSON, whose lists of other fields may hold strings too."""
+    if schema.get("additionalProperties") is not _OTHER:
+        return schema
+    return {**schema, "additionalProperties": _OTHER_JSON}
+
+
 def request_body(schema: dict[str, Any]) -> dict[str, Any]:
     """FastAPI `openapi_extra=` for a route that reads its body itself."""
     return {
         "requestBody": {
-            "required": True,
-            "content": {**_json(schema), "application/msgpack": {"schema": schema}},
+            "required": schema is not NO_FIELDS,
+            "content": {**_json(_in_json(schema)), "application/msgpack": {"schema": schema}},
         }
     }

@@ -141,6 +141,10 @@ def serve(config: KVTierConfig, host: str | None = None, port: int | None = None
             timeout_graceful_shutdown=30,
             # a request's head: at most MAX_HEAD_BYTES, complete within body_timeout_s
             http=protocol_class(MAX_HEAD_BYTES, config.service.body_timeout_s),
+            # no route is a WebSocket: an `Upgrade: websocket` request is an HTTP one, through
+            # the edge's checks and answered as any (a WebSocket scope passed them, then 403
+            # with no body)
+            ws="none",
         )
     )
     server.run(sockets=[listener])
