@@ -33,6 +33,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -185,7 +186,35 @@ def _progress(total: int) -> Iterator[Callable[[int], None] | None]:
         yield bar.update
 
 
+@contextmanager
+def _terminated_cleanly() -> Iterator[None]:
+    """SIGTERM (`timeout`, `kill`) raises `SystemExit(143)` in the replay, as SIGINT raises
+    `KeyboardInterrupt`: its stores' temporary directories in `--dir` are removed (SIGTERM's
+    default action would leave them, a disk tier's slots included) and forked workers are
+    stopped (`parallel.py`). The previous handler comes back after."""
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: signals are not ours to take
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def run_replay(args: argparse.Namespace) -> int:
+    """`kvtier replay` (module doc); the exit status. SIGTERM ends it cleanly
+    (`_terminated_cleanly`)."""
+    with _terminated_cleanly():
+        return _replay(args)
+
+
+def _replay(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         say(f"kvtier: --limit: got {args.limit}, expected >= 1", sys.stderr)
         return 2

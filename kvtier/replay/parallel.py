@@ -21,7 +21,8 @@ ones; `--speed` defaults to it, a paced run needs the CPU its clock assumes).
 Progress: workers add each request they replay to a shared counter, which the parent reads
 into `progress` every `POLL_S`. When a task fails the parent tells the others to stop (they
 stop after the request they are on, removing their stores' directories), cancels the tasks not
-started and raises that task's error; a `KVTierError` travels as its message only.
+started and raises that task's error; a `KVTierError` travels as its message only. A worker
+whose parent is gone (SIGKILL) stops the same way and exits (`_watch`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import dataclasses
 import multiprocessing
 import multiprocessing.synchronize
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -179,16 +182,19 @@ class _Stopped(Exception):
 @dataclass(frozen=True)
 class _Shared:
     """What a worker inherits when it is forked: the workload, the count of requests replayed
-    in all workers, and the parent's request to stop."""
+    in all workers, the parent's request to stop, and the parent's pid: a worker whose parent
+    died (SIGKILL, or a signal that skips its cleanup) stops too, rather than replay on as an
+    orphan with its store's directory."""
 
     work: Workload
     done: Synchronized[int]
     stop: multiprocessing.synchronize.Event
+    parent: int = dataclasses.field(default_factory=os.getpid)
 
     def tick(self, requests: int) -> None:
         with self.done.get_lock():
             self.done.value += requests
-        if self.stop.is_set():
+        if self.stop.is_set() or os.getppid() != self.parent:
             raise _Stopped
 
 
@@ -196,19 +202,38 @@ _shared: _Shared | None = None
 """In a worker process: what `_adopt` was handed when it started."""
 
 
+_busy = threading.Lock()
+"""In a worker: held while it performs a task (`_perform`), so `_watch` never ends it mid-task."""
+
+ORPHAN_POLL_S = 0.2
+"""How often a worker checks that its parent lives (`_watch`)."""
+
+
 def _adopt(shared: _Shared) -> None:
     global _shared
     _shared = shared
+    threading.Thread(target=_watch, args=(shared.parent,), daemon=True).start()
+
+
+def _watch(parent: int) -> None:
+    """End this worker once its parent is gone and it performs no task: an orphan would wait on
+    the task queue forever (its own copy of the queue's pipe keeps it open). A task it is on
+    stops at its next request (`_Shared.tick`), removing its store's directory, first."""
+    while True:
+        time.sleep(ORPHAN_POLL_S)
+        if os.getppid() != parent and _busy.acquire(blocking=False):
+            os._exit(0)  # nothing of this worker's is left to clean: no task holds a store
 
 
 def _perform(task: Task) -> dict[str, Any]:
     """A task in a worker; a `KVTierError` is sent back as a plain one of the same message
     (some do not survive pickling: `ConfigError` takes three arguments)."""
     assert _shared is not None, "a worker started without _adopt"
-    try:
-        return task.perform(_shared.work, _shared.tick)
-    except KVTierError as exc:
-        raise KVTierError(str(exc)) from None
+    with _busy:
+        try:
+            return task.perform(_shared.work, _shared.tick)
+        except KVTierError as exc:
+            raise KVTierError(str(exc)) from None
 
 
 def _in_workers(

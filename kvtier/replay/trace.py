@@ -20,8 +20,8 @@ the format name blocks by hashes (64-bit, or 32-bit as in LMCache's and Dynamo's
 `read_trace` takes any id in [0, 2**64) and renumbers a trace's ids in the order they first
 appear (`Renumber`): the same requests share the same blocks, a Mooncake trace keeps its ids,
 and the synthetic tokens stay below 2**32 for up to 2**32 / B distinct ids (2**23 for 512:
-4.3 billion tokens). `parse_line`, one line alone, keeps its ids and takes them up to
-2**32 / B - 1.
+4.3 billion tokens); a trace holds at most `MAX_DISTINCT_IDS` (2**24) whatever its B.
+`parse_line`, one line alone, keeps its ids and takes them up to 2**32 / B - 1.
 
 Time. Mooncake's timestamps are integer milliseconds; Bailian's are seconds, as floats:
 `read_trace(..., seconds=True)` (`kvtier replay --trace-time-unit s`) takes a number of
@@ -35,6 +35,7 @@ import json
 import os
 import select
 import stat
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, cast
@@ -64,6 +65,12 @@ MAX_REQUEST_TOKENS = 2**20
 """The most tokens a request of a trace is replayed as (its ids times their tokens: 2048 ids of
 Mooncake's 512), as `service.max_tokens`' default: the replay holds KV for its longest
 request. A longer request is refused, naming its line, before any store is built."""
+
+MAX_DISTINCT_IDS = 2**24
+"""The most distinct hash ids a trace holds (Mooncake's 512-token ids reach 2**32 / 512 = 2**23
+first): the replay holds the whole trace, and each distinct id costs some 130 bytes while it is
+read (`Renumber`'s dict, `Chaining`'s arrays), each reference 8, so a trace of many small ids is
+refused before it exhausts memory (2**24 ids: about 2 GiB)."""
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -181,47 +188,65 @@ def trace_block_tokens(value: object, name: str = "trace block_tokens") -> int:
 
 
 class Renumber:
-    """A trace's hash ids renumbered 0, 1, 2, ... in the order they first appear (module doc)."""
+    """A trace's hash ids renumbered 0, 1, 2, ... in the order they first appear (module doc),
+    at most `MAX_DISTINCT_IDS` of them (and 2**32 / B: their synthetic tokens are uint32).
+
+    Every request it returns holds the ids' shared int objects (an id that keeps its number is
+    its first line's int): a trace of repeated ids costs a pointer per reference, not an int."""
 
     def __init__(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> None:
         self.numbers: dict[int, int] = {}
-        self.block_tokens, self.most = block_tokens, 2**32 // block_tokens
+        self.block_tokens = block_tokens
+        self.most = min(2**32 // block_tokens, MAX_DISTINCT_IDS)
 
     def __call__(self, request: TraceRequest, error: _LineError) -> TraceRequest:
         numbers = self.numbers
-        ids = tuple([numbers.setdefault(h, len(numbers)) for h in request.hash_ids])
+        # the new number is `h` itself when they are equal, so that the dict holds one int
+        ids = tuple([numbers.setdefault(h, h if h == len(numbers) else len(numbers))
+                     for h in request.hash_ids])  # fmt: skip
         if len(numbers) > self.most:
             raise error(
                 f"hash_ids: more than {self.most} distinct ids in the trace, expected at most "
-                f"that many (each is {self.block_tokens} synthetic tokens below 2**32)"
+                f"that many (each is {self.block_tokens} synthetic tokens below 2**32, and the "
+                f"trace is held in memory: at most {MAX_DISTINCT_IDS} distinct ids)"
             )
-        if ids == request.hash_ids:
-            return request
         return dataclasses.replace(request, hash_ids=ids)
 
 
 class Chaining:
     """The check that a trace's ids are chained (module doc): an id always follows the same id
     (none: first in its request), so it names one prefix. The simulations need it (`simulate.py`),
-    and `read_trace` checks it line by line, as given."""
+    and `read_trace` checks it line by line, on the ids as `Renumber` numbered them: numbers
+    0, 1, 2, ... in the order they first appear, so that what it keeps of an id is three
+    array slots (24 bytes), not a dict entry."""
 
     def __init__(self) -> None:
-        self.parents: dict[int, tuple[int | None, int]] = {}  # id: (the id before, line)
+        self.parents = array("q")  # by number: the number before it (-1: first in its request)
+        self.lines = array("q")  # by number: the line it first came on
+        self.originals = array("Q")  # by number: the id as the trace gave it, for messages
 
-    def check(self, ids: Sequence[int], error: _LineError) -> None:
-        """`TraceError` (`error`'s line) at the first of `ids` after another id than before."""
+    def check(self, numbers: Sequence[int], ids: Sequence[int], error: _LineError) -> None:
+        """`TraceError` (`error`'s line) at the first of `numbers` (`ids` as `Renumber` numbered
+        them) after another id than before; the message names the ids as given."""
         parents = self.parents
-        previous: int | None = None
-        for position, value in enumerate(ids):
-            parent, line = parents.setdefault(value, (previous, error.line))
-            if parent != previous:
-                after = "first in its request" if parent is None else f"after id {parent}"
-                here = "first" if previous is None else f"after id {previous}"
-                raise error(
-                    f"hash_ids[{position}]: id {value} comes {here} here, but came {after} on "
-                    f"line {line}; expected chained ids (an id names its whole prefix)"
+        previous = -1
+        for position, number in enumerate(numbers):
+            if number == len(parents):  # its first appearance: numbers come in order
+                parents.append(previous)
+                self.lines.append(error.line)
+                self.originals.append(ids[position])
+            elif parents[number] != previous:
+                parent = parents[number]
+                after = (
+                    "first in its request" if parent < 0 else f"after id {self.originals[parent]}"
                 )
-            previous = value
+                here = "first" if previous < 0 else f"after id {ids[position - 1]}"
+                raise error(
+                    f"hash_ids[{position}]: id {ids[position]} comes {here} here, but came "
+                    f"{after} on line {self.lines[number]}; expected chained ids (an id names "
+                    "its whole prefix)"
+                )
+            previous = number
 
 
 def _parse(text: str, error: _LineError, block_tokens: int, seconds: bool) -> TraceRequest:
@@ -308,8 +333,9 @@ def read_trace(
                         f"timestamp: got {shown(request.timestamp_ms)}, expected >= "
                         f"{requests[-1].timestamp_ms} (the lines are sorted by time)",
                     )
-                chaining.check(request.hash_ids, error)
-                requests.append(renumber(request, error))
+                numbered = renumber(request, error)
+                chaining.check(numbered.hash_ids, request.hash_ids, error)
+                requests.append(numbered)
     except OSError as exc:
         raise TraceError(source, 0, f"cannot be read ({exc})") from exc
     if not requests:
