@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -53,6 +54,13 @@ def stop(server: Server) -> None:
         time.sleep(0.005)
 
 
+def timing_out(url: str, timeout_s: object) -> Any:
+    """The storage config of `test_sglang_audit_F` with `kvtier.timeout_s` set to `timeout_s`."""
+    config = storage_config(url)
+    config.extra_config["kvtier.timeout_s"] = timeout_s
+    return config
+
+
 def timed(call: object) -> tuple[object, float]:
     began = time.monotonic()
     result = call()  # type: ignore[operator]
@@ -62,7 +70,7 @@ def timed(call: object) -> tuple[object, float]:
 def test_a_hung_sidecar_costs_one_timeout_then_misses_until_it_answers_again(
     sidecar: Server,
 ) -> None:
-    backend = KvtierHiCacheStorage(storage_config(sidecar.url, extra={"kvtier.timeout_s": 2.0}))
+    backend = KvtierHiCacheStorage(timing_out(sidecar.url, 2.0))
     backend.quiet = Quiet(0.8)  # 10 s by default
     host = host_pool()
     backend.register_mem_pool_host(host)
@@ -108,9 +116,8 @@ def test_a_failure_the_sidecar_did_not_cause_silences_nothing(sidecar: Server) -
 
 @pytest.mark.parametrize("value", [True, "10", 0, -1.0, 3601, float("nan"), None])
 def test_timeout_s_must_be_seconds(value: object) -> None:
-    extra = {"kvtier.timeout_s": value}
     with pytest.raises(ConfigError, match=r"kvtier\.timeout_s"):
-        KvtierHiCacheStorage(storage_config("http://127.0.0.1:1", extra=extra))  # type: ignore[dict-item]
+        KvtierHiCacheStorage(timing_out("http://127.0.0.1:1", value))
 
 
 def test_no_store_lands_after_a_clear_nor_starts_during_one(sidecar: Server) -> None:
@@ -118,7 +125,7 @@ def test_no_store_lands_after_a_clear_nor_starts_during_one(sidecar: Server) -> 
     pool before it (the old weights'). A store that began during the clear used to land after
     the reset (kept, served to the new weights); now it is a miss, and the clear waits for the
     stores that began before it, then resets them away too."""
-    backend = KvtierHiCacheStorage(storage_config(sidecar.url, extra={"kvtier.timeout_s": 6.0}))
+    backend = KvtierHiCacheStorage(timing_out(sidecar.url, 6.0))
     host = host_pool()
     backend.register_mem_pool_host(host)
     before, during = ["old-0", "old-1"], ["late-0", "late-1"]
@@ -130,7 +137,12 @@ def test_no_store_lands_after_a_clear_nor_starts_during_one(sidecar: Server) -> 
     )
     storing.start()
     time.sleep(0.3)
-    clearing = threading.Thread(target=lambda: results.update(clear=backend.clear()))
+
+    def clear() -> None:
+        backend.clear()
+        results["clear"] = None  # it returned: no error
+
+    clearing = threading.Thread(target=clear)
     clearing.start()
     time.sleep(0.3)
     answer, took = timed(lambda: backend.batch_set_v1(during, slots))
