@@ -31,7 +31,8 @@ the same protocol with both bounds:
   up (`budget.HeldResponse`); a plain close would wait for the buffer to drain.
 
 Where httptools is not installed, uvicorn's h11 protocol runs instead (`protocol_class`): it
-bounds a head's size (h11's 16 KiB default) but not its time, and closes without lingering.
+bounds a head's size (h11's 16 KiB default) but not its time, closes without lingering, and
+answers a malformed request with uvicorn's plain-text 400.
 """
 
 from __future__ import annotations
@@ -130,6 +131,12 @@ def bounded(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol]:
         def _abort(self) -> None:
             if self._lingering is not None:
                 self._lingering.abort()
+
+        def _unsupported_upgrade_warning(self) -> None:
+            """kvtier serves no websocket (`ws="none"`): an `Upgrade:` request (websocket, a
+            curl's h2c) is served as plain HTTP, said at debug level; uvicorn's two warnings
+            told the operator to install a websocket library, which would change nothing."""
+            self.logger.debug("an Upgrade request served as plain HTTP (kvtier has no websocket)")
 
         def send_400_response(self, msg: str) -> None:
             self._in_head = True  # a head the parser stopped reading: more of it may come
