@@ -50,6 +50,7 @@ from kvtier.tiers.disk.format import (
     decode_header,
     empty_header,
 )
+from kvtier.tiers.disk.geometry import block_shape
 from kvtier.tiers.disk.io import SlabFile, probe_direct, staging_buffer
 from kvtier.tiers.disk.io_pool import IOPool
 from kvtier.tiers.disk.lock import DirectoryLock
@@ -180,9 +181,8 @@ def _blocks(geometry: dict[str, Any]) -> KVLayout | None:
     model = geometry.get("model")
     if model is None:
         return None
-    shape = [model["num_layers"], 2, model["block_tokens"], model["num_kv_heads"]]
-    shape.append(model["head_dim"])
-    return quant_layout({"codec": "fp8", "block_shape": shape, "dtype": model["dtype"]})
+    shape, dtype = block_shape(model), model["dtype"]
+    return quant_layout({"codec": "fp8", "block_shape": shape, "dtype": dtype})
 
 
 def _raw_bound(payload_region: int, quant: KVLayout | None) -> int:

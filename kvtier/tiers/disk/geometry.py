@@ -54,6 +54,12 @@ READABLE = ("model",)
 compared on `layout` alone."""
 
 
+def block_shape(model: dict[str, Any]) -> list[int]:
+    """The block shape `[layers, 2, block_tokens, kv_heads, head_dim]` of a superblock's
+    `model` entry (checked well-formed), as a `quant` entry records it."""
+    return [model["num_layers"], 2, model["block_tokens"], model["num_kv_heads"], model["head_dim"]]
+
+
 def quant_disagreement(geometry: dict[str, Any]) -> str | None:
     """How a superblock's `quant` entry (the block shape and dtype `kvtier check` decodes a
     quantized tier's copies by; already checked well-formed) contradicts the rest of it: its
@@ -68,8 +74,7 @@ def quant_disagreement(geometry: dict[str, Any]) -> str | None:
         return f"quant.dtype {quant['dtype']!r} is not of itemsize {geometry['itemsize']}"
     if model is None:
         return None
-    shape = [model["num_layers"], 2, model["block_tokens"], model["num_kv_heads"]]
-    shape.append(model["head_dim"])
+    shape = block_shape(model)
     if quant["block_shape"] != shape or quant["dtype"] != model["dtype"]:
         found = f"{quant['block_shape']} {quant['dtype']}"
         return f"quant is {found}, not the model's blocks, {shape} {model['dtype']}"
