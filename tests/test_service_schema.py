@@ -97,3 +97,16 @@ def test_every_response_is_documented_and_no_request_is_a_server_error(
     case: schemathesis.Case[Any], live: Server
 ) -> None:
     case.call_and_validate(base_url=live.url, checks=CHECKS)
+
+
+def test_a_null_ttl_or_wait_is_in_the_document_and_taken_by_the_server(live: Server) -> None:
+    """`ttl_s: null` and `wait_s: null` are the fields left out (`wire.number_field`): the
+    document must allow what the server takes, or a client generated from it refuses them."""
+    tokens = list(range(64))
+    for path, fields in (("/v1/prefetch", ("ttl_s", "wait_s")), ("/v1/reserve", ("ttl_s",))):
+        schema = DOCUMENT["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        body = {"tokens": tokens, **dict.fromkeys(fields)}
+        for field in fields:
+            assert "null" in schema["schema"]["properties"][field]["type"], (path, field)
+        response = live.post(path, json=body)
+        assert response.status_code == 200, (path, response.text)

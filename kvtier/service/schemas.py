@@ -25,6 +25,9 @@ _TOKENS = {
 }
 _TTL = {"type": "number", "exclusiveMinimum": 0}  # at most policy.max_ttl_s (400 past it)
 _WAIT = {"type": "number", "minimum": 0}  # bounded by service.prefetch_wait_s
+# in a body, null is the field absent (`wire.number_field`): the policy's ttl, the bound's wait
+_TTL_OR_NULL = {**_TTL, "type": ["number", "null"]}
+_WAIT_OR_NULL = {**_WAIT, "type": ["number", "null"]}
 _START = {"type": "integer", "minimum": 0}  # a multiple of block_tokens within the tokens
 # what a request's map holds besides its fields (ignored): scalars, strings or lists of
 # scalars (of strings too, in JSON); a nested map or list is 400 (`flat.py`)
@@ -56,8 +59,8 @@ _REQUEST = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
 PREFETCH = _request(
     {
         "tokens": _TOKENS,
-        "ttl_s": _TTL,
-        "wait_s": _WAIT,
+        "ttl_s": _TTL_OR_NULL,
+        "wait_s": _WAIT_OR_NULL,
         "release": _RELEASE,
         "request": _REQUEST,
         "as_load": {"type": "boolean"},  # a shared-memory load: counted as a load (`wire.py`)
@@ -65,7 +68,8 @@ PREFETCH = _request(
     ("tokens",),
 )
 RESERVE = _request(
-    {"tokens": _TOKENS, "ttl_s": _TTL, "release": _RELEASE, "request": _REQUEST}, ("tokens",)
+    {"tokens": _TOKENS, "ttl_s": _TTL_OR_NULL, "release": _RELEASE, "request": _REQUEST},
+    ("tokens",),
 )
 RESERVATION_ID = _request({"reservation_id": _INT}, ("reservation_id",))
 
