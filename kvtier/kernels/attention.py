@@ -19,7 +19,8 @@ Contract:
   before it is).
 - Arguments: shapes, dtypes (q, k and v in the pool's dtype), devices, strides (q, k_new and
   v_new each with a contiguous last dimension; any other strides, each tensor read by its
-  own), head counts (query heads a multiple of kv heads), lengths (>= 1, within the block
+  own), head counts (query heads a positive multiple of kv heads), the softmax scale (None or a
+  finite number > 0), lengths (integers >= 1, within the block
   table, at most 2**31 - 1), the slots a launch reads of an engine's table (in the pool,
   before the table becomes int32, which would wrap 2**32 + s onto slot s) are checked first,
   each failure an `InvalidArgumentError` naming the value and what was expected.
@@ -30,6 +31,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -44,6 +46,9 @@ if TYPE_CHECKING:
 
 INT32_MAX = 2**31 - 1
 """The kernels take lengths and slots as int32: a larger value is refused, never wrapped."""
+
+FLOAT_MAX = 3.4e38
+"""About fp32's largest: a larger softmax scale (an int past a float's range too) is refused."""
 
 
 class PagedAttention:
@@ -88,6 +93,7 @@ class PagedAttention:
         ids) and `seq_lens` `[batch]`; q `[batch, q_heads, head_dim]`."""
         self._check_q(q, "q", 3)
         self._check_layer(layer)
+        _check_scale(scale)
         table, lens = self._check_table(block_table, seq_lens, q.shape[0])
         self._check_resident(table, lens)
         table, lens = table.to(self.buffer.device), lens.to(self.buffer.device)
@@ -113,10 +119,15 @@ class PagedAttention:
         table, prefix = self._from_leases(leases, None, allow_empty=True)
         self._check_q(q, "q", 3)
         self._check_layer(layer)
+        _check_scale(scale)
         new = _lengths(new_lens, "new_lens", len(leases))
         total = int(new.sum())
         kv_shape = (total, self.layout.num_kv_heads, self.layout.head_dim)
         for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"{name}: got {shown(t)}, expected a {q.dtype} tensor {kv_shape}"
+                )
             if tuple(t.shape) != kv_shape or t.dtype != q.dtype or t.device != q.device:
                 raise InvalidArgumentError(
                     f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}, expected "
@@ -159,10 +170,10 @@ class PagedAttention:
                     f"leases[{b}]: lease {lease.lease_id} is {lease.state.value}, expected "
                     "ready (wait for it before reading its pages)"
                 )
-        lens = torch.tensor(
-            [lease.num_tokens for lease in leases] if seq_lens is None else list(seq_lens),
-            dtype=torch.int32,
-        )
+        if seq_lens is None:
+            lens = torch.tensor([lease.num_tokens for lease in leases], dtype=torch.int32)
+        else:  # a caller's: a count, a type or a size past int32 refused, never cast
+            lens = _lengths(seq_lens, "seq_lens", len(leases), least=0)
         for b, lease in enumerate(leases):
             if int(lens[b]) > lease.num_tokens or (int(lens[b]) < 1 and not allow_empty):
                 raise InvalidArgumentError(
@@ -181,6 +192,7 @@ class PagedAttention:
             isinstance(q, torch.Tensor)
             and q.dim() == dims
             and q.shape[-1] == dim
+            and q.shape[1] > 0  # no query head: nothing to launch a program for
             and q.shape[1] % kv_heads == 0
         ):
             raise InvalidArgumentError(
@@ -250,21 +262,53 @@ class PagedAttention:
                 )
 
 
-def _lengths(values: Sequence[int] | torch.Tensor, name: str, batch: int) -> torch.Tensor:
-    lens = torch.as_tensor(values).to("cpu")
-    if lens.dim() != 1 or lens.shape[0] != batch or lens.dtype.is_floating_point:
+def _lengths(
+    values: Sequence[int] | torch.Tensor, name: str, batch: int, least: int = 1
+) -> torch.Tensor:
+    """`batch` lengths in [least, INT32_MAX] as a contiguous int32 tensor, or
+    `InvalidArgumentError` naming `name` (strings, bools, floats, an integer past int64)."""
+    try:
+        lens = torch.as_tensor(values).to("cpu")
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # "3", [[1], 2], 2**70
+        lens = None
+    if (
+        lens is None
+        or lens.dim() != 1
+        or lens.shape[0] != batch
+        or lens.dtype.is_floating_point
+        or lens.dtype.is_complex
+        or lens.dtype == torch.bool
+    ):
         raise InvalidArgumentError(
             f"{name}: got {_describe(values)}, expected {batch} integer lengths"
         )
-    if batch and (int(lens.min()) < 1 or int(lens.max()) > INT32_MAX):
+    if batch and (int(lens.min()) < least or int(lens.max()) > INT32_MAX):
         raise InvalidArgumentError(
-            f"{name}: got {lens.tolist()!r:.80}, expected every length >= 1 and <= {INT32_MAX}"
+            f"{name}: got {lens.tolist()!r:.80}, expected every length >= {least} and <= "
+            f"{INT32_MAX}"
         )
     # checked first: 2**31 would wrap to a negative length; contiguous, as the kernels read it
     return lens.to(torch.int32).contiguous()
 
 
+def _check_scale(scale: object) -> None:
+    """None (1/sqrt(head_dim)) or a finite number > 0: the kernels take it as an fp32 factor
+    of every score (a string failed inside the launch, a NaN made every output NaN)."""
+    if scale is None:
+        return
+    if not (
+        isinstance(scale, (int, float))
+        and not isinstance(scale, bool)
+        and abs(scale) <= FLOAT_MAX  # first: math.isfinite(10**400) raises OverflowError
+        and math.isfinite(scale)
+        and scale > 0
+    ):
+        raise InvalidArgumentError(
+            f"scale: got {shown(scale)}, expected None or a finite number > 0"
+        )
+
+
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return repr(value)
+    return shown(value)

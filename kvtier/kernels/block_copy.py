@@ -23,10 +23,10 @@ bytes at `base + slot * block_bytes`. Three strategies copy them, each a `CopySt
   into pinned memory is valid on the device); pageable host memory, and two CUDA buffers on
   different devices, are refused (`InvalidArgumentError`).
 
-Every strategy checks its slots before it copies anything (`InvalidArgumentError`): `slices`
-each run's ends against both buffers (`check_runs`: a slice past the end is a shorter view, and a
-negative start another slot, neither an error), `gather` and `kernel` every slot, and that no
-destination slot is named twice (`check_slots`: two writes to one slot in one launch race).
+Every strategy checks its slots before it copies anything (`InvalidArgumentError`): one
+destination per source (`check_counts`); `slices` each run's ends against both buffers
+(`check_runs`: a slice past the end is a shorter view, a negative start another slot), `gather`
+and `kernel` that every slot is an int in range and no destination is named twice (`check_slots`).
 
 Every strategy returns with its copy as complete as `Tensor.copy_` leaves one: done when host
 memory takes part, enqueued on the current stream between two CUDA buffers. `copy_blocks_kernel`
@@ -147,6 +147,7 @@ def copy_blocks_slices(
     src: torch.Tensor, dst: torch.Tensor, src_slots: Sequence[int], dst_slots: Sequence[int]
 ) -> None:
     """One `copy_` per run of slots consecutive on both sides."""
+    check_counts(src_slots, dst_slots)
     copy_runs(src, dst, contiguous_runs(src_slots, dst_slots))
 
 
@@ -180,12 +181,23 @@ def check_runs(runs: Sequence[Run], src_slots: int, dst_slots: int) -> None:
             )
 
 
+def check_counts(src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+    """`InvalidArgumentError` unless there is one destination slot per source slot."""
+    if len(src_slots) != len(dst_slots):
+        raise InvalidArgumentError(
+            f"block copy: {len(src_slots)} source slots, {len(dst_slots)} destination slots; "
+            "expected one destination slot per block"
+        )
+
+
 def check_slots(src_slots: Sequence[int], dst_slots: Sequence[int], src: int, dst: int) -> None:
-    """`InvalidArgumentError` naming the first slot outside `[0, src)` (sources) or `[0, dst)`
-    (destinations), or a destination slot named twice (two writes to one slot in one launch
-    race: the slot may end up a mix of both blocks)."""
+    """`InvalidArgumentError` for unequal counts, the first slot not an int in `[0, src)`
+    (sources) or `[0, dst)` (destinations; a float truncates to another slot), or a destination
+    slot named twice (two writes to one slot in one launch race: a mix of both blocks)."""
+    check_counts(src_slots, dst_slots)
     for name, slots, limit in (("source", src_slots, src), ("destination", dst_slots, dst)):
-        bad = [slot for slot in slots if not 0 <= slot < limit]
+        typed = [s for s in slots if type(s) is bool or not isinstance(s, (int, np.integer))]
+        bad: Sequence[object] = typed or [s for s in slots if not 0 <= s < limit]
         if bad:
             raise InvalidArgumentError(
                 f"block copy: {name} slot {bad[0]} is out of range; expected slots in [0, {limit})"

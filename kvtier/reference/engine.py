@@ -19,7 +19,9 @@ Decoding keeps a local contiguous KV (the prefix copied out of its pages, then t
 suffix and every generated token) and runs `Llama.forward` on it: what kvtier is for here is
 the prefill, and a local cache keeps the decode steps independent of leases and their expiry.
 The generated tokens' KV is not stored. A prompt with nothing cached is a plain
-`Llama.forward`; a prefetch refused for lack of gpu room (`CapacityError`) is one as well.
+`Llama.forward`; a prefetch refused for lack of gpu room (`CapacityError`) is one as well, and
+so is a prefill whose lease ended before it was done with the pages (its ttl passed: the pages
+may hold another block by then, so what was computed over them is dropped, not served).
 
 The cache must hold this model's KV: `Engine` compares the cache's layout with the model's
 (model name, layers, KV heads, head_dim, and no tensor-parallel shard) and refuses another
@@ -45,6 +47,8 @@ from kvtier.errors import (
     ConfigError,
     InvalidArgumentError,
     InvalidTokensError,
+    LeaseError,
+    ResidencyError,
     shown,
 )
 from kvtier.reference.llama import Llama
@@ -139,16 +143,12 @@ class Engine:
         else:
             hit = LookupResult(0, 0, 0, 0)
         prefix = self._open(prompt) if hit.num_tokens else None
-        if prefix is None:
+        computed = None if prefix is None else self._over_prefix(ids, prefix)
+        if computed is None:
             logits, kv = self.model.forward(ids)
             reused = 0
         else:
-            try:
-                reused = prefix.num_tokens
-                logits, new_kv = self.model.step(ids[reused:], reused, prefix.attend)
-                kv = torch.cat([prefix.kv().to(new_kv.dtype), new_kv], dim=2)
-            finally:
-                prefix.release()
+            logits, kv, reused = computed
         stored = self.cache.store(list(prompt), kv.to(self.layout.dtype), tenant=self.tenant)
         return Prefill(logits, kv, hit, reused, stored, time.perf_counter() - started)
 
@@ -173,6 +173,24 @@ class Engine:
                 logits, kv = self.model.forward(torch.tensor([next_id], dtype=torch.int64), kv)
                 rows.append(logits[-1])
         return Generation(done, tokens, torch.stack(rows))
+
+    def _over_prefix(
+        self, ids: torch.Tensor, prefix: Prefix
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Logits and KV of `ids` computed over `prefix`'s pages, and the tokens reused; None
+        when its lease ended before the pages were done with (its ttl passed during a long
+        prefill: `ResidencyError` from the guard, `LeaseError` from the release). Its slots may
+        then hold another block, so nothing read from them is used: the caller computes cold."""
+        reused = prefix.num_tokens
+        try:
+            try:
+                logits, new_kv = self.model.step(ids[reused:], reused, prefix.attend)
+                kv = torch.cat([prefix.kv().to(new_kv.dtype), new_kv], dim=2)
+            finally:
+                prefix.release()  # after the copy out: a release answered proves it held
+        except (ResidencyError, LeaseError):
+            return None
+        return logits, kv, reused
 
     def _open(self, prompt: Sequence[int]) -> Prefix | None:
         try:

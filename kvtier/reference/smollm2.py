@@ -9,7 +9,8 @@ whose `__init__` imports `llm`. Nothing here downloads anything.
     load_smollm2(path, dtype)    -> Llama with dequantized weights (~0.5 GB in fp32)
     load_smollm2_tokenizer(path) -> BPETokenizer (encode / decode / chat_prompt)
 
-Both loaders raise `FileNotFoundError` naming the install line when no file is given or found.
+Both loaders raise `FileNotFoundError` naming the install line when no file is given or found,
+and `InvalidArgumentError` naming the file for one they cannot use (`gguf_loader`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import gguf
 import torch
 
-from kvtier.reference.gguf_loader import load_llama
+from kvtier.reference.gguf_loader import load_llama, open_gguf
 from kvtier.reference.llama import Llama
 from kvtier.reference.tokenizer import BPETokenizer
 
@@ -46,7 +46,7 @@ def load_smollm2(path: Path | None = None, dtype: torch.dtype = torch.float32) -
 
 def load_smollm2_tokenizer(path: Path | None = None) -> BPETokenizer:
     """The tokenizer of the GGUF file at `path` (default: the installed package's file)."""
-    return BPETokenizer.from_gguf(gguf.GGUFReader(_resolve(path)))
+    return BPETokenizer.from_gguf(open_gguf(_resolve(path)))
 
 
 def _resolve(path: Path | None) -> Path:

@@ -6,6 +6,11 @@ Contract:
   `decode(encode(s)) == s` for plain text (byte-level BPE loses nothing).
 - `chat_prompt(user_text)` -> the ids of a one-turn ChatML prompt with the template's system line,
   ending where the assistant's answer begins.
+- Refused, typed: text that is not a `str` or holds a lone surrogate (no UTF-8 bytes exist for
+  it; the `tokenizers` library raised a `TypeError`) is an `InvalidArgumentError` naming the
+  position; an id outside `[0, vocab_size)` given to `decode` (it was dropped silently, or an
+  `OverflowError` past 64 bits) an `InvalidTokensError` naming it. A GGUF vocabulary, merges or
+  token types of the wrong type, or ones the BPE model refuses, are an `InvalidArgumentError`.
 
 Pre-tokenization is SmolLM2's (GGUF pre "smollm"): each digit alone, then GPT-2's byte-level
 split. Ids should match the official tokenizer for ordinary text, but exactness is not promised:
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 import gguf
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from kvtier.errors import InvalidArgumentError, InvalidTokensError, shown
 from kvtier.reference.gguf_loader import field
 
 CONTROL_TOKEN_TYPE = 3
@@ -38,9 +44,18 @@ class BPETokenizer:
         control_ids: Sequence[int],
         system_line: str,
     ) -> None:
+        for name, values in (("tokens", tokens), ("merges", merges)):
+            if not all(type(value) is str for value in values):
+                raise InvalidArgumentError(f"tokenizer {name}: expected strings only")
+        if not all(type(i) is int and 0 <= i < len(tokens) for i in control_ids):
+            raise InvalidArgumentError("tokenizer control ids: expected ids in the vocabulary")
         vocab = {token: i for i, token in enumerate(tokens)}
         pairs = [(left, right) for left, _, right in (merge.partition(" ") for merge in merges)]
-        bpe = models.BPE(vocab=vocab, merges=pairs)
+        try:
+            bpe = models.BPE(vocab=vocab, merges=pairs)
+        except Exception as error:  # the library raises a bare Exception (a merge of no token)
+            raise InvalidArgumentError(f"tokenizer: the BPE model refuses it ({error})") from None
+        self.vocab_size = len(tokens)
         self._tokenizer = Tokenizer(bpe)
         self._tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -60,22 +75,47 @@ class BPETokenizer:
         or a chat template without a ChatML system line."""
         model = field(reader, "tokenizer.ggml.model")
         if model != "gpt2":
-            raise ValueError(f"GGUF tokenizer model: got {model!r}, expected 'gpt2'")
-        tokens = field(reader, "tokenizer.ggml.tokens")
-        types = field(reader, "tokenizer.ggml.token_type")
+            raise InvalidArgumentError(f"GGUF tokenizer model: got {shown(model)}, expected 'gpt2'")
+        fields = {
+            name: field(reader, f"tokenizer.ggml.{name}")
+            for name in ("tokens", "merges", "token_type")
+        }
+        for name, value in fields.items():
+            if not isinstance(value, list):
+                raise InvalidArgumentError(f"GGUF field tokenizer.ggml.{name}: expected a list")
         template = field(reader, "tokenizer.chat_template")
-        system = _SYSTEM_LINE.search(template)
+        system = _SYSTEM_LINE.search(template) if isinstance(template, str) else None
         if system is None:
-            raise ValueError(f"chat template has no ChatML system line: {template[:200]!r}")
+            raise InvalidArgumentError(
+                f"chat template: got {shown(template)}, expected a ChatML system line"
+            )
+        types = fields["token_type"]
         control_ids = [i for i, kind in enumerate(types) if kind == CONTROL_TOKEN_TYPE]
-        return cls(tokens, field(reader, "tokenizer.ggml.merges"), control_ids, system.group(1))
+        return cls(fields["tokens"], fields["merges"], control_ids, system.group(1))
 
     def encode(self, text: str) -> list[int]:
+        if type(text) is not str:
+            raise InvalidArgumentError(f"text: got {shown(text)}, expected a str")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # a lone surrogate: no bytes for a byte-level BPE
+            raise InvalidArgumentError(
+                f"text[{error.start}]: got {text[error.start]!r}, a lone surrogate; expected "
+                "text that UTF-8 can encode"
+            ) from None
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+        ids = list(ids)
+        for at, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InvalidTokensError(f"ids[{at}]: got {shown(token)}, expected an int id")
+            if not 0 <= token < self.vocab_size:
+                raise InvalidTokensError(
+                    f"ids[{at}]: got {token}, expected an id in [0, {self.vocab_size})"
+                )
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def chat_prompt(self, user_text: str) -> list[int]:
         """ChatML: system line, one user turn, then the opening of the assistant's turn."""
