@@ -258,7 +258,11 @@ class QuantCodec:
         codes, meta = payload[:, : self.code_nbytes], payload[:, self.code_nbytes :]
         L, _, T, H, D = self.layout.block_shape
         if self.spec.kind == "fp8":
-            scale = meta.contiguous().view(torch.float32).reshape(n, L, 2, H)
+            scale = (
+                meta.clone(memory_format=torch.contiguous_format)
+                .view(torch.float32)
+                .reshape(n, L, 2, H)
+            )
             values = codes.contiguous().view(torch.float8_e4m3fn).float()
             x = values.reshape(n, L, 2, T, H, D) * scale[:, :, :, None, :, None]
         else:
@@ -283,14 +287,18 @@ class QuantCodec:
             )
         meta = payload[:, self.code_nbytes :]
         if self.spec.kind == "fp8":
-            scales = meta.contiguous().view(torch.float32)
+            scales = meta.clone(memory_format=torch.contiguous_format).view(torch.float32)
             if bool(((payload[:, : self.code_nbytes] & 0x7F) == 0x7F).any()):
                 raise CorruptQuantPayload("fp8 payload: a code is NaN (no encoder writes one)")
             if bool((scales > FP8_SCALE_MAX).any()):  # 448 times it would overflow
                 raise CorruptQuantPayload(f"fp8 payload: a scale above {FP8_SCALE_MAX:g}")
         else:
             groups = self.layout.num_layers * (self.k_groups + self.v_groups)
-            scales = meta[:, : 2 * groups].contiguous().view(torch.float16)
+            scales = (
+                meta[:, : 2 * groups]
+                .clone(memory_format=torch.contiguous_format)
+                .view(torch.float16)
+            )
         if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
             raise CorruptQuantPayload(f"{self.name} payload: a scale is not finite and >= 0")
         return int(payload.shape[0])
@@ -298,7 +306,12 @@ class QuantCodec:
     def _decode_int(self, codes: torch.Tensor, meta: torch.Tensor, n: int) -> torch.Tensor:
         L, _, T = self.layout.block_shape[:3]
         groups = L * (self.k_groups + self.v_groups)
-        scales = meta[:, : groups * 2].contiguous().view(torch.float16).float()
+        scales = (
+            meta[:, : groups * 2]
+            .clone(memory_format=torch.contiguous_format)
+            .view(torch.float16)
+            .float()
+        )
         zeros = meta[:, groups * 2 :].contiguous().view(torch.int8).float()
         if self.spec.bits == 4:
             q = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(n, -1)

@@ -307,3 +307,16 @@ def test_on_a_gpu_the_kernel_decodes_every_fp8_code_as_torch_does_there() -> Non
     negative_zero = payload[:, : codec.code_nbytes] == 0x80
     assert bool(negative_zero.any())
     assert bool((pool[[1, 0]].reshape(2, -1).view(torch.int16)[negative_zero] == -(2**15)).all())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_one_block_of_an_odd_head_dim_encodes_checks_and_decodes(kind: str) -> None:
+    """A one-row payload's scales sit at an odd offset of its storage (codes of an odd
+    head_dim): they were viewed in place as fp16/fp32, a RuntimeError; a copy reads them."""
+    layout = KVLayout("odd", 1, 1, 5, "float16", 1)
+    codec = QuantCodec(QuantSpec(kind), layout)
+    block = torch.randn(1, *layout.block_shape, generator=torch.Generator().manual_seed(0)).half()
+    payload = codec.encode(block)
+    assert codec.validate(payload) == 1
+    assert torch.equal(codec.decode(payload), codec.decode(torch.cat([payload, payload]))[:1])
+    assert (codec.decode(payload).float() - block.float()).abs().max() < 0.5
