@@ -56,8 +56,9 @@ class Service:
         self.instance = secrets.token_hex(8)  # this server's id in its replies (module doc)
         self.grants = Grants()  # request token -> lease / reservation id (`grants.py`)
         limits = config.service
-        share = max(limits.inflight_bytes // max(1, len(config.tenants)), limits.max_body_bytes)
-        self.budget = Budget(limits.inflight_bytes, share)  # bodies and replies (`budget.py`)
+        fair = limits.inflight_bytes // max(1, len(config.tenants))
+        share = max(fair, limits.max_body_bytes)  # the largest call fits an idle budget
+        self.budget = Budget(limits.inflight_bytes, share, fair)  # bodies, replies (`budget.py`)
 
     def start(self) -> None:
         """Build the store (recovery included) on this thread; `ready` when it is done."""

@@ -24,6 +24,16 @@ Invariants (`check()`):
 - when room frees, waiters that fit now are granted in the order they came; one that does not
   fit (its tenant at its share, or too large for what is free) does not hold back those after
   it, so a tenant under its share is not kept waiting behind one at its share.
+- fair under contention: while a call of one tenant waits for room within its fair part
+  (`fair`: `total // tenants`, its tenant's bytes and its own together), no other tenant is
+  granted a new call's bytes past its own fair part; such calls wait too (a call that holds
+  bytes already, a load's reply after its body, is not held back: it would only time out). So
+  a call within its fair part is granted once the calls granted before it give back what they
+  hold, however many calls the others keep sending (before, with a `share` above `fair` (a
+  `max_body_bytes` above `total // tenants`: five tenants and more on the defaults), tenants
+  that kept the budget full with small calls kept another tenant's call waiting until its
+  deadline, 503 `busy`, however long it tried). Where `share` is `fair` (the default for up to
+  four tenants) no tenant can pass its fair part, and nothing waits for it.
 - a refusal tells a tenant (`own`: with auth on, a tenant key's call) only its own held bytes
   and its share, as /v1/status does: never what the other tenants hold, nor the total held.
   The global figures are for the admin key and for a server without auth.
@@ -34,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextvars import ContextVar
+from typing import NamedTuple
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -49,46 +60,72 @@ class Budget:
     """Bytes held by requests in flight, in total and per tenant (module doc). Used from the
     event loop only."""
 
-    def __init__(self, total: int, share: int) -> None:
+    def __init__(self, total: int, share: int, fair: int | None = None) -> None:
+        """`total` bytes for all, at most `share` a tenant, and `fair` (default: `share`) a
+        tenant's part that others' waiting calls cannot hold back (module doc)."""
         self.total, self.share = total, share
+        self.fair = share if fair is None else min(fair, share)
         self.held = 0
         self.by_tenant: dict[str, int] = {}
         self.waits = self.refused = 0  # calls that waited for room; refused 503 busy
-        self._waiting: list[tuple[str, int, asyncio.Future[None]]] = []
+        self._waiting: list[_Waiter] = []
 
     def hold(self, tenant: str, own: bool = False) -> Hold:
         """A hold of `tenant`'s; `own`: its refusals name only `tenant`'s figures."""
         return Hold(self, tenant, own)
 
     def fits(self, tenant: str, nbytes: int) -> bool:
+        """Whether `nbytes` more of `tenant`'s stay within the total and its share."""
         mine = self.by_tenant.get(tenant, 0)
         return self.held + nbytes <= self.total and mine + nbytes <= self.share
+
+    def _may_take(self, tenant: str, nbytes: int, more: bool, fair_waiters: set[str]) -> bool:
+        """Whether a call of `tenant` (`more`: holding bytes already) is granted `nbytes` now:
+        they fit, and they do not take it past its fair part while a tenant of `fair_waiters`
+        (`_fair_waiters`) other than itself waits (module doc)."""
+        if not self.fits(tenant, nbytes):
+            return False
+        past_fair = self.by_tenant.get(tenant, 0) + nbytes > self.fair
+        return more or not past_fair or not fair_waiters - {tenant}
+
+    def _fair_waiters(self) -> set[str]:
+        """The tenants with a call waiting for room within their fair part."""
+        return {
+            waiter for waiter, wanted, future, _ in self._waiting
+            if not future.done() and self.by_tenant.get(waiter, 0) + wanted <= self.fair
+        }  # fmt: skip
 
     def largest(self) -> int:
         """The most one call can ever hold (its bound when the budget is idle)."""
         return min(self.total, self.share)
 
-    async def _take(self, tenant: str, nbytes: int, deadline: float, own: bool) -> None:
+    async def _take(
+        self, tenant: str, nbytes: int, deadline: float, own: bool, more: bool = False
+    ) -> None:
+        """Hold `nbytes` of `tenant`'s once they fit, waiting up to `deadline` (module doc);
+        `more`: the call holds bytes already (never held back for fairness)."""
         if nbytes > self.largest():
             raise WireError(
                 413, "body_too_large",
                 f"the call needs {nbytes} bytes in flight, more than one call may hold "
                 f"({self.largest()}: service.max_inflight_bytes and the tenants' shares)",
             )  # fmt: skip
-        if self.fits(tenant, nbytes):
+        past_fair = self.by_tenant.get(tenant, 0) + nbytes > self.fair  # (else: no scan)
+        if self._may_take(tenant, nbytes, more, self._fair_waiters() if past_fair else set()):
             self._grant(tenant, nbytes)
             return
         self.waits += 1
-        entry = (tenant, nbytes, asyncio.get_running_loop().create_future())
+        entry = _Waiter(tenant, nbytes, asyncio.get_running_loop().create_future(), more)
         self._waiting.append(entry)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await entry[2]
+                await entry.future
         except BaseException as exc:  # the deadline, or the caller cancelled (hung up)
-            if entry[2].done() and not entry[2].cancelled():
+            if entry.future.done() and not entry.future.cancelled():
                 self._give(tenant, nbytes)  # granted as the deadline fell: not taken
             elif entry in self._waiting:
                 self._waiting.remove(entry)
+                self._wake()  # calls it held back for fairness may go now
             if not isinstance(exc, TimeoutError):
                 raise
             self.refused += 1
@@ -118,12 +155,24 @@ class Budget:
             self.by_tenant[tenant] = left
         else:
             del self.by_tenant[tenant]
-        for entry in list(self._waiting):  # in the order they came, those that fit now
-            waiter, wanted, future = entry
-            if not future.done() and self.fits(waiter, wanted):  # (done: cancelled, leaving)
-                self._waiting.remove(entry)
-                self._grant(waiter, wanted)
-                future.set_result(None)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Grant the waiters that fit now, in the order they came; after each grant the pass
+        starts again (a fair waiter granted, or gone, no longer holds back those it passed
+        over), so a pass costs one scan of the waiters per grant."""
+        granted = True
+        while granted:
+            granted = False
+            fair_waiters = self._fair_waiters()
+            for entry in self._waiting:
+                waiter, wanted, future, more = entry
+                if not future.done() and self._may_take(waiter, wanted, more, fair_waiters):
+                    self._waiting.remove(entry)  # (done: cancelled, on its way out)
+                    self._grant(waiter, wanted)
+                    future.set_result(None)
+                    granted = True
+                    break
 
     def figures(self, tenant: str | None) -> dict[str, int]:
         """`/v1/status`'s `inflight`: global (None), or `tenant`'s own held bytes and share."""
@@ -136,9 +185,19 @@ class Budget:
         assert 0 <= self.held <= self.total, (self.held, self.total)
         assert self.held == sum(self.by_tenant.values()), (self.held, self.by_tenant)
         assert all(0 < n <= self.share for n in self.by_tenant.values()), self.by_tenant
-        for tenant, nbytes, future in self._waiting:  # a cancelled one is on its way out
+        for tenant, nbytes, future, _ in self._waiting:  # a cancelled one is on its way out
             assert future.cancelled() or not future.done(), (tenant, nbytes)
             assert nbytes <= self.largest(), (tenant, nbytes)
+
+
+class _Waiter(NamedTuple):
+    """A call waiting for room: its tenant, its bytes, the future granted them, and whether
+    the call holds bytes already (`more`: not held back for fairness)."""
+
+    tenant: str
+    nbytes: int
+    future: asyncio.Future[None]
+    more: bool
 
 
 class Hold:
@@ -148,7 +207,7 @@ class Hold:
         self.budget, self.tenant, self.own, self.nbytes = budget, tenant, own, 0
 
     async def take(self, nbytes: int, deadline: float) -> None:
-        await self.budget._take(self.tenant, nbytes, deadline, self.own)
+        await self.budget._take(self.tenant, nbytes, deadline, self.own, self.nbytes > 0)
         self.nbytes += nbytes
 
     def shrink(self, nbytes: int) -> None:
