@@ -215,8 +215,7 @@ class Background:
 
     def _spare(self, namespace: bytes, tier: int) -> int:
         """How many of `namespace`'s `tier` copies the mover may still take: those above its
-        floor there, less what its demotion flights will free (without a floor, `BATCH`: a
-        flight's most)."""
+        floor there, less what its demotion flights will free (no floor: `BATCH`)."""
         residency = self.index.residency
         floor = residency.floors.get(namespace)
         if floor is None:
@@ -266,14 +265,14 @@ class Background:
 
     def publish_demotion(self, flight: DemotionFlight) -> None:
         """The lower copies that landed enter the index (one its codec refused goes: `_kept`);
-        then the source copies are freed (last first) unless leased or needed by closure."""
+        then the source copies are freed (last first) unless leased, needed by closure, or by
+        their namespace's floor (a call took its margin meanwhile: `test_floor_flights.py`)."""
         refs = self.index.refs_at(flight.pin.end, flight.positions)
-        src, lower = flight.copy.tier, flight.copy.lower
+        src, lower, namespace = flight.copy.tier, flight.copy.lower, flight.pin.end.root.ids
         flight.dst.pop(lower)
         ok = flight.ok if len(flight.ok) == len(refs) else [False] * len(refs)
         record_copies(self.state, flight.copy, refs, ok)
-        lost = ok.count(False)
-        self.stats["failed_blocks"] += lost
+        self.stats["failed_blocks"] += (lost := ok.count(False))
         if lost and not flight.failed:
             flight.failed = f"{lost} of {len(ok)} copies to {self.pools[lower].name} failed"
         self.index.leases.release(flight.pin.lease_id)
@@ -281,7 +280,7 @@ class Background:
             self._copy_only.discard(id(flight))
         else:
             self._pending_free[src] -= len(refs)
-            leaving = (src, flight.pin.end.root.ids)
+            leaving = (src, namespace)
             self._leaving[leaving] -= len(refs)
             if not self._leaving[leaving]:
                 del self._leaving[leaving]
@@ -291,6 +290,7 @@ class Background:
             if (
                 node.slots[src][i] is not None
                 and not node.locked(src)
+                and self._spare(namespace, src) > 0
                 and self.index.can_clear(ref, src)
             ):
                 self.pools[src].free([self.index.clear_slot(ref, src)])
