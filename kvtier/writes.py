@@ -46,7 +46,7 @@ import torch
 from kvtier.blocks import BlockId
 from kvtier.errors import QuotaError
 from kvtier.index import Match
-from kvtier.index.node import Node
+from kvtier.index.node import Node, block_hits
 from kvtier.policy import WritePolicy
 from kvtier.results import Reservation, StoreResult
 from kvtier.shares import TenantShares
@@ -278,7 +278,7 @@ class Writes:
         wanted = [
             ref
             for ref in self.index.blocks(end)
-            if ref.node.hits >= self.policy.copy_on_hits
+            if block_hits(ref) >= self.policy.copy_on_hits  # (an extended leaf's differ)
             and ref.node.slots[GPU][ref.i] is not None
             and ref.node.slots[HOST][ref.i] is None
         ]

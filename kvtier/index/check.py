@@ -67,7 +67,7 @@ def check_index(index: RadixIndex) -> None:
                 nodes += 1
                 size = node.size
                 blocks += size
-                _expect(size > 0, f"node {node!r} holds no block")
+                _expect(size > 0, "node {!r} holds no block", node)
                 _expect(
                     len(node.key) == size * kb
                     and len(node.ids) <= size * ds
@@ -82,8 +82,16 @@ def check_index(index: RadixIndex) -> None:
                 )
                 _expect(
                     all(len(f) == size for f in node.slots),
-                    f"slot field lengths {[len(f) for f in node.slots]} for {size} blocks",
+                    "slot field lengths {} for {} blocks",
+                    [len(f) for f in node.slots],
+                    size,
                 )
+                steps = node.steps
+                if steps is not None and not (
+                    [b for b, _ in steps] == sorted({b for b, _ in steps})
+                    and all(0 < b < size and e > 0 for b, e in steps)
+                ):
+                    _expect(False, f"{node!r}: hit steps {steps} for {size} blocks (node.py)")
                 prev = parent_fastest
                 for i in range(size):  # per block: messages are built only on a failure
                     fastest = node.fastest(i)
@@ -106,25 +114,25 @@ def check_index(index: RadixIndex) -> None:
                             if slot in seen_slots[tier]:
                                 _expect(False, f"{index.tiers[tier]} slot {slot} holds two blocks")
                             seen_slots[tier].add(slot)
+                depth = depth_of(node.slots)
                 _expect(
-                    node.depth == depth_of(node.slots),
-                    f"{node!r}: depth {node.depth} != recount {depth_of(node.slots)}",
+                    node.depth == depth, "{!r}: depth {} != recount {}", node, node.depth, depth
                 )
                 locks = node.locks or [0] * num_tiers
                 want = expected_locks.get(node, [0] * num_tiers)
-                _expect(locks == want, f"{node!r}: locks {locks} != leases covering it {want}")
+                _expect(locks == want, "{!r}: locks {} != leases covering it {}", node, locks, want)
                 held = expected_held.get(node, 0)
-                _expect(node.held == held, f"{node!r}: held {node.held} != held locks {held}")
-                _expect(node.root is root, f"{node!r} names another namespace root")
+                _expect(node.held == held, "{!r}: held {} != held locks {}", node, node.held, held)
+                _expect(node.root is root, "{!r} names another namespace root", node)
                 ns_held += size if held else 0
                 parent_fastest = prev
             children = node.children or {}
-            _expect(node.children is None or len(children) > 0, f"{node!r}: empty children dict")
+            _expect(node.children is None or len(children) > 0, "{!r}: empty children dict", node)
             res = [sum(1 for c in children.values() if c.depth[t] > 0) for t in range(num_tiers)]
-            _expect(node.child_res == res, f"{node!r}: child_res {node.child_res} != {res}")
+            _expect(node.child_res == res, "{!r}: child_res {} != {}", node, node.child_res, res)
             for first, child in children.items():
-                _expect(child.parent is node, f"{child!r} does not point back to its parent")
-                _expect(child.key[:kb] == first, f"{child!r} is filed under another key")
+                _expect(child.parent is node, "{!r} does not point back to its parent", child)
+                _expect(child.key[:kb] == first, "{!r} is filed under another key", child)
                 stack.append((child, parent_fastest))
             _check_candidacy(index, node)
         kept = [index.resident_in(namespace, t) for t in range(num_tiers)]
@@ -169,10 +177,19 @@ def _check_candidacy(index: RadixIndex, node: Node) -> None:
     for tier, hi in enumerate(node.depth):
         want = hi > lo and (hi < node.size or node.child_res[tier] == 0) and not node.locked(tier)
         have = node in index.candidates(tier)
-        _expect(want == have, f"{node!r}: {index.tiers[tier]} candidate is {have}, expected {want}")
+        _expect(
+            want == have,
+            "{!r}: {} candidate is {}, expected {}",
+            node,
+            index.tiers[tier],
+            have,
+            want,
+        )
         lo = hi
 
 
-def _expect(ok: bool, message: str) -> None:
+def _expect(ok: bool, message: str, *args: object) -> None:
+    """InvariantError(message) unless `ok`; `args` fill `message`'s fields (`str.format`), only
+    on a failure: a check of every node builds no text for the ones that pass."""
     if not ok:
-        raise InvariantError(message)
+        raise InvariantError(message.format(*args) if args else message)

@@ -27,8 +27,8 @@ path, so two candidates of a tier share a tick only when neither was used since 
 A pass offers a candidate's blocks as runs (`victim_runs`): `VictimRun(node, lo, hi)` says that
 the next victims are blocks hi-1, ..., lo of one node, exactly the blocks that one-at-a-time
 `victims` would offer in a row if the caller took each (the run stops where the node's rank
-would fall, or where another candidate ties with it), so a caller can free k blocks of one
-node in one edit (`RadixIndex.drop_tail`) and one copy.
+would fall, where another candidate ties with it, or where its blocks' hit counts differ:
+`node.hits_run`), so a caller frees k blocks of one node in one edit (`drop_tail`), one copy.
 
 Fair shares (DESIGN invariant 9): with floors set (`RadixIndex.set_floors`), each candidate
 has a rank, read from its namespace's copies in the tier (`Residency.resident_in`, O(1)):
@@ -78,7 +78,7 @@ from collections.abc import Callable, Iterator
 from typing import cast
 
 from kvtier.errors import InvariantError
-from kvtier.index.node import BlockRef, Node, VictimRun
+from kvtier.index.node import BlockRef, Node, VictimRun, hits_run
 from kvtier.index.residency import Residency
 
 
@@ -234,6 +234,7 @@ def _offers(
         if count > 1:
             if floors:
                 count = min(count, _above_floor(residency, node.root.ids, tier, was))
+            count = min(count, hi - hits_run(node, hi)) if node.steps else count
             top = heap[0] if heap else None
             if held is not None and (top is None or held < top):
                 top = held

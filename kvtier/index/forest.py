@@ -32,7 +32,10 @@ from kvtier.index.node import (
     Match,
     Node,
     Slot,
+    cut_steps,
     slowest_counts,
+    split_steps,
+    tail_steps,
 )
 from kvtier.index.residency import Residency
 
@@ -95,6 +98,9 @@ class Forest:
             # extend a leaf instead of hanging a one-child chain under it; never a locked leaf:
             # its leases end at its last block and must not grow to cover the new ones
             node = parent
+            if node.hits:  # the new blocks were never walked: the old ones keep their count
+                node.steps = [*(node.steps or ()), (node.size, node.hits)]
+                node.hits = 0
             node.key += new_key  # its ids stay a prefix of its blocks' (`ids_of`)
             for tier, run in enumerate(fields):
                 node.slots[tier].extend(run)
@@ -171,6 +177,9 @@ class Forest:
             node.tick,
         )
         head.hits = node.hits
+        if node.steps:  # blocks of an extended leaf counted apart (node.py)
+            head.hits, head.steps = split_steps(node, at)
+            node.steps = tail_steps(node, at)
         head.ev = node.ev
         node.parent.children[head.key[:kb]] = head  # type: ignore[index]
         head.children = {node.key[at * kb : (at + 1) * kb]: node}
@@ -232,6 +241,8 @@ class Forest:
             return cast("list[list[int]]", freed)
         for fields in node.slots:
             del fields[keep:]
+        if node.steps:
+            cut_steps(node, keep)
         node.key = node.key[: keep * self.key_nbytes]
         node.ids = node.ids[: keep * self.digest_size]
         node.depth = [min(d, keep) for d in node.depth]  # closure: the first depth[t] are <= t
@@ -256,6 +267,8 @@ class Forest:
         residency.slowest_moved(slowest if slowest < num_tiers else -1, -1)
         self.num_blocks -= 1
         node.key = node.key[: -self.key_nbytes]
+        if node.steps:
+            cut_steps(node, len(node.slots[0]))
         node.ids = node.ids[: len(node.key) // self.key_nbytes * self.digest_size]
         depth = node.depth
         for tier in range(fastest, num_tiers):  # closure: the block was in these tiers' runs

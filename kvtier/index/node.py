@@ -22,7 +22,11 @@ match by tier with one `min()` per tier, no per-block scan.
 `child_res[t]` counts the children whose first block has a copy in a tier <= t (their
 depth[t] > 0); with it, "is the tail of this node's tier-t run a leaf of tier t?" is O(1).
 `tick` is the index's clock reading at the node's last use (recency); `hits` counts the lookups
-and matches that walked through it (for the `selective` write policy).
+and matches that walked through its last block (the `selective` write policy, disk admission).
+A walk covers whole nodes, but a leaf extended by an insert (`Forest.grow`) holds blocks walked
+more often than its new ones, which start at 0: `steps` (None, or `(boundary, extra)` pairs,
+boundaries ascending) says that the blocks before `boundary` were walked `extra` times more, so
+`block_hits` is exact per block and `hits` is the least count of the node's blocks.
 `locks[t]` counts the leases (and the store's short pins) on tier t whose prefix covers this
 node; None until the node is first locked, to keep unleased nodes small. `held` counts the locks
 taken for a tenant (its leases and reservations, not the store's own pins) that cover it: the
@@ -84,6 +88,7 @@ class Node:
         "parent",
         "root",
         "slots",
+        "steps",
         "tick",
     )
 
@@ -109,6 +114,7 @@ class Node:
         self.root: Node = self if parent is None else parent.root
         self.tick = tick
         self.hits = 0
+        self.steps: list[tuple[int, int]] | None = None
 
     @property
     def size(self) -> int:
@@ -135,6 +141,42 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node(size={self.size}, depth={self.depth}, tick={self.tick})"
+
+
+def block_hits(ref: BlockRef) -> int:
+    """The lookups and matches that walked through block `ref.i` of `ref.node` (module doc)."""
+    node, i = ref
+    return node.hits + sum(extra for boundary, extra in node.steps or () if i < boundary)
+
+
+def hits_run(node: Node, hi: int) -> int:
+    """The first of blocks ..., hi-1 of `node` that share block hi-1's hit count: a run of
+    victims stops there, so that one decision by `hits` holds for all of its blocks."""
+    return max((b for b, _ in node.steps or () if b < hi), default=0)
+
+
+def split_steps(node: Node, at: int) -> tuple[int, list[tuple[int, int]] | None]:
+    """For `Forest.split(node, at)`: the head's `hits` and `steps` (the tail keeps the steps
+    past `at`, `tail_steps`)."""
+    steps = node.steps or ()
+    extra = sum(e for b, e in steps if b >= at)
+    return node.hits + extra, [(b, e) for b, e in steps if b < at] or None
+
+
+def tail_steps(node: Node, at: int) -> list[tuple[int, int]] | None:
+    """The `steps` of blocks at, at + 1, ... of `node`, counted from `at`."""
+    return [(b - at, e) for b, e in node.steps or () if b > at] or None
+
+
+def cut_steps(node: Node, keep: int) -> None:
+    """`node` keeps its first `keep` blocks: steps past them fold into `hits`, whose last
+    block is now block keep-1. O(steps removed): boundaries ascend, the node owns its list."""
+    steps = node.steps
+    assert steps is not None
+    while steps and steps[-1][0] >= keep:
+        node.hits += steps.pop()[1]
+    if not steps:
+        node.steps = None
 
 
 def slowest_counts(slots: list[list[Slot]], lo: int, hi: int) -> list[int]:
