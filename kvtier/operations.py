@@ -144,6 +144,15 @@ class Operations:
             self.expire()
             self.mover.drain()
             seeds = self.parts.namespaces.seeds
+            if tenant is not None:
+                check_tenant(tenant)
+            if tenant is not None and tenant not in seeds:
+                # a tenant taken out of the config: the copies recovery left on disk under its
+                # id (`recovery.py`); none: the unknown tenant's error
+                retired = _clear(self.parts, {}, [tenant])
+                if not retired:
+                    self.namespace(tenant)
+                return retired
             namespaces = dict(seeds) if tenant is None else {tenant: self.namespace(tenant)}
             return _clear(self.parts, namespaces, None if tenant is None else [tenant])
 

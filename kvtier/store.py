@@ -319,11 +319,11 @@ class KVStore:
     # ---- operations (`operations.py`) ------------------------------------------------------
 
     def clear(self, tenant: str | None = None) -> int:
-        """Drop every cached block (of `tenant`, when given) that no lease, pin or reservation
-        holds, in every tier, and its disk copies of unknown namespaces (`recovery.py`); return
-        how many. Durable: disk copies are retired and synced before this returns. Where the
-        disk refuses that, the blocks are dropped all the same (nothing serves them) and
-        `StorageError` says how many, and how many may come back at the next start."""
+        """Drop every cached block (of `tenant`, when given: one out of the config, its copies
+        left on disk) that nothing holds, in every tier, and its disk copies of unknown namespaces
+        (`recovery.py`); return how many. Durable: disk copies are retired and synced before this
+        returns. Where the disk refuses that, the blocks are dropped all the same (nothing serves
+        them) and `StorageError` says how many, and how many may come back at the next start."""
         return self.operations.clear(tenant)
 
     def reset(self, tenant: str = "default") -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 
 from kvtier import KVStore, parse_config
 from kvtier.cli import main
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, UnknownTenantError
 from kvtier.service.auth import server_secret
 from kvtier.tiers.disk.slabs import SUPERBLOCK
 
@@ -78,6 +78,24 @@ def test_reset_retires_unknown_namespace_copies_of_the_tenant(tmp_path: Path) ->
     with KVStore(config(tmp_path, ("a", "b")), secret=b"S1" * 10) as store:
         assert store.lookup(TOKENS, tenant="a").num_tokens == 0  # rolled back: no stale KV
         assert store.lookup(TOKENS, tenant="b").num_tokens == len(TOKENS)  # b's kept
+
+
+def test_a_clear_of_a_tenant_out_of_the_config_retires_its_copies_alone(tmp_path: Path) -> None:
+    """An operator forgets one removed tenant's KV without clearing every tenant's: before, a
+    clear naming it was an unknown tenant's error, and only a clear of all retired its copies."""
+    persisted(tmp_path, b"S1" * 10, ("a", "b", "c"))
+    with KVStore(config(tmp_path, ("a",)), secret=b"S1" * 10) as store:  # b and c taken out
+        assert store.status()["tiers"]["disk"]["kept_blocks"] == 16
+        assert store.clear("b") == 8
+        assert store.status()["tiers"]["disk"]["kept_blocks"] == 8  # c's
+        assert store.lookup(TOKENS, tenant="a").num_tokens == len(TOKENS)  # a's untouched
+        with pytest.raises(UnknownTenantError):  # nothing left under b's id: unknown again
+            store.clear("b")
+        with pytest.raises(UnknownTenantError):
+            store.clear("nobody")
+    with KVStore(config(tmp_path, ("a", "b", "c")), secret=b"S1" * 10) as store:
+        assert store.lookup(TOKENS, tenant="b").num_tokens == 0  # put back: nothing from before
+        assert store.lookup(TOKENS, tenant="c").num_tokens == len(TOKENS)
 
 
 def test_clear_all_retires_every_tenants_unknown_copies(tmp_path: Path) -> None:

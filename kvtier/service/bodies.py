@@ -34,7 +34,8 @@ def checked(store: KVStore, grants: Grants | None = None) -> dict[str, Any]:
 
 def cleared(store: KVStore, tenant: str | None) -> dict[str, Any]:
     """What `/v1/admin/clear[?tenant=]` answers; `WireError` 404 `unknown_tenant` for a
-    `tenant` the configuration does not list: a value the admin named, not who the caller is
+    `tenant` the configuration does not list (and the disk holds no copy under: a removed
+    tenant's are retired, `KVStore.clear`): a value the admin named, not who the caller is
     (the 403 of a data-plane call whose own tenant is unknown)."""
     try:
         return {"dropped_blocks": store.clear(tenant)}
