@@ -251,10 +251,10 @@ class LeaseOwner:
 
     def progress(self) -> None:
         """A flight finished a layer group: recompute `layers_ready` and wake waiters."""
-        lease = self.lease
-        if lease._layer_groups is None or not lease._flights:
+        lease, flights = self.lease, self.lease._flights  # read once: `resolve` empties it
+        if lease._layer_groups is None or not flights:
             return
-        groups = min(flight.layers_done for flight in lease._flights)
+        groups = min(flight.layers_done for flight in flights)
         with lease._cond:
             if lease._state is LeaseState.PENDING:
                 lease._layers = max(lease._layers, lease._layer_groups(groups))

@@ -19,9 +19,13 @@ copy is visible only once complete).
                                        below a disk-only prefix)           disk
 
 Callbacks run on whatever thread completes a handle (a worker, or the thread polling CUDA
-events). They never take the cache's lock: they touch only their flight's outcome fields (under
-the flight's own lock) and the leases waiting on it (`LeaseOwner.progress`, under each lease's
-own lock). `Flights` is the set of flights planned and not yet published, and what they hold.
+events). They never take the cache's lock: they touch only their flight's outcome fields and
+tell the leases waiting on it of progress (`LeaseOwner.progress`), both under the flight's own
+lock, which the lease book also takes to add or forget a waiting lease (`wait`, `forget`): so a
+lease never ends while a callback tells it of progress (the book ends it under the cache's lock,
+after forgetting it). A callback counts its copy off whatever it raises, so a flight always
+finishes and is published (its pin and slots given back). `Flights` is the set of flights
+planned and not yet published, and what they hold.
 """
 
 from __future__ import annotations
@@ -71,6 +75,18 @@ class PrefetchFlight(Flight):
     leases: list[LeaseOwner] = field(default_factory=list, init=False)  # waiting on it
     layers_done: int = field(default=0, init=False)  # layer groups complete in every block
     bad_position: int | None = field(default=None, init=False)  # failed verification
+
+    def wait(self, lease: LeaseOwner) -> None:
+        """`lease` waits on this flight: told of each layer group (module doc)."""
+        with self.lock:
+            self.leases.append(lease)
+
+    def forget(self, lease: LeaseOwner) -> None:
+        """`lease` ended: no callback tells it of progress from now on, and none is telling it
+        now (it holds the lock while it does)."""
+        with self.lock:
+            if lease in self.leases:
+                self.leases.remove(lease)
 
     def staged(self) -> dict[int, int]:
         """Position -> host staging slot of each block read from disk through host."""
@@ -187,12 +203,18 @@ class FlightRunner:
             if all(ok):
                 # the groups are submitted before this read counts as done: the flight stays
                 # open until they are
-                self._submit_groups(flight)
-            else:
-                bad = ok.index(False)
-                with flight.lock:
-                    flight.bad_position = flight.read_positions[bad]
-                self._fail(flight, "a disk copy failed verification")
+                try:
+                    self._submit_groups(flight)
+                except BaseException as exc:
+                    self._fail(flight, f"submitting the copies to gpu raised {exc!r}")
+                    raise
+                finally:
+                    self._one_done(flight)
+                return
+            bad = ok.index(False)
+            with flight.lock:
+                flight.bad_position = flight.read_positions[bad]
+            self._fail(flight, "a disk copy failed verification")
         self._one_done(flight)
 
     def _group_done(self, flight: PrefetchFlight, handle: TransferHandle) -> None:
@@ -200,12 +222,15 @@ class FlightRunner:
             handle.result()
         except Exception as exc:
             self._fail(flight, f"copy to gpu raised {exc!r}")
-        else:
-            with flight.lock:
+            self._one_done(flight)
+            return
+        try:
+            with flight.lock:  # the book forgets an ending lease under it (module doc)
                 flight.layers_done += 1
-            for lease in list(flight.leases):
-                lease.progress()
-        self._one_done(flight)
+                for lease in flight.leases:
+                    lease.progress()
+        finally:
+            self._one_done(flight)
 
     def _blocks_done(self, flight: BlockFlight, handle: TransferHandle) -> None:
         try:

@@ -150,7 +150,7 @@ class LeaseBook:
         for flight in flights:  # all of them before any flight's callback can see the lease
             owner.wait_on(flight, layers_of)
         for flight in flights:
-            flight.leases.append(owner)
+            flight.wait(owner)
         owner.progress()
         self.settle(owner)
         return lease
@@ -179,12 +179,18 @@ class LeaseBook:
     # ---- ending ----------------------------------------------------------------------------
 
     def release(self, lease_id: LeaseId) -> None:
-        """Unlock a lease in any live state (`LeaseError` if unknown, released or expired)."""
+        """Unlock a lease in any live state (`LeaseError` if unknown, released or expired): a
+        ready one ends RELEASED, a pending one CANCELLED, counted in `cancelled` as `cancel`
+        counts it (the sidecar's `/v1/release` ends both kinds)."""
         owner = self._owners.get(lease_id)
         if owner is None:  # never the id of a pin: those are the mover's own
             raise LeaseError(f"lease {shown(lease_id)}: unknown, released or expired")
         self.index.leases.release(lease_id)
-        self._end(owner, LeaseState.RELEASED if owner.lease.ready() else LeaseState.CANCELLED)
+        if owner.lease.ready():
+            self._end(owner, LeaseState.RELEASED)
+            return
+        self.cancelled += 1
+        self._end(owner, LeaseState.CANCELLED, "released before it was ready")
 
     def cancel(self, lease: Lease) -> None:
         """Cancel a pending lease (its flights go on and publish; nothing waits on them), or
@@ -226,8 +232,7 @@ class LeaseBook:
             else:
                 del self._per_tenant[lease.tenant]
         for flight in self._waits.pop(lease_id, ()):
-            if owner in flight.leases:
-                flight.leases.remove(owner)
+            flight.forget(owner)  # before it resolves: no callback is telling it of progress
         self.residency.remove(lease.lease_id)
         owner.resolve(state, reason)
 
