@@ -153,3 +153,37 @@ def test_calls_held_back_go_once_the_fair_waiter_leaves() -> None:
         budget.check()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fair", [None, 3 * 10_000], ids=["fair is share", "fair below share"])
+def test_a_grant_with_ten_thousand_calls_queued_is_one_pass(fair: int | None) -> None:
+    """A full budget with 10,000 small calls queued (one tenant at its share; with fairness on,
+    another's call waiting within its fair part first): a release grants them in one pass
+    over the waiters, and queueing them costs no scan each. Before (review 2 of the change),
+    each grant started the scan again: seconds of the event loop's time, every tenant's
+    calls stalled meanwhile."""
+    n = 10_000
+
+    async def scenario() -> tuple[float, float]:
+        budget = Budget(10 * n, 6 * n, fair)
+        big = budget.hold("x")
+        await big.take(6 * n, time.monotonic() + 5)
+        other = budget.hold("y")
+        await other.take(4 * n - 1, time.monotonic() + 5)  # the budget full, but 1 byte
+        started = time.perf_counter()
+        calls = [
+            asyncio.create_task(budget.hold("x").take(1, time.monotonic() + 60)) for _ in range(n)
+        ]
+        await asyncio.sleep(0)
+        queued = time.perf_counter() - started
+        started = time.perf_counter()
+        big.release()
+        other.release()
+        released = time.perf_counter() - started
+        await asyncio.gather(*calls)
+        assert budget.held == n
+        budget.check()
+        return queued, released
+
+    queued, released = asyncio.run(scenario())
+    assert queued < 2.0 and released < 0.5, (queued, released)

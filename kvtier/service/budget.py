@@ -28,8 +28,9 @@ Invariants (`check()`):
   (`fair`: `total // tenants`, its tenant's bytes and its own together), no other tenant is
   granted a new call's bytes past its own fair part; such calls wait too (a call that holds
   bytes already, a load's reply after its body, is not held back: it would only time out). So
-  a call within its fair part is granted once the calls granted before it give back what they
-  hold, however many calls the others keep sending (before, with a `share` above `fair` (a
+  a call within its fair part is granted once the calls granted before it (and the replies of
+  loads under way, `more`, each within its tenant's share) give back what they hold, however
+  many calls the others keep sending (before, with a `share` above `fair` (a
   `max_body_bytes` above `total // tenants`: five tenants and more on the defaults), tenants
   that kept the budget full with small calls kept another tenant's call waiting until its
   deadline, 503 `busy`, however long it tried). Where `share` is `fair` (the default for up to
@@ -69,6 +70,7 @@ class Budget:
         self.by_tenant: dict[str, int] = {}
         self.waits = self.refused = 0  # calls that waited for room; refused 503 busy
         self._waiting: list[_Waiter] = []
+        self._fair: set[str] | None = None  # `_fair_waiters`, until a change may alter it
 
     def hold(self, tenant: str, own: bool = False) -> Hold:
         """A hold of `tenant`'s; `own`: its refusals name only `tenant`'s figures."""
@@ -89,11 +91,15 @@ class Budget:
         return more or not past_fair or not fair_waiters - {tenant}
 
     def _fair_waiters(self) -> set[str]:
-        """The tenants with a call waiting for room within their fair part."""
-        return {
-            waiter for waiter, wanted, future, _ in self._waiting
-            if not future.done() and self.by_tenant.get(waiter, 0) + wanted <= self.fair
-        }  # fmt: skip
+        """The tenants with a call waiting for room within their fair part: a scan of the
+        waiters, kept until bytes are granted or given back or a fair waiter comes or goes
+        (a burst of calls held back for fairness scans once, not once each)."""
+        if self._fair is None:
+            self._fair = {
+                waiter for waiter, wanted, future, _ in self._waiting
+                if not future.done() and self.by_tenant.get(waiter, 0) + wanted <= self.fair
+            }  # fmt: skip
+        return self._fair
 
     def largest(self) -> int:
         """The most one call can ever hold (its bound when the budget is idle)."""
@@ -110,13 +116,16 @@ class Budget:
                 f"the call needs {nbytes} bytes in flight, more than one call may hold "
                 f"({self.largest()}: service.max_inflight_bytes and the tenants' shares)",
             )  # fmt: skip
-        past_fair = self.by_tenant.get(tenant, 0) + nbytes > self.fair  # (else: no scan)
-        if self._may_take(tenant, nbytes, more, self._fair_waiters() if past_fair else set()):
+        # the waiters are scanned only where the call would pass its fair part and could fit
+        scan = self.fair < self.share and self.by_tenant.get(tenant, 0) + nbytes > self.fair
+        if self._may_take(tenant, nbytes, more, self._fair_waiters() if scan else set()):
             self._grant(tenant, nbytes)
             return
         self.waits += 1
         entry = _Waiter(tenant, nbytes, asyncio.get_running_loop().create_future(), more)
         self._waiting.append(entry)
+        if not scan and self.fair < self.share:
+            self._fair = None  # (a call within its fair part: a fair waiter now)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await entry.future
@@ -125,7 +134,9 @@ class Budget:
                 self._give(tenant, nbytes)  # granted as the deadline fell: not taken
             elif entry in self._waiting:
                 self._waiting.remove(entry)
-                self._wake()  # calls it held back for fairness may go now
+                self._fair = None
+                if self.by_tenant.get(tenant, 0) + nbytes <= self.fair < self.share:
+                    self._wake()  # a fair waiter gone: calls it held back may go now
             if not isinstance(exc, TimeoutError):
                 raise
             self.refused += 1
@@ -144,12 +155,14 @@ class Budget:
 
     def _grant(self, tenant: str, nbytes: int) -> None:
         self.held += nbytes
+        self._fair = None
         self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + nbytes
 
     def _give(self, tenant: str, nbytes: int) -> None:
         if not nbytes:
             return
         self.held -= nbytes
+        self._fair = None
         left = self.by_tenant[tenant] - nbytes
         if left:
             self.by_tenant[tenant] = left
@@ -158,21 +171,27 @@ class Budget:
         self._wake()
 
     def _wake(self) -> None:
-        """Grant the waiters that fit now, in the order they came; after each grant the pass
-        starts again (a fair waiter granted, or gone, no longer holds back those it passed
-        over), so a pass costs one scan of the waiters per grant."""
-        granted = True
-        while granted:
-            granted = False
-            fair_waiters = self._fair_waiters()
+        """Grant the waiters that fit now, in the order they came, a pass over them at a time.
+        Within a pass the tenants with a fair waiter (`_fair_waiters`) only leave (a grant adds
+        to its tenant's bytes): one that left no longer holds back those passed over, so another
+        pass follows, at most one per such tenant (one pass where `fair` is `share`). Linear in
+        the waiters: a full budget with 10,000 calls queued, one grant at a time, was seconds
+        of the event loop's time."""
+        fair_waiters = self._fair_waiters() if self.fair < self.share else set()
+        while True:
+            left: list[_Waiter] = []
             for entry in self._waiting:
                 waiter, wanted, future, more = entry
                 if not future.done() and self._may_take(waiter, wanted, more, fair_waiters):
-                    self._waiting.remove(entry)  # (done: cancelled, on its way out)
                     self._grant(waiter, wanted)
                     future.set_result(None)
-                    granted = True
-                    break
+                else:  # (done: cancelled, on its way out)
+                    left.append(entry)
+            self._waiting = left
+            now = self._fair_waiters() if fair_waiters else fair_waiters
+            if now == fair_waiters:
+                return
+            fair_waiters = now
 
     def figures(self, tenant: str | None) -> dict[str, int]:
         """`/v1/status`'s `inflight`: global (None), or `tenant`'s own held bytes and share."""
