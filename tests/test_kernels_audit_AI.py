@@ -131,6 +131,29 @@ def test_a_float_or_bool_slot_is_refused_not_truncated() -> None:
     assert torch.equal(dst[0], src[4])
 
 
+def test_numpy_and_torch_integer_slots_are_slots_and_duplicates_among_them_are_found() -> None:
+    """Review 1: torch integers were refused as 'out of range' (they were slots before), and a
+    destination named twice as two 0-d tensors (hashed by identity) passed the check."""
+    src = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
+    dst = torch.zeros(4, 3)
+    copy_blocks_gather(src, dst, torch.tensor([4, 1]), [np.int32(0), torch.tensor(2)])  # type: ignore[arg-type]
+    assert torch.equal(dst[0], src[4]) and torch.equal(dst[2], src[1])
+    with pytest.raises(InvalidArgumentError, match="destination slot 3 is named twice"):
+        copy_blocks_gather(src, dst, [0, 1], [torch.tensor(3), torch.tensor(3)])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match=r"source slot 1\.5 is not an integer"):
+        copy_blocks_gather(src, dst, [1.5], [0])  # type: ignore[list-item]
+
+
+def test_a_numpy_or_tensor_scale_is_a_scale(leased: Leased) -> None:
+    """Review 1: a NumPy float or a 0-d tensor scale worked before the check and was refused."""
+    store, lease = leased
+    attn = PagedAttention(store)
+    q = torch.randn(1, 4, 4)
+    plain = attn.decode(q, 0, [lease], scale=0.5)
+    for scale in (np.float32(0.5), torch.tensor(0.5)):
+        assert torch.equal(attn.decode(q, 0, [lease], scale=scale), plain)  # type: ignore[arg-type]
+
+
 # ---- the reference model: GGUF files and text -----------------------------------------------
 
 gguf = pytest.importorskip("gguf", reason="the reference loader needs the gguf package")
@@ -228,6 +251,14 @@ def test_the_tokenizer_refuses_lone_surrogates_and_unknown_ids_typed() -> None:
     for bad in (len(byte_chars), -1, 2**64):
         with pytest.raises(InvalidTokensError, match=f"got {bad}, expected an id in"):
             tokenizer.decode([0, bad])
+    # a model's argmax, NumPy ids, a str subclass: as before the checks (review 1)
+    ids = tokenizer.encode("abc")
+    for same in (np.array(ids), [np.int64(i) for i in ids], torch.tensor(ids)):
+        assert tokenizer.decode(same) == "abc"  # type: ignore[arg-type]
+    assert tokenizer.encode(np.str_("abc")) == ids
+    for bad in (1.0, True, torch.tensor(True)):
+        with pytest.raises(InvalidTokensError, match="ids\\[0\\]"):
+            tokenizer.decode([bad])  # type: ignore[list-item]
 
 
 # ---- the reference engine: a lease that ends during the prefill -----------------------------

@@ -31,10 +31,12 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvtier.errors import InvalidArgumentError, LeaseError, ResidencyError, shown
@@ -93,7 +95,7 @@ class PagedAttention:
         ids) and `seq_lens` `[batch]`; q `[batch, q_heads, head_dim]`."""
         self._check_q(q, "q", 3)
         self._check_layer(layer)
-        _check_scale(scale)
+        scale = _check_scale(scale)
         table, lens = self._check_table(block_table, seq_lens, q.shape[0])
         self._check_resident(table, lens)
         table, lens = table.to(self.buffer.device), lens.to(self.buffer.device)
@@ -119,7 +121,7 @@ class PagedAttention:
         table, prefix = self._from_leases(leases, None, allow_empty=True)
         self._check_q(q, "q", 3)
         self._check_layer(layer)
-        _check_scale(scale)
+        scale = _check_scale(scale)
         new = _lengths(new_lens, "new_lens", len(leases))
         total = int(new.sum())
         kv_shape = (total, self.layout.num_kv_heads, self.layout.head_dim)
@@ -291,21 +293,21 @@ def _lengths(
     return lens.to(torch.int32).contiguous()
 
 
-def _check_scale(scale: object) -> None:
-    """None (1/sqrt(head_dim)) or a finite number > 0: the kernels take it as an fp32 factor
-    of every score (a string failed inside the launch, a NaN made every output NaN)."""
+def _check_scale(scale: object) -> float | None:
+    """None (1/sqrt(head_dim)) or a finite number > 0 (a NumPy or 0-d tensor one too), as the
+    float the kernels take as an fp32 factor of every score (a string failed inside the
+    launch, a NaN made every output NaN)."""
     if scale is None:
-        return
-    if not (
-        isinstance(scale, (int, float))
-        and not isinstance(scale, bool)
-        and abs(scale) <= FLOAT_MAX  # first: math.isfinite(10**400) raises OverflowError
-        and math.isfinite(scale)
-        and scale > 0
-    ):
+        return None
+    value = math.nan
+    if not isinstance(scale, (str, bytes, bool, np.bool_)):  # (float("2") is 2.0)
+        with contextlib.suppress(TypeError, ValueError, OverflowError, RuntimeError):
+            value = float(scale)  # type: ignore[arg-type]
+    if not 0 < value <= FLOAT_MAX:  # (an fp32 factor: past it, every score inf; nan fails)
         raise InvalidArgumentError(
             f"scale: got {shown(scale)}, expected None or a finite number > 0"
         )
+    return value
 
 
 def _describe(value: object) -> str:

@@ -11,10 +11,9 @@ bytes at `base + slot * block_bytes`. Three strategies copy them, each a `CopySt
   CUDA buffer and a strided host view (a caller's layer-major tensor) through a device stage
   instead, one memcpy per contiguous piece of host memory (`staged.py`).
 - `gather`: `index_select` of the source slots into one temporary on the source device, moved to
-  the destination device, then `index_copy_`: every byte is copied twice, in a few launches.
-  It is the plain-torch reference of the kernel. It moves the values' bits as integers of the
-  same width (`as_bits`), so it copies any dtype bit for bit, fp8 included (torch's CPU
-  `index_copy_` has no float8 kernel).
+  the destination device, then `index_copy_`: every byte is copied twice, in a few launches
+  (the kernel's plain-torch reference). It moves the values' bits as integers of the same width
+  (`as_bits`): any dtype bit for bit, fp8 included (torch's CPU `index_copy_` has none).
 - `kernel`: `BLOCK_COPY_CUDA`, one launch for all n blocks, through CuPy. Grid (n, chunks):
   `blockIdx.x` is the block, `blockIdx.y` a chunk of it, and the threads of all chunks stride
   over the block in units of 16 bytes (`int4`) when `block_bytes` and both base addresses are
@@ -26,14 +25,14 @@ bytes at `base + slot * block_bytes`. Three strategies copy them, each a `CopySt
 Every strategy checks its slots before it copies anything (`InvalidArgumentError`): one
 destination per source (`check_counts`); `slices` each run's ends against both buffers
 (`check_runs`: a slice past the end is a shorter view, a negative start another slot), `gather`
-and `kernel` that every slot is an int in range and no destination is named twice (`check_slots`).
+and `kernel` that every slot is an integer in range, no destination named twice (`check_slots`).
 
 Every strategy returns with its copy as complete as `Tensor.copy_` leaves one: done when host
 memory takes part, enqueued on the current stream between two CUDA buffers. `copy_blocks_kernel`
 itself only enqueues (as `copy_(non_blocking=True)`): the `kernel` strategy adds the wait.
-CuPy is imported only when a kernel copy is asked for or `kernel_available()` is called, so this
-module imports, and its torch strategies run, without CUDA or CuPy. Which strategy is fastest
-depends on the memories, the block size and the scatter: `transfer/planner.py` measures them.
+CuPy is imported only for a kernel copy or `kernel_available()`: this module and its torch
+strategies run without CUDA or CuPy. Which strategy is fastest depends on the memories, the
+block size and the scatter: `transfer/planner.py` measures them.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ import torch
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.kernels import staged
+from kvtier.kernels.slots import check_counts, check_slots
 
 BLOCK_COPY_CUDA = r"""
 template <typename T>
@@ -179,37 +179,6 @@ def check_runs(runs: Sequence[Run], src_slots: int, dst_slots: int) -> None:
                 f"block copy: {name} slots {first}..{first + n - 1} are out of range; expected "
                 f"slots in [0, {limit})"
             )
-
-
-def check_counts(src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
-    """`InvalidArgumentError` unless there is one destination slot per source slot."""
-    if len(src_slots) != len(dst_slots):
-        raise InvalidArgumentError(
-            f"block copy: {len(src_slots)} source slots, {len(dst_slots)} destination slots; "
-            "expected one destination slot per block"
-        )
-
-
-def check_slots(src_slots: Sequence[int], dst_slots: Sequence[int], src: int, dst: int) -> None:
-    """`InvalidArgumentError` for unequal counts, the first slot not an int in `[0, src)`
-    (sources) or `[0, dst)` (destinations; a float truncates to another slot), or a destination
-    slot named twice (two writes to one slot in one launch race: a mix of both blocks)."""
-    check_counts(src_slots, dst_slots)
-    for name, slots, limit in (("source", src_slots, src), ("destination", dst_slots, dst)):
-        typed = [s for s in slots if type(s) is bool or not isinstance(s, (int, np.integer))]
-        bad: Sequence[object] = typed or [s for s in slots if not 0 <= s < limit]
-        if bad:
-            raise InvalidArgumentError(
-                f"block copy: {name} slot {bad[0]} is out of range; expected slots in [0, {limit})"
-            )
-    if len(set(dst_slots)) != len(dst_slots):
-        seen: set[int] = set()
-        for slot in dst_slots:
-            if slot in seen:
-                raise InvalidArgumentError(
-                    f"block copy: destination slot {slot} is named twice; expected distinct slots"
-                )
-            seen.add(slot)
 
 
 def copy_blocks_gather(

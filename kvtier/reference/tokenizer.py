@@ -19,10 +19,14 @@ what matters here is real text in, real KV out. Needs the `tokenizers` package.
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import re
 from collections.abc import Sequence
 
 import gguf
+import numpy as np
+import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from kvtier.errors import InvalidArgumentError, InvalidTokensError, shown
@@ -94,7 +98,7 @@ class BPETokenizer:
         return cls(fields["tokens"], fields["merges"], control_ids, system.group(1))
 
     def encode(self, text: str) -> list[int]:
-        if type(text) is not str:
+        if not isinstance(text, str):
             raise InvalidArgumentError(f"text: got {shown(text)}, expected a str")
         try:
             text.encode("utf-8")
@@ -103,19 +107,24 @@ class BPETokenizer:
                 f"text[{error.start}]: got {text[error.start]!r}, a lone surrogate; expected "
                 "text that UTF-8 can encode"
             ) from None
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self._tokenizer.encode(str(text), add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
+        """The text of `ids`: ints, NumPy or torch integers (a model's argmax), ids of the
+        vocabulary; `InvalidTokensError` naming the first that is not."""
+        numbers = []
         for at, token in enumerate(ids):
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise InvalidTokensError(f"ids[{at}]: got {shown(token)}, expected an int id")
-            if not 0 <= token < self.vocab_size:
+            number = None  # `operator.index`: an integer of any kind, never a float or a bool
+            if not isinstance(token, (bool, np.bool_)) and getattr(token, "dtype", 0) != torch.bool:
+                with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                    number = operator.index(token)
+            if number is None or not 0 <= number < self.vocab_size:
                 raise InvalidTokensError(
-                    f"ids[{at}]: got {token}, expected an id in [0, {self.vocab_size})"
+                    f"ids[{at}]: got {shown(token)}, expected an id in [0, {self.vocab_size})"
                 )
-        return self._tokenizer.decode(ids, skip_special_tokens=False)
+            numbers.append(number)
+        return self._tokenizer.decode(numbers, skip_special_tokens=False)
 
     def chat_prompt(self, user_text: str) -> list[int]:
         """ChatML: system line, one user turn, then the opening of the assistant's turn."""

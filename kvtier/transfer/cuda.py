@@ -53,11 +53,11 @@ from kvtier.kernels.block_copy import (
     Run,
     applies_anywhere,
     check_runs,
-    check_slots,
     contiguous_runs,
     copy_blocks_kernel,
     kernel_applies,
 )
+from kvtier.kernels.slots import check_slots
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.quantized import QuantPool

@@ -1,0 +1,52 @@
+"""The slot lists of a block copy (`block_copy.py`), checked before anything is copied: one
+destination per source, every slot an integer in its buffer, no destination named twice.
+
+A slot is a Python int (one pass over a list of them), or a NumPy or torch integer
+(`operator.index`); a float would truncate to another slot, a bool is no slot. Every refusal is
+an `InvalidArgumentError` naming the slot and the range expected.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import operator
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.errors import InvalidArgumentError, shown
+
+
+def check_counts(src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+    """`InvalidArgumentError` unless there is one destination slot per source slot."""
+    if len(src_slots) != len(dst_slots):
+        raise InvalidArgumentError(
+            f"block copy: {len(src_slots)} source slots, {len(dst_slots)} destination slots; "
+            "expected one destination slot per block"
+        )
+
+
+def check_slots(src_slots: Sequence[int], dst_slots: Sequence[int], src: int, dst: int) -> None:
+    """`InvalidArgumentError` for unequal counts, the first slot not an integer (a float would
+    truncate to another slot) in `[0, src)` (sources) or `[0, dst)` (destinations), or a
+    destination slot named twice (two writes to one slot in one launch race)."""
+    check_counts(src_slots, dst_slots)
+    for name, slots, limit in (("source", src_slots, src), ("destination", dst_slots, dst)):
+        for slot in (odd := [s for s in slots if type(s) is not int or not 0 <= s < limit]):
+            number = None  # a NumPy or torch integer is one (`operator.index`), a bool is not
+            if not isinstance(slot, (bool, np.bool_)) and getattr(slot, "dtype", 0) != torch.bool:
+                with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                    number = operator.index(slot)
+            if number is None or not 0 <= number < limit:
+                what = "is out of range" if number is not None else "is not an integer"
+                raise InvalidArgumentError(
+                    f"block copy: {name} slot {shown(slot)} {what}; expected slots in [0, {limit})"
+                )
+    named = [operator.index(s) for s in dst_slots] if odd else dst_slots  # (tensors hash by id)
+    if len(set(named)) != len(named):
+        slot = collections.Counter(named).most_common(1)[0][0]
+        raise InvalidArgumentError(
+            f"block copy: destination slot {slot} is named twice; expected distinct slots"
+        )
