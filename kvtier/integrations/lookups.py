@@ -22,7 +22,11 @@ timeout (120 s) at every new request. So:
 A sidecar that hangs then costs the scheduler one `LOOKUP_TIMEOUT_S` every `QUIET_S`, not one
 per request. The workers' loads and saves (larger, on threads of their own but for a
 synchronous load) and the scheduler's reset after a weight update (whose failure vLLM must
-hear) wait `kvtier.timeout_s` (`settings.WORKER_TIMEOUT_S`, 120 s, by default) a call.
+hear) wait `kvtier.timeout_s` (`settings.WORKER_TIMEOUT_S`, 120 s, by default) a call; after
+a load or save goes unanswered, a worker tries none for `QUIET_S` (`Clients`): a load then
+fails at once (vLLM recomputes), a save is skipped (`skipped_saves`), so the saves queued
+behind a hung one, and the finished requests whose blocks vLLM holds for them, wait one
+`kvtier.timeout_s`, not one each.
 """
 
 from __future__ import annotations
@@ -63,11 +67,15 @@ class Quiet:
             self._quiet_until = time.monotonic() + self.quiet_s
 
 
-class Clients:
+class Clients(Quiet):
     """Clients on `url` by API key, made at first use: a call waits `timeout_s` at most (each
-    of its tries, the same-host lane then HTTP, half of it)."""
+    of its tries, the same-host lane then HTTP, half of it). A `Quiet` of its own: a vLLM
+    worker tries no load or save for `quiet_s` after one went unanswered, so that a hung
+    sidecar costs the loads and saves queued behind it one wait, not one each (a finished
+    request's blocks are held until its save is done)."""
 
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: str, timeout_s: float, quiet_s: float = QUIET_S):
+        Quiet.__init__(self, quiet_s)
         self.url, self.timeout_s = url, timeout_s
         self._clients: dict[str, Client] = {}
         self._lock = threading.Lock()
@@ -87,12 +95,11 @@ class Clients:
             client.close()
 
 
-class Lookups(Clients, Quiet):
+class Lookups(Clients):
     """Clients for the scheduler's lookups, by API key, on `url` (module doc)."""
 
     def __init__(self, url: str, timeout_s: float = LOOKUP_TIMEOUT_S, quiet_s: float = QUIET_S):
-        Clients.__init__(self, url, timeout_s)
-        Quiet.__init__(self, quiet_s)
+        Clients.__init__(self, url, timeout_s, quiet_s)
 
 
 def counted_key(
@@ -106,3 +113,11 @@ def counted_key(
             log.warning(REFUSALS[refused])
         stats[refused] += 1
     return key
+
+
+def count_error(stats: dict[str, int], what: str, error: BaseException) -> None:
+    """A call to the sidecar (`what`) failed with `error`: counted in `stats`, logged (with its
+    traceback when it is no `KVTierError` or `OSError`: a bug, to be found)."""
+    stats["errors"] += 1
+    unexpected = not isinstance(error, KVTierError | OSError)
+    log.warning("kvtier %s failed: %s", what, error, exc_info=error if unexpected else None)

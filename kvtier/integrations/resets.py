@@ -7,7 +7,8 @@ backend's `clear`. Without it kvtier kept serving the old weights' KV for the sa
 `KVStore.reset`: every block of the tenant's in every local tier dropped, disk copies retired
 durably), again while blocks are left (held by a lease: a load in flight) until `wait_s`.
 It answers None when each is clear, else why not, for the engine to report the reset failed:
-- a sidecar that failed or refused;
+- a sidecar that failed or refused (or could not be reached to make a client of `clients`,
+  which may make them as they are asked for: never an exception out of the engine's step);
 - blocks still held after `wait_s`;
 - a remote tier: other nodes' sidecars share it and this cannot clear it, so their copies of
   the old KV stay reachable (a model whose weights change at run time runs without one, or
@@ -31,7 +32,14 @@ log = logging.getLogger("kvtier.reset")
 
 def reset_tenants(clients: Iterable[Client], wait_s: float = WAIT_S) -> str | None:
     deadline = time.monotonic() + wait_s
-    for client in clients:
+    them = iter(clients)
+    while True:
+        try:  # a client made as it is asked for (`map`) first reaches its sidecar then
+            client = next(them, None)
+        except (KVTierError, OSError) as e:
+            return f"the sidecar's reset failed: {e}"
+        if client is None:
+            return None
         while True:
             try:
                 reply = client.reset()
@@ -47,7 +55,6 @@ def reset_tenants(clients: Iterable[Client], wait_s: float = WAIT_S) -> str | No
             if time.monotonic() > deadline:
                 return f"{reply['left_blocks']} blocks still held by leases after {wait_s} s"
             time.sleep(0.05)
-    return None
 
 
 def reset_or_log(clients: Iterable[Client], where: str) -> bool:

@@ -20,6 +20,9 @@ Contract:
   by it. Every `release` job is reported in `take_sent` once done, saved or not, and is never
   dropped; others are skipped (counted in `skipped`) while `backlog` jobs are queued, so a
   sidecar slower than the engine costs later misses, not a queue that grows without bound.
+  A job is not saved (its blocks, a `release` job's too; counted in `skipped`) while `ready()`
+  is False (the connector's: a call to the sidecar went unanswered just now), so the jobs
+  queued behind one that waited for a hung sidecar are not each let wait as long.
 - `drop()` (the engine's weights changed: `resets.py`): the queued jobs are not saved (their
   `release` jobs still reported), and it returns once the one running, if any, is done.
 """
@@ -42,8 +45,13 @@ BACKLOG = 64  # queued jobs past which a prompt's save is skipped
 
 
 class Saves:
-    def __init__(self, save: Callable[[SaveJob], None], backlog: int = BACKLOG) -> None:
-        self.save, self.backlog = save, backlog
+    def __init__(
+        self,
+        save: Callable[[SaveJob], None],
+        ready: Callable[[], bool] = lambda: True,
+        backlog: int = BACKLOG,
+    ) -> None:
+        self.save, self.ready, self.backlog = save, ready, backlog
         self.skipped = 0
         self.thread: ThreadPoolExecutor | None = None  # made on the first queued job
         self._queued: deque[Future[None]] = deque()
@@ -62,7 +70,7 @@ class Saves:
         ready = None
         for job in jobs:
             if not job.release and len(self._queued) >= self.backlog:
-                self.skipped += 1
+                self._skip()
                 continue
             if self.thread is None:
                 self.thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
@@ -94,10 +102,16 @@ class Saves:
         if self.thread is not None:
             self.thread.shutdown(wait=True)
 
+    def _skip(self) -> None:
+        with self._lock:  # counted by the caller's thread and by the saves' thread
+            self.skipped += 1
+
     def _one(self, job: SaveJob, ready: Any, epoch: int | None = None) -> None:
         try:
             if epoch is not None and epoch != self.epoch:
                 pass  # dropped: the KV it holds is the old weights'
+            elif job.blocks and not self.ready():
+                self._skip()  # the sidecar did not answer just now: no wait of its own
             elif ready is None:
                 self.save(job)
             else:

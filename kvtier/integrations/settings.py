@@ -25,13 +25,15 @@ cache, checked when vLLM builds it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.client.connections import check_url
 from kvtier.config.events import is_peer_address
 from kvtier.config.fields import HiddenText, resolve_api_key
-from kvtier.errors import ConfigError, shown
+from kvtier.errors import ConfigError, InvalidArgumentError, shown
 from kvtier.integrations import paged
 
 _BOOLEANS = {"kvtier.load_async": True, "kvtier.save_async": True, "kvtier.save_decode": True,
@@ -93,8 +95,13 @@ class ConnectorSettings:
                 f"one sidecar URL per tensor-parallel rank ({tp_size}): "
                 "each rank holds other heads, in a sidecar of its own",
             )
+        for rank, one in enumerate(urls if "kvtier.urls" in extra else ()):
+            if not _well_formed(one):
+                expected = f"the sidecar's URL, {_URL}"
+                raise ConfigError(f"kvtier.urls[{rank}]", _masked(one), expected)
         key = api_key(extra)
-        named = extra.get("kvtier.tenant_keys") or {}
+        named = extra.get("kvtier.tenant_keys")
+        named = {} if named is None else named  # (JSON null: unset)
         if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
             raise ConfigError("kvtier.tenant_keys", "(not shown)", "a map of name to API key")
         flags = {}
@@ -160,16 +167,36 @@ def sidecar_urls(extra: Mapping[str, Any]) -> list[str]:
     url, urls = extra.get("kvtier.url"), extra.get("kvtier.urls")
     if urls is None:
         url = "http://127.0.0.1:8750" if url is None else url
-        if not (isinstance(url, str) and url):
-            raise ConfigError("kvtier.url", url, "the sidecar's URL, a string (http://HOST:PORT)")
+        if not (isinstance(url, str) and _well_formed(url)):
+            raise ConfigError("kvtier.url", _masked(url), f"the sidecar's URL, {_URL}")
         return [url]
     if url is not None:
         raise ConfigError("kvtier.url", url, "unset when kvtier.urls is set (one or the other)")
-    if not (isinstance(urls, list) and urls and all(isinstance(u, str) and u for u in urls)):
+    if not (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls)):
         raise ConfigError(
             "kvtier.urls", urls, "a non-empty list of sidecar URLs, one per tensor-parallel rank"
         )
     return urls
+
+
+_URL = "http://HOST:PORT (or https://; an IPv6 host in brackets; no spaces)"
+
+
+def _well_formed(url: str) -> bool:
+    """Whether the sidecar clients take `url` (checked at start: a bad one would fail each
+    lookup, load and save, or raise from the client's socket, only once vLLM serves)."""
+    if not url or any(c.isspace() or not c.isprintable() for c in url):
+        return False  # http.client refuses a host or path with them, with an error of its own
+    try:
+        check_url(url)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def _masked(url: object) -> object:
+    """`url` with the credentials in it (`user:password@`) not shown."""
+    return re.sub(r"//[^/]*@", "//(credentials not shown)@", url) if isinstance(url, str) else url
 
 
 def closed(extra: Mapping[str, Any], known: tuple[str, ...]) -> None:

@@ -35,8 +35,8 @@ Contract:
 - A lookup and its hit are counted once vLLM admits the request (vLLM retries one that lacks
   blocks: the sidecar is asked once until then); `vllm_stats.py` says each count.
 - A sidecar that is down, hangs or refuses a call is a miss (a lookup waits 5 s, then none is
-  asked for 10 s: `lookups.py`; a load or save waits `kvtier.timeout_s`, 120 s; a save
-  skipped), logged and counted (`vllm_stats.py`).
+  asked for 10 s: `lookups.py`; a load or save waits `kvtier.timeout_s`, 120 s, then none
+  is tried for 10 s: a load fails, a save is skipped), logged and counted (`vllm_stats.py`).
 - Tenants: a call's tenant is its API key's: `kvtier.api_key`, or the key `kvtier.tenant_keys`
   gives the name a request carries in its `cache_salt` (or, trusted and salted apart, in
   `kv_transfer_params`: vLLM shares blocks across a salt, `settings.key_for`);
@@ -63,7 +63,6 @@ Events: with `kvtier.events_endpoint`, kvtier's blocks go out in vLLM's own KV-e
 
 from __future__ import annotations
 
-import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,9 +75,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError
 from kvtier.integrations import plans, vllm_events
-from kvtier.integrations.lookups import Clients, Lookups, counted_key
+from kvtier.integrations.lookups import Clients, Lookups, count_error, counted_key
 from kvtier.integrations.plans import LoadJob, Planned, Save, SaveJob, output_save
 from kvtier.integrations.resets import reset_or_log
 from kvtier.integrations.saving import Saves, load_job, store_job
@@ -93,8 +92,6 @@ from kvtier.integrations.settings import (
     shard,
 )
 from kvtier.integrations.vllm_stats import COUNTERS, KvtierStats, StatsBuilders, gained_since
-
-log = logging.getLogger("kvtier.vllm")
 
 __all__ = ["KvtierConnector", "KvtierMetadata", "LoadJob", "SaveJob"]
 
@@ -147,7 +144,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, Future[list[int]]] = {}
         self._done: set[str] = set()
-        self.saving = Saves(self._save)  # the saves' thread (`saving.py`)
+        self.saving = Saves(self._save, self._clients.open)  # its thread (`saving.py`)
         self._load_errors: set[int] = set()
         self._unfilled: set[int] = set()  # blocks this step's synchronous loads did not fill
         self._worker_lock = threading.Lock()
@@ -270,6 +267,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The counts gained since the last call, for vLLM's logs and `/metrics`."""
+        self.stats["skipped_saves"] = self.saving.skipped  # the saves' thread skips some too
         return gained_since(self.stats, self._reported, self.tp_rank if self._layers else 0)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -354,7 +352,8 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             self.stats["saved_tokens"] += stored
             self.stats["decode_tokens"] += min(stored, job.output)  # stored from the end
         except Exception as e:  # a save that fails is a later miss, never a crash
-            self._error("store", e)
+            self._clients.failed(e)  # unanswered: none tried for a while (`lookups.Clients`)
+            count_error(self.stats, "store", e)
 
     def _lookup(self, request: Any, key: str) -> Planned:
         """A request to follow, with kvtier's prefix of its prompt (none if the sidecar fails)."""
@@ -367,17 +366,21 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         try:
             found = self._lookups.client(key).lookup(list(planned.tokens)).num_tokens
             planned.found, planned.asked = found - found % self.block_size, True
-        except (KVTierError, OSError) as e:
+        except Exception as e:  # a miss, never an exception in vLLM's scheduling loop
             self._lookups.failed(e)
-            self._error("lookup", e)
+            count_error(self.stats, "lookup", e)
         return planned
 
     def _load(self, job: LoadJob) -> list[int]:
-        """Copy the job's blocks from kvtier; the vLLM block ids it could not fill."""
+        """Copy the job's blocks from kvtier; the vLLM block ids it could not fill (all of them,
+        untried, for a while after a call went unanswered: `lookups.Clients`)."""
+        if not self._clients.open():  # a call went unanswered just now: vLLM recomputes
+            return list(job.blocks)
         try:
             filled = load_job(self._clients.client(job.key), self._layers, job, self.block_size)
         except Exception as e:  # a load that fails is vLLM's to recompute, never a crash
-            self._error("load", e)
+            self._clients.failed(e)
+            count_error(self.stats, "load", e)
             return list(job.blocks)
         self.stats["loaded_tokens"] += filled * self.block_size
         return list(job.blocks[filled:])
@@ -390,8 +393,3 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if missing:
             self.stats["failed_loads"] += 1
             self._load_errors.update(missing)
-
-    def _error(self, what: str, error: BaseException) -> None:
-        self.stats["errors"] += 1
-        unexpected = not isinstance(error, KVTierError | OSError)  # a bug: keep its traceback
-        log.warning("kvtier %s failed: %s", what, error, exc_info=error if unexpected else None)

@@ -31,7 +31,7 @@ COUNTERS = {
     "saved_tokens": "Tokens newly stored in kvtier (prompts and outputs)",
     "sent_tokens": "Tokens whose KV saves copied out of vLLM's blocks to kvtier",
     "decode_tokens": "Tokens of finished requests' outputs newly stored (blocks past the prompt's)",
-    "skipped_saves": "Prompt saves skipped while the saves' queue was full (per rank)",
+    "skipped_saves": "Saves skipped: the queue full, or the sidecar unanswering (per rank)",
     "failed_loads": "Loads that came back short; vLLM recomputed from there (per rank)",
     "errors": "Calls to the kvtier sidecar that failed (per rank)",
     "skipped_lookups": "Requests not asked about for 10 s after a lookup failed (a miss each)",
