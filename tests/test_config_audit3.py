@@ -354,3 +354,14 @@ def test_replay_refuses_block_tokens_0_and_names_the_fraction_s_bounds(tmp_path:
     assert "block_tokens: got 0" in refused(run("replay", str(trace), "--block-tokens", "0"))
     stderr = refused(run("replay", str(trace), "--gpu", "1e308"))
     assert "--gpu: got 1e+308" in stderr and "at most 100" in stderr
+
+
+@pytest.mark.parametrize(
+    "url", ["http://side car:8750", "http://127.0.0.1:8750/a b", "http://h\n:1"]
+)
+def test_a_url_with_a_space_or_a_control_is_refused_naming_url(url: str) -> None:
+    """http.client refuses them at the first call with its own InvalidURL (audit AK): the
+    clients refuse them when made, as any other unusable URL."""
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidArgumentError, match="url: got"):
+            make(url, shared_memory=False)
