@@ -18,8 +18,9 @@ from conftest import disk_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from index_blocks import BT, Block, find, key, name
 
-from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId, encode_tokens, tenant_salt
+from kvtier.blocks import BlockHasher, encode_tokens, tenant_salt
 from kvtier.errors import InvariantError
 from kvtier.index import BlockRef, Node, PrefixHit, RadixIndex
 from kvtier.index import node as node_module
@@ -109,8 +110,6 @@ def test_check_formats_no_message_for_a_consistent_index(monkeypatch: pytest.Mon
 
 # ---- the index against a brute-force model --------------------------------------------------
 
-BT = 2
-KB = BT * TOKEN_NBYTES
 TIERS = ("gpu", "host", "disk")
 LOWEST = len(TIERS) - 1
 HASHER = BlockHasher()
@@ -119,11 +118,6 @@ NS = len(SEEDS)
 paths = st.text(alphabet="abcd", min_size=1, max_size=6)
 tiers = st.integers(0, LOWEST)
 owners = st.one_of(st.none(), st.integers(0, NS - 1))
-Block = tuple[int, str]  # (namespace, one letter per block)
-
-
-def key(path: str) -> bytes:
-    return encode_tokens([ord(c) for c in path for _ in range(BT)])
 
 
 class ModelIndex(RuleBasedStateMachine):
@@ -168,21 +162,10 @@ class ModelIndex(RuleBasedStateMachine):
             self.hits[(ns, path[:i])] += 1
 
     def find(self, block: Block) -> BlockRef:
-        ns, path = block
-        node, pos = self.ix.root(SEEDS[ns]), 0
-        while True:
-            assert node.children is not None
-            node = node.children[key(path[pos])]
-            if pos + node.size >= len(path):
-                return BlockRef(node, len(path) - 1 - pos)
-            pos += node.size
+        return find(self.ix, SEEDS, block)
 
     def name(self, ref: BlockRef) -> Block:
-        nodes = self.ix.path(ref.node)
-        root = nodes[0].parent
-        assert root is not None
-        letters = "".join(chr(n.key[i * KB]) for n in nodes for i in range(n.size))
-        return SEEDS.index(BlockId(root.ids)), letters[: len(letters) - ref.node.size + ref.i + 1]
+        return name(self.ix, SEEDS, ref)
 
     def resident_in(self, ns: int, tier: int) -> int:
         return sum(1 for b, c in self.copies.items() if b[0] == ns and tier in c)

@@ -11,13 +11,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from index_blocks import BT, KB, Block, find, key, name
 
-from kvtier.blocks import TOKEN_NBYTES, BlockHasher, BlockId, encode_tokens, tenant_salt
+from kvtier.blocks import BlockHasher, tenant_salt
 from kvtier.errors import LeaseError
 from kvtier.index import BlockRef, LeaseId, Node, PrefixHit, RadixIndex
 
-BT = 2
-KB = BT * TOKEN_NBYTES
 TIERS = ("gpu", "host", "disk")
 LOWEST = len(TIERS) - 1
 HASHER = BlockHasher()
@@ -25,11 +24,6 @@ SEEDS = [HASHER.seed(b"layout-fingerprt", tenant_salt(t)) for t in ("alice", "bo
 
 paths = st.text(alphabet="abc", min_size=1, max_size=5)
 tiers = st.integers(0, LOWEST)
-Block = tuple[int, str]  # (namespace, path)
-
-
-def key(path: str, extra: int = 0) -> bytes:
-    return encode_tokens([ord(c) for c in path for _ in range(BT)] + [7] * extra)
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -68,21 +62,10 @@ class IndexMachine(RuleBasedStateMachine):
         )
 
     def find(self, block: Block) -> BlockRef:
-        ns, path = block
-        node, pos = self.ix.root(SEEDS[ns]), 0
-        while True:
-            assert node.children is not None
-            node = node.children[key(path[pos])]
-            if pos + node.size >= len(path):
-                return BlockRef(node, len(path) - 1 - pos)
-            pos += node.size
+        return find(self.ix, SEEDS, block)
 
     def name(self, ref: BlockRef) -> Block:
-        nodes = self.ix.path(ref.node)
-        root = nodes[0].parent
-        assert root is not None
-        letters = "".join(chr(n.key[i * KB]) for n in nodes for i in range(n.size))
-        return SEEDS.index(BlockId(root.ids)), letters[: len(letters) - ref.node.size + ref.i + 1]
+        return name(self.ix, SEEDS, ref)
 
     def blocks(self) -> list[Block]:
         return sorted(self.copies)

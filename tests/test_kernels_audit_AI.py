@@ -136,7 +136,8 @@ def test_numpy_and_torch_integer_slots_are_slots_and_duplicates_among_them_are_f
     destination named twice as two 0-d tensors (hashed by identity) passed the check."""
     src = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
     dst = torch.zeros(4, 3)
-    copy_blocks_gather(src, dst, torch.tensor([4, 1]), [np.int32(0), torch.tensor(2)])  # type: ignore[arg-type]
+    slots: Any = [np.int32(0), torch.tensor(2)]  # (integers of other kinds)
+    copy_blocks_gather(src, dst, torch.tensor([4, 1]), slots)  # type: ignore[arg-type]
     assert torch.equal(dst[0], src[4]) and torch.equal(dst[2], src[1])
     with pytest.raises(InvalidArgumentError, match="destination slot 3 is named twice"):
         copy_blocks_gather(src, dst, [0, 1], [torch.tensor(3), torch.tensor(3)])  # type: ignore[list-item]
@@ -256,9 +257,10 @@ def test_the_tokenizer_refuses_lone_surrogates_and_unknown_ids_typed() -> None:
     for same in (np.array(ids), [np.int64(i) for i in ids], torch.tensor(ids)):
         assert tokenizer.decode(same) == "abc"  # type: ignore[arg-type]
     assert tokenizer.encode(np.str_("abc")) == ids
-    for bad in (1.0, True, torch.tensor(True)):
+    wrong: Any
+    for wrong in (1.0, True, torch.tensor(True)):
         with pytest.raises(InvalidTokensError, match="ids\\[0\\]"):
-            tokenizer.decode([bad])  # type: ignore[list-item]
+            tokenizer.decode([wrong])
 
 
 # ---- the reference engine: a lease that ends during the prefill -----------------------------
