@@ -260,10 +260,13 @@ class FlightRunner:
                 flight.outstanding += 1
             try:
                 handle = self.executor.submit(transfer)
-            except ClosedError as exc:
-                self._fail(flight, f"mover closed: {exc}")
+            except Exception as exc:  # counted off, so that the flight finishes (module doc)
+                closed = isinstance(exc, ClosedError)
+                self._fail(flight, f"mover closed: {exc}" if closed else f"a copy raised {exc!r}")
                 self._one_done(flight)
-                return
+                if closed:
+                    return
+                raise
             handle.add_done_callback(lambda h: done(flight, h))
 
     def _launched(self, flight: Flight) -> None:
