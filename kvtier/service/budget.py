@@ -43,6 +43,7 @@ Invariants (`check()`):
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -70,7 +71,11 @@ class Budget:
         self.by_tenant: dict[str, int] = {}
         self.waits = self.refused = 0  # calls that waited for room; refused 503 busy
         self._waiting: list[_Waiter] = []
-        self._fair: set[str] | None = None  # `_fair_waiters`, until a change may alter it
+        # fairness (`fair` < `share`): each tenant's waiting calls smallest first (a granted or
+        # cancelled one is popped when met), and the tenants with a fair waiter, kept exact
+        self._smallest: dict[str, list[tuple[int, int, _Waiter]]] = {}
+        self._fair_set: set[str] = set()
+        self._arrivals = 0
 
     def hold(self, tenant: str, own: bool = False) -> Hold:
         """A hold of `tenant`'s; `own`: its refusals name only `tenant`'s figures."""
@@ -91,15 +96,22 @@ class Budget:
         return more or not past_fair or not fair_waiters - {tenant}
 
     def _fair_waiters(self) -> set[str]:
-        """The tenants with a call waiting for room within their fair part: a scan of the
-        waiters, kept until bytes are granted or given back or a fair waiter comes or goes
-        (a burst of calls held back for fairness scans once, not once each)."""
-        if self._fair is None:
-            self._fair = {
-                waiter for waiter, wanted, future, _ in self._waiting
-                if not future.done() and self.by_tenant.get(waiter, 0) + wanted <= self.fair
-            }  # fmt: skip
-        return self._fair
+        """The tenants with a call waiting for room within their fair part (kept by `_recheck`
+        as their bytes or their waiting calls change: a check costs no scan of the waiters)."""
+        return self._fair_set
+
+    def _recheck(self, tenant: str) -> None:
+        """Whether `tenant` has a fair waiter now: its smallest live waiting call fits within
+        its fair part. O(log n) amortized (a call no longer waiting is popped once)."""
+        heap = self._smallest.get(tenant)
+        while heap and heap[0][2].future.done():
+            heapq.heappop(heap)
+        if heap and self.by_tenant.get(tenant, 0) + heap[0][0] <= self.fair:
+            self._fair_set.add(tenant)
+        else:
+            self._fair_set.discard(tenant)
+            if heap is not None and not heap:
+                del self._smallest[tenant]
 
     def largest(self) -> int:
         """The most one call can ever hold (its bound when the budget is idle)."""
@@ -116,16 +128,19 @@ class Budget:
                 f"the call needs {nbytes} bytes in flight, more than one call may hold "
                 f"({self.largest()}: service.max_inflight_bytes and the tenants' shares)",
             )  # fmt: skip
-        # the waiters are scanned only where the call would pass its fair part and could fit
-        scan = self.fair < self.share and self.by_tenant.get(tenant, 0) + nbytes > self.fair
-        if self._may_take(tenant, nbytes, more, self._fair_waiters() if scan else set()):
+        if self._may_take(tenant, nbytes, more, self._fair_set):
+            held_back = tenant in self._fair_set
             self._grant(tenant, nbytes)
+            if held_back and tenant not in self._fair_set:
+                self._wake()  # its waiting call passed its fair part: the others may go
             return
         self.waits += 1
         entry = _Waiter(tenant, nbytes, asyncio.get_running_loop().create_future(), more)
         self._waiting.append(entry)
-        if not scan and self.fair < self.share:
-            self._fair = None  # (a call within its fair part: a fair waiter now)
+        if self.fair < self.share:
+            self._arrivals += 1
+            heapq.heappush(self._smallest.setdefault(tenant, []), (nbytes, self._arrivals, entry))
+            self._recheck(tenant)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await entry.future
@@ -134,9 +149,10 @@ class Budget:
                 self._give(tenant, nbytes)  # granted as the deadline fell: not taken
             elif entry in self._waiting:
                 self._waiting.remove(entry)
-                self._fair = None
-                if self.by_tenant.get(tenant, 0) + nbytes <= self.fair < self.share:
-                    self._wake()  # a fair waiter gone: calls it held back may go now
+                if tenant in self._fair_set:
+                    self._recheck(tenant)  # (its future is done: popped when met)
+                    if tenant not in self._fair_set:
+                        self._wake()  # its last fair waiter gone: calls held back may go
             if not isinstance(exc, TimeoutError):
                 raise
             self.refused += 1
@@ -155,43 +171,43 @@ class Budget:
 
     def _grant(self, tenant: str, nbytes: int) -> None:
         self.held += nbytes
-        self._fair = None
         self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + nbytes
+        if tenant in self._fair_set:
+            self._recheck(tenant)
 
     def _give(self, tenant: str, nbytes: int) -> None:
         if not nbytes:
             return
         self.held -= nbytes
-        self._fair = None
         left = self.by_tenant[tenant] - nbytes
         if left:
             self.by_tenant[tenant] = left
         else:
             del self.by_tenant[tenant]
+        if tenant in self._smallest:
+            self._recheck(tenant)
         self._wake()
 
     def _wake(self) -> None:
         """Grant the waiters that fit now, in the order they came, a pass over them at a time.
-        Within a pass the tenants with a fair waiter (`_fair_waiters`) only leave (a grant adds
-        to its tenant's bytes): one that left no longer holds back those passed over, so another
-        pass follows, at most one per such tenant (one pass where `fair` is `share`). Linear in
-        the waiters: a full budget with 10,000 calls queued, one grant at a time, was seconds
-        of the event loop's time."""
-        fair_waiters = self._fair_waiters() if self.fair < self.share else set()
+        Within a pass the tenants with a fair waiter only leave (a grant adds to its tenant's
+        bytes): one that left no longer holds back those passed over, so another pass follows,
+        at most one per such tenant (one pass where `fair` is `share`). Linear in the waiters:
+        a full budget with 10,000 calls queued, one grant at a time, was seconds of the event
+        loop's time."""
         while True:
+            before = len(self._fair_set)
             left: list[_Waiter] = []
             for entry in self._waiting:
                 waiter, wanted, future, more = entry
-                if not future.done() and self._may_take(waiter, wanted, more, fair_waiters):
+                if not future.done() and self._may_take(waiter, wanted, more, self._fair_set):
+                    future.set_result(None)  # (done first: `_recheck` pops it)
                     self._grant(waiter, wanted)
-                    future.set_result(None)
                 else:  # (done: cancelled, on its way out)
                     left.append(entry)
             self._waiting = left
-            now = self._fair_waiters() if fair_waiters else fair_waiters
-            if now == fair_waiters:
+            if len(self._fair_set) == before:
                 return
-            fair_waiters = now
 
     def figures(self, tenant: str | None) -> dict[str, int]:
         """`/v1/status`'s `inflight`: global (None), or `tenant`'s own held bytes and share."""
@@ -207,6 +223,9 @@ class Budget:
         for tenant, nbytes, future, _ in self._waiting:  # a cancelled one is on its way out
             assert future.cancelled() or not future.done(), (tenant, nbytes)
             assert nbytes <= self.largest(), (tenant, nbytes)
+            if self.fair < self.share and not future.done():  # none missing (a cancelled
+                fair = self.by_tenant.get(tenant, 0) + nbytes <= self.fair  # one may linger)
+                assert not fair or tenant in self._fair_set, (tenant, nbytes, self._fair_set)
 
 
 class _Waiter(NamedTuple):
