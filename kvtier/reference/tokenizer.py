@@ -107,7 +107,7 @@ class BPETokenizer:
                 f"text[{error.start}]: got {text[error.start]!r}, a lone surrogate; expected "
                 "text that UTF-8 can encode"
             ) from None
-        ids: list[int] = self._tokenizer.encode(str(text), add_special_tokens=False).ids
+        ids: list[int] = self._tokenizer.encode(str.__str__(text), add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -115,6 +115,9 @@ class BPETokenizer:
         vocabulary; `InvalidTokensError` naming the first that is not."""
         numbers = []
         for at, token in enumerate(ids):
+            if type(token) is int and 0 <= token < self.vocab_size:  # (most: a list of ints)
+                numbers.append(token)
+                continue
             number = None  # `operator.index`: an integer of any kind, never a float or a bool
             if not isinstance(token, (bool, np.bool_)) and getattr(token, "dtype", 0) != torch.bool:
                 with contextlib.suppress(TypeError, ValueError, RuntimeError):
