@@ -365,3 +365,25 @@ def test_a_url_with_a_space_or_a_control_is_refused_naming_url(url: str) -> None
     for make in (Client, AsyncClient):
         with pytest.raises(InvalidArgumentError, match="url: got"):
             make(url, shared_memory=False)
+
+
+def test_a_url_read_with_its_newline_or_surrounding_spaces_is_the_url() -> None:
+    """urllib strips them, and the clients took such URLs before spaces were refused (review
+    3): a URL read from a file keeps working."""
+    for url in ("http://127.0.0.1:8750\n", " http://127.0.0.1:8750 "):
+        Client(url, shared_memory=False).close()
+        asyncio.run(AsyncClient(url, shared_memory=False).aclose())
+
+
+def test_the_vllm_settings_never_show_a_urls_credentials() -> None:
+    from kvtier.integrations.settings import ConnectorSettings
+
+    secret = "http://u:hunter2-password@h:1"
+    for extra in (
+        {"kvtier.urls": [secret, secret]},  # one per rank: 1 here
+        {"kvtier.urls": [secret, 5]},
+        {"kvtier.url": secret, "kvtier.urls": [secret]},
+    ):
+        with pytest.raises(ConfigError, match=r"kvtier\.url") as info:
+            ConnectorSettings.parse(extra, 1)
+        assert "hunter2" not in str(info.value)

@@ -79,7 +79,7 @@ class AsyncClient(AsyncSender, MappedView):
         max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
         """As `Client`'s."""
-        check_url(url)  # a malformed one: `InvalidArgumentError`, as `Client`'s
+        url = check_url(url)[0].geturl()  # a malformed one: `InvalidArgumentError`, as `Client`'s
         check_options(api_key, tenant, shared_memory, timeout_s, max_reply_bytes)
         self._headers = RequestHeaders(api_key, tenant)
         self._max_reply, self._shared_memory = max_reply_bytes, shared_memory

@@ -76,9 +76,9 @@ def check_url(url: object) -> tuple[urllib.parse.SplitResult, int | None]:
     expected = "http://host:port (or https://; an IPv6 host in brackets, a port in [1, 65535])"
     shown = re.sub(r"//[^/]*@", "//(credentials not shown)@", url) if isinstance(url, str) else url
     try:
-        if not isinstance(url, str) or not url.isprintable() or " " in url:
-            raise ValueError(url)  # (http.client refuses a space or a control, untyped)
-        parts = urllib.parse.urlsplit(url)
+        if not isinstance(url, str) or not url.strip().isprintable() or " " in url.strip():
+            raise ValueError(url)  # (http.client refuses a space or a control in a host, untyped)
+        parts = urllib.parse.urlsplit(url.strip())  # (a newline read with it from a file)
         port = parts.port  # urllib refuses a port that is no number, or past 65535
     except ValueError:
         raise InvalidArgumentError(f"url: got {shown!r:.200}, expected {expected}") from None

@@ -91,7 +91,7 @@ class ConnectorSettings:
         if len(urls) != tp_size:
             raise ConfigError(
                 "kvtier.urls",
-                urls,
+                _masked(urls),
                 f"one sidecar URL per tensor-parallel rank ({tp_size}): "
                 "each rank holds other heads, in a sidecar of its own",
             )
@@ -171,10 +171,14 @@ def sidecar_urls(extra: Mapping[str, Any]) -> list[str]:
             raise ConfigError("kvtier.url", _masked(url), f"the sidecar's URL, {_URL}")
         return [url]
     if url is not None:
-        raise ConfigError("kvtier.url", url, "unset when kvtier.urls is set (one or the other)")
+        raise ConfigError(
+            "kvtier.url", _masked(url), "unset when kvtier.urls is set (one or the other)"
+        )
     if not (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls)):
         raise ConfigError(
-            "kvtier.urls", urls, "a non-empty list of sidecar URLs, one per tensor-parallel rank"
+            "kvtier.urls",
+            _masked(urls),
+            "a non-empty list of sidecar URLs, one per tensor-parallel rank",
         )
     return urls
 
@@ -195,7 +199,10 @@ def _well_formed(url: str) -> bool:
 
 
 def _masked(url: object) -> object:
-    """`url` with the credentials in it (`user:password@`) not shown."""
+    """`url` (or each of a list of them) with the credentials in it (`user:password@`) not
+    shown."""
+    if isinstance(url, list):
+        return [_masked(one) for one in url]
     return re.sub(r"//[^/]*@", "//(credentials not shown)@", url) if isinstance(url, str) else url
 
 
