@@ -64,8 +64,8 @@ def live(view: View) -> str:
         f"{'tenant ' + escape(view.tenant) if view.tenant else 'all tenants'} · as of "
         f'<time data-field="as_of">{escape(view.as_of)}</time></p></header>'
     )
-    if status is None:
-        return f'<main id="live">{head}{_build(view.build)}</main>'
+    if status is None:  # recovering, or failed to start: what it runs on still helps
+        return f'<main id="live">{head}{_config(view.config)}{_build(view.build)}</main>'
     sections = [
         head,
         _model(status),
