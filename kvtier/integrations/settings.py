@@ -183,7 +183,7 @@ def sidecar_urls(extra: Mapping[str, Any]) -> list[str]:
     return urls
 
 
-_URL = "http://HOST:PORT (or https://; an IPv6 host in brackets; no spaces)"
+_URL = "a string: http://HOST:PORT (or https://; an IPv6 host in brackets; no spaces)"
 
 
 def _well_formed(url: str) -> bool:
