@@ -28,6 +28,16 @@ def check_counts(src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
         )
 
 
+def integer(value: object) -> int | None:
+    """`value` as an int if it is an integer of any kind (Python, NumPy, a 0-d torch tensor:
+    `operator.index`), None for anything else, a float or a bool included."""
+    if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", 0) == torch.bool:
+        return None
+    with contextlib.suppress(TypeError, ValueError, RuntimeError):
+        return operator.index(value)  # type: ignore[arg-type]
+    return None
+
+
 def check_slots(src_slots: Sequence[int], dst_slots: Sequence[int], src: int, dst: int) -> None:
     """`InvalidArgumentError` for unequal counts, the first slot not an integer (a float would
     truncate to another slot) in `[0, src)` (sources) or `[0, dst)` (destinations), or a
@@ -35,10 +45,7 @@ def check_slots(src_slots: Sequence[int], dst_slots: Sequence[int], src: int, ds
     check_counts(src_slots, dst_slots)
     for name, slots, limit in (("source", src_slots, src), ("destination", dst_slots, dst)):
         for slot in (odd := [s for s in slots if type(s) is not int or not 0 <= s < limit]):
-            number = None  # a NumPy or torch integer is one (`operator.index`), a bool is not
-            if not isinstance(slot, (bool, np.bool_)) and getattr(slot, "dtype", 0) != torch.bool:
-                with contextlib.suppress(TypeError, ValueError, RuntimeError):
-                    number = operator.index(slot)
+            number = integer(slot)
             if number is None or not 0 <= number < limit:
                 what = "is out of range" if number is not None else "is not an integer"
                 raise InvalidArgumentError(

@@ -19,17 +19,14 @@ what matters here is real text in, real KV out. Needs the `tokenizers` package.
 
 from __future__ import annotations
 
-import contextlib
-import operator
 import re
 from collections.abc import Sequence
 
 import gguf
-import numpy as np
-import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from kvtier.errors import InvalidArgumentError, InvalidTokensError, shown
+from kvtier.kernels.slots import integer
 from kvtier.reference.gguf_loader import field
 
 CONTROL_TOKEN_TYPE = 3
@@ -118,10 +115,7 @@ class BPETokenizer:
             if type(token) is int and 0 <= token < self.vocab_size:  # (most: a list of ints)
                 numbers.append(token)
                 continue
-            number = None  # `operator.index`: an integer of any kind, never a float or a bool
-            if not isinstance(token, (bool, np.bool_)) and getattr(token, "dtype", 0) != torch.bool:
-                with contextlib.suppress(TypeError, ValueError, RuntimeError):
-                    number = operator.index(token)
+            number = integer(token)  # NumPy or torch ids too (a model's argmax), never a float
             if number is None or not 0 <= number < self.vocab_size:
                 raise InvalidTokensError(
                     f"ids[{at}]: got {shown(token)}, expected an id in [0, {self.vocab_size})"

@@ -89,16 +89,11 @@ class Budget:
     def _may_take(self, tenant: str, nbytes: int, more: bool, fair_waiters: set[str]) -> bool:
         """Whether a call of `tenant` (`more`: holding bytes already) is granted `nbytes` now:
         they fit, and they do not take it past its fair part while a tenant of `fair_waiters`
-        (`_fair_waiters`) other than itself waits (module doc)."""
+        (`_fair_set`, kept by `_recheck`) other than itself waits (module doc)."""
         if not self.fits(tenant, nbytes):
             return False
         past_fair = self.by_tenant.get(tenant, 0) + nbytes > self.fair
         return more or not past_fair or not fair_waiters - {tenant}
-
-    def _fair_waiters(self) -> set[str]:
-        """The tenants with a call waiting for room within their fair part (kept by `_recheck`
-        as their bytes or their waiting calls change: a check costs no scan of the waiters)."""
-        return self._fair_set
 
     def _recheck(self, tenant: str) -> None:
         """Whether `tenant` has a fair waiter now: its smallest live waiting call fits within
