@@ -187,3 +187,16 @@ def test_every_route_documents_the_edges_400(live: Server) -> None:
             assert "400" in operation["responses"], (method, path)
     status, reply = _raw(live, b"GET /healthz HTTP/1.1\r\nhost: evil.com\r\nhost: 127.0.0.1\r\n")
     assert status.startswith(b"HTTP/1.1 400") and json.loads(reply)["error"] == "invalid_argument"
+
+
+def test_a_post_to_a_path_that_takes_none_is_405_or_404_with_a_query_too(live: Server) -> None:
+    """The query check is of a POST route's parameters: a POST to `/v1/status` (GET only) is
+    405 naming GET with a query string as without (before: 400 "takes none"), an unknown path
+    404; a POST route's unread parameter is still 400."""
+    for query in ("", "?x=1"):
+        response = live.post(f"/v1/status{query}", json={}, headers=A)
+        assert response.status_code == 405, (query, response.text)
+        assert response.headers["allow"] == "GET"
+        assert live.post(f"/v1/nowhere{query}", json={}, headers=A).status_code == 404
+    response = live.post("/v1/lookup?x=1", json={"tokens": [1]}, headers=A)
+    assert response.status_code == 400 and "'x'" in response.json()["detail"]

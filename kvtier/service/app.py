@@ -108,7 +108,8 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
     bound = config.service.host if host is None else host
     app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(HotRoutes, routes=_add_routes(app, service))  # inside Guard (`hot.py`)
-    app.add_middleware(Guard, hosts=HostCheck(bound, config.service.allowed_hosts))
+    posts = frozenset(r.path for r in app.routes if "POST" in getattr(r, "methods", ()))
+    app.add_middleware(Guard, hosts=HostCheck(bound, config.service.allowed_hosts), posts=posts)
     add_page(app, service)
     return app
 

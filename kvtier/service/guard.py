@@ -143,11 +143,15 @@ QUERY = {"/v1/admin/clear": ("tenant",)}
 """The query parameters a `/v1/` POST reads (each at most once); a POST not named reads none."""
 
 
-def query_refusal(method: str, path: str, query: bytes, has_body: bool) -> str | None:
+def query_refusal(
+    method: str, path: str, query: bytes, has_body: bool, posts: frozenset[str]
+) -> str | None:
     """Why a `/v1/` POST's query string (or an admin POST's body) may not reach its route, or
     None when it may: a parameter its route does not read (`QUERY`), one given twice, or a body
-    sent to an admin route (which reads its arguments from the query alone)."""
-    if method != "POST" or not path.startswith("/v1/"):
+    sent to an admin route (which reads its arguments from the query alone). A POST to a path
+    that takes none (not in `posts`) is left to the app: 405 naming the methods it takes, or
+    404 (a 400 "takes none" said the wrong thing of `POST /v1/status?x=1`)."""
+    if method != "POST" or path.removesuffix("/") not in posts:
         return None
     admin = path.startswith("/v1/admin/")
     if admin and has_body:
@@ -169,9 +173,10 @@ class Guard:
     """The ASGI middleware: the Host and body checks, then the app, with the last line of
     defence around it."""
 
-    def __init__(self, app: ASGIApp, hosts: HostCheck) -> None:
+    def __init__(self, app: ASGIApp, hosts: HostCheck, posts: frozenset[str]) -> None:
         self.app = app
         self.hosts = hosts
+        self.posts = posts  # the `/v1/` paths a POST is routed to
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -193,7 +198,9 @@ class Guard:
             await _answer(send, 415, "unsupported_media", bad_body, close=True)
             return
         path, has_body = scope["path"], chunked or not no_length(headers.get("content-length"))
-        bad_query = query_refusal(scope["method"], path, scope.get("query_string", b""), has_body)
+        bad_query = query_refusal(
+            scope["method"], path, scope.get("query_string", b""), has_body, self.posts
+        )
         if bad_query is not None:  # in the request's format, as the route's own 400s are
             admin = path.startswith("/v1/admin/")  # (an admin route's are JSON: it reads no body)
             packed = wire.is_msgpack(headers.get("content-type")) and not admin
