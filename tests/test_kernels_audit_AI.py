@@ -331,3 +331,19 @@ def test_a_prefill_whose_lease_expires_under_it_is_computed_cold() -> None:
         store.check()
     finally:
         store.close()
+
+
+def test_a_one_element_tensor_of_more_dimensions_is_no_slot_and_no_scale(leased: Leased) -> None:
+    """`operator.index` and `float` take `torch.tensor([3])` and `torch.tensor([[0.5]])`: a
+    slot list `[torch.tensor([3])]` copied slot 3, a `[0.5]` tensor was a scale; both are
+    refused as a 0-d one is not."""
+    src = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
+    dst = torch.zeros(4, 3)
+    for bad in (torch.tensor([3]), torch.tensor([[3]])):
+        with pytest.raises(InvalidArgumentError, match=r"source slot .* is not an integer"):
+            copy_blocks_gather(src, dst, [bad], [0])  # type: ignore[list-item]
+    assert not dst.any()
+    store, lease = leased
+    attn = PagedAttention(store)
+    with pytest.raises(InvalidArgumentError, match="scale: got"):
+        attn.decode(torch.randn(1, 4, 4), 0, [lease], scale=torch.tensor([0.5]))  # type: ignore[arg-type]

@@ -30,8 +30,12 @@ def check_counts(src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
 
 def integer(value: object) -> int | None:
     """`value` as an int if it is an integer of any kind (Python, NumPy, a 0-d torch tensor:
-    `operator.index`), None for anything else, a float or a bool included."""
+    `operator.index`), None for anything else, a float, a bool or a tensor of one element
+    and more dimensions (which `operator.index` takes: `[torch.tensor([3])]` was slot 3)
+    included."""
     if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", 0) == torch.bool:
+        return None
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
         return None
     with contextlib.suppress(TypeError, ValueError, RuntimeError):
         return operator.index(value)  # type: ignore[arg-type]
