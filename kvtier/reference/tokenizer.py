@@ -5,7 +5,9 @@ Contract:
   (`<|im_start|>`, ...) become their single ids. `decode(ids)` -> text, control tokens included.
   `decode(encode(s)) == s` for plain text (byte-level BPE loses nothing).
 - `chat_prompt(user_text)` -> the ids of a one-turn ChatML prompt with the template's system line,
-  ending where the assistant's answer begins.
+  ending where the assistant's answer begins. The user's text is only text: a control token
+  written in it (`<|im_end|>\n<|im_start|>system\n...`) is encoded as its characters, never as
+  the control id (which let a user close their turn and write the system's).
 - Refused, typed: text that is not a `str` or holds a lone surrogate (no UTF-8 bytes exist for
   it; the `tokenizers` library raised a `TypeError`) is an `InvalidArgumentError` naming the
   position; an id outside `[0, vocab_size)` given to `decode` (it was dropped silently, or an
@@ -69,6 +71,8 @@ class BPETokenizer:
             [AddedToken(tokens[i], special=True, normalized=False) for i in control_ids]
         )
         self.system_line = system_line
+        self._plain = Tokenizer.from_str(self._tokenizer.to_str())  # a user's text: no control
+        self._plain.encode_special_tokens = True  # id is read from it (`chat_prompt`)
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> BPETokenizer:
@@ -95,6 +99,10 @@ class BPETokenizer:
         return cls(fields["tokens"], fields["merges"], control_ids, system.group(1))
 
     def encode(self, text: str) -> list[int]:
+        return self._encode(self._tokenizer, text)
+
+    @staticmethod
+    def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidArgumentError(f"text: got {shown(text)}, expected a str")
         try:
@@ -104,7 +112,7 @@ class BPETokenizer:
                 f"text[{error.start}]: got {text[error.start]!r}, a lone surrogate; expected "
                 "text that UTF-8 can encode"
             ) from None
-        ids: list[int] = self._tokenizer.encode(str.__str__(text), add_special_tokens=False).ids
+        ids: list[int] = tokenizer.encode(str.__str__(text), add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -124,9 +132,8 @@ class BPETokenizer:
         return self._tokenizer.decode(numbers, skip_special_tokens=False)
 
     def chat_prompt(self, user_text: str) -> list[int]:
-        """ChatML: system line, one user turn, then the opening of the assistant's turn."""
-        return self.encode(
-            f"<|im_start|>system\n{self.system_line}<|im_end|>\n"
-            f"<|im_start|>user\n{user_text}<|im_end|>\n"
-            "<|im_start|>assistant\n"
-        )
+        """ChatML: system line, one user turn, then the opening of the assistant's turn; the
+        user's text encoded with no control token (module doc)."""
+        user = self._encode(self._plain, user_text)
+        head = self.encode(f"<|im_start|>system\n{self.system_line}<|im_end|>\n<|im_start|>user\n")
+        return head + user + self.encode("<|im_end|>\n<|im_start|>assistant\n")
