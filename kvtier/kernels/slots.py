@@ -45,19 +45,55 @@ def integer(value: object) -> int | None:
 def check_slots(src_slots: Sequence[int], dst_slots: Sequence[int], src: int, dst: int) -> None:
     """`InvalidArgumentError` for unequal counts, the first slot not an integer (a float would
     truncate to another slot) in `[0, src)` (sources) or `[0, dst)` (destinations), or a
-    destination slot named twice (two writes to one slot in one launch race)."""
+    destination slot named twice (two writes to one slot in one launch race). A 1-D NumPy
+    array or tensor of an integer dtype is checked whole (its elements one by one took 4 to 15
+    us each: 1.5 s for 100k slots)."""
     check_counts(src_slots, dst_slots)
+    odd = False
     for name, slots, limit in (("source", src_slots, src), ("destination", dst_slots, dst)):
-        for slot in (odd := [s for s in slots if type(s) is not int or not 0 <= s < limit]):
+        array = _integer_array(slots)
+        if array is not None:
+            bad = np.flatnonzero((array < 0) | (array >= limit))
+            if bad.size:
+                raise InvalidArgumentError(
+                    f"block copy: {name} slot {int(array[bad[0]])} is out of range; "
+                    f"expected slots in [0, {limit})"
+                )
+            odd = odd or slots is dst_slots
+            continue
+        for slot in (bad_slots := [s for s in slots if type(s) is not int or not 0 <= s < limit]):
             number = integer(slot)
             if number is None or not 0 <= number < limit:
                 what = "is out of range" if number is not None else "is not an integer"
                 raise InvalidArgumentError(
                     f"block copy: {name} slot {shown(slot)} {what}; expected slots in [0, {limit})"
                 )
-    named = [operator.index(s) for s in dst_slots] if odd else dst_slots  # (tensors hash by id)
-    if len(set(named)) != len(named):
-        slot = collections.Counter(named).most_common(1)[0][0]
+        odd = odd or (bool(bad_slots) and slots is dst_slots)
+    named = _integer_array(dst_slots)
+    if named is not None:
+        if np.unique(named).size != named.size:
+            slot = collections.Counter(named.tolist()).most_common(1)[0][0]
+            raise InvalidArgumentError(
+                f"block copy: destination slot {slot} is named twice; expected distinct slots"
+            )
+        return
+    listed = [operator.index(s) for s in dst_slots] if odd else dst_slots  # (tensors hash by id)
+    if len(set(listed)) != len(listed):
+        slot = collections.Counter(listed).most_common(1)[0][0]
         raise InvalidArgumentError(
             f"block copy: destination slot {slot} is named twice; expected distinct slots"
         )
+
+
+def _integer_array(slots: object) -> np.ndarray | None:
+    """`slots` as a NumPy array when it is a 1-D array or tensor of an integer dtype (a
+    tensor's on the CPU), else None: a list, or anything to check slot by slot."""
+    if isinstance(slots, torch.Tensor):
+        if slots.dim() != 1 or slots.dtype.is_floating_point or slots.dtype.is_complex:
+            return None
+        if slots.dtype == torch.bool:
+            return None
+        return slots.detach().cpu().numpy()
+    if isinstance(slots, np.ndarray) and slots.ndim == 1 and slots.dtype.kind in "iu":
+        return slots
+    return None
