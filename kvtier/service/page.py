@@ -1,7 +1,8 @@
 """The status page at `/`: what an operator opens in a browser (issue 18).
 
     GET /                 the page (HTML): tiers, hit rate and copies over the last minutes,
-                          leases and mover, faults, recovery, config and build
+                          leases and mover, faults, recovery, requests in flight, config and
+                          build: every figure of `/v1/status` (`render.py`)
     GET /?part=main       its live part alone, which the page's script fetches every 2 s
     GET /page.css /page.js   the page's style and script (static, no build step)
 
@@ -78,7 +79,8 @@ def add_page(app: FastAPI, service: Service) -> None:
         if isinstance(viewer, Response):
             return viewer
         draw = render.live if part == "main" else render.document  # 3-18 ms: off the loop
-        html = await run_in_threadpool(lambda: draw(_view(service, viewer, started)))
+        inflight = service.budget.figures(viewer)  # read on the loop, which changes it
+        html = await run_in_threadpool(lambda: draw(_view(service, viewer, started, inflight)))
         return HTMLResponse(html, headers=HEADERS)
 
     for path, media in _STATIC.items():
@@ -159,10 +161,13 @@ def _as_bearer(authorization: str | None) -> str | None:
     return f"Bearer {key}" if key else None
 
 
-def _view(service: Service, tenant: str | None, started: tuple[float, float]) -> render.View:
-    """One snapshot of the store for the page: its status as `tenant` sees it (global: None)."""
+def _view(
+    service: Service, tenant: str | None, started: tuple[float, float], inflight: dict[str, int]
+) -> render.View:
+    """One snapshot for the page: what `/v1/status` answers `tenant` (global: None), the
+    store's status with the requests' bytes in flight (`inflight`, `budget.figures`)."""
     store = service.store
-    status = None if store is None else store.status(tenant=tenant)
+    status = None if store is None else {**store.status(tenant=tenant), "inflight": inflight}
     if status is not None:
         readiness = "ready"
     else:

@@ -4,7 +4,8 @@
     live(view) -> str          the live part alone (`<main id="live">`), which the script fetches
 
 Contract:
-- Every figure of the status the page shows is one element `data-field="<dotted path>"
+- Every figure of `GET /v1/status` is on the page (but `mover.copy_choices`, names for the
+  API, and a null error text), as one element `data-field="<dotted path>"
   data-value="<the status' value>"`, its text the value for people (sizes, percentages): the
   path reads the same field out of `GET /v1/status` (tier and path names hold no dot), so the
   page and the API can be compared exactly. Numbers are shown as the status gives them, never
@@ -59,9 +60,12 @@ def document(view: View) -> str:
 
 def live(view: View) -> str:
     status = view.status
+    if view.tenant:
+        viewer = _figure("tenant", view.tenant, f"tenant {view.tenant}")
+    else:
+        viewer = "all tenants"
     head = (
-        f"<header><h1>kvtier</h1><p>{_figure('readiness', view.readiness)} · "
-        f"{'tenant ' + escape(view.tenant) if view.tenant else 'all tenants'} · as of "
+        f"<header><h1>kvtier</h1><p>{_figure('readiness', view.readiness)} · {viewer} · as of "
         f'<time data-field="as_of">{escape(view.as_of)}</time></p></header>'
     )
     if status is None:  # recovering, or failed to start: what it runs on still helps
@@ -74,12 +78,14 @@ def live(view: View) -> str:
         _paths(status.get("paths"), view.rates),
         _figures("Mover", "mover", status.get("mover")),
         _figures("Leases", "leases", status.get("leases")),
+        _figures("Locks", "", _picked(status, "locked_blocks")),
         _figures("Index", "index", status.get("index")),
         _figures("Operations", "ops", status.get("ops")),
         _health(status["tiers"]),
         _figures("Recovery at start", "recovery", status.get("recovery") or None),
         _figures("Remote tier", "remote", status.get("remote")),
         _figures("KV events", "events", status.get("events")),
+        _figures("Requests in flight", "inflight", status.get("inflight")),
         _config(view.config),
         _build(view.build),
     ]
@@ -120,12 +126,13 @@ def _rate(value: float) -> str:
 
 def _figures(title: str, prefix: str, figures: Mapping[str, Any] | None) -> str:
     """A section of every scalar of `figures`, and of each nested mapping of numbers under its
-    own name (others, such as the mover's copy choices, are for the API)."""
+    own name (others, such as the mover's copy choices, are for the API); `prefix` "": fields
+    at the status' top level."""
     if not figures:
         return ""
     rows = []
     for name, value in figures.items():
-        field = f"{prefix}.{name}"
+        field = f"{prefix}.{name}" if prefix else name
         if isinstance(value, Mapping):
             if all(isinstance(v, (int, float)) for v in value.values()):
                 inner = ", ".join(
@@ -138,13 +145,19 @@ def _figures(title: str, prefix: str, figures: Mapping[str, Any] | None) -> str:
     return f"<section><h2>{escape(title)}</h2><dl>{''.join(rows)}</dl></section>"
 
 
+def _picked(figures: Mapping[str, Any], *names: str) -> dict[str, Any]:
+    """The fields `names` that `figures` has (a tenant's status has some a global one lacks)."""
+    return {name: figures[name] for name in names if name in figures}
+
+
 def _model(status: Mapping[str, Any]) -> str:
-    layout = status["layout"]
+    layout, policy = status["layout"], status.get("policy")
+    write = "" if policy is None else f"; write policy {_figure('policy.write', policy['write'])}"
     return (
         f'<p class="model">model {_figure("layout.model", layout["model"])}, '
         f"{_figure('layout.dtype', layout['dtype'])}, "
         f"{_figure('layout.block_tokens', layout['block_tokens'])} tokens a block of "
-        f"{_size('layout.block_bytes', layout['block_bytes'])}; overall hit rate "
+        f"{_size('layout.block_bytes', layout['block_bytes'])}{write}; overall hit rate "
         f"{_figure('hit_rate', status['hit_rate'], _share(status['hit_rate']))}</p>"
     )
 
