@@ -17,6 +17,7 @@ import contextlib
 import gc
 import re
 import shutil
+import signal
 import threading
 import time
 import types
@@ -230,5 +231,27 @@ def test_a_page_opened_with_its_key_in_the_address_keeps_refreshing(tmp_path: Pa
             ]
             assert True in answers, driver.find_element("id", "stale").text
             assert not driver.find_element("id", "stale").is_displayed()
+        finally:
+            driver.quit()
+
+
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
+def test_a_server_that_stops_answering_is_said_on_the_page(tmp_path: Path) -> None:
+    """A refresh that gets no answer (the server SIGSTOPped) ends after the page's patience
+    (5 s at the 2 s refresh) and says so; the next answer clears the line. Before, `fetch` had
+    no bound: the figures froze with no warning until the server answered again."""
+    with running(write_config(tmp_path)) as server:
+        driver = _browser()
+        try:
+            driver.get(server.url + "/")
+            stale = driver.find_element("id", "stale")
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                _until(stale.is_displayed, 15)
+                assert "Not updating: no answer in 5 s" in stale.text, stale.text
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            _until(lambda: not stale.is_displayed(), 20)
+            assert figures(driver.page_source)["readiness"] == "ready"
         finally:
             driver.quit()

@@ -3,6 +3,7 @@
 "use strict";
 (() => {
   const every = Number(document.body.dataset.refreshMs) || 2000;
+  const patience = Math.max(2 * every, 5000); // a server that never answers is one that fails
   const stale = document.getElementById("stale");
   let busy = false;
 
@@ -22,6 +23,7 @@
       const response = await fetch(location.origin + location.pathname + "?part=main", {
         cache: "no-store",
         credentials: "same-origin",
+        signal: AbortSignal.timeout(patience), // (without it a hung server froze the page)
       });
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       const parsed = new DOMParser().parseFromString(await response.text(), "text/html");
@@ -32,7 +34,8 @@
       say("");
       return true;
     } catch (error) {
-      say(`Not updating: ${error.message}. The figures below are from the time shown.`);
+      const why = error.name === "TimeoutError" ? `no answer in ${patience / 1000} s` : error.message;
+      say(`Not updating: ${why}. The figures below are from the time shown.`);
       return false;
     } finally {
       busy = false;
