@@ -177,13 +177,20 @@ class Operations:
             self.expire()
             return persist(self.parts.demoter, self.parts.executor)
 
-    def with_remote(self, hit: LookupResult, key: bytes, namespace: BlockId) -> LookupResult:
+    def with_remote(
+        self, hit: LookupResult, key: bytes, namespace: BlockId, tenant: str
+    ) -> LookupResult:
         """`hit` extended by the blocks past it that the remote tier holds in a row (one round
-        trip, without the lock), when there is one."""
+        trip, without the lock), when there is one; their tokens counted in `hit_tokens`
+        (global and `tenant`'s: a node whose lookups the cluster served read a hit rate of 0)."""
         if self.parts.remote is None:
             return hit
         bt = self.parts.config.layout.block_tokens
         _, run = self.parts.remote.probe(namespace, key, hit.num_tokens // bt)
+        if run:
+            with self.lock:
+                for ops in (self.parts.state.ops, self.parts.tenant_counters[tenant].ops):
+                    ops["hit_tokens"] += run * bt
         return hit._replace(num_tokens=hit.num_tokens + run * bt, remote_tokens=run * bt)
 
     def fill_from_remote(

@@ -122,7 +122,7 @@ class KVStore:
                 self.mover.note_lookup(namespace, key[: hit.num_blocks * self.index.key_nbytes])
             disk = by_tier[2] if len(by_tier) > 2 else 0
             local = LookupResult(hit.num_blocks * bt, by_tier[0] * bt, by_tier[1] * bt, disk * bt)
-        return self.operations.with_remote(local, key, namespace)
+        return self.operations.with_remote(local, key, namespace, tenant)
 
     def store(
         self,

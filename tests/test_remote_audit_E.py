@@ -47,16 +47,21 @@ HASHER = BlockHasher()
 
 
 @pytest.fixture
-def silent_node() -> Iterator[str]:
-    """A node that takes connections and never answers: a writer's call waits on it."""
+def silent_node() -> Iterator[socket.socket]:
+    """A node that takes connections and never answers: a writer's call waits on it (until
+    the test closes it: the connections it queued are reset)."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(64)
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
+        yield listener
 
 
-def test_a_writer_job_keeps_the_ids_its_keys_need_not_the_whole_path(silent_node: str) -> None:
-    cluster = RemoteCluster(ClusterSettings((silent_node,), timeout_s=1.0))
+def test_a_writer_job_keeps_the_ids_its_keys_need_not_the_whole_path(
+    silent_node: socket.socket,
+) -> None:
+    address = f"127.0.0.1:{silent_node.getsockname()[1]}"
+    cluster = RemoteCluster(ClusterSettings((address,), timeout_s=30.0))  # (1 s: on a loaded
+    # machine the 20 submits took longer, the call ended and jobs were written off: flaky)
     writer = RemoteWriter(RemoteTier(cluster, LAYOUT, "audite", 4), 256 * 2**20)
     path, jobs = 4096, 20
     block = torch.zeros(1, *LAYOUT.block_shape, dtype=LAYOUT.dtype)
@@ -72,6 +77,7 @@ def test_a_writer_job_keeps_the_ids_its_keys_need_not_the_whole_path(silent_node
         assert writer.pending_bytes == (jobs + 1) * LAYOUT.block_bytes
         assert held < 512 * 1024, f"{held} bytes held by {jobs} one-block jobs"  # before: 4.7 MB
     finally:
+        silent_node.close()  # the call waiting on it ends now
         writer.close()
         cluster.close()
 

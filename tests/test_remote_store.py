@@ -90,6 +90,10 @@ def test_what_a_stores_b_prefetches_and_loads_bit_exact(
         hit = b.lookup(tokens)  # nothing local on B; the cluster holds all 10 blocks
         assert (hit.num_tokens, hit.gpu_tokens, hit.remote_tokens) == (40, 0, 40)
         assert b.lookup(tokens[:30]).remote_tokens == 28  # whole blocks only
+        # what the cluster served is a hit of B's too (before: hit_tokens 0, a hit rate of 0)
+        assert (b.status()["ops"]["hit_tokens"], b.status()["hit_rate"]) == (68, 68 / 70)
+        assert b.status(tenant="default")["ops"]["hit_tokens"] == 68
+        assert b.status(tenant="bob")["ops"]["hit_tokens"] == 0
         lease = b.prefetch(tokens)
         assert lease.num_tokens == 40
         b.release(lease)

@@ -72,6 +72,7 @@ class RemoteTier:
         # values authenticated with the prefix's key of it (`entry`), else checksummed
         self.mac_key = None if mac_key is None else prefix_mac_key(mac_key, self.prefix)
         self._decode_failures = 0  # under `_lock`: the mover's threads read at once
+        self._hits_shown = 0  # the `hits` stats() last answered (under `_lock`): never less
         self._lock = threading.Lock()
 
     def probe(self, seed: bytes, ids: Sequence[bytes], start: int) -> int:
@@ -144,8 +145,12 @@ class RemoteTier:
             failed = self._decode_failures
         figures = self.cluster.stats()
         figures["verify_failures"] += failed
-        figures["hits"] -= failed
         figures["misses"] += failed
+        # a get counts its hit before its payload fails to decode: a read between the two
+        # counted it a hit, the next a miss, and `hits` went down (a counter reset to
+        # Prometheus); it stays at the highest value shown until the cluster's catch up
+        with self._lock:
+            self._hits_shown = figures["hits"] = max(self._hits_shown, figures["hits"] - failed)
         return figures
 
     def check(self) -> None:
