@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.routing import PrefixIndex, Router, Subscriber
-from kvtier.routing.index import pod_of
+from kvtier.routing.keys import pod_of
 from kvtier.store import KVStore
 
 SETTLE_TIMEOUT_S = 10.0

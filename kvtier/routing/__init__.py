@@ -2,6 +2,8 @@
 calls to send a request to the replica that already holds its prefix.
 
 - `index.py`: `PrefixIndex` (events in, `score(tokens) -> {pod: weighted prefix length}`);
+  `keys.py`, its content keys; `runs.py`, a message's events cut into runs of blocks that one
+  hold of its lock applies;
 - `subscriber.py`: `Subscriber`, the thread that feeds it from ZMQ publishers and recovers
   lost messages through their replay endpoints (`replays.py`) and snapshots (`snapshots.py`:
   each asked on a thread of its own, waited for a bounded time);

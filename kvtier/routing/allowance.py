@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvtier.routing.index import pod_of
+from kvtier.routing.keys import pod_of
 from kvtier.routing.links import Link
 from kvtier.routing.snapshots import Asker, Snapshot
 
