@@ -48,6 +48,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -108,7 +109,8 @@ def create_app(config: KVTierConfig, factory: StoreFactory, host: str | None = N
     bound = config.service.host if host is None else host
     app.add_exception_handler(HTTPException, http_error)
     app.add_middleware(HotRoutes, routes=_add_routes(app, service))  # inside Guard (`hot.py`)
-    posts = frozenset(r.path for r in app.routes if "POST" in getattr(r, "methods", ()))
+    routes = [r for r in app.routes if isinstance(r, APIRoute)]
+    posts = frozenset(r.path for r in routes if "POST" in (r.methods or ()))
     app.add_middleware(Guard, hosts=HostCheck(bound, config.service.allowed_hosts), posts=posts)
     add_page(app, service)
     return app
