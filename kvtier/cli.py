@@ -17,47 +17,32 @@
 A bad config stops the command with the message of its `ConfigError` (field, bad value, what
 was expected) and exit status 2; nothing is started. So does a sidecar's status reply that
 `kvtier status` cannot print as a table (`status_reply.check_status`: a `ReplyError` naming the
-field, before any line of the table). Every line printed goes through `say`:
-what came from outside (a server's reply or error, a status field) is shown with its control
-characters escaped (`\x1b`), never as a terminal escape or a forged line.
+field, before any line of the table). Every line printed goes through `say` (`cli_status.py`,
+with what `status` and `info` print): what came from outside (a server's reply or error, a
+status field) is shown with its control characters escaped (`\x1b`), never as a terminal
+escape or a forged line. SIGTERM or SIGINT while `serve` starts, before its server takes them
+over, ends it with one line and status 0 (`_stop_at_start`); Ctrl-C in another command with
+one line and status 130; never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
 
+from kvtier.cli_status import cmd_status, print_status, say, say_json
 from kvtier.config import KVTierConfig, default_config, format_size, load_config, parse_config
 from kvtier.errors import KVTierError
-from kvtier.status_reply import check_status
 from kvtier.store import KVStore
-from kvtier.text import printable
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
 from kvtier.tiers.disk.codec import tier_codec
 from kvtier.tiers.disk.slabs import DamagedDiskError
 from kvtier.tiers.disk.tier import disk_slot_bytes
-
-
-def say(text: str, file: TextIO | None = None) -> None:
-    """Print `text` as one line (to `file`, else stdout) with its control characters escaped
-    (`text.printable`): every line the CLI prints goes through here, so nothing a server, a
-    cluster node or a file said reaches the terminal as an escape sequence or a line of its
-    own."""
-    print(printable(text), file=file)
-
-
-def say_json(data: Any) -> None:
-    """`data` as indented JSON, each line through `say` (`json.dumps` escapes every control
-    character in a string, so the lines are as JSON wrote them)."""
-    for line in json.dumps(data, indent=2).splitlines():
-        say(line)
 
 
 def _config(path: str | None) -> KVTierConfig:
@@ -78,17 +63,43 @@ def _hangup(signum: int, frame: object) -> None:
     )
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from kvtier.service.server import serve
+class _StoppedAtStart(BaseException):
+    """SIGTERM or SIGINT to `kvtier serve` before its server took them over: a BaseException,
+    as KeyboardInterrupt is, so that no `except Exception` on the way up holds the stop."""
 
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_at_start(signum: int, frame: object) -> None:
+    """SIGTERM or SIGINT while `kvtier serve` starts (its imports, the config, the secret, the
+    port): nothing is served yet, so the start ends there, one line and exit 0 (`main`), as
+    a stop of a running sidecar does; SIGINT's default was a KeyboardInterrupt's traceback of
+    some 30 lines, SIGTERM's a death by the signal (status 143). The server installs its own
+    handlers (a clean stop of the store) once it runs, and puts these back after."""
+    raise _StoppedAtStart(signum)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, _hangup)  # before the config is read (not before the imports)
-    config = _config(args.config)
-    given = {"host": args.host, "port": args.port}
-    if any(value is not None for value in given.values()):  # checked as service.host/port are
-        data = config.to_dict()
-        data["service"].update({k: v for k, v in given.items() if v is not None})
-        config = parse_config(data, "--host/--port")
-    return serve(config)
+    before = {stop: signal.getsignal(stop) for stop in (signal.SIGTERM, signal.SIGINT)}
+    for stop, handler in before.items():
+        if handler is not signal.SIG_IGN:  # ignored (`nohup`, `&` in a script): left so
+            signal.signal(stop, _stop_at_start)
+    try:
+        from kvtier.service.server import serve  # FastAPI, uvicorn: a second or two
+
+        config = _config(args.config)
+        given = {"host": args.host, "port": args.port}
+        if any(value is not None for value in given.values()):  # checked as service.host/port
+            data = config.to_dict()
+            data["service"].update({k: v for k, v in given.items() if v is not None})
+            config = parse_config(data, "--host/--port")
+        return serve(config)
+    finally:  # served and stopped (or refused): a stop now is no stop "while starting"
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
 
 
 def cmd_reset(args: argparse.Namespace) -> int:
@@ -106,107 +117,6 @@ def cmd_reset(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from kvtier.client import Client
-
-    with Client(args.url, api_key=args.key, shared_memory=False) as client:
-        reply = client.status()
-    if args.json:
-        say_json(reply)
-        return 0
-    status = check_status(reply)  # a field missing or mistyped: `ReplyError`, exit 2
-    if "tenant" in status:  # a tenant key's: that tenant's own figures
-        _print_tenant_status(status)
-        return 0
-    _print_status(status)
-    mover = status["mover"]
-    ready = mover["prefetch_to_ready_s"]
-    say(
-        f"ops: {status['ops']['lookups']} lookups (hit rate {status['hit_rate']:.1%}), "
-        f"{status['ops']['stores']} stores, {status['ops']['prefetches']} prefetches, "
-        f"{status['index']['leases']} leases live, "
-        f"{status['index'].get('reservations', 0)} reservations live"
-    )
-    say(
-        f"mover: {mover['in_flight']} flights in flight, {mover['queued_transfers']} copies "
-        f"queued, {mover['failed_flights']} failed, {mover['backpressure_drops']} dropped "
-        f"(backpressure); prefetch to ready p50 {ready['p50'] * 1e3:.2f} ms, "
-        f"p99 {ready['p99'] * 1e3:.2f} ms"
-    )
-    for path, moved in status["paths"].items():
-        say(
-            f"  {path:<12}{format_size(moved['bytes']):>12} moved, "
-            f"{moved['recent_bytes_per_s'] / 1e9:6.2f} GB/s recently"
-        )
-    if "busy" in status.get("inflight", {}):  # a server that has the budget, global figures
-        held = status["inflight"]
-        say(
-            f"requests in flight: {format_size(held['held_bytes'])} of "
-            f"{format_size(held['limit_bytes'])} held, {held['waits']} waited for room, "
-            f"{held['busy']} refused busy"
-        )
-    if "remote" in status:
-        say(_remote_line(status["remote"]))
-    if "events" in status:
-        say(_events_line(status["events"]))
-    return 0
-
-
-def _print_tenant_status(status: dict[str, Any]) -> None:
-    """A tenant's status (`KVStore.status(tenant=...)`, what a tenant key is shown): its
-    blocks, quotas and floors per tier, its leases and its calls."""
-    layout = status["layout"]
-    say(
-        f"tenant {status['tenant']}: model {layout['model']}, {layout['dtype']}, "
-        f"{layout['block_tokens']} tokens = {format_size(layout['block_bytes'])} per block"
-    )
-    say(f"{'tier':<6}{'capacity':>12}{'blocks':>9}{'reserved':>10}{'held':>9}{'quota':>9}"
-          f"{'floor':>9}{'hits':>10}")  # fmt: skip
-    for name, tier in status["tiers"].items():
-        cells = [tier.get(k) for k in ("blocks", "reserved_blocks", "held_blocks")]
-        cells += [tier.get(k) for k in ("quota_blocks", "floor_blocks", "hits")]
-        shown = ["-" if cell is None else str(cell) for cell in cells]  # None: no quota, floor
-        widths = (9, 10, 9, 9, 9, 10)
-        say(
-            f"{name:<6}{format_size(tier['capacity_bytes']):>12}"
-            + "".join(f"{cell:>{width}}" for cell, width in zip(shown, widths, strict=True))
-        )
-    ops, leases = status["ops"], status["leases"]
-    say(
-        f"ops: {ops['lookups']} lookups (hit rate {status['hit_rate']:.1%}), {ops['stores']} "
-        f"stores, {ops['loads']} loads, {ops['prefetches']} prefetches; {leases['live']} of "
-        f"{leases['quota']} leases live, {status['locked_blocks']} blocks locked"
-    )
-    if "inflight" in status:  # the sidecar's: the tenant's share of the request budget
-        held = status["inflight"]
-        say(
-            f"requests in flight: {format_size(held['held_bytes'])} of "
-            f"{format_size(held['limit_bytes'])} (the tenant's share) held"
-        )
-
-
-def _events_line(events: dict[str, Any]) -> str:
-    unsynced = events["unsynced_topics"]
-    state = f"{unsynced} TOPICS NOT TOLD AGAIN YET; " if unsynced else ""
-    return (
-        f"events: {state}{events['events']} sent in {events['messages']} messages on "
-        f"{events['topic']}, {events['dropped_events']} dropped (full queue), "
-        f"{events['resyncs']} resyncs, {events['retells']} retells (peers joined), "
-        f"{events['queued']} queued"
-    )
-
-
-def _remote_line(remote: dict[str, Any]) -> str:
-    state = "connected" if remote["connected"] else f"NOT CONNECTED ({remote['last_error']})"
-    return (
-        f"remote: {state}; {remote['hits']} hits, {remote['misses']} misses, "
-        f"{remote['verify_failures']} failed verification, {remote['errors']} errors; "
-        f"{remote['filled_blocks']} blocks filled in; writer {remote['writer_written_blocks']} "
-        f"written, {remote['writer_dropped_blocks']} dropped, "
-        f"{format_size(remote['writer_pending_bytes'])} pending"
-    )
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     config = _config(args.config)
     with KVStore(config, secret=_server_secret(config)) as store:
@@ -215,7 +125,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         say_json(status)
         return 0
-    _print_status(status)
+    print_status(status)
     say(f"tenants: {status['index']['tenants']}; check passed")
     return 0
 
@@ -228,26 +138,6 @@ def _server_secret(config: KVTierConfig) -> bytes:
 
     path = Path(config.service.state_dir) / "secret"
     return read_secret(path) if os.path.lexists(path) else b""
-
-
-def _print_status(status: dict[str, Any]) -> None:
-    layout = status["layout"]
-    say(
-        f"model {layout['model']}: {layout['dtype']}, {layout['block_tokens']} tokens "
-        f"= {format_size(layout['block_bytes'])} per block; write policy "
-        f"{status['policy']['write']}"
-    )
-    width = max(10, *(len(t["location"]) + 2 for t in status["tiers"].values()))
-    say(
-        f"{'tier':<6}{'location':<{width}}{'capacity':>12}{'slots':>10}{'used':>12}{'blocks':>9}"
-        f"{'reserved':>10}"
-    )
-    for name, tier in status["tiers"].items():
-        say(  # reserved: slots of reservations (a server before the field: 0)
-            f"{name:<6}{tier['location']:<{width}}{format_size(tier['capacity_bytes']):>12}"
-            f"{tier['slots']:>10}{format_size(tier['used_bytes']):>12}{tier['blocks']:>9}"
-            f"{tier.get('reserved_slots', 0):>10}"
-        )
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -379,6 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVTierError as exc:
         say(f"kvtier: {exc}", file=sys.stderr)
         return 2
+    except _StoppedAtStart as stop:
+        name = signal.Signals(stop.signum).name
+        say(f"kvtier: {name} while starting: stopped before serving anything", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:  # Ctrl-C in a command other than `serve`: one line, no traceback
+        say("kvtier: interrupted", file=sys.stderr)
+        return 130  # as a shell reports a command that SIGINT ended (128 + 2)
     except BrokenPipeError:  # `kvtier status | head -1`: the reader has what it wanted
         _quiet_stdout()
         return 141  # as a shell reports a command that SIGPIPE ended (128 + 13)

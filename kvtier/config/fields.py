@@ -8,7 +8,9 @@ Contract:
   validators raise it too; `loading.py` turns it into a
   `ConfigError`, and nothing else reads it.
 - A path (`FilePath`) is a string the OS can take as one (`private_files.is_path`: no NUL byte,
-  no lone surrogate), so that a file's open never fails with anything but an `OSError`.
+  no lone surrogate), so that a file's open never fails with anything but an `OSError`; and
+  one without a shell's leading `~` or a `$NAME` / `${NAME}`, which nothing expands (they
+  would name a directory `~` or `$HOME` in the working directory).
 - Types are exact: `True` is not an int and `1` is not `True`; a float is accepted only where
   the field says number.
 - `Section` is the base of every section: frozen, strict, and closed to unknown keys (the
@@ -150,8 +152,26 @@ def _disk_capacity(value: object) -> Capacity:
 
 PositiveInt = Annotated[int, int_in(1)]
 Name = Annotated[str, rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")]
-FilePath = Annotated[str, rule(is_path, PATH_EXPECTED)]
-"""A file or directory: refused here, naming its field, when no system call could take it."""
+_UNEXPANDED = re.compile(r"\A~|\$(\{|[A-Za-z_])")
+"""A shell's `~` or `$NAME` / `${NAME}`, which nothing here expands: `path: ~/kvtier-data`
+made a directory named `~` in the working directory (and a later `rm -rf ~` of it, the home)."""
+UNEXPANDED_EXPECTED = (
+    "a path written out (kvtier expands no '~' or '$NAME', as a shell would: "
+    "'/home/me/kvtier-data', not '~/kvtier-data' or '$HOME/kvtier-data')"
+)
+
+
+def _file_path(value: object) -> object:
+    if not is_path(value):
+        raise InvalidValue(value, PATH_EXPECTED)
+    if isinstance(value, str) and _UNEXPANDED.search(value):  # a leading `~`, `$NAME`, `${`
+        raise InvalidValue(value, UNEXPANDED_EXPECTED)
+    return value
+
+
+FilePath = Annotated[str, BeforeValidator(_file_path)]
+"""A file or directory: refused here, naming its field, when no system call could take it, or
+when it holds a shell's `~` or `$NAME` that would be taken as the characters they are."""
 HostText = Annotated[
     str,
     rule(

@@ -10,7 +10,8 @@ Contract:
   inherits the default model's geometry. Its sizes are positive ints and
   `1 <= block_tokens <= 4096`, so `layout` is a valid `KVLayout`.
 - The rule that spans sections lives here: a capacity in bytes holds at least one block of
-  `layout` (error at `tiers.<name>.capacity`).
+  `layout` (error at `tiers.<name>.capacity`), and a block is at most a size can be, 1024PiB
+  (error at `model`: no capacity could hold it).
 - `to_dict()` gives plain values (YAML/JSON-safe) that `parse_config` reads back equal.
 """
 
@@ -27,7 +28,7 @@ from kvtier.config.movement import MoverConfig, PolicyConfig
 from kvtier.config.service import ServiceConfig
 from kvtier.config.tenants import TenantConfig, Tenants
 from kvtier.config.tiers import TiersConfig
-from kvtier.sizes import Capacity, format_size
+from kvtier.sizes import MAX_SIZE, Capacity, format_size
 
 HashAlgorithm = Literal["blake2b-128", "blake2b-256", "sha256"]
 
@@ -76,6 +77,13 @@ class KVTierConfig(Section):
     @model_validator(mode="after")
     def _capacities_hold_a_block(self) -> KVTierConfig:
         block_bytes = self.layout.block_bytes
+        if block_bytes > MAX_SIZE:  # no tier holds one: the model's sizes are wrong, not a tier's
+            m = self.model
+            shown = (
+                f"{m.num_layers} layers x {m.num_kv_heads} KV heads x head_dim {m.head_dim} x "
+                f"{self.block_tokens} tokens = {block_bytes} bytes a block"
+            )
+            raise InvalidValue(shown, "a model whose block is at most 1024PiB", key="model")
         for name in self.tier_names:
             section = getattr(self.tiers, name)
             if section is None:  # no host tier
