@@ -6,8 +6,8 @@ request the server answers for another value than the one given.
 - `check_options`: a constructor's arguments (a bad `timeout_s` refused there, not at every
   call after).
 - `check_tokens`: tokens whose memory cannot be read (a "meta" tensor).
-- `check_flag`, `check_timeout`, `lease_of`, `waited`, `reservation_of`: a call's flags,
-  timeouts and the lease or reservation (or its id) it names.
+- `check_flag`, `check_timeout`, `lease_of`, `waited`, `reservation_of`, `check_tier`: a
+  call's flags, timeouts, the lease or reservation (or its id) it names, and a tier's name.
 - `KeyTenant`: a request made in another process than the client's maker's is refused; and
   with an API key the key decides the tenant on the server, which reads no other, so a
   call's `tenant=` naming another tenant than the key's is refused, never ignored.
@@ -88,6 +88,18 @@ def check_timeout(timeout_s: object, name: str = "timeout_s", optional: bool = T
             f"{name}: got {shown(timeout_s)}, expected {most}a finite number of seconds "
             f"{'>= 0' if optional else '> 0'}"
         )
+
+
+TIERS = ("gpu", "host", "disk", "remote")
+"""The tiers a store may have, fastest first (`pool_buffer` maps at most gpu and host)."""
+
+
+def check_tier(tier: object) -> str:
+    """`tier`, checked to be a tier's name (`InvalidArgumentError` naming `tier`): before, a
+    misspelt one was None, as a pool not mapped here is, and an unhashable one a `TypeError`."""
+    if type(tier) is not str or tier not in TIERS:
+        raise InvalidArgumentError(f"tier: got {shown(tier)}, expected one of {list(TIERS)}")
+    return tier
 
 
 def lease_of(lease: object) -> Lease:

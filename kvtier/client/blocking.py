@@ -170,7 +170,10 @@ class Client(MappedView):
         released or reaped past its ttl, "unknown, released or expired": the server keeps no
         ids of ended leases, so it never says "expired" alone; still pending after
         `timeout_s`: returned pending).
-        Without `timeout_s`, `WaitTimeoutError` past `WaitPacer.MOST_WAIT_S` (`transport.py`)."""
+        Without `timeout_s`, `WaitTimeoutError` past `WaitPacer.MOST_WAIT_S` (`transport.py`).
+        `timeout_s` bounds the wait asked of the server; each ask is a request of the client's
+        own `timeout_s`, so a server slow to answer holds the call until it does or that ends
+        the ask (`TransportError`)."""
         lease = waited(lease, timeout_s)
         pacer = WaitPacer(None if timeout_s is None else time.monotonic() + timeout_s)
         while True:

@@ -14,7 +14,10 @@ Contract:
   Nothing was sent then, so the caller takes HTTP, and so does every call of this client for
   `RETRY_S` (`dead`), when it tries once more (a server that had no connection to spare may
   have one then). Safe from any number of threads: each call holds a connection of its own,
-  taken from the idle ones or opened.
+  taken from the idle ones or opened, and at most `MOST_CALLS` calls of a client are on the
+  lane at once: one past them takes HTTP, unsent, and the lane stays the client's (before, a
+  burst of 600 calls of one `AsyncClient` opened 600 connections, past the server's 256, and
+  every call of that client took HTTP for `RETRY_S`).
 - A call has `timeout_s` for the whole of it (sending its frame and reading its whole reply;
   opening a connection, to the server's hello, within it too): a server that drips its reply a
   byte at a time cannot hold it longer. Once a request is sent, every failure (a reset, past
@@ -42,18 +45,27 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import socket
 import threading
 import time
 from typing import Any
 
-from kvtier.client.connections import Reply, TransportError, reply_too_long, still_open
+from kvtier.client.connections import Reply, TransportError, still_open
+from kvtier.client.lane_frames import (
+    checked_name,
+    longest_frame,
+    read_frame,
+    read_frame_async,
+    reply_of,
+)
 from kvtier.errors import ClosedError, ReplyError
-from kvtier.service import flat, frames, wire
+from kvtier.service import frames, wire
 
 RETRY_S = 30.0
+MOST_CALLS = 64
+"""A client's calls on the lane at once (so its connections): a quarter of the server's bound
+(`service/lane.py`, 256), which four such clients may share; one more call takes HTTP."""
 _GOODBYE = object()  # `_send`'s answer where the server ended the connection unread
 
 
@@ -81,6 +93,7 @@ class LaneConnections(_Dead):
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._busy = 0  # calls on the lane now (`MOST_CALLS`)
 
     @classmethod
     def of(
@@ -94,6 +107,17 @@ class LaneConnections(_Dead):
         return lane
 
     def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
+        with self._lock:
+            if self._busy >= MOST_CALLS:
+                return None  # HTTP, unsent: the lane is not out of reach (module doc)
+            self._busy += 1
+        try:
+            return self._request(path, body, headers)
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
         data = frames.frame(request)
@@ -107,7 +131,7 @@ class LaneConnections(_Dead):
             reply = self._send(sock, data, call, deadline)
             if reply is not _GOODBYE:
                 self._give(sock)
-                status, content = _reply(reply, call)
+                status, content = reply_of(reply, call)
                 return Reply(status, wire.MSGPACK, content, path)
         return None  # a goodbye on a new connection too (a server stopping): HTTP, unsent
 
@@ -127,7 +151,7 @@ class LaneConnections(_Dead):
                     sock.close()
                     return _GOODBYE
                 raise
-            reply = _read_frame(sock, self.limit, call, deadline)
+            reply = read_frame(sock, self.limit, call, deadline)
         except TimeoutError:
             sock.close()
             raise TransportError(
@@ -184,7 +208,7 @@ class LaneConnections(_Dead):
         try:
             sock.connect(self.address)
             ours = frames.same_user(sock)
-            hello = _read_frame(sock, 64, "the lane's hello", deadline) if ours else None
+            hello = read_frame(sock, 64, "the lane's hello", deadline) if ours else None
         except (OSError, ReplyError):
             hello = None
         except BaseException:  # interrupted before the hello: closed, never left open
@@ -217,6 +241,7 @@ class AsyncLaneConnections(_Dead):
         self.retry_at = 0.0
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._closed = False
+        self._busy = 0  # calls on the lane now (`MOST_CALLS`)
 
     @classmethod
     def of(
@@ -230,6 +255,15 @@ class AsyncLaneConnections(_Dead):
         return lane
 
     async def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
+        if self._busy >= MOST_CALLS:
+            return None  # HTTP, unsent: the lane is not out of reach (module doc)
+        self._busy += 1
+        try:
+            return await self._request(path, body, headers)
+        finally:
+            self._busy -= 1
+
+    async def _request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
         data = frames.frame(request)
@@ -247,7 +281,7 @@ class AsyncLaneConnections(_Dead):
                 else:
                     self._idle.append(stream)
                 self.calls += 1
-                status, content = _reply(reply, call)
+                status, content = reply_of(reply, call)
                 return Reply(status, wire.MSGPACK, content, path)
         return None  # a goodbye on a new connection too (a server stopping): HTTP, unsent
 
@@ -270,7 +304,7 @@ class AsyncLaneConnections(_Dead):
                 elif frames.heard_goodbye(writer.get_extra_info("socket")):
                     writer.close()  # the write failed at once, after a goodbye still unread
                     return _GOODBYE
-                reply = await _read_frame_async(reader, self.limit, call)  # or one read
+                reply = await read_frame_async(reader, self.limit, call)  # or one read
         except TimeoutError:
             writer.close()
             raise TransportError(
@@ -326,7 +360,7 @@ class AsyncLaneConnections(_Dead):
             async with asyncio.timeout_at(deadline):  # the call's: its hello within it
                 stream = await asyncio.open_unix_connection(self.address)
                 ours = frames.same_user(stream[1].get_extra_info("socket"))
-                hello = await _read_frame_async(stream[0], 64, "the lane's hello") if ours else None
+                hello = await read_frame_async(stream[0], 64, "the lane's hello") if ours else None
         except (OSError, EOFError, asyncio.IncompleteReadError, ReplyError):
             hello = None
         except BaseException:  # cancelled before the hello: closed, never left open (module doc)
@@ -339,56 +373,3 @@ class AsyncLaneConnections(_Dead):
             self.retry_at = time.monotonic() + RETRY_S
             return None
         return stream
-
-
-def longest_frame(value: object) -> int | None:
-    """`/v1/pools`' `lane_max_frame_bytes` (untrusted: only which path a call takes hangs on
-    it), or None where it is not a positive int (a server before it: no bound is known)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return None
-
-
-def checked_name(name: object) -> str | None:
-    """A lane name from `/v1/pools` (untrusted), None for none (or no Unix sockets here);
-    anything but a lane name is a `ReplyError`."""
-    if name is None or not hasattr(socket, "AF_UNIX"):
-        return None
-    if not isinstance(name, str) or frames.NAME.fullmatch(name) is None:
-        raise ReplyError(
-            f"GET /v1/pools: lane {name!r:.80}, expected kvtier-lane-<pid>-<8 hex> or null"
-        )
-    return name
-
-
-async def _read_frame_async(reader: asyncio.StreamReader, limit: int, call: str) -> Any:
-    """`_read_frame` on a stream."""
-    (length,) = frames.LENGTH.unpack(await reader.readexactly(frames.LENGTH.size))
-    if length > limit:
-        raise reply_too_long(limit, call)
-    return _decoded(await reader.readexactly(length), call)
-
-
-def _read_frame(sock: socket.socket, limit: int, call: str, deadline: float) -> Any:
-    """The next frame's decoded value, whole by `deadline` (monotonic; `TimeoutError` past
-    it); `ReplyError` for one longer than `limit` (unread) or not msgpack; `OSError` (EOF
-    included) when the connection ends first."""
-    (length,) = frames.LENGTH.unpack(frames.read_exactly(sock, frames.LENGTH.size, deadline))
-    if length > limit:
-        raise reply_too_long(limit, call)
-    return _decoded(frames.read_exactly(sock, length, deadline), call)
-
-
-def _decoded(payload: bytes, call: str) -> Any:
-    try:
-        return flat.loads_reply(payload, wire.MSGPACK)  # in bounded memory
-    except flat.Malformed as exc:
-        raise ReplyError(f"{call}: a reply that is not msgpack ({exc})") from None
-
-
-def _reply(reply: Any, call: str) -> tuple[int, bytes]:
-    with contextlib.suppress(TypeError, ValueError):
-        status, content = reply
-        if type(status) is int and 100 <= status <= 599 and isinstance(content, bytes):
-            return status, content
-    raise ReplyError(f"{call}: a reply frame that is not [status, body bytes]")

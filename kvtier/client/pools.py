@@ -57,6 +57,7 @@ import torch
 
 from kvtier.blocks import Tokens, check_start, encode_tokens, to_blocks
 from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
+from kvtier.client.arguments import check_tier
 from kvtier.client.pages import LoadPages, joined, stored
 from kvtier.errors import ReplyError, shown
 from kvtier.kernels.block_copy import copy_blocks_slices
@@ -330,11 +331,13 @@ class MappedView:
     _pools: MappedPools
 
     def pool_buffer(self, tier: str) -> torch.Tensor | None:
-        """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None. The
-        tensor is the memory of the server instance mapped now (`mapped_instance`): after the
-        client re-maps (the sidecar restarted), take it again; the old one reads the old
-        server's pages, never the new one's."""
-        return self._pools.buffers.get(tier)
+        """The server's pool of `tier` mapped here (`[slots, *block_shape]`), or None (not
+        mapped here: another host or user, a closed client, "disk" or "remote"); a `tier` that
+        names no tier is an `InvalidArgumentError`. The tensor is the memory of the server
+        instance mapped now (`mapped_instance`): after the client re-maps (the sidecar
+        restarted), take it again; the old one reads the old server's pages, never the new
+        one's."""
+        return self._pools.buffers.get(check_tier(tier))
 
     @property
     def mapped_instance(self) -> str | None:
