@@ -83,6 +83,7 @@ def test_llama_8b_layout_has_2mib_blocks_and_three_tiers() -> None:
 def test_llama_70b_shard_has_one_kv_head_and_a_fractional_gpu_tier() -> None:
     config = load_config(CONFIGS / "llama-3.1-70b-tp8.yaml")
     assert config.model.num_kv_heads == 1
+    assert (config.layout.tp_rank, config.layout.tp_size) == (0, 8)  # the vLLM connector's check
     assert config.layout.block_bytes == 80 * 2 * 16 * 1 * 128 * 2 == 640 * 1024
     assert config.tiers.gpu.capacity == Capacity(fraction=0.25)
     assert config.tiers.gpu.capacity.resolve(80 * GiB) == 20 * GiB
