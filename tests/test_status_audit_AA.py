@@ -239,12 +239,19 @@ def test_a_page_opened_with_its_key_in_the_address_keeps_refreshing(tmp_path: Pa
 def test_a_server_that_stops_answering_is_said_on_the_page(tmp_path: Path) -> None:
     """A refresh that gets no answer (the server SIGSTOPped) ends after the page's patience
     (5 s at the 2 s refresh) and says so; the next answer clears the line. Before, `fetch` had
-    no bound: the figures froze with no warning until the server answered again."""
+    no bound: the figures froze with no warning until the server answered again. Without
+    `AbortSignal.timeout` (browsers before 2022) the page refreshes as it did (review 1)."""
     with running(write_config(tmp_path)) as server:
         driver = _browser()
         try:
+            old = {"source": "delete AbortSignal.timeout;"}
+            driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", old)
             driver.get(server.url + "/")
+            assert driver.execute_script("return typeof AbortSignal.timeout") == "undefined"
+            refreshes = "return Number(document.body.dataset.refreshes)"
+            _until(lambda: driver.execute_script(refreshes) >= 1)
             stale = driver.find_element("id", "stale")
+            assert not stale.is_displayed(), stale.text
             server.process.send_signal(signal.SIGSTOP)
             try:
                 _until(stale.is_displayed, 15)

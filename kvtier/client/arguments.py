@@ -97,9 +97,9 @@ TIERS = ("gpu", "host", "disk", "remote")
 def check_tier(tier: object) -> str:
     """`tier`, checked to be a tier's name (`InvalidArgumentError` naming `tier`): before, a
     misspelt one was None, as a pool not mapped here is, and an unhashable one a `TypeError`."""
-    if type(tier) is not str or tier not in TIERS:
+    if not isinstance(tier, str) or tier not in TIERS:  # (a StrEnum or np.str_ "gpu" too)
         raise InvalidArgumentError(f"tier: got {shown(tier)}, expected one of {list(TIERS)}")
-    return tier
+    return str.__str__(tier)
 
 
 def lease_of(lease: object) -> Lease:

@@ -16,14 +16,19 @@
   async function refresh() {
     if (busy) return false;
     busy = true;
+    let timer;
     try {
+      // bounded: without it a hung server froze the page (a controller, not
+      // AbortSignal.timeout, which browsers before 2022 lack)
+      const stop = new AbortController();
+      timer = setTimeout(() => stop.abort(), patience);
       // origin + path, not a relative URL: a page opened at http://:KEY@host/ has the key in
       // its own URL, and fetch refuses a URL with credentials in it (the browser still sends
       // the ones it took for this origin)
       const response = await fetch(location.origin + location.pathname + "?part=main", {
         cache: "no-store",
         credentials: "same-origin",
-        signal: AbortSignal.timeout(patience), // (without it a hung server froze the page)
+        signal: stop.signal,
       });
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       const parsed = new DOMParser().parseFromString(await response.text(), "text/html");
@@ -34,10 +39,11 @@
       say("");
       return true;
     } catch (error) {
-      const why = error.name === "TimeoutError" ? `no answer in ${patience / 1000} s` : error.message;
+      const why = error.name === "AbortError" ? `no answer in ${patience / 1000} s` : error.message;
       say(`Not updating: ${why}. The figures below are from the time shown.`);
       return false;
     } finally {
+      clearTimeout(timer);
       busy = false;
     }
   }
