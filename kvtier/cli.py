@@ -22,12 +22,15 @@ with what `status` and `info` print): what came from outside (a server's reply o
 status field) is shown with its control characters escaped (`\x1b`), never as a terminal
 escape or a forged line. SIGTERM or SIGINT while `serve` starts, before its server takes them
 over, ends it with one line and status 0 (`_stop_at_start`); Ctrl-C in another command with
-one line and status 130; never a traceback.
+one line, then (the program, `run`) by SIGINT itself, as Python ends: a shell script's loop
+stops on it only when its command died of SIGINT (an exit status of 130 let it go on); never a
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -259,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED = 130
+"""`main`'s status for Ctrl-C, as a shell reports a command that SIGINT ended (128 + 2)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -275,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:  # Ctrl-C in a command other than `serve`: one line, no traceback
         say("kvtier: interrupted", file=sys.stderr)
-        return 130  # as a shell reports a command that SIGINT ended (128 + 2)
+        return INTERRUPTED
     except BrokenPipeError:  # `kvtier status | head -1`: the reader has what it wanted
         _quiet_stdout()
         return 141  # as a shell reports a command that SIGPIPE ended (128 + 13)
@@ -288,5 +295,16 @@ def _quiet_stdout() -> None:
     os.close(devnull)
 
 
+def run() -> None:
+    """The program (`kvtier`): `main`'s status, or, interrupted, death by SIGINT (module doc)."""
+    code = main()
+    if code == INTERRUPTED:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # (None: closed)
+            sys.stdout.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

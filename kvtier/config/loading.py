@@ -21,8 +21,9 @@ Contract:
   followed) or a FIFO or pipe (`--config <(envsubst < tmpl)`, a piped `/dev/stdin`), the latter
   read with poll() to its end within `FIFO_WAIT_S` in all (no writer, or a stalled one, is
   refused naming the path and the wait); a device or a directory is refused naming the path,
-  and so is a file other users can write: one with the other-write bit, or a regular file
-  that another user than this one or root owns.
+  and so is a file with the other-write bit. A file another user owns is read (a checkout
+  bind-mounted into a container that runs as root, a deploy user's file read by the service's
+  user): refusing it broke those, and its owner is a user the operator chose.
 - `default_config()` is the embedded default (`kvtier serve` without `--config`) and equals
   `configs/default.yaml`: `KVTierConfig()` and a disk tier of `DEFAULT_DISK`.
 """
@@ -43,7 +44,7 @@ from pydantic import ValidationError
 from kvtier.config.fields import HiddenText, InvalidValue, NotASection
 from kvtier.config.root import KVTierConfig
 from kvtier.errors import ConfigError
-from kvtier.private_files import file_kind, owner_expected
+from kvtier.private_files import file_kind
 
 
 class _Absent:
@@ -254,18 +255,16 @@ def _read_text(source: str) -> str:
     """The text of `source`, at most `MAX_FILE_CHARS + 1` characters: a regular file (a link to
     one followed), or a FIFO or pipe read to its end within `FIFO_WAIT_S` (`_read_stream`),
     that other users cannot write (one they can would let any local user give the server API
-    keys, paths and an admin key of theirs): not writable by others, and a regular file owned
-    by this user or root (its owner can write it whatever its mode). Opened with O_NONBLOCK,
-    so that a FIFO blocks neither the open nor a read: anything else (a directory, a device)
-    is refused naming what it is."""
+    keys, paths and an admin key of theirs). Opened with O_NONBLOCK, so that a FIFO blocks
+    neither the open nor a read: anything else (a directory, a device) is refused naming what
+    it is."""
     try:
         fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:  # why, in the OS's words (missing, not allowed, a loop of links)
         raise ConfigError("<file>", source, f"a readable YAML file ({exc.strerror})") from None
     except ValueError:  # a NUL byte in the path
         raise ConfigError("<file>", source, "a readable YAML file (a path without NUL)") from None
-    info = os.fstat(fd)
-    mode = info.st_mode
+    mode = os.fstat(fd).st_mode
     if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # open() on a directory raises
         os.close(fd)
         expected = f"a readable YAML file (a regular file or a FIFO), found {file_kind(mode)}"
@@ -274,14 +273,6 @@ def _read_text(source: str) -> str:
         os.close(fd)
         expected = (
             f"a config file other users cannot write (mode {stat.S_IMODE(mode):04o}: chmod o-w)"
-        )
-        raise ConfigError("<file>", source, expected)
-    # its owner may write it whatever its mode; a pipe's is whoever made it (`cmd | sudo -u
-    # kvtier kvtier serve --config /dev/stdin`: the sender, who writes it anyway)
-    if stat.S_ISREG(mode) and info.st_uid not in (0, os.geteuid()):
-        os.close(fd)
-        expected = owner_expected("a config file", "or root; chown it, or copy it") + (
-            f", found uid {info.st_uid}"
         )
         raise ConfigError("<file>", source, expected)
     with open(fd, encoding="utf-8") as file:
