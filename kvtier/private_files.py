@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from kvtier.errors import ConfigError
@@ -113,8 +114,8 @@ def create_once(path: Path, data: bytes) -> bool:
     read-only filesystem does not stop a server that only has to read what it made before."""
     if os.path.lexists(path):
         return False
-    tmp = _write_temporary(path, data)
-    try:
+    tmp = _write_temporary(path, data, unique=True)  # (`<path>.tmp` of its own: two processes
+    try:  # starting at once removed each other's, 8 TP ranks on one state_dir failed a start)
         os.link(tmp, path, follow_symlinks=False)
     except FileExistsError:
         return False
@@ -181,13 +182,17 @@ def owner_expected(what: str, remedy: str) -> str:
     return f"{what} owned by this process's user, uid {os.geteuid()} ({remedy})"
 
 
-def _write_temporary(path: Path, data: bytes) -> Path:
-    """`<path>.tmp`, fresh (never a file or link someone left there), 0600, holding `data`,
-    synced."""
-    tmp = path.with_name(path.name + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # a stale temporary file, or a planted link: removed, not followed
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+def _write_temporary(path: Path, data: bytes, unique: bool = False) -> Path:
+    """`<path>.tmp` (`unique`: `<path>.<random>.tmp`, this call's alone), fresh (never a file
+    or link someone left there), 0600, holding `data`, synced."""
+    if unique:
+        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
+    else:
+        tmp = path.with_name(path.name + ".tmp")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a stale temporary file, or a planted link: removed, not followed
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)
         view = memoryview(data)
