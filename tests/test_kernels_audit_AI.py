@@ -345,8 +345,9 @@ def test_a_one_element_tensor_of_more_dimensions_is_no_slot_and_no_scale(leased:
     assert not dst.any()
     store, lease = leased
     attn = PagedAttention(store)
-    with pytest.raises(InvalidArgumentError, match="scale: got"):
-        attn.decode(torch.randn(1, 4, 4), 0, [lease], scale=torch.tensor([0.5]))  # type: ignore[arg-type]
+    for scale in (torch.tensor([0.5]), np.array([0.5])):  # (as a 1-element list is no scale)
+        with pytest.raises(InvalidArgumentError, match="scale: got"):
+            attn.decode(torch.randn(1, 4, 4), 0, [lease], scale=scale)  # type: ignore[arg-type]
 
 
 def test_slot_arrays_and_tensors_are_checked_whole_with_the_same_refusals() -> None:

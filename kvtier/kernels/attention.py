@@ -300,7 +300,7 @@ def _check_scale(scale: object) -> float | None:
     if scale is None:
         return None
     value = math.nan
-    scalar = not isinstance(scale, torch.Tensor) or scale.dim() == 0  # (float() takes [0.5])
+    scalar = getattr(scale, "ndim", 0) == 0  # (float() takes a tensor or an array [0.5])
     if scalar and not isinstance(scale, (str, bytes, bool, np.bool_)):  # (float("2") is 2.0)
         with contextlib.suppress(TypeError, ValueError, OverflowError, RuntimeError):
             value = float(scale)  # type: ignore[arg-type]

@@ -125,8 +125,9 @@ class BPETokenizer:
                 continue
             number = integer(token)  # NumPy or torch ids too (a model's argmax), never a float
             if number is None or not 0 <= number < self.vocab_size:
+                kind = " (an int or a 0-d tensor)" if getattr(token, "ndim", 0) else ""
                 raise InvalidTokensError(
-                    f"ids[{at}]: got {shown(token)}, expected an id in [0, {self.vocab_size})"
+                    f"ids[{at}]: got {shown(token)}, expected an id{kind} in [0, {self.vocab_size})"
                 )
             numbers.append(number)
         return self._tokenizer.decode(numbers, skip_special_tokens=False)
