@@ -14,11 +14,16 @@ it. kvtier's keyed API (`keyed.py`) stores a chain of such keys as pages of synt
 so kvtier's index, prefix closure and tiers hold them as they hold prompts:
 
 - `batch_exists(keys)`: one `lookup` of the chain (the prefix keys SGLang passes, then `keys`);
-  the number of leading `keys` kvtier holds.
+  the number of leading `keys` kvtier holds. 0, unasked (`skipped_calls`), once a load or store
+  found the sidecar restarted on another layout, until one succeeds again: those pages cannot
+  be served here, and each hit would cost SGLang host slots and a failed prefetch.
 - `batch_set_v1(keys, host_indices)`: the pages' KV read from SGLang's host pool (any of its
   MHA layouts, `paged.host_gather`) and stored below the prefix (`store(..., start=)`): a
   page is stored only under the pages before it, so with `hicache_storage_pass_prefix_keys`
-  off, each batch of a sequence is a chain of its own (still exact, fewer hits).
+  off, each batch of a sequence is a chain of its own (still exact, fewer hits). Pages the
+  sidecar answers it did not take (no room: a batch of more new blocks than its gpu or host
+  tier has slots; or their prefix is gone) are False, counted in `stats["pages_not_stored"]`
+  and logged.
 - `batch_get_v1(keys, host_indices)`: `load` of the chain's keys' part only (`start=` past
   the prefix keys), the leading pages written into the host slots; per key whether it was.
 
@@ -42,12 +47,14 @@ Contract:
 - Only the host pools whose `kv_buffer` is the whole page are taken (`HOST_POOLS`: SGLang's
   `MHATokenToKVPoolHost` and `MLATokenToKVPoolHost`, exactly); another (the MXFP8 pool, whose
   scales live apart; the asymmetric pool; any subclass) is a `ConfigError` naming its class
-  when SGLang registers it, never copied in part. The sidecar's model layout must be one
-  rank's: its layers, KV heads per rank, head_dim and dtype are checked against the host pool
-  when SGLang registers it (`ConfigError` naming the field), and SGLang's page size must be a
-  multiple of kvtier's `block_tokens` and at least 8 tokens. An fp8 KV cache's pools hold
-  its bytes as uint8 (SGLang's store dtype): under a sidecar of an fp8 dtype (`FP8`) they
-  are copied as that dtype, bit for bit.
+  when SGLang registers it, never copied in part (`sglang_pools.py`). The sidecar's model
+  layout must be one rank's: its layers, KV heads per rank, head_dim and dtype are checked
+  against the host pool when SGLang registers it (`ConfigError` naming the field), and
+  SGLang's page size must be a multiple of kvtier's `block_tokens` and at least 8 tokens. A
+  storage config whose `is_mla_model` (ranks share their KV: the scope names no rank) comes
+  with an MHA pool (one rank's heads) is a `ConfigError`: a rank would be served another's
+  heads. An fp8 KV cache's pools hold its bytes as uint8 (SGLang's store dtype): under a
+  sidecar of an fp8 dtype (`FP8`) they are copied as that dtype, bit for bit.
 - A sidecar that fails is a miss (`batch_exists` 0, `batch_get_v1` all False, `batch_set_v1`
   all False: those pages stay out of kvtier; SGLang 0.5.23 does not back them up again),
   logged and counted in `stats`, never an exception into SGLang's threads; so is a host index
@@ -82,20 +89,19 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvtier.client import Client
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError, KVTierError, ReplyError
 from kvtier.integrations import paged
 from kvtier.integrations.lookups import Quiet
 from kvtier.integrations.resets import reset_tenants
 from kvtier.integrations.settings import api_key, call_timeout, closed
+from kvtier.integrations.sglang_pools import FP8, HOST_POOLS, REFUSED, host_buffer, registered
 from kvtier.keyed import KeyedPages
 
 log = logging.getLogger("kvtier.sglang")
 
-__all__ = ["KvtierHiCacheStorage"]
+__all__ = ["FP8", "HOST_POOLS", "REFUSED", "KvtierHiCacheStorage", "host_buffer"]
 
 
 class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -114,6 +120,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.layout = ""
         self.stats = dict.fromkeys(("exists_calls", "pages_set", "pages_got", "errors"), 0)
         self.stats["skipped_calls"] = 0  # misses not asked: while `quiet`, stores in a clear
+        self.stats["pages_not_stored"] = 0  # a store's pages the sidecar answered it did not take
+        self.stale = False  # the sidecar's layout changed under us (`LAYOUT_CHANGED`)
         self._lock = threading.Lock()
         self._sets = threading.Condition()  # stores under way, and a clear that waits for them
         self._storing, self._clearing = 0, False
@@ -124,32 +132,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Check the host pool against the sidecar's layout; then pages can move."""
         super().register_mem_pool_host(mem_pool_host)
         host = mem_pool_host
-        self.buffer, self.layout = host_buffer(host)
-        served = self.client.layout()
-        dtype = host.kv_buffer.dtype
-        if dtype == torch.uint8 and served.dtype in FP8:  # SGLang keeps fp8 KV's bytes as uint8
-            self.buffer, dtype = self.buffer.view(served.dtype), served.dtype
-        mla = isinstance(host, MLATokenToKVPoolHost)  # a latent: one head of its halves
-        heads, dim = (1, host.kv_cache_dim // 2) if mla else (host.head_num, host.head_dim)
-        ours = (host.layer_num, heads, dim, dtype)
-        theirs = (served.num_layers, served.num_kv_heads, served.head_dim, served.dtype)
-        if ours != theirs or getattr(host, "v_head_dim", dim) != dim:
-            raise ConfigError(
-                "model", f"{theirs} (layers, KV heads, head_dim, dtype)", f"{ours}, as SGLang's"
-            )
-        rank, size = (
-            (0, 1) if self.config.is_mla_model else (self.config.tp_rank, self.config.tp_size)
-        )
-        if served.tp_size > 1 and (served.tp_rank, served.tp_size) != (rank, size):
-            raise ConfigError(
-                "model.tp_rank", f"{served.tp_rank} of {served.tp_size}", f"rank {rank} of {size}"
-            )
-        if host.page_size % served.block_tokens:
-            raise ConfigError(
-                "block_tokens",
-                served.block_tokens,
-                f"a divisor of SGLang's page size ({host.page_size})",
-            )
+        self.buffer, self.layout = registered(host, self.client.layout(), self.config)
         self.pages = KeyedPages(host.page_size, self.scope)
 
     # ---- the v1 (zero-copy) interface --------------------------------------------------
@@ -157,7 +140,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         prefix = _prefix(extra_info)
         pages = self._pages()
-        if self._skipped():
+        if self._skipped() or self._stale():
             return 0
         try:
             found = self.client.lookup(pages.tokens(prefix + list(keys))).num_tokens
@@ -183,8 +166,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return [False] * len(keys)
         finally:
             self._end_store()
-        held = pages.pages(stored.cached_tokens) - len(prefix)
-        self._count("pages_set", max(0, held))
+        held = max(0, min(len(keys), pages.pages(stored.cached_tokens) - len(prefix)))
+        self.stale = False
+        self._count("pages_set", held)
+        if held < len(keys):  # answered, but not taken: no room, or the prefix is gone
+            self._count("pages_not_stored", len(keys) - held)
+            log.warning("kvtier store: %d of %d pages not stored (%s)", len(keys) - held,
+                        len(keys), NOT_STORED)  # fmt: skip
         return [i < held for i in range(len(keys))]
 
     def batch_get_v1(
@@ -208,6 +196,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             except (KVTierError, IndexError, RuntimeError, ValueError) as e:
                 self._failed("load", e)
                 return [False] * len(keys)
+        self.stale = False
         self._count("pages_got", served)
         return [i < served for i in range(len(keys))]
 
@@ -294,7 +283,18 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._count("skipped_calls", 1)
         return True
 
+    def _stale(self) -> bool:
+        """Whether to answer `batch_exists` a miss without asking: a load or store found the
+        sidecar behind the URL restarted on another layout than the host pool registered
+        with, so its pages cannot be served here (each prefetch would allocate host slots and
+        fail); until a store or load succeeds again (counted in `skipped_calls`)."""
+        if self.stale:
+            self._count("skipped_calls", 1)
+        return self.stale
+
     def _failed(self, what: str, error: BaseException) -> None:
+        if isinstance(error, ReplyError) and str(error).startswith(LAYOUT_CHANGED):
+            self.stale = True
         self.quiet.failed(error)
         self._count("errors", 1)
         log.warning("kvtier %s failed: %s", what, error)
@@ -308,53 +308,17 @@ NOT_V1 = (
     'the extra config lacks "interface_v1": 1, so SGLang calls batch_get / batch_set, which '
     "kvtier does not serve: no page is backed up or prefetched (set it)"
 )
+NOT_STORED = (
+    "the sidecar had no room (a batch has more new blocks than its gpu or host tier has slots, "
+    "or all are leased) or no longer holds the pages before them"
+)
+LAYOUT_CHANGED = "pools.layout"
+"""How the client's `ReplyError` for a server restarted on another layout begins."""
 TIMEOUT_S = 10.0
 """The most a call to the sidecar waits by default (`kvtier.timeout_s`): a lookup is a hash walk
 (0.07 s for 1M tokens), a batch of pages a copy through shared memory; a sidecar that hangs
 (stopped, a full disk under its lock) must not hold SGLang's backup and prefetch threads for
 the client's 120 s per call."""
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-"""The sidecar dtypes of an fp8 KV cache, whose bytes SGLang's pools keep as uint8."""
-
-HOST_POOLS = (MHATokenToKVPoolHost, MLATokenToKVPoolHost)
-"""The host pools kvtier copies: exactly these classes, whose `kv_buffer` holds the whole
-page. A subclass may keep more of a page elsewhere (scales, a second buffer), which kvtier
-would never move: it is refused (`host_buffer`), as is any other pool."""
-
-REFUSED = {
-    "MHATokenToKVPoolMXFP8Host": "its fp8 pages' per-page scales live outside kv_buffer "
-    "(k_scale_host, v_scale_host), which kvtier would not move: a reader would dequantize "
-    "with stale scales",
-    "AsymmetricMHATokenToKVPoolHost": "K and V have different head dims, in two buffers "
-    "(kvtier's layout has one head_dim)",
-}
-
-
-def host_buffer(host: Any) -> tuple[torch.Tensor, str]:
-    """SGLang's host pool's `kv_buffer` as an MHA layout's `[2, ...]` buffer, and the layout
-    (an MLA pool's latent as one head of K and V halves: `paged.mla_host_view`); a
-    `ConfigError` for a pool or layout kvtier cannot copy (`HOST_POOLS`)."""
-    name = type(host).__name__
-    if type(host) not in HOST_POOLS:
-        why = REFUSED.get(name, "a host pool kvtier does not know, which may keep part of a page")
-        raise ConfigError(
-            "mem_pool_host",
-            name,
-            f"{' or '.join(c.__name__ for c in HOST_POOLS)} (whose page is all in kv_buffer): "
-            f"{why}",
-        )
-    mla = isinstance(host, MLATokenToKVPoolHost)
-    known = list(paged.MLA_HOST_LAYOUTS) if mla else paged.HOST_LAYOUTS
-    if host.layout not in known or host.kv_buffer is None:
-        raise ConfigError("--hicache-mem-layout", host.layout, f"one of {known}")
-    if not mla:
-        return host.kv_buffer, host.layout
-    if getattr(host, "dsa_kv_cache_store_fp8", False):
-        raise ConfigError("MLA host pool", "packed fp8 (DSA)", "an unpacked latent")
-    try:
-        return paged.mla_host_view(host.kv_buffer, host.layout)
-    except KVTierError as e:
-        raise ConfigError("MLA host pool", host.layout, str(e)) from None
 
 
 def sidecar_url(url: Any) -> str:
