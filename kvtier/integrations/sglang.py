@@ -84,6 +84,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import urllib.parse
 from typing import Any
 
@@ -119,9 +120,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.buffer: Any = None  # the host pool's kv_buffer as an MHA one (`host_buffer`)
         self.layout = ""
         self.stats = dict.fromkeys(("exists_calls", "pages_set", "pages_got", "errors"), 0)
-        self.stats["skipped_calls"] = 0  # misses not asked: while `quiet`, stores in a clear
+        self.stats["skipped_calls"] = 0  # misses not asked: `quiet`, `_stale`, stores in a clear
         self.stats["pages_not_stored"] = 0  # a store's pages the sidecar answered it did not take
-        self.stale = False  # the sidecar's layout changed under us (`LAYOUT_CHANGED`)
+        self.stale_until = 0.0  # the sidecar's layout changed under us (`_stale`), till then
+        self.stale_s = STALE_S
         self._lock = threading.Lock()
         self._sets = threading.Condition()  # stores under way, and a clear that waits for them
         self._storing, self._clearing = 0, False
@@ -167,7 +169,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         finally:
             self._end_store()
         held = max(0, min(len(keys), pages.pages(stored.cached_tokens) - len(prefix)))
-        self.stale = False
+        self.stale_until = 0.0
         self._count("pages_set", held)
         if held < len(keys):  # answered, but not taken: no room, or the prefix is gone
             self._count("pages_not_stored", len(keys) - held)
@@ -196,7 +198,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             except (KVTierError, IndexError, RuntimeError, ValueError) as e:
                 self._failed("load", e)
                 return [False] * len(keys)
-        self.stale = False
+        self.stale_until = 0.0
         self._count("pages_got", served)
         return [i < served for i in range(len(keys))]
 
@@ -287,14 +289,19 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Whether to answer `batch_exists` a miss without asking: a load or store found the
         sidecar behind the URL restarted on another layout than the host pool registered
         with, so its pages cannot be served here (each prefetch would allocate host slots and
-        fail); until a store or load succeeds again (counted in `skipped_calls`)."""
-        if self.stale:
+        fail); until a store or load succeeds again, or `stale_s` after the last such failure,
+        when it asks again (counted in `skipped_calls`). The bound is for a rank that never
+        stores: an MLA model's ranks past the first (SGLang's storage writer is one rank), whose
+        hits SGLang takes the least of across ranks, so one that never asked again kept the
+        whole group from hitting after the sidecar came back on the right layout."""
+        stale = time.monotonic() < self.stale_until
+        if stale:
             self._count("skipped_calls", 1)
-        return self.stale
+        return stale
 
     def _failed(self, what: str, error: BaseException) -> None:
         if isinstance(error, ReplyError) and str(error).startswith(LAYOUT_CHANGED):
-            self.stale = True
+            self.stale_until = time.monotonic() + self.stale_s
         self.quiet.failed(error)
         self._count("errors", 1)
         log.warning("kvtier %s failed: %s", what, error)
@@ -310,8 +317,11 @@ NOT_V1 = (
 )
 NOT_STORED = (
     "the sidecar had no room (a batch has more new blocks than its gpu or host tier has slots, "
-    "or all are leased) or no longer holds the pages before them"
+    "or all are leased), its disk could not keep up, or it no longer holds the pages before them"
 )
+STALE_S = 30.0
+"""How long `batch_exists` answers a miss unasked after a load or store found the sidecar on
+another layout (`_stale`)."""
 LAYOUT_CHANGED = "pools.layout"
 """How the client's `ReplyError` for a server restarted on another layout begins."""
 TIMEOUT_S = 10.0

@@ -5,7 +5,8 @@ process (the pools on CPU, no controller), real `kvtier serve` processes, restar
   stores are refused (the client never casts), but `batch_exists` kept answering hits for the
   pages a server of the new layout holds, so every prefetch cost SGLang host slots and a failed
   load. It now answers 0 (counted in `skipped_calls`) once a load or store found the layout
-  changed, until one succeeds again (the sidecar back on the host pool's layout).
+  changed, until one succeeds again (the sidecar back on the host pool's layout) or `stale_s`
+  has passed (a rank that never stores asks again).
 - A store the sidecar answered without taking the pages (their prefix gone; no room) was all
   False with no count and no log of the backend's: its stats looked healthy while nothing was
   backed up. Such pages are counted in `stats["pages_not_stored"]` and logged.
@@ -20,6 +21,7 @@ process (the pools on CPU, no controller), real `kvtier serve` processes, restar
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -70,6 +72,7 @@ def test_a_sidecar_restarted_on_another_layout_is_no_hit_until_pages_move_again(
     config, port = write_config(tmp_path, tenants=TENANTS), free_port()
     first = restarted(config, port, "first")
     ours = backend(first.url, filled(host_pool(), 1))  # an fp16 SGLang
+    ours.stale_s = 2.0  # (30 s by default)
     assert ours.batch_set_v1(["a0", "a1"], torch.arange(2 * PAGE)) == [True, True]
     assert first.stop() == 0
     second = restarted(config, port, "second", "bfloat16")  # same URL, another dtype
@@ -85,8 +88,14 @@ def test_a_sidecar_restarted_on_another_layout_is_no_hit_until_pages_move_again(
         assert second.stop() == 0
     third = restarted(config, port, "third")  # back on the host pool's layout
     try:
-        assert ours.batch_set_v1(["c0"], torch.arange(PAGE)) == [True]
+        # another rank stores (an MLA model's storage writer); this one never does, and hits
+        # again once `stale_s` has passed (review 4: it stayed stale until its own store, so an
+        # MLA group, which takes the least of its ranks' hits, never hit again)
+        writer = backend(third.url, filled(host_pool(), 1))
+        assert writer.batch_set_v1(["c0"], torch.arange(PAGE)) == [True]
+        time.sleep(ours.stale_s)
         assert ours.batch_exists(["c0"]) == 1  # hits again
+        assert ours.batch_set_v1(["c1"], torch.arange(PAGE)) == [True]
     finally:
         assert third.stop() == 0
 
