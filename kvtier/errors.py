@@ -120,6 +120,12 @@ class ReplyError(KVTierError, ValueError):
     does not fit the layout. The message names the field; nothing was mapped or written."""
 
 
+class LayoutChangedError(ReplyError):
+    """The server behind a client's URL restarted with another model layout than the one the
+    client was serving (`pools.layout`): nothing of this call was read or written; its KV would
+    be the other layout's."""
+
+
 class ClosedError(KVTierError, RuntimeError):
     """The store (or one of its parts) was closed."""
 

@@ -19,7 +19,7 @@ import yaml
 from service_server import ADMIN_KEY, BT, Server, free_port, kv_of, running, write_config
 
 from kvtier.client import AsyncClient, Client
-from kvtier.errors import ReplyError
+from kvtier.errors import LayoutChangedError
 
 
 def _float32(directory: Path) -> Path:
@@ -54,10 +54,10 @@ def test_a_failed_remap_gives_back_what_it_was_granted_and_a_later_call_maps_aga
         with running(_float32(tmp_path / "other"), port=port) as other:
             with Client(other.url, shared_memory=False) as writer:
                 writer.store(tokens, kv_of(len(tokens), seed=2).float())
-            with pytest.raises(ReplyError, match=r"pools\.layout"):
+            with pytest.raises(LayoutChangedError, match=r"pools\.layout"):
                 client.load(tokens)  # its prefetch found the new instance, then its layout
             assert _live_leases(other) == 0  # the lease of that prefetch, given back
-            with pytest.raises(ReplyError, match=r"pools\.layout"):
+            with pytest.raises(LayoutChangedError, match=r"pools\.layout"):
                 client.store(list(range(900, 900 + 4 * BT)), kv_of(4 * BT, seed=3))
             assert _live_leases(other) == 0
         with running(same, port=port) as back:
@@ -86,7 +86,7 @@ def test_the_async_client_gives_back_and_maps_again_the_same_way(tmp_path: Path)
         with running(_float32(tmp_path / "other"), port=port) as other:
             with Client(other.url, shared_memory=False) as writer:
                 writer.store(tokens, kv_of(len(tokens), seed=2).float())
-            with pytest.raises(ReplyError, match=r"pools\.layout"):
+            with pytest.raises(LayoutChangedError, match=r"pools\.layout"):
                 loop.run_until_complete(load(client, tokens))
             assert _live_leases(other) == 0
         with running(same, port=port) as back:

@@ -38,7 +38,7 @@ Invariants:
   server whose replies keep naming other instances costs one request each, never a loop. The
   new pools are mapped (`map`), and the reply's slots are used through them if their
   instance is the reply's; else its KV travels in the body. A new server of another layout is
-  a `ReplyError` (`pools.layout`), with nothing mapped.
+  a `LayoutChangedError` (`pools.layout`, a `ReplyError`), with nothing mapped.
 - A load reply in the body is checked against the prompt before it is returned or a byte of
   it lands in the caller's `out`: no more tokens than were asked, in whole blocks where the
   layout is known (`ReplyError`).
@@ -59,7 +59,7 @@ from kvtier.blocks import Tokens, check_start, encode_tokens, to_blocks
 from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
 from kvtier.client.arguments import check_tier
 from kvtier.client.pages import LoadPages, joined, stored
-from kvtier.errors import ReplyError, shown
+from kvtier.errors import LayoutChangedError, ReplyError, shown
 from kvtier.kernels.block_copy import copy_blocks_slices
 from kvtier.results import Lease, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.service import replies
@@ -105,10 +105,10 @@ class MappedPools:
         nothing mapped); a pool that is not here to map stays unmapped. Without `mapping`,
         only learn the layout and the pools (a client without shared memory that needs the
         layout for a caller's `out`). A layout other than the one learnt before is a
-        `ReplyError` (`pools.layout`): the caller's KV was checked against that one."""
+        `LayoutChangedError` (`pools.layout`): the caller's KV was checked against that one."""
         served = replies.pools(body)
         if self.served is not None and served.layout != self.served.layout:
-            raise ReplyError(
+            raise LayoutChangedError(
                 f"pools.layout: got {served.layout}, expected {self.served.layout}, the layout "
                 "this client was serving (the server restarted with another)"
             )

@@ -92,7 +92,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtier.client import Client
-from kvtier.errors import ConfigError, KVTierError, ReplyError
+from kvtier.errors import ConfigError, KVTierError, LayoutChangedError
 from kvtier.integrations import paged
 from kvtier.integrations.lookups import Quiet
 from kvtier.integrations.resets import reset_tenants
@@ -300,7 +300,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return stale
 
     def _failed(self, what: str, error: BaseException) -> None:
-        if isinstance(error, ReplyError) and str(error).startswith(LAYOUT_CHANGED):
+        if isinstance(error, LayoutChangedError):
             self.stale_until = time.monotonic() + self.stale_s
         self.quiet.failed(error)
         self._count("errors", 1)
@@ -322,8 +322,6 @@ NOT_STORED = (
 STALE_S = 30.0
 """How long `batch_exists` answers a miss unasked after a load or store found the sidecar on
 another layout (`_stale`)."""
-LAYOUT_CHANGED = "pools.layout"
-"""How the client's `ReplyError` for a server restarted on another layout begins."""
 TIMEOUT_S = 10.0
 """The most a call to the sidecar waits by default (`kvtier.timeout_s`): a lookup is a hash walk
 (0.07 s for 1M tokens), a batch of pages a copy through shared memory; a sidecar that hangs
