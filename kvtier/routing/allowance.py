@@ -1,7 +1,7 @@
 """What one KV-event publisher may make a router's subscriber do (`subscriber.py`, Trust):
 
 - `Voice`: the pod it speaks for and the topics it speaks on. A publisher speaks for one pod
-  (`index.pod_of` its topic), the first it names that no other publisher spoke for, on at most
+  (`keys.pod_of` its topic), the first it names that no other publisher spoke for, on at most
   a set number of topics of at most `MAX_TOPIC_CHARS` characters: one pod's publisher cannot
   clear, restart or add to another pod's blocks, nor hold topics without end. First come,
   unless the router names each publisher's pod when it adds it (`Subscriber.add(pod=...)`):

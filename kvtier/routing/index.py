@@ -12,7 +12,7 @@ Keys. A publisher's block hashes are its own (kvtier's are counters, vLLM's are 
 own chaining, salted per process), so the index keys blocks by content: a block's key chains
 the previous block's key with the block's tokens (BLAKE2b, 8 bytes), the first block's from a
 seed of the LoRA name. Two pods holding the same tokens hold the same keys; a prompt's keys
-are computed the same way. Each source maps its hashes to keys (`_Source.keys`), so a
+are computed the same way. Each source maps its hashes to keys (`Source.keys`), so a
 BlockRemoved (hashes only) finds them, and a BlockStored's parent hash finds the key its
 blocks chain from.
 
@@ -24,8 +24,9 @@ counted and skipped. Nothing a payload holds is executed or taken as a path.
 
 Bounds. What one source says stays its own and is bounded: a pod maps at most `max_blocks`
 hashes over all its sources (a BlockStored past it is skipped, counted as `full`: one cut in
-pieces, `runs`, keeps those before; a snapshot is refused whole), each source names at most
-`MAX_MEDIA` media, in a table of its own, and keeps the weights of `MAX_WEIGHTS` media masks.
+pieces, `runs`, keeps those before; a snapshot keeps its events in order until full, as in
+place), each source names at most `keys.MAX_MEDIA` media, in a table of its own, and keeps the
+weights of `keys.MAX_WEIGHTS` media masks.
 
 One key, several hashes. A source may hold the same tokens under several hashes at once, each
 in its own media: the tenants of one kvtier topic (each namespace numbers its own blocks), or
@@ -45,25 +46,27 @@ Invariants (`check()`):
 - `_blocks[pod]` is the number of hashes the pod's sources map.
 
 Thread safety: every method takes the index's lock (a subscriber's thread applies, the router
-scores). A message is decoded, its events of no known shape counted and its token ids packed
-outside it (`reading` bounds the decode), then applied `runs.APPLY_BLOCKS` blocks a hold, long
-events cut in pieces (`runs`), so a score waits for one run (a few ms), not a whole message nor
-one long event; a snapshot (`reset`) is built outside the lock, in an index of its own, and
-put in place in one hold, so that no score sees its topic empty (it held the lock while it
-applied every event: 1.3 s for 200,000 blocks).
+scores). A message is decoded, its events of no known shape counted and, past
+`runs.PACK_BLOCKS` blocks, its token ids packed outside it (`reading` bounds the decode), then
+applied `runs.APPLY_BLOCKS` blocks a hold, long events cut in pieces (`runs`), so a score waits
+for one run (a few ms), not a whole message nor one long event; a snapshot (`reset`) is built
+outside the lock, in an index of its own, and put in place in one hold, so that no score sees
+its topic empty: a hold of about 0.5 us per block forgotten and put in place (86-120 ms for
+200,000 over as many; it held the lock while it applied every event: 1.3 s). `clear` forgets
+its topic (`stats()["cleared"]` counts the clears of topics heard of since their last `clear`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.blocks import Tokens, encode_tokens
 from kvtier.errors import shown
 from kvtier.routing import checks, runs
-from kvtier.routing.keys import chain, pod_of, seed
+from kvtier.routing.keys import Source, chain, pod_of, seed, weight
+from kvtier.routing.keys import bit as bit_of
 from kvtier.routing.reading import BadEvent, batch_events, block_hash, block_hashes, positional
 from kvtier.routing.reading import medium as medium_of
 
@@ -74,25 +77,11 @@ from kvtier.routing.reading import medium as medium_of
 # (`bench_remote.py` / `bench_disk.py`). The weights keep that order with a small step per
 # tier, so that of two pods holding the same prefix, the one holding it faster scores higher.
 DEFAULT_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.99, "DISK": 0.98, "REMOTE": 0.95}
-MAX_MEDIA = 16  # distinct medium names a source may name; an event naming another is skipped
 MAX_BLOCKS = 1 << 21
 """The blocks a pod may make an index hold by default (about 570 bytes each, measured with
 `tracemalloc` over 100k blocks: some 1.2 GiB)."""
-MAX_WEIGHTS = 1024  # media masks a source keeps the weight of (`_weight`): bounded memory
 MAX_HASHES = 256
 """Hashes a source may keep for one key (module doc): tenants of a topic, cache salts."""
-
-
-@dataclass
-class _Source:
-    pod: str
-    tenant: str | None  # the topic's fourth field, if any (module doc)
-    keys: dict[Any, bytes] = field(default_factory=dict)  # the source's hash -> key
-    masks: dict[Any, int] = field(default_factory=dict)  # the source's hash -> media bitmask
-    held: dict[bytes, int] = field(default_factory=dict)  # key -> its hashes' media, together
-    hashes: dict[bytes, tuple[Any, ...]] = field(default_factory=dict)  # key -> its hashes
-    media: dict[str, int] = field(default_factory=dict)  # medium name -> bit, its own
-    weight_of: dict[int, float] = field(default_factory=lambda: {0: 0.0})  # mask -> best weight
 
 
 class PrefixIndex:
@@ -105,9 +94,10 @@ class PrefixIndex:
         self.block_size = int(checks.number("block_size", block_size, 1, integer=True))
         self.max_blocks = int(checks.number("max_blocks", max_blocks, 1, integer=True))
         self.weights = checks.weights(DEFAULT_WEIGHTS if weights is None else weights)
-        self._sources: dict[str, _Source] = {}
+        self._sources: dict[str, Source] = {}
         self._where: dict[bytes, dict[str, int]] = {}  # key -> {source: media bitmask}
         self._blocks: dict[str, int] = {}  # pod -> hashes its sources map
+        self._topics: dict[str, int] = {}  # pod -> its sources (`clear` forgets an empty pod)
         self._stats = dict.fromkeys(
             ("events", "bad", "orphans", "block_size", "full", "cleared"), 0
         )
@@ -123,10 +113,14 @@ class PrefixIndex:
         return self._apply_events(source, self._decode(payload))
 
     def _apply_events(self, source: str, events: list[Any]) -> int:
-        applied, failed = 0, False
-        for run in runs.runs(self._shaped(events), self.block_size):  # one at least: heard of
+        events = self._shaped(events)
+        if runs.whole(events, self.block_size):  # most messages: one hold, no piece cut
             with self._lock:
-                done, failed = self._apply_all(source, run, failed)
+                return self._apply_all(source, events)
+        applied, failed = 0, False
+        for run in runs.runs(events, self.block_size):
+            with self._lock:
+                done, failed = self._apply_run(source, run, failed)
             applied += done
         return applied
 
@@ -141,23 +135,28 @@ class PrefixIndex:
     def reset(self, source: str, payload: bytes) -> int:
         """Forget `source`'s blocks and apply `payload` (a snapshot, `GET /v1/blocks`) in one
         step: a score never sees the source empty in between. Built outside the lock, in an
-        index of its own, and put in place in one hold (module doc, Thread safety); one that
-        would take its pod past `max_blocks` with the pod's other sources is refused whole,
-        counted as `full`, and the source forgotten."""
-        built = PrefixIndex(self.block_size, self.weights, self.max_blocks)
-        applied = built._apply_events(source, self._decode(payload))
+        index of its own bounded by the room the pod's other sources leave (its events applied
+        in order until full, as in place), and put in place in one hold (module doc, Thread
+        safety); one that those sources have made too big meanwhile is refused whole, counted
+        as `full`, and the source left empty."""
+        events = self._decode(payload)
+        with self._lock:  # the room the pod's other sources leave it: as full as in place
+            mine = self._sources.get(source)
+            others = self._blocks.get(pod_of(source), 0) - (len(mine.keys) if mine else 0)
+        built = PrefixIndex(self.block_size, self.weights, max(1, self.max_blocks - others))
+        built.max_blocks = self.max_blocks - others  # 0: the other sources fill the pod
+        applied = built._apply_events(source, events)
         new = built._sources[source]
         with self._lock:
             self._clear(source)
             src = self._source(source)
             for name, count in built._stats.items():
                 self._stats[name] += count
-            if self._blocks[src.pod] + len(new.keys) > self.max_blocks:
+            if self._blocks[src.pod] + len(new.keys) > self.max_blocks:  # others grew meanwhile
                 self._stats["full"] += 1
                 self._stats["events"] -= applied
                 return 0
-            src.keys, src.masks, src.held, src.hashes = new.keys, new.masks, new.held, new.hashes
-            src.media, src.weight_of = new.media, new.weight_of
+            src.take(new)
             self._blocks[src.pod] += len(new.keys)
             for key, mask in new.held.items():
                 self._where.setdefault(key, {})[source] = mask
@@ -171,12 +170,25 @@ class PrefixIndex:
                 self._stats["bad"] += 1
             raise
 
-    def _apply_all(self, source: str, pieces: list[runs.Piece], failed: bool) -> tuple[int, bool]:
-        """Apply a run of `pieces` (`runs.cut`); `failed`: the piece before was refused (its
-        event's next pieces are skipped, uncounted). The events applied, and `failed` after."""
-        applied = 0
-        src = self._source(source)
-        for event, continues in pieces:
+    def _apply_all(self, source: str, events: list[Any]) -> int:
+        """Apply `events`, none cut (`runs.whole`); the events applied."""
+        applied, src = 0, self._source(source)
+        for event in events:
+            try:
+                self._apply_one(source, src, event)
+            except BadEvent:
+                self._stats["bad"] += 1
+                continue
+            applied += 1
+        self._stats["events"] += applied
+        return applied
+
+    def _apply_run(self, source: str, run: list[runs.Piece], failed: bool) -> tuple[int, bool]:
+        """Apply a `run` of pieces (`runs`); `failed`: the piece before was refused (its event's
+        next pieces are skipped). The events applied (an event counts at its last piece, never
+        both applied and `bad`), and `failed` after."""
+        applied, src = 0, self._source(source)
+        for event, continues, ends in run:
             if continues and failed:
                 continue
             try:
@@ -186,7 +198,7 @@ class PrefixIndex:
                 failed = True
                 continue
             failed = False
-            applied += not continues
+            applied += ends
         self._stats["events"] += applied
         return applied, failed
 
@@ -197,19 +209,22 @@ class PrefixIndex:
         with self._lock:
             self._clear(source)
             src = self._sources.pop(source, None)
-            if src is not None and all(s.pod != src.pod for s in self._sources.values()):
-                del self._blocks[src.pod]
+            if src is not None:
+                self._topics[src.pod] -= 1
+                if not self._topics[src.pod]:
+                    del self._topics[src.pod], self._blocks[src.pod]
 
-    def _source(self, source: str) -> _Source:
+    def _source(self, source: str) -> Source:
         found = self._sources.get(source)
         if found is None:
             parts = source.split("@")
             tenant = parts[3] if len(parts) > 3 else None
-            found = self._sources[source] = _Source(pod_of(source), tenant)
+            found = self._sources[source] = Source(pod_of(source), tenant)
             self._blocks.setdefault(found.pod, 0)
+            self._topics[found.pod] = self._topics.get(found.pod, 0) + 1
         return found
 
-    def _apply_one(self, name: str, src: _Source, event: Any) -> None:
+    def _apply_one(self, name: str, src: Source, event: Any) -> None:
         if not isinstance(event, list) or not event or not isinstance(event[0], str):
             raise BadEvent("event: expected [class name, fields...]")
         kind = event[0]
@@ -225,7 +240,7 @@ class PrefixIndex:
         else:
             raise BadEvent(f"event: {kind!r} with {len(event)} fields")
 
-    def _stored(self, name: str, src: _Source, event: list[Any]) -> None:
+    def _stored(self, name: str, src: Source, event: list[Any]) -> None:
         hashes, parent, tokens, block_size = block_hashes(event[1]), event[2], event[3], event[4]
         if type(block_size) is not int or block_size != self.block_size:
             self._stats["block_size"] += 1
@@ -237,7 +252,7 @@ class PrefixIndex:
         lora = event[7] if len(event) > 7 else None
         if lora is not None and not isinstance(lora, str):
             raise BadEvent("lora_name: expected a string or nil")
-        bit = _bit(src, medium_of(event[6]))
+        bit = bit_of(src, medium_of(event[6]))
         if parent is None:
             previous = seed(lora)
         else:
@@ -264,7 +279,7 @@ class PrefixIndex:
             src.held[key] = src.held.get(key, 0) | bit
             self._where.setdefault(key, {})[name] = src.held[key]
 
-    def _drop(self, name: str, src: _Source, h: Any, bit: int) -> None:
+    def _drop(self, name: str, src: Source, h: Any, bit: int) -> None:
         """`h` lost the media of `bit` (-1: all) at `src`; its key keeps the media of its other
         hashes (module doc)."""
         key = src.keys.get(h)
@@ -330,23 +345,13 @@ class PrefixIndex:
                     if tenant is not None and src.tenant not in (None, tenant):
                         continue
                     if alive is None or src.pod in alive:
-                        best[src.pod] = max(best.get(src.pod, 0.0), self._weight(src, mask))
+                        best[src.pod] = max(best.get(src.pod, 0.0), weight(src, mask, self.weights))
                 if not best:
                     break
-                for pod, weight in best.items():
-                    scores[pod] = scores.get(pod, 0.0) + weight * self.block_size
+                for pod, best_weight in best.items():
+                    scores[pod] = scores.get(pod, 0.0) + best_weight * self.block_size
                 alive = set(best)
         return scores
-
-    def _weight(self, src: _Source, mask: int) -> float:
-        weight = src.weight_of.get(mask)
-        if weight is None:
-            held = [medium for medium, bit in src.media.items() if mask & bit]
-            # a medium without a weight counts as GPU does (as llm-d weighs one)
-            weight = max((self.weights.get(medium, 1.0) for medium in held), default=0.0)
-            if len(src.weight_of) < MAX_WEIGHTS:  # 16 media make 65,536 masks: kept bounded
-                src.weight_of[mask] = weight
-        return weight
 
     def pods(self) -> dict[str, int]:
         """Blocks known per pod heard from (0: it told of none, or told to forget them)."""
@@ -371,26 +376,10 @@ class PrefixIndex:
             held = {(k, n): m for n, s in self._sources.items() for k, m in s.held.items()}
             assert pairs == held, "_where and the sources' held media differ"
             assert all(pairs.values()), "a key held in no medium"
-            mapped = dict.fromkeys(self._blocks, 0)
+            mapped, topics = dict.fromkeys(self._blocks, 0), dict.fromkeys(self._topics, 0)
             for src in self._sources.values():
-                assert set(src.keys.values()) == set(src.held) == set(src.hashes), src.pod
-                assert set(src.masks) == set(src.keys) and all(src.masks.values()), src.pod
-                for key, hashes in src.hashes.items():
-                    assert hashes and all(src.keys[h] == key for h in hashes), src.pod
-                    union = 0
-                    for h in hashes:
-                        union |= src.masks[h]
-                    assert union == src.held[key], f"{src.pod}: a key's media are not its hashes'"
-                assert sum(map(len, src.hashes.values())) == len(src.keys), src.pod
+                src.check()
                 mapped[src.pod] += len(src.keys)
+                topics[src.pod] += 1
             assert mapped == self._blocks, f"blocks per pod {self._blocks}, mapped {mapped}"
-
-
-def _bit(src: _Source, medium: str) -> int:
-    """The bit of `medium` in `src`'s own table (a source cannot use up another's)."""
-    bit = src.media.get(medium)
-    if bit is None:
-        if len(src.media) >= MAX_MEDIA:
-            raise BadEvent(f"medium: {medium!r} past the {MAX_MEDIA} media a source may name")
-        bit = src.media[medium] = 1 << len(src.media)
-    return bit
+            assert topics == self._topics, f"sources per pod {self._topics}, held {topics}"
