@@ -355,15 +355,17 @@ def test_slot_arrays_and_tensors_are_checked_whole_with_the_same_refusals() -> N
     the same refusals name the first slot out of range and a destination named twice."""
     src = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
     dst = torch.zeros(4, 3)
-    for kind in (np.array, torch.tensor):
+    kinds: list[Any] = [np.array, torch.tensor]  # (slot arrays: the check takes them too)
+    for kind in kinds:
         with pytest.raises(InvalidArgumentError, match=r"source slot 5 is out of range"):
-            copy_blocks_gather(src, dst, kind([0, 5, 7]), [0, 1, 2])  # type: ignore[operator]
+            copy_blocks_gather(src, dst, kind([0, 5, 7]), [0, 1, 2])
         with pytest.raises(InvalidArgumentError, match=r"destination slot -1 is out of range"):
-            copy_blocks_gather(src, dst, [0, 1], kind([0, -1]))  # type: ignore[operator]
+            copy_blocks_gather(src, dst, [0, 1], kind([0, -1]))
         with pytest.raises(InvalidArgumentError, match="destination slot 2 is named twice"):
-            copy_blocks_gather(src, dst, [0, 1, 3], kind([2, 0, 2]))  # type: ignore[operator]
+            copy_blocks_gather(src, dst, [0, 1, 3], kind([2, 0, 2]))
         assert not dst.any()
-    copy_blocks_gather(src, dst, np.array([4, 1], dtype=np.uint8), torch.tensor([3, 0]))
+    small: Any = np.array([4, 1], dtype=np.uint8)
+    copy_blocks_gather(src, dst, small, torch.tensor([3, 0]))  # type: ignore[arg-type]
     assert torch.equal(dst[3], src[4]) and torch.equal(dst[0], src[1])
     with pytest.raises(InvalidArgumentError, match="is not an integer"):
         copy_blocks_gather(src, dst, torch.tensor([1.0]), [2])  # type: ignore[arg-type]
