@@ -78,8 +78,8 @@ from kvtier.routing.reading import medium as medium_of
 # tier, so that of two pods holding the same prefix, the one holding it faster scores higher.
 DEFAULT_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.99, "DISK": 0.98, "REMOTE": 0.95}
 MAX_BLOCKS = 1 << 21
-"""The blocks a pod may make an index hold by default (about 570 bytes each, measured with
-`tracemalloc` over 100k blocks: some 1.2 GiB)."""
+"""The blocks a pod may make an index hold by default (530-570 bytes each, measured with
+`tracemalloc` over 100k-262k blocks: some 1.2 GiB)."""
 MAX_HASHES = 256
 """Hashes a source may keep for one key (module doc): tenants of a topic, cache salts."""
 
