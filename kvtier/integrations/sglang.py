@@ -15,14 +15,15 @@ so kvtier's index, prefix closure and tiers hold them as they hold prompts:
 
 - `batch_exists(keys)`: one `lookup` of the chain (the prefix keys SGLang passes, then `keys`);
   the number of leading `keys` kvtier holds. 0, unasked (`skipped_calls`), once a load or store
-  found the sidecar restarted on another layout, until one succeeds again: those pages cannot
-  be served here, and each hit would cost SGLang host slots and a failed prefetch.
+  found the sidecar restarted on another layout, until one succeeds again or `STALE_S` has
+  passed (`_stale`): those pages cannot be served here, and each hit would cost SGLang host
+  slots and a failed prefetch.
 - `batch_set_v1(keys, host_indices)`: the pages' KV read from SGLang's host pool (any of its
   MHA layouts, `paged.host_gather`) and stored below the prefix (`store(..., start=)`): a
   page is stored only under the pages before it, so with `hicache_storage_pass_prefix_keys`
   off, each batch of a sequence is a chain of its own (still exact, fewer hits). Pages the
-  sidecar answers it did not take (no room: a batch of more new blocks than its gpu or host
-  tier has slots; or their prefix is gone) are False, counted in `stats["pages_not_stored"]`
+  sidecar answers it did not take (`NOT_STORED`: no room, a disk that could not keep up, or
+  their prefix gone) are False, counted in `stats["pages_not_stored"]`
   and logged.
 - `batch_get_v1(keys, host_indices)`: `load` of the chain's keys' part only (`start=` past
   the prefix keys), the leading pages written into the host slots; per key whether it was.

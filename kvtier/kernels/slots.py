@@ -49,37 +49,33 @@ def check_slots(src_slots: Sequence[int], dst_slots: Sequence[int], src: int, ds
     array or tensor of an integer dtype is checked whole (its elements one by one took 4 to 15
     us each: 1.5 s for 100k slots)."""
     check_counts(src_slots, dst_slots)
-    odd = False
-    for name, slots, limit in (("source", src_slots, src), ("destination", dst_slots, dst)):
-        array = _integer_array(slots)
-        if array is not None:
+    dst_array = _integer_array(dst_slots)
+    sides = (("source", src_slots, _integer_array(src_slots), src),
+             ("destination", dst_slots, dst_array, dst))  # fmt: skip
+    for name, slots, array, limit in sides:
+        if array is not None:  # checked whole
             bad = np.flatnonzero((array < 0) | (array >= limit))
             if bad.size:
                 raise InvalidArgumentError(
                     f"block copy: {name} slot {int(array[bad[0]])} is out of range; "
                     f"expected slots in [0, {limit})"
                 )
-            odd = odd or slots is dst_slots
             continue
-        for slot in (bad_slots := [s for s in slots if type(s) is not int or not 0 <= s < limit]):
+        for slot in (odd := [s for s in slots if type(s) is not int or not 0 <= s < limit]):
             number = integer(slot)
             if number is None or not 0 <= number < limit:
                 what = "is out of range" if number is not None else "is not an integer"
                 raise InvalidArgumentError(
                     f"block copy: {name} slot {shown(slot)} {what}; expected slots in [0, {limit})"
                 )
-        odd = odd or (bool(bad_slots) and slots is dst_slots)
-    named = _integer_array(dst_slots)
-    if named is not None:
-        if np.unique(named).size != named.size:
-            slot = collections.Counter(named.tolist()).most_common(1)[0][0]
-            raise InvalidArgumentError(
-                f"block copy: destination slot {slot} is named twice; expected distinct slots"
-            )
-        return
-    listed = [operator.index(s) for s in dst_slots] if odd else dst_slots  # (tensors hash by id)
-    if len(set(listed)) != len(listed):
-        slot = collections.Counter(listed).most_common(1)[0][0]
+    if dst_array is not None:
+        if np.unique(dst_array).size == dst_array.size:
+            return
+        named: Sequence[int] = dst_array.tolist()
+    else:  # `odd`: the destinations' (the last side): tensors hash by id, so as ints
+        named = [operator.index(s) for s in dst_slots] if odd else dst_slots
+    if len(set(named)) != len(named):
+        slot = collections.Counter(named).most_common(1)[0][0]
         raise InvalidArgumentError(
             f"block copy: destination slot {slot} is named twice; expected distinct slots"
         )
