@@ -21,17 +21,16 @@ field, before any line of the table). Every line printed goes through `say` (`cl
 with what `status` and `info` print): what came from outside (a server's reply or error, a
 status field) is shown with its control characters escaped (`\x1b`), never as a terminal
 escape or a forged line. SIGTERM or SIGINT while `serve` starts, before its server takes them
-over, ends it with one line and status 0 (`_stop_at_start`); Ctrl-C in another command with
-one line, then (the program, `run`) by SIGINT itself, as Python ends: a shell script's loop
-stops on it only when its command died of SIGINT (an exit status of 130 let it go on); never a
-traceback.
+over, ends it with one line and status 0 (`program.stop_at_start`); Ctrl-C in another command
+with one line, then (the program, `program.run`) by SIGINT itself, as Python ends: a shell
+script's loop stops on it only when its command died of SIGINT (an exit status of 130 let it go
+on); never a traceback. The same holds while this module's imports load (`program.py`, the
+installed `kvtier`'s entry: `run` here is `python -m kvtier.cli`'s).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import signal
 import sys
@@ -41,6 +40,14 @@ from pathlib import Path
 from kvtier.cli_status import cmd_status, print_status, say, say_json
 from kvtier.config import KVTierConfig, default_config, format_size, load_config, parse_config
 from kvtier.errors import KVTierError
+from kvtier.program import (
+    INTERRUPTED,
+    StoppedAtStart,
+    die_interrupted,
+    hangup,
+    stop_at_start,
+    stopped_line,
+)
 from kvtier.store import KVStore
 from kvtier.tiers.disk.check import PROBLEMS, check_directory
 from kvtier.tiers.disk.codec import tier_codec
@@ -55,41 +62,12 @@ def _config(path: str | None) -> KVTierConfig:
     return default_config() if path is None else load_config(path)
 
 
-def _hangup(signum: int, frame: object) -> None:
-    """SIGHUP to `kvtier serve`: logged and ignored. Its default action killed the process
-    with no clean stop (copies in flight dropped, the pools left in /dev/shm until the next
-    start), and systemd's `Restart=on-failure` takes a death by SIGHUP for a clean exit, so it
-    stayed down. The config is read only at start: a change needs a restart."""
-    logging.getLogger("kvtier.serve").warning(
-        "kvtier: SIGHUP ignored: the config is read only at start (restart to apply a change; "
-        "SIGTERM stops cleanly)"
-    )
-
-
-class _StoppedAtStart(BaseException):
-    """SIGTERM or SIGINT to `kvtier serve` before its server took them over: a BaseException,
-    as KeyboardInterrupt is, so that no `except Exception` on the way up holds the stop."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop_at_start(signum: int, frame: object) -> None:
-    """SIGTERM or SIGINT while `kvtier serve` starts (its imports, the config, the secret, the
-    port): nothing is served yet, so the start ends there, one line and exit 0 (`main`), as
-    a stop of a running sidecar does; SIGINT's default was a KeyboardInterrupt's traceback of
-    some 30 lines, SIGTERM's a death by the signal (status 143). The server installs its own
-    handlers (a clean stop of the store) once it runs, and puts these back after."""
-    raise _StoppedAtStart(signum)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGHUP, _hangup)  # before the config is read (not before the imports)
+    signal.signal(signal.SIGHUP, hangup)  # before the config (`program.run`: the imports)
     before = {stop: signal.getsignal(stop) for stop in (signal.SIGTERM, signal.SIGINT)}
     for stop, handler in before.items():
         if handler is not signal.SIG_IGN:  # ignored (`nohup`, `&` in a script): left so
-            signal.signal(stop, _stop_at_start)
+            signal.signal(stop, stop_at_start)
     try:
         from kvtier.service.server import serve  # FastAPI, uvicorn: a second or two
 
@@ -262,10 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-INTERRUPTED = 130
-"""`main`'s status for Ctrl-C, as a shell reports a command that SIGINT ended (128 + 2)."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -276,9 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVTierError as exc:
         say(f"kvtier: {exc}", file=sys.stderr)
         return 2
-    except _StoppedAtStart as stop:
-        name = signal.Signals(stop.signum).name
-        say(f"kvtier: {name} while starting: stopped before serving anything", file=sys.stderr)
+    except StoppedAtStart as stop:
+        say(stopped_line(stop), file=sys.stderr)
         return 0
     except KeyboardInterrupt:  # Ctrl-C in a command other than `serve`: one line, no traceback
         say("kvtier: interrupted", file=sys.stderr)
@@ -296,13 +269,11 @@ def _quiet_stdout() -> None:
 
 
 def run() -> None:
-    """The program (`kvtier`): `main`'s status, or, interrupted, death by SIGINT (module doc)."""
+    """`python -m kvtier.cli`: `main`'s status, or, interrupted, death by SIGINT (module doc;
+    the installed `kvtier` is `program.run`, which answers a stop during these imports too)."""
     code = main()
     if code == INTERRUPTED:
-        with contextlib.suppress(OSError, ValueError, AttributeError):  # (None: closed)
-            sys.stdout.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+        die_interrupted()
     sys.exit(code)
 
 

@@ -345,7 +345,7 @@ def test_the_image_builds_kvtier_from_what_it_copies(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     with zipfile.ZipFile(next(wheels.glob("kvtier-*.whl"))) as wheel:
         entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
-        assert "kvtier = kvtier.cli:run" in wheel.read(entry_points).decode()
+        assert "kvtier = kvtier.program:run" in wheel.read(entry_points).decode()
 
 
 def pod_config_file(tmp_path: Path) -> Path:
