@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, model_validator
 
-from kvtier.config.fields import InvalidValue, Section, int_in, matching, one_of, rule
+from kvtier.config.fields import InvalidValue, Section, bytes_in, int_in, matching, one_of, rule
 
 # a tcp host: a name, an IPv4 or a bracketed IPv6 address (a link-local one's zone after %);
 # an ipc path: no NUL byte and no lone surrogate (ZMQ takes the address as UTF-8)
@@ -77,8 +77,8 @@ class EventsConfig(Section):
     topic: Annotated[str | None, matching(_TOPIC, _TOPIC_TEXT, True)] = None
     per_tenant_topic: Annotated[bool, one_of((True, False))] = False
     buffer: Annotated[int, int_in(1, 1_000_000)] = 10_000
-    buffer_bytes: Annotated[int, int_in(1 << 16, 1 << 36)] = 64 << 20
-    max_message_bytes: Annotated[int, int_in(1 << 16, 1 << 30)] = 8 << 20
+    buffer_bytes: Annotated[int, bytes_in(1 << 16, 1 << 36)] = 64 << 20
+    max_message_bytes: Annotated[int, bytes_in(1 << 16, 1 << 30)] = 8 << 20
 
     @model_validator(mode="after")
     def _tenant_is_fourth(self) -> EventsConfig:

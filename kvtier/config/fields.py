@@ -40,7 +40,7 @@ from pydantic import (
 
 from kvtier.errors import ConfigError
 from kvtier.private_files import PATH_EXPECTED, is_path
-from kvtier.sizes import FRACTION_EXPECTED, Capacity
+from kvtier.sizes import FRACTION_EXPECTED, Capacity, format_size, parse_size
 
 _DISK_EXPECTED = "a size like '1TiB' (a fraction of free memory is for gpu and host only)"
 
@@ -122,6 +122,30 @@ def int_in(low: int, high: float = math.inf) -> BeforeValidator:
     if low == 1 and high == math.inf:
         expected = "a positive integer"
     return rule(lambda v: type(v) is int and low <= v <= high, expected)
+
+
+def bytes_in(low: int, high: int) -> BeforeValidator:
+    """A number of bytes in [low, high]: an int (not a bool) or a size as capacities are
+    written (`'8MiB'`, `'2GiB'`, `'65536'`; `sizes.parse_size`), taken as its int. Before, these
+    fields took an int only, and `max_body_bytes: 2GiB` was refused though every capacity beside
+    it is written so."""
+    expected = (
+        f"a size like '8MiB' or a whole number of bytes, in [{format_size(low)}, "
+        f"{format_size(high)}] ([{low}, {high}] bytes)"
+    )
+
+    def check(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise InvalidValue(value, expected)
+        try:
+            nbytes = parse_size(value)
+        except ConfigError:
+            raise InvalidValue(value, expected) from None
+        if not low <= nbytes <= high:
+            raise InvalidValue(value, expected)
+        return nbytes
+
+    return BeforeValidator(check)
 
 
 def number_in(low: float, high: float, expected: str) -> BeforeValidator:

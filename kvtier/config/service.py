@@ -24,11 +24,12 @@ from kvtier.config.fields import (
     InvalidValue,
     KeyRef,
     Section,
+    bytes_in,
     int_in,
     number_in,
     one_of,
 )
-from kvtier.sizes import MAX_SIZE
+from kvtier.sizes import MAX_SIZE, format_size
 
 MOST_BODY_BYTES = 1 << 50
 """The largest `max_body_bytes` (1PiB): the most a client takes a server's `/v1/pools` to say."""
@@ -71,8 +72,8 @@ class ServiceConfig(Section):
     # bounded: a larger one (10**30) passed, and `/v1/pools`, which names it in msgpack (64-bit
     # integers), was a 500 that no client could connect past; a client takes at most
     # MOST_BODY_BYTES there (`service/replies.py`), the budget at most a size (1024PiB)
-    max_body_bytes: Annotated[int, int_in(1024, MOST_BODY_BYTES)] = 1 << 30
-    max_inflight_bytes: Annotated[int, int_in(2048, MAX_SIZE)] | None = None  # `inflight_bytes`
+    max_body_bytes: Annotated[int, bytes_in(1024, MOST_BODY_BYTES)] = 1 << 30
+    max_inflight_bytes: Annotated[int, bytes_in(2048, MAX_SIZE)] | None = None  # `inflight_bytes`
     prefetch_wait_s: Annotated[float, number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
     body_timeout_s: Annotated[float, number_in(0.0, 3600.0, "seconds in (0, 3600]")] = 30.0
     allowed_hosts: Annotated[tuple[str, ...], BeforeValidator(_host_names)] = ()
@@ -84,8 +85,8 @@ class ServiceConfig(Section):
         if inflight is not None and inflight < self.max_body_bytes:
             raise InvalidValue(
                 inflight,
-                f"at least max_body_bytes ({self.max_body_bytes}): the largest body or load "
-                "reply must fit",
+                f"at least max_body_bytes ({format_size(self.max_body_bytes)}, "
+                f"{self.max_body_bytes} bytes): the largest body or load reply must fit",
                 "max_inflight_bytes",
             )
         return self
