@@ -5,6 +5,9 @@ families when Prometheus scrapes, so they can never drift from `/v1/status`. Onl
 latency is the service's own (a histogram per route). Names:
 
     kvtier_ready                                         1 once the store serves
+    kvtier_metrics_errors_total                          scrapes whose `store.status()` raised
+                                                         (a bug: logged; the store's figures are
+                                                         missing from that scrape)
     kvtier_tier_{capacity,used}_bytes{tier}              gauges
     kvtier_tier_{blocks,dirty_blocks,leased_blocks,free_slots}{tier}  gauges
     kvtier_tier_{reserved,quarantined,in_flight}_slots{tier}          gauges: slots in use that
@@ -57,6 +60,7 @@ latency is the service's own (a histogram per route). Names:
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -72,8 +76,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtier.errors import ClosedError
+
 if TYPE_CHECKING:
     from kvtier.service.admission import Service
+
+_LOG = logging.getLogger("kvtier.metrics")
 
 ROUTES = (
     "/v1/lookup", "/v1/prefetch", "/v1/release", "/v1/store", "/v1/load", "/v1/reserve",
@@ -145,6 +153,28 @@ class _FreezeCount:
 class _StoreCollector(Collector):
     def __init__(self, service: Service) -> None:
         self.service = service
+        self.errors = 0  # scrapes whose `store.status()` raised (not a closed store)
+        self.logged: set[str] = set()  # the kinds of error logged with their traceback
+
+    def _failed(self, exc: Exception | None) -> CounterMetricFamily:
+        """`kvtier_metrics_errors_total`, counting `exc` (None: none this scrape). Before, every
+        exception of `status()` was taken for a store closing: the store's figures vanished
+        from /metrics, `kvtier_ready` stayed 1, and nothing said why. A kind of error is logged
+        with its traceback once, then in one line at each scrape."""
+        if exc is not None:
+            self.errors += 1
+            kind = type(exc).__name__
+            if kind in self.logged:
+                _LOG.error("kvtier: /metrics: store.status() raised %s: %s", kind, exc)
+            else:
+                self.logged.add(kind)
+                _LOG.error("kvtier: /metrics: store.status() raised (a bug)", exc_info=exc)
+        family = CounterMetricFamily(
+            "kvtier_metrics_errors",
+            "Scrapes whose read of the store's status raised (a bug: its figures are missing)",
+        )
+        family.add_metric([], self.errors)
+        return family
 
     def collect(self) -> Iterator[Any]:
         budget = self.service.budget
@@ -163,8 +193,12 @@ class _StoreCollector(Collector):
             return
         try:
             status = store.status()
-        except Exception:  # closing between the check and the call: nothing to report
+        except ClosedError:  # closing between the check and the call: nothing to report
             return
+        except Exception as exc:  # a bug in `status()`: said, counted, never a 500 of /metrics
+            yield self._failed(exc)
+            return
+        yield self._failed(None)
         yield from _tiers(status["tiers"])
         yield from _faults(status["tiers"])
         yield from _recovery(status["recovery"])
