@@ -55,6 +55,8 @@ server's), plus `ServiceError` for what has no store equivalent (auth, limits, n
                      only for the slots of replies of the server instance mapped
     lane.py          `LaneConnections` / `AsyncLaneConnections`: the clients' connections to
                      the server's local lane (at most `MOST_CALLS` calls of a client on it)
+    lane_slots.py    `Slots`: a client's `MOST_CALLS` slots of the lane, and the short calls
+                     in line for one (up to `SLOT_WAIT_S`, then HTTP)
     lane_frames.py   the lane's name and frames as a client reads them (untrusted)
     held.py          `LeaseFrom`: a load's lease, and until when it surely holds its slots
                      (a copy out of the mapped pool is kept only if it did)

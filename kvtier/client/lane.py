@@ -15,9 +15,9 @@ Contract:
   `RETRY_S` (`dead`), when it tries once more (a server that had no connection to spare may
   have one then). Safe from any number of threads: each call holds a connection of its own,
   taken from the idle ones or opened, and at most `MOST_CALLS` calls of a client are on the
-  lane at once: one past them takes HTTP, unsent, and the lane stays the client's (before, a
-  burst of 600 calls of one `AsyncClient` opened 600 connections, past the server's 256, and
-  every call of that client took HTTP for `RETRY_S`).
+  lane at once; one past them waits for a slot or takes HTTP, unsent (`lane_slots.py`), and
+  the lane stays the client's (before, a burst of 600 calls of one `AsyncClient` opened 600
+  connections, past the server's 256, and each call of that client took HTTP for `RETRY_S`).
 - A call has `timeout_s` for the whole of it (sending its frame and reading its whole reply;
   opening a connection, to the server's hello, within it too): a server that drips its reply a
   byte at a time cannot hold it longer. Once a request is sent, every failure (a reset, past
@@ -45,10 +45,12 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import socket
 import threading
 import time
+from functools import partial
 from typing import Any
 
 from kvtier.client.connections import Reply, TransportError, still_open
@@ -59,13 +61,11 @@ from kvtier.client.lane_frames import (
     read_frame_async,
     reply_of,
 )
+from kvtier.client.lane_slots import WAITING, Slots, wake_future
 from kvtier.errors import ClosedError, ReplyError
 from kvtier.service import frames, wire
 
 RETRY_S = 30.0
-MOST_CALLS = 64
-"""A client's calls on the lane at once (so its connections): a quarter of the server's bound
-(`service/lane.py`, 256), which four such clients may share; one more call takes HTTP."""
 _GOODBYE = object()  # `_send`'s answer where the server ended the connection unread
 
 
@@ -93,7 +93,7 @@ class LaneConnections(_Dead):
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._busy = 0  # calls on the lane now (`MOST_CALLS`)
+        self._slots = Slots()  # under `_lock`
 
     @classmethod
     def of(
@@ -107,23 +107,34 @@ class LaneConnections(_Dead):
         return lane
 
     def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
+        deadline = time.monotonic() + self.timeout_s  # the whole call's (module doc)
+        short = path not in WAITING
         with self._lock:
-            if self._busy >= MOST_CALLS:
-                return None  # HTTP, unsent: the lane is not out of reach (module doc)
-            self._busy += 1
+            turn = self._slots.queue(deadline)
+            try:
+                while not self._slots.take(turn, short):
+                    left = self._slots.wait_left(turn, short)
+                    if left <= 0:
+                        return None  # HTTP, unsent: the lane is not out of reach (module doc)
+                    woken = threading.Condition(self._lock)
+                    turn.wake = woken.notify
+                    woken.wait(left)
+            finally:
+                self._slots.leave(turn)
         try:
-            return self._request(path, body, headers)
+            return self._request(path, body, headers, deadline)
         finally:
             with self._lock:
-                self._busy -= 1
+                self._slots.give(short)
 
-    def _request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
+    def _request(
+        self, path: str, body: bytes, headers: dict[str, str], deadline: float
+    ) -> Reply | None:
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
         data = frames.frame(request)
         if self.too_long(data):
             return None  # HTTP: unsent
-        deadline = time.monotonic() + self.timeout_s  # the whole call's (module doc)
         for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
             sock = self._take(fresh, deadline)
             if sock is None:
@@ -241,7 +252,7 @@ class AsyncLaneConnections(_Dead):
         self.retry_at = 0.0
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._closed = False
-        self._busy = 0  # calls on the lane now (`MOST_CALLS`)
+        self._slots = Slots()
 
     @classmethod
     def of(
@@ -255,21 +266,34 @@ class AsyncLaneConnections(_Dead):
         return lane
 
     async def request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
-        if self._busy >= MOST_CALLS:
-            return None  # HTTP, unsent: the lane is not out of reach (module doc)
-        self._busy += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s  # the whole call's, on the loop's clock
+        short = path not in WAITING
+        turn = self._slots.queue(time.monotonic() + self.timeout_s)
         try:
-            return await self._request(path, body, headers)
+            while not self._slots.take(turn, short):
+                left = self._slots.wait_left(turn, short)
+                if left <= 0:
+                    return None  # HTTP, unsent: the lane is not out of reach (module doc)
+                woken = loop.create_future()
+                turn.wake = partial(wake_future, woken)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken, left)
         finally:
-            self._busy -= 1
+            self._slots.leave(turn)
+        try:
+            return await self._request(path, body, headers, deadline)
+        finally:
+            self._slots.give(short)
 
-    async def _request(self, path: str, body: bytes, headers: dict[str, str]) -> Reply | None:
+    async def _request(
+        self, path: str, body: bytes, headers: dict[str, str], deadline: float
+    ) -> Reply | None:
         call = f"POST {path} (lane)"
         request = [path, headers.get("authorization"), headers.get("x-kvtier-tenant"), body]
         data = frames.frame(request)
         if self.too_long(data):
             return None  # HTTP: unsent
-        deadline = asyncio.get_running_loop().time() + self.timeout_s  # the whole call's
         for fresh in (False, True):  # sent again once, on a new connection, after a goodbye
             stream = await self._take(fresh, deadline)
             if stream is None:

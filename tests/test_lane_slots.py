@@ -1,0 +1,167 @@
+"""A client's calls past its `MOST_CALLS` slots of the lane (`client/lane_slots.py`): a short
+call waits for a slot, first come first served, up to `SLOT_WAIT_S` within its `timeout_s`,
+then takes HTTP; a call the server may hold for seconds (`WAITING`) never waits, nor does a
+short call while those hold every slot. Before, every call past the 64 took HTTP at once (a
+burst of 500 async lookups: 0.8-1.0 s, mostly over HTTP).
+
+A lane server of the test's own (a real abstract Unix socket speaking the lane's frames, each
+call answered after a delay its path sets) counts the calls it holds at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgpack  # type: ignore[import-untyped]
+import pytest
+
+from kvtier.client.lane import AsyncLaneConnections, LaneConnections
+from kvtier.client.lane_slots import MOST_CALLS, SLOT_WAIT_S
+from kvtier.service import frames
+
+
+class LaneServer:
+    """Answers each call `[200, path]` after `delays[path]` seconds; `most` is the most calls
+    it held at once, `answered` how many it answered."""
+
+    def __init__(self, delays: dict[str, float]) -> None:
+        self.name = f"kvtier-lane-{os.getpid()}-{secrets.token_hex(4)}"
+        self.delays = delays
+        self.held = self.most = self.answered = 0
+        self.lock = threading.Lock()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + self.name)
+        self.listener.listen(1024)
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                sock, _ = self.listener.accept()
+                self.open.append(sock)
+                threading.Thread(target=self.serve, args=(sock,), daemon=True).start()
+
+    def serve(self, sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.sendall(frames.frame(frames.HELLO))
+            while True:
+                (length,) = frames.LENGTH.unpack(frames.read_exactly(sock, frames.LENGTH.size))
+                path = msgpack.unpackb(frames.read_exactly(sock, length))[0]
+                with self.lock:
+                    self.held += 1
+                    self.most = max(self.most, self.held)
+                time.sleep(self.delays[path])
+                with self.lock:
+                    self.held -= 1
+                    self.answered += 1
+                sock.sendall(frames.frame([200, path.encode()]))
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self.open:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+@contextlib.contextmanager
+def lane_server(**delays: float) -> Iterator[LaneServer]:
+    server = LaneServer({f"/v1/{path}": delay for path, delay in delays.items()})
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _burst(lane: LaneConnections, path: str, calls: int) -> list[object]:
+    replies: list[object] = [None] * calls
+    start = threading.Barrier(calls)
+
+    def call(i: int) -> None:
+        start.wait()
+        replies[i] = lane.request(path, b"", {})
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return replies
+
+
+def test_a_burst_past_the_slots_waits_for_the_lane_from_threads() -> None:
+    with lane_server(lookup=0.01) as server:
+        lane = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
+        try:
+            replies = _burst(lane, "/v1/lookup", 200)
+        finally:
+            lane.close()
+    assert all(reply is not None for reply in replies)  # was: ~136 of them None (HTTP)
+    assert server.answered == 200 and lane.calls == 200
+    assert server.most <= MOST_CALLS
+
+
+def test_a_burst_past_the_slots_waits_for_the_lane_from_tasks() -> None:
+    async def burst(name: str) -> list[object]:
+        lane = AsyncLaneConnections(name, timeout_s=30.0, max_reply_bytes=1 << 20)
+        try:
+            return list(
+                await asyncio.gather(*(lane.request("/v1/lookup", b"", {}) for _ in range(500)))
+            )
+        finally:
+            await lane.aclose()
+
+    with lane_server(lookup=0.005) as server:
+        replies = asyncio.run(burst(server.name))
+    assert all(reply is not None for reply in replies)
+    assert server.answered == 500 and server.most <= MOST_CALLS
+
+
+def test_calls_that_wait_on_the_server_never_hold_short_calls_in_line() -> None:
+    with lane_server(leases=3.0, lookup=0.0) as server:
+        lane = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
+        holders = threading.Thread(target=_burst, args=(lane, "/v1/leases", MOST_CALLS))
+        holders.start()
+        try:
+            deadline = time.monotonic() + 30
+            while server.held < MOST_CALLS and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.held == MOST_CALLS
+            for path in ("/v1/lookup", "/v1/leases"):
+                began = time.monotonic()
+                assert lane.request(path, b"", {}) is None  # HTTP at once, unsent
+                assert time.monotonic() - began < 0.2, path
+        finally:
+            holders.join(timeout=30)
+            lane.close()
+    assert server.answered == MOST_CALLS
+
+
+@pytest.mark.parametrize("timeout_s", [30.0, 0.3])
+def test_a_short_call_waits_at_most_its_bound_then_takes_http(timeout_s: float) -> None:
+    with lane_server(lookup=3.0) as server:
+        held = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
+        holders = threading.Thread(target=_burst, args=(held, "/v1/lookup", MOST_CALLS))
+        holders.start()
+        try:
+            deadline = time.monotonic() + 30
+            while server.held < MOST_CALLS and time.monotonic() < deadline:
+                time.sleep(0.01)
+            held.timeout_s = timeout_s
+            began = time.monotonic()
+            assert held.request("/v1/lookup", b"", {}) is None
+            waited = time.monotonic() - began
+        finally:
+            holders.join(timeout=30)
+            held.close()
+    bound = min(SLOT_WAIT_S, timeout_s)
+    assert bound - 0.05 <= waited <= bound + 0.5, waited
+    assert server.answered == MOST_CALLS  # the one past them was never sent
