@@ -37,8 +37,10 @@ Contract:
   into it land in `kv`.
 - `prefix_of(out, kind, count, block_tokens)` is the part of `out` that holds `count` blocks.
 - `new_kv(layout, kind, count, device)` is an uninitialized tensor of `count` blocks in `kind`.
-- `store_blocks(layout, key, kv, start, kind)`: a store's KV checked (`check_start`,
-  `check_kv_as`): the first block it holds and its full blocks as a view.
+- `store_blocks(layout, key, kv, start, kind, pools)`: a store's KV checked (`check_start`,
+  `check_kv_as`): the first block it holds and its full blocks as a view, copied first when
+  `kv` shares memory with one of the store's `pools` (the store may write new blocks into the
+  very slots it reads).
 - `Destination.of(layout, kind, asked, out, device, default, pools)`: where one load writes,
   `out` checked first. `blocks(count)` is asked once, when the prefix's length is known: a view of
   `out`, or of a tensor made then on `device` (else `default`; no allocation before the count,
@@ -49,7 +51,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Literal
 
@@ -57,6 +59,7 @@ import torch
 
 from kvtier.blocks import TOKEN_NBYTES, KVLayout, blocks_of, check_kv, check_start
 from kvtier.errors import InvalidArgumentError, InvalidKVError
+from kvtier.tiers.pool import SlotPool
 
 KVKind = Literal["layers", "blocks"]
 LAYOUTS: tuple[KVKind, ...] = ("layers", "blocks")
@@ -187,30 +190,48 @@ def check_apart(tensor: torch.Tensor, name: str, pools: Mapping[str, torch.Tenso
     bytes from its first element to its last (strides are never negative) meet the buffer's
     on the same device. A view of a tier's own pool is such a tensor: a load into it would
     overwrite the cached blocks of other prompts behind the index's back."""
+    tier = overlapped_pool(tensor, pools)
+    if tier is not None:
+        raise InvalidArgumentError(
+            f"{name}: got a tensor whose memory overlaps the {tier!r} tier's pool of this "
+            "store (slots that hold cached blocks); expected memory of the caller's own"
+        )
+
+
+def overlapped_pool(tensor: torch.Tensor, pools: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first of `pools` whose buffer may share memory with `tensor` (module
+    doc, `check_apart`), or None."""
     if tensor.numel() == 0:
-        return
+        return None
     reach = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride(), strict=True))
     first = tensor.data_ptr()
     end = first + (reach + 1) * tensor.element_size()
     for tier, buffer in pools.items():
         start = buffer.data_ptr()
         if buffer.device == tensor.device and start < end and first < start + buffer.nbytes:
-            raise InvalidArgumentError(
-                f"{name}: got a tensor whose memory overlaps the {tier!r} tier's pool of this "
-                "store (slots that hold cached blocks); expected memory of the caller's own"
-            )
+            return tier
+    return None
+
+
+def pool_buffers(pools: Iterable[SlotPool]) -> dict[str, torch.Tensor]:
+    """A tier name -> its pool's buffer, for the memory pools of a store not closed yet."""
+    return {pool.name: pool.buffer for pool in pools if not pool.closed}
 
 
 def store_blocks(
-    layout: KVLayout, key: bytes, kv: object, start: int, kind: KVKind
+    layout: KVLayout, key: bytes, kv: object, start: int, kind: KVKind, pools: Iterable[SlotPool]
 ) -> tuple[int, torch.Tensor]:
     """A store's KV for the tokens of `key` from `start` on, checked (`check_start`,
-    `check_kv_as`): the first block it holds, and its full blocks as a view."""
+    `check_kv_as`): the first block it holds, and its full blocks as a view, or as a copy when
+    `kv` shares memory with one of the store's `pools` (a view of `gpu_pool.buffer`, say, the
+    pages of a lease): the store may free those slots to make room and write the new blocks
+    into them, while the copy still reads them (blocks were served another block's bytes)."""
     num_tokens, bt = len(key) // TOKEN_NBYTES, layout.block_tokens
     first = check_start(start, num_tokens, bt)
     check_kv_as(layout, kv, kind, num_tokens - start)
     assert isinstance(kv, torch.Tensor)
-    return first, blocks_view(kv, kind, bt, num_tokens // bt - first)
+    blocks = blocks_view(kv, kind, bt, num_tokens // bt - first)
+    return first, blocks.clone() if overlapped_pool(kv, pool_buffers(pools)) else blocks
 
 
 def blocks_view(kv: torch.Tensor, kind: KVKind, block_tokens: int, count: int) -> torch.Tensor:

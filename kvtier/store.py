@@ -53,7 +53,7 @@ import torch
 from kvtier.arguments import check_flags, check_store_args, ttl_of
 from kvtier.assembly import Parts
 from kvtier.blocks import TOKEN_NBYTES, Tokens, check_device, check_start, encode_tokens
-from kvtier.caller_kv import Destination, KVKind, kv_layout, store_blocks
+from kvtier.caller_kv import Destination, KVKind, kv_layout, pool_buffers, store_blocks
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import InvalidArgumentError, LeaseError, shown
 from kvtier.index import LeaseId
@@ -144,7 +144,7 @@ class KVStore:
         background with a background mover). With a background mover behind on disk writes,
         it first waits, at most `mover.store_wait_s`, without the store's lock."""
         key = encode_tokens(tokens)
-        first, blocks = store_blocks(self.layout, key, kv, start, kv_layout(layout))
+        first, blocks = store_blocks(self.layout, key, kv, start, kv_layout(layout), self.memory)
         self.mover.throttle(*_ahead(self, tenant, key, first))  # (without the lock)
         with self._lock:
             namespace = self.operations.namespace(tenant)
@@ -389,7 +389,7 @@ def _destination(
     """Where a load of `asked` tokens writes (`Destination.of`): `out`, checked against the
     layout, `device` and the buffers of the store's memory pools (a view of one is refused),
     or a new tensor on `device`, else on the gpu tier's."""
-    pools = {pool.name: pool.buffer for pool in store.memory if not pool.closed}
+    pools = pool_buffers(store.memory)
     return Destination.of(store.layout, kind, asked, out, device, store.gpu_pool.device, pools)
 
 
