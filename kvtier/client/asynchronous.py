@@ -237,7 +237,7 @@ class AsyncClient(AsyncSender, MappedView):
             tokens = token_array(check_tokens(tokens))  # checked once: check_kv, reserve, body
             await self._map()
             await self.layout()  # `kv` checked against it on every path; the body limit
-            self._pools.check_kv(tokens, kv, start, kind)
+            kv = self._pools.check_kv(tokens, kv, start, kind)  # a copy of a view of a pool
             if self._pools.buffers:
                 try:
                     reservation, instance = await self._reserve(tokens, tenant, None)

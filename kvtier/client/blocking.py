@@ -217,7 +217,7 @@ class Client(MappedView):
             tokens = token_array(check_tokens(tokens))  # checked once: check_kv, reserve, body
             self._server.refresh()  # a re-map that failed: asked again (`mapper.py`)
             self.layout()  # the served pools: the layout `kv` is checked against, the body limit
-            self._pools.check_kv(tokens, kv, start, kind)
+            kv = self._pools.check_kv(tokens, kv, start, kind)  # a copy of a view of a pool
             if self._pools.buffers:
                 try:
                     reservation, instance = self._reserve(tokens, tenant, None)

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from kvtier.blocks import Tokens, check_start, encode_tokens, to_blocks
-from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as
+from kvtier.caller_kv import Destination, KVKind, blocks_view, check_kv_as, overlapped_pool
 from kvtier.client.arguments import check_tier
 from kvtier.client.pages import LoadPages, joined, stored
 from kvtier.errors import LayoutChangedError, ReplyError, shown
@@ -260,14 +260,19 @@ class MappedPools:
 
     def check_kv(
         self, tokens: Tokens, kv: torch.Tensor, start: int = 0, kind: KVKind = "layers"
-    ) -> None:
-        """`InvalidKVError` for a KV that the server would refuse (`kv` holds tokens from
-        `start` on, in `kind`): the shared-memory path writes it into the pool before the
-        server sees it, so it is checked here."""
+    ) -> torch.Tensor:
+        """The KV a store sends: `kv` (tokens from `start` on, in `kind`), or a copy of it
+        where it shares memory with a pool mapped here (`pool_buffer("gpu")[a:b]`, the pages of
+        a lease): the server's reserve may free those very slots, plant its canaries in them
+        and hand them back for the new blocks, which were then written from themselves (a
+        block stored with another block's bytes; audit AV). `InvalidKVError` for a KV that the
+        server would refuse: the shared-memory path writes it into the pool before the server
+        sees it, so it is checked here."""
         assert self.served is not None, "pools are mapped with their layout"
         num_tokens = len(encode_tokens(tokens)) // 4
         check_start(start, num_tokens, self.served.layout.block_tokens)
         check_kv_as(self.served.layout, kv, kind, num_tokens - start)
+        return kv.clone() if overlapped_pool(kv, self.buffers) else kv
 
     def writable(
         self, reservation: Reservation, start: int, instance: str | None
