@@ -14,18 +14,23 @@ timeout (120 s) at every new request. So:
   and, when that gives up, HTTP; the client's first call, mapping the pools, is bounded so
   too; and
 - after a lookup fails for want of an answer (a timeout, a connection refused or cut:
-  `TransportError`, `OSError`), none is asked for `QUIET_S` (10 s): those requests are
-  misses, each counted in `skipped_lookups`; the next one after it asks again. A refusal the
-  sidecar answered (one tenant's key refused, a 503 while it recovers) came at once, and
-  silences nothing: it may be that tenant's alone.
+  `TransportError`, `OSError`), none is asked for `QUIET_S` (10 s), or until the sidecar
+  answers again, whichever comes first: a probe on a thread of its own asks every `PROBE_S`
+  (0.5 s; a lookup of one token, by a client already made), and its first answer ends the
+  quiet. Those requests are misses, each counted in `skipped_lookups`. A refusal the sidecar
+  answered (one tenant's key refused, a 503 while it recovers) came at once, and silences
+  nothing: it may be that tenant's alone.
 
 A sidecar that hangs then costs the scheduler one `LOOKUP_TIMEOUT_S` every `QUIET_S`, not one
-per request. The workers' loads and saves (larger, on threads of their own but for a
-synchronous load) and the scheduler's reset after a weight update (whose failure vLLM must
-hear) wait `kvtier.timeout_s` (`settings.WORKER_TIMEOUT_S`, 120 s, by default) a call; after
-a load or save goes unanswered, a worker tries none for `QUIET_S` (`Clients`): a load then
-fails at once (vLLM recomputes), a save is skipped (`skipped_saves`), so the saves queued
-behind a hung one, and the finished requests whose blocks vLLM holds for them, wait one
+per request, and one restarted (systemd brings it back in a second or two) or resumed costs
+about `PROBE_S` of misses after it answers again, not the rest of `QUIET_S` (before the probe:
+every request for 10 s after the one unanswered call). The workers' loads and saves (larger,
+on threads of their own but for a synchronous load) and the scheduler's reset after a weight
+update (whose failure vLLM must hear) wait `kvtier.timeout_s` (`settings.WORKER_TIMEOUT_S`,
+120 s, by default) a call; after a load or save goes unanswered, a worker tries none for
+`QUIET_S` or until its probe is answered (`Clients`): a load then fails at once (vLLM
+recomputes), a save is skipped (`skipped_saves`), so the saves queued behind a hung one, and
+the finished requests whose blocks vLLM holds for them, wait one
 `kvtier.timeout_s`, not one each.
 """
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.client import Client, TransportError
@@ -44,15 +50,32 @@ log = logging.getLogger("kvtier.vllm")
 
 LOOKUP_TIMEOUT_S = 5.0
 QUIET_S = 10.0
+PROBE_S = 0.5
+PROBE_TOKENS = [0]
+"""A probe's lookup: one token, less than a block, so it matches nothing and moves nothing,
+but it takes the store's lock as every call does (a sidecar hung under it stays quiet)."""
+
+
+def unanswered(error: BaseException) -> bool:
+    """Whether `error` says the sidecar did not answer (`TransportError`, an `OSError` of the
+    socket), not a refusal it answered (a 503 `StorageError` is an `OSError` too)."""
+    answered = isinstance(error, KVTierError) and not isinstance(error, TransportError)
+    return not answered and isinstance(error, TransportError | OSError)
 
 
 class Quiet:
-    """A sidecar that did not answer is not asked again for `quiet_s` (module doc): shared by
-    the vLLM scheduler's lookups and SGLang's storage threads (`sglang.py`)."""
+    """A sidecar that did not answer is not asked again for `quiet_s`, or until `probe` (one
+    call to it; None: no probe) is answered, tried every `PROBE_S` on a thread of its own
+    (module doc): shared by the vLLM scheduler's lookups and SGLang's storage threads
+    (`sglang.py`). `probes_answered` counts the quiet periods a probe ended early."""
 
-    def __init__(self, quiet_s: float = QUIET_S):
+    def __init__(self, quiet_s: float = QUIET_S, probe: Callable[[], object] | None = None):
         self.quiet_s = quiet_s
+        self.probe = probe
+        self.probes_answered = 0
         self._quiet_until = 0.0  # monotonic: no call before it
+        self._probing = False  # a probe's thread runs (one at most)
+        self._window = threading.Lock()
 
     def open(self) -> bool:
         """Whether a call may be made now (none for `quiet_s` after one went unanswered)."""
@@ -60,11 +83,37 @@ class Quiet:
 
     def failed(self, error: BaseException) -> None:
         """A call failed with `error`: make none for `quiet_s` if the sidecar did not answer
-        (`TransportError`, an `OSError` of the socket; not a refusal it answered, such as a
-        503 `StorageError`, which is an `OSError` too)."""
-        answered = isinstance(error, KVTierError) and not isinstance(error, TransportError)
-        if not answered and isinstance(error, TransportError | OSError):
+        (`unanswered`), and probe it meanwhile."""
+        if not unanswered(error):
+            return
+        with self._window:
             self._quiet_until = time.monotonic() + self.quiet_s
+            if self.probe is None or self._probing:
+                return
+            self._probing = True
+        threading.Thread(target=self._probe, name="kvtier-quiet-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        """Every `PROBE_S` while quiet: one `probe`; its answer (a reply, or a refusal the
+        sidecar made) opens the way again. Ends with the quiet period (checked under the lock
+        `failed` starts a probe under, so a new period always has one)."""
+        assert self.probe is not None
+        while True:
+            time.sleep(PROBE_S)
+            with self._window:
+                if self.open():
+                    self._probing = False
+                    return
+            try:
+                self.probe()
+            except Exception as error:  # any answer but "none" ends the quiet (docstring)
+                if unanswered(error):
+                    continue
+            with self._window:
+                self._quiet_until = 0.0
+                self.probes_answered += 1
+                self._probing = False
+                return
 
 
 class Clients(Quiet):
@@ -75,10 +124,18 @@ class Clients(Quiet):
     request's blocks are held until its save is done)."""
 
     def __init__(self, url: str, timeout_s: float, quiet_s: float = QUIET_S):
-        Quiet.__init__(self, quiet_s)
+        Quiet.__init__(self, quiet_s, self._probe_lookup)
         self.url, self.timeout_s = url, timeout_s
         self._clients: dict[str, Client] = {}
         self._lock = threading.Lock()
+
+    def _probe_lookup(self) -> None:
+        """`Quiet`'s probe: a lookup of `PROBE_TOKENS` by the last client made (a client
+        comes before any failure)."""
+        with self._lock:
+            client = next(reversed(self._clients.values()), None)
+        if client is not None:
+            client.lookup(PROBE_TOKENS)
 
     def client(self, key: str) -> Client:
         with self._lock:

@@ -63,10 +63,12 @@ Contract:
   registered with (a sidecar restarted on another model behind the same URL): never cast
   into the host pool.
 - A call waits `kvtier.timeout_s` (`TIMEOUT_S`, 10 s) at most; after one the sidecar did not
-  answer (a timeout, a connection refused or cut), none is made for `lookups.QUIET_S` (10 s):
+  answer (a timeout, a connection refused or cut), none is made for `lookups.QUIET_S` (10 s),
+  or until a probe (a one-token lookup every 0.5 s, on a thread of its own) is answered:
   `batch_exists`, `batch_get_v1` and `batch_set_v1` answer misses meanwhile, each counted in
   `stats["skipped_calls"]`. A sidecar that hangs then holds SGLang's backup and prefetch
-  threads one timeout every 10 s, not the client's 120 s per call. SGLang's clear is always
+  threads one timeout every 10 s, not the client's 120 s per call; one that answers again
+  (resumed, restarted) is asked again within about 0.5 s. SGLang's clear is always
   asked (its failure must be heard).
 
 MLA (`MLATokenToKVPoolHost`: one latent of C values per token and layer, no separate V): kvtier
@@ -87,6 +89,7 @@ import logging
 import threading
 import time
 import urllib.parse
+from functools import partial
 from typing import Any
 
 import torch
@@ -95,7 +98,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError, LayoutChangedError
 from kvtier.integrations import paged
-from kvtier.integrations.lookups import Quiet
+from kvtier.integrations.lookups import PROBE_TOKENS, Quiet
 from kvtier.integrations.resets import reset_tenants
 from kvtier.integrations.settings import api_key, call_timeout, closed
 from kvtier.integrations.sglang_pools import FP8, HOST_POOLS, REFUSED, host_buffer, registered
@@ -113,7 +116,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.url = sidecar_url(extra.get("kvtier.url", "http://127.0.0.1:8750"))
         self.timeout_s = call_timeout(extra, TIMEOUT_S)  # each try (lane, HTTP) half of it
         self.client = Client(self.url, api_key=api_key(extra), timeout_s=self.timeout_s / 2)
-        self.quiet = Quiet()  # none asked for a while after the sidecar did not answer
+        # none asked for a while after the sidecar did not answer, or until a probe is answered
+        self.quiet = Quiet(probe=partial(self.client.lookup, PROBE_TOKENS))
         self.config = storage_config
         self.scope = scope(storage_config)
         self.pages: KeyedPages | None = None
