@@ -13,10 +13,12 @@ took 0.03 ms. A client that maps the server's pools (same host, same user:
                                                the calls in progress answered first
 
 Where: an abstract Unix socket (Linux: no file, nothing left behind by a SIGKILL), named
-`kvtier-lane-<pid>-<8 hex>` (`frames.NAME`). Who: a peer whose uid (SO_PEERCRED) is not the
-server's is closed before a byte is read or sent: the trust boundary of the /dev/shm segments
-(mode 0600, the server's user), which such a peer could map anyway. Auth and tenants are the
-HTTP routes': each request carries its key, admitted as a header would be (`admission.py`).
+`kvtier-lane-<pid>-<8 hex>` (`frames.NAME`), with a backlog of `BACKLOG` connects (at 64, four
+clients opening their 64 connections at once had most refused, EAGAIN, and took HTTP). Who: a
+peer whose uid (SO_PEERCRED) is not the server's is closed before a byte is read or sent: the
+trust boundary of the /dev/shm segments (mode 0600, the server's user), which such a peer could
+map anyway. Auth and tenants are the HTTP routes': each request carries its key, admitted as a
+header would be (`admission.py`).
 
 How: a thread per connection (at most `MAX_CONNECTIONS`), blocked in `recv` between requests,
 runs each call's handler itself (`plane.py`'s, prefetch waiting for its lease there): no event
@@ -51,18 +53,21 @@ charged one costs a hop to the event loop, some 0.06 ms.)
 
 Time and room: a frame has `service.body_timeout_s` from its first byte to its head's end, and
 as long again from its admission (past any wait for room) to its end, or to the end of the
-dropped rest; a reply its client does not take within that long closes the connection. A
+dropped rest; a reply its client does not take within that long closes the connection, and one
+it leaves unread for `STALL_S` (`lane_state.py`) lets room-making cut it (no goodbye: a frame
+is under way): before, 256 peers that sent calls and read no reply held every connection. A
 connection opens to send a call: one without a frame within `min(body_timeout_s,
 FIRST_FRAME_S)` of its hello is closed, and one idle for `IDLE_S` between calls. At
 `MAX_CONNECTIONS`, a new connection makes room: the one idle longest is closed, before the new
 one's hello. Idle: since its hello, its last reply, or its frame's first byte while that frame
 is still read (its head, its body, or the body's wait for room in the budget, which is then
 cancelled and its hold given back: `lane_state.py`); answering, never closed for room: its
-hello, and a call from its frame read whole and admitted (or refused) to its reply. So peers
-that hold connections without calls, or with frames they never finish, cannot push other
-clients off the lane (a client finds its idle connection closed and opens another). Only with
-every connection answering a call (or its hello) is a new one closed before the hello (its
-client stays on HTTP).
+hello, and a call from its frame read whole and admitted (or refused) to its reply (but for one
+its peer leaves unread, above). So peers that hold connections without calls, with frames they
+never finish, or with replies they never read, cannot push other clients off the lane (a
+client finds its idle connection closed and opens another). Only with every connection
+answering a call (or its hello) is a new one closed before the hello (its client stays on
+HTTP).
 
 Goodbye: a connection ended between calls (for room, idle past `IDLE_S` or its first frame's
 bound, or by `stop`) gets `frames.GOODBYE`, written without waiting (`frames.say_goodbye`;
@@ -99,7 +104,6 @@ is tried again every `ACCEPT_RETRY_S`: the lane serves again once it can.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -113,7 +117,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
 from kvtier.service import frames, wire
 from kvtier.service.admission import Service, tenant_of_key
-from kvtier.service.lane_state import Connection, LaneCall
+from kvtier.service.lane_state import Connection, Gone, LaneCall, refusal
 from kvtier.service.plane import Handler
 
 log = logging.getLogger("kvtier.service")
@@ -123,6 +127,7 @@ IDLE_S = 600.0
 FIRST_FRAME_S = 5.0  # a connection's first frame: min(this, service.body_timeout_s) after hello
 STOP_S = 5.0  # how long `stop` waits for the connections' threads
 ACCEPT_RETRY_S = 0.1  # how long the lane waits after an accept fails (EMFILE)
+BACKLOG = 4096  # connects not yet accepted (the kernel's somaxconn caps it): module doc, "Where"
 
 
 def frame_limit(config: KVTierConfig) -> int:
@@ -152,7 +157,7 @@ class Lane:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind("\0" + name)
-            listener.listen(64)
+            listener.listen(BACKLOG)
         except OSError as exc:
             listener.close()
             log.warning("kvtier: the local lane could not listen (%s); clients use HTTP", exc)
@@ -202,9 +207,7 @@ class Lane:
                 conn.close()
                 continue
             with self._lock:
-                idlest = self._make_room()
-                if idlest is not None:  # ended before the new one's hello: its peer sees it
-                    frames.say_goodbye(idlest)  # its thread sees the end and goes
+                self._make_room()  # before the new one's hello: its peer sees the end
                 taken = len(self._open) < MAX_CONNECTIONS and self._listener is not None
                 if taken:
                     state = Connection(threading.Thread(
@@ -215,18 +218,26 @@ class Lane:
             if not taken:
                 conn.close()  # every one answering a call: this one stays on HTTP
 
-    def _make_room(self) -> socket.socket | None:
-        """At `MAX_CONNECTIONS`, the connection idle longest (not answering a call), taken off
-        the open ones for the caller to end; None below the bound or with none idle."""
+    def _make_room(self) -> None:
+        """At `MAX_CONNECTIONS`, end the connection idle longest (`Connection.idle`: not
+        answering a call, or its reply unread for `STALL_S`), under the lock: with `GOODBYE`,
+        or cut without one where a reply is stalled on it (no frame into its middle); its
+        thread sees the end and goes. Nothing below the bound or with none idle."""
         if len(self._open) < MAX_CONNECTIONS:
-            return None
+            return
+        now = time.monotonic()
         idle = [(state.since, id(conn), conn) for conn, state in self._open.items()
-                if not state.answering]  # fmt: skip
+                if state.idle(now)]  # fmt: skip
         if not idle:
-            return None
+            return
         conn = min(idle)[2]
+        stalled = self._open[conn].stalled
         self._end(conn)
-        return conn
+        if stalled:  # its thread's send fails (EPIPE): the connection is done
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        else:
+            frames.say_goodbye(conn)
 
     def _end(self, conn: socket.socket) -> None:
         """Take idle `conn` off the open ones (under the lock), its wait for room cancelled;
@@ -247,6 +258,7 @@ class Lane:
                 frames.say_goodbye(conn)
                 return False
             state.answering, state.reading = answering, reading and not answering
+            state.stalled = False
             if not answering:
                 state.since = time.monotonic()
             return True
@@ -286,8 +298,7 @@ class Lane:
                 # after its reply finds it there (module doc, "Counted")
                 metrics.observe(call.path, time.perf_counter() - call.started)
                 metrics.lane_requests.inc()
-                conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
-                conn.sendall(reply)
+                self._send(conn, reply)
                 if not self._mark(conn, False):
                     return
                 if call.unread:  # refused before its body was read: it is skipped
@@ -300,6 +311,23 @@ class Lane:
             with self._lock:  # closed under it: never while `GOODBYE` is written to it
                 self._open.pop(conn, None)
                 conn.close()
+
+    def _send(self, conn: socket.socket, reply: bytes) -> None:
+        """Send `reply` on `conn` (marked answering). What its peer's buffer cannot take at once
+        waits up to `body_timeout_s` for the peer to read it, the connection `stalled` from
+        then (`Connection.idle`: room may end it after `STALL_S`, which fails the send)."""
+        conn.settimeout(0)
+        try:
+            sent = conn.send(reply)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(reply):
+            with self._lock:
+                state = self._open.get(conn)
+                if state is not None:
+                    state.stalled, state.since = True, time.monotonic()
+            conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
+            conn.sendall(memoryview(reply)[sent:])
 
     def _end_idle(self, conn: socket.socket) -> None:
         """End `conn` idle past its bound with `GOODBYE` (unless it was ended already)."""
@@ -314,14 +342,12 @@ class Lane:
         try:
             head = frames.request_head(call.head, call.length)
         except ValueError as exc:
-            return _refusal(400, "malformed_frame", str(exc))
+            return refusal(400, "malformed_frame", str(exc))
         call.path = head.path
         handler = self.handlers.get(head.path)
         if handler is None:
             carried = ", ".join(sorted(self.handlers))
-            return _refusal(
-                404, "not_found", f"path {head.path[:64]!r}: the lane carries {carried}"
-            )
+            return refusal(404, "not_found", f"path {head.path[:64]!r}: the lane carries {carried}")
         try:
             store = self.service.ready_store()
             tenant = tenant_of_key(self.service, head.authorization, head.tenant, head.path)
@@ -344,15 +370,15 @@ class Lane:
             data = wire.decode_request(body, wire.MSGPACK, self.max_tokens) if body else {}
             return 200, wire.encode(handler(store, tenant, data), True)
         except wire.WireError as exc:
-            return _refusal(exc.status, exc.kind, exc.detail)
+            return refusal(exc.status, exc.kind, exc.detail)
         except KVTierError as exc:
-            return _refusal(*wire.classify(exc), str(exc))
+            return refusal(*wire.classify(exc), str(exc))
         except Gone:
             raise
         except Exception as exc:  # as `Guard` answers one over HTTP
             log.exception("kvtier: unexpected error in lane %s", head.path)
             detail = f"an unexpected {type(exc).__name__}; the server's log has the traceback"
-            return _refusal(500, "internal", detail)
+            return refusal(500, "internal", detail)
 
     def _charge(self, call: LaneCall, tenant: str, nbytes: int) -> None:
         """Hold the body's `nbytes` in `service.budget` before it is read, as HTTP holds a
@@ -364,28 +390,4 @@ class Lane:
         if state is None:
             raise ConnectionResetError("ended before it waited for room")
         call.hold = self.service.budget.hold(tenant, self.service.auth.enabled)
-        taking = call.take(state, nbytes, time.monotonic() + self.timeout_s)
-        try:
-            taken = asyncio.run_coroutine_threadsafe(taking, loop)
-        except RuntimeError:  # the loop is closed: the server is stopping
-            taking.close()
-            raise ConnectionAbortedError("the server is stopping") from None
-        try:
-            with self._lock:  # `end` cancels it from now, or it was ended already
-                state.taking = taken
-                if state.ended:
-                    taken.cancel()
-            taken.result(self.timeout_s + STOP_S)
-        except concurrent.futures.CancelledError:  # by `_make_room` or `stop`: ended
-            raise ConnectionResetError("ended while it waited for room") from None
-        except concurrent.futures.TimeoutError:  # the loop is stopping: nothing will answer
-            taken.cancel()
-            raise ConnectionAbortedError("the event loop did not answer") from None
-
-
-class Gone(Exception):
-    """The connection ended (or was ended for room, or the loop stopped) mid-call."""
-
-
-def _refusal(status: int, kind: str, detail: str) -> tuple[int, bytes]:
-    return status, wire.encode({"error": kind, "detail": detail}, True)
+        call.wait_for_room(state, nbytes, (loop, self._lock), self.timeout_s, STOP_S)

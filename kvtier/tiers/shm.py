@@ -88,7 +88,9 @@ def create_shared(name: str, nbytes: int) -> mmap.mmap:
     Its pages are reserved here (`posix_fallocate`): a /dev/shm with less room (docker gives a
     container 64 MiB unless `--shm-size` says more), or one that others fill later, would
     otherwise kill the process with SIGBUS when it first writes a page past the room. Too
-    little room is an `OSError` (ENOSPC) naming what is free, and no segment is left."""
+    little room is an `OSError` (ENOSPC) naming what is free, and no segment is left. (A
+    segment unlinked while a client maps it keeps its pages until the client unmaps it: a
+    server restarted while its clients idle needs room for its pools twice.)"""
     path = SHM_DIR / check_name(name)
     fd = _create_locked(path)
     try:
@@ -132,7 +134,9 @@ def _reserve(fd: int, nbytes: int) -> None:
         raise OSError(
             errno.ENOSPC,
             f"{SHM_DIR} has {free} bytes free for a pool of {nbytes} in shared memory: enlarge "
-            "it (docker: --shm-size), lower the capacity, or set service.shared_memory: false",
+            "it (docker: --shm-size), lower the capacity, or set service.shared_memory: false "
+            "(the pools of a server stopped or killed before keep their room, unlinked, while "
+            "a client still maps them: until its next call, or its exit)",
         ) from None
 
 
