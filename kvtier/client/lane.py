@@ -56,6 +56,8 @@ from typing import Any
 from kvtier.client.connections import Reply, TransportError, still_open
 from kvtier.client.lane_frames import (
     checked_name,
+    connect,
+    connect_async,
     longest_frame,
     read_frame,
     read_frame_async,
@@ -212,21 +214,18 @@ class LaneConnections(_Dead):
             sock.close()
 
     def _open(self, deadline: float) -> socket.socket | None:
-        """A new connection past the server's hello, by the call's `deadline` (monotonic), or
-        None (and `dead`) without one."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(max(deadline - time.monotonic(), 1e-6))
+        """A connection past the server's hello by `deadline` (monotonic), or None (`dead`)."""
+        sock, hello = None, None
         try:
-            sock.connect(self.address)
-            ours = frames.same_user(sock)
-            hello = read_frame(sock, 64, "the lane's hello", deadline) if ours else None
+            sock = connect(self.address, deadline)  # room in the accept queue waited for
+            if frames.same_user(sock):
+                hello = read_frame(sock, 64, "the lane's hello", deadline)
         except (OSError, ReplyError):
-            hello = None
-        except BaseException:  # interrupted before the hello: closed, never left open
-            sock.close()
-            raise
+            pass
+        finally:  # interrupted before the hello, or no lane's: closed, never left open
+            if sock is not None and hello != frames.HELLO:
+                sock.close()
         if hello != frames.HELLO:  # not there, not our user's, or not a lane
-            sock.close()
             self.retry_at = time.monotonic() + RETRY_S
             return None
         return sock
@@ -382,7 +381,7 @@ class AsyncLaneConnections(_Dead):
         stream = None
         try:
             async with asyncio.timeout_at(deadline):  # the call's: its hello within it
-                stream = await asyncio.open_unix_connection(self.address)
+                stream = await connect_async(self.address, deadline)
                 ours = frames.same_user(stream[1].get_extra_info("socket"))
                 hello = await read_frame_async(stream[0], 64, "the lane's hello") if ours else None
         except (OSError, EOFError, asyncio.IncompleteReadError, ReplyError):

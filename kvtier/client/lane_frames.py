@@ -1,5 +1,12 @@
 """The frames of the local lane as a client reads them (`lane.py`): the lane's name and frame
-bound from the server's `/v1/pools`, and a reply frame read whole within its bounds.
+bound from the server's `/v1/pools`, a connection opened (`connect`, `connect_async`), and a
+reply frame read whole within its bounds.
+
+A connect waits for room in the server's accept queue until the call's deadline: a socket with
+a timeout (non-blocking) failed at once with EAGAIN on a queue full for a moment (a burst of
+connects, or another user's process flooding the abstract socket, which any local user can
+reach), and the client took HTTP for `lane.RETRY_S` (audit AW). A refused connect (no lane
+there) fails at once.
 
 Every byte is the server's, so untrusted: a name that is not a lane's, or a frame longer than
 the caller's limit (unread), not msgpack, or not `[status, body bytes]`, is a `ReplyError`.
@@ -9,7 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import os
 import socket
+import struct
+import time
 from typing import Any
 
 from kvtier.client.connections import reply_too_long
@@ -68,3 +79,52 @@ def reply_of(reply: Any, call: str) -> tuple[int, bytes]:
         if type(status) is int and 100 <= status <= 599 and isinstance(content, bytes):
             return status, content
     raise ReplyError(f"{call}: a reply frame that is not [status, body bytes]")
+
+
+CONNECT_RETRY_S = 0.005
+"""How often an `AsyncLaneConnections` connect tries again while the accept queue is full."""
+
+
+def connect(address: str, deadline: float) -> socket.socket:
+    """A socket connected to `address`, waiting for room in its accept queue up to `deadline`
+    (monotonic; a blocking connect bounded by SO_SNDTIMEO, which Linux waits for that room
+    under), its timeout then what is left. `OSError` where it cannot be (refused, or no room by
+    the deadline: EAGAIN)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        left = max(deadline - time.monotonic(), 1e-3)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(left))
+        sock.connect(address)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0.0))
+        sock.settimeout(max(deadline - time.monotonic(), 1e-6))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def connect_async(
+    address: str, deadline: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """`connect` on the running loop (`deadline` on its clock): a non-blocking connect, tried
+    again every `CONNECT_RETRY_S` while the accept queue is full (EAGAIN; asyncio's own connect
+    took that for a connection made) up to `deadline`; refused, or no lane there, at once."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        while (failed := sock.connect_ex(address)) == errno.EAGAIN:
+            if loop.time() + CONNECT_RETRY_S >= deadline:
+                break
+            await asyncio.sleep(CONNECT_RETRY_S)
+        if failed:
+            raise OSError(failed, os.strerror(failed))
+        return await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
