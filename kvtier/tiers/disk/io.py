@@ -294,6 +294,19 @@ class SlabFile:
     def _fdatasync(self) -> None:
         os.fdatasync(self._open_fd())
 
+    def is_at_path(self) -> bool:
+        """Whether the open file still has a name and `path` still names something: False once
+        it was deleted, or replaced (a rename over it), or moved away with nothing in its place,
+        while open, or when closed. Inode numbers are not compared: an overlay filesystem may
+        report other ones through `stat` than through `fstat` of one file."""
+        fd = self._fd
+        if fd is None:
+            return False
+        try:
+            return os.fstat(fd).st_nlink > 0 and os.path.lexists(self.path)
+        except OSError:  # closed meanwhile
+            return False
+
     def close(self) -> None:
         """Close the descriptor; closing twice is allowed. Unsynced writes are not made
         durable by closing."""

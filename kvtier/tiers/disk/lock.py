@@ -10,7 +10,16 @@ another open tier in this one) has it. The pid is written into the file after lo
 message only: the lock itself is the kernel's, so it goes with its holder, however it ends
 (`close`, exit, SIGKILL), and a stale pid in the file means nothing; a pid that cannot be
 written (a full filesystem: the tier then meets its capacity check, which names the free bytes)
-leaves the file empty, and the holder "unknown" in that message. The file is opened without
+leaves the file empty, and the holder "unknown" in that message.
+
+The directory itself is locked too (`flock` on a descriptor of it, after the file): a lock file
+deleted while its holder runs (an operator clearing a "stale lock" at 3 a.m.) is created anew
+by the next process, whose `flock` on the new file then succeeds, so a second server (or a
+`kvtier check --fix`) used to open the directory beside the running one and overwrite its
+slots. The directory cannot be unlinked while it holds files, and a directory moved away and
+made anew holds none of the running store's slabs. A filesystem that refuses `flock` on a
+directory (not EWOULDBLOCK: some network filesystems) keeps the file's lock alone. The file is
+opened without
 following a link and created 0600. It is checked on the open descriptor before anything is
 written into it: a lock file that is not a regular file, that has another name too (a hard
 link: truncating it and writing the pid would overwrite the file behind the other name), or
@@ -52,6 +61,7 @@ class DirectoryLock:
             raise ConfigError(
                 field, str(self.path), f"a lock file it can open ({exc.strerror})"
             ) from None
+        self._directory_fd: int | None = None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -72,14 +82,8 @@ class DirectoryLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                written = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                holder = written if written.isdigit() else "unknown"
-                raise ConfigError(
-                    field,
-                    str(directory),
-                    f"a directory no other kvtier process has open: pid {holder} holds "
-                    f"{self.path}; stop it, or give this store another path",
-                ) from None
+                raise _held(directory, field, fd) from None
+            self._directory_fd = _lock_directory(directory, field, fd)
             os.fchmod(fd, 0o600)
             try:  # the pid is for the message above only: a full disk leaves the file empty
                 os.ftruncate(fd, 0)
@@ -88,18 +92,56 @@ class DirectoryLock:
                 pass
         except BaseException:
             os.close(fd)
+            if self._directory_fd is not None:
+                os.close(self._directory_fd)
             raise
         self._fd: int | None = fd
 
     def release(self) -> None:
-        """Give the lock up (closing the file does); releasing twice is allowed."""
+        """Give the locks up (closing the file and the directory does); releasing twice is
+        allowed."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+        directory_fd, self._directory_fd = self._directory_fd, None
+        if directory_fd is not None:
+            os.close(directory_fd)
 
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def _held(directory: Path, field: str, lock_fd: int) -> ConfigError:
+    """The refusal of a directory another process holds, naming the pid its lock file holds
+    ("unknown" when it holds none: a lock file deleted and made anew since)."""
+    written = os.pread(lock_fd, 32, 0).decode("ascii", "replace").strip()
+    holder = written if written.isdigit() else "unknown"
+    return ConfigError(
+        field,
+        str(directory),
+        f"a directory no other kvtier process has open: pid {holder} holds "
+        f"{directory / LOCK_FILE}; stop it, or give this store another path",
+    )
+
+
+def _lock_directory(directory: Path, field: str, lock_fd: int) -> int | None:
+    """`flock` the directory itself (the module: a lock file deleted under its holder); the
+    descriptor that holds the lock, or None where the filesystem refuses to lock a directory.
+    Another process's lock is a `ConfigError` as for the file's."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise ConfigError(field, str(directory), f"a directory ({exc.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise _held(directory, field, lock_fd) from None
+    except OSError:  # no flock on directories here: the lock file's alone
+        os.close(fd)
+        return None
+    return fd
 
 
 def private_directory(directory: Path, field: str) -> None:

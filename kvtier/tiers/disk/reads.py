@@ -17,7 +17,8 @@ for each, which for small blocks cost more than checking them.
 Contract:
 - A copy that fails a check is reported so (False) and counted in `corrupt_reads`; one whose
   read fails, in `read_errors` (a failed read of a run fails each of its copies, as one system
-  call does). Neither raises, and neither is returned as valid: its destination holds garbage.
+  call does), a read that the slab's end cuts short (a file truncated under the tier) too.
+  Neither raises, and neither is returned as valid: its destination holds garbage.
 - Plain payloads land in place when the destination is page-aligned and exactly one payload
   long; others go through an aligned staging buffer and are copied (decoded) into place.
 - Reads change nothing on disk and no state of the tier but its fault counters.
@@ -27,6 +28,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -35,9 +37,21 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.tiers.disk.codec import Codec, CorruptPayload, QuantBytes, codec_for
 from kvtier.tiers.disk.format import CorruptHeader, checksum, decode_header
-from kvtier.tiers.disk.io import staging_buffer
+from kvtier.tiers.disk.io import SlabFile, staging_buffer
 from kvtier.tiers.disk.slab_set import DiskHealth, SlabSet
 from kvtier.tiers.disk.views import byte_views
+
+
+def _read_whole(slab: SlabFile, offset: int, buffers: list[memoryview]) -> None:
+    """Fill `buffers` from `offset`; an `OSError` (EIO) when the slab ends first (a file cut
+    under the tier): the staging buffers still hold what an earlier read on this thread put
+    there, and a header read back whole from them vouched for a copy the disk no longer holds."""
+    want = sum(len(buffer) for buffer in buffers)
+    got = slab.readv(offset, buffers)
+    if got < want:
+        raise OSError(
+            errno.EIO, f"short read: {got} of {want} bytes at offset {offset}", str(slab.path)
+        )
 
 
 class VerifiedReader:
@@ -121,12 +135,13 @@ class VerifiedReader:
             if in_place:
                 heads = staging_buffer(region * len(targets))
                 parts = [(heads[k * region : (k + 1) * region], t) for k, t in enumerate(targets)]
-                slab.readv(offset, [buffer for part in parts for buffer in part])
+                buffers = [buffer for part in parts for buffer in part]
             else:
                 assert len(targets) == 1, "only in-place copies are read in runs"
                 image = staging_buffer(region + payload_region)
-                slab.readv(offset, [image])
                 parts = [(image[:region], image[region:])]
+                buffers = [image]
+            _read_whole(slab, offset, buffers)
             return [
                 self._land(head, payload, target, block_id, encoded)
                 for (head, payload), target, block_id in zip(parts, targets, block_ids, strict=True)

@@ -72,7 +72,12 @@ def scan_slots(
     total = slabs.num_slots
     for start in range(0, total, SCAN_BATCH):
         slots = range(start, min(start + SCAN_BATCH, total))
-        jobs = [_header_job(slabs, header_region, s) for s in slots]
+        # one mapping for the batch: a mapping a slot cost a third of a 50,000-slot scan
+        batch = aligned_buffer(header_region * len(slots))
+        jobs = [
+            _header_job(slabs, s, batch[k * header_region : (k + 1) * header_region])
+            for k, s in enumerate(slots)
+        ]
         for slot, result in zip(slots, slabs.run(jobs), strict=True):
             if isinstance(result, OSError):
                 health.count("read_errors", 1)
@@ -101,11 +106,12 @@ def scan_slots(
     return report
 
 
-def _header_job(slabs: SlabSet, header_region: int, slot: int) -> Callable[[], memoryview]:
+def _header_job(slabs: SlabSet, slot: int, buf: memoryview) -> Callable[[], memoryview]:
+    """Read `slot`'s header region into `buf` (zero-filled, aligned, its own: the part of a
+    slot a cut slab no longer holds reads as zeros)."""
     slab, offset = slabs.where(slot)
 
     def job() -> memoryview:
-        buf = aligned_buffer(header_region)
         slab.read_into(offset, buf)
         return buf
 

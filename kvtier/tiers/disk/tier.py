@@ -39,7 +39,10 @@ Contract:
 - The directory is private and the tier's alone: created 0700 (one any group or other user can
   write is refused, `private_files.private_dir`), locked for the tier's life (`lock.py`: a
   second store on it is refused, naming the holder's pid), its files opened without following
-  links; a damaged superblock or slab path is a `DamagedDiskError` naming the file.
+  links; a damaged superblock or slab path is a `DamagedDiskError` naming the file, and a
+  superblock it cannot write (a full or read-only filesystem) a `ConfigError` naming the path.
+- `check()` fails (`InvariantError`) once a slab is no longer the file its path names (deleted,
+  moved or replaced by hand while the tier runs): its writes since are lost at the next start.
 - `free` retires copies as it frees their slots (a failed retire is counted: the copy is still
   verified when read); `free_durably` also syncs them and says how many may still come back at
   the next start (a clear needs to know).
@@ -69,7 +72,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.errors import ClosedError, ConfigError
+from kvtier.errors import ClosedError, ConfigError, InvariantError
 from kvtier.private_files import private_dir
 from kvtier.tiers.disk import slabs
 from kvtier.tiers.disk.codec import Codec, get_codec
@@ -162,7 +165,11 @@ class DiskTier:
                 }
             # a new directory: its slabs are created now, zero-filled, and hold no copy
             check_room(self.path, fit * self.slot_bytes, "tiers.disk.capacity")  # before writing
-            self._unwritten = check_superblock(self.path, geometry)
+            try:  # a full or read-only filesystem: a typed refusal (it was a raw OSError)
+                self._unwritten = check_superblock(self.path, geometry)
+            except OSError as exc:
+                expected = f"a directory it can write its superblock into ({exc.strerror})"
+                raise ConfigError("tiers.disk.path", str(self.path), expected) from None
             # the copies a lowered capacity cuts when the slabs open, for recovery's status
             self.cut_copies = count_past(
                 self.path, fit, self.slot_bytes, self.slots_per_slab, self.header_region
@@ -331,8 +338,18 @@ class DiskTier:
     # ---- consistency and shutdown ----------------------------------------------------------
 
     def check(self) -> None:
-        """Free list, bitmap and count agree (`SlotAllocator.check`)."""
+        """Free list, bitmap and count agree (`SlotAllocator.check`), and each slab is still the
+        file its path names: one deleted, moved or replaced under the running tier (an `rm` or
+        `mv` by hand) keeps taking writes that the next start never sees, so every copy it
+        acknowledged since is lost then; an `InvariantError` naming it (`/v1/admin/check`)."""
         self._slots.check()
+        for slab in [] if self._closed else self._slab_files:
+            if not slab.is_at_path():
+                raise InvariantError(
+                    f"disk: slab {slab.path} is no longer the file the tier writes (deleted, "
+                    "moved or replaced while it ran): what it wrote since is lost at the next "
+                    "start; put the file back, or stop the store"
+                )
 
     def close(self) -> None:
         """Close the slabs and the I/O threads, then give the directory's lock up."""
