@@ -352,13 +352,15 @@ class DiskTier:
                 )
 
     def close(self) -> None:
-        """Close the slabs and the I/O threads, then give the directory's lock up."""
+        """Stop the I/O threads (what is queued runs first), close the slabs, then give the
+        directory's lock up. In that order: a job still queued or running when the slabs
+        closed used a descriptor number the process may have given to another file since."""
         if self._closed:
             return
         self._closed = True
+        self._io.close()
         for slab in self._slab_files:
             slab.close()
-        self._io.close()
         self._lock.release()
 
     def _ensure_open(self) -> None:
