@@ -9,9 +9,11 @@ Contract:
 - `retire(slots)` zeroes the header regions in parallel and says, per slot, whether the write
   was done. Not synced: a copy that comes back after a power loss is still a valid copy of its
   block, and a copy left behind by a refused retire is still verified when read.
-- `retire_durably(slots)` also syncs the retirement (`fsync: batch`) and says how many copies
-  may still come back at the next start (refused, or in a slab whose sync failed): 0 means
-  that the drop is durable. A clear needs to know.
+- `retire_durably(slots)` also syncs the retirement, under `fsync: none` too, and says how
+  many copies may still come back at the next start (refused, or in a slab whose sync
+  failed): 0 means that the drop is durable. A clear needs to know, and a reset after new
+  weights must not have the old KV come back after a power loss (under `none` it could, while
+  the reset said none was left).
 - Refused retires and syncs are counted (`retire_errors`, `sync_errors`) and fed to the
   backoff; nothing raises. Freeing the slots themselves is the caller's (`DiskTier.free`).
 """
@@ -41,10 +43,10 @@ class CopyRetirer:
         return [not isinstance(r, OSError) for r in results]
 
     def retire_durably(self, slots: Sequence[int]) -> int:
-        """Retire `slots` and sync the slabs that hold them (`fsync: batch`); how many of the
-        copies may come back at the next start."""
+        """Retire `slots` and sync the slabs that hold them (whatever `fsync` says: module
+        doc); how many of the copies may come back at the next start."""
         retired = [slot for slot, ok in zip(slots, self.retire(slots), strict=True) if ok]
-        sync = self._slabs.sync_slabs_of(retired)
+        sync = self._slabs.sync_slabs_of(retired, always=True)
         self._health.count("sync_errors", len(sync.failed))
         self._health.note_writes(sync.results)
         return len(slots) - len(retired) + sync.lost(retired)

@@ -16,9 +16,10 @@ Contract:
 - `run(jobs, urgent)` runs I/O jobs on the tier's `IOPool`: results in job order, an `OSError`
   in place of a failed job's result; `urgent` ones (the reads) ahead of the others waiting
   (`IOPool.run`).
-- `sync_slabs_of(slots)` makes a batch durable as `fsync` says: under `batch` every slab that
-  holds one of `slots` is synced once; under `none` nothing is synced and nothing fails. It
-  names the slabs whose sync failed, so that a caller fails exactly the copies in them.
+- `sync_slabs_of(slots, always)` makes a batch durable as `fsync` says: under `batch` (or
+  `always`: a clear's retirement) every slab that holds one of `slots` is synced once; under
+  `none` nothing is synced and nothing fails. It names the slabs whose sync failed, so that a
+  caller fails exactly the copies in them.
 - The set neither opens nor closes anything: the tier opens the slabs and the pool and closes
   them (`DiskTier.close`).
 
@@ -138,10 +139,10 @@ class SlabSet:
         waiting (`IOPool.run`)."""
         return self.io.run(jobs, urgent)
 
-    def sync_slabs_of(self, slots: Sequence[int]) -> SlabSync:
-        """Sync each slab that holds one of `slots` once (`fsync: batch`; nothing under
-        `none`), in parallel; which syncs failed."""
-        if self.fsync != "batch":
+    def sync_slabs_of(self, slots: Sequence[int], always: bool = False) -> SlabSync:
+        """Sync each slab that holds one of `slots` once (`fsync: batch`, or `always`; nothing
+        under `none`), in parallel; which syncs failed."""
+        if self.fsync != "batch" and not always:
             return SlabSync([], frozenset(), self.slots_per_slab)
         touched = sorted({slot // self.slots_per_slab for slot in slots})
         synced = self.io.run([self.files[i].sync for i in touched])

@@ -240,7 +240,7 @@ class DiskTier:
         self._slots.free(slots)
 
     def free_durably(self, slots: Sequence[int]) -> int:
-        """Free slots, retire their copies and sync the retirement (`fsync: batch`); return
+        """Free slots, retire their copies and sync the retirement (under `fsync: none` too); return
         how many copies the disk refused to retire (or to sync): those blocks may come back at
         the next start. 0 means that the drop is durable."""
         self._slots.validate(slots, "free")
