@@ -5,7 +5,8 @@ after the node it is trying rather than after every node of the list.
 
 `open_client` raises whatever redis-py raises when that node gives no slot table it can use (no
 answer within the timeouts, a refused connection or AUTH, a table naming a node outside
-`allowed`): the caller counts it."""
+`allowed`, a table that fails `slots.check_slot_table` or a reply past
+`connection.CONTROL_REPLY_BYTES`): the caller counts it."""
 
 from __future__ import annotations
 

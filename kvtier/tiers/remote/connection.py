@@ -1,7 +1,10 @@
 """The redis-py connection the remote tier's cluster client uses (`cluster.py`): it sends a
 value's header and payload one after the other as one Redis value, the payload from where it
-lies (`entry.SplitValue`), and reads replies through a `paced.PacedSocket`; and the check
-that keeps it off nodes outside `tiers.remote.allowed_nodes` (`only_allowed`)."""
+lies (`entry.SplitValue`), and reads replies through a `paced.PacedSocket`, each bounded in
+bytes (a round trip's by what its commands asked for, `rounds.py`; any other, a slot table, the
+command table, a handshake's, by `CONTROL_REPLY_BYTES`), a slot table checked before redis-py
+builds its slot map from it (`slots.py`); and the check that keeps it off nodes outside
+`tiers.remote.allowed_nodes` (`only_allowed`)."""
 
 from __future__ import annotations
 
@@ -13,9 +16,16 @@ from redis.connection import Connection, SSLConnection
 from kvtier.config.network import NodeFilter
 from kvtier.tiers.remote.entry import SplitValue
 from kvtier.tiers.remote.paced import Budget, Pace, PacedSocket
+from kvtier.tiers.remote.slots import check_slot_table
 
 Value = bytes | memoryview | SplitValue
 JOIN_BELOW = 6000  # chunks up to this size are joined into one send (redis-py's cutoff)
+
+CONTROL_REPLY_BYTES = 16 * 2**20
+"""The most bytes a reply read outside a round trip may take: a slot table (a few KiB; a
+cluster of hundreds of nodes whose slots are scattered, a few MiB), the command table (90 KiB
+from Redis 7), a handshake's. redis-py buffers a reply whole: before this bound a node's slot
+table with a host name of 400 MiB took a connect 1.2 GB (and each refresh after it again)."""
 
 
 def value_nbytes(value: Value) -> int:
@@ -32,6 +42,7 @@ class SplitValueConnection(Connection):
 
     pace: Pace | None = None  # the round trip's, while `rounds.round_trip` reads its replies
     budget: Budget | None = None  # the bytes its commands asked for, as long (`rounds.py`)
+    slot_table_next = False  # the command sent last asked for the slot table (`send_command`)
 
     def _connect(self) -> Any:
         sock = super()._connect()
@@ -42,15 +53,30 @@ class SplitValueConnection(Connection):
         sock: Any = self._sock
         return int(sock.fileno())
 
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        """redis-py's, noting whether it asks for the slot table (CLUSTER SLOTS: redis-py's
+        own calls, a connect's and a refresh's), whose reply `read_response` checks."""
+        self.slot_table_next = _asks_slot_table(args)
+        super().send_command(*args, **kwargs)
+
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        """redis-py's, bounded (module doc); a slot table that fails `slots.check_slot_table`
+        raises its `SlotTableError` instead of reaching redis-py's slot map."""
+        slot_table, self.slot_table_next = self.slot_table_next, False
         sock: object = self._sock
         if isinstance(sock, PacedSocket):
-            sock.start_reply(self.pace, self.budget)
+            budget = self.budget
+            if budget is None:
+                budget = Budget(CONTROL_REPLY_BYTES, "a reply outside a round trip may take")
+            sock.start_reply(self.pace, budget)
         try:
-            return super().read_response(*args, **kwargs)
+            reply = super().read_response(*args, **kwargs)
         finally:
             if isinstance(sock, PacedSocket):
                 sock.end_reply()
+        if slot_table:
+            check_slot_table(reply)
+        return reply
 
     def pack_command(self, *args: Any) -> list[bytes | memoryview]:
         if not any(isinstance(arg, SplitValue) for arg in args):
@@ -79,6 +105,16 @@ class SplitValueConnection(Connection):
         if pieces:
             output.append(b"".join(pieces))
         return output
+
+
+def _asks_slot_table(args: tuple[Any, ...]) -> bool:
+    """Whether a command's arguments (redis-py passes "CLUSTER SLOTS" as one) are CLUSTER
+    SLOTS; only the first two are looked at (a write's value may be large)."""
+    words: list[str] = []
+    for arg in args[:2]:
+        text = arg.decode(errors="replace") if isinstance(arg, bytes) else str(arg)
+        words += text.upper().split()
+    return words == ["CLUSTER", "SLOTS"]
 
 
 class SplitValueSSLConnection(SplitValueConnection, SSLConnection):

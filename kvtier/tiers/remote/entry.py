@@ -82,6 +82,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -162,10 +163,16 @@ def block_key(prefix: str, group_first_id: bytes, block_id: bytes, keyed: bool =
 
 
 def path_keys(
-    prefix: str, ids: list[bytes], start: int, stop: int, group_blocks: int, keyed: bool = False
+    prefix: str,
+    ids: Sequence[bytes],
+    start: int,
+    stop: int,
+    group_blocks: int,
+    keyed: bool = False,
 ) -> list[bytes]:
     """The keys of positions start..stop-1 of a path whose block ids, from position 0, are
-    `ids` (at least `stop` of them); `keyed`: of authenticated values (`block_key`)."""
+    `ids` (at least `stop` of them; only each position's and its group's first are read);
+    `keyed`: of authenticated values (`block_key`)."""
     assert 0 <= start <= stop <= len(ids) and group_blocks >= 1
     return [block_key(prefix, ids[p - p % group_blocks], ids[p], keyed) for p in range(start, stop)]
 

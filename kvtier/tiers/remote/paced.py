@@ -58,9 +58,10 @@ class ReplyTooLong(Exception):
 class Budget:
     """The bytes a run of replies may take in all (`nbytes`): what their commands asked for."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, bound: str = "asked for") -> None:
         self.nbytes = nbytes
         self.left = nbytes
+        self.bound = bound  # what the bound is, for `ReplyTooLong`'s message
 
     def cap(self, size: int) -> int:
         """What a read of `size` bytes may ask for: one byte past what is left shows excess."""
@@ -70,7 +71,7 @@ class Budget:
         """`count` bytes came in; `ReplyTooLong` once they are more than were asked for."""
         self.left -= count
         if self.left < 0:
-            raise ReplyTooLong(f"the replies ran past the {self.nbytes} bytes asked for")
+            raise ReplyTooLong(f"the replies ran past the {self.nbytes} bytes {self.bound}")
 
 
 class PacedSocket:

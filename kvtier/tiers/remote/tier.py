@@ -161,7 +161,7 @@ class RemoteTier:
 
     def _keys(self, ids: Sequence[bytes], start: int, stop: int) -> list[bytes]:
         keyed = self.mac_key is not None  # authenticated values' keys of their own (`entry`)
-        return path_keys(self.prefix, list(ids), start, stop, self.group_blocks, keyed)
+        return path_keys(self.prefix, ids, start, stop, self.group_blocks, keyed)
 
     def _metas(self, seed: bytes, ids: Sequence[bytes], start: int, count: int) -> list[ValueMeta]:
         fingerprint, nbytes = self.layout.fingerprint, self.layout.block_bytes

@@ -7,7 +7,7 @@ head is worth nothing), the rest dropped and counted (`dropped_blocks`); an idle
 at least one block, so a store larger than the bound (or a bound below one block) still shares
 its head. The writer copies into host memory the blocks it takes, and only those: what it
 holds is what `pending_bytes` says (never a view pinning a larger copy; of the path's ids, only
-the few its blocks' keys need: `_path_part`). A slow or dead cluster
+the ones its write reads, at most two a block and one more: `PathIds`). A slow or dead cluster
 costs a store a counter, never a wait. `drain` waits until the backlog is written (or its
 timeout); `close` stops the thread and drops what is left.
 Thread-safe.
@@ -21,11 +21,40 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
 from kvtier.text import ERROR_CHARS, printable
 from kvtier.tiers.remote.tier import RemoteTier
+
+
+class PathIds(Sequence[bytes]):
+    """The ids a write of blocks start..stop-1 of a path reads, by position: each block's, its
+    parent's, its group's first (`entry.path_keys`); its length is the path's up to `stop`. A
+    job keeps this, not the path: the ids before its blocks (57 bytes each, not in
+    `pending_bytes`), up to a group of 4,096 of them for each job of one block, held a backlog
+    of 40 one-block jobs at 9 MiB beside 5 KiB of blocks (module doc: it holds what it says).
+    Only those positions are read (`tier.RemoteTier.write`)."""
+
+    def __init__(self, ids: Sequence[bytes], start: int, stop: int, group_blocks: int) -> None:
+        read = set(range(max(0, start - 1), stop))
+        read.update(p - p % group_blocks for p in range(start, stop))
+        self._ids = {p: ids[p] for p in read}
+        self._length = stop
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, at: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, at: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, at: int | slice) -> bytes | Sequence[bytes]:
+        assert isinstance(at, int) and at in self._ids, f"position {at}: not one a write reads"
+        return self._ids[at]
 
 
 @dataclass(frozen=True)
@@ -67,26 +96,12 @@ class RemoteWriter:
             self.stats["dropped_blocks"] += len(blocks) - taken
             if taken:
                 kept = blocks[:taken].detach().to("cpu", copy=True)  # its own: what it counts
-                base, path = self._path_part(ids, start, taken)
-                self._jobs.append(
-                    _Job(seed, path, start - base, list(kept.unbind(0)), taken * size)
-                )
+                path = PathIds(ids, start, start + taken, self.tier.group_blocks)
+                self._jobs.append(_Job(seed, path, start, list(kept.unbind(0)), taken * size))
                 self._pending += taken * size
                 self.stats["queued_blocks"] += taken
                 self._cond.notify_all()
         return taken == len(blocks)
-
-    def _path_part(self, ids: Sequence[bytes], start: int, count: int) -> tuple[int, list[bytes]]:
-        """`(base, ids[base:start + count])`: the part of the path a write of `count` blocks
-        from `start` reads (each block's id, its parent's, its group's first), from `base`, a
-        multiple of `group_blocks` (so rebased positions keep their groups, and the first block
-        sent keeps its parent: `start - base` >= 1 where `start` >= 1). A job keeps this, not
-        the whole path: the ids of a long prompt's every block (about 57 bytes each), held by
-        each job of a few blocks, are not in `pending_bytes`, so a backlog of them would hold
-        many times `max_pending_bytes` (module doc: it holds what it says)."""
-        group = self.tier.group_blocks
-        base = (start - 1) // group * group if start > 0 else 0
-        return base, list(ids[base : start + count])
 
     @property
     def pending_bytes(self) -> int:
