@@ -317,15 +317,17 @@ class Writes:
         room-making would take), the match pinned meanwhile as `store_new` pins it; returns
         how many of them that tier still cannot take without dropping an unwritten block
         (`Background.has_room`; 0: it can). Check, then commit: 0, planning nothing, when it
-        brings no new block, when they hang below a disk-only prefix (`insert_on_disk` stages
-        its own), when `place` would find no tier for them (a store that places nothing
-        evicts nothing), or when the reservation would be refused for quota (it changes
+        brings no new block, when `place` would find no tier for them (a store that places
+        nothing evicts nothing), or when the reservation would be refused for quota (it changes
         nothing). At most the tier's slots: blocks placed on gpu reach host only as its copies
-        or demotions."""
+        or demotions. Below a disk-only prefix, the host slots `insert_on_disk` stages them in
+        (`_stage_ahead`)."""
         match = self.index.match(namespace, key)
         new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
-        if new_blocks <= 0 or match.num_blocks < first or self._tail_on_disk(match):
+        if new_blocks <= 0 or match.num_blocks < first:
             return 0
+        if self._tail_on_disk(match):  # a reservation places nothing there
+            return 0 if reserver is not None else _stage_ahead(self, match, new_blocks, namespace)
         if reserver is not None:  # its prefix pin, as `reserve` checks it
             locking = self.index.leases.unheld_blocks(match.end)
             holding = self.holding(reserver, namespace, GPU)
@@ -356,3 +358,21 @@ class Writes:
             and end.parent is not None
             and end.fastest(end.size - 1) == DISK
         )
+
+
+def _stage_ahead(writes: Writes, match: Match, count: int, namespace: BlockId) -> int:
+    """`Writes.make_room_ahead` for `count` new blocks below the disk-only prefix `match`: the
+    host slots `insert_on_disk` stages them in, whose room it makes by dropping unwritten host
+    leaves, written down ahead (before, a 2-block tail dropped 2 blocks with an idle disk), only
+    when the insert will take place (room for them in host and disk); the prefix pinned on disk
+    meanwhile, as the insert pins it. Returns as `make_room_ahead`."""
+    owner, work, leases = bytes(namespace), writes.mover.work, writes.index.leases
+    if not all(writes.demoter.can_make_room(t, count, owner) for t in (HOST, DISK)):
+        return 0
+    need = min(count, writes.state.host.num_slots)
+    pin = leases.acquire(match.end, (DISK,), math.inf, 0, resident=False)
+    try:
+        work.make_room_ahead(need, owner)
+    finally:
+        leases.release(pin.lease_id)
+    return 0 if work.has_room(need, owner) else need

@@ -52,6 +52,7 @@ from kvtier.tiers.base import DISK, HOST
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.pool import SlotPool
 from kvtier.tiers.staging import StagedBlocks
+from kvtier.transfer.clean import clean_victims
 from kvtier.transfer.copy import Transfer
 from kvtier.transfer.demotion import (
     Action,
@@ -122,15 +123,15 @@ class Background:
 
     def has_room(self, need: int, owner: bytes | None = None) -> bool:
         """Whether the tier above disk can take `need` new blocks for `owner` (None: any) now
-        without dropping one not written down: its free slots and the blocks with a disk copy
-        that room-making clears first, with floors at least those offered to `owner`
-        (`evictable_share`) less every unwritten one (True without a background mover or disk)."""
+        without dropping one not written down: its free slots and its victims for `owner` that
+        have a disk copy, which room-making clears first (`clean.clean_victims`). True without
+        a background mover or disk."""
         if not need or not self.background or self.state.disk is None:
             return True
-        tier, residency = DISK - 1, self.index.residency
-        offered = residency.evictable_share(tier, owner)
-        offered = residency.resident(tier) if offered is None else offered
-        return self.pools[tier].num_free + max(0, offered - residency.only_in(tier)) >= need
+        free = self.pools[DISK - 1].num_free
+        return (
+            free >= need or free + clean_victims(self.index, DISK - 1, need - free, owner) >= need
+        )
 
     def short(self, lacking: int) -> bool:
         """Whether a call whose room the tier above disk still lacks for `lacking` of its new
