@@ -7,7 +7,8 @@ Contract:
   tier first), and the lease (`leasing.py`) is returned PENDING with its final block table; it
   turns READY when every copy is in the index. Disk copies are read into host staging slots and
   verified before anything moves up (they keep that host copy under write_through; a CPU gpu
-  pool without that policy, or without host room, reads them straight in); the host -> gpu
+  pool without that policy, or without host room freeable with no drop, reads them straight
+  in); the host -> gpu
   copy goes in `layer_groups` layer-range transfers, so `lease.layers_ready` grows while the
   copy runs. A block already on its way to gpu is joined, not copied twice; a flight that
   joined others publishes after them, so prefix closure holds at every step.
@@ -36,6 +37,7 @@ from kvtier.index.helpers import subtree_locked
 from kvtier.index.node import Node, path
 from kvtier.results import Lease
 from kvtier.tiers.base import DISK, GPU, HOST
+from kvtier.transfer.clean import clean_victims
 from kvtier.transfer.copy import Transfer
 from kvtier.transfer.demotion import Demoter
 from kvtier.transfer.flights import Flight, FlightRunner, Flights, PrefetchFlight
@@ -123,6 +125,14 @@ class Prefetcher:
         when it must (a CUDA pool)."""
         return self.keep_host_copy or self.gpu.device.type != "cpu"
 
+    def _clean_room(self, need: int, owner: bytes) -> bool:
+        """Whether host has `need` slots free or freeable without dropping a block not on disk
+        (`clean.clean_victims`): where it has not, a CPU gpu pool reads disk blocks straight in
+        and keeps no host copy. Before, a prefetch under write_through made its staging room
+        by dropping unwritten host blocks (2 of 8, with the disk idle: audit AX)."""
+        free = self.state.host.num_free
+        return free >= need or free + clean_victims(self.index, HOST, need - free, owner) >= need
+
     def _layers(self, groups: int) -> int:
         return self.num_layers * groups // self.groups
 
@@ -161,6 +171,8 @@ class Prefetcher:
         on_cuda = self.gpu.device.type != "cpu"
         stage = bool(from_disk) and self._stages()
         stage = stage and self.demoter.can_make_room(HOST, len(from_disk), owner)
+        if stage and not on_cuda:  # staging is the policy's choice, not a need: never a drop
+            stage = self._clean_room(len(from_disk), owner)
         if from_disk and not stage and on_cuda and self.demoter.can_make_room(GPU, count, owner):
             raise CapacityError(
                 f"prefetch: {len(from_disk)} disk blocks need host staging slots, but the host "
