@@ -98,14 +98,15 @@ class DirectoryLock:
         self._fd: int | None = fd
 
     def release(self) -> None:
-        """Give the locks up (closing the file and the directory does); releasing twice is
-        allowed."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        """Give the locks up (closing the directory, then the file, does: in the order a
+        newcomer takes them the other way round, so that one who got the file finds the
+        directory free); releasing twice is allowed."""
         directory_fd, self._directory_fd = self._directory_fd, None
         if directory_fd is not None:
             os.close(directory_fd)
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     @property
     def held(self) -> bool:

@@ -133,7 +133,9 @@ class DiskTier:
         self._health = DiskHealth()  # shared with the copies that run on mover threads
         self.faults = self._health.counts
         self.backoff = self._health.backoff
-        self.path = private_dir(path, "tiers.disk.path")
+        # absolute: `check()` looks its slabs up by path, and a process that embeds the store
+        # may change its working directory (a relative `./kvtier-data` then named nothing)
+        self.path = private_dir(path, "tiers.disk.path").absolute()
         self._lock = DirectoryLock(self.path, "tiers.disk.path")  # before anything is read
         self._io = IOPool(workers)
         self._closed = False
