@@ -125,14 +125,6 @@ class Prefetcher:
         when it must (a CUDA pool)."""
         return self.keep_host_copy or self.gpu.device.type != "cpu"
 
-    def _clean_room(self, need: int, owner: bytes) -> bool:
-        """Whether host has `need` slots free or freeable without dropping a block not on disk
-        (`clean.clean_victims`): where it has not, a CPU gpu pool reads disk blocks straight in
-        and keeps no host copy. Before, a prefetch under write_through made its staging room
-        by dropping unwritten host blocks (2 of 8, with the disk idle: audit AX)."""
-        free = self.state.host.num_free
-        return free >= need or free + clean_victims(self.index, HOST, need - free, owner) >= need
-
     def _layers(self, groups: int) -> int:
         return self.num_layers * groups // self.groups
 
@@ -171,8 +163,7 @@ class Prefetcher:
         on_cuda = self.gpu.device.type != "cpu"
         stage = bool(from_disk) and self._stages()
         stage = stage and self.demoter.can_make_room(HOST, len(from_disk), owner)
-        if stage and not on_cuda:  # staging is the policy's choice, not a need: never a drop
-            stage = self._clean_room(len(from_disk), owner)
+        stage = stage and (on_cuda or _clean_room(self, len(from_disk), owner))  # no drop
         if from_disk and not stage and on_cuda and self.demoter.can_make_room(GPU, count, owner):
             raise CapacityError(
                 f"prefetch: {len(from_disk)} disk blocks need host staging slots, but the host "
@@ -388,3 +379,14 @@ def _stuck(count: int, free: str, slots: int) -> CapacityError:
 def _slot(slot: int | None) -> int:
     assert slot is not None
     return slot
+
+
+def _clean_room(prefetcher: Prefetcher, need: int, owner: bytes) -> bool:
+    """Whether host has `need` slots free or freeable without dropping a block not on disk
+    (`clean.clean_victims`): where it has not, a CPU gpu pool reads disk blocks straight in and
+    keeps no host copy. Before, a prefetch under write_through made its staging room by
+    dropping unwritten host blocks (2 of 8, with the disk idle: audit AX)."""
+    free = prefetcher.state.host.num_free
+    if free >= need:
+        return True
+    return free + clean_victims(prefetcher.index, HOST, need - free, owner) >= need
