@@ -8,7 +8,8 @@ Pinned here:
   `TypeError`); a real tier that is not mapped here ("disk", "remote", a closed client's) is
   still None, and "gpu" the mapped pool holding the bytes stored.
 - A burst of concurrent calls does not push a client off its own lane: at most
-  `lane.MOST_CALLS` of a client's calls are on the lane at once (one more takes HTTP), so the
+  `lane_slots.MOST_CALLS` of a client's calls are on the lane at once (one more waits for a
+  slot, or takes HTTP), so the
   server's 256 lane connections are never the client's to exhaust (before, 600 concurrent
   lookups of one `AsyncClient` opened 600 connections, the server closed some before their
   hello, and every call of that client took HTTP for the next 30 s, about 3x slower).
@@ -29,7 +30,7 @@ from kvtier.blocks import to_blocks
 from kvtier.client import AsyncClient, Client
 from kvtier.errors import InvalidArgumentError
 
-MOST_CALLS = 64  # `kvtier.client.lane.MOST_CALLS` (not imported: the test runs on code before it)
+MOST_CALLS = 64  # `kvtier.client.lane_slots.MOST_CALLS` (not imported: the test ran on code before)
 NOT_TIERS: list[Any] = ["gpuu", "GPU", "", None, ["gpu"], 0]
 
 

@@ -24,6 +24,7 @@ import pytest
 
 from kvtier.client.lane import AsyncLaneConnections, LaneConnections
 from kvtier.client.lane_slots import MOST_CALLS, SLOT_WAIT_S
+from kvtier.errors import ClosedError
 from kvtier.service import frames
 
 
@@ -165,3 +166,62 @@ def test_a_short_call_waits_at_most_its_bound_then_takes_http(timeout_s: float) 
     bound = min(SLOT_WAIT_S, timeout_s)
     assert bound - 0.05 <= waited <= bound + 0.5, waited
     assert server.answered == MOST_CALLS  # the one past them was never sent
+
+
+def test_a_cancel_that_comes_with_the_slot_cancels_the_waiting_call() -> None:
+    """A slot freed (the waiter's future done) and the task cancelled before it ran again:
+    `asyncio.wait_for` on Python 3.11 returned the result and the call went on (review 1)."""
+
+    async def main() -> tuple[bool, int]:
+        lane = AsyncLaneConnections("kvtier-lane-1-00000000", timeout_s=5.0, max_reply_bytes=64)
+        slots = lane._slots
+        slots.busy = slots.short = MOST_CALLS  # every slot held
+        call = asyncio.create_task(lane.request("/v1/lookup", b"", {}))
+        await asyncio.sleep(0.05)  # it waits in line
+        assert len(slots.line) == 1
+        slots.give(True)  # a slot frees: its future is done
+        call.cancel()  # before it runs again
+        try:
+            await call
+        except asyncio.CancelledError:
+            return True, slots.busy
+        return False, slots.busy
+
+    cancelled, busy = asyncio.run(main())
+    assert cancelled  # was: the call went on, its cancel lost
+    assert busy == MOST_CALLS - 1  # the slot it did not take is free
+
+
+@pytest.mark.parametrize("how", ["retire", "close"])
+def test_calls_in_line_stop_waiting_when_the_lane_is_retired_or_closed(how: str) -> None:
+    with lane_server(lookup=3.0) as server:
+        lane = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
+        holders = threading.Thread(target=_burst, args=(lane, "/v1/lookup", MOST_CALLS))
+        holders.start()
+        try:
+            deadline = time.monotonic() + 30
+            while server.held < MOST_CALLS and time.monotonic() < deadline:
+                time.sleep(0.01)
+            outcome: list[object] = []
+
+            def waiter() -> None:
+                try:
+                    outcome.append(lane.request("/v1/lookup", b"", {}))
+                except ClosedError as exc:
+                    outcome.append(exc)
+
+            began = time.monotonic()
+            waiting = threading.Thread(target=waiter)
+            waiting.start()
+            time.sleep(0.1)
+            getattr(lane, how)()
+            waiting.join(timeout=5)
+            took = time.monotonic() - began
+        finally:
+            holders.join(timeout=30)
+            lane.close()
+    assert took < 0.5, took  # was: its whole wait (1 s)
+    if how == "retire":
+        assert outcome == [None]  # HTTP, unsent
+    else:
+        assert len(outcome) == 1 and isinstance(outcome[0], ClosedError)

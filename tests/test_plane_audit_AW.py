@@ -7,7 +7,7 @@
   connection before its hello, over and over (its client takes HTTP for 30 s a time). A reply
   left unread for `STALL_S` now lets room-making cut its connection.
 - The lane listened with a backlog of 64: four clients opening their 64 connections at once
-  (the most a client opens, `client/lane.py` `MOST_CALLS`) had most of the connects refused
+  (the most a client opens, `client/lane_slots.py` `MOST_CALLS`) had most of the connects refused
   (EAGAIN: 152 to 184 of 256 on this machine), each such client going to HTTP for 30 s.
 - A server restarted while its clients idle could find /dev/shm too small with nothing in it:
   the stopped server's pools keep their pages while a client maps them. Its refusal says so.

@@ -45,12 +45,10 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import socket
 import threading
 import time
-from functools import partial
 from typing import Any
 
 from kvtier.client.connections import Reply, TransportError, still_open
@@ -63,7 +61,7 @@ from kvtier.client.lane_frames import (
     read_frame_async,
     reply_of,
 )
-from kvtier.client.lane_slots import WAITING, Slots, wake_future
+from kvtier.client.lane_slots import WAITING, Slots, wait_turn, wait_turn_async
 from kvtier.errors import ClosedError, ReplyError
 from kvtier.service import frames, wire
 
@@ -74,6 +72,17 @@ _GOODBYE = object()  # `_send`'s answer where the server ended the connection un
 class _Dead:
     retry_at: float
     longest: int | None = None  # the server's `lane_max_frame_bytes` (None: not said)
+    _closed: bool
+
+    def _gone(self) -> bool:
+        """Whether a call waiting for a slot stops waiting: the lane dead, or the client closed."""
+        return self._closed or self.dead
+
+    def _http(self) -> Reply | None:
+        """A call that got no slot: HTTP (None), or `ClosedError` where the client closed."""
+        if self._closed:
+            raise ClosedError("the client is closed: no request is sent")
+        return None
 
     @property
     def dead(self) -> bool:
@@ -114,13 +123,8 @@ class LaneConnections(_Dead):
         with self._lock:
             turn = self._slots.queue(deadline)
             try:
-                while not self._slots.take(turn, short):
-                    left = self._slots.wait_left(turn, short)
-                    if left <= 0:
-                        return None  # HTTP, unsent: the lane is not out of reach (module doc)
-                    woken = threading.Condition(self._lock)
-                    turn.wake = woken.notify
-                    woken.wait(left)
+                if not wait_turn(self._slots, turn, short, self._lock, self._gone):
+                    return self._http()  # unsent: the lane is not out of reach (module doc)
             finally:
                 self._slots.leave(turn)
         try:
@@ -186,6 +190,7 @@ class LaneConnections(_Dead):
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            self._slots.wake_all()  # calls waiting for a slot stop waiting
         for sock in idle:
             sock.close()
 
@@ -194,6 +199,7 @@ class LaneConnections(_Dead):
         with self._lock:
             self.retry_at = math.inf
             idle, self._idle = self._idle, []
+            self._slots.wake_all()
         for sock in idle:
             sock.close()
 
@@ -270,14 +276,8 @@ class AsyncLaneConnections(_Dead):
         short = path not in WAITING
         turn = self._slots.queue(time.monotonic() + self.timeout_s)
         try:
-            while not self._slots.take(turn, short):
-                left = self._slots.wait_left(turn, short)
-                if left <= 0:
-                    return None  # HTTP, unsent: the lane is not out of reach (module doc)
-                woken = loop.create_future()
-                turn.wake = partial(wake_future, woken)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken, left)
+            if not await wait_turn_async(self._slots, turn, short, self._gone):
+                return self._http()  # unsent: the lane is not out of reach (module doc)
         finally:
             self._slots.leave(turn)
         try:
@@ -348,6 +348,7 @@ class AsyncLaneConnections(_Dead):
     async def aclose(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []
+        self._slots.wake_all()
         for _, writer in idle:
             writer.close()
 
@@ -362,6 +363,7 @@ class AsyncLaneConnections(_Dead):
         """Dead for good, its idle connections closed (module doc)."""
         self.retry_at = math.inf
         idle, self._idle = self._idle, []
+        self._slots.wake_all()
         for _, writer in idle:
             writer.close()
 

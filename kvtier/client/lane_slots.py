@@ -10,15 +10,22 @@ Contract (`Slots`, used under `LaneConnections`' lock or on `AsyncLaneConnection
   HTTP, unsent.
 - `leave(turn)` (a slot taken, or given up) and `give` tell the head of the line (its `wake`),
   so a freed slot goes to the call that waited longest, and a head that gave up passes its
-  turn on.
+  turn on; `wake_all` tells every call in line (the lane retired, the client closed).
+- `wait_turn` / `wait_turn_async`: a call's wait, which also ends where `gone()` says the lane
+  is dead or the client closed (before, such calls waited out their bound), and which a task's
+  cancel always ends (`asyncio.wait_for` on Python 3.11 returned a result that came with the
+  cancel, and the call went on).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 MOST_CALLS = 64
 """A client's calls on the lane at once (so its connections): a quarter of the server's bound
@@ -99,6 +106,40 @@ class Slots:
     def wake_head(self) -> None:
         if self.line:
             self.line[0].wake()
+
+    def wake_all(self) -> None:
+        for turn in self.line:
+            turn.wake()
+
+
+def wait_turn(
+    slots: Slots, turn: Turn, short: bool, lock: threading.Lock, gone: Callable[[], bool]
+) -> bool:
+    """Wait, `lock` held (it guards `slots`), until `turn` takes a slot (True), or it may wait
+    no longer, or `gone()` (False: the call takes HTTP)."""
+    while not slots.take(turn, short):
+        left = slots.wait_left(turn, short)
+        if left <= 0 or gone():
+            return False
+        woken = threading.Condition(lock)
+        turn.wake = woken.notify
+        woken.wait(left)
+    return True
+
+
+async def wait_turn_async(slots: Slots, turn: Turn, short: bool, gone: Callable[[], bool]) -> bool:
+    """`wait_turn` on the running loop (a cancel raises `CancelledError` whenever it comes)."""
+    loop = asyncio.get_running_loop()
+    while not slots.take(turn, short):
+        left = slots.wait_left(turn, short)
+        if left <= 0 or gone():
+            return False
+        woken: asyncio.Future[None] = loop.create_future()
+        turn.wake = partial(wake_future, woken)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(left):
+                await woken
+    return True
 
 
 def wake_future(woken: asyncio.Future[None]) -> None:

@@ -313,21 +313,24 @@ class Lane:
                 conn.close()
 
     def _send(self, conn: socket.socket, reply: bytes) -> None:
-        """Send `reply` on `conn` (marked answering). What its peer's buffer cannot take at once
-        waits up to `body_timeout_s` for the peer to read it, the connection `stalled` from
-        then (`Connection.idle`: room may end it after `STALL_S`, which fails the send)."""
-        conn.settimeout(0)
-        try:
-            sent = conn.send(reply)
-        except BlockingIOError:
-            sent = 0
-        if sent < len(reply):
+        """Send `reply` on `conn` (marked answering), within `body_timeout_s`. While its peer's
+        buffer cannot take the rest, the connection is `stalled` since the last bytes it took
+        (`Connection.idle`: room may end it after `STALL_S` without progress, which fails the
+        send; a slow reader that keeps reading is not cut)."""
+        rest, deadline = memoryview(reply), time.monotonic() + self.timeout_s
+        while rest:
+            conn.settimeout(0)
+            try:
+                rest = rest[conn.send(rest) :]
+                continue
+            except BlockingIOError:
+                pass
             with self._lock:
                 state = self._open.get(conn)
                 if state is not None:
                     state.stalled, state.since = True, time.monotonic()
-            conn.settimeout(self.timeout_s)  # a client that does not read it is cut off
-            conn.sendall(memoryview(reply)[sent:])
+            conn.settimeout(max(deadline - time.monotonic(), 1e-6))  # past it: TimeoutError
+            rest = rest[conn.send(rest) :]  # once the peer has read some
 
     def _end_idle(self, conn: socket.socket) -> None:
         """End `conn` idle past its bound with `GOODBYE` (unless it was ended already)."""
