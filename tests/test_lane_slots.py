@@ -98,6 +98,25 @@ def _burst(lane: LaneConnections, path: str, calls: int) -> list[object]:
     return replies
 
 
+@contextlib.contextmanager
+def all_slots_held(path: str, **delays: float) -> Iterator[tuple[LaneServer, LaneConnections]]:
+    """A lane whose calls of `path` the server holds for their delay, and a client with all
+    `MOST_CALLS` of its slots held by such calls (a thread's), for the block."""
+    with lane_server(**delays) as server:
+        lane = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
+        holders = threading.Thread(target=_burst, args=(lane, path, MOST_CALLS))
+        holders.start()
+        try:
+            deadline = time.monotonic() + 30
+            while server.held < MOST_CALLS and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert server.held == MOST_CALLS
+            yield server, lane
+        finally:
+            holders.join(timeout=30)
+            lane.close()
+
+
 def test_a_burst_past_the_slots_waits_for_the_lane_from_threads() -> None:
     with lane_server(lookup=0.01) as server:
         lane = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
@@ -127,42 +146,21 @@ def test_a_burst_past_the_slots_waits_for_the_lane_from_tasks() -> None:
 
 
 def test_calls_that_wait_on_the_server_never_hold_short_calls_in_line() -> None:
-    with lane_server(leases=3.0, lookup=0.0) as server:
-        lane = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
-        holders = threading.Thread(target=_burst, args=(lane, "/v1/leases", MOST_CALLS))
-        holders.start()
-        try:
-            deadline = time.monotonic() + 30
-            while server.held < MOST_CALLS and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert server.held == MOST_CALLS
-            for path in ("/v1/lookup", "/v1/leases"):
-                began = time.monotonic()
-                assert lane.request(path, b"", {}) is None  # HTTP at once, unsent
-                assert time.monotonic() - began < 0.2, path
-        finally:
-            holders.join(timeout=30)
-            lane.close()
+    with all_slots_held("/v1/leases", leases=3.0, lookup=0.0) as (server, lane):
+        for path in ("/v1/lookup", "/v1/leases"):
+            began = time.monotonic()
+            assert lane.request(path, b"", {}) is None  # HTTP at once, unsent
+            assert time.monotonic() - began < 0.2, path
     assert server.answered == MOST_CALLS
 
 
 @pytest.mark.parametrize("timeout_s", [30.0, 0.3])
 def test_a_short_call_waits_at_most_its_bound_then_takes_http(timeout_s: float) -> None:
-    with lane_server(lookup=3.0) as server:
-        held = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
-        holders = threading.Thread(target=_burst, args=(held, "/v1/lookup", MOST_CALLS))
-        holders.start()
-        try:
-            deadline = time.monotonic() + 30
-            while server.held < MOST_CALLS and time.monotonic() < deadline:
-                time.sleep(0.01)
-            held.timeout_s = timeout_s
-            began = time.monotonic()
-            assert held.request("/v1/lookup", b"", {}) is None
-            waited = time.monotonic() - began
-        finally:
-            holders.join(timeout=30)
-            held.close()
+    with all_slots_held("/v1/lookup", lookup=3.0) as (server, held):
+        held.timeout_s = timeout_s
+        began = time.monotonic()
+        assert held.request("/v1/lookup", b"", {}) is None
+        waited = time.monotonic() - began
     bound = min(SLOT_WAIT_S, timeout_s)
     assert bound - 0.05 <= waited <= bound + 0.5, waited
     assert server.answered == MOST_CALLS  # the one past them was never sent
@@ -194,32 +192,22 @@ def test_a_cancel_that_comes_with_the_slot_cancels_the_waiting_call() -> None:
 
 @pytest.mark.parametrize("how", ["retire", "close"])
 def test_calls_in_line_stop_waiting_when_the_lane_is_retired_or_closed(how: str) -> None:
-    with lane_server(lookup=3.0) as server:
-        lane = LaneConnections(server.name, timeout_s=30.0, max_reply_bytes=1 << 20)
-        holders = threading.Thread(target=_burst, args=(lane, "/v1/lookup", MOST_CALLS))
-        holders.start()
-        try:
-            deadline = time.monotonic() + 30
-            while server.held < MOST_CALLS and time.monotonic() < deadline:
-                time.sleep(0.01)
-            outcome: list[object] = []
+    outcome: list[object] = []
+    with all_slots_held("/v1/lookup", lookup=3.0) as (_, lane):
 
-            def waiter() -> None:
-                try:
-                    outcome.append(lane.request("/v1/lookup", b"", {}))
-                except ClosedError as exc:
-                    outcome.append(exc)
+        def waiter() -> None:
+            try:
+                outcome.append(lane.request("/v1/lookup", b"", {}))
+            except ClosedError as exc:
+                outcome.append(exc)
 
-            began = time.monotonic()
-            waiting = threading.Thread(target=waiter)
-            waiting.start()
-            time.sleep(0.1)
-            getattr(lane, how)()
-            waiting.join(timeout=5)
-            took = time.monotonic() - began
-        finally:
-            holders.join(timeout=30)
-            lane.close()
+        began = time.monotonic()
+        waiting = threading.Thread(target=waiter)
+        waiting.start()
+        time.sleep(0.1)
+        getattr(lane, how)()
+        waiting.join(timeout=5)
+        took = time.monotonic() - began
     assert took < 0.5, took  # was: its whole wait (1 s)
     if how == "retire":
         assert outcome == [None]  # HTTP, unsent

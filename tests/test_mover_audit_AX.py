@@ -70,6 +70,22 @@ def assert_whole(store: KVStore, tokens: list[int]) -> None:
     assert torch.equal(loaded.kv, kv(tokens))
 
 
+def disk_only_prefix(store: KVStore, evict_others: bool) -> tuple[list[int], list[list[int]]]:
+    """P (2 blocks) on disk only, then two 4-block prompts stored after it (moved off gpu when
+    `evict_others`), the mover drained: (P, the others)."""
+    p = prompt(1, 2)
+    store.store(p, kv(p))
+    assert store.evict("gpu", 2) == 2
+    assert store.evict("host", 2) == 2  # written to disk in the call: P is disk-only
+    others = [prompt(2 + i, 4) for i in range(2)]
+    for tokens in others:
+        store.store(tokens, kv(tokens))
+        if evict_others:
+            assert store.evict("gpu", 4) == 4
+    assert store.drain(10)
+    return p, others
+
+
 def test_clean_inner_host_blocks_are_no_room_for_a_store(tmp_path: Path) -> None:
     """Host full: A's two blocks written to disk but with A's unwritten tail below them (no
     victims), and B. A 2-block store needs 2 host slots for its write_through copies; the
@@ -106,15 +122,7 @@ def test_blocks_below_a_disk_only_prefix_get_their_staging_room_written_down(
     it in 2 host slots; that room was made by dropping unwritten host blocks (the write-ahead
     skipped such stores), with the disk idle."""
     with open_store(tmp_path, "write_back", gpu=8, host=8) as store:
-        p = prompt(1, 2)
-        store.store(p, kv(p))
-        assert store.evict("gpu", 2) == 2
-        assert store.evict("host", 2) == 2  # written to disk in the call: P is disk-only
-        others = [prompt(2 + i, 4) for i in range(2)]
-        for tokens in others:
-            store.store(tokens, kv(tokens))
-            assert store.evict("gpu", 4) == 4
-        assert store.drain(10)
+        p, others = disk_only_prefix(store, evict_others=True)
         hit = store.lookup(p)
         assert (hit.num_tokens, hit.disk_tokens) == (2 * BT, 2 * BT)
         status = store.status()["tiers"]["host"]

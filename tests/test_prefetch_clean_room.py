@@ -8,19 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_mover_audit_AX import assert_whole, kv, open_store, prompt
+from test_mover_audit_AX import assert_whole, disk_only_prefix, open_store
 
 
 def test_a_prefetch_under_write_through_drops_no_unwritten_host_block(tmp_path: Path) -> None:
     with open_store(tmp_path, "write_through", gpu=8, host=8) as store:
-        p = prompt(1, 2)
-        store.store(p, kv(p))
-        assert store.evict("gpu", 2) == 2
-        assert store.evict("host", 2) == 2  # written to disk in the call: P is disk-only
-        others = [prompt(2 + i, 4) for i in range(2)]
-        for tokens in others:
-            store.store(tokens, kv(tokens))
-        assert store.drain(10)
+        p, others = disk_only_prefix(store, evict_others=False)
         status = store.status()["tiers"]["host"]
         assert status["free_slots"] == 0 and status["dirty_blocks"] > 0
         hit = store.lookup(p)
