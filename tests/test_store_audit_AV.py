@@ -21,19 +21,14 @@ import torch
 from kvtier import KVStore, parse_config
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+MODEL = {"name": "demo", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"}
 
 
 def config(write: str, gpu_blocks: int, background: bool = False) -> Any:
     """fp32 blocks of 4 tokens, 1 KiB each: `gpu_blocks` gpu slots, 64 host slots."""
     return parse_config(
         {
-            "model": {
-                "name": "demo",
-                "num_layers": 2,
-                "num_kv_heads": 2,
-                "head_dim": 8,
-                "dtype": "float32",
-            },
+            "model": MODEL,
             "block_tokens": 4,
             "tiers": {"gpu": {"capacity": gpu_blocks * 1024}, "host": {"capacity": "64KiB"}},
             "policy": {"write": write},
