@@ -16,6 +16,7 @@ import pytest
 from service_server import Server, running, write_config
 
 from kvtier.client import TransportError
+from kvtier.client.connections import TransportTimeout
 from kvtier.integrations.lookups import PROBE_S, Clients, Lookups
 
 TOKENS = list(range(64))
@@ -78,5 +79,26 @@ def test_a_new_quiet_after_a_probe_ended_one_gets_its_own_probe(server: Server) 
             assert not quiet.open()
             _open_within(quiet, 5.0)
             assert quiet.probes_answered == round_
+    finally:
+        quiet.close()
+
+
+def test_a_call_that_timed_out_on_a_sidecar_that_answers_keeps_the_whole_quiet(
+    server: Server,
+) -> None:
+    """A save larger than its timeout allows (the sidecar alive, only slow): its probe is
+    answered at once, and ending the quiet then made each save queued behind it wait a whole
+    timeout again (review 3). Only a sidecar seen out of reach has its quiet ended early."""
+    quiet = Clients(server.url, timeout_s=1.0, quiet_s=3.0)
+    try:
+        assert quiet.client("").lookup(TOKENS).num_tokens == 0
+        quiet.failed(TransportTimeout("POST /v1/store: TimeoutError: not done within 0.5 s"))
+        time.sleep(4 * PROBE_S)  # its probe answered: still quiet
+        assert not quiet.open() and quiet.probes_answered == 0
+        took = _open_within(quiet, 5.0)  # the quiet period's end
+        assert took > 0.5
+        quiet.failed(TransportError("POST /v1/store: ConnectionResetError"))  # out of reach
+        _open_within(quiet, 5.0 * PROBE_S)
+        assert quiet.probes_answered == 1
     finally:
         quiet.close()

@@ -62,6 +62,11 @@ class TransportError(KVTierError):
     a timeout, a reply that is not HTTP."""
 
 
+class TransportTimeout(TransportError):
+    """A `TransportError` of a call not done within its `timeout_s`: the server may be alive
+    but slow (`integrations/lookups.Quiet` tells it from one that could not be reached)."""
+
+
 class Reply(NamedTuple):
     status: int
     content_type: str | None
@@ -120,7 +125,7 @@ class Connections:
                 raise
         except TimeoutError:
             conn.close()
-            raise TransportError(
+            raise TransportTimeout(
                 f"{method} {path}: TimeoutError: not done within timeout_s ({self._timeout} s: "
                 "connecting, sending and the whole reply)"
             ) from None

@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Any
 
-from kvtier.client.connections import Reply, TransportError, still_open
+from kvtier.client.connections import Reply, TransportError, TransportTimeout, still_open
 from kvtier.client.lane_frames import (
     checked_name,
     connect,
@@ -171,7 +171,7 @@ class LaneConnections(_Dead):
             reply = read_frame(sock, self.limit, call, deadline)
         except TimeoutError:
             sock.close()
-            raise TransportError(
+            raise TransportTimeout(
                 f"{call}: TimeoutError: not done within timeout_s ({self.timeout_s} s: sending "
                 "and the whole reply)"
             ) from None
@@ -330,7 +330,7 @@ class AsyncLaneConnections(_Dead):
                 reply = await read_frame_async(reader, self.limit, call)  # or one read
         except TimeoutError:
             writer.close()
-            raise TransportError(
+            raise TransportTimeout(
                 f"{call}: TimeoutError: not done within timeout_s ({self.timeout_s} s: sending "
                 "and the whole reply)"
             ) from None

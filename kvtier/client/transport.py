@@ -27,6 +27,7 @@ import httpx
 from kvtier.client.connections import (
     Reply,
     TransportError,
+    TransportTimeout,
     check_declared_length,
     reply_too_long,
 )
@@ -129,7 +130,7 @@ async def httpx_send(client: httpx.AsyncClient, request: httpx.Request, limit: i
             finally:
                 await response.aclose()
     except TimeoutError:
-        raise TransportError(
+        raise TransportTimeout(
             f"{call}: TimeoutError: not done within timeout_s ({bound} s: connecting, sending and "
             "the whole reply)"
         ) from None

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.client import Client, TransportError
+from kvtier.client.connections import TransportTimeout
 from kvtier.errors import KVTierError
 from kvtier.integrations.settings import REFUSALS, ConnectorSettings
 
@@ -56,6 +57,12 @@ PROBE_TOKENS = [0]
 but it takes the store's lock as every call does (a sidecar hung under it stays quiet)."""
 
 
+def timed_out(error: BaseException) -> bool:
+    """Whether `error` is a call that ran out of time (the sidecar may be alive but slow), not
+    one that could not reach it (refused, reset, closed)."""
+    return isinstance(error, TransportTimeout | TimeoutError)
+
+
 def unanswered(error: BaseException) -> bool:
     """Whether `error` says the sidecar did not answer (`TransportError`, an `OSError` of the
     socket), not a refusal it answered (a 503 `StorageError` is an `OSError` too)."""
@@ -67,7 +74,12 @@ class Quiet:
     """A sidecar that did not answer is not asked again for `quiet_s`, or until `probe` (one
     call to it; None: no probe) is answered, tried every `PROBE_S` on a thread of its own
     (module doc): shared by the vLLM scheduler's lookups and SGLang's storage threads
-    (`sglang.py`). `probes_answered` counts the quiet periods a probe ended early."""
+    (`sglang.py`). A probe's answer ends the quiet only once the sidecar was seen out of reach:
+    a failure that was no timeout (refused, reset), or a probe that went unanswered too. A call
+    that timed out on a sidecar that answers probes at once (alive, but slower than the timeout:
+    a save larger than it allows, a slow disk) keeps the whole quiet, so the calls queued
+    behind it wait one timeout, not one each (review 3). `probes_answered` counts the quiet
+    periods a probe ended early."""
 
     def __init__(self, quiet_s: float = QUIET_S, probe: Callable[[], object] | None = None):
         self.quiet_s = quiet_s
@@ -75,6 +87,7 @@ class Quiet:
         self.probes_answered = 0
         self._quiet_until = 0.0  # monotonic: no call before it
         self._probing = False  # a probe's thread runs (one at most)
+        self._out_of_reach = False  # this quiet period's: what lets a probe's answer end it
         self._window = threading.Lock()
 
     def open(self) -> bool:
@@ -87,6 +100,9 @@ class Quiet:
         if not unanswered(error):
             return
         with self._window:
+            if self.open():  # a new quiet period
+                self._out_of_reach = False
+            self._out_of_reach |= not timed_out(error)
             self._quiet_until = time.monotonic() + self.quiet_s
             if self.probe is None or self._probing:
                 return
@@ -95,8 +111,9 @@ class Quiet:
 
     def _probe(self) -> None:
         """Every `PROBE_S` while quiet: one `probe`; its answer (a reply, or a refusal the
-        sidecar made) opens the way again. Ends with the quiet period (checked under the lock
-        `failed` starts a probe under, so a new period always has one)."""
+        sidecar made) opens the way again where the sidecar was seen out of reach (class doc),
+        else ends the probing. Ends with the quiet period (checked under the lock `failed`
+        starts a probe under, so a new period always has one)."""
         assert self.probe is not None
         while True:
             time.sleep(PROBE_S)
@@ -108,11 +125,15 @@ class Quiet:
                 self.probe()
             except Exception as error:  # any answer but "none" ends the quiet (docstring)
                 if unanswered(error):
+                    with self._window:
+                        self._out_of_reach = True
                     continue
             with self._window:
+                self._probing = False
+                if not self._out_of_reach:  # alive all along, only slow: the quiet stays
+                    return
                 self._quiet_until = 0.0
                 self.probes_answered += 1
-                self._probing = False
                 return
 
 
