@@ -79,8 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config = parse_config(data, "--host/--port")
         return serve(config)
     finally:  # served and stopped (or refused): a stop now is no stop "while starting"
-        for stop, handler in before.items():
-            signal.signal(stop, handler)
+        for stop, handler in before.items():  # (`program.run`'s own: the default, then)
+            signal.signal(stop, signal.SIG_DFL if handler is stop_at_start else handler)
 
 
 def cmd_reset(args: argparse.Namespace) -> int:

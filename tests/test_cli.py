@@ -39,7 +39,7 @@ def test_info_on_the_default_config_prints_three_tiers(tmp_path: Path) -> None:
         lines = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:5]}
         assert lines["gpu"][3] == str((256 << 20) // BLOCK)  # 728 slots
         assert lines["host"][3] == str((1 << 30) // BLOCK)  # 2912 slots
-        assert lines["disk"][1] == "kvtier-data"  # relative to where it runs
+        assert lines["disk"][1] == str(cwd / "kvtier-data")  # where it runs, made absolute
         assert int(lines["disk"][3]) == (2 << 30) // (BLOCK + 4096)  # 4 KiB header a slot
         assert (cwd / "kvtier-data" / "kvtier-disk.json").is_file()
 

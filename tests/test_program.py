@@ -64,8 +64,10 @@ def test_ctrl_c_while_a_command_imports_says_one_line_and_dies_by_sigint() -> No
 
 def test_the_package_loads_torch_only_with_a_name_that_needs_it() -> None:
     check = (
-        "import sys, kvtier, kvtier.errors, kvtier.program\n"
+        "import sys, kvtier\n"
+        "assert kvtier.errors.KVTierError and kvtier.program.run  # submodules, as before\n"
         "assert 'torch' not in sys.modules, 'torch with the package'\n"
+        "assert kvtier.config.load_config is kvtier.load_config and 'torch' in sys.modules\n"
         "try:\n    kvtier.nothing\nexcept AttributeError as exc:\n    print(exc)\n"
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
