@@ -68,8 +68,8 @@ Contract:
   `batch_exists`, `batch_get_v1` and `batch_set_v1` answer misses meanwhile, each counted in
   `stats["skipped_calls"]`. A sidecar that hangs then holds SGLang's backup and prefetch
   threads one timeout every 10 s, not the client's 120 s per call; one that answers again
-  after it was out of reach (resumed, restarted) is asked again within about 0.5 s. SGLang's clear is always
-  asked (its failure must be heard).
+  after it was out of reach (resumed, restarted) is asked again within about 0.5 s. SGLang's
+  clear is always asked (its failure must be heard).
 
 MLA (`MLATokenToKVPoolHost`: one latent of C values per token and layer, no separate V): kvtier
 holds the latent as one head of K and V halves, so the sidecar's model is `num_kv_heads: 1`,
