@@ -146,7 +146,7 @@ def test_a_burst_past_the_slots_waits_for_the_lane_from_tasks() -> None:
 
 
 def test_calls_that_wait_on_the_server_never_hold_short_calls_in_line() -> None:
-    with all_slots_held("/v1/leases", leases=3.0, lookup=0.0) as (server, lane):
+    with all_slots_held("/v1/leases", leases=1.5, lookup=0.0) as (server, lane):
         for path in ("/v1/lookup", "/v1/leases"):
             began = time.monotonic()
             assert lane.request(path, b"", {}) is None  # HTTP at once, unsent
@@ -156,7 +156,7 @@ def test_calls_that_wait_on_the_server_never_hold_short_calls_in_line() -> None:
 
 @pytest.mark.parametrize("timeout_s", [30.0, 0.3])
 def test_a_short_call_waits_at_most_its_bound_then_takes_http(timeout_s: float) -> None:
-    with all_slots_held("/v1/lookup", lookup=3.0) as (server, held):
+    with all_slots_held("/v1/lookup", lookup=1.6) as (server, held):
         held.timeout_s = timeout_s
         began = time.monotonic()
         assert held.request("/v1/lookup", b"", {}) is None
@@ -193,7 +193,7 @@ def test_a_cancel_that_comes_with_the_slot_cancels_the_waiting_call() -> None:
 @pytest.mark.parametrize("how", ["retire", "close"])
 def test_calls_in_line_stop_waiting_when_the_lane_is_retired_or_closed(how: str) -> None:
     outcome: list[object] = []
-    with all_slots_held("/v1/lookup", lookup=3.0) as (_, lane):
+    with all_slots_held("/v1/lookup", lookup=1.5) as (_, lane):
 
         def waiter() -> None:
             try:

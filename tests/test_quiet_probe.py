@@ -22,9 +22,10 @@ from kvtier.integrations.lookups import PROBE_S, Clients, Lookups
 TOKENS = list(range(64))
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    with running(write_config(tmp_path)) as started:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One sidecar for the module (a test that stops it resumes it before it ends)."""
+    with running(write_config(tmp_path_factory.mktemp("quiet"))) as started:
         yield started
 
 
@@ -89,7 +90,7 @@ def test_a_call_that_timed_out_on_a_sidecar_that_answers_keeps_the_whole_quiet(
     """A save larger than its timeout allows (the sidecar alive, only slow): its probe is
     answered at once, and ending the quiet then made each save queued behind it wait a whole
     timeout again (review 3). Only a sidecar seen out of reach has its quiet ended early."""
-    quiet = Clients(server.url, timeout_s=1.0, quiet_s=3.0)
+    quiet = Clients(server.url, timeout_s=1.0, quiet_s=2.5)
     try:
         assert quiet.client("").lookup(TOKENS).num_tokens == 0
         quiet.failed(TransportTimeout("POST /v1/store: TimeoutError: not done within 0.5 s"))
