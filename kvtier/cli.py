@@ -25,7 +25,7 @@ over, ends it with one line and status 0 (`program.stop_at_start`); Ctrl-C in an
 with one line, then (the program, `program.run`) by SIGINT itself, as Python ends: a shell
 script's loop stops on it only when its command died of SIGINT (an exit status of 130 let it go
 on); never a traceback. The same holds while this module's imports load (`program.py`, the
-installed `kvtier`'s entry: `run` here is `python -m kvtier.cli`'s).
+installed `kvtier`'s entry; `python -m kvtier.cli` runs it too, once its own imports are done).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from kvtier.errors import KVTierError
 from kvtier.program import (
     INTERRUPTED,
     StoppedAtStart,
-    die_interrupted,
     hangup,
     stop_at_start,
     stopped_line,
@@ -268,14 +267,7 @@ def _quiet_stdout() -> None:
     os.close(devnull)
 
 
-def run() -> None:
-    """`python -m kvtier.cli`: `main`'s status, or, interrupted, death by SIGINT (module doc;
-    the installed `kvtier` is `program.run`, which answers a stop during these imports too)."""
-    code = main()
-    if code == INTERRUPTED:
-        die_interrupted()
-    sys.exit(code)
+if __name__ == "__main__":  # `python -m kvtier.cli`: the installed program's entry
+    from kvtier.program import run
 
-
-if __name__ == "__main__":
     run()
