@@ -52,7 +52,7 @@ from kvtier.tiers.base import DISK, HOST
 from kvtier.tiers.disk import BlockMeta, DiskTier
 from kvtier.tiers.pool import SlotPool
 from kvtier.tiers.staging import StagedBlocks
-from kvtier.transfer.clean import clean_victims
+from kvtier.transfer.clean import has_clean_room
 from kvtier.transfer.copy import Transfer
 from kvtier.transfer.demotion import (
     Action,
@@ -128,10 +128,7 @@ class Background:
         a background mover or disk."""
         if not need or not self.background or self.state.disk is None:
             return True
-        free = self.pools[DISK - 1].num_free
-        return (
-            free >= need or free + clean_victims(self.index, DISK - 1, need - free, owner) >= need
-        )
+        return has_clean_room(self.index, self.pools[DISK - 1], DISK - 1, need, owner)
 
     def short(self, lacking: int) -> bool:
         """Whether a call whose room the tier above disk still lacks for `lacking` of its new

@@ -24,6 +24,7 @@ Thread: under the cache's lock.
 from __future__ import annotations
 
 from kvtier.index import RadixIndex
+from kvtier.tiers.base import Tier
 
 MAX_RUNS_PER_BLOCK = 4
 """Runs looked at per block wanted (at least 16 in all), past which the count stops."""
@@ -47,3 +48,12 @@ def clean_victims(index: RadixIndex, tier: int, want: int, owner: bytes | None =
         if found >= want or budget <= 0:
             break
     return min(found, want)
+
+
+def has_clean_room(
+    index: RadixIndex, pool: Tier, tier: int, need: int, owner: bytes | None = None
+) -> bool:
+    """Whether `tier` (its `pool`) has `need` slots free or freeable for `owner` without
+    dropping a block that has no copy in `tier + 1` (`clean_victims`)."""
+    free = pool.num_free
+    return free >= need or free + clean_victims(index, tier, need - free, owner) >= need

@@ -37,7 +37,7 @@ from kvtier.index.helpers import subtree_locked
 from kvtier.index.node import Node, path
 from kvtier.results import Lease
 from kvtier.tiers.base import DISK, GPU, HOST
-from kvtier.transfer.clean import clean_victims
+from kvtier.transfer.clean import has_clean_room
 from kvtier.transfer.copy import Transfer
 from kvtier.transfer.demotion import Demoter
 from kvtier.transfer.flights import Flight, FlightRunner, Flights, PrefetchFlight
@@ -121,8 +121,7 @@ class Prefetcher:
         return self.book.open(record, tenant, tuple(table), flights, self._layers, canceller)
 
     def _stages(self) -> bool:
-        """Whether disk blocks come up through host: when the policy keeps host copies, or
-        when it must (a CUDA pool)."""
+        """Whether disk blocks come up through host: the policy keeps copies, or a CUDA pool."""
         return self.keep_host_copy or self.gpu.device.type != "cpu"
 
     def _layers(self, groups: int) -> int:
@@ -163,7 +162,8 @@ class Prefetcher:
         on_cuda = self.gpu.device.type != "cpu"
         stage = bool(from_disk) and self._stages()
         stage = stage and self.demoter.can_make_room(HOST, len(from_disk), owner)
-        stage = stage and (on_cuda or _clean_room(self, len(from_disk), owner))  # no drop
+        clean = on_cuda or has_clean_room(self.index, self.state.host, HOST, len(from_disk), owner)
+        stage = stage and clean  # on a CPU pool staging is a choice, never bought with a drop
         if from_disk and not stage and on_cuda and self.demoter.can_make_room(GPU, count, owner):
             raise CapacityError(
                 f"prefetch: {len(from_disk)} disk blocks need host staging slots, but the host "
@@ -379,14 +379,3 @@ def _stuck(count: int, free: str, slots: int) -> CapacityError:
 def _slot(slot: int | None) -> int:
     assert slot is not None
     return slot
-
-
-def _clean_room(prefetcher: Prefetcher, need: int, owner: bytes) -> bool:
-    """Whether host has `need` slots free or freeable without dropping a block not on disk
-    (`clean.clean_victims`): where it has not, a CPU gpu pool reads disk blocks straight in and
-    keeps no host copy. Before, a prefetch under write_through made its staging room by
-    dropping unwritten host blocks (2 of 8, with the disk idle: audit AX)."""
-    free = prefetcher.state.host.num_free
-    if free >= need:
-        return True
-    return free + clean_victims(prefetcher.index, HOST, need - free, owner) >= need
