@@ -53,7 +53,13 @@ from kvtier.replay.report import (
     model_sizes,
     plot,
 )
-from kvtier.replay.routed import format_routed, parse_policies, plot_routed, replay_routed
+from kvtier.replay.routed import (
+    check_routed_replicas,
+    format_routed,
+    parse_policies,
+    plot_routed,
+    replay_routed,
+)
 from kvtier.replay.runner import ReplayOptions
 from kvtier.replay.trace import Ceiling, TraceRequest, ceiling, read_trace
 from kvtier.text import printable
@@ -246,6 +252,7 @@ def _replay(args: argparse.Namespace) -> int:
     sizings = _sizings(args, layout)  # sizes and policies are checked before the trace is read
     if args.route is not None:
         parse_policies(args.route)
+        check_routed_replicas(args.replicas)
     requests = read_trace(args.trace, args.limit, trace_bt, args.trace_time_unit == "s")
     limit = ceiling(requests)
     if args.route is not None:

@@ -40,10 +40,12 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any, Protocol
 
 from kvtier.errors import KVTierError
+from kvtier.replay.memory import host_bytes
 from kvtier.replay.report import ReplayResult, Sizing, Yardsticks
-from kvtier.replay.runner import ReplayOptions, capacity_blocks, replay
+from kvtier.replay.runner import ReplayOptions, capacity_blocks, replay, replay_config
 from kvtier.replay.simulate import LRU, Chain, Furthest, Policy, SimResult, chains, simulate
 from kvtier.replay.trace import Ceiling, TraceRequest
+from kvtier.tiers.memory import available_host_bytes
 
 POLL_S = 0.2
 """How often the parent reads the workers' progress (only when it shows progress)."""
@@ -170,9 +172,20 @@ def replay_all(
     assert jobs >= 1, jobs
     plan = _Plan.of(work, sizings)
     tasks = plan.tasks
+    if jobs > 1 and not _fit_side_by_side(work, sizings, jobs):
+        jobs = 1  # the same figures, one store at a time
     if jobs == 1:
         return plan.results([task.perform(work, progress) for task in tasks])
     return plan.results(_in_workers(work, tasks, min(jobs, len(tasks)), progress))
+
+
+def _fit_side_by_side(work: Workload, sizings: Sequence[Sizing], jobs: int) -> bool:
+    """Whether the `jobs` largest runs' stores, open at once in their workers, map at most the
+    host memory available (`memory.py`; each alone is checked by `replay`): else they run one
+    at a time, where two such runs side by side could fill the machine's memory."""
+    unique = work.ceiling.unique_blocks
+    each = [host_bytes(replay_config(s, unique, work.options, "unused")) for s in sizings]
+    return sum(sorted(each, reverse=True)[:jobs]) <= available_host_bytes()
 
 
 class _Stopped(Exception):

@@ -34,6 +34,7 @@ from typing import Any
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError, InvalidArgumentError
 from kvtier.replay.fleet_router import FleetRouter, events_config
+from kvtier.replay.memory import check_memory
 from kvtier.replay.report import Sizing
 from kvtier.replay.runner import ReplayOptions, replay_config, zero_kv
 from kvtier.replay.trace import Ceiling, TraceRequest
@@ -154,6 +155,10 @@ def replay_fleet(
     longest = max(r.num_tokens for r in requests)
     prefix = f"replay-{secrets.token_hex(6)}"  # this run's keys only
     with tempfile.TemporaryDirectory(prefix="kvtier-fleet-", dir=options.directory) as tmp:
+        # every replica open at once: their memory tiers together, before any is mapped
+        check_memory(
+            _config(sizing, ceiling, options, tmp, nodes, prefix, None, 0, scale), replicas
+        )
         stores = [
             KVStore(
                 _config(sizing, ceiling, options, f"{tmp}/{i}", nodes, prefix, policy, i, scale)

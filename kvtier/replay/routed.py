@@ -30,6 +30,21 @@ from kvtier.replay.runner import ReplayOptions
 from kvtier.replay.trace import Ceiling, TraceRequest
 from kvtier.routing import POLICIES
 
+MAX_ROUTED_REPLICAS = 256
+"""`--replicas` with `--route`: the router's one `Subscriber` holds three ZMQ sockets per replica
+(a SUB, its monitor and the monitor's pair) in a context of ZMQ's default 1,023, so that past
+341 replicas the rest were never subscribed: the run failed minutes in with a traceback ("the
+router could not subscribe"). 256 routed replicas start in some 25 s on a 2-core machine."""
+
+
+def check_routed_replicas(replicas: int) -> None:
+    """`InvalidArgumentError` naming `--replicas` unless 1 to `MAX_ROUTED_REPLICAS`."""
+    if type(replicas) is not int or not 1 <= replicas <= MAX_ROUTED_REPLICAS:
+        raise InvalidArgumentError(
+            f"--replicas: got {shown(replicas)} with --route, expected 1 to "
+            f"{MAX_ROUTED_REPLICAS} (the router subscribes to each replica's events)"
+        )
+
 
 def parse_policies(text: str) -> list[str]:
     policies = [p.strip() for p in text.split(",") if p.strip()]
@@ -53,6 +68,7 @@ def replay_routed(
     """One store of `replicas` times the slots of each tier of `sizing` (the yardstick), then
     `replicas` stores of `sizing` per policy, in that order; shared through the cluster of
     `nodes` when given."""
+    check_routed_replicas(replicas)
     runs = [replay_fleet(requests, limit, sizing, options, 1, nodes, scale=replicas)]
     for policy in policies:
         runs.append(replay_fleet(requests, limit, sizing, options, replicas, nodes, policy))

@@ -55,6 +55,7 @@ import torch
 from kvtier.blocks import BlockHasher, KVLayout
 from kvtier.config import KVTierConfig, parse_config
 from kvtier.errors import CapacityError, InvalidArgumentError, shown
+from kvtier.replay.memory import check_memory
 from kvtier.replay.report import TIERS, Latency, Pacing, ReplayResult, Sizing
 from kvtier.replay.trace import (
     TRACE_BLOCK_TOKENS,
@@ -317,6 +318,7 @@ def replay(
         tempfile.TemporaryDirectory(prefix="kvtier-replay-", dir=options.directory) as tmp,
     ):
         config = replay_config(sizing, ceiling.unique_blocks, options, tmp)
+        check_memory(config)  # its memory tiers together, before they are mapped
         tiers = [t for t in TIERS if getattr(config.tiers, t) is not None]
         served = dict.fromkeys((*tiers, "recomputed"), 0)
         drops = Drops(options.block_tokens, options.trace_block_tokens)
