@@ -4,13 +4,13 @@ tenant whose namespace holds the block (`tenant_of`; a namespace it does not kno
 
 Hashes. An event names a block by a number of this publisher's: a node's first block has
 `node.ev`, block i `node.ev + i`; a node gets a range of `EVENT_RANGE` numbers when one of its
-blocks is first told of (`number`), and a split hands the tail `ev + at` (`forest.py`), so a
-block keeps its number while it lives, and no two live blocks share one. A block cut off a leaf
-and stored there again takes the same number back: the router was told of its removal first,
-in order, as vLLM's content hashes come back when a block is stored again. Not the block's id:
-an id is a BLAKE2b chain that the index computes only when something needs it, and a store
-that must compute 63 of them to tell of a prompt costs 1.3x one that does not
-(`benchmarks/bench_events.py`).
+blocks is first told of (`number`: from its tenant's own serial, `FIRST_SERIALS`), and a split
+hands the tail `ev + at` (`forest.py`), so a block keeps its number while it lives, and no two
+live blocks share one. A block cut off a leaf and stored there again takes the same number back:
+the router was told of its removal first, in order, as vLLM's content hashes come back when a
+block is stored again. Not the block's id: an id is a BLAKE2b chain that the index computes only
+when something needs it, and a store that must compute 63 of them to tell of a prompt costs 1.3x
+one that does not (`benchmarks/bench_events.py`).
 
 Cost. Called under the store's lock, once per edit whatever the tiers, it appends one tuple of
 references and numbers to the publisher's queue (`wire.told_stored`, `wire.told_removed`): no
@@ -75,10 +75,18 @@ if TYPE_CHECKING:
     from kvtier.store import KVStore
 
 FIRST_SERIALS = 1 << 42
-"""Event hashes are `serial * EVENT_RANGE + i` (uint64), the first serial drawn at random below
-this, so that two publishers' hashes seldom meet (a router keys blocks by tokens anyway:
-`kvtier.routing`): at least 1.3e13 nodes (41 years at 10,000 new nodes a second) before the
-serials wrap around to 1."""
+"""Event hashes are `(serial * lanes + lane) * EVENT_RANGE + i` (uint64), each tenant's first
+serial drawn at random below this (and below half the serials its lane has), so that two
+publishers' hashes seldom meet (a router keys blocks by tokens anyway: `kvtier.routing`): at
+least 2**63 / (lanes * EVENT_RANGE) nodes of a tenant before its serials wrap around to 1 (two
+tenants, three lanes: 2.9e12, 9 years at 10,000 new nodes a second).
+
+Serials: each tenant numbers its nodes from a serial of its own (`lane`: its place among the
+tenants), so the gap between two of a tenant's hashes counts only its own nodes. With one
+serial for all, a tenant reading its own blocks (`GET /v1/blocks`, per-tenant topics) between
+two of its stores learnt exactly how many new nodes the other tenants had made meanwhile (an
+audit counted 1, 5 and 17 of another tenant's stores so). The lanes keep tenants' hashes apart on
+a topic they share."""
 
 JOIN_DEPTH = 4
 """Entries at the queue's end that an edit of one block may join (module doc), past entries of
@@ -106,7 +114,11 @@ class IndexEvents:
         self.media = [MEDIUM_OF_TIER.get(name, name.upper()) for name in index.tiers]
         assert all(len(wire.medium_bytes(m)) <= wire.MEDIUM_ROOM for m in self.media)
         self.range = index.forest.node_blocks  # numbers a node takes (`EVENT_RANGE`)
-        self._next = (secrets.randbelow(FIRST_SERIALS) + 1) * self.range  # never 0
+        # A serial per tenant (`number`), the last for a namespace no tenant owns.
+        self._lane: dict[str | None, int] = {t: i for i, t in enumerate(self.tenants)}
+        self._lanes = len(self.tenants) + 1
+        first = max(1, min(FIRST_SERIALS, (1 << 64) // (self._lanes * self.range) // 2))
+        self._serials = [secrets.randbelow(first) + 1 for _ in range(self._lanes)]  # never 0
         self.pending = publisher.pending  # appended to directly (`EventPublisher._put`)
         self.queue_limit = publisher.queue_limit  # fixed by the settings
         self.lock = publisher.lock  # held to change an entry of the queue (`_join_into`)
@@ -239,12 +251,15 @@ class IndexEvents:
 
     def number(self, node: Node) -> int:
         """The event hash of `node`'s first block (`node.ev`), its range handed out if it has
-        none yet (module doc)."""
+        none yet: `(serial * lanes + lane) * range`, the serial its tenant's own (module doc,
+        "Serials")."""
         if not node.ev:
-            if (self._next + self.range) >> 64:  # hashes are uint64s: wrap around (module doc)
-                self._next = self.range
-            node.ev = self._next
-            self._next += self.range
+            lane = self._lane.get(self.tenant_of(node.root.ids), self._lanes - 1)
+            serial = self._serials[lane]
+            if ((serial * self._lanes + lane + 1) * self.range) >> 64:  # uint64s: wrap around
+                serial = 1
+            node.ev = (serial * self._lanes + lane) * self.range
+            self._serials[lane] = serial + 1
         return node.ev
 
     def announce(self) -> int:
@@ -264,21 +279,30 @@ class IndexEvents:
     def told(self, wanted: Callable[[str], bool]) -> list[tuple[str, wire.Spec]]:
         """(tenant, event) for every run of blocks held in a tier by a tenant `wanted` names,
         parents first, as `told_stored` specs (no bytes made under the lock: `wire.Packer`
-        packs them). Under the store's lock."""
+        packs them). Under the store's lock, walking the wanted tenants' namespaces only: a
+        tenant's `GET /v1/blocks` (or its topic's resync) costs the lock what that tenant holds,
+        not what all do (before, one block's snapshot walked every tenant's nodes: 18 ms of the
+        lock behind 20,000 nodes of another tenant's, each call, back to back)."""
         out: list[tuple[str, wire.Spec]] = []
-        for node, lo, hi, tier in self._runs():
+        for node, lo, hi, tier in self._runs(wanted):
             tenant = self.tenant_of(node.root.ids)
-            if tenant is not None and wanted(tenant):
-                ev = self.number(node)
-                spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, self._parent_hash(node, lo),
-                        self.bs, (tier,), self.media)  # fmt: skip
-                out.append((tenant, spec))
+            assert tenant is not None, "`_runs` walks the roots of wanted tenants only"
+            ev = self.number(node)
+            spec = (TOLD_STORED, node.key, self.kb, ev, lo, hi, self._parent_hash(node, lo),
+                    self.bs, (tier,), self.media)  # fmt: skip
+            out.append((tenant, spec))
         return out
 
-    def _runs(self) -> Iterator[tuple[Node, int, int, int]]:
+    def _runs(
+        self, wanted: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[Node, int, int, int]]:
         """(node, lo, hi, tier) for each run of a node's blocks held in a tier, every node
-        before its children."""
+        before its children; with `wanted`, in the namespaces of the tenants it names only."""
         for root in self.index.roots():
+            if wanted is not None:
+                owner = self.tenant_of(root.ids)
+                if owner is None or not wanted(owner):
+                    continue
             stack = list(root.children.values()) if root.children else []
             while stack:
                 node = stack.pop()

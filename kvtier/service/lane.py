@@ -37,19 +37,19 @@ and `wait_s` in the body; `frames.PATHS`): the same handler, body limit
 (`service.max_body_bytes`: 413), decoding, typed errors (`wire.classify`) and metrics, so a
 client reads a lane reply as it reads an HTTP one.
 
-Admitted on its head, held before its body: a frame's first `frames.HEAD_BYTES` (64 KiB, or
-the whole frame when shorter) are read first, and its path, key and tenant (which a longer
-frame must hold there) are admitted as HTTP admits headers: a malformed head (400), a path the
-lane does not carry (404), a key refused (401, 403), a body past `max_body_bytes` (413) is
-answered before another byte is read. A longer frame's body is then held in
-`service.max_inflight_bytes` as HTTP holds a `Content-Length` (`budget.py`, on the event loop
-the lane started on: waits for room, 503 busy past `body_timeout_s`), read, and given back once
-answered (or once its connection is ended mid-body). So a peer without a key holds at most
-`HEAD_BYTES` a connection, and a tenant no more than its share. The rest of a frame refused
-before it was read is read and dropped (in `HEAD_BYTES` of memory) after the refusal is sent:
-the connection goes on. (A frame of at most `HEAD_BYTES`, as a lookup of up to some 16,000
-tokens is, is not charged: 16 MiB at most over `MAX_CONNECTIONS`, as HTTP's headers are not; a
-charged one costs a hop to the event loop, some 0.06 ms.)
+Admitted on its head, held before its body: a frame's first `frames.HEAD_BYTES` (64 KiB, or the
+whole frame when shorter) are read first, and its path, key and tenant (which a longer frame
+must hold there) are admitted as HTTP admits headers: a malformed head (400), a path the lane
+does not carry (404), a key refused (401, 403), a body past `max_body_bytes` (413), a tenant
+not listed (without keys; 403) is answered before another byte is read. A longer frame's body
+is then held in `service.max_inflight_bytes` as HTTP holds a `Content-Length` (`budget.py`, on
+the event loop the lane started on: waits for room, 503 busy past `body_timeout_s`), read, and
+given back once answered (or once its connection is ended mid-body). So a peer without a key
+holds at most `HEAD_BYTES` a connection, and a tenant no more than its share. The rest of a
+frame refused before it was read is read and dropped (in `HEAD_BYTES` of memory) after the
+refusal is sent: the connection goes on. (A frame of at most `HEAD_BYTES`, as a lookup of up to
+some 16,000 tokens is, is not charged: 16 MiB at most over `MAX_CONNECTIONS`, as HTTP's headers
+are not; a charged one costs a hop to the event loop, some 0.06 ms.)
 
 Time and room: a frame has `service.body_timeout_s` from its first byte to its head's end, and
 as long again from its admission (past any wait for room) to its end, or to the end of the
@@ -362,6 +362,7 @@ class Lane:
                 )  # fmt: skip
             try:  # waiting on room or on its peer for the body: idle (`_make_room` may end it)
                 if call.unread:
+                    store.namespaces.seed(tenant)  # unlisted (no auth): 403, nothing held
                     self._charge(call, tenant, head.body_length)
                     call.read_rest(time.monotonic() + self.timeout_s)
                 if not self._mark(call.conn, True):
