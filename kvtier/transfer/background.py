@@ -132,8 +132,11 @@ class Background:
 
     def short(self, lacking: int) -> bool:
         """Whether a call whose room the tier above disk still lacks for `lacking` of its new
-        blocks (`Writes.make_room_ahead`) should wait: write-downs are in the air."""
-        return lacking > 0 and self._demoting[DISK - 1] > 0
+        blocks (`Writes.make_room_ahead`) should wait: write-downs are in the air, or flights
+        hold slots of that tier (gpu demotions landing there: once they land, their blocks
+        can be written down; before, a store went ahead and dropped them)."""
+        tier = DISK - 1
+        return lacking > 0 and (self._demoting[tier] > 0 or self.flights.reserved(tier) > 0)
 
     def make_room_ahead(self, need: int, owner: bytes | None = None) -> None:
         """Write down (or clear) the tier above disk's least recently used leaves until `need`
