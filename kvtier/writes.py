@@ -3,7 +3,8 @@
 Contract:
 - Placement (`place`): new blocks go to the fastest tier that prefix closure allows (gpu,
   unless the cached prefix before them has left the gpu) and that can make room for all of them
-  (`Demoter.room`: checked before anything moves), plus host under `write_through`. None when
+  (`Demoter.room`: checked before anything moves), plus host under `write_through` where host
+  has room freeable without dropping an unwritten block (`host_copy_room`). None when
   no tier can: nothing moved. Room is made for the namespace of the prefix (fair shares). For a
   reservation, the slots count against the reserver's quota (`QuotaError`, nothing moved, when
   the tier it would take is full to it; a write_through host copy over its host quota is left
