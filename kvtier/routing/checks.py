@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from kvtier.config.events import is_peer_address
 from kvtier.errors import InvalidArgumentError, shown
 
+MAX_PUBLISHERS = 256
+"""Publishers one `Subscriber` hears at once: 3 ZMQ sockets each, of ZMQ's 1,023 a context."""
+
 
 def number(name: str, value: object, least: float, integer: bool = False) -> float:
     """`value` when it is a finite number (an int with `integer`; never a bool) >= `least`."""
@@ -58,3 +61,13 @@ def address(name: str, value: object) -> str:
         raise InvalidArgumentError(f"{name}: got {shown(value)}, expected {expected}")
     assert isinstance(value, str)
     return value
+
+
+def another(name: str, value: object, heard: int) -> None:
+    """Whether a `Subscriber` that hears `heard` publishers may add the one at `value`: at most
+    `MAX_PUBLISHERS` (past 341, ZMQ had no socket left, and those added went unheard silently)."""
+    if heard >= MAX_PUBLISHERS:
+        raise InvalidArgumentError(
+            f"{name}: got {shown(value)}, but this subscriber hears {MAX_PUBLISHERS} publishers "
+            "already, the most it takes: remove one, or use another Subscriber"
+        )

@@ -44,7 +44,6 @@ does not tell again what it still holds (a kvtier store does, `EventPublisher._r
 chained to a forgotten one is an orphan, and on a topic that tenants share that is every tenant's,
 until a snapshot tells the index what the pod holds.
 
-
 Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is not events):
 - a frame longer than `max_message_bytes` is refused by ZMQ before it is buffered (the
   connection is dropped and made again, with a backoff, `links.py`, and the messages lost
@@ -60,7 +59,8 @@ Trust. A publisher's bytes are untrusted (`PrefixIndex.apply` refuses what is no
   publisher's recoveries (replay, snapshot) are rationed (`allowance.Ration`; a replay by the
   time it took to fetch, not to apply): past its share, a gap is forgotten without asking;
 - an address of no ZMQ shape is refused by `add`; one ZMQ refuses at connect all the same is
-  retried as a lost connection is (`links.Watch.add`): the thread goes on;
+  retried as a lost connection is (`links.Watch.add`): the thread goes on; past
+  `checks.MAX_PUBLISHERS` (ZMQ sockets: `checks.another`) `add` refuses;
 - a snapshot's answer is checked as the client checks one (`replies.blocks`), whatever gave it,
   and waited for `replay_timeout` at most (`snapshots.py`: a hung pod holds no other up).
 
@@ -124,7 +124,7 @@ class Subscriber:
         self._owners: dict[str, Voice] = {}  # pod -> the voice of the publisher speaking for it
         self._cond = threading.Condition()
         self._stats = dict.fromkeys(COUNTS, 0)
-        self._stopping = False
+        self._stopping, self._heard = False, 0  # `_heard`: publishers added, not removed
         self._watch: Watch[Publisher] = Watch()  # the thread's, as are the sockets it polls
         self._thread = threading.Thread(target=self._run, name="kvtier-route-sub", daemon=True)
         self._thread.start()
@@ -148,6 +148,7 @@ class Subscriber:
         if replay_endpoint is not None:
             checks.address("replay_endpoint", replay_endpoint)
         with self._cond:
+            checks.another("endpoint", endpoint, self._heard)
             voice = Voice(self.max_topics)
             if pod is not None:
                 if pod in self._owners:
@@ -155,6 +156,7 @@ class Subscriber:
                 voice.pod = pod
                 self._owners[pod] = voice
             self._added.append(Added(endpoint, replay_endpoint, snapshot, tenant, voice))
+            self._heard += 1
 
     def remove(self, pod: str) -> None:
         """Stop hearing the publisher that speaks for `pod` and forget its blocks: its sockets
@@ -166,6 +168,7 @@ class Subscriber:
             if voice is None:
                 raise InvalidArgumentError(f"pod {pod!r}: expected a pod a publisher speaks for")
             self._removed.append(voice)
+            self._heard -= 1
 
     def applied(self, topic: str) -> int:
         with self._cond:
@@ -245,12 +248,11 @@ class Subscriber:
     def _receive(self, publisher: Publisher, frames: list[bytes], resync: bool = True) -> None:
         """Apply one message (module doc); `resync`: a gap may be filled from a snapshot (once
         per message: a snapshot that does not cover it is not asked for again)."""
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self._count("bad")
-            return
         try:
-            topic = frames[0].decode()
+            topic = frames[0].decode() if len(frames) == 3 and len(frames[1]) == 8 else None
         except UnicodeDecodeError:
+            topic = None
+        if topic is None:
             self._count("bad")
             return
         if not self._admit(publisher, topic):
@@ -370,9 +372,8 @@ class Subscriber:
     def _replay(
         self, publisher: Publisher, topic: str, start: int | None, stop: int
     ) -> dict[int, bytes] | None:
-        """Messages start..stop-1 of `topic` from the replay endpoint (`replays.run`), all of
-        them, or None. Bounded whatever the endpoint sends: `replay_timeout` in all,
-        `max_replay_bytes`, `max_message_bytes` a message."""
+        """Messages start..stop-1 of `topic` from the replay endpoint (`replays.run`), all or None;
+        bounded whatever it sends (`replay_timeout`, `max_replay_bytes`, `max_message_bytes`)."""
         where = publisher.added.replay_endpoint
         if where is None:
             return None
