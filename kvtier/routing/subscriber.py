@@ -203,9 +203,8 @@ class Subscriber:
                 if all(spec.voice is not voice for voice in removed):
                     ration = Ration(self.replay_timeout)
                     link = Link(
-                        self._context, spec.endpoint, self.max_message_bytes,
-                        self.max_queue_bytes,
-                    )  # fmt: skip
+                        self._context, spec.endpoint, self.max_message_bytes, self.max_queue_bytes
+                    )
                     asker = spec.snapshot and Asker(spec.snapshot, self.replay_timeout)
                     publishers.append(Publisher(link, spec, ration, asker or None, ration.at))
             now = time.monotonic()
