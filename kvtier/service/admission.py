@@ -3,7 +3,9 @@ request acts as.
 
     service.ready_store()              the store, or `WireError` 503 not_ready (with the reason)
     admit(request, service)            the store and the tenant of the caller's key (or the
-                                       tenant it names, without auth); 401/403 otherwise
+                                       tenant it names, without auth: 403 `unknown_tenant`
+                                       for one the config does not list, before its body);
+                                       401/403 otherwise
     tenant_of_key(service, key, named, route)  the same from the values alone (the local lane's)
     admit_viewer(request, service)     for figures: None (global) for the admin key or without
                                        auth, else the key's tenant
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from fastapi import Request
 
@@ -107,7 +109,25 @@ def tenant_of_key(
             detail = f"the admin key acts as no tenant: use a tenant's key for {route[:64]}"
             raise unauthorized(authorization, detail)
         raise unauthorized(authorization, "unknown API key")
+    if tenant not in service.config.tenants and not route.startswith(NAMES_NO_TENANT):
+        raise unknown_tenant(tenant, service.config.tenants)
     return tenant
+
+
+NAMES_NO_TENANT = ("/v1/pools", "/v1/leases/")
+"""The routes a keyless caller may name any tenant on: the pools are the same for every tenant,
+and a lease is found only by its own tenant (an unknown one's is 404, as any other's)."""
+
+
+def unknown_tenant(tenant: str, tenants: Iterable[str]) -> wire.WireError:
+    """403 `unknown_tenant` for a keyless call naming a tenant the config does not list (the
+    store's own refusal of it, worded as the store words it), given at admission: before, the
+    call's body was read first, and held its bytes in `service.max_inflight_bytes` (up to
+    `max_body_bytes` each, for `body_timeout_s`), so that calls naming no tenant of the config
+    could keep the configured tenants' calls waiting, or refused 503 `busy`."""
+    more = f" (of {len(tenant)} characters)" if len(tenant) > 64 else ""
+    detail = f"tenant {tenant[:64]!r}{more}: unknown, expected one of {sorted(tenants)}"
+    return wire.WireError(403, "unknown_tenant", detail)
 
 
 def admit_viewer(request: Request, service: Service) -> tuple[KVStore, str | None]:
