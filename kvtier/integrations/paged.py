@@ -42,10 +42,12 @@ from kvtier.errors import InvalidKVError, shown
 
 def geometry(layers: Sequence[torch.Tensor]) -> tuple[int, int, int, int, torch.dtype]:
     """(num_blocks, num_kv_heads, block_size, head_dim, dtype) shared by every layer."""
-    if not layers:
+    if len(layers) == 0:  # (`not` of a stacked tensor of layers raised RuntimeError)
         raise InvalidKVError("paged KV: no layers")
     first = layers[0]
     for layer in layers:
+        if not isinstance(layer, torch.Tensor):  # (an AttributeError from `.dim()` before)
+            raise InvalidKVError(f"paged KV: a layer {shown(layer)}, expected a tensor")
         if layer.dim() != 4:
             raise InvalidKVError(
                 f"paged KV: a layer of {layer.dim()} dimensions {tuple(layer.shape)}, expected 4: "
@@ -79,8 +81,8 @@ def scatter(layers: Sequence[torch.Tensor], ids: Sequence[int], kv: torch.Tensor
     """Write `kv` (`[len(layers), 2, len(ids) * block_size, heads, dim]`) into blocks `ids`."""
     blocks, heads, size, dim, dtype = geometry(layers)
     want = (len(layers), 2, len(ids) * size, heads, dim)
-    if tuple(kv.shape) != want or kv.dtype != dtype:
-        raise InvalidKVError(f"paged KV: got {tuple(kv.shape)} {kv.dtype}, expected {want} {dtype}")
+    if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != want or kv.dtype != dtype:
+        raise InvalidKVError(f"paged KV: got {_described(kv)}, expected {want} {dtype}")
     index = _index(ids, blocks, layers[0].device, writes=True)
     kv = kv.to(layers[0].device)
     for at, layer in enumerate(layers):
@@ -93,6 +95,9 @@ def _index(
 ) -> torch.Tensor:
     """`ids` as an index tensor, each an integer (not a bool) in `[0, blocks)`, and distinct
     when they are `writes`; else `InvalidKVError` naming the first that is not."""
+    given: object = ids  # an engine's: trusted for nothing, a 2-D tensor or None included
+    if (isinstance(given, torch.Tensor) and given.dim() != 1) or not hasattr(given, "__iter__"):
+        raise InvalidKVError(f"paged KV: block ids {shown(ids)}, expected a sequence of ints")
     checked: list[int] = []
     for i in ids:
         try:
@@ -141,9 +146,13 @@ def mla_host_view(kv_buffer: torch.Tensor, layout: str) -> tuple[torch.Tensor, s
         known = list(MLA_HOST_LAYOUTS)
         raise InvalidKVError(f"MLA host layout {layout!r}, expected one of {known}")
     dims = MLA_HOST_LAYOUTS[layout]
-    if kv_buffer.dim() != dims or kv_buffer.shape[-1] % 2:
+    if (
+        not isinstance(kv_buffer, torch.Tensor)
+        or kv_buffer.dim() != dims
+        or kv_buffer.shape[-1] % 2
+    ):
         raise InvalidKVError(
-            f"MLA host kv_buffer: got shape {tuple(kv_buffer.shape)}, expected {dims} dims of "
+            f"MLA host kv_buffer: got {_described(kv_buffer)}, expected {dims} dims of "
             f"layout {layout!r} ending in a latent of even size"
         )
     halves = kv_buffer.view(*kv_buffer.shape[:-1], 2, kv_buffer.shape[-1] // 2)
@@ -225,6 +234,13 @@ def _host_slots(
     (layers, heads, dim)."""
     if layout not in _HOST_GEOMETRY:
         raise InvalidKVError(f"host layout {layout!r}, expected one of {HOST_LAYOUTS}")
+    size = None if isinstance(page_size, bool) else _integer(page_size)
+    if size is None or size < 1:  # 0 divided by zero, -4 sliced backwards, 4.0 raised
+        raise InvalidKVError(f"host page size {shown(page_size)}, expected an int >= 1")
+    if not isinstance(kv_buffer, torch.Tensor) or kv_buffer.dim() < 1 or kv_buffer.shape[0] != 2:
+        raise InvalidKVError(  # K at [0] and V at [1]: a [3, ...] buffer was read as its first 2
+            f"host kv_buffer: got {_described(kv_buffer)}, expected a tensor [2, ...] (K, V)"
+        )
     if not _integer_vector(slots):
         raise InvalidKVError(
             f"host slots: got {_described(slots)}, expected a 1-D integer tensor (int64 or "
@@ -247,6 +263,13 @@ def _host_slots(
     if writes and int(torch.unique(slots).numel()) != len(slots):
         raise InvalidKVError(f"host slots {slots.tolist()!r:.80}: expected distinct slots")
     return layers, heads, dim
+
+
+def _integer(value: object) -> int | None:
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _integer_vector(slots: object) -> bool:

@@ -18,11 +18,12 @@ Contract:
 The residency view: which gpu slots a kernel may read now, without the cache's lock.
 
 The lease book (`leasing.py`) adds a lease's block table here when the lease turns READY and
-removes it when the lease ends; `covers(slot)` is true while some READY lease that has not
-passed its expiry (the cache's clock) names the slot. While such a lease lives, its slots hold
-exactly its blocks (DESIGN invariant 4), so a kernel that reads only covered slots reads the
-blocks it was leased. `PagedAttention` (`kernels/attention.py`) checks every slot of a launch
-here: a dict lookup per slot, under this view's own small lock, never the cache's lock and
+removes it when the lease ends, each before the lease's waiters wake; `covers(slot)` is true
+while some READY lease that has not passed its expiry (the cache's clock) names the slot. While
+such a lease lives, its slots hold exactly its blocks (DESIGN invariant 4), so a kernel that
+reads only covered slots reads the blocks it was leased. `PagedAttention`
+(`kernels/attention.py`) checks every slot of a launch here: a dict lookup per slot, under this
+view's own small lock, never the cache's lock and
 never a set rebuilt per launch.
 """
 
@@ -171,8 +172,10 @@ class LeaseBook:
         if all(f.published for f in flights):
             self.index.leases.narrow(lease_id, (GPU,))
             self._waits.pop(lease_id, None)
-            owner.resolve(LeaseState.READY)
+            # the view first: `resolve` wakes waiters, which launch kernels at once, without
+            # the cache's lock (in the other order one was refused a READY lease's pages)
             self.residency.add(lease.lease_id, lease.block_table, lease.expires_at)
+            owner.resolve(LeaseState.READY)
             if lease.ready_after_s is not None and flights:
                 self._ready_s.append(lease.ready_after_s)
 
