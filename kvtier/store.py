@@ -198,7 +198,7 @@ class KVStore:
 
     def abort(self, reservation: Reservation | int) -> None:
         """Give a reservation's slots back unwritten, free at once (its holder says it is
-        done with them). `LeaseError` if it is not live."""
+        done with them). `LeaseError` if it is not live; id 0 (nothing reserved): nothing."""
         with self._lock:
             self.operations.ensure_open()
             self.operations.expire()

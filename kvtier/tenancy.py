@@ -210,8 +210,12 @@ class ReservationTable:
         return self._end(entry)
 
     def abort(self, reservation: Reservation | int) -> None:
-        """End a live reservation unwritten: release its pin, free its slots now."""
-        self._free(self._end(self.get(reservation)).slots)
+        """End a live reservation unwritten: release its pin, free its slots now. Id 0 (a
+        reserve that reserved nothing) holds nothing: done (an engine that aborts whatever it
+        reserved on any failure got `LeaseError`)."""
+        rid = reservation.reservation_id if isinstance(reservation, Reservation) else reservation
+        if type(rid) is not int or rid:
+            self._free(self._end(self.get(reservation)).slots)
 
     def expire(self) -> int:
         """Quarantine the reservations whose time is up (pins released, slots kept) and free

@@ -197,8 +197,9 @@ class Plane:
         token = _by_token(data, "reservation_id")
         if token is None:
             rid = wire.int_field(data, "reservation_id")
-            store.reservation(rid, tenant=tenant)
-            store.abort(rid)
+            if rid:  # (0: a reserve that reserved nothing, `KVStore.abort`)
+                store.reservation(rid, tenant=tenant)
+                store.abort(rid)
             return {}
         granted = self.grants.withdraw("reservation", tenant, token, store.namespaces.seeds)
         if granted is not None:
