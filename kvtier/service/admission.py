@@ -30,7 +30,7 @@ from fastapi import Request
 
 from kvtier.config import KVTierConfig
 from kvtier.service import wire
-from kvtier.service.auth import Auth
+from kvtier.service.auth import Auth, bearer
 from kvtier.service.budget import Budget
 from kvtier.service.grants import Grants
 from kvtier.service.history import History
@@ -148,6 +148,6 @@ def viewer_refusal(request: Request, service: Service) -> wire.WireError | None:
 
 def unauthorized(authorization: str | None, forbidden: str) -> wire.WireError:
     """401 without a well-formed key, else 403 `forbidden`; the key itself is never echoed."""
-    if authorization is None or not authorization.startswith("Bearer "):
+    if bearer(authorization) is None:
         return wire.WireError(401, "unauthorized", "missing 'Authorization: Bearer <key>'")
     return wire.WireError(403, "forbidden", forbidden)

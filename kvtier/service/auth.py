@@ -86,20 +86,21 @@ class Auth:
         auth the tenant `named` (default `default`), which the calls that act as a tenant check
         against the config (`UnknownTenantError`); `/v1/pools`, the same for every tenant, and
         a lease's id, which only its tenant finds, do not need to."""
-        if not self.enabled:
-            return named or "default"
-        key = _bearer(authorization)
+        if not self.enabled:  # (an empty name is a name: refused as unknown, as in process)
+            return "default" if named is None else named
+        key = bearer(authorization)
         return None if key is None else self._tenants.get(_digest(key))
 
     def is_admin(self, authorization: str | None) -> bool:
-        key = _bearer(authorization)
+        key = bearer(authorization)
         return self._admin is not None and key is not None and _digest(key) == self._admin
 
 
-def _bearer(header: str | None) -> str | None:
-    if header is None or not header.startswith("Bearer "):
-        return None
-    return header.removeprefix("Bearer ").strip() or None
+def bearer(header: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` value, or None. The scheme is matched in any
+    case (RFC 9110 11.1: `bearer KEY` was refused as no key at all)."""
+    scheme, _, key = (header or "").partition(" ")
+    return (key.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def require_loopback(host: str, auth: Auth) -> None:

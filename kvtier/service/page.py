@@ -42,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvtier.service import bodies, render, schemas
 from kvtier.service.admission import Service
+from kvtier.service.auth import bearer
 
 HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
@@ -138,7 +139,7 @@ def _viewer(service: Service, authorization: str | None) -> str | Response | Non
         return tenant
     if header is None:
         return _refusal(401, "unauthorized", "a key: Bearer, or Basic with the key", ask=True)
-    if authorization is not None and authorization.startswith("Bearer "):
+    if bearer(authorization) is not None:
         return _refusal(403, "forbidden", "unknown API key")
     return _refusal(401, "unauthorized", "unknown API key", ask=True)  # Basic: ask again
 
@@ -148,9 +149,9 @@ def _as_bearer(authorization: str | None) -> str | None:
     None for anything else (malformed credentials are no credentials)."""
     if authorization is None or len(authorization) > _MAX_CREDENTIALS:
         return None
-    if authorization.startswith("Bearer "):
+    if bearer(authorization) is not None:
         return authorization
-    if not authorization.startswith("Basic "):
+    if authorization[:6].lower() != "basic ":  # (schemes in any case, as `auth.bearer`)
         return None
     try:
         decoded = base64.b64decode(authorization[6:].strip(), validate=True).decode()
