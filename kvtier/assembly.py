@@ -98,7 +98,7 @@ class Parts:
         free = Free(free_device_bytes(device), available_host_bytes())
         if device.type == "cpu":  # a gpu tier in host memory: host's fraction is of the rest
             gpu = config.tiers.gpu.capacity.resolve(free.gpu)
-            free = Free(free.gpu, max(0, free.host - gpu))
+            free = Free(free.gpu, max(0, free.host - gpu), gpu)
         plan = preflight(config, free)
         remote = config.tiers.remote
         if remote is not None:

@@ -6,6 +6,8 @@ as the pools and the disk tier will make them: `capacity // block bytes`, a quan
 tier's payload bytes, a disk slot's header and payload) and checks:
 - every tier codec against the layout (`tier_codec`: `tiers.<name>.codec_group`);
 - a disk capacity that holds a slot (`tiers.disk.capacity`);
+- memory tiers given in bytes within the memory free (`_check_fits`): host within what a gpu
+  tier in host memory (no CUDA) leaves, and that gpu tier within host memory;
 - the tenants' shares (`shares.check_shares`: floors that fit each tier, no quota of 0 blocks);
 - the events' topic: the default's `model.name` without '@' (unless `events.topic` is set),
   and the topic, a tenant's suffix included, within a router's bound (`_check_topic`).
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.shares import TierRoom, check_shares
-from kvtier.sizes import Capacity
+from kvtier.sizes import Capacity, format_size
 from kvtier.tiers.disk.codec import tier_codec
 from kvtier.tiers.disk.tier import disk_slot_bytes
 
@@ -37,10 +39,12 @@ from kvtier.tiers.disk.tier import disk_slot_bytes
 @dataclass(frozen=True)
 class Free:
     """The memory free on this machine when the store is built: what a capacity that is a
-    fraction resolves against (`Capacity.resolve`)."""
+    fraction resolves against (`Capacity.resolve`), and what a capacity in bytes must fit
+    (`host`: what a gpu tier in host memory leaves)."""
 
     gpu: int
     host: int
+    gpu_in_host: int = 0  # the gpu tier's bytes where it lives in host memory (no CUDA)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,8 @@ def preflight(config: KVTierConfig, free: Free | None) -> Plan:
     capacities: list[int | None] = []
     rooms: list[TierRoom | None] = []
     gpu = _bytes(tiers.gpu.capacity, None if free is None else free.gpu)
+    if free is not None and free.gpu_in_host:  # (on CUDA, its allocation says)
+        _check_fits("tiers.gpu.capacity", gpu, free.gpu, 0)
     capacities.append(gpu)
     rooms.append(None if gpu is None else TierRoom(gpu // layout.block_bytes, layout.block_bytes))
     if tiers.host is None:  # a host tier of no slots
@@ -76,6 +82,8 @@ def preflight(config: KVTierConfig, free: Free | None) -> Plan:
         codec = tier_codec(host.codec, layout, host.codec_group, host.codec_keys, "tiers.host")
         slot = codec.payload_bound(layout.block_bytes)
         nbytes = _bytes(host.capacity, None if free is None else free.host)
+        if free is not None:
+            _check_fits("tiers.host.capacity", nbytes, free.host, free.gpu_in_host)
         capacities.append(nbytes)
         rooms.append(None if nbytes is None else TierRoom(nbytes // slot, slot))
     if tiers.disk is not None:
@@ -93,6 +101,20 @@ def preflight(config: KVTierConfig, free: Free | None) -> Plan:
     check_shares(config, rooms)
     _check_topic(config)
     return Plan(tuple(capacities), tuple(rooms))
+
+
+def _check_fits(field: str, nbytes: int | None, free: int, beside: int) -> None:
+    """A memory tier of `nbytes` within the `free` bytes of its memory (`beside`: a gpu tier's
+    bytes in host memory, taken first). A mapping's pages are committed as blocks are written,
+    so a tier past it (a gpu tier in host memory and a host tier that each fit, not together)
+    was accepted, then filled until the kernel killed a process (audit AY)."""
+    if nbytes is None or nbytes <= free:
+        return
+    there = (
+        f" beside the gpu tier's {format_size(beside)} (in host memory: no CUDA)" if beside else ""
+    )
+    expected = f"at most the {format_size(free)} of memory available{there} ({free} bytes)"
+    raise ConfigError(field, format_size(nbytes), expected)
 
 
 def events_topic(config: KVTierConfig) -> str:
