@@ -7,10 +7,15 @@
   so far, this one counted): the one with the fewest requests always qualifies, so no replica
   ends more than about `1 + slack` times the mean (llm-d pairs a prefix scorer with a load
   scorer for the same reason: a hot prefix must not pin all its traffic to one replica).
+
+Thread: `choose` may be called from any number of threads (a gateway's workers): the scores
+are read outside the router's lock, the choice and its count under it (before, counts were
+lost between threads, and round-robin sent two requests in a row to one replica).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,26 +49,31 @@ class Router:
         self.pods, self.policy, self.index = list(pods), policy, index
         self.assigned = dict.fromkeys(self.pods, 0)
         self._count = 0
+        self._lock = threading.Lock()
 
     def choose(self, tokens: Sequence[int] | np.ndarray, tenant: str | None = None) -> str:
         """The pod for a request of `tokens` (by `tenant`: its topics' blocks only, where
         topics are per tenant, `PrefixIndex.score`), counted as assigned to it."""
-        if self.policy == "round-robin":
-            pod = self.pods[self._count % len(self.pods)]
-        else:
+        scores: dict[str, float] = {}
+        if self.policy != "round-robin":
             assert self.index is not None
             scores = self.index.score(tokens, tenant=tenant)
-            candidates = self.pods
-            if self.policy == "prefix-load":
-                mean = (self._count + 1) / len(self.pods)
-                bound = max(mean * (1 + self.slack), min(self.assigned.values()) + 1)
-                candidates = [p for p in self.pods if self.assigned[p] + 1 <= bound]
-            pod = max(candidates, key=lambda p: (scores.get(p, 0.0), -self.assigned[p]))
-        self.assigned[pod] += 1
-        self._count += 1
-        return pod
+        with self._lock:
+            if self.policy == "round-robin":
+                pod = self.pods[self._count % len(self.pods)]
+            else:
+                candidates = self.pods
+                if self.policy == "prefix-load":
+                    mean = (self._count + 1) / len(self.pods)
+                    bound = max(mean * (1 + self.slack), min(self.assigned.values()) + 1)
+                    candidates = [p for p in self.pods if self.assigned[p] + 1 <= bound]
+                pod = max(candidates, key=lambda p: (scores.get(p, 0.0), -self.assigned[p]))
+            self.assigned[pod] += 1
+            self._count += 1
+            return pod
 
     def imbalance(self) -> float:
         """Requests of the busiest replica over the mean (1.0: even)."""
-        mean = self._count / len(self.pods)
-        return max(self.assigned.values()) / mean if mean else 1.0
+        with self._lock:
+            mean = self._count / len(self.pods)
+            return max(self.assigned.values()) / mean if mean else 1.0
