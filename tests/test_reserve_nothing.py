@@ -25,7 +25,7 @@ def test_aborting_what_reserved_nothing_in_process(make_store: Callable[..., KVS
     store.abort(reservation)  # before: LeaseError
     store.abort(0)
     with pytest.raises(InvalidArgumentError):
-        store.abort(False)  # type: ignore[arg-type]  # (a bool is no id)
+        store.abort(False)  # (a bool is no id)
     with pytest.raises(LeaseError):
         store.abort(12345)  # a live id or nothing
     store.check()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -26,7 +27,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield live
 
 
-def chunked(server: Server, head: str, body: bytes, trailer: str) -> tuple[int, dict[str, str]]:
+def chunked(server: Server, head: str, body: bytes, trailer: str) -> tuple[int, dict[str, Any]]:
     """One POST /v1/lookup sent in a single write, its body chunked with `trailer` after the
     last chunk: the status and the JSON reply."""
     where = urlsplit(server.url)
