@@ -39,19 +39,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvtier.client import Client, TransportError
 from kvtier.client.connections import TransportTimeout
-from kvtier.errors import KVTierError
-from kvtier.integrations.settings import REFUSALS, ConnectorSettings
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.integrations.settings import REFUSALS, ConnectorSettings, masked
 
 log = logging.getLogger("kvtier.vllm")
 
 LOOKUP_TIMEOUT_S = 5.0
 QUIET_S = 10.0
 PROBE_S = 0.5
+START_WAIT_S = 30.0
+"""How long a vLLM worker waits at start for its sidecar to answer (`served_layout`)."""
 PROBE_TOKENS = [0]
 """A probe's lookup: one token, less than a block, so it matches nothing and moves nothing,
 but it takes the store's lock as every call does (a sidecar hung under it stays quiet)."""
@@ -180,8 +182,48 @@ class Lookups(Clients):
         Clients.__init__(self, url, timeout_s, quiet_s)
 
 
+def served_layout(clients: Clients, key: str, field: str, wait_s: float | None = None) -> Any:
+    """The model layout of the sidecar of `clients` (asked as `key`), which a vLLM worker checks
+    its KV against at start. A sidecar that does not answer yet (started beside vLLM, as a
+    pod's containers are, or restarting) is asked again every `PROBE_S` for `wait_s`; then a
+    `ConfigError` naming `field` (`kvtier.url`) and the URL, never the bare connection error
+    of a `GET /v1/pools` (before: at once, which failed vLLM's start); so is one that answers
+    503 (recovering). Another refusal (a key it does not know) is raised at once."""
+    wait_s = START_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return clients.client(key).layout()
+        except Exception as error:
+            if not (unanswered(error) or getattr(error, "status", None) == 503):
+                raise  # (503: recovering, as a sidecar with a disk tier does when it restarts)
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    field,
+                    masked(clients.url),
+                    f"a kvtier sidecar answering within {wait_s:g} s of vLLM's start (vLLM's KV "
+                    f"is checked against its layout; start `kvtier serve` first): {error}",
+                ) from error
+        time.sleep(PROBE_S)
+
+
+class Counts(dict[str, int]):
+    """The vLLM connector's counters by name (`vllm_stats.COUNTERS`), read as a dict, added to
+    by the scheduler, a worker's step, its two load threads and its saves' thread: `add` holds
+    a lock, so that no count is lost where `+=` on a dict is not atomic (a thread switch
+    between its read and its store, or a free-threaded Python)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        super().__init__(dict.fromkeys(names, 0))
+        self._lock = threading.Lock()
+
+    def add(self, name: str, count: int = 1) -> None:
+        with self._lock:
+            self[name] += count
+
+
 def counted_key(
-    settings: ConnectorSettings, request: Any, stats: dict[str, int], count: bool
+    settings: ConnectorSettings, request: Any, stats: Counts, count: bool
 ) -> str | None:
     """The API key of `request`'s tenant (`settings.key_for`; None: kvtier is not used for it),
     its refusal counted in `stats` (and logged the first time) when `count`."""
@@ -189,13 +231,13 @@ def counted_key(
     if refused is not None and count:
         if not stats[refused]:
             log.warning(REFUSALS[refused])
-        stats[refused] += 1
+        stats.add(refused)
     return key
 
 
-def count_error(stats: dict[str, int], what: str, error: BaseException) -> None:
+def count_error(stats: Counts, what: str, error: BaseException) -> None:
     """A call to the sidecar (`what`) failed with `error`: counted in `stats`, logged (with its
     traceback when it is no `KVTierError` or `OSError`: a bug, to be found)."""
-    stats["errors"] += 1
+    stats.add("errors")
     unexpected = not isinstance(error, KVTierError | OSError)
     log.warning("kvtier %s failed: %s", what, error, exc_info=error if unexpected else None)

@@ -58,16 +58,17 @@ class RelaySettings:
     def parse(cls, extra: Mapping[str, Any]) -> RelaySettings | None:
         """None unless `kvtier.events_endpoint` is set."""
         where = {key: extra.get(key) for key in _RELAY}
+        topic = where["kvtier.events_topic"] or ""
+        if not isinstance(topic, str) or len(topic) > 200:  # (checked unrelayed too: a typo)
+            raise ConfigError("kvtier.events_topic", topic, "a topic of at most 200 characters")
         if where["kvtier.events_endpoint"] is None:
-            if where["kvtier.events_replay_endpoint"] is not None:
-                raise ConfigError("kvtier.events_endpoint", None, "set, with a replay endpoint")
+            for key in _RELAY[1:]:  # set for a relay that is not there: never ignored
+                if where[key] not in (None, ""):
+                    raise ConfigError("kvtier.events_endpoint", None, f"set, with {key}")
             return None
         for key in _RELAY[:2]:
             if where[key] is not None and not is_peer_address(where[key]):
                 raise ConfigError(key, where[key], "tcp://HOST:PORT (no *) or ipc://PATH")
-        topic = where["kvtier.events_topic"] or ""
-        if not isinstance(topic, str) or len(topic) > 200:
-            raise ConfigError("kvtier.events_topic", topic, "a topic of at most 200 characters")
         return cls(str(where[_RELAY[0]]), where[_RELAY[1]], topic)
 
 
@@ -91,14 +92,14 @@ class ConnectorSettings:
         if len(urls) != tp_size:
             raise ConfigError(
                 "kvtier.urls",
-                _masked(urls),
+                masked(urls),
                 f"one sidecar URL per tensor-parallel rank ({tp_size}): "
                 "each rank holds other heads, in a sidecar of its own",
             )
         for rank, one in enumerate(urls if "kvtier.urls" in extra else ()):
             if not _well_formed(one):
                 expected = f"the sidecar's URL, {_URL}"
-                raise ConfigError(f"kvtier.urls[{rank}]", _masked(one), expected)
+                raise ConfigError(f"kvtier.urls[{rank}]", masked(one), expected)
         key = api_key(extra)
         named = extra.get("kvtier.tenant_keys")
         named = {} if named is None else named  # (JSON null: unset)
@@ -168,16 +169,16 @@ def sidecar_urls(extra: Mapping[str, Any]) -> list[str]:
     if urls is None:
         url = "http://127.0.0.1:8750" if url is None else url
         if not (isinstance(url, str) and _well_formed(url)):
-            raise ConfigError("kvtier.url", _masked(url), f"the sidecar's URL, {_URL}")
+            raise ConfigError("kvtier.url", masked(url), f"the sidecar's URL, {_URL}")
         return [url]
     if url is not None:
         raise ConfigError(
-            "kvtier.url", _masked(url), "unset when kvtier.urls is set (one or the other)"
+            "kvtier.url", masked(url), "unset when kvtier.urls is set (one or the other)"
         )
     if not (isinstance(urls, list) and urls and all(isinstance(u, str) for u in urls)):
         raise ConfigError(
             "kvtier.urls",
-            _masked(urls),
+            masked(urls),
             "a non-empty list of sidecar URLs, one per tensor-parallel rank",
         )
     return urls
@@ -198,11 +199,11 @@ def _well_formed(url: str) -> bool:
     return True
 
 
-def _masked(url: object) -> object:
+def masked(url: object) -> object:
     """`url` (or each of a list of them) with the credentials in it (`user:password@`) not
     shown."""
     if isinstance(url, list):
-        return [_masked(one) for one in url]
+        return [masked(one) for one in url]
     return re.sub(r"//[^/]*@", "//(credentials not shown)@", url) if isinstance(url, str) else url
 
 

@@ -37,6 +37,7 @@ Contract:
 - A sidecar that is down, hangs or refuses a call is a miss (a lookup waits 5 s, then none is
   asked for 10 s: `lookups.py`; a load or save waits `kvtier.timeout_s`, 120 s, then none
   is tried for 10 s: a load fails, a save is skipped), logged and counted (`vllm_stats.py`).
+  At start a worker waits 30 s for it to answer (`lookups.served_layout`), then fails.
 - Tenants: a call's tenant is its API key's: `kvtier.api_key`, or the key `kvtier.tenant_keys`
   gives the name a request carries in its `cache_salt` (or, trusted and salted apart, in
   `kv_transfer_params`: vLLM shares blocks across a salt, `settings.key_for`);
@@ -76,8 +77,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations import plans, vllm_events
-from kvtier.integrations.lookups import Clients, Lookups, count_error, counted_key
+from kvtier.integrations import lookups, plans, vllm_events
+from kvtier.integrations.lookups import Clients, Counts, Lookups, count_error, counted_key
 from kvtier.integrations.plans import LoadJob, Planned, Save, SaveJob, output_save
 from kvtier.integrations.resets import reset_or_log
 from kvtier.integrations.saving import Saves, load_job, store_job
@@ -124,7 +125,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = int(vllm_config.cache_config.block_size)
         self.loads, self.first_save = plans.roles(self._kv_transfer_config)
         self._clients = Clients(self.url, call_timeout(extra, WORKER_TIMEOUT_S))
-        self.stats = dict.fromkeys(COUNTERS, 0)  # since start (`vllm_stats.py` says each)
+        self.stats = Counts(COUNTERS)  # since start (`vllm_stats.py`), added to by 4 threads
         self._reported: dict[str, int] = {}  # `stats` when vLLM last asked for them
         # scheduler side
         self._requests: dict[str, Planned] = {}
@@ -162,7 +163,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         first = req_id not in self._seen  # refusals counted once a request (vLLM retries)
         self._seen.add(req_id)
         if not plans.keyed_by_tokens(request):
-            self.stats["other_inputs"] += first
+            self.stats.add("other_inputs", first)
             return 0, False
         key = counted_key(self.settings, request, self.stats, first)
         if key is None or req_id in self._failed:
@@ -181,8 +182,8 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             return
         if not planned.admitted:  # counted as vLLM counts: once admitted, the hit it took
             planned.admitted = True
-            self.stats["lookups"] += planned.asked
-            self.stats["hit_tokens"] += max(0, num_external_tokens)
+            self.stats.add("lookups", planned.asked)
+            self.stats.add("hit_tokens", max(0, num_external_tokens))
         planned.blocks = ids = list(blocks.get_block_ids()[0])
         if num_external_tokens <= 0:
             return
@@ -259,10 +260,11 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """The engine's paged KV, layer by layer in the engine's order; its blocks checked to
         be vLLM's blocks (`check_blocks`), then against the sidecar's model layout (layers, KV
-        heads, head size, dtype, block size)."""
+        heads, head size, dtype, block size), waited for a while (`lookups.served_layout`)."""
         self._layers = list(kv_caches.values())
         check_blocks(self._layers, self.block_size)
-        served = self._clients.client(self.key).layout()
+        where = f"kvtier.urls[{self.tp_rank}]" if self.tp_size > 1 else "kvtier.url"
+        served = lookups.served_layout(self._clients, self.key, where)
         check_layout(self._layers, served, (self.tp_rank, self.tp_size), self.url, self.model)
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
@@ -348,9 +350,9 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             sent, stored = store_job(
                 self._clients.client(job.key), self._layers, job, self.block_size
             )
-            self.stats["sent_tokens"] += sent
-            self.stats["saved_tokens"] += stored
-            self.stats["decode_tokens"] += min(stored, job.output)  # stored from the end
+            self.stats.add("sent_tokens", sent)
+            self.stats.add("saved_tokens", stored)
+            self.stats.add("decode_tokens", min(stored, job.output))  # stored from the end
         except Exception as e:  # a save that fails is a later miss, never a crash
             self._clients.failed(e)  # unanswered: none tried for a while (`lookups.Clients`)
             count_error(self.stats, "store", e)
@@ -361,7 +363,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if not self.loads:  # a producer's requests are followed for their saves, never asked
             return planned
         if not self._lookups.open():  # a lookup failed just now (`lookups.py`): a miss
-            self.stats["skipped_lookups"] += 1
+            self.stats.add("skipped_lookups")
             return planned
         try:
             found = self._lookups.client(key).lookup(list(planned.tokens)).num_tokens
@@ -382,7 +384,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             self._clients.failed(e)
             count_error(self.stats, "load", e)
             return list(job.blocks)
-        self.stats["loaded_tokens"] += filled * self.block_size
+        self.stats.add("loaded_tokens", filled * self.block_size)
         return list(job.blocks[filled:])
 
     def _finish_load(self, req_id: str, missing: list[int], report: bool = True) -> None:
@@ -391,5 +393,5 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if report:
             self._done.add(req_id)
         if missing:
-            self.stats["failed_loads"] += 1
+            self.stats.add("failed_loads")
             self._load_errors.update(missing)

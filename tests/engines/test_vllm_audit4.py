@@ -85,8 +85,7 @@ def lookups():
     return r.json()["ops"]["lookups"]
 
 def make(**args):
-    tmp = Path(tempfile.mkdtemp()); (tmp / "config.json").write_text(json.dumps(ve.MODEL))
-    sched, worker, _ = ve.build(dict(url=url, api_key=key, **args), tmp)
+    sched, worker, _ = ve.built(dict(url=url, api_key=key, **args))
     caches = {f"model.layers.{i}.self_attn.attn": torch.full(
         (ve.NUM_BLOCKS, ve.HEADS, BS, 2 * ve.DIM), 3.0, dtype=torch.float16)
         for i in range(ve.LAYERS)}  # an earlier request's bytes in every block

@@ -42,9 +42,8 @@ import os, signal, time
 from kvtier.integrations.plans import LoadJob, SaveJob
 from kvtier.integrations.vllm import KvtierMetadata
 
-tmp = Path(tempfile.mkdtemp()); (tmp / "config.json").write_text(json.dumps(ve.MODEL))
-sched, worker, _ = ve.build(dict(url=url, api_key=key, extra={"kvtier.timeout_s": 1.0},
-                                 tenant_keys={"team-b": "bob-key-0123456789abcdefgh"}), tmp)
+sched, worker, _ = ve.built(dict(url=url, api_key=key, extra={"kvtier.timeout_s": 1.0},
+                                 tenant_keys={"team-b": "bob-key-0123456789abcdefgh"}))
 worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(
     ve.NUM_BLOCKS, ve.HEADS, BS, 2 * ve.DIM, dtype=torch.float16) for i in range(ve.LAYERS)})
 if scenario == "reset":  # the sidecar is gone; no client of team-b's key was made yet

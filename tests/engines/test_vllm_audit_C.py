@@ -36,8 +36,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.structured_output import StructuredOutputManager
 
 def make(asynchronous=False, **args):
-    tmp = Path(tempfile.mkdtemp()); (tmp / "config.json").write_text(json.dumps(ve.MODEL))
-    sched, worker, kvc = ve.build(dict(url=url, api_key=key, **args), tmp)
+    sched, worker, kvc = ve.built(dict(url=url, api_key=key, **args))
     if asynchronous:  # vLLM's default: the step after is planned before this one's output
         config = sched.vllm_config
         sched = AsyncScheduler(vllm_config=config, kv_cache_config=kvc, block_size=BS,

@@ -98,8 +98,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.utils.hashing import sha256
 args = dict(url=sys.argv[1], api_key=sys.argv[2], save_async=True)
-tmp = Path(tempfile.mkdtemp()); (tmp / "config.json").write_text(json.dumps(ve.MODEL))
-sched, worker, _ = ve.build(args, tmp)
+sched, worker, _ = ve.built(args)
 init_none_hash(sha256)
 p = SamplingParams(max_tokens=20); p.update_from_generation_config({}, 2)
 req = Request(request_id="r", prompt_token_ids=list(range(9000, 9040)), sampling_params=p,

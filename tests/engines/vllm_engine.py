@@ -174,12 +174,18 @@ def build(args: dict[str, Any], model_dir: Path) -> tuple[Scheduler, KvtierConne
     return scheduler, worker, kv_cache_config
 
 
+def built(args: dict[str, Any]) -> tuple[Scheduler, KvtierConnector, Any]:
+    """`build` on the tiny model's `config.json` in a directory removed once built (vLLM reads
+    it only then): the drivers that build engine after engine leave no directory behind."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(MLA_MODEL if args.get("mla") else MODEL))
+        return build(args, Path(tmp))
+
+
 def run(args: dict[str, Any]) -> dict[str, Any]:
     if args.get("mla"):
         SHAPE.update(heads=1, dim=LATENT // 2)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(MLA_MODEL if args.get("mla") else MODEL))
-        scheduler, worker, _ = build(args, Path(tmp))
+    scheduler, worker, _ = built(args)
     assert bool(args.get("mla")) == scheduler.vllm_config.model_config.use_mla
     assert isinstance(scheduler.connector, KvtierConnector), type(scheduler.connector)
     heard = listen(args["kv_events"]) if args.get("kv_events") else None
