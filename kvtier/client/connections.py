@@ -76,8 +76,8 @@ class Reply(NamedTuple):
 
 def check_url(url: object) -> tuple[urllib.parse.SplitResult, int | None]:
     """`url` split, and its port (None: the scheme's); `InvalidArgumentError` naming `url`
-    unless it is `http(s)://host[:port][/path]` with a port in [1, 65535]; credentials in it
-    (`user:password@`) are not shown."""
+    unless it is `http(s)://host[:port][/path]` with a port in [1, 65535] (a query or fragment,
+    which every call dropped, included); credentials in it (`user:password@`) are not shown."""
     expected = "http://host:port (or https://; an IPv6 host in brackets, a port in [1, 65535])"
     shown = re.sub(r"//[^/]*@", "//(credentials not shown)@", url) if isinstance(url, str) else url
     try:
@@ -89,6 +89,8 @@ def check_url(url: object) -> tuple[urllib.parse.SplitResult, int | None]:
         raise InvalidArgumentError(f"url: got {shown!r:.200}, expected {expected}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
         raise InvalidArgumentError(f"url: got {shown!r:.200}, expected {expected}")
+    if parts.query or parts.fragment or url.strip().endswith(("?", "#")):  # (dropped unread)
+        raise InvalidArgumentError(f"url: got {shown!r:.200}, expected no query or fragment")
     return parts, port
 
 
