@@ -54,6 +54,7 @@ from kvtier.shares import TenantShares
 from kvtier.tenancy import ReservationTable, Reserved
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.tiers.quantized import QuantPool
+from kvtier.transfer.clean import has_clean_room
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter, plan_copy_down, run_copy
 from kvtier.transfer.mover import Mover
@@ -366,8 +367,15 @@ def host_copy_room(demoter: Demoter, count: int, owner: bytes) -> bool:
     dropping a host block that has no disk copy (`Demoter.clean_room`): those copies are spares
     of blocks gpu holds, and dropping unwritten KV for them lost 3-7 blocks in random mixes
     (audit AX's F5). Without that room the blocks are gpu-only for now, and leave gpu later as
-    any gpu block does (the background mover waits for the disk)."""
-    return demoter.can_make_room(HOST, count, owner) and demoter.clean_room(HOST, count, owner)
+    any gpu block does (the background mover waits for the disk). Counted first
+    (`has_clean_room`), so that a refusal clears no clean copy for nothing."""
+    if not demoter.can_make_room(HOST, count, owner):
+        return False
+    state = demoter.state
+    writes_back = not demoter.sync_disk and state.disk is not None  # count before any moves
+    if writes_back and not has_clean_room(demoter.index, state.host, HOST, count, owner):
+        return False
+    return demoter.clean_room(HOST, count, owner)
 
 
 def _stage_ahead(writes: Writes, match: Match, count: int, namespace: BlockId) -> int:

@@ -362,7 +362,6 @@ class Lane:
                 )  # fmt: skip
             try:  # waiting on room or on its peer for the body: idle (`_make_room` may end it)
                 if call.unread:
-                    store.namespaces.seed(tenant)  # unlisted (no auth): 403, nothing held
                     self._charge(call, tenant, head.body_length)
                     call.read_rest(time.monotonic() + self.timeout_s)
                 if not self._mark(call.conn, True):

@@ -125,13 +125,12 @@ def bounded(max_head_bytes: int, timeout_s: float) -> type[asyncio.Protocol]:
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value))  # (trailers too: within the head's bound)
             # After the head, a field is a chunked body's trailer, never a header (RFC 9110
             # 6.5.1): uvicorn appended it to the request's headers, so an Authorization or a
             # tenant sent there passed a proxy that vets the head (audit AZ). Dropped.
-            if not self._in_head:
-                return
-            self._count(len(name) + len(value))
-            super().on_header(name, value)
+            if self._in_head:
+                super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._disarm()
