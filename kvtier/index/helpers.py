@@ -4,9 +4,15 @@ fastest tier moving (`depth` and its parent's `child_res`), and what a subtree d
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from kvtier.index.eviction import CandidateSets
 from kvtier.index.node import BlockRef, Node
 from kvtier.index.residency import Residency
+
+if TYPE_CHECKING:
+    from kvtier.index.leases import LeaseRecord
 
 
 def common_blocks(node: Node, key: bytes, pos: int, kb: int) -> int:
@@ -107,3 +113,23 @@ def under_floor(residency: Residency, ref: BlockRef, owner: bytes | None) -> boo
         n and residency.resident_in(namespace, t) - n < floor[t]
         for t, n in enumerate(subtree_copies(ref))
     )
+
+
+def locked_by_namespace(records: Iterable[LeaseRecord], tier: int) -> dict[bytes, int]:
+    """`LeaseTable.locked_blocks(tier)` (pins included) per namespace: the copies in `tier` on
+    the paths that leases and pins on `tier` lock, each counted once. Their sum is the total;
+    `Residency.locked_share` needs who holds them."""
+    seen: set[Node] = set()
+    counts: dict[bytes, int] = {}
+    for record in records:
+        if tier not in record.tiers:
+            continue
+        node, count = record.end, 0
+        while node.parent is not None and node not in seen:
+            seen.add(node)
+            count += sum(1 for slot in node.slots[tier] if slot is not None)
+            node = node.parent
+        if count:
+            namespace = record.end.root.ids
+            counts[namespace] = counts.get(namespace, 0) + count
+    return counts

@@ -94,6 +94,24 @@ class Residency:
         """Copies per tier of every namespace that holds blocks."""
         return {namespace: tuple(counts) for namespace, counts in self._ns_resident.items()}
 
+    def locked_share(self, tier: int, owner: bytes | None, locked: dict[bytes, int]) -> int:
+        """How many of `evictable_share(tier, owner)`'s copies are locked (`locked`: locked
+        copies per namespace, `helpers.locked_by_namespace`), so that no pass can offer them:
+        all of `owner`'s locked ones, and of another namespace those its unlocked copies above
+        its floor fall short by. Without it, `can_make_room` counted the owner's leased blocks
+        as room and a call demoted other tenants' blocks before it found it could not fit.
+        O(namespaces holding locks)."""
+        cut = 0
+        for namespace, count in locked.items():
+            if namespace == owner:
+                cut += count
+                continue
+            floor = self.floors.get(namespace)
+            resident = self.resident_in(namespace, tier)
+            give = max(0, resident - (floor[tier] if floor is not None else 0))
+            cut += give - min(give, resident - count)
+        return cut
+
     def set_floors(self, floors: dict[bytes, tuple[int, ...]]) -> None:
         """Each namespace's floor per tier, in blocks (absent: 0). Empty: plain LRU."""
         self.floors = dict(floors)
@@ -124,16 +142,20 @@ class Residency:
             total += max(0, counts[tier] - (floor[tier] if floor is not None else 0))
         return total
 
-    def evictable_share(self, tier: int, owner: bytes | None) -> int | None:
+    def evictable_share(
+        self, tier: int, owner: bytes | None, locked: dict[bytes, int] | None = None
+    ) -> int | None:
         """With floors set: the most copies of `tier` that `victims(tier, owner)` may offer
         (every namespace's copies above its floor, and all of `owner`'s); None without floors.
-        O(1): the sum above floors is kept (`above`). Locks are not subtracted: the caller
-        bounds by them."""
+        O(1): the sum above floors is kept (`above`). With `locked` (`locked_share`), the locked
+        copies no pass offers are left out too (O(namespaces holding locks)); without it the
+        caller bounds by the locks itself, as a total (which does not say whose they are)."""
         if not self.floors:
             return None
+        cut = self.locked_share(tier, owner, locked) if locked else 0
         counts = self._ns_resident.get(owner) if owner is not None else None
         if counts is None:
-            return self._above[tier]
+            return self._above[tier] - cut
         floor = self.floors.get(owner)  # type: ignore[arg-type]
         level = floor[tier] if floor is not None else 0
-        return self._above[tier] - max(0, counts[tier] - level) + counts[tier]
+        return self._above[tier] - max(0, counts[tier] - level) + counts[tier] - cut

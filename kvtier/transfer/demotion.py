@@ -65,7 +65,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.index import BlockRef, Node
-from kvtier.index.helpers import by_fastest, subtree_locked, under_floor
+from kvtier.index.helpers import by_fastest, locked_by_namespace, subtree_locked, under_floor
 from kvtier.index.node import VictimRun, slowest_counts
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.pool import SlotPool
@@ -345,9 +345,9 @@ class Demoter:
     def evictable(self, tier: int, owner: bytes | None = None) -> int:
         """Copies in `tier` that no lease or pin holds and no flight owns, and, with fair
         shares, at most those that `owner` may take (above floors, or its own)."""
-        pool = self.pools[tier]
-        free = pool.num_used - self.index.leases.locked_blocks(tier) - self.reserved(tier)
-        share = self.index.residency.evictable_share(tier, owner)
+        locked = locked_by_namespace(self.index.leases, tier)  # the share counts them too
+        free = self.pools[tier].num_used - sum(locked.values()) - self.reserved(tier)
+        share = self.index.residency.evictable_share(tier, owner, locked)
         return free if share is None else min(free, share)
 
     def _demote(self, ref: BlockRef, tier: int, owner: bytes | None, may_copy: bool = True) -> None:
