@@ -1,7 +1,8 @@
 """`Router.choose` from many threads at once (a gateway's workers) counts every request: its
-choice and count are made under the router's lock. Before, `assigned[pod] += 1` and the
-request count lost increments between threads, so round-robin sent two requests in a row to
-one replica and `imbalance()` read a fleet that was not the one routed."""
+choice and count are made under the router's lock. Before, `prefix-load`'s choice and counts
+lost increments between threads (21,773 of 24,000 counted), so `imbalance()` read a fleet
+that was not the one routed; the round-robin case guards the same property (its lost updates
+did not show on CPython 3.11, where a thread switches only at calls and jumps)."""
 
 from __future__ import annotations
 

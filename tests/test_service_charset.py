@@ -23,7 +23,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.mark.parametrize(
     "content_type",
     ["application/json", "application/json; charset=utf-8", 'application/json;Charset="UTF-8"',
-     "application/json; charset=utf8; x=y"],
+     "application/json; charset=utf8; x=y", "application/json; charset=us-ascii"],
 )  # fmt: skip
 def test_utf8_or_no_charset_is_read(server: Server, content_type: str) -> None:
     reply = server.post("/v1/lookup", content=LOOKUP, headers={"content-type": content_type})

@@ -188,7 +188,9 @@ def served_layout(clients: Clients, key: str, field: str, wait_s: float | None =
     pod's containers are, or restarting) is asked again every `PROBE_S` for `wait_s`; then a
     `ConfigError` naming `field` (`kvtier.url`) and the URL, never the bare connection error
     of a `GET /v1/pools` (before: at once, which failed vLLM's start); so is one that answers
-    503 (recovering). Another refusal (a key it does not know) is raised at once."""
+    503 (recovering). Another refusal (a key it does not know) is raised at once. A sidecar
+    that takes the connection and never answers holds each try for the client's call timeout,
+    so the start may wait `wait_s` plus one such timeout."""
     wait_s = START_WAIT_S if wait_s is None else wait_s
     deadline = time.monotonic() + wait_s
     while True:

@@ -2,13 +2,12 @@
 of them opens.
 
 A memory tier's buffer is an anonymous mapping that the kernel commits page by page as blocks
-are written (`tiers/pool.py`), so a store refuses only a tier that no mapping could hold on its
-own. A fleet of N replicas (`--replicas N`, `replicas.py`), each within memory, or one store
-whose gpu tier (in host memory on a machine without CUDA) and host tier each fit but not
-together, opened all the same, and the replay then filled them until the kernel killed a
-process (the replay's or a neighbour's). `check_memory` refuses that up front, naming the
-sizes; it counts what the tiers may hold, as a single store's own check does, not what a
-given trace will write.
+are written (`tiers/pool.py`); a store refuses tiers that do not fit the memory available
+together (`preflight.py`), but each store alone. A fleet of N replicas (`--replicas N`,
+`replicas.py`), each within memory, opened all the same, and the replay then filled them until
+the kernel killed a process (the replay's or a neighbour's). `check_memory` refuses that up
+front, naming the sizes; it counts what the tiers may hold, as a single store's own check does,
+not what a given trace will write.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ resolved to 127.0.0.1). So, on every route:
   address literal (a rebinding needs a name: an IP literal cannot be re-pointed). The port is
   not compared: the connection already reached this one. Otherwise 421 `bad_host`.
 - A request body must be `application/json` or `application/msgpack` (415 `unsupported_media`
-  otherwise): a declared `Content-Type` must be one of them (with no `charset`, or UTF-8's:
-  bodies are read as UTF-8 whatever it says), and a request without one may carry
+  otherwise): a declared `Content-Type` must be one of them (JSON with no `charset`, or
+  UTF-8's: it is read as UTF-8 whatever it says), and a request without one may carry
   no body (a bodiless POST, as the admin routes take, needs none). Neither type is "simple",
   so a page cannot send one without a preflight, and no route grants CORS (no
   `Access-Control-Allow-Origin`; a preflight `OPTIONS` is 405).
@@ -99,12 +99,16 @@ def body_refusal(content_type: str | None, content_length: str | None, chunked: 
     if content_type is not None:
         if wire.media_type(content_type) not in wire.MEDIA_TYPES:
             return f"Content-Type {content_type!r:.100}: expected one of {list(wire.MEDIA_TYPES)}"
-        if charset(content_type) not in (None, "utf-8", "utf8"):  # (read as UTF-8 whatever it said)
+        if wire.media_type(content_type) == wire.JSON and charset(content_type) not in UTF8:
             return f"Content-Type {content_type!r:.100}: expected no charset, or utf-8"
         return None
     if chunked or not no_length(content_length):
         return f"a body without a Content-Type: expected one of {list(wire.MEDIA_TYPES)}"
     return None
+
+
+UTF8 = (None, "utf-8", "utf8", "us-ascii", "ascii")
+"""The charsets a JSON body may name: it is read as UTF-8 whatever it says (ASCII is UTF-8)."""
 
 
 def charset(content_type: str) -> str | None:
