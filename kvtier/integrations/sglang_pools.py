@@ -1,5 +1,9 @@
-"""The host pool SGLang registers with kvtier's HiCache storage backend (`sglang.py`), checked
-against the sidecar's layout before a page moves.
+"""The sidecar and the host pool SGLang registers with kvtier's HiCache storage backend
+(`sglang.py`), the pool checked against the sidecar's layout before a page moves.
+
+- `sidecar_client(url, key, timeout_s)`: the client of the sidecar at `url`, waiting
+  `START_WAIT_S` for one that does not answer yet (started beside SGLang, restarting), as a
+  vLLM worker does; then a `ConfigError` naming `kvtier.url`.
 
 - `host_buffer(host)`: the pool's `kv_buffer` as an MHA layout's `[2, ...]` buffer and its
   layout; only `HOST_POOLS` are taken (a pool that may keep part of a page elsewhere is a
@@ -7,13 +11,15 @@ against the sidecar's layout before a page moves.
 - `registered(host, served, config)`: that buffer, as the sidecar's dtype where SGLang keeps an
   fp8 cache's bytes as uint8 (`FP8`), once the pool's layers, KV heads, head_dim and dtype,
   the tensor-parallel rank and the page size are checked against the sidecar's layout
-  (`ConfigError` naming the field). A storage config that says the ranks share their KV
+  (`ConfigError` naming the field; SGLang's page size first, 8 to 65,536 tokens: `keyed.py`).
+  A storage config that says the ranks share their KV
   (`is_mla_model`: the keys' scope names no rank) over a pool of one rank's heads (an MHA
   pool) is refused too: rank 0 would be served rank 1's heads.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -21,8 +27,12 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvtier.blocks import KVLayout
+from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
+from kvtier.integrations.lookups import PROBE_S, START_WAIT_S, unanswered
+from kvtier.integrations.settings import masked
+from kvtier.keyed import DIGEST_WORDS, MAX_PAGE_TOKENS
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The sidecar dtypes of an fp8 KV cache, whose bytes SGLang's pools keep as uint8."""
@@ -41,10 +51,38 @@ REFUSED = {
 }
 
 
+def sidecar_client(url: str, key: str | None, timeout_s: float) -> Client:
+    """The client of the sidecar at `url` (API key `key`; each try of a call `timeout_s`).
+    One that does not answer (down: refused; stopped: a timeout) or answers 503 (recovering)
+    is asked again every `PROBE_S` for `START_WAIT_S`, then a `ConfigError` naming
+    `kvtier.url`: a pod's containers start together, and SGLang's start used to fail at once
+    on the bare connection error of `GET /v1/pools`. Another refusal is raised at once."""
+    deadline = time.monotonic() + START_WAIT_S
+    while True:
+        try:
+            return Client(url, api_key=key, timeout_s=timeout_s)
+        except Exception as error:
+            if not (unanswered(error) or getattr(error, "status", None) == 503):
+                raise
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    "kvtier.url",
+                    masked(url),
+                    f"a kvtier sidecar answering within {START_WAIT_S:g} s of SGLang's start "
+                    f"(start `kvtier serve` first): {error}",
+                ) from error
+        time.sleep(PROBE_S)
+
+
 def registered(host: Any, served: KVLayout, config: Any) -> tuple[torch.Tensor, str]:
     """SGLang's host pool `host` (storage config `config`) checked against the sidecar's
     layout `served` (module doc): the buffer the pages move through, and its layout."""
     buffer, layout = host_buffer(host)
+    if not DIGEST_WORDS <= host.page_size <= MAX_PAGE_TOKENS:  # before `block_tokens`: page 1,
+        raise ConfigError(  # SGLang's default, asked the sidecar for a block of 1, then failed
+            "--page-size", host.page_size, f"{DIGEST_WORDS} to {MAX_PAGE_TOKENS} tokens (a page "
+            "carries 248 bits of its key; then a multiple of kvtier's block_tokens)"
+        )  # fmt: skip
     dtype = host.kv_buffer.dtype
     if dtype == torch.uint8 and served.dtype in FP8:  # SGLang keeps fp8 KV's bytes as uint8
         buffer, dtype = buffer.view(served.dtype), served.dtype
