@@ -62,7 +62,7 @@ Contract:
   the gather or scatter refuses, and a load whose KV is not the layout SGLang's host pool
   registered with (a sidecar restarted on another model behind the same URL): never cast
   into the host pool.
-- A call waits `kvtier.timeout_s` (`TIMEOUT_S`, 10 s) at most; after one the sidecar did not
+- A call waits `kvtier.timeout_s` (`TIMEOUT_S`, 8 s) at most; after one the sidecar did not
   answer (a timeout, a connection refused or cut), none is made for `lookups.QUIET_S` (10 s),
   or until a probe (a one-token lookup every 0.5 s, on a thread of its own) is answered:
   `batch_exists`, `batch_get_v1` and `batch_set_v1` answer misses meanwhile, each counted in
@@ -350,11 +350,11 @@ NOT_STORED = (
 STALE_S = 30.0
 """How long `batch_exists` answers a miss unasked after a load or store found the sidecar on
 another layout (`_stale`)."""
-TIMEOUT_S = 10.0
+TIMEOUT_S = 8.0
 """The most a call to the sidecar waits by default (`kvtier.timeout_s`): a lookup is a hash walk
-(0.07 s for 1M tokens), a batch of pages a copy through shared memory; a sidecar that hangs
-(stopped, a full disk under its lock) must not hold SGLang's backup and prefetch threads for
-the client's 120 s per call."""
+(0.07 s for 1M tokens), a batch of pages a shared-memory copy; a sidecar that hangs must not
+hold SGLang's backup and prefetch threads for the client's 120 s per call, nor past the 10 s
+SGLang's detach waits for each (at 10 s a detach with a hung sidecar could fail)."""
 
 
 def sidecar_url(url: Any) -> str:
