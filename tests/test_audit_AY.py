@@ -66,6 +66,7 @@ def test_one_store_whose_gpu_and_host_together_pass_memory_is_refused(tmp_path: 
         replay(requests, ceiling(requests), Sizing("t", fraction, fraction, 0.0), options)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_routing_more_replicas_than_the_router_subscribes_is_refused_at_once(
     tmp_path: Path,
 ) -> None:
@@ -156,6 +157,7 @@ def test_the_simulations_match_a_brute_force_cache(chains: list[list[int]], capa
         cache.check()
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_runs_too_big_to_sit_side_by_side_still_run_in_parallel_mode(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip(reason="the gpu tier is in device memory here, not in host memory")

@@ -60,6 +60,7 @@ def _mean_ms(client: httpx.Client, path: str, calls: int) -> float:
     return statistics.median(times) * 1000
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_pools_without_a_key_is_refused_before_any_work(keyed: Server) -> None:
     # idle connections put two lines each in the kernel's TCP table the lookup reads (within
     # this process's descriptors, and the server's, which has as many as this one by default)
@@ -116,6 +117,7 @@ def _length(data: bytes) -> int:
     )
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_keyless_call_naming_an_unknown_tenant_is_refused_before_its_body(
     keyless: Server,
 ) -> None:
@@ -150,6 +152,7 @@ def test_a_keyless_call_naming_an_unknown_tenant_is_refused_before_its_body(
     _check(keyless)
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_stalled_known_tenant_call_still_waits_for_its_body(keyless: Server) -> None:
     sock = _stalled(keyless, "bob")
     try:

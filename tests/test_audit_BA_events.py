@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import pytest
 import yaml
 from service_server import ADMIN_KEY, free_port, kv_of, running, write_config
 
@@ -62,6 +63,7 @@ def _gap(a: Client, b: Client, others: int, base: int) -> int:
     return found[base + 2] - found[base + 1]
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_tenants_hashes_do_not_count_another_tenants_nodes(tmp_path: Path) -> None:
     with (
         running(_config(tmp_path, per_tenant=True)) as server,
@@ -75,6 +77,7 @@ def test_a_tenants_hashes_do_not_count_another_tenants_nodes(tmp_path: Path) -> 
         assert server.admin("/v1/admin/check").json()["ok"] is True
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_tenants_hashes_stay_apart_on_a_shared_topic(tmp_path: Path) -> None:
     """On one topic the tenants' hashes never meet (a router keys a source's blocks by them),
     each prompt's blocks numbered consecutively."""

@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 
 import msgpack  # type: ignore[import-untyped]
+import pytest
 from lane_peer import lane_of, opened, read_frame
 from service_server import running, write_config
 
 from kvtier.blocks import encode_tokens
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_frame_of_an_unlisted_tenant_is_refused_before_its_body(tmp_path: Path) -> None:
     config = write_config(
         tmp_path,

@@ -28,6 +28,7 @@ from kvtier.integrations.lookups import Clients, Counts, served_layout
 from kvtier.integrations.settings import ConnectorSettings
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_a_worker_waits_at_start_for_a_sidecar_that_answers_late(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"

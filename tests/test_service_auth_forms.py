@@ -46,6 +46,7 @@ def test_other_schemes_are_no_key(keyed: Server) -> None:
     assert reply.status_code == 200, reply.text
 
 
+@pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite (10 min)
 def test_an_empty_tenant_name_is_no_default(tmp_path_factory: pytest.TempPathFactory) -> None:
     config = write_config(tmp_path_factory.mktemp("keyless"), tenants={"default": {}})
     with running(config) as server:

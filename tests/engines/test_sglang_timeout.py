@@ -29,8 +29,9 @@ def join_timeouts() -> list[float]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "join":
             for keyword in node.keywords:
-                if keyword.arg == "timeout" and isinstance(keyword.value, ast.Constant):
-                    found.append(float(keyword.value.value))
+                value = keyword.value.value if isinstance(keyword.value, ast.Constant) else None
+                if keyword.arg == "timeout" and isinstance(value, int | float):
+                    found.append(float(value))
     return found
 
 
