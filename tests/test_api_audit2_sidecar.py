@@ -38,6 +38,8 @@ from service_server import (
 from kvtier.client import AsyncClient, Client
 from kvtier.errors import InvalidArgumentError, InvalidKVError, InvalidTokensError, LeaseError
 
+pytestmark = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+
 SHAPE = (LAYERS, 2, 2 * BT, HEADS, DIM)
 
 

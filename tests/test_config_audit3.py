@@ -34,6 +34,8 @@ from kvtier.errors import ConfigError, InvalidArgumentError, TraceError
 from kvtier.replay.trace import MAX_REQUEST_TOKENS, read_trace
 from kvtier.service.auth import Auth
 
+pytestmark = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+
 KEY = "tenant-key-0123456789abcdef"
 PASSPHRASE = "correct horse battery staple"
 UUID = "7c9e6679-7425-40de-944b-e07fc1f90ae7"

@@ -24,6 +24,8 @@ from service_server import ADMIN_KEY, Server, peak_rss_mib, reset_peak, running,
 from kvtier.client import Client
 from kvtier.service.lane import FIRST_FRAME_S, MAX_CONNECTIONS
 
+pytestmark = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+
 KEY_A = "bounds-tenant-a-key-0123456789"
 KEY_B = "bounds-tenant-b-key-0123456789"
 AUTH_A = f"Bearer {KEY_A}"

@@ -55,6 +55,8 @@ from kvtier.keyed import KeyedPages
 from kvtier.quant import QuantCodec, QuantSpec
 from kvtier.store import KVStore
 
+pytestmark = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+
 BT = 4
 BLOCK_BYTES = 4096  # 2 layers, K|V, 4 tokens, 2 heads, 64 dims, fp16
 MODEL = {"name": "soak", "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16"}

@@ -34,6 +34,8 @@ from kvtier.cli import main
 from kvtier.client import AsyncClient, Client
 from kvtier.config import KVTierConfig
 
+pytestmark = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+
 KEY_A = "tenant-a-key-0123456789abcdef"
 KEY_B = "tenant-b-key-0123456789abcdef"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
