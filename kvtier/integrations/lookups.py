@@ -40,12 +40,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.client import Client, TransportError
 from kvtier.client.connections import TransportTimeout
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations.settings import REFUSALS, ConnectorSettings, masked
+
+T = TypeVar("T")
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -184,27 +186,34 @@ class Lookups(Clients):
 
 def served_layout(clients: Clients, key: str, field: str, wait_s: float | None = None) -> Any:
     """The model layout of the sidecar of `clients` (asked as `key`), which a vLLM worker checks
-    its KV against at start. A sidecar that does not answer yet (started beside vLLM, as a
-    pod's containers are, or restarting) is asked again every `PROBE_S` for `wait_s`; then a
-    `ConfigError` naming `field` (`kvtier.url`) and the URL, never the bare connection error
-    of a `GET /v1/pools` (before: at once, which failed vLLM's start); so is one that answers
-    503 (recovering). Another refusal (a key it does not know) is raised at once. A sidecar
-    that takes the connection and never answers holds each try for the client's call timeout,
-    so the start may wait `wait_s` plus one such timeout."""
+    its KV against at start, asked as `at_start` asks (`field`: `kvtier.url`)."""
+    return at_start(lambda: clients.client(key).layout(), field, clients.url, "vLLM", wait_s)
+
+
+def at_start(
+    call: Callable[[], T], field: str, url: str, engine: str, wait_s: float | None = None
+) -> T:
+    """`call()`, an engine's first call to its sidecar at `url`. A sidecar that does not answer
+    yet (started beside the engine, as a pod's containers are, or restarting) is asked again
+    every `PROBE_S` for `wait_s` (`START_WAIT_S`); then a `ConfigError` naming `field` and the
+    URL, never the bare connection error (before: at once, which failed the engine's start); so
+    is one that answers 503 (recovering). Another refusal (a key it does not know) is raised at
+    once. A sidecar that takes the connection and never answers holds each try for the client's
+    call timeout, so the start may wait `wait_s` plus one such timeout."""
     wait_s = START_WAIT_S if wait_s is None else wait_s
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return clients.client(key).layout()
+            return call()
         except Exception as error:
             if not (unanswered(error) or getattr(error, "status", None) == 503):
                 raise  # (503: recovering, as a sidecar with a disk tier does when it restarts)
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     field,
-                    masked(clients.url),
-                    f"a kvtier sidecar answering within {wait_s:g} s of vLLM's start (vLLM's KV "
-                    f"is checked against its layout; start `kvtier serve` first): {error}",
+                    masked(url),
+                    f"a kvtier sidecar answering within {wait_s:g} s of {engine}'s start "
+                    f"(start `kvtier serve` first): {error}",
                 ) from error
         time.sleep(PROBE_S)
 

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -30,8 +29,7 @@ from kvtier.blocks import KVLayout
 from kvtier.client import Client
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
-from kvtier.integrations.lookups import PROBE_S, START_WAIT_S, unanswered
-from kvtier.integrations.settings import masked
+from kvtier.integrations.lookups import at_start
 from kvtier.keyed import DIGEST_WORDS, MAX_PAGE_TOKENS
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -52,26 +50,12 @@ REFUSED = {
 
 
 def sidecar_client(url: str, key: str | None, timeout_s: float) -> Client:
-    """The client of the sidecar at `url` (API key `key`; each try of a call `timeout_s`).
-    One that does not answer (down: refused; stopped: a timeout) or answers 503 (recovering)
-    is asked again every `PROBE_S` for `START_WAIT_S`, then a `ConfigError` naming
-    `kvtier.url`: a pod's containers start together, and SGLang's start used to fail at once
-    on the bare connection error of `GET /v1/pools`. Another refusal is raised at once."""
-    deadline = time.monotonic() + START_WAIT_S
-    while True:
-        try:
-            return Client(url, api_key=key, timeout_s=timeout_s)
-        except Exception as error:
-            if not (unanswered(error) or getattr(error, "status", None) == 503):
-                raise
-            if time.monotonic() >= deadline:
-                raise ConfigError(
-                    "kvtier.url",
-                    masked(url),
-                    f"a kvtier sidecar answering within {START_WAIT_S:g} s of SGLang's start "
-                    f"(start `kvtier serve` first): {error}",
-                ) from error
-        time.sleep(PROBE_S)
+    """The client of the sidecar at `url` (API key `key`; each try of a call `timeout_s`),
+    made as `lookups.at_start` makes a first call (SGLang's start failed at once on the bare
+    connection error of `GET /v1/pools` of a sidecar not answering yet)."""
+    return at_start(
+        lambda: Client(url, api_key=key, timeout_s=timeout_s), "kvtier.url", url, "SGLang"
+    )
 
 
 def registered(host: Any, served: KVLayout, config: Any) -> tuple[torch.Tensor, str]:

@@ -34,7 +34,7 @@ from test_sglang_audit3 import PAGE, TENANTS, built, fill, host_pool, pages_at
 from test_sglang_audit_F import storage_config
 
 from kvtier.errors import ConfigError
-from kvtier.integrations import sglang_pools
+from kvtier.integrations import lookups
 from kvtier.integrations.sglang import KvtierHiCacheStorage
 
 
@@ -69,7 +69,7 @@ def test_a_sidecar_that_starts_after_sglang_is_waited_for(tmp_path: Path) -> Non
 def test_a_sidecar_that_never_answers_is_a_config_error_naming_the_url(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sglang_pools, "START_WAIT_S", 1.0, raising=False)
+    monkeypatch.setattr(lookups, "START_WAIT_S", 1.0)  # (`lookups.at_start`)
     url = f"http://127.0.0.1:{free_port()}"
     began = time.monotonic()
     with pytest.raises(ConfigError, match=r"'kvtier.url'.*within 1 s of SGLang's start"):
