@@ -5,11 +5,14 @@ Contract:
   unless the cached prefix before them has left the gpu) and that can make room for all of them
   (`Demoter.room`: checked before anything moves), plus host under `write_through` where host
   has room freeable without dropping an unwritten block (`host_copy_room`). None when
-  no tier can: nothing moved. Room is made for the namespace of the prefix (fair shares). For a
-  reservation, the slots count against the reserver's quota (`QuotaError`, nothing moved, when
-  the tier it would take is full to it; a write_through host copy over its host quota is left
-  out), and never goes to a quantized host tier (`QuantPool`: its slots hold payloads, not
-  blocks a writer could write, and canaries planted as in blocks would land in other slots).
+  no tier can: nothing moved. The check can count copies that room-making cannot free (a host
+  spare of a gpu block; a gpu victim that finds no room below): if no tier then made room for
+  all, the first blocks take the slots one freed, the rest are dropped, so that what moved is
+  used (before, it was lost for nothing). Room is made for the namespace of the prefix (fair
+  shares). For a reservation, the slots count against the reserver's quota (`QuotaError`,
+  nothing moved, when the tier it would take is full to it; a write_through host copy over its
+  host quota is left out), and never goes to a quantized host tier (`QuantPool`: its slots
+  hold payloads, not blocks a writer could write, and canaries would land in other slots).
   `take_free` is the same placement when it needs only free slots: taken at once, no demoter
   asked, nothing moved (None when room must be made).
 - `store_new`: the new full blocks of a call, written into their slots and inserted (DESIGN
@@ -54,7 +57,7 @@ from kvtier.shares import TenantShares
 from kvtier.tenancy import ReservationTable, Reserved
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.tiers.quantized import QuantPool
-from kvtier.transfer.clean import has_clean_room
+from kvtier.transfer.clean import host_copy_room
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter, plan_copy_down, run_copy
 from kvtier.transfer.mover import Mover
@@ -93,22 +96,20 @@ class Writes:
         self, match: Match, count: int, reserver: str | None = None
     ) -> dict[int, list[int]] | None:
         """Slots for `count` new blocks after `match` (module doc); None when no tier can."""
-        owner = match.end.root.ids
+        owner, short = match.end.root.ids, None  # short: a tier whose room fell short
         for tier in self._tiers(match, count, reserver is not None):
             if reserver is not None:
                 holding = self.holding(reserver, BlockId(owner), tier)
+                if short is not None and not self.shares.fits(reserver, tier, holding, count):
+                    break  # room made above: it is used, not thrown away by a refusal here
                 self.shares.admit(reserver, tier, holding, count, "a reservation")
-            if not self.demoter.make_room(tier, count, owner):  # checked above
-                continue
-            slots = {tier: self.state.pools[tier].allocate(count)}
-            copy = tier == GPU and self.policy.copy_on_store
-            if copy and reserver is not None:
-                holding = self.holding(reserver, BlockId(owner), HOST)
-                copy = self.shares.fits(reserver, HOST, holding, count)
-            if copy and host_copy_room(self.demoter, count, owner):
-                slots[HOST] = self.state.pools[HOST].allocate(count)
-            return slots
-        return None
+            if self.demoter.make_room(tier, count, owner):
+                return _take(self, tier, count, owner, reserver)
+            if short is None and self.state.pools[tier].num_free:
+                short = tier
+        if short is None:
+            return None
+        return _take(self, short, self.state.pools[short].num_free, owner, reserver)
 
     def _tiers(self, match: Match, count: int, reserving: bool) -> Iterator[int]:
         """The tiers `place` may take for `count` new blocks after `match`, fastest first, each
@@ -164,6 +165,8 @@ class Writes:
             )
         if slots is None:
             return StoreResult(match.num_blocks * bt, 0, new_blocks * bt)
+        taken = len(slots[min(slots)])  # fewer when room fell short (`place`): the first ones
+        blocks, key = blocks[:taken], key[: (match.num_blocks + taken) * self.index.key_nbytes]
         memory = (self.state.gpu, self.state.host)
         try:
             for tier, tier_slots in slots.items():
@@ -177,7 +180,7 @@ class Writes:
         if share and self.remote is not None:
             self.remote.after_store(namespace, end, match.num_blocks, blocks)
         self.after_write()
-        return StoreResult((match.num_blocks + new_blocks) * bt, new_blocks * bt, 0)
+        return StoreResult((match.num_blocks + taken) * bt, taken * bt, (new_blocks - taken) * bt)
 
     def reserve(
         self, namespace: BlockId, tenant: str, key: bytes, expires_at: float
@@ -206,7 +209,9 @@ class Writes:
             if new_blocks <= 0 and match.num_blocks:  # held whole: a store with nothing to store
                 self.state.count(tenant, stores=1)  # (a client's ends here, `client/pools.py`)
             return Reservation(0, tenant, match.num_blocks * bt, 0, "gpu", (), 0.0)
-        tier, cached, new = min(slots), match.num_blocks * bt, new_blocks * bt
+        tier, cached = min(slots), match.num_blocks * bt
+        new = len(slots[tier]) * bt  # fewer when room fell short (`place`): the first ones
+        key = key[: (match.num_blocks + len(slots[tier])) * self.index.key_nbytes]
         name = self.state.pools[tier].name  # the id, 0 here, is drawn by the table
         reservation = Reservation(0, tenant, cached, new, name, tuple(slots[tier]), expires_at)
         return self.reservations.open(reservation, namespace, key, pin.lease_id, slots)
@@ -362,20 +367,19 @@ class Writes:
         )
 
 
-def host_copy_room(demoter: Demoter, count: int, owner: bytes) -> bool:
-    """Room in host for the write_through copies of `count` new gpu blocks, made without
-    dropping a host block that has no disk copy (`Demoter.clean_room`): those copies are spares
-    of blocks gpu holds, and dropping unwritten KV for them lost 3-7 blocks in random mixes
-    (audit AX's F5). Without that room the blocks are gpu-only for now, and leave gpu later as
-    any gpu block does (the background mover waits for the disk). Counted first
-    (`has_clean_room`), so that a refusal clears no clean copy for nothing."""
-    if not demoter.can_make_room(HOST, count, owner):
-        return False
-    state = demoter.state
-    writes_back = not demoter.sync_disk and state.disk is not None  # count before any moves
-    if writes_back and not has_clean_room(demoter.index, state.host, HOST, count, owner):
-        return False
-    return demoter.clean_room(HOST, count, owner)
+def _take(
+    writes: Writes, tier: int, count: int, owner: bytes, reserver: str | None
+) -> dict[int, list[int]]:
+    """`Writes.place`'s slots: `count` free ones of `tier`, and their write_through host
+    copies' where those fit (the reserver's quota, `host_copy_room`)."""
+    state, shares = writes.state, writes.shares
+    slots = {tier: state.pools[tier].allocate(count)}
+    copy = tier == GPU and writes.policy.copy_on_store
+    if copy and reserver is not None:
+        copy = shares.fits(reserver, HOST, writes.holding(reserver, BlockId(owner), HOST), count)
+    if copy and host_copy_room(writes.demoter, count, owner):
+        slots[HOST] = state.pools[HOST].allocate(count)
+    return slots
 
 
 def _stage_ahead(writes: Writes, match: Match, count: int, namespace: BlockId) -> int:

@@ -18,13 +18,19 @@ once those are cleared (a parent whose last child left) are not counted, and a r
 write-down it did not need (bounded by `mover.store_wait_s`), never go ahead on room that is
 not there. It stops at `want` and after `MAX_RUNS_PER_BLOCK` runs a block wanted, so that it
 costs O(want) runs, not a walk of every candidate under the lock.
+`host_copy_room` makes room so for a store's write_through host copies (`writes.py`).
 Thread: under the cache's lock.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvtier.index import RadixIndex
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import HOST, Tier
+
+if TYPE_CHECKING:
+    from kvtier.transfer.demotion import Demoter
 
 MAX_RUNS_PER_BLOCK = 4
 """Runs looked at per block wanted (at least 16 in all), past which the count stops."""
@@ -57,3 +63,19 @@ def has_clean_room(
     dropping a block that has no copy in `tier + 1` (`clean_victims`)."""
     free = pool.num_free
     return free >= need or free + clean_victims(index, tier, need - free, owner) >= need
+
+
+def host_copy_room(demoter: Demoter, count: int, owner: bytes) -> bool:
+    """Room in host for the write_through copies of `count` new gpu blocks, made without
+    dropping a host block that has no disk copy (`Demoter.clean_room`): those copies are spares
+    of blocks gpu holds, and dropping unwritten KV for them lost 3-7 blocks in random mixes
+    (audit AX's F5). Without that room the blocks are gpu-only for now, and leave gpu later as
+    any gpu block does (the background mover waits for the disk). Counted first
+    (`has_clean_room`), so that a refusal clears no clean copy for nothing."""
+    if not demoter.can_make_room(HOST, count, owner):
+        return False
+    state = demoter.state
+    writes_back = not demoter.sync_disk and state.disk is not None  # count before any moves
+    if writes_back and not has_clean_room(demoter.index, state.host, HOST, count, owner):
+        return False
+    return demoter.clean_room(HOST, count, owner)
