@@ -143,7 +143,8 @@ def test_paged_attention_refuses_a_lease_of_another_store(stores: Stores) -> Non
     a, b = stores(), stores()
     a.store(X, kv_for(a, 12, seed=1))
     b.store(Y, kv_for(b, 12, seed=2))
-    mine, theirs = a.prefetch(X), b.prefetch(Y)
+    # long leases: the interpreted kernels below outlast the stores' 5 s ttl on a loaded machine
+    mine, theirs = a.prefetch(X, ttl_s=600), b.prefetch(Y, ttl_s=600)
     assert mine.block_table == theirs.block_table  # same slot numbers, other pools
     q = torch.randn(1, 4, 8)
     with pytest.raises(LeaseError, match=rf"leases\[0\]: lease {theirs.lease_id} .*another store"):
