@@ -93,3 +93,34 @@ def test_a_reservation_short_of_room_reserves_the_blocks_it_made_room_for() -> N
     loaded = store.load(tokens)
     assert torch.equal(loaded.kv, kv(store, tokens, 0.75)[:, :, : 2 * BT])
     store.close()
+
+
+def test_a_write_through_copy_short_of_host_room_drops_no_host_block() -> None:
+    """gpu 5 and host 4, no disk: one host-only block and three host copies of gpu blocks. A
+    2-block store has gpu room; its host copies would need 2 host slots, and the one victim a
+    pass offers frees 1: before, that block was dropped and no copy made; now nothing moves."""
+    bb = tiny_block_bytes()
+    config: dict[str, Any] = {
+        "model": {**TINY_MODEL, "dtype": "float32"},
+        "block_tokens": BT,
+        "tiers": {
+            "gpu": {"capacity": 5 * bb, "device": "cpu"},
+            "host": {"capacity": 4 * bb, "pinned": False},
+        },
+        "policy": {"write": "write_through"},
+        "mover": {"background": False},
+    }
+    store = KVStore(parse_config(config))
+    older, newer, tokens = seq(100, 1), seq(200, 3), seq(300, 2)
+    store.store(older, kv(store, older, 0.5))
+    store.store(newer, kv(store, newer, 0.25))
+    assert store.evict("gpu", 1) == 1  # the older's: cleared, its host copy its only one
+    store.check()
+    result = store.store(tokens, kv(store, tokens, 0.75))
+    store.check()
+    assert result.stored_tokens == 2 * BT
+    hit = store.lookup(older)
+    assert (hit.num_tokens, hit.host_tokens) == (BT, BT)  # was 0: dropped for no copy
+    assert torch.equal(store.load(older).kv, kv(store, older, 0.5))
+    assert store.lookup(tokens).gpu_tokens == 2 * BT
+    store.close()
