@@ -15,7 +15,8 @@
                                            replay a Mooncake trace against a real store
 
 A bad config stops the command with the message of its `ConfigError` (field, bad value, what
-was expected) and exit status 2; nothing is started. So does a sidecar's status reply that
+was expected) and exit status 2; nothing is started (`serve` runs `validate`'s checks,
+`preflight`, before its state directory or its port). So does a sidecar's status reply that
 `kvtier status` cannot print as a table (`status_reply.check_status`: a `ReplyError` naming the
 field, before any line of the table). Every line printed goes through `say` (`cli_status.py`,
 with what `status` and `info` print): what came from outside (a server's reply or error, a
@@ -39,7 +40,7 @@ from pathlib import Path
 
 from kvtier.cli_status import cmd_status, print_status, say, say_json
 from kvtier.config import KVTierConfig, default_config, format_size, load_config, parse_config
-from kvtier.errors import KVTierError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.program import (
     INTERRUPTED,
     StoppedAtStart,
@@ -68,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if handler is not signal.SIG_IGN:  # ignored (`nohup`, `&` in a script): left so
             signal.signal(stop, stop_at_start)
     try:
+        from kvtier.preflight import preflight
         from kvtier.service.server import serve  # FastAPI, uvicorn: a second or two
 
         config = _config(args.config)
@@ -76,6 +78,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             data = config.to_dict()
             data["service"].update({k: v for k, v in given.items() if v is not None})
             config = parse_config(data, "--host/--port")
+        # what `validate` refuses (floors that do not fit, a codec group, the events topic)
+        # stops here, exit 2: found only by the store, once serving, it left the process up
+        # answering 503 for ever (a liveness probe's restart loop; systemd saw it running)
+        preflight(config, None)
         return serve(config)
     finally:  # served and stopped (or refused): a stop now is no stop "while starting"
         for stop, handler in before.items():  # (`program.run`'s own: the default, then)
@@ -182,6 +188,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if not args.path:  # `kvtier check "$DISK" --fix` with DISK unset: not the working directory
+        raise ConfigError("PATH", args.path, "a disk tier directory (an empty path names none)")
     try:
         report = check_directory(Path(args.path), fix=args.fix)
     except DamagedDiskError as exc:  # a problem found, like a corrupt slot: status 1

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from refusals import unready_detail
+from refusals import refused_start
 from service_server import ADMIN_KEY, BLOCK_BYTES, Server, kv_of, running, tokens_of, write_config
 
 from kvtier.cli import main
@@ -62,8 +62,8 @@ def test_floors_that_do_not_fit_a_lowered_disk_are_refused_before_the_slab_is_cu
     size = slab.stat().st_size
     floors = {t: {**s, "floor": {"disk": "200KiB"}} for t, s in TENANTS.items()}
     bad = write_config(tmp_path, disk="256KiB", tenants=floors, name="bad.yaml")
-    detail = unready_detail(bad)
-    assert "tenants.*.floor.disk" in detail and "32 slots" in detail
+    said = refused_start(bad)  # exit 2, as `validate`'s, before the store opens the disk
+    assert "tenants.*.floor.disk" in said and "32 slots" in said
     assert slab.stat().st_size == size  # nothing cut
     status, said = validate(bad, capsys)
     assert status == 2 and "tenants.*.floor.disk" in said, said
@@ -79,7 +79,7 @@ def test_a_refused_config_creates_nothing_on_a_new_path(
     bad = write_config(tmp_path, disk="256KiB", tenants=floors)
     status, said = validate(bad, capsys)
     assert status == 2 and "tenants.*.floor.disk" in said and "32 slots" in said, said
-    assert "tenants.*.floor.disk" in unready_detail(bad)
+    assert "tenants.*.floor.disk" in refused_start(bad)  # exit 2, as `validate`'s
     assert not (tmp_path / "disk").exists()
 
 
@@ -103,5 +103,5 @@ def test_a_quota_of_no_block_is_refused_naming_the_field(
         status, said = validate(config, capsys)
         assert status == 2, said
         assert "tenants.a.quota.gpu" in said and f"{BLOCK_BYTES} bytes" in said, said
-    assert "tenants.a.quota.gpu" in unready_detail(config)
+    assert "tenants.a.quota.gpu" in refused_start(config)
     assert yaml.safe_load(config.read_text())["tenants"]["a"]["quota"]["gpu"] == 1e-10

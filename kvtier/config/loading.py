@@ -7,7 +7,8 @@ Contract:
   exception escapes; only the first fault is reported.
 - YAML is read safely, and a key repeated in one mapping is an error rather than last-wins
   (merge keys, `<<: *anchor`, may be overridden). A file is at most `MAX_FILE_CHARS` long and
-  its values, with every alias written out, at most `MAX_VALUES`: no "billion laughs".
+  its values, with every alias written out, at most `MAX_VALUES`: no "billion laughs"; its
+  own values are counted as they are read, so that the reading stops at the first past it.
 - An error never shows an API key or secret: a value under `api_keys`, `admin_key`,
   `secret` or `password` (the remote tier's cluster secret and AUTH password), or one that shows
   any of the keys given there, is replaced by `HiddenKey()`. A YAML error comes before the keys
@@ -215,9 +216,25 @@ def _fault_kind(exc: yaml.YAMLError) -> str:
     return _KINDS.get(type(exc).__name__, "text that is not YAML")
 
 
+class TooManyValues(Exception):
+    """More than `MAX_VALUES` nodes in a YAML document, found while it is read."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """Safe YAML that refuses a key repeated in one mapping instead of keeping the last, and
     a scalar Python cannot convert (an int of 5000 digits, a 13th month) with its line."""
+
+    nodes = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        """Counted as `_expanded_size` counts values (a mapping's keys are not, an alias is
+        one): past `MAX_VALUES` the reading stops (`TooManyValues`), before the rest is
+        parsed; a 1 MiB list of `1,1,...` was read whole first (46 s here)."""
+        is_key = isinstance(parent, yaml.MappingNode) and index is None
+        self.nodes += 0 if is_key else 1
+        if self.nodes > MAX_VALUES:
+            raise TooManyValues
+        return super().compose_node(parent, index)
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:
@@ -349,6 +366,9 @@ def load_config(path: str | os.PathLike[str]) -> KVTierConfig:
         fault = ConfigError("<yaml>", source, expected)
     except RecursionError:
         fault = ConfigError("<yaml>", source, "valid YAML nested less deeply")
+    except TooManyValues:
+        fault = ConfigError("<top level>", f"more than {MAX_VALUES} values",
+                            f"at most {MAX_VALUES} values (in {source})")  # fmt: skip
     if fault is not None:
         raise fault
     if data is not None and not isinstance(data, Mapping):  # its kind and where, not its text
