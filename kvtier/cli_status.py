@@ -11,9 +11,14 @@ import argparse
 import json
 from typing import Any, TextIO
 
+from kvtier.errors import ReplyError
 from kvtier.sizes import format_size
 from kvtier.status_reply import check_status
 from kvtier.text import printable
+
+LOCATION_COLUMN = 48
+"""The widest the tier table's location column gets (a device or a directory; longer ones
+overflow their row)."""
 
 
 def say(text: str, file: TextIO | None = None) -> None:
@@ -26,8 +31,14 @@ def say(text: str, file: TextIO | None = None) -> None:
 
 def say_json(data: Any) -> None:
     """`data` as indented JSON, each line through `say` (`json.dumps` escapes every control
-    character in a string, so the lines are as JSON wrote them)."""
-    for line in json.dumps(data, indent=2).splitlines():
+    character in a string, so the lines are as JSON wrote them). A number that is NaN or
+    Infinity (a server's reply: Python's parser takes them) is a `ReplyError` before any line:
+    JSON has none, and `kvtier status --json | jq` would fail on the `NaN` printed before."""
+    try:
+        text = json.dumps(data, indent=2, allow_nan=False)
+    except ValueError:
+        raise ReplyError("status: a number is NaN or Infinity; expected finite numbers") from None
+    for line in text.splitlines():
         say(line)
 
 
@@ -65,9 +76,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     if "busy" in status.get("inflight", {}):  # a server that has the budget, global figures
         held = status["inflight"]
+        share = held.get("share_bytes")  # a tenant's most (a server before the field: none)
+        most = "" if share is None else f" (a tenant's most {format_size(share)})"
         say(
             f"requests in flight: {format_size(held['held_bytes'])} of "
-            f"{format_size(held['limit_bytes'])} held, {held['waits']} waited for room, "
+            f"{format_size(held['limit_bytes'])} held{most}, {held['waits']} waited for room, "
             f"{held['busy']} refused busy"
         )
     if "remote" in status:
@@ -139,7 +152,13 @@ def print_status(status: dict[str, Any]) -> None:
         f"= {format_size(layout['block_bytes'])} per block; write policy "
         f"{status['policy']['write']}"
     )
-    width = max(10, *(len(t["location"]) + 2 for t in status["tiers"].values()))
+    # the column fits the longest location up to LOCATION_COLUMN: a longer one overflows its
+    # own row only (before, a server's 4 MiB location padded every tier's row to it: 277 KB
+    # of reply printed 200 MB), and a reply with no tiers prints the header alone (before,
+    # `max(10, *())` raised a TypeError, a traceback)
+    width = min(
+        LOCATION_COLUMN, max([10, *(len(t["location"]) + 2 for t in status["tiers"].values())])
+    )
     say(
         f"{'tier':<6}{'location':<{width}}{'capacity':>12}{'slots':>10}{'used':>12}{'blocks':>9}"
         f"{'reserved':>10}"

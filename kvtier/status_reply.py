@@ -7,12 +7,14 @@ The shapes are `GLOBAL` (the admin's or a keyless server's figures) and `TENANT`
 told by its `tenant` field), as tables of fields; a `Maybe` field may be absent (a server from
 before it), and `inflight`'s global figures are read only when it has `busy`. Counts are
 integers in [0, 2**63) (a bigger one has no decimal text Python prints fast), rates and times
-numbers (an integer one within 2**63 of 0: a bigger one has no float); text is any string
-(printed escaped). Fields the table does not read are not checked.
+finite numbers (an integer one within 2**63 of 0: a bigger one has no float; not NaN nor
+Infinity, which JSON has not but Python's parser takes: they printed as `nan%`, `inf ms`); text
+is any string (printed escaped). Fields the table does not read are not checked.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -42,7 +44,7 @@ class Field:
             return False
         if type(value) is int:  # no decimal text or float of its own past these
             return (0 if self.counted else 1 - MAX_COUNT) <= value < MAX_COUNT
-        return True
+        return type(value) is not float or math.isfinite(value)  # no NaN, no Infinity
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ Spec: TypeAlias = Field | Each | Maybe | dict[str, "Spec"]
 
 COUNT = Field((int,), "an integer in [0, 2**63)", counted=True)
 CELL = Field((int,), "an integer in [0, 2**63) or null", nullable=True, counted=True)
-NUMBER = Field((int, float), "a number (an integer one within 2**63 of 0)")
+NUMBER = Field((int, float), "a finite number (an integer one within 2**63 of 0)")
 TEXT = Field((str,), "a string")
 FLAG = Field((bool,), "true or false")
 
@@ -98,7 +100,7 @@ GLOBAL: dict[str, Spec] = {
 """The global reply; `remote.last_error` is read only when not connected (any value)."""
 
 HELD: dict[str, Spec] = {"held_bytes": COUNT, "limit_bytes": COUNT}
-GLOBAL_HELD: dict[str, Spec] = {**HELD, "waits": COUNT, "busy": COUNT}
+GLOBAL_HELD: dict[str, Spec] = {**HELD, "share_bytes": Maybe(COUNT), "waits": COUNT, "busy": COUNT}
 
 TENANT: dict[str, Spec] = {
     "tenant": TEXT,

@@ -40,6 +40,9 @@ latency is the service's own (a histogram per route). Names:
     kvtier_prefetch_to_ready_seconds{quantile}           p50 / p99 of recent prefetches
     kvtier_request_seconds{route}                        histogram of request latency
     kvtier_client_disconnects_total                      clients that hung up mid-body
+    kvtier_lane_requests_total                           requests answered over the local lane
+                                                         (in kvtier_request_seconds too)
+    kvtier_lane_connections                              open connections of the local lane
     kvtier_inflight_bytes                                bodies and load replies held now
     kvtier_inflight_limit_bytes                          their bound (`budget.py`)
     kvtier_inflight_{waits,busy}_total                   calls that waited for room; refused
