@@ -139,7 +139,7 @@ class PrefixIndex:
         in order until full, as in place), and put in place in one hold (module doc, Thread
         safety); one that those sources have made too big meanwhile is refused whole, counted
         as `full`, and the source left empty."""
-        events = self._decode(payload)
+        events = self._decode(payload, snapshot=True)
         with self._lock:  # the room the pod's other sources leave it: as full as in place
             mine = self._sources.get(source)
             others = self._blocks.get(pod_of(source), 0) - (len(mine.keys) if mine else 0)
@@ -162,9 +162,9 @@ class PrefixIndex:
                 self._where.setdefault(key, {})[source] = mask
             return applied
 
-    def _decode(self, payload: bytes) -> list[Any]:
-        try:
-            return [positional(event) for event in batch_events(payload)]
+    def _decode(self, payload: bytes, snapshot: bool = False) -> list[Any]:
+        try:  # a snapshot, a whole topic, may hold more events than a message (`reading`)
+            return [positional(event) for event in batch_events(payload, snapshot)]
         except BadEvent:
             with self._lock:
                 self._stats["bad"] += 1

@@ -12,13 +12,20 @@ router's index does; the relay reads kvtier's arrays only); a map's fields past 
 ignored.
 
 Bounds: a message's decode is bounded (`batch_events`: `MAX_EVENTS`, `MAX_ARRAYS`, `MAX_ITEMS`,
-`MAX_MAPS`), whatever the length the subscriber let through: a message past them is a
-`BadEvent` before it costs more than about 64 bytes an entry of `MAX_ITEMS`.
+`MAX_MAPS`; past 20 MiB, as many entries as its bytes hold in kvtier's own wire, and a
+snapshot's events and arrays alike: `Bounds`), whatever the length the subscriber let through:
+a message past them is a `BadEvent` before it costs more than about 64 bytes an entry of
+`MAX_ITEMS`, or some 9 times its bytes (measured with `tracemalloc`; up to 8 MiB, as before).
+Fixed bounds alone refused what kvtier sends: a sidecar's `GET /v1/blocks` is one batch per
+topic (a store of 70,000 one-block prompts: 70,000 events, 3.6 MB), so a router's resync
+refused it and forgot every block of the pod, at each resync; and a message of
+`events.max_message_bytes` raised to 64 MiB (the subscriber's raised with it) telling of a
+300,000-block run was refused whole.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgpack  # type: ignore[import-untyped]
 
@@ -37,38 +44,66 @@ MAX_ITEMS = 1 << 22
 kvtier message of realistic ids (3-5 bytes each packed) and their hashes."""
 MAX_MAPS = MAX_EVENTS + 16  # vLLM 0.33 sends each event as a map (module doc)
 MAX_MAP_LEN = 64  # fields of one map (a vLLM 0.33 BlockStored has 16: room for later ones)
+ITEM_BYTES = 5  # the fewest bytes of an entry of kvtier's wire: a token id (msgpack uint 32)
+EVENT_BYTES = 16  # of an event: a BlockRemoved of one hash takes 28, a BlockStored more
+ARRAY_BYTES = 8  # of an array: an event's three take 28 bytes at least, a clear's one 18
+
+
+class Bounds(NamedTuple):
+    """What one payload may make msgpack build (module doc): the fixed bounds, or, past them,
+    as many entries as a payload of its length holds in kvtier's wire at the most, and for a
+    snapshot (`GET /v1/blocks`: a whole topic in one batch) as many events and arrays too. Maps
+    stay bounded (vLLM's events, a few per message; 1-entry maps cost 12 times their bytes)."""
+
+    events: int
+    arrays: int
+    items: int
+    maps: int
+
+    @classmethod
+    def of(cls, size: int, snapshot: bool = False) -> Bounds:
+        """The bounds of a payload of `size` bytes (a snapshot's, with `snapshot`)."""
+        items = max(MAX_ITEMS, size // ITEM_BYTES)
+        if not snapshot:
+            return cls(MAX_EVENTS, MAX_ARRAYS, items, MAX_MAPS)
+        events, arrays = max(MAX_EVENTS, size // EVENT_BYTES), max(MAX_ARRAYS, size // ARRAY_BYTES)
+        return cls(events, arrays, items, MAX_MAPS)
 
 
 class _Budget:
     """Counts what msgpack builds and stops it past the bounds (`batch_events`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bounds: Bounds) -> None:
+        self.bounds = bounds
         self.arrays = self.items = self.maps = 0
 
     def array(self, value: list[Any]) -> list[Any]:
         self.arrays += 1
         self.items += len(value)
-        if self.arrays > MAX_ARRAYS or self.items > MAX_ITEMS:
-            raise BadEvent(f"payload: more than {MAX_ARRAYS} arrays or {MAX_ITEMS} entries")
+        if self.arrays > self.bounds.arrays or self.items > self.bounds.items:
+            most = f"{self.bounds.arrays} arrays or {self.bounds.items} entries"
+            raise BadEvent(f"payload: more than {most}")
         return value
 
     def map(self, value: dict[Any, Any]) -> dict[Any, Any]:
         self.maps += 1
-        if self.maps > MAX_MAPS:
-            raise BadEvent(f"payload: more than {MAX_MAPS} maps")
+        if self.maps > self.bounds.maps:
+            raise BadEvent(f"payload: more than {self.bounds.maps} maps")
         return value
 
 
-def batch_events(payload: bytes) -> list[Any]:
+def batch_events(payload: bytes, snapshot: bool = False) -> list[Any]:
     """The events of one message's event batch (`[ts, [events...], dp_rank]`), decoded within
     bounds (module doc): an array of more than `MAX_ITEMS` entries is refused from its header,
     before anything is built, and the arrays, entries and maps built are counted as they are,
     so that a message costs memory in proportion to what a real one holds, not 60 times its
-    bytes (an empty array is one byte on the wire and 64 in Python)."""
-    budget = _Budget()
+    bytes (an empty array is one byte on the wire and 64 in Python); a longer payload, or a
+    `snapshot`'s, within `Bounds.of` its length."""
+    bounds = Bounds.of(len(payload), snapshot)
+    budget = _Budget(bounds)
     try:
         batch = msgpack.unpackb(
-            payload, raw=False, strict_map_key=True, max_array_len=MAX_ITEMS,
+            payload, raw=False, strict_map_key=True, max_array_len=bounds.items,
             max_map_len=MAX_MAP_LEN, max_ext_len=0, list_hook=budget.array,
             object_hook=budget.map,
         )  # fmt: skip
@@ -78,8 +113,8 @@ def batch_events(payload: bytes) -> list[Any]:
         raise BadEvent(f"payload: not msgpack ({type(e).__name__})") from None
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise BadEvent("payload: expected an event batch [ts, [events], dp_rank]")
-    if len(batch[1]) > MAX_EVENTS:
-        raise BadEvent(f"payload: {len(batch[1])} events, expected at most {MAX_EVENTS}")
+    if len(batch[1]) > bounds.events:
+        raise BadEvent(f"payload: {len(batch[1])} events, expected at most {bounds.events}")
     return batch[1]
 
 

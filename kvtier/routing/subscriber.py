@@ -16,11 +16,12 @@ sequence number applied is kept:
   removal may be among the lost: a router that under-counts a pod is safe, one that believes a
   pod holds what it dropped is not; counted as `resets`. A gap before a message that begins
   with AllBlocksCleared needs neither: the message forgets what the gap held (a kvtier topic's
-  first message begins so). Of a topic nothing is known of (first heard, or after a restart),
-  the replay is asked from number 0 when that whole span fits in `max_replay_bytes` (a vLLM
-  publisher's early life), and its run that ends just before the message is taken, wherever
-  it begins. A kvtier topic's numbers never fit: it is learnt from its snapshot, else
-  forgotten and followed from the message on (a kvtier store retells a joining subscriber);
+  first message begins so; refused whole as `bad`, its clear holds all the same). Of a topic
+  nothing is known of (first heard, or after a restart), the replay is asked from number 0 when
+  that whole span fits in `max_replay_bytes` (a vLLM publisher's early life), and its run that
+  ends just before the message is taken, wherever it begins. A kvtier topic's numbers never
+  fit: it is learnt from its snapshot, else forgotten and followed from the message on (a
+  kvtier store retells a joining subscriber);
 - a number below it (a publisher restarted: vLLM's number from 0 again): the topic's blocks
   are forgotten, then the message is taken as a topic's first.
 
@@ -110,11 +111,9 @@ class Subscriber:
     ) -> None:
         self.index, self.replay_timeout = index, checks.number("replay_timeout", replay_timeout, 0)
         self.resync_s = resync_s if resync_s is None else checks.number("resync_s", resync_s, 1e-3)
-        self.max_message_bytes, self.max_replay_bytes = checks.sizes(
-            max_message_bytes=max_message_bytes, max_replay_bytes=max_replay_bytes
-        )
-        self.max_topics, self.max_queue_bytes = checks.sizes(
-            max_topics=max_topics, max_queue_bytes=max_queue_bytes
+        sizes = dict(max_message_bytes=max_message_bytes, max_replay_bytes=max_replay_bytes)
+        self.max_message_bytes, self.max_replay_bytes, self.max_topics, self.max_queue_bytes = (
+            checks.sizes(**sizes, max_topics=max_topics, max_queue_bytes=max_queue_bytes)
         )
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._added: list[Added] = []
@@ -384,8 +383,10 @@ class Subscriber:
     def _apply(self, topic: str, seq: int, payload: bytes) -> None:
         try:
             self.index.apply(topic, payload)
-        except BadEvent:
-            self._count("bad")
+        except BadEvent:  # refused whole: the clear it begins with holds all the same, or a
+            self._count("bad")  # gap not recovered for it (`_receive`) kept its removed blocks
+            if starts_cleared(payload):
+                self.index.clear(topic)
         self._count("messages")
         self._set(topic, seq + 1)
 
