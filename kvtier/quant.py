@@ -201,12 +201,14 @@ class QuantCodec:
         if not blocks.dtype.is_floating_point:
             raise InvalidArgumentError(f"blocks: got dtype {blocks.dtype}, expected a float dtype")
         x = blocks.float()
-        if not bool(x.abs().amax() <= FP16_MAX):  # NaN compares false too
+        if x.numel() and not bool(x.abs().amax() <= FP16_MAX):  # NaN compares false too
             raise InvalidArgumentError(
                 f"blocks: a value is not finite or beyond +-{FP16_MAX:g}; expected KV a "
                 f"{self.name} copy can keep"
             )
         n = x.shape[0]
+        if n == 0:  # (its reshapes to [0, -1] are ambiguous)
+            return torch.empty((0, self.payload_nbytes), dtype=torch.uint8, device=x.device)
         if self.spec.kind == "fp8":
             codes, meta = self._encode_fp8(x)
         else:
@@ -314,20 +316,23 @@ class QuantCodec:
         )
         zeros = meta[:, groups * 2 :].contiguous().view(torch.int8).float()
         if self.spec.bits == 4:
-            q = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(n, -1)
+            q = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(n, self.numel)
         else:
             q = codes
         q = q.float().reshape(n, L, 2, T, self.row)
         kg = L * self.k_groups
         k_s, v_s = scales[:, :kg], scales[:, kg:]
         k_z, v_z = zeros[:, :kg], zeros[:, kg:]
-        v_q = q[:, :, 1].reshape(n, L, self.v_groups, -1)
-        v = (v_q - v_z.reshape(n, L, -1, 1)) * v_s.reshape(n, L, -1, 1)
+        # sizes spelled out, no -1: a payload of no blocks decodes to none (-1 is ambiguous)
+        v_q = q[:, :, 1].reshape(n, L, self.v_groups, self.group)
+        v_shape = (n, L, self.v_groups, 1)
+        v = (v_q - v_z.reshape(v_shape)) * v_s.reshape(v_shape)
         if self.spec.keys == "channel":
-            k = (q[:, :, 0] - k_z.reshape(n, L, 1, -1)) * k_s.reshape(n, L, 1, -1)
+            k = (q[:, :, 0] - k_z.reshape(n, L, 1, self.row)) * k_s.reshape(n, L, 1, self.row)
         else:
-            k_q = q[:, :, 0].reshape(n, L, self.k_groups, -1)
-            k = (k_q - k_z.reshape(n, L, -1, 1)) * k_s.reshape(n, L, -1, 1)
+            k_q = q[:, :, 0].reshape(n, L, self.k_groups, self.key_group)
+            k_shape = (n, L, self.k_groups, 1)
+            k = (k_q - k_z.reshape(k_shape)) * k_s.reshape(k_shape)
         return torch.stack([k.reshape(n, L, T, self.row), v.reshape(n, L, T, self.row)], dim=2)
 
 

@@ -22,10 +22,11 @@ bytes at `base + slot * block_bytes`. Three strategies copy them, each a `CopySt
   into pinned memory is valid on the device); pageable host memory, and two CUDA buffers on
   different devices, are refused (`InvalidArgumentError`).
 
-Every strategy checks its slots before it copies anything (`InvalidArgumentError`): one
-destination per source (`check_counts`); `slices` each run's ends against both buffers
-(`check_runs`: a slice past the end is a shorter view, a negative start another slot), `gather`
-and `kernel` that every slot is an integer in range, no destination named twice (`check_slots`).
+Every strategy checks its slots before it copies anything, and refuses the same ones
+(`InvalidArgumentError`): one destination per source (`check_counts`), every slot an integer
+in range, no destination named twice; `slices` by its runs (`check_runs`: a slice past the end
+is a shorter view, a negative start another slot, a bool slot 1, a repeat a second write),
+`gather` and `kernel` slot by slot (`check_slots`).
 
 Every strategy returns with its copy as complete as `Tensor.copy_` leaves one: done when host
 memory takes part, enqueued on the current stream between two CUDA buffers. `copy_blocks_kernel`
@@ -37,6 +38,7 @@ block size and the scatter: `transfer/planner.py` measures them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable, Sequence
@@ -49,7 +51,7 @@ import torch
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.kernels import staged
-from kvtier.kernels.slots import check_counts, check_slots
+from kvtier.kernels.slots import Run, check_counts, check_runs, check_slots, slot_number
 
 BLOCK_COPY_CUDA = r"""
 template <typename T>
@@ -90,10 +92,6 @@ THREADS = 256
 UNITS_PER_THREAD = 4  # per chunk: enough chunks that every block is spread over many SMs
 MAX_CHUNKS = 65535  # gridDim.y's limit; beyond it the threads stride further
 
-Run = tuple[int, int, int]
-"""(src_start, dst_start, length): `length` slots consecutive on both sides."""
-
-
 LONG = 64
 """Slot lists at least this long find their runs with NumPy (a pass in C) rather than a loop."""
 
@@ -102,9 +100,8 @@ def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     """(src_start, dst_start, length) runs where both sides advance by one slot together."""
     if len(src) and _one_run(src) and _one_run(dst) and len(src) == len(dst):
         return [(src[0], dst[0], len(src))]  # the common case: blocks stored together
-    if len(src) >= LONG:
-        froms, tos = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-        assert froms.shape == tos.shape, "as many source slots as destination slots"
+    if len(src) >= LONG and (arrays := _int_arrays(src, dst)) is not None:
+        froms, tos = arrays
         breaks = np.flatnonzero((np.diff(froms) != 1) | (np.diff(tos) != 1)) + 1
         starts = np.concatenate(([0], breaks))
         lengths = np.diff(np.concatenate((starts, [len(froms)])))
@@ -120,10 +117,45 @@ def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     return runs
 
 
+def find_runs(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[Run]:
+    """`contiguous_runs` of slot lists checked to be as many (`check_counts`) and, where
+    finding the runs fails on a slot (a string, None), to be integers (`slot_number`):
+    `InvalidArgumentError` naming it, not a `TypeError` (which a planner takes for a strategy
+    torch cannot run). Their range is `check_runs`'s, in the copy."""
+    check_counts(src_slots, dst_slots)
+    try:
+        return contiguous_runs(src_slots, dst_slots)
+    except TypeError:
+        for name, slots in (("source", src_slots), ("destination", dst_slots)):
+            for slot in slots:
+                slot_number(slot, name)
+        raise
+
+
+def _int_arrays(src: Sequence[int], dst: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Both slot lists as int64 arrays of one shape, or None for anything else: a list of
+    floats or bools, which `dtype=np.int64` truncated to other slots (`[0.5, 1.5]` was `[0,
+    1]`), is left to the loop, whose runs keep them for `check_runs` to refuse."""
+    with contextlib.suppress(TypeError, ValueError, OverflowError, RuntimeError):
+        froms, tos = np.asarray(src), np.asarray(dst)
+        if _fits_int64(froms) and _fits_int64(tos) and froms.shape == tos.shape:
+            return froms.astype(np.int64), tos.astype(np.int64)
+    return None
+
+
+def _fits_int64(array: np.ndarray) -> bool:
+    """1-D, of an integer dtype whose every value int64 holds (a uint64 may not: the loop)."""
+    kind, width = array.dtype.kind, array.dtype.itemsize
+    return array.ndim == 1 and (kind == "i" or (kind == "u" and width < 8))
+
+
 def _one_run(slots: Sequence[int]) -> bool:
     """Whether `slots` (not empty) go up by one from the first: two comparisons in C, not a
-    loop (a list of 256 slots: about 3 us against 40-100 for the general case)."""
+    loop (a list of 256 slots: about 3 us against 40-100 for the general case). Slots that
+    are not Python ints are left to the loop (`range` takes no float)."""
     first, n = slots[0], len(slots)
+    if type(first) is not int:
+        return False
     if slots[-1] - first != n - 1:
         return False
     if isinstance(slots, range):
@@ -147,8 +179,7 @@ def copy_blocks_slices(
     src: torch.Tensor, dst: torch.Tensor, src_slots: Sequence[int], dst_slots: Sequence[int]
 ) -> None:
     """One `copy_` per run of slots consecutive on both sides."""
-    check_counts(src_slots, dst_slots)
-    copy_runs(src, dst, contiguous_runs(src_slots, dst_slots))
+    copy_runs(src, dst, find_runs(src_slots, dst_slots))
 
 
 def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None:
@@ -162,23 +193,6 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None
         src, dst = staged.as_words(src, dst)
     for s, d, n in runs:
         dst[d : d + n].copy_(src[s : s + n])
-
-
-def check_runs(runs: Sequence[Run], src_slots: int, dst_slots: int) -> None:
-    """`InvalidArgumentError` naming the first run that leaves `[0, src_slots)` or `[0,
-    dst_slots)`. A slice does not fail there: `buffer[-2:-1]` is another slot, `buffer[s:s+n]`
-    past the end is a shorter view (nothing copied into it, or one block broadcast over the
-    rest), so a slice copy checks its runs first. O(runs): a run's slots lie between its ends."""
-    for s, d, n in runs:
-        if s < 0 or d < 0 or s + n > src_slots or d + n > dst_slots:
-            source = s < 0 or s + n > src_slots
-            name, first, limit = (
-                ("source", s, src_slots) if source else ("destination", d, dst_slots)
-            )
-            raise InvalidArgumentError(
-                f"block copy: {name} slots {first}..{first + n - 1} are out of range; expected "
-                f"slots in [0, {limit})"
-            )
 
 
 def copy_blocks_gather(
@@ -215,8 +229,9 @@ def copy_blocks_kernel(
     The caller orders later use after that stream: a host destination is not written, and a
     host source may still be read, until the stream has passed the launch. Checks everything
     first and launches nothing on a bad argument (`InvalidArgumentError`): both buffers
-    contiguous with equal block sizes, one slot per block on each side, every slot in range, at
-    least one side CUDA, a host side pinned, two CUDA sides on one device, CuPy importable.
+    contiguous with equal block sizes, one slot per block on each side, every slot in range, no
+    slot both read and written in memory the two share (the launch's blocks race), at least one
+    side CUDA, a host side pinned, two CUDA sides on one device, CuPy importable.
     """
     device = _check_kernel_args(src, dst, src_slots, dst_slots)
     cupy = _cupy()
@@ -338,6 +353,15 @@ def _check_kernel_args(
             "slots; expected one destination slot per block"
         )
     check_slots(src_slots, dst_slots, len(src), len(dst))
+    start, stop = src.data_ptr(), src.data_ptr() + src.nbytes  # one launch: blocks in any order
+    if src.device == dst.device and start < dst.data_ptr() + dst.nbytes and dst.data_ptr() < stop:
+        read = {int(slot) for slot in src_slots}  # (checked integers)
+        if dst.data_ptr() != start or any(int(slot) in read for slot in dst_slots):
+            raise InvalidArgumentError(
+                "copy_blocks_kernel: src and dst share memory and a slot is read and written "
+                "(by two blocks of the launch, in any order); expected buffers apart or slots "
+                "read and slots written apart"
+            )
     if not _kernel_reaches(medium(src), medium(dst)):
         raise InvalidArgumentError(
             f"copy_blocks_kernel: from {medium(src)} to {medium(dst)}; expected a CUDA buffer "

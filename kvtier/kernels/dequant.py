@@ -132,13 +132,33 @@ if triton is not None:
 
     @triton.jit
     def _rounded(value, dtype: tl.constexpr):
-        """`value` (fp32) to `dtype`, to nearest, ties to even. bf16 by hand: the interpreter
-        truncates where a GPU rounds."""
+        """`value` (fp32, within `dtype`'s range) to `dtype`, to nearest, ties to even. bf16
+        and fp8 by hand: the interpreter truncates bf16, and its fp8 rounding does not carry
+        into the exponent (1.99 became 1.0, not 2.0) nor round subnormals; here fp8 gets an
+        fp32 it holds exactly, which every conversion keeps."""
         if dtype == tl.bfloat16:
             bits = value.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
             return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if dtype == tl.float8e4nv or dtype == tl.float8e5:
+            value = _fp8_exact(value, 3 if dtype == tl.float8e4nv else 2)
         return value.to(dtype)
+
+    @triton.jit
+    def _fp8_exact(value, MANTISSA: tl.constexpr):
+        """`value` rounded (to nearest, ties to even) to an fp8 value with `MANTISSA` bits
+        (e4m3: 3, e5m2: 2), as an fp32: normal ones by the bits (the carry moves into the
+        exponent), subnormal ones (below 2**-6, 2**-14) to a multiple of their step (2**-9,
+        2**-16) by one fp32 addition of 2**14 (2**7), whose step that is, sign put back."""
+        DROP: tl.constexpr = 23 - MANTISSA
+        NORMAL: tl.constexpr = 2.0 ** (-6 if MANTISSA == 3 else -14)
+        STEP_UP: tl.constexpr = 2.0 ** (14 if MANTISSA == 3 else 7)
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) >> DROP << DROP
+        small = (tl.abs(value) + STEP_UP) - STEP_UP
+        sign = value.to(tl.uint32, bitcast=True) & 0x80000000
+        small = (small.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        return tl.where(tl.abs(value) < NORMAL, small, bits.to(tl.float32, bitcast=True))
 
     @triton.jit
     def _row(payload, P, L: tl.constexpr, T: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr):

@@ -3,13 +3,17 @@ destination per source, every slot an integer in its buffer, no destination name
 
 A slot is a Python int (one pass over a list of them), or a NumPy or torch integer
 (`operator.index`); a float would truncate to another slot, a bool is no slot. Every refusal is
-an `InvalidArgumentError` naming the slot and the range expected.
+an `InvalidArgumentError` naming the slot and the range expected. A slice copy checks the runs
+of its slots instead (`check_runs`, O(runs)): the same refusals, so that every strategy takes
+and refuses the same slots (a planner that meets a refusal passes it on, and one strategy's
+`TypeError` on a float slot would have retired that strategy for good).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import operator
 from collections.abc import Sequence
 
@@ -93,3 +97,56 @@ def _integer_array(slots: object) -> np.ndarray | None:
     if isinstance(slots, np.ndarray) and slots.ndim == 1 and slots.dtype.kind in "iu":
         return slots
     return None
+
+
+Run = tuple[int, int, int]
+"""(src_start, dst_start, length): `length` slots consecutive on both sides."""
+
+
+def check_runs(runs: Sequence[Run], src_slots: int, dst_slots: int) -> None:
+    """`InvalidArgumentError` naming the first run whose ends are not integers (`integer`: a
+    bool was slot 1, a float a `TypeError` inside the copy) or leave `[0, src_slots)` or `[0,
+    dst_slots)`, or a destination slot that two runs name. A slice does not fail there:
+    `buffer[-2:-1]` is another slot, `buffer[s:s+n]` past the end is a shorter view (nothing
+    copied into it, or one block broadcast over the rest), a slot named twice is written twice
+    (the last copy wins, where `gather` and the kernel refuse): so a slice copy checks its runs
+    first. O(runs): a run's slots lie between its ends (O(runs log runs) for the repeats)."""
+    for s, d, n in runs:
+        if type(s) is not int or type(d) is not int:  # NumPy or torch integers: as ints
+            s, d = slot_number(s, "source"), slot_number(d, "destination")
+        if s < 0 or d < 0 or s + n > src_slots or d + n > dst_slots:
+            source = s < 0 or s + n > src_slots
+            name, first, limit = (
+                ("source", s, src_slots) if source else ("destination", d, dst_slots)
+            )
+            raise InvalidArgumentError(
+                f"block copy: {name} slots {first}..{first + n - 1} are out of range; expected "
+                f"slots in [0, {limit})"
+            )
+    if len(runs) > 1 and not _apart(runs):
+        ends = sorted(runs, key=operator.itemgetter(1))  # by destination: the first repeat
+        slot = next(after for (_, d, n), (_, after, _) in itertools.pairwise(ends) if d + n > after)
+        raise InvalidArgumentError(
+            f"block copy: destination slot {slot} is named twice; expected distinct slots"
+        )
+
+
+def _apart(runs: Sequence[Run]) -> bool:
+    """Whether no destination slot is in two of `runs`: a set of their starts where every run
+    is one block (scattered slots: 25 us for 1000 runs, a sort 220), else sorted by start."""
+    if len({d for _, d, _ in runs}) < len(runs):
+        return False
+    if all(n == 1 for _, _, n in runs):
+        return True
+    ends = sorted(runs, key=operator.itemgetter(1))
+    return all(d + n <= after for (_, d, n), (_, after, _) in itertools.pairwise(ends))
+
+
+def slot_number(slot: object, name: str) -> int:
+    """`slot` (a run's first, or any one) as an int, or `InvalidArgumentError` naming it."""
+    number = integer(slot)
+    if number is None:
+        raise InvalidArgumentError(
+            f"block copy: {name} slot {shown(slot)} is not an integer; expected a slot number"
+        )
+    return number

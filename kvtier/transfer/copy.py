@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ClosedError
-from kvtier.kernels.block_copy import check_runs, contiguous_runs
-from kvtier.kernels.slots import check_slots
+from kvtier.kernels.block_copy import contiguous_runs
+from kvtier.kernels.slots import check_runs, check_slots
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.disk import BlockMeta, DiskTier

@@ -50,14 +50,12 @@ import torch
 from kvtier.errors import ClosedError, ConfigError, InvalidArgumentError, InvalidKVError
 from kvtier.kernels.block_copy import (
     CopyStrategy,
-    Run,
     applies_anywhere,
-    check_runs,
-    contiguous_runs,
     copy_blocks_kernel,
+    find_runs,
     kernel_applies,
 )
-from kvtier.kernels.slots import check_slots
+from kvtier.kernels.slots import Run, check_runs, check_slots
 from kvtier.tiers import SlotPool
 from kvtier.tiers.base import Tier
 from kvtier.tiers.quantized import QuantPool
@@ -81,7 +79,7 @@ def _slices_on_stream(
     src: torch.Tensor, dst: torch.Tensor, src_slots: Sequence[int], dst_slots: Sequence[int]
 ) -> None:
     """One `copy_(non_blocking=True)` per run, enqueued on the current stream."""
-    _runs_on_stream(src, dst, contiguous_runs(src_slots, dst_slots))
+    _runs_on_stream(src, dst, find_runs(src_slots, dst_slots))
 
 
 def _runs_on_stream(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> None:
@@ -246,7 +244,7 @@ class CudaExecutor:
             if not all(pool_to_pool(transfer.src, transfer.dst, *slots, transfer.layers)):
                 raise InvalidKVError(f"{transfer.path}: a block the host's codec cannot keep")
             return None
-        runs = contiguous_runs(transfer.src_slots, transfer.dst_slots)
+        runs = find_runs(transfer.src_slots, transfer.dst_slots)
         if transfer.layers is not None:
             first, stop = transfer.layers
             check_runs(runs, len(src), len(dst))

@@ -42,7 +42,8 @@ from typing import NamedTuple
 import torch
 
 from kvtier.errors import InvalidArgumentError, KVTierError
-from kvtier.kernels.block_copy import STRATEGIES, CopyStrategy, Run, contiguous_runs, medium
+from kvtier.kernels.block_copy import STRATEGIES, CopyStrategy, find_runs, medium
+from kvtier.kernels.slots import Run
 
 SAMPLES = 3
 """Timed copies per candidate before a key's choice; the median discounts one outlier (a first
@@ -209,9 +210,10 @@ class BlockCopier:
         complete as `Tensor.copy_` leaves a copy (block_copy's module doc); returns the name of
         the strategy used. Nothing else of `dst` is written. At least one block. A strategy
         that raises is refused and the next one copies (module doc); `InvalidArgumentError`
-        when none is left."""
-        assert src_slots, "a copy of no blocks"
-        runs = contiguous_runs(src_slots, dst_slots)
+        when none is left. Slots a strategy refuses (not integers, out of range, a repeated
+        destination) are `InvalidArgumentError` from each alike, and retire none of them."""
+        runs = find_runs(src_slots, dst_slots)  # as many, integers: not a strategy's TypeError
+        assert len(src_slots), "a copy of no blocks"  # (len: an array of slots has no truth)
         key = copy_key(src, dst, len(runs), len(src_slots))
         while True:
             pick = self.planner.pick(key)
