@@ -6,8 +6,9 @@ request the server answers for another value than the one given.
 - `check_options`: a constructor's arguments (a bad `timeout_s` refused there, not at every
   call after).
 - `check_tokens`: tokens whose memory cannot be read (a "meta" tensor).
-- `check_flag`, `check_timeout`, `lease_of`, `waited`, `reservation_of`, `check_tier`: a
-  call's flags, timeouts, the lease or reservation (or its id) it names, and a tier's name.
+- `check_flag`, `check_timeout`, `ttl_field`, `lease_of`, `waited`, `reservation_of`,
+  `check_tier`: a call's flags, timeouts and ttls, the lease or reservation (or its id) it
+  names, and a tier's name.
 - `KeyTenant`: a request made in another process than the client's maker's is refused; and
   with an API key the key decides the tenant on the server, which reads no other, so a
   call's `tenant=` naming another tenant than the key's is refused, never ignored.
@@ -15,6 +16,7 @@ request the server answers for another value than the one given.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -88,6 +90,23 @@ def check_timeout(timeout_s: object, name: str = "timeout_s", optional: bool = T
             f"{name}: got {shown(timeout_s)}, expected {most}a finite number of seconds "
             f"{'>= 0' if optional else '> 0'}"
         )
+
+
+def ttl_field(ttl_s: object) -> float | None:
+    """A prefetch's or reserve's `ttl_s` as its request carries it (None: the server's
+    default), checked before anything is sent: `InvalidArgumentError` naming it unless it is
+    a number of seconds > 0 (not a bool), as `KVStore` refuses it (the server bounds it by
+    `policy.max_ttl_s`). Before, a `np.float32`, a tensor or an int past 2**64 raised msgpack's
+    raw `TypeError` / `OverflowError`, and a prefetch or reserve owed a give-back for a request
+    never sent (audit BJ)."""
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool) and 0 < ttl_s < math.inf:
+        with contextlib.suppress(OverflowError):  # an int past a float's range
+            return float(ttl_s)
+    raise InvalidArgumentError(
+        f"ttl_s: got {shown(ttl_s)}, expected None or a number of seconds > 0"
+    )
 
 
 TIERS = ("gpu", "host", "disk", "remote")

@@ -37,6 +37,7 @@ from kvtier.client.arguments import (
     check_options,
     check_timeout,
     check_tokens,
+    ttl_field,
     waited,
 )
 from kvtier.client.calls import Calls
@@ -324,8 +325,8 @@ class AsyncClient(AsyncSender, MappedView):
         """`reserve`, and the server instance of its reply."""
         with self._calls.call():
             request: dict[str, Any] = {"tokens": encode_tokens(check_tokens(tokens))}
-            if ttl_s is not None:
-                request["ttl_s"] = ttl_s
+            if (ttl := ttl_field(ttl_s)) is not None:  # checked before anything is sent
+                request["ttl_s"] = ttl
             deadline = time.monotonic() + self._timeout_s  # the call's (`owing.py`)
             token, body = await self._post_granting(
                 "reservation", "/v1/reserve", request, tenant, deadline

@@ -42,6 +42,7 @@ from kvtier.client.arguments import (
     check_timeout,
     check_tokens,
     lease_of,
+    ttl_field,
     waited,
 )
 from kvtier.client.calls import Calls
@@ -297,8 +298,8 @@ class Client(MappedView):
         """`reserve`, and the server instance of its reply."""
         with self._calls.call():
             request: dict[str, Any] = {"tokens": encode_tokens(check_tokens(tokens))}
-            if ttl_s is not None:
-                request["ttl_s"] = ttl_s
+            if (ttl := ttl_field(ttl_s)) is not None:  # checked before anything is sent
+                request["ttl_s"] = ttl
             deadline = time.monotonic() + self._timeout_s  # the call's (`owing.py`)
             token, body = self._send.granting(
                 "reservation", "/v1/reserve", request, tenant, deadline

@@ -59,14 +59,25 @@ async def read_frame_async(reader: asyncio.StreamReader, limit: int, call: str) 
 def read_frame(sock: socket.socket, limit: int, call: str, deadline: float) -> Any:
     """The next frame's decoded value, whole by `deadline` (monotonic; `TimeoutError` past
     it); `ReplyError` for one longer than `limit` (unread) or not msgpack; `OSError` (EOF
-    included) when the connection ends first."""
+    included) when the connection ends first. Its memory grows with the bytes that came
+    (`STEP_BYTES` ahead of them at most), as `read_frame_async`'s: before, the length alone
+    took that much zeroed memory at once, and a peer that named 1 GiB (`max_reply_bytes`)
+    and sent nothing more held 1 GiB of each call's until its `timeout_s` (audit BJ: 4
+    threads' lookups, 3 GiB)."""
     (length,) = frames.LENGTH.unpack(frames.read_exactly(sock, frames.LENGTH.size, deadline))
     if length > limit:
         raise reply_too_long(limit, call)
-    return decoded(frames.read_exactly(sock, length, deadline), call)
+    payload = bytearray()
+    while len(payload) < length:
+        payload += frames.read_exactly(sock, min(length - len(payload), STEP_BYTES), deadline)
+    return decoded(payload, call)
 
 
-def decoded(payload: bytes, call: str) -> Any:
+STEP_BYTES = 1 << 20
+"""The most `read_frame` reads ahead of what came (a lane's replies are KiBs)."""
+
+
+def decoded(payload: bytes | bytearray, call: str) -> Any:
     try:
         return flat.loads_reply(payload, wire.MSGPACK)  # in bounded memory
     except flat.Malformed as exc:
@@ -74,10 +85,15 @@ def decoded(payload: bytes, call: str) -> Any:
 
 
 def reply_of(reply: Any, call: str) -> tuple[int, bytes]:
+    """A decoded reply frame's `(status, body bytes)`, else `ReplyError`. A frame past
+    `flat.SMALL` (64 KiB) is decoded in place, its body bytes a `memoryview` of it: taken as
+    bytes too. Before, such a reply (a reservation or lease of some 20,000 slots, a prompt of
+    80,000 tokens of 4-token blocks) was "not [status, body bytes]": over the lane, a store or
+    load of a long prompt failed with a `ReplyError` where HTTP answered it (audit BJ)."""
     with contextlib.suppress(TypeError, ValueError):
         status, content = reply
-        if type(status) is int and 100 <= status <= 599 and isinstance(content, bytes):
-            return status, content
+        if type(status) is int and 100 <= status <= 599 and isinstance(content, bytes | memoryview):
+            return status, bytes(content)
     raise ReplyError(f"{call}: a reply frame that is not [status, body bytes]")
 
 

@@ -39,6 +39,7 @@ import torch
 
 from kvtier.blocks import Tokens, encode_tokens, from_blocks
 from kvtier.caller_kv import KVKind, check_memory
+from kvtier.client.arguments import ttl_field
 from kvtier.errors import ReplyError, shown
 from kvtier.results import StoreResult
 from kvtier.service import replies, wire
@@ -167,8 +168,8 @@ def prefetch_body(tokens: Tokens, ttl_s: float | None, wait: bool, as_load: bool
     the mapped pool and released: the server counts it as a load (a server before the field
     ignores it, as every unknown field, and counts a prefetch)."""
     body: dict[str, Any] = {"tokens": encode_tokens(tokens)}
-    if ttl_s is not None:
-        body["ttl_s"] = ttl_s
+    if (ttl := ttl_field(ttl_s)) is not None:  # checked before anything is sent
+        body["ttl_s"] = ttl
     if not wait:
         body["wait_s"] = 0.0
     if as_load:
