@@ -139,11 +139,10 @@ class KVStore:
         `start` (a multiple of `block_tokens`: a writer that holds only a tail) on, stored only
         if the blocks before `start` are cached. New blocks go to the fastest tier prefix
         closure allows (gpu, unless the prefix before them left it) and, under
-        `write_through`, to host too. If no tier can make room (everything evictable leased),
-        nothing is stored: counted dropped (room made for some only: the first ones). Below a
-        disk-only prefix they go to disk (in the background with a background mover). With a
-        background mover behind on disk writes, it first waits, at most `mover.store_wait_s`,
-        without the store's lock."""
+        `write_through`, to host too. No room (everything evictable leased): nothing stored,
+        counted dropped (room for some only: the first ones). Below a disk-only prefix they go
+        to disk (in the background with a background mover). With a background mover behind
+        on disk writes, it first waits, at most `mover.store_wait_s`, without the lock."""
         key = encode_tokens(tokens)
         first, blocks = store_blocks(self.layout, key, kv, start, kv_layout(layout), self.memory)
         self.mover.throttle(*_ahead(self, tenant, key, first))  # (without the lock)
