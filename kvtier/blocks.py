@@ -34,9 +34,8 @@ Tokens enter the hash as little-endian uint32 (`encode_tokens` above), so an id 
 token values, never on the dtype they arrived in. An id names the whole prefix up to its block: two
 blocks share an id only when everything before them is the same, under the same model geometry and
 the same tenant. `H` is BLAKE2b-128 by default (never Python's `hash()`), so ids are stable across
-processes and machines and safe as keys on disk and in events. The tenant salt is derived here from
-the tenant id and an optional server secret (a keyed BLAKE2b); callers never supply a salt of their
-own.
+processes and machines and safe as keys on disk and in events. The tenant salt is derived here
+from the tenant id and an optional server secret (a keyed BLAKE2b); callers never supply one.
 
 Ids that a client sees (leases, reservations) are random, so that they tell nothing: an id drawn
 from a shared counter counts the calls of every other client between two of one's own, and a small
@@ -153,12 +152,13 @@ def check_kv(layout: KVLayout, kv: object, num_tokens: int) -> None:
 
 
 def check_start(start: object, num_tokens: int, block_tokens: int) -> int:
-    """The first block a KV that begins at token `start` holds: `start` must be a multiple of
-    `block_tokens` in [0, num_tokens], else `InvalidArgumentError` naming it."""
+    """The first block a KV that begins at token `start` holds: `start` must be an int, a
+    multiple of `block_tokens` in [0, num_tokens], else `InvalidArgumentError` naming it."""
     if type(start) is not int or not 0 <= start <= num_tokens or start % block_tokens:
+        kind = "" if type(start) is int else f" ({type(start).__name__}, not int)"  # np.int64
         raise InvalidArgumentError(
-            f"start: got {shown(start)}, expected a multiple of block_tokens ({block_tokens}) "
-            f"in [0, {num_tokens}]"
+            f"start: got {shown(start)}{kind}, expected an int, a multiple of block_tokens "
+            f"({block_tokens}), in [0, {num_tokens}]"
         )
     return start // block_tokens
 
