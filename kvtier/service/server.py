@@ -85,7 +85,8 @@ def _check_remote_secrets(config: KVTierConfig) -> None:
 
 def bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to `host`:`port` (listening starts in uvicorn), as uvicorn binds
-    one; a port that cannot be bound (in use, not allowed) is a `ConfigError`."""
+    one; a port that cannot be bound (in use, not allowed) is a `ConfigError`, and so is a host
+    that names no address here (`[::1]`, bracketed, was blamed on the port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -93,6 +94,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
+        if isinstance(exc, socket.gaierror):
+            expected = f"an address of this machine, a name or an IP ({exc.strerror or exc})"
+            raise ConfigError("service.host", host, expected) from None
         raise ConfigError(
             "service.port", port, f"a port free to bind on {host} ({exc.strerror or exc})"
         ) from None
