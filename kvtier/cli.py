@@ -1,7 +1,7 @@
 """The `kvtier` command line.
 
     kvtier serve [--config FILE] [--host H] [--port P]   run the sidecar (service/server.py)
-    kvtier status [--url URL] [--key KEY] [--json]       a running sidecar's status, as a table
+    kvtier status [--url URL] [--key KEY] [--json] [--timeout S]   a sidecar's status, a table
     kvtier reset [--url URL] [--key KEY]   forget the key's tenant's cached KV (new weights
                                            under the same model.name); exit 1 unless all of it
     kvtier info [--config FILE] [--json]   build the store from a config and print its status
@@ -232,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--key", help="API key (default: $KVTIER_API_KEY)")
             if name == "status":
                 cmd.add_argument("--json", action="store_true", help="print the status as JSON")
+                cmd.add_argument("--timeout", type=float, default=10.0,
+                                 help="seconds for the whole reply (default: 10)")  # fmt: skip
         elif name == "info":
             cmd.add_argument("--config", help="YAML config (default: the embedded default)")
             cmd.add_argument("--json", action="store_true", help="print the status as JSON")

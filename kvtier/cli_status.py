@@ -45,7 +45,8 @@ def say_json(data: Any) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from kvtier.client import Client
 
-    with Client(args.url, api_key=args.key, shared_memory=False) as client:
+    # a server that trickles its reply holds the command `--timeout` (10 s), not the client's 120
+    with Client(args.url, api_key=args.key, shared_memory=False, timeout_s=args.timeout) as client:
         reply = client.status()
     if args.json:
         say_json(reply)
