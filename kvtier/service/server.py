@@ -28,6 +28,7 @@ the index's nodes stay collectable (a cleared subtree is a cycle of parents and 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -125,6 +126,21 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()  # handled: the graceful shutdown is done
 
 
+class _ForcedExitQuiet(logging.Filter):
+    """A second signal cancels the app's lifespan task, and uvicorn logs the CancelledError's
+    traceback (Starlette's `lifespan.shutdown.failed` message is the formatted traceback); the
+    forced exit is said in one line instead (`_forced_open`)."""
+
+    def __init__(self, server: uvicorn.Server) -> None:
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        cancelled = isinstance(error, asyncio.CancelledError) or "CancelledError" in str(record.msg)
+        return not (self.server.force_exit and cancelled)
+
+
 def serve(config: KVTierConfig, host: str | None = None, port: int | None = None) -> int:
     host = config.service.host if host is None else host
     port = config.service.port if port is None else port
@@ -151,7 +167,12 @@ def serve(config: KVTierConfig, host: str | None = None, port: int | None = None
             ws="none",
         )
     )
-    server.run(sockets=[listener])
+    quiet, errors = _ForcedExitQuiet(server), logging.getLogger("uvicorn.error")
+    errors.addFilter(quiet)
+    try:
+        server.run(sockets=[listener])
+    finally:
+        errors.removeFilter(quiet)
     return 1 if _forced_open(server, app.state.service) else 0
 
 
