@@ -165,7 +165,8 @@ class KVStore:
         `tier`'s pool buffer, then `commit` (or `abort`). Placement is `store`'s; nothing is
         visible before the commit. A reservation that cannot be placed (no room, or new blocks
         below a prefix that lives on disk or in a quantized host tier, which need `store`)
-        reserves nothing (`num_tokens` 0, id 0).
+        reserves nothing (`num_tokens` 0, id 0); room for some only: the first (`num_tokens`
+        says how many; the commit counts the rest dropped).
 
         The id is random (`blocks.py`). Before returning, a random canary word is planted in every
         4 KiB page of each slot to write (`canaries.py`): `commit` refuses slots that still hold
@@ -191,9 +192,8 @@ class KVStore:
             self.operations.expire()
             entry = self.reservations.take_written(reservation)
             result = self._writes.publish_reserved(entry)
-            self.operations.count(
-                entry.reservation.tenant, stores=1, stored_tokens=result.stored_tokens
-            )
+            done = {"stored_tokens": result.stored_tokens, "dropped_tokens": result.dropped_tokens}
+            self.operations.count(entry.reservation.tenant, stores=1, **done)
             return result
 
     def abort(self, reservation: Reservation | int) -> None:

@@ -210,11 +210,11 @@ class Writes:
                 self.state.count(tenant, stores=1)  # (a client's ends here, `client/pools.py`)
             return Reservation(0, tenant, match.num_blocks * bt, 0, "gpu", (), 0.0)
         tier, cached = min(slots), match.num_blocks * bt
-        new = len(slots[tier]) * bt  # fewer when room fell short (`place`): the first ones
-        key = key[: (match.num_blocks + len(slots[tier])) * self.index.key_nbytes]
+        new, short = len(slots[tier]) * bt, new_blocks - len(slots[tier])  # room fell short
+        key = key[: (match.num_blocks + len(slots[tier])) * self.index.key_nbytes]  # (`place`)
         name = self.state.pools[tier].name  # the id, 0 here, is drawn by the table
         reservation = Reservation(0, tenant, cached, new, name, tuple(slots[tier]), expires_at)
-        return self.reservations.open(reservation, namespace, key, pin.lease_id, slots)
+        return self.reservations.open(reservation, namespace, key, pin.lease_id, slots, short)
 
     def publish_reserved(self, entry: Reserved) -> StoreResult:
         """A committed reservation's blocks enter the index (module doc)."""
@@ -241,7 +241,7 @@ class Writes:
         new = {t: tier_slots[skip:] for t, tier_slots in slots.items() if t >= reach}
         kept = min(new) if new else tier
         count, late = self._keep_landed(new, {t: landed[t][skip:] for t in new}, kept)
-        dropped = max(0, len(slots[tier]) - skip) - count
+        dropped = max(0, len(slots[tier]) - skip) - count + entry.unreserved
         if count:
             end = self.index.insert(match, key[: (match.num_blocks + count) * kb], new).end
             for t, copies in late.items():  # the copies that landed, beside the kept ones
