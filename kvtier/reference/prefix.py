@@ -103,10 +103,10 @@ def open_prefix(cache: Cache, tokens: Sequence[int], *, tenant: str = "default")
     `ServiceError` from the sidecar)."""
     reusable = list(tokens[:-1])
     if isinstance(cache, Client) and cache.pool_buffer("gpu") is None:
-        loaded = cache.load(reusable, tenant=tenant)
-        if loaded.num_tokens == 0:
-            return None
-        return Prefix(loaded.kv.unsqueeze(0), [0], loaded.num_tokens, lambda: None)
+        return _loaded(cache, reusable, tenant)
+    # a client's pages are those of the server mapped when the lease came, and a restart between
+    # the lease and the pool (another thread re-mapping) would read the new server's slots
+    instance = cache.mapped_instance if isinstance(cache, Client) else None
     lease = cache.prefetch(reusable, tenant=tenant)
     if lease.num_tokens == 0:  # evicted (or found corrupt) since the lookup
         cache.release(lease)
@@ -114,5 +114,15 @@ def open_prefix(cache: Cache, tokens: Sequence[int], *, tenant: str = "default")
     if isinstance(cache, KVStore):
         return LeasedPrefix(cache, lease)
     pool = cache.pool_buffer("gpu")
-    assert pool is not None
+    if pool is None or cache.mapped_instance != instance:  # re-mapped meanwhile: not its pages
+        cache.release(lease)
+        return _loaded(cache, reusable, tenant)
     return Prefix(pool, lease.block_table, lease.num_tokens, lambda: cache.release(lease))
+
+
+def _loaded(cache: Client, tokens: list[int], tenant: str) -> Prefix | None:
+    """The cached prefix of `tokens` copied out (`load`), for a client without the pool mapped."""
+    loaded = cache.load(tokens, tenant=tenant)
+    if loaded.num_tokens == 0:
+        return None
+    return Prefix(loaded.kv.unsqueeze(0), [0], loaded.num_tokens, lambda: None)
