@@ -12,9 +12,11 @@ all the same: `/v1/release {request}` or `/v1/abort {request}` (`plane.py`).
                                              request was done), so the caller ends what it
                                              made at once
     withdraw(kind, tenant, token, tenants)   the id granted, forgotten; None: nothing granted
-      -> id | None                           (yet): the token is remembered as withdrawn, so
-                                             a request carrying it that arrives later grants
-                                             nothing that outlives it
+      -> id | None                           (yet); either way the token is remembered as
+                                             withdrawn, so a request carrying it that grants
+                                             later (a late one, or a prefetch's next attempt
+                                             after a FAILED lease) grants nothing that
+                                             outlives it
     check()                                  the invariants; `KVTierError` if one fails
 
 `tenants` is the configured ones (`store.namespaces.seeds`): a `tenant` not among them is an
@@ -88,10 +90,11 @@ class Grants:
         with self._lock:
             table = self._table(kind, tenant, tenants)
             held = table.pop(token, None)
-            if held is None or held == WITHDRAWN:
-                self._put(table, token, WITHDRAWN)
-                return None
-            return held
+            # a tombstone even after a grant: a prefetch tries again after a FAILED lease under
+            # the same token (`plane.py`), and its next lease, granted after this give-back,
+            # must end at once (before, it was granted and held its slots to its ttl)
+            self._put(table, token, WITHDRAWN)
+            return None if held == WITHDRAWN else held
 
     def size(self, kind: str, tenant: str) -> int:
         with self._lock:

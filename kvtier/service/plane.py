@@ -156,6 +156,16 @@ class Plane:
         check_start(start, len(tokens), layout.block_tokens)
         limit = min(self.config.max_body_bytes, (1 << 32) - 1)  # msgpack's longest bin
         most = limit // layout.block_bytes * layout.block_tokens
+        if not most and start < len(tokens):
+            # no reply holds a block (the config lets `max_body_bytes` be less than one): before,
+            # `tokens[:start]` was loaded, a 400 naming no fault (`start` 0) or a reply
+            # `truncated` at its own start, which a client takes for a broken server
+            raise wire.WireError(
+                413,
+                "body_too_large",
+                f"a block of {layout.block_bytes} bytes, more than a reply carries ({limit}: "
+                f"service.max_body_bytes, at most 2**32-1), and a load's reply is whole blocks",
+            )
         end = min(len(tokens), start + most)
         hold = budget.HOLD.get()
         if hold is not None:
