@@ -20,7 +20,9 @@
   nothing; or KV they cannot keep: a quantized host cannot keep a value past fp16's range,
   which the cluster holds plain) ends the fill, counted in `fill_refused`: so a fill reads at
   most one chunk more than the local tiers keep, whatever the prompt's length, and the
-  prefetch or load serves what was stored. Below a prefix that lives only on disk the blocks
+  prefetch or load serves what was stored. Blocks of the chunk that another call (a load of
+  the same prompt, a store) put in the index during the round trip are taken, not refused: the
+  fill goes on past them. Below a prefix that lives only on disk the blocks
   go in insert flights, which a background mover may land after the call: the first chunk
   taken (stored or pending) ends the fill (the next would extend blocks not in the index yet);
   one not taken whole is refused, counted, as above.
@@ -124,6 +126,7 @@ class RemoteLink:
         largest = max(1, FILL_CHUNK_BYTES // layout.block_bytes)
         pos, stop, step = local, local + run, min(self.tier.group_blocks, largest)
         served_any = refused = False
+        filled = 0  # blocks this fill stored (or left pending on disk)
         while pos < stop:
             count = min(step, stop - pos)
             out = torch.empty((count, *layout.block_shape), dtype=layout.dtype)
@@ -132,21 +135,26 @@ class RemoteLink:
             if good == 0:
                 break
             served_any = True
+            end, stored, held = pos + good, 0, 0
             try:
                 with self._lock:
-                    stored = self._store_blocks(
-                        namespace, tenant, key[: (pos + good) * kb], out[:good], pos
-                    )
+                    stored = self._store_blocks(namespace, tenant, key[: end * kb], out[:good], pos)
+                    if stored < good:  # the blocks a concurrent load or store put there count
+                        held = self.index.match(namespace, key[: end * kb]).num_blocks
             except InvalidKVError:  # the cluster's bytes, refused here: a miss, not the call's
-                stored, refused = 0, True
-            pos += stored
-            if stored < good:  # not taken whole: no room, or KV refused
+                refused = True
+            filled += stored
+            # blocks a concurrent load, prefetch or store of the prefix put in the index during
+            # the round trip are there, not refused: the fill goes on past them (it stopped,
+            # counted `fill_refused`, and the second of two loads of a prompt served its first
+            # chunk only)
+            pos = max(pos + stored, held)
+            if pos < end:  # not taken whole: no room, or KV refused
                 refused = True
                 break
             if good < count or below_disk:  # the verified run ends; or the blocks land later,
                 break  # on disk, and the next chunk cannot chain to them until they do
             step = min(2 * step, largest)
-        filled = pos - local
         self._count(
             fills=int(filled > 0),
             filled_blocks=filled,
