@@ -19,8 +19,8 @@ EVENTS = {"endpoint": "tcp://127.0.0.1:5557"}
     [
         ("service", "max_body_bytes", "2GiB", 2 << 30),
         ("service", "max_body_bytes", "1.5MiB", 3 << 19),
-        ("service", "max_body_bytes", 4096, 4096),
-        ("service", "max_body_bytes", "4096", 4096),
+        ("service", "max_body_bytes", 1048576, 1 << 20),  # (at least a block: 360 KiB here)
+        ("service", "max_body_bytes", "1048576", 1 << 20),
         ("service", "max_inflight_bytes", "16GiB", 16 << 30),
         ("events", "buffer_bytes", "128MiB", 128 << 20),
         ("events", "max_message_bytes", "1MB", 10**6),

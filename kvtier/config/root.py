@@ -92,6 +92,9 @@ class KVTierConfig(Section):
             if capacity.nbytes is not None and capacity.nbytes < block_bytes:
                 expected = f"at least one block ({format_size(block_bytes)})"
                 raise InvalidValue(capacity.to_config(), expected, key=f"tiers.{name}.capacity")
+        if self.service.max_body_bytes < block_bytes:  # no body could carry a block: every
+            expected = f"at least one block ({format_size(block_bytes)})"  # load refused 413
+            raise InvalidValue(self.service.max_body_bytes, expected, key="service.max_body_bytes")
         return self
 
     @model_validator(mode="after")
