@@ -28,6 +28,8 @@ from service_server import ADMIN_KEY, BT, Server, kv_of, running, tokens_of, wri
 import kvtier
 from kvtier.client import Client
 
+pytestmark = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+
 KEY_A = "tenant-a-key-0123456789"
 KEY_B = "tenant-b-key-9876543210"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}

@@ -33,6 +33,8 @@ from service_server import ADMIN_KEY, Server, running, write_config
 from kvtier.service import frames
 from kvtier.service.lane import MAX_CONNECTIONS
 
+pytestmark = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+
 KEY_A = "audit-u-tenant-a-key-0123456789"
 KEY_B = "audit-u-tenant-b-key-0123456789"
 TENANTS = {"a": {"api_keys": [KEY_A]}, "b": {"api_keys": [KEY_B]}}

@@ -29,6 +29,8 @@ from service_server import ADMIN_KEY, Server, running, write_config
 
 from kvtier.blocks import DTYPES
 
+pytestmark = pytest.mark.slow  # run by `.ci/run` (`pytest -m slow`), out of the default suite
+
 EXAMPLES = 40
 MAX_BODY = 64 * 1024
 HEADERS = {"authorization": f"Bearer {ADMIN_KEY}"}
