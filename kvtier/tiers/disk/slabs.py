@@ -362,18 +362,27 @@ def _check_owner(path: Path, info: os.stat_result, field: str) -> None:
 
 
 def _open_existing(path: Path, want: int, slot_bytes: int, faults: dict[str, int]) -> int:
-    """Slots of an existing slab: `want`, or what it holds when it cannot grow to that."""
-    have = os.stat(path, follow_symlinks=False).st_size // slot_bytes
-    if have >= want:
+    """Slots of an existing slab: `want`, or what it holds when it cannot grow to that. One
+    long enough but not wholly allocated (holes: restored by a sparse copy, `rsync -S`, or
+    `fallocate --dig-holes`) is allocated too: it was kept as it was, so on a filling disk
+    every write to a hole failed with ENOSPC, silently, while the tier reported its slots."""
+    info = os.stat(path, follow_symlinks=False)
+    have, size = info.st_size // slot_bytes, want * slot_bytes
+    if have >= want and info.st_blocks * 512 >= size:
         return want
-    try:
-        _reallocate(path, want * slot_bytes)  # truncated, or capacity grew
+    try:  # truncated, capacity grew, or holes: all `size` bytes allocated (`du` counts them,
+        # and a write to a slot past a cut neither fails nor lands outside the file)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
         return want
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # not for lack of room
             raise _unopenable(path, exc) from None
         faults["enospc"] += 1
-        return have
+        return min(have, want)
 
 
 def _create(path: Path, want: int, slot_bytes: int, direct: bool, faults: dict[str, int]) -> int:
@@ -388,13 +397,3 @@ def _create(path: Path, want: int, slot_bytes: int, direct: bool, faults: dict[s
             path.unlink(missing_ok=True)
             slots //= 2
     return 0
-
-
-def _reallocate(path: Path, size: int) -> None:
-    """Give a slab file that was cut short its `size` bytes again, allocated (`du` counts them,
-    and a write to a slot past the cut neither fails nor lands outside the file)."""
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
