@@ -15,7 +15,9 @@ Bounds: a message's decode is bounded (`batch_events`: `MAX_EVENTS`, `MAX_ARRAYS
 `MAX_MAPS`; past 20 MiB, as many entries as its bytes hold in kvtier's own wire, and a
 snapshot's events and arrays alike: `Bounds`), whatever the length the subscriber let through:
 a message past them is a `BadEvent` before it costs more than about 64 bytes an entry of
-`MAX_ITEMS`, or some 9 times its bytes (measured with `tracemalloc`; up to 8 MiB, as before).
+`MAX_ITEMS` (up to 20 MiB, as before), or past that some 9 times its bytes, 18 of one-
+character non-Latin strings (measured with `tracemalloc` and maxrss: a router sizes the
+snapshot client's `max_reply_bytes` for the pods it does not trust).
 Fixed bounds alone refused what kvtier sends: a sidecar's `GET /v1/blocks` is one batch per
 topic (a store of 70,000 one-block prompts: 70,000 events, 3.6 MB), so a router's resync
 refused it and forgot every block of the pod, at each resync; and a message of
