@@ -339,3 +339,17 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
     return bool(predicate())
+
+
+def salted_kv(store: KVStore, tokens: list[int], salt: float) -> torch.Tensor:
+    """KV whose every token's values name (salt, position, token): a wrong block shows."""
+    layout = store.layout
+    n = len(tokens)
+    shape = (layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim)
+    values = torch.tensor([salt + i * 10 + t for i, t in enumerate(tokens)], dtype=torch.float32)
+    return values.view(1, 1, n, 1, 1).expand(shape).contiguous().to(layout.dtype)
+
+
+def block_seq(first: int, num_blocks: int) -> list[int]:
+    """Tokens of `num_blocks` tiny blocks, block b all `first + b`."""
+    return [first + b for b in range(num_blocks) for _ in range(TINY_BLOCK_TOKENS)]

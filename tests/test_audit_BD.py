@@ -14,26 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, tiny_block_bytes
+from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, block_seq, salted_kv, tiny_block_bytes
 
 from kvtier.config import parse_config
 from kvtier.errors import QuotaError
 from kvtier.store import KVStore
 
 BT = TINY_BLOCK_TOKENS
-
-
-def kv(store: KVStore, tokens: list[int], salt: float) -> torch.Tensor:
-    """KV whose every token's values name (salt, position, token): a wrong block shows."""
-    layout = store.layout
-    n = len(tokens)
-    shape = (layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim)
-    values = torch.tensor([salt + i * 10 + t for i, t in enumerate(tokens)], dtype=torch.float32)
-    return values.view(1, 1, n, 1, 1).expand(shape).contiguous().to(layout.dtype)
-
-
-def seq(first: int, num_blocks: int) -> list[int]:
-    return [first + b for b in range(num_blocks) for _ in range(BT)]
+kv, seq = salted_kv, block_seq
 
 
 @pytest.fixture

@@ -15,42 +15,37 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, tiny_block_bytes
+from conftest import TINY_BLOCK_TOKENS, TINY_MODEL, block_seq, salted_kv, tiny_block_bytes
 
 from kvtier.blocks import to_blocks
 from kvtier.config import parse_config
 from kvtier.store import KVStore
 
 BT = TINY_BLOCK_TOKENS
+kv, seq = salted_kv, block_seq
 
 
-def kv(store: KVStore, tokens: list[int], salt: float) -> torch.Tensor:
-    layout = store.layout
-    n = len(tokens)
-    shape = (layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim)
-    values = torch.tensor([salt + i * 10 + t for i, t in enumerate(tokens)], dtype=torch.float32)
-    return values.view(1, 1, n, 1, 1).expand(shape).contiguous()
-
-
-def seq(first: int, num_blocks: int) -> list[int]:
-    return [first + b for b in range(num_blocks) for _ in range(BT)]
-
-
-def crowded() -> tuple[KVStore, list[int]]:
-    """gpu 4 slots and host 4, write_through, one tenant: an older prompt lives on host only
-    (2 blocks), a newer one on gpu with its host spares (2), leased there. Returns the older."""
+def write_through(gpu_blocks: int, host_blocks: int) -> KVStore:
+    """A store of the tiny layout: gpu and host tiers of these slots, write_through, no disk,
+    an inline mover (every call's moves done when it returns)."""
     bb = tiny_block_bytes()
     config: dict[str, Any] = {
         "model": {**TINY_MODEL, "dtype": "float32"},
         "block_tokens": BT,
         "tiers": {
-            "gpu": {"capacity": 4 * bb, "device": "cpu"},
-            "host": {"capacity": 4 * bb, "pinned": False},
+            "gpu": {"capacity": gpu_blocks * bb, "device": "cpu"},
+            "host": {"capacity": host_blocks * bb, "pinned": False},
         },
         "policy": {"write": "write_through"},
         "mover": {"background": False},
     }
-    store = KVStore(parse_config(config))
+    return KVStore(parse_config(config))
+
+
+def crowded() -> tuple[KVStore, list[int]]:
+    """gpu 4 slots and host 4, write_through, one tenant: an older prompt lives on host only
+    (2 blocks), a newer one on gpu with its host spares (2), leased there. Returns the older."""
+    store = write_through(gpu_blocks=4, host_blocks=4)
     theirs, mine = seq(100, 2), seq(200, 2)
     store.store(theirs, kv(store, theirs, 0.5))
     store.store(mine, kv(store, mine, 0.25))
@@ -102,18 +97,7 @@ def test_a_write_through_copy_short_of_host_room_drops_no_host_block() -> None:
     """gpu 5 and host 4, no disk: one host-only block and three host copies of gpu blocks. A
     2-block store has gpu room; its host copies would need 2 host slots, and the one victim a
     pass offers frees 1: before, that block was dropped and no copy made; now nothing moves."""
-    bb = tiny_block_bytes()
-    config: dict[str, Any] = {
-        "model": {**TINY_MODEL, "dtype": "float32"},
-        "block_tokens": BT,
-        "tiers": {
-            "gpu": {"capacity": 5 * bb, "device": "cpu"},
-            "host": {"capacity": 4 * bb, "pinned": False},
-        },
-        "policy": {"write": "write_through"},
-        "mover": {"background": False},
-    }
-    store = KVStore(parse_config(config))
+    store = write_through(gpu_blocks=5, host_blocks=4)
     older, newer, tokens = seq(100, 1), seq(200, 3), seq(300, 2)
     store.store(older, kv(store, older, 0.5))
     store.store(newer, kv(store, newer, 0.25))
