@@ -36,6 +36,8 @@ HOSTILE: list[tuple[Any, Any, str]] = [
     ([0], [False], "destination slot False is not an integer"),
     ([i + 0.5 for i in range(64)], list(range(64)), "source slot 0.5 is not an integer"),
     ([0.5, 3], [1, 2], "source slot 0.5 is not an integer"),
+    ([*range(63), True], list(range(64)), "source slot True is not an integer"),
+    (list(range(64)), [*range(1, 64), np.bool_(False)], "destination slot np.False_ is not"),
     (["1"], [0], "source slot '1' is not an integer"),
     ([0, None], [0, 1], "source slot None is not an integer"),
     (torch.tensor([[1]]), [0], r"source slot tensor\(\[1\]\) is not an integer"),

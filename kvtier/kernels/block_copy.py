@@ -38,7 +38,6 @@ block size and the scatter: `transfer/planner.py` measures them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 from collections.abc import Callable, Sequence
@@ -51,7 +50,7 @@ import torch
 
 from kvtier.errors import InvalidArgumentError
 from kvtier.kernels import staged
-from kvtier.kernels.slots import Run, check_counts, check_runs, check_slots, slot_number
+from kvtier.kernels.slots import Run, check_counts, check_runs, check_slots, int_arrays, slot_number
 
 BLOCK_COPY_CUDA = r"""
 template <typename T>
@@ -100,7 +99,7 @@ def contiguous_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     """(src_start, dst_start, length) runs where both sides advance by one slot together."""
     if len(src) and _one_run(src) and _one_run(dst) and len(src) == len(dst):
         return [(src[0], dst[0], len(src))]  # the common case: blocks stored together
-    if len(src) >= LONG and (arrays := _int_arrays(src, dst)) is not None:
+    if len(src) >= LONG and (arrays := int_arrays(src, dst)) is not None:
         froms, tos = arrays
         breaks = np.flatnonzero((np.diff(froms) != 1) | (np.diff(tos) != 1)) + 1
         starts = np.concatenate(([0], breaks))
@@ -130,23 +129,6 @@ def find_runs(src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[Run]:
             for slot in slots:
                 slot_number(slot, name)
         raise
-
-
-def _int_arrays(src: Sequence[int], dst: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Both slot lists as int64 arrays of one shape, or None for anything else: a list of
-    floats or bools, which `dtype=np.int64` truncated to other slots (`[0.5, 1.5]` was `[0,
-    1]`), is left to the loop, whose runs keep them for `check_runs` to refuse."""
-    with contextlib.suppress(TypeError, ValueError, OverflowError, RuntimeError):
-        froms, tos = np.asarray(src), np.asarray(dst)
-        if _fits_int64(froms) and _fits_int64(tos) and froms.shape == tos.shape:
-            return froms.astype(np.int64), tos.astype(np.int64)
-    return None
-
-
-def _fits_int64(array: np.ndarray) -> bool:
-    """1-D, of an integer dtype whose every value int64 holds (a uint64 may not: the loop)."""
-    kind, width = array.dtype.kind, array.dtype.itemsize
-    return array.ndim == 1 and (kind == "i" or (kind == "u" and width < 8))
 
 
 def _one_run(slots: Sequence[int]) -> bool:
