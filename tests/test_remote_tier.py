@@ -1,7 +1,8 @@
 """`RemoteTier` on a real Redis Cluster: blocks one node ("A") writes from KV tensors, another
 ("B", its own connection) finds and reads bit-exact; tenants and layouts never meet; a value
-whose payload does not decode, or names a codec this build lacks, is a counted miss and is
-deleted; a caller's mistake is a typed error before anything is sent.
+whose payload does not decode is a counted miss and is deleted, one that names a codec this
+build lacks a miss that stays (a newer node's, in a rolling upgrade); a caller's mistake is a
+typed error before anything is sent.
 
 Skipped without `redis-server`, unless KVTIER_REQUIRE_REDIS=1 (CI sets it)."""
 
@@ -109,9 +110,16 @@ def test_compressed_blocks_round_trip_and_a_payload_that_does_not_decode_is_drop
             (keys[1], encode_value(metas[1], "zstd", b"\0" * LAYOUT.block_bytes)),
         ]
     )
+    hits = b.stats()["hits"]
     assert b.read(seed, ids, 2, empty(2)) == [False, False]
-    assert b.stats()["verify_failures"] == 2
-    assert b.probe(seed, ids, 2) == 0  # both deleted
+    figures = b.stats()
+    assert figures["verify_failures"] == 1 and figures["hits"] == hits
+    assert "codec 'zstd', which this build lacks" in figures["last_error"]
+    assert b.cluster.present([keys[0]]) == 0  # the corrupt one deleted
+    assert b.cluster.present([keys[1]]) == 1  # was: deleted, a newer node's value
+    assert b.read(seed, ids, 3, empty(1)) == [False]
+    assert b.stats()["misses"] == figures["misses"] + 1
+    b.check()
 
 
 def test_quantized_values_decode_on_any_node_and_a_mis_scaled_one_is_dropped(

@@ -243,6 +243,11 @@ def codec_for(name: str, layout: KVLayout | None) -> Codec:
         raise CorruptPayload(f"codec {name!r} does not fit the layout: {e}") from e
 
 
+def known_codec(name: str) -> bool:
+    """Whether this build has a codec of `name` (a plain one, or a quantized codec's id)."""
+    return name in CODECS or QuantSpec.from_id(name) is not None
+
+
 @functools.lru_cache(maxsize=64)
 def _quantized(codec_id: str, layout: KVLayout) -> QuantBytes:
     spec = QuantSpec.from_id(codec_id)

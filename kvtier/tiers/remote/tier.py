@@ -19,10 +19,13 @@ Contract:
   is an `InvalidArgumentError` / `InvalidKVError` before anything is sent.
 - No token, tenant name or secret leaves the process: keys and values carry only ids
   (`entry.py`), which are keyed by the namespace seed.
-- Values carry their codec; a payload that does not decode (`CorruptPayload`) or names a codec
-  this build lacks is a miss, counted in `verify_failures` and `misses` (not in `hits`, which
-  the cluster counted when its checks passed), and deleted. A block a quantized
-  codec cannot keep (not finite) is stored plain.
+- Values carry their codec; a payload that does not decode (`CorruptPayload`) is a miss,
+  counted in `verify_failures` and `misses` (not in `hits`, which the cluster counted when its
+  checks passed), and deleted. A value that names a codec this build lacks is a miss too (in
+  `misses`, named in `last_error`) but stays: its checks passed, so a node of a newer release
+  wrote it, and in a rolling upgrade the older nodes would delete every such value as it came
+  (and the newer ones write it again); the older ones miss those blocks until upgraded. A
+  block a quantized codec cannot keep (not finite) is stored plain.
 - With `mac_key` (`entry.mac_key_of` the cluster secret), values carry MACs keyed by
   `entry.prefix_mac_key(mac_key, prefix)`: a value another prefix's nodes wrote (copied under
   this prefix's key) fails them, a verify failure, deleted.
@@ -41,7 +44,7 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.errors import InvalidArgumentError, InvalidKVError
-from kvtier.tiers.disk.codec import Codec, CorruptPayload, NoneCodec, codec_for
+from kvtier.tiers.disk.codec import Codec, CorruptPayload, NoneCodec, codec_for, known_codec
 from kvtier.tiers.remote.cluster import RemoteCluster
 from kvtier.tiers.remote.entry import (
     ValueMeta,
@@ -72,6 +75,7 @@ class RemoteTier:
         # values authenticated with the prefix's key of it (`entry`), else checksummed
         self.mac_key = None if mac_key is None else prefix_mac_key(mac_key, self.prefix)
         self._decode_failures = 0  # under `_lock`: the mover's threads read at once
+        self._unknown_codecs = 0  # values of a codec this build lacks (under `_lock`)
         self._hits_shown = 0  # the `hits` stats() last answered (under `_lock`): never less
         self._lock = threading.Lock()
 
@@ -122,6 +126,12 @@ class RemoteTier:
                 served.append(False)
                 continue
             name, payload = entry
+            if not known_codec(name):  # a newer node's: a miss here, kept (module doc)
+                with self._lock:
+                    self._unknown_codecs += 1
+                self.cluster.last_error = f"a value of codec {name!r}, which this build lacks"
+                served.append(False)
+                continue
             try:
                 codec = codec_for(name, self.layout)
                 raw = codec.decode(payload, self.layout.block_bytes, self.layout.itemsize)
@@ -140,11 +150,11 @@ class RemoteTier:
 
     def stats(self) -> dict[str, Any]:
         """The cluster's counters, with payloads that did not decode in `verify_failures`, and
-        as misses, not hits."""
+        they and values of codecs this build lacks as misses, not hits."""
         with self._lock:  # first: each one counted here was a hit of the cluster's already
-            failed = self._decode_failures
+            corrupt, failed = self._decode_failures, self._decode_failures + self._unknown_codecs
         figures = self.cluster.stats()
-        figures["verify_failures"] += failed
+        figures["verify_failures"] += corrupt
         figures["misses"] += failed
         # a get counts its hit before its payload fails to decode: a read between the two
         # counted it a hit, the next a miss, and `hits` went down (a counter reset to
@@ -155,7 +165,7 @@ class RemoteTier:
 
     def check(self) -> None:
         self.cluster.check()
-        assert self._decode_failures >= 0
+        assert self._decode_failures >= 0 and self._unknown_codecs >= 0
 
     # ---- inside -------------------------------------------------------------------------
 
