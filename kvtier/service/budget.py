@@ -16,8 +16,10 @@ first:
 Invariants (`check()`):
 - the bytes held by all holds are at most `total`, and a tenant's at most `share`:
   `max(total // tenants, max_body_bytes)`, so with two or more tenants one tenant's calls leave
-  the others at least `total - share` (and the largest call, a body or a load's reply of
-  `max_body_bytes`, always fits an idle budget: `total` is at least that, by the config);
+  the others at least `total - share` (and the largest body, or a load's reply of
+  `max_body_bytes`, always fits an idle budget: `total` is at least that, by the config). A
+  call holds at most `largest()` in all: a load's reply beside its body must fit in what is
+  left of it (`Hold.room`), and a take past it is 413, never a wait that cannot end;
 - a call waits without a thread and without its body (`take` comes before the read), up to its
   deadline (`service.body_timeout_s`), then is refused 503 `busy`: it held nothing, read nothing,
   stored nothing.
@@ -240,8 +242,25 @@ class Hold:
         self.budget, self.tenant, self.own, self.nbytes = budget, tenant, own, 0
 
     async def take(self, nbytes: int, deadline: float) -> None:
+        """Hold `nbytes` more (module doc). A call holds at most `largest()` in all: past it
+        (a load's reply of `max_body_bytes` beside its body, where a tenant's share is
+        `max_body_bytes`: four tenants and more on the defaults) it could never be granted,
+        and waited out its deadline on an idle server to be refused 503 `busy`, which a
+        client retries; now 413 at once, naming the bound (`room` is what still fits)."""
+        if self.nbytes and self.nbytes + nbytes > self.budget.largest():
+            raise WireError(
+                413, "body_too_large",
+                f"the call needs {nbytes} bytes in flight beside the {self.nbytes} it holds, "
+                f"more than one call may hold ({self.budget.largest()}: "
+                "service.max_inflight_bytes and the tenants' shares)",
+            )  # fmt: skip
         await self.budget._take(self.tenant, nbytes, deadline, self.own, self.nbytes > 0)
         self.nbytes += nbytes
+
+    def room(self) -> int:
+        """The most this call may still take: what one call may hold, less what it holds (a
+        load's reply beside its body: `plane.load` asks no more)."""
+        return max(0, self.budget.largest() - self.nbytes)
 
     def shrink(self, nbytes: int) -> None:
         """Hold `nbytes` in all from now (no more than held)."""

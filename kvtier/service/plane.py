@@ -149,12 +149,16 @@ class Plane:
         blocks; `truncated` when the prefix may go on past them: ask again from `num_tokens`).
         The reply's KV (sent from where it is gathered: `wire.encode_parts`) is held in the
         call's budget (`budget.py`) for as many tokens as were asked before a byte of it is
-        gathered."""
+        gathered, and is no more than the call may hold beside its body (`Hold.room`: where a
+        tenant's share is `max_body_bytes`, a reply of it never fit, 503 `busy` after a wait)."""
         tokens = wire.tokens_field(data, self.config.max_tokens)
         start = wire.int_field(data, "start") if "start" in data else 0
         layout = store.layout
         check_start(start, len(tokens), layout.block_tokens)
         limit = min(self.config.max_body_bytes, (1 << 32) - 1)  # msgpack's longest bin
+        hold = budget.HOLD.get()
+        if hold is not None:  # beside its body: what one call may hold (`Hold.room`)
+            limit = min(limit, hold.room())
         most = limit // layout.block_bytes * layout.block_tokens
         if not most and start < len(tokens):
             # no reply holds a block (the config lets `max_body_bytes` be less than one): before,
@@ -167,7 +171,6 @@ class Plane:
                 f"service.max_body_bytes, at most 2**32-1), and a load's reply is whole blocks",
             )
         end = min(len(tokens), start + most)
-        hold = budget.HOLD.get()
         if hold is not None:
             charge = (end - start) // layout.block_tokens * layout.block_bytes
             await hold.take(charge, time.monotonic() + self.config.body_timeout_s)
