@@ -162,8 +162,9 @@ class Parts:
         self.recovery = (
             recover(state.disk, index, self.namespaces) if state.disk is not None else {}
         )
-        self.reservations = ReservationTable(
-            [state.gpu, state.host], index.leases, clock, config.policy.reservation_quarantine_s
+        quarantine_s = config.policy.reservation_quarantine_s  # reserved slots off the floors:
+        self.reservations = ReservationTable(  # no tenant pins a tier (`residency.py`)
+            [state.gpu, state.host], index.leases, clock, quarantine_s, index.residency
         )
         tiers = [t for t in (config.tiers.gpu, config.tiers.host) if t is not None]
         settings = MoverSettings(

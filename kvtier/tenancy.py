@@ -66,6 +66,7 @@ from kvtier.errors import (
     shown,
 )
 from kvtier.index import BlockRef, LeaseId, LeaseTable, RadixIndex, push_expiry
+from kvtier.index.residency import Residency
 from kvtier.results import Reservation
 from kvtier.tiers.disk import BlockMeta
 from kvtier.tiers.pool import SlotPool
@@ -136,6 +137,7 @@ class _Quarantined:
 
     free_at: float
     tenant: str
+    namespace: BlockId
     slots: dict[int, list[int]]
 
 
@@ -146,11 +148,15 @@ class ReservationTable:
         leases: LeaseTable,
         clock: Callable[[], float],
         quarantine_s: float,
+        residency: Residency | None = None,
     ) -> None:
         """Reservations over the memory tiers `memory` (gpu, host), pinned in `leases`, timed
-        by `clock`; expired slots stay quarantined `quarantine_s` seconds. Not thread-safe: the
-        store's lock serialises calls."""
+        by `clock`; expired slots stay quarantined `quarantine_s` seconds. The slots a
+        namespace's reservations hold (live or quarantined) are told to `residency`, whose
+        floors they come off (`Residency.hold`). Not thread-safe: the store's lock serialises
+        calls."""
         self._memory = memory
+        self._residency = residency
         self._leases = leases
         self._clock = clock
         self.quarantine_s = quarantine_s
@@ -180,6 +186,7 @@ class ReservationTable:
         canaries = Canaries(self._memory[tier], slots[tier])
         rid = reservation.reservation_id
         self._live[rid] = Reserved(reservation, namespace, key, pin, slots, canaries, unreserved)
+        self._hold(namespace, slots, 1)
         push_expiry(self._expiry, reservation.expires_at, rid, self._live, len(self._live))
         return reservation
 
@@ -210,6 +217,7 @@ class ReservationTable:
                 f"the mapped pool, then commit (or abort); a client that does not map the pools "
                 f"sends its KV in the body (store)"
             )
+        self._hold(entry.namespace, entry.slots, -1)  # the commit publishes or frees them
         return self._end(entry)
 
     def abort(self, reservation: Reservation | int) -> None:
@@ -218,7 +226,9 @@ class ReservationTable:
         reserved on any failure got `LeaseError`)."""
         rid = reservation.reservation_id if isinstance(reservation, Reservation) else reservation
         if type(rid) is not int or rid:
-            self._free(self._end(self.get(reservation)).slots)
+            entry = self._end(self.get(reservation))
+            self._hold(entry.namespace, entry.slots, -1)
+            self._free(entry.slots)
 
     def expire(self) -> int:
         """Quarantine the reservations whose time is up (pins released, slots kept) and free
@@ -227,7 +237,9 @@ class ReservationTable:
             return 0
         now = self._clock()
         while self._quarantine and self._quarantine[0].free_at <= now:
-            self._free(self._quarantine.popleft().slots)
+            held = self._quarantine.popleft()
+            self._hold(held.namespace, held.slots, -1)
+            self._free(held.slots)
         expired = 0
         while self._expiry and self._expiry[0][0] <= now:
             expires_at, rid = heapq.heappop(self._expiry)
@@ -250,7 +262,8 @@ class ReservationTable:
         del self._live[entry.reservation.reservation_id]
         self._leases.release(entry.pin)
         if now is not None:
-            held = _Quarantined(now + self.quarantine_s, entry.reservation.tenant, entry.slots)
+            tenant = entry.reservation.tenant
+            held = _Quarantined(now + self.quarantine_s, tenant, entry.namespace, entry.slots)
             self._quarantine.append(held)
         return entry
 
@@ -284,6 +297,8 @@ class ReservationTable:
         seen: set[tuple[int, int]] = set()
         holders = [(f"reservation {rid}", e.slots) for rid, e in self._live.items()]
         holders += [(f"quarantine until {q.free_at}", q.slots) for q in self._quarantine]
+        holders_by_namespace = [(e.namespace, e.slots) for e in self._live.values()]
+        holders_by_namespace += [(q.namespace, q.slots) for q in self._quarantine]
         for name, slots in holders:
             for tier, tier_slots in slots.items():
                 pool = self._memory[tier]
@@ -297,6 +312,23 @@ class ReservationTable:
         for rid, entry in self._live.items():
             if entry.pin not in self._leases:
                 raise InvariantError(f"reservation {rid}: its pin {entry.pin} is not a lease")
+        if self._residency is not None:  # what `hold` told it, against the slots held
+            counted: dict[tuple[bytes, int], int] = {}
+            for namespace, slots in holders_by_namespace:
+                for tier, tier_slots in slots.items():
+                    key = (bytes(namespace), tier)
+                    counted[key] = counted.get(key, 0) + len(tier_slots)
+            told = {(namespace, tier): count for namespace, row in self._residency.held().items()
+                    for tier, count in enumerate(row) if count}  # fmt: skip
+            if told != {key: count for key, count in counted.items() if count}:
+                raise InvariantError(f"reserved slots told to the floors {told} != held {counted}")
+
+    def _hold(self, namespace: BlockId, slots: dict[int, list[int]], sign: int) -> None:
+        """Tell the floors (`Residency.hold`) of `slots` held (sign 1) or not (-1) any more."""
+        if self._residency is not None:
+            for tier, tier_slots in slots.items():
+                if tier_slots:
+                    self._residency.hold(bytes(namespace), tier, sign * len(tier_slots))
 
     def _free(self, slots: dict[int, list[int]]) -> None:
         for tier, tier_slots in slots.items():

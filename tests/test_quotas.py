@@ -260,6 +260,39 @@ def test_a_prefetch_does_not_demote_another_tenant_below_its_floor(
     store.check()
 
 
+def test_a_tenants_reservations_come_off_its_floor_so_it_cannot_pin_a_tier(
+    make_shared: MakeShared,
+) -> None:
+    """b caches its floor's worth of gpu blocks, then reserves its quota's worth: with the
+    default split that was the whole gpu tier, and a's stores went to host and its prefetches
+    failed (DESIGN invariant 9). Now b's reserved slots count toward its floor: its cached
+    blocks above what is left of it give way to a, and come back under it when the
+    reservations end."""
+    store = make_shared()  # gpu: 8 slots, floor and quota 4 each
+    kv_b = kv_for(store, 4 * BT, seed=2)
+    store.store(seq(0, 4), kv_b, tenant="b")
+    held = [store.reserve(seq(100 + 10 * i, 2), tenant="b", ttl_s=600) for i in range(2)]
+    assert [r.tier for r in held] == ["gpu", "gpu"]  # b: 4 cached + 4 reserved = the tier
+    store.check()
+    kv_a = kv_for(store, 3 * BT, seed=3)
+    assert store.store(seq(500, 3), kv_a, tenant="a").stored_tokens == 3 * BT
+    assert store.lookup(seq(500, 3), tenant="a") == hit(gpu=3)  # was: host=3
+    lease = store.prefetch(seq(500, 3), tenant="a")  # was: CapacityError, no gpu room
+    assert lease.ready()
+    store.release(lease)
+    assert store.lookup(seq(0, 4), tenant="b") == hit(gpu=1, host=3)  # its LRU blocks gave way
+    assert bits(store.load(seq(0, 4), tenant="b").kv).equal(bits(kv_b))
+    store.check()
+    for reservation in held:  # ended: b's floor is its cached blocks' again
+        store.abort(reservation)
+    store.check()
+    store.store(seq(700, 1), kv_for(store, BT), tenant="a")  # room from a's own, not b's
+    assert store.lookup(seq(0, 4), tenant="b") == hit(gpu=1, host=3)
+    store.prefetch(seq(0, 4), tenant="b")  # b up to its floor: a's blocks above its floor go
+    assert store.lookup(seq(0, 4), tenant="b") == hit(gpu=4)
+    store.check()
+
+
 def test_watermark_demotion_takes_only_what_is_above_floors(make_shared: MakeShared) -> None:
     store = make_shared(gpu_watermarks=(0.5, 0.25), background=True)
     store.store(seq(0, 2), kv_for(store, 2 * BT), tenant="a")

@@ -258,17 +258,18 @@ def test_leases_and_reservations_ended_early_leave_no_memory_behind() -> None:
 def test_a_prefetch_refused_for_room_tells_nothing_of_another_tenants_use() -> None:
     """a's prefetch that cannot get gpu room named how many gpu slots could be freed: a figure
     that moved with b's reservations (b at its floor in blocks, plus reserved slots). Now a's
-    refusal reads the same whatever b holds."""
+    refusal reads the same whatever b holds. (b's blocks are leased: since a tenant's
+    reservations come off its floor, b's cached blocks past the floor left would give way.)"""
     config = parse_config(
         {
             "model": MODEL,
             "block_tokens": BT,
-            "tiers": {  # each tenant: a quota of 4 gpu blocks; b a floor of 4, a none
+            "tiers": {  # a: a quota of 4 gpu blocks, no floor; b: a floor of 4, any gpu quota
                 "gpu": {"capacity": 8 * BLOCK_BYTES, "device": "cpu"},
                 "host": {"capacity": 16 * BLOCK_BYTES, "pinned": False},
             },
             "mover": {"background": False},
-            "tenants": {"a": {"floor": {"gpu": "1B"}}, "b": {}},
+            "tenants": {"a": {"floor": {"gpu": "1B"}}, "b": {"quota": {"gpu": 1.0}}},
         }
     )
     refusals = []
@@ -278,6 +279,7 @@ def test_a_prefetch_refused_for_room_tells_nothing_of_another_tenants_use() -> N
             store.store(prefix, kv_of(2 * BT, seed=4), tenant="a")
             assert store.evict("gpu", 8) == 2  # the operator's: a's prefix is on host only
             store.store(tokens_of(500, 4 * BT), kv_of(4 * BT, seed=5), tenant="b")  # b's floor
+            assert store.prefetch(tokens_of(500, 4 * BT), tenant="b").ready()  # locked
             reservation = store.reserve(tokens_of(900, b_reserves * BT), tenant="b")
             assert (reservation.tier, len(reservation.slots)) == ("gpu", b_reserves)
             with pytest.raises(CapacityError) as refused:

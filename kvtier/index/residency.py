@@ -23,6 +23,14 @@ the namespaces over their floor (`over`: a pass starts from them and the owner, 
 namespace). Before, each make-room summed over every tenant and each pass ranked every one:
 with 2,000 tenants, tiny KV and evictions on each call, `store()` p50 1.23 ms, now 0.28
 (100 tenants: 0.243 -> 0.188; one: 0.09 either way).
+
+A floor counts what a namespace holds in the tier outside the index too: the slots its
+reservations hold (live, and in quarantine: `hold`, which the reservation table calls) come off
+the floor its cached copies get (`floors` is the floor left, never below 0; `set_floors` the
+configured one). Before, a floor protected cached copies only while a quota bounded reserved
+slots only, so with the default split (floor = quota = slots / n) a tenant held its floor's
+worth of cached copies and its quota's worth of reservations: with two tenants, the whole tier,
+and the other's prefetches and stores found no room (DESIGN invariant 9: no tenant pins a tier).
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ class Residency:
         self._resident = [0] * num_tiers
         self._ns_resident: dict[bytes, list[int]] = {}  # namespace -> copies per tier
         self._only = [0] * num_tiers  # blocks by the tier of their slowest copy
-        self.floors: dict[bytes, tuple[int, ...]] = {}  # namespace -> floor per tier
+        self.floors: dict[bytes, tuple[int, ...]] = {}  # namespace -> floor left per tier
+        self._configured: dict[bytes, tuple[int, ...]] = {}  # (`set_floors`)
+        self._held: dict[bytes, list[int]] = {}  # namespace -> reserved slots per tier (`hold`)
         self._above = [0] * num_tiers  # with floors: copies above them, summed (`above`)
         self._over: list[set[bytes]] = [set() for _ in range(num_tiers)]  # (`over`)
 
@@ -113,10 +123,45 @@ class Residency:
         return cut
 
     def set_floors(self, floors: dict[bytes, tuple[int, ...]]) -> None:
-        """Each namespace's floor per tier, in blocks (absent: 0). Empty: plain LRU."""
-        self.floors = dict(floors)
+        """Each namespace's floor per tier, in blocks (absent: 0). Empty: plain LRU. What its
+        reservations hold comes off it (`hold`)."""
+        self._configured = dict(floors)
+        self.floors = {namespace: self._floor_left(namespace) for namespace in floors}
         self._above = [self.above(tier, recount=True) for tier in range(self._num_tiers)]
         self._over = [self.over(tier, recount=True) for tier in range(self._num_tiers)]
+
+    def hold(self, namespace: bytes, tier: int, delta: int) -> None:
+        """`delta` slots of `tier` held for `namespace` outside the index (a reservation's,
+        live or quarantined; negative: freed or published): its floor there moves the other
+        way (module doc). O(1)."""
+        held = self._held.get(namespace)
+        if held is None:
+            held = self._held[namespace] = [0] * self._num_tiers
+        held[tier] += delta
+        assert held[tier] >= 0, f"namespace {namespace.hex()}: {held[tier]} held in tier {tier}"
+        if not any(held):
+            del self._held[namespace]
+        if namespace not in self._configured:
+            return
+        before = self.floors[namespace][tier]
+        self.floors[namespace] = floor = self._floor_left(namespace)
+        now, resident = floor[tier], self.resident_in(namespace, tier)
+        self._above[tier] += max(0, resident - now) - max(0, resident - before)
+        if (resident > now) != (resident > before):
+            if resident > now:
+                self._over[tier].add(namespace)
+            else:
+                self._over[tier].discard(namespace)
+
+    def held(self) -> dict[bytes, tuple[int, ...]]:
+        """The slots per tier each namespace's reservations hold (`hold`), as told."""
+        return {namespace: tuple(held) for namespace, held in self._held.items()}
+
+    def _floor_left(self, namespace: bytes) -> tuple[int, ...]:
+        configured, held = self._configured[namespace], self._held.get(namespace)
+        if held is None:
+            return configured
+        return tuple(max(0, floor - h) for floor, h in zip(configured, held, strict=True))
 
     def over(self, tier: int, recount: bool = False) -> set[bytes]:
         """With floors: the namespaces holding more copies in `tier` than their floor (absent:
