@@ -105,10 +105,7 @@ class Operations:
         the others (released or expired meanwhile, sent twice after a failed request, another
         tenant's: never told apart). How many were released. `InvalidArgumentError`, and
         nothing released, unless `lease_ids` is a list or tuple of ints."""
-        if not isinstance(lease_ids, (list, tuple)) or any(type(r) is not int for r in lease_ids):
-            raise InvalidArgumentError(
-                f"release: got {shown(lease_ids)}, expected lease ids (ints)"
-            )
+        check_release(lease_ids)
         with self.lock:
             self.ensure_open()
             self.expire()
@@ -379,6 +376,12 @@ def _check(parts: Parts) -> None:
                 f"lease {lease.lease_id} ({lease.state.value}): block table "
                 f"{lease.block_table} but gpu slots (or slots in flight) are now {now}"
             )
+
+
+def check_release(lease_ids: object) -> None:
+    """`InvalidArgumentError` unless `lease_ids` is a list or tuple of ints (lease ids)."""
+    if not isinstance(lease_ids, (list, tuple)) or any(type(r) is not int for r in lease_ids):
+        raise InvalidArgumentError(f"release: got {shown(lease_ids)}, expected lease ids (ints)")
 
 
 def _check_slots_allocated(parts: Parts) -> None:

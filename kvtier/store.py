@@ -57,7 +57,7 @@ from kvtier.caller_kv import Destination, KVKind, kv_layout, pool_buffers, store
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import InvalidArgumentError, LeaseError, shown
 from kvtier.index import LeaseId
-from kvtier.operations import Operations
+from kvtier.operations import Operations, check_release
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.tiers.base import GPU
 from kvtier.transfer.persist import Persisted, persisted
@@ -175,7 +175,7 @@ class KVStore:
         `policy.reservation_quarantine_s`, so that a late writer writes where no one reads
         (`tenancy.py`). `release`: as `prefetch`'s."""
         key, ttl = encode_tokens(tokens), ttl_of(self.config.policy, ttl_s)
-        self.mover.throttle(*_ahead(self, tenant, key, reserver=tenant))  # as a store does
+        self.mover.throttle(*_ahead(self, tenant, key, reserver=tenant, release=release))
         with self._lock:
             namespace = self.operations.namespace(tenant)
             self.operations.release_done(release, tenant)
@@ -369,14 +369,15 @@ class KVStore:
         self.close()
 
 
-def _ahead(
-    store: KVStore, tenant: str, key: bytes, first: int = 0, reserver: str | None = None
-) -> tuple[int, Callable[[], int]]:
+def _ahead(store: KVStore, tenant: str, key: bytes, first: int = 0, reserver: str | None = None,
+           release: Sequence[int] = ()) -> tuple[int, Callable[[], int]]:  # fmt: skip
     """What `Mover.throttle` needs of a store or reservation (`reserver`'s) of `key` (from block
     `first` on): at most how many new blocks it brings, and the planning, under the cache's
     lock, of their room in the tier above disk (`Writes.make_room_ahead`). `ClosedError` in
-    another process than the store's, before the throttle takes the lock (`home.py`)."""
+    another process than the store's, and a bad `release` (a reservation's), refused before the
+    throttle writes anything down (a refused reserve moved host blocks to disk, audit BN)."""
     store._lock.ensure_home()
+    check_release(release)
     most = len(key) // TOKEN_NBYTES // store.block_tokens - first
     return most, lambda: store._writes.make_room_ahead(
         store.operations.namespace(tenant), key, first, reserver

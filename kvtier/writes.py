@@ -19,7 +19,8 @@ Contract:
   invariant 1: the index learns of them once written; a copy that fails, with any error,
   frees the slots it took and raises it: nothing stored). The match is pinned only while room is
   made (`take_free` moves nothing, so it needs no pin). Below a prefix that lives only on disk
-  they take the one disk route, an insert flight (`transfer/background.py`): landed before the
+  they take the one disk route, an insert flight (`transfer/background.py`; where its room
+  fell short, the first blocks take the slots it freed, `disk_route.py`): landed before the
   call returns with an inline mover, pending behind it with a background one. Either way the
   blocks a store takes go to the remote tier too (unless they came from it, `share`).
 - `publish_reserved`: a committed reservation's blocks enter the index (under write_through
@@ -48,6 +49,7 @@ from collections.abc import Iterator
 import torch
 
 from kvtier.blocks import BlockId
+from kvtier.disk_route import insert_on_disk, stage_ahead
 from kvtier.errors import QuotaError
 from kvtier.index import Match
 from kvtier.index.node import Node, block_hits
@@ -153,7 +155,7 @@ class Writes:
                 self.index.leases.release(pin.lease_id)
         blocks = blocks[match.num_blocks - first : match.num_blocks - first + new_blocks]
         if slots is None and self._tail_on_disk(match):
-            taken, landed = self.mover.insert_on_disk(match, key, blocks, namespace, tenant)
+            taken, landed = insert_on_disk(self, match, key, blocks, namespace, tenant)
             if share and taken and self.remote is not None:  # stored: shared as any store's
                 self.remote.after_store_key(namespace, key, match.num_blocks, blocks[:taken])
             pending = taken - landed if self.mover.background else 0
@@ -328,13 +330,13 @@ class Writes:
         nothing evicts nothing), or when the reservation would be refused for quota (it changes
         nothing). At most the tier's slots: blocks placed on gpu reach host only as its copies
         or demotions. Below a disk-only prefix, the host slots `insert_on_disk` stages them in
-        (`_stage_ahead`)."""
+        (`disk_route.stage_ahead`)."""
         match = self.index.match(namespace, key)
         new_blocks = len(key) // self.index.key_nbytes - match.num_blocks
         if new_blocks <= 0 or match.num_blocks < first:
             return 0
         if self._tail_on_disk(match):  # a reservation places nothing there
-            return 0 if reserver is not None else _stage_ahead(self, match, new_blocks, namespace)
+            return 0 if reserver is not None else stage_ahead(self, match, new_blocks, namespace)
         if reserver is not None:  # its prefix pin, as `reserve` checks it
             locking = self.index.leases.unheld_blocks(match.end)
             holding = self.holding(reserver, namespace, GPU)
@@ -380,21 +382,3 @@ def _take(
     if copy and host_copy_room(writes.demoter, count, owner):
         slots[HOST] = state.pools[HOST].allocate(count)
     return slots
-
-
-def _stage_ahead(writes: Writes, match: Match, count: int, namespace: BlockId) -> int:
-    """`Writes.make_room_ahead` for `count` new blocks below the disk-only prefix `match`: the
-    host slots `insert_on_disk` stages them in, whose room it makes by dropping unwritten host
-    leaves, written down ahead (before, a 2-block tail dropped 2 blocks with an idle disk), only
-    when the insert will take place (room for them in host and disk); the prefix pinned on disk
-    meanwhile, as the insert pins it. Returns as `make_room_ahead`."""
-    owner, work, leases = bytes(namespace), writes.mover.work, writes.index.leases
-    if not all(writes.demoter.can_make_room(t, count, owner) for t in (HOST, DISK)):
-        return 0
-    need = min(count, writes.state.host.num_slots)
-    pin = leases.acquire(match.end, (DISK,), math.inf, 0, resident=False)
-    try:
-        work.make_room_ahead(need, owner)
-    finally:
-        leases.release(pin.lease_id)
-    return 0 if work.has_room(need, owner) else need
