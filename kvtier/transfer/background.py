@@ -96,7 +96,7 @@ class Background:
         self.background = settings.background  # watermark work, staged and late-counted inserts
         self._pending_free = [0] * len(self.pools)  # slots demotion flights will free
         self._leaving: dict[tuple[int, bytes], int] = {}  # the same, per (tier, namespace)
-        self._demoting = [0] * len(self.pools)  # demotion flights in flight per source tier
+        self.demoting = [0] * len(self.pools)  # demotion flights in flight per source tier
         self._copy_only: set[int] = set()  # ids of those planned to free nothing (`ahead`)
         self._inserting = 0  # insert flights in flight
         self.stats = dict.fromkeys(("demote_flights", "insert_flights", "failed_blocks"), 0)
@@ -108,42 +108,38 @@ class Background:
         return self.pools[tier].num_used - self._pending_free[tier]
 
     def behind(self) -> bool:
-        """Whether the tier above disk holds more unwritten blocks than its high watermark
-        allows while they are written down (module doc); False without a background mover or
-        a disk tier, and while no flight is in the air and the disk backs off after refused
-        writes (waiting would not help)."""
+        """Whether the tier above disk holds more unwritten blocks than its high watermark allows
+        while they are written down (module doc); False without a background mover or disk, and
+        while no flight is in the air and the disk backs off after refusals (waiting won't help)."""
         disk = self.state.disk
         if not self.background or disk is None:
             return False
         tier = DISK - 1
-        if not self._demoting[tier] and not self._inserting and not disk.accepting_writes():
+        if not self.demoting[tier] and not self._inserting and not disk.accepting_writes():
             return False
         unwritten = self.index.residency.only_in(tier) + self.flights.reserved(tier)
         return unwritten > self.watermarks[tier][0] * self.pools[tier].num_slots
 
     def has_room(self, need: int, owner: bytes | None = None) -> bool:
         """Whether the tier above disk can take `need` new blocks for `owner` (None: any) now
-        without dropping one not written down: its free slots and its victims for `owner` that
-        have a disk copy, which room-making clears first (`clean.clean_victims`). True without
-        a background mover or disk."""
+        without dropping one not written down: its free slots and its victims for `owner` with a
+        disk copy, cleared first (`clean.clean_victims`). True without a background mover/disk."""
         if not need or not self.background or self.state.disk is None:
             return True
         return has_clean_room(self.index, self.pools[DISK - 1], DISK - 1, need, owner)
 
     def short(self, lacking: int) -> bool:
-        """Whether a call whose room the tier above disk still lacks for `lacking` of its new
-        blocks (`Writes.make_room_ahead`) should wait: write-downs are in the air, or flights
-        hold slots of that tier (gpu demotions landing there: once they land, their blocks
-        can be written down; before, a store went ahead and dropped them)."""
+        """Whether a call whose room the tier above disk lacks for `lacking` of its new blocks
+        (`Writes.make_room_ahead`) should wait: write-downs are in the air, or flights hold its
+        slots (gpu demotions: once landed, written down; before, a store dropped them)."""
         tier = DISK - 1
-        return lacking > 0 and (self._demoting[tier] > 0 or self.flights.reserved(tier) > 0)
+        return lacking > 0 and (self.demoting[tier] > 0 or self.flights.reserved(tier) > 0)
 
     def make_room_ahead(self, need: int, owner: bytes | None = None) -> None:
-        """Write down (or clear) the tier above disk's least recently used leaves until `need`
-        new blocks fit beside what it holds, as over a watermark but taking the victims
-        `Demoter.make_room(tier, need, owner)` would (above floors, then `owner`'s own), then
-        `_write_behind`, so that room-making clears them rather than drops them. `need` past
-        the tier's slots is held to them (the caller checks that the blocks fit at all)."""
+        """Write down (or clear) the tier above disk's LRU leaves until `need` new blocks fit
+        beside what it holds, as over a watermark but taking the victims `Demoter.make_room(tier,
+        need, owner)` would (above floors, then `owner`'s own), then `_write_behind`, so that
+        room-making clears them, not drops them. `need` is held to the tier's slots."""
         if self.background and self.state.disk is not None and need:
             tier = DISK - 1
             room = max(0, self.pools[tier].num_slots - need)
@@ -152,13 +148,12 @@ class Background:
                 self._write_behind(tier, need, owner)
 
     def _write_behind(self, tier: int, need: int, owner: bytes | None) -> None:
-        """Write down the `tier` copies (admitted below) of the blocks that room for `need`
-        blocks in the tier above takes (its victims for `owner`): they become `tier` victims
-        only once those faster copies are cleared, out of `_demote_to`'s reach until then."""
+        """Write down the `tier` copies (admitted below) of the victims for `owner` that room for
+        `need` blocks in the tier above takes: out of `_demote_to`'s reach until those go."""
         top, lower = tier - 1, tier + 1
         want = need - self.pools[top].num_free
         for ref in self.index.victims(top, owner):
-            if want <= 0 or self._demoting[tier] >= MAX_DEMOTIONS:
+            if want <= 0 or self.demoting[tier] >= MAX_DEMOTIONS:
                 return
             node, i = ref
             want -= i + 1 - (node.depth[top - 1] if top else 0)  # its run in `top` goes
@@ -192,7 +187,7 @@ class Background:
         left = None if owner or not floors else {n for n in floors if self._spare(n, tier) > 0}
         for ref in self.index.victims(tier, owner):
             over = self.pressure(tier) - goal
-            if over <= 0 or self._demoting[tier] >= MAX_DEMOTIONS or left == set():
+            if over <= 0 or self.demoting[tier] >= MAX_DEMOTIONS or left == set():
                 return  # (none with blocks to spare: no walk of every victim under the lock)
             namespace = ref.node.root.ids
             spare = BATCH if namespace == owner else self._spare(namespace, tier)
@@ -258,7 +253,7 @@ class Background:
             self._pending_free[tier] += len(batch)
             leaving = (tier, node.root.ids)
             self._leaving[leaving] = self._leaving.get(leaving, 0) + len(batch)
-        self._demoting[tier] += 1
+        self.demoting[tier] += 1
         self.flights.add(flight)
         self.stats["demote_flights"] += 1
         self.runner.launch(flight, copy.transfer)
@@ -285,7 +280,7 @@ class Background:
             self._leaving[leaving] -= len(refs)
             if not self._leaving[leaving]:
                 del self._leaving[leaving]
-        self._demoting[src] -= 1
+        self.demoting[src] -= 1
         for ref in reversed(_kept(self.state, refs, ok, src, lower)):
             node, i = ref
             if (
@@ -332,7 +327,12 @@ class Background:
         source: SlotPool = host
         if self.background:  # the caller may reuse `blocks` once its call returns
             stage = host.allocate(count)
-            host.write(stage, blocks)
+            try:  # KV a quantized host cannot keep: refused holding nothing, as `store_new` is
+                host.write(stage, blocks)  # (before, its pin and staging slots leaked for good)
+            except BaseException:
+                host.free(stage)
+                self.index.leases.release(pin.lease_id)
+                raise
         else:  # the call waits for the write: read the caller's blocks where they are
             source, stage = StagedBlocks(host.layout, blocks), list(range(count))
         dst = disk.allocate(count)

@@ -17,8 +17,9 @@ Contract:
 - `reserved(tier)` counts the slots flights own: the store's `check()` adds it to residency.
 - `throttle(need)` (a store or reservation of `need` new blocks calls it before taking the
   cache's lock) waits, at most `store_wait_s` and without the lock, while the work is behind
-  (`Background.behind`) or host could take the blocks only by dropping unwritten ones
-  (`Background.short`): each published flight wakes it to look again. Before each look it
+  (`Background.behind`), host could take the blocks only by dropping unwritten ones
+  (`Background.short`), or gpu only once its demotion flights land (`_landing`): each
+  published flight wakes it to look again. Before each look it
   publishes finished flights, plans demotions over watermarks, as the thread would, and
   writes down ahead what the call needs, for its tenant (`make_room_ahead`: the victims its
   own room-making would take); it stores nothing.
@@ -174,12 +175,12 @@ class Mover:
         while True:
             self._published.clear()  # before looking: a flight published after it wakes us
             with self.lock:
-                if not work.behind() and work.has_room(most):  # the common case
-                    return
+                if not work.behind() and work.has_room(most) and not self._landing(most):
+                    return  # the common case
                 self.reap()  # flights done: publish them, and plan the next ones down now
                 work.keep_watermarks()
                 lacking = ahead() if ahead is not None else 0
-                if not work.behind() and not work.short(lacking):
+                if not work.behind() and not work.short(lacking) and not self._landing(most):
                     return
                 now = time.monotonic()
                 if not deadline:
@@ -188,6 +189,16 @@ class Mover:
             if now >= deadline:
                 return
             self._published.wait(deadline - now)
+
+    def _landing(self, most: int) -> bool:
+        """Whether gpu has room for `most` new blocks only once its demotion flights land: its
+        free slots and the copies no lease, pin or flight holds fall short while flights from
+        it are in the air (each pins its node whole). A store then dropped every block at once
+        while the copies that would free them were milliseconds from landing (gpu 8, two
+        4-block prompts, then six more stored: 24 of 24 blocks dropped, audit BO)."""
+        if not most or not self.work.demoting[GPU]:
+            return False
+        return not self.work.demoter.can_make_room(GPU, min(most, self.state.gpu.num_slots))
 
     def doom(self, ref: BlockRef) -> None:
         """A load found `ref`'s disk copy corrupt while some of it is locked: it is dropped,
