@@ -54,7 +54,10 @@ class Reservation(NamedTuple):
     of tier `tier`'s pool, written whole before `commit` (a slot left unwritten holds a canary,
     and the commit is refused). `reservation_id` is random (63 bits, never 0); 0 with no slots:
     nothing could be reserved. `expires_at` is on the store's clock; past it the commit fails
-    and the slots are quarantined, never published."""
+    and the slots are quarantined, never published. `dropped_tokens`: the whole blocks' tokens
+    past `num_tokens` that had no room (a tier short of it reserves the first blocks): the
+    commit counts them dropped, so its `cached + dropped + pending` is the sequence's whole
+    blocks, as a store's."""
 
     reservation_id: int
     tenant: str
@@ -63,6 +66,7 @@ class Reservation(NamedTuple):
     tier: str
     slots: tuple[int, ...]
     expires_at: float
+    dropped_tokens: int = 0
 
 
 class LoadResult(NamedTuple):

@@ -128,7 +128,6 @@ class Reserved:
     pin: LeaseId
     slots: dict[int, list[int]]
     canaries: Canaries
-    unreserved: int = 0  # new blocks past the ones reserved (room for fewer): dropped
 
 
 @dataclass(frozen=True)
@@ -174,18 +173,16 @@ class ReservationTable:
         key: bytes,
         pin: LeaseId,
         slots: dict[int, list[int]],
-        unreserved: int = 0,
     ) -> Reservation:
         """Start a reservation like `reservation` (its id is ignored) over `slots` per tier and
         `pin`, which the table now owns: it plants canaries in the slots of the fastest tier
-        and returns the reservation with a fresh random id. `unreserved`: the call's new blocks
-        past those (room for fewer), counted dropped by the commit."""
+        and returns the reservation with a fresh random id."""
         tier = min(slots)
         assert reservation.slots == tuple(slots[tier]), "the writer writes the fastest tier"
         reservation = reservation._replace(reservation_id=fresh_id(self._live))
         canaries = Canaries(self._memory[tier], slots[tier])
         rid = reservation.reservation_id
-        self._live[rid] = Reserved(reservation, namespace, key, pin, slots, canaries, unreserved)
+        self._live[rid] = Reserved(reservation, namespace, key, pin, slots, canaries)
         self._hold(namespace, slots, 1)
         push_expiry(self._expiry, reservation.expires_at, rid, self._live, len(self._live))
         return reservation

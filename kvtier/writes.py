@@ -4,15 +4,16 @@ Contract:
 - Placement (`place`): new blocks go to the fastest tier that prefix closure allows (gpu,
   unless the cached prefix before them has left the gpu) and that can make room for all of them
   (`Demoter.room`: checked before anything moves), plus host under `write_through` where host
-  has room freeable without dropping an unwritten block (`host_copy_room`). None when
-  no tier can: nothing moved. The check can count copies that room-making cannot free (a host
-  spare of a gpu block; a gpu victim that finds no room below): if no tier then made room for
-  all, the first blocks take the slots one freed, the rest are dropped, so that what moved is
-  used (before, it was lost for nothing). Room is made for the namespace of the prefix (fair
-  shares). For a reservation, the slots count against the reserver's quota (`QuotaError`,
-  nothing moved, when the tier it would take is full to it; a write_through host copy over its
-  host quota is left out), and never goes to a quantized host tier (`QuantPool`: its slots
-  hold payloads, not blocks a writer could write, and canaries would land in other slots).
+  has room freeable without dropping an unwritten block (`host_copy_room`). Where none can, the
+  first blocks take the tier with the most room (`placement.fewer`); None when no tier can take one:
+  nothing moved. The check can count copies that room-making cannot free (a host spare of a gpu
+  block; a gpu victim that finds no room below): if no tier then made room for all, the first
+  blocks take the slots one freed, so that what moved is used. The rest are dropped. Room is
+  made for the namespace of the prefix (fair shares). For a reservation, the slots count
+  against the reserver's quota (`QuotaError`, nothing moved, when the tier it would take is
+  full to it; a write_through host copy over its host quota is left out), and never go to a
+  quantized host tier (`QuantPool`: its slots hold payloads, not blocks a writer could write,
+  and canaries would land in other slots).
   `take_free` is the same placement when it needs only free slots: taken at once, no demoter
   asked, nothing moved (None when room must be made).
 - `store_new`: the new full blocks of a call, written into their slots and inserted (DESIGN
@@ -53,13 +54,13 @@ from kvtier.disk_route import insert_on_disk, stage_ahead
 from kvtier.errors import QuotaError
 from kvtier.index import Match
 from kvtier.index.node import Node, block_hits
+from kvtier.placement import Slots, fewer, take
 from kvtier.policy import WritePolicy
 from kvtier.results import Reservation, StoreResult
 from kvtier.shares import TenantShares
 from kvtier.tenancy import ReservationTable, Reserved
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.tiers.quantized import QuantPool
-from kvtier.transfer.clean import host_copy_room
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter, plan_copy_down, run_copy
 from kvtier.transfer.mover import Mover
@@ -94,9 +95,7 @@ class Writes:
         reserved = self.reservations.held(tier, tenant)
         return reserved + self.index.leases.held_blocks(namespace) if tier == GPU else reserved
 
-    def place(
-        self, match: Match, count: int, reserver: str | None = None
-    ) -> dict[int, list[int]] | None:
+    def place(self, match: Match, count: int, reserver: str | None = None) -> Slots | None:
         """Slots for `count` new blocks after `match` (module doc); None when no tier can."""
         owner, short = match.end.root.ids, None  # short: a tier whose room fell short
         for tier in self._tiers(match, count, reserver is not None):
@@ -106,12 +105,12 @@ class Writes:
                     break  # room made above: it is used, not thrown away by a refusal here
                 self.shares.admit(reserver, tier, holding, count, "a reservation")
             if self.demoter.make_room(tier, count, owner):
-                return _take(self, tier, count, owner, reserver)
+                return take(self, tier, count, owner, reserver)
             if short is None and self.state.pools[tier].num_free:
                 short = tier
         if short is None:
-            return None
-        return _take(self, short, self.state.pools[short].num_free, owner, reserver)
+            return fewer(self, match, count, reserver)
+        return take(self, short, self.state.pools[short].num_free, owner, reserver)
 
     def _tiers(self, match: Match, count: int, reserving: bool) -> Iterator[int]:
         """The tiers `place` may take for `count` new blocks after `match`, fastest first, each
@@ -215,8 +214,10 @@ class Writes:
         new, short = len(slots[tier]) * bt, new_blocks - len(slots[tier])  # room fell short
         key = key[: (match.num_blocks + len(slots[tier])) * self.index.key_nbytes]  # (`place`)
         name = self.state.pools[tier].name  # the id, 0 here, is drawn by the table
-        reservation = Reservation(0, tenant, cached, new, name, tuple(slots[tier]), expires_at)
-        return self.reservations.open(reservation, namespace, key, pin.lease_id, slots, short)
+        reservation = Reservation(
+            0, tenant, cached, new, name, tuple(slots[tier]), expires_at, short * bt
+        )
+        return self.reservations.open(reservation, namespace, key, pin.lease_id, slots)
 
     def publish_reserved(self, entry: Reserved) -> StoreResult:
         """A committed reservation's blocks enter the index (module doc)."""
@@ -243,7 +244,7 @@ class Writes:
         new = {t: tier_slots[skip:] for t, tier_slots in slots.items() if t >= reach}
         kept = min(new) if new else tier
         count, late = self._keep_landed(new, {t: landed[t][skip:] for t in new}, kept)
-        dropped = max(0, len(slots[tier]) - skip) - count + entry.unreserved
+        dropped = max(0, len(slots[tier]) - skip) - count + entry.reservation.dropped_tokens // bt
         if count:
             end = self.index.insert(match, key[: (match.num_blocks + count) * kb], new).end
             for t, copies in late.items():  # the copies that landed, beside the kept ones
@@ -367,18 +368,3 @@ class Writes:
             and end.parent is not None
             and end.fastest(end.size - 1) == DISK
         )
-
-
-def _take(
-    writes: Writes, tier: int, count: int, owner: bytes, reserver: str | None
-) -> dict[int, list[int]]:
-    """`Writes.place`'s slots: `count` free ones of `tier`, and their write_through host
-    copies' where those fit (the reserver's quota, `host_copy_room`)."""
-    state, shares = writes.state, writes.shares
-    slots = {tier: state.pools[tier].allocate(count)}
-    copy = tier == GPU and writes.policy.copy_on_store
-    if copy and reserver is not None:
-        copy = shares.fits(reserver, HOST, writes.holding(reserver, BlockId(owner), HOST), count)
-    if copy and host_copy_room(writes.demoter, count, owner):
-        slots[HOST] = state.pools[HOST].allocate(count)
-    return slots

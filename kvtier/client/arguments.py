@@ -149,7 +149,7 @@ def reservation_of(reservation: object) -> Reserved:
     anything is sent: `InvalidArgumentError` for anything else (a bool included), `LeaseError`
     for an id no request could carry (outside [0, 2**64)), as for an unknown one."""
     if isinstance(reservation, Reservation):
-        most = reservation.cached_tokens + reservation.num_tokens
+        most = reservation.cached_tokens + reservation.num_tokens + reservation.dropped_tokens
         return Reserved(reservation.reservation_id, reservation.tenant, most)
     if type(reservation) is not int:
         raise InvalidArgumentError(

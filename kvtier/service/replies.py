@@ -183,9 +183,13 @@ def reservation(body: dict[str, Any], served: Pools | None, sent_tokens: int) ->
         raise ReplyError(f"reservation.tier: got {shown(tier)}, expected gpu, host or disk")
     num_tokens = _int(body, "num_tokens", "reservation", MAX_COUNT)
     cached_tokens = _tokens(body, "cached_tokens", "reservation", served)
-    if cached_tokens + num_tokens > sent_tokens:
+    dropped = (
+        _int(body, "dropped_tokens", "reservation", MAX_COUNT) if "dropped_tokens" in body else 0
+    )
+    if cached_tokens + num_tokens + dropped > sent_tokens:
+        more = f" and {dropped} more without room" if dropped else ""
         raise ReplyError(
-            f"reservation: tokens [{cached_tokens}, {cached_tokens + num_tokens}) of a "
+            f"reservation: tokens [{cached_tokens}, {cached_tokens + num_tokens}){more} of a "
             f"{sent_tokens}-token sequence"
         )
     return Reservation(
@@ -196,6 +200,7 @@ def reservation(body: dict[str, Any], served: Pools | None, sent_tokens: int) ->
         tier=tier,
         slots=_slots(body, "slots", "reservation", num_tokens, served, tier),
         expires_at=_time(body, "expires_at", "reservation"),
+        dropped_tokens=dropped,  # absent from a server before the field: 0
     )
 
 

@@ -136,6 +136,7 @@ RESERVATION = _obj(
         "tier": _STR,
         "slots": {"type": "array", "items": _INT},
         "expires_at": _NUM,
+        "dropped_tokens": _INT,  # room for the first blocks only: the rest, dropped at commit
         "instance": _INSTANCE,
     },
     ("reservation_id", "num_tokens", "tier", "slots", "instance"),
