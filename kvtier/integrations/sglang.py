@@ -35,9 +35,11 @@ Contract:
   key that starts with `kvtier` (any case or separator, spaces stripped: `kvtier_url`,
   `" kvtier.url"`, `KVTIER.url`; `settings.closed`), a value of the wrong type, or a
   `kvtier.url` that is not `http(s)://HOST[:PORT]` is a `ConfigError` naming it (a
-  misspelt key's value, maybe an API key, is never shown). Without `interface_v1` SGLang
-  calls the copying `batch_get` / `batch_set`, which kvtier does not serve: an error logged
-  at construction names the key, and each such call is refused and counted in `stats`.
+  misspelt key's value, maybe an API key, is never shown); so is an extra config that is not
+  a JSON object (`sglang_config.py`), and a key the sidecar refuses (`kvtier.api_key`).
+  Without `interface_v1` SGLang calls the copying `batch_get` / `batch_set`, which kvtier
+  does not serve: an error logged at construction names the key, and each such call is
+  refused and counted in `stats`.
 - Pages round trip bit-exact and land in kvtier in its own layout (`[layers, 2, tokens,
   heads, dim]`), whatever SGLang's host layout: two SGLang processes with different host
   layouts share pages.
@@ -84,11 +86,9 @@ part is copied.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-import urllib.parse
 from functools import partial
 from typing import Any
 
@@ -100,6 +100,7 @@ from kvtier.integrations import paged
 from kvtier.integrations.lookups import PROBE_TOKENS, Quiet
 from kvtier.integrations.resets import reset_tenants
 from kvtier.integrations.settings import api_key, call_timeout, closed
+from kvtier.integrations.sglang_config import extra_config, scope, sidecar_url
 from kvtier.integrations.sglang_pools import (
     FP8,
     HOST_POOLS,
@@ -112,12 +113,13 @@ from kvtier.keyed import KeyedPages
 
 log = logging.getLogger("kvtier.sglang")
 
-__all__ = ["FP8", "HOST_POOLS", "REFUSED", "KvtierHiCacheStorage", "host_buffer"]
+__all__ = ["FP8", "HOST_POOLS", "REFUSED", "KvtierHiCacheStorage", "host_buffer", "scope",
+           "sidecar_url"]  # fmt: skip
 
 
 class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
-        extra = dict(storage_config.extra_config or {})
+        extra = extra_config(storage_config)
         closed(extra, ("kvtier.url", "kvtier.api_key", "kvtier.timeout_s"))  # never ignored
         self.url = sidecar_url(extra.get("kvtier.url", "http://127.0.0.1:8750"))
         self.timeout_s = call_timeout(extra, TIMEOUT_S)  # each try (lane, HTTP) half of it
@@ -154,6 +156,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         prefix = _prefix(extra_info)
         pages = self._pages()
+        if not keys:  # none asked: not a lookup of the prefix alone (an error, logged, before)
+            return 0
         if self._skipped() or self._stale():
             return 0
         try:
@@ -355,42 +359,6 @@ TIMEOUT_S = 8.0
 (0.07 s for 1M tokens), a batch of pages a shared-memory copy; a sidecar that hangs must not
 hold SGLang's backup and prefetch threads for the client's 120 s per call, nor past the 10 s
 SGLang's detach waits for each (at 10 s a detach with a hung sidecar could fail)."""
-
-
-def sidecar_url(url: Any) -> str:
-    """`kvtier.url`, checked: `http(s)://host[:port]`; else a `ConfigError` naming it."""
-    expected = "the sidecar's URL, http://HOST:PORT or https://HOST:PORT"
-    if not isinstance(url, str) or not url or any(c.isspace() or not c.isprintable() for c in url):
-        raise ConfigError("kvtier.url", url, expected)
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 (a port out of range or not a number raises)
-    except ValueError:
-        raise ConfigError("kvtier.url", url, expected) from None
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.port == 0:
-        raise ConfigError("kvtier.url", url, expected)
-    if "@" in parts.netloc:  # credentials: never shown
-        raise ConfigError("kvtier.url", "(a URL with a user, not shown)", f"{expected}, no user")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ConfigError("kvtier.url", url, f"{expected}: no path, query or fragment")
-    return url
-
-
-def scope(config: Any) -> str:
-    """The keys' scope (`keyed.py`) of an SGLang rank: the model's name (two models of one
-    geometry hold different KV for the same keys), then the part of the KV this rank holds:
-    its tensor-parallel rank (its heads; an MLA model's ranks hold the same latent), pipeline
-    rank (its layers), attention context-parallel rank and decode context-parallel rank
-    (their slices of every page), each only when its size is over 1 (an older SGLang without
-    a field: 1). The name is JSON-quoted, so different configs never give the same scope."""
-    part = "mla" if config.is_mla_model else f"tp{config.tp_rank}/{config.tp_size}"
-    for field, rank, size in (("pp", "pp_rank", "pp_size"), ("cp", "attn_cp_rank", "attn_cp_size"),
-                              ("dcp", "dcp_rank", "dcp_size")):  # fmt: skip
-        if getattr(config, size, 1) > 1:
-            part += f" {field}{getattr(config, rank, 0)}/{getattr(config, size, 1)}"
-    if getattr(config, "dcp_size", 1) > 1:  # which tokens of a page a DCP rank holds
-        part += f" page{getattr(config, 'logical_page_size', None)}"
-    return f"model={json.dumps(getattr(config, 'model_name', None))} {part}"
 
 
 def _prefix(extra_info: Any) -> list[str]:

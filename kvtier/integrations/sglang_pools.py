@@ -3,7 +3,8 @@
 
 - `sidecar_client(url, key, timeout_s)`: the client of the sidecar at `url`, waiting
   `START_WAIT_S` for one that does not answer yet (started beside SGLang, restarting), as a
-  vLLM worker does; then a `ConfigError` naming `kvtier.url`.
+  vLLM worker does; then a `ConfigError` naming `kvtier.url`. A key it refuses is one naming
+  `kvtier.api_key`.
 
 - `host_buffer(host)`: the pool's `kv_buffer` as an MHA layout's `[2, ...]` buffer and its
   layout; only `HOST_POOLS` are taken (a pool that may keep part of a page elsewhere is a
@@ -26,7 +27,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvtier.blocks import KVLayout
-from kvtier.client import Client
+from kvtier.client import Client, ServiceError
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.integrations import paged
 from kvtier.integrations.lookups import at_start
@@ -52,10 +53,20 @@ REFUSED = {
 def sidecar_client(url: str, key: str | None, timeout_s: float) -> Client:
     """The client of the sidecar at `url` (API key `key`; each try of a call `timeout_s`),
     made as `lookups.at_start` makes a first call (SGLang's start failed at once on the bare
-    connection error of `GET /v1/pools` of a sidecar not answering yet)."""
-    return at_start(
-        lambda: Client(url, api_key=key, timeout_s=timeout_s), "kvtier.url", url, "SGLang"
-    )
+    connection error of `GET /v1/pools` of a sidecar not answering yet). A key the sidecar
+    refuses (none given, or one it does not know: 401, 403) is a `ConfigError` naming
+    `kvtier.api_key`, the key not shown (it was a bare `ServiceError` naming no setting)."""
+    try:
+        return at_start(
+            lambda: Client(url, api_key=key, timeout_s=timeout_s), "kvtier.url", url, "SGLang"
+        )
+    except ServiceError as e:
+        if e.status not in (401, 403):
+            raise
+        given = "(none)" if not key else "(a key, not shown)"
+        raise ConfigError(
+            "kvtier.api_key", given, f"a key of a tenant of the sidecar at {url} ({e})"
+        ) from None
 
 
 def registered(host: Any, served: KVLayout, config: Any) -> tuple[torch.Tensor, str]:

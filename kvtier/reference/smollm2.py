@@ -9,12 +9,21 @@ whose `__init__` imports `llm`. Nothing here downloads anything.
     load_smollm2(path, dtype)    -> Llama with dequantized weights (~0.5 GB in fp32)
     load_smollm2_tokenizer(path) -> BPETokenizer (encode / decode / chat_prompt)
 
+The model is named `MODEL_NAME` (the KV layout's model name, which a store's config names and
+the reference engine checks) only for the shipped file in float32; another file (a fine-tune of
+the same geometry) is named by its digest too, and another dtype by the dtype
+(`model_name`): a store never serves one's KV to the other as its own. (Before, every file in
+every dtype was `MODEL_NAME`: an fp32 engine reusing a prefix a bfloat16 one cached got
+logits 0.49 off its cold run, not within 1e-4.)
+
 Both loaders raise `FileNotFoundError` naming the install line when no file is given or found,
 and `InvalidArgumentError` naming the file for one they cannot use (`gguf_loader`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -40,8 +49,31 @@ def find_smollm2_gguf() -> Path | None:
 
 
 def load_smollm2(path: Path | None = None, dtype: torch.dtype = torch.float32) -> Llama:
-    """SmolLM2-135M-Instruct from `path` (default: the installed package's file) in `dtype`."""
-    return load_llama(_resolve(path), MODEL_NAME, dtype)
+    """SmolLM2-135M-Instruct from `path` (default: the installed package's file) in `dtype`,
+    named `model_name(path, dtype)`."""
+    found = _resolve(path)
+    model = load_llama(found, MODEL_NAME, dtype)  # its errors first: then the file is read
+    model.config = dataclasses.replace(model.config, name=model_name(found, dtype))
+    return model
+
+
+def model_name(path: Path, dtype: torch.dtype) -> str:
+    """The name of the model of the GGUF file at `path` computed in `dtype`: `MODEL_NAME` for
+    the shipped file in float32; else with `@sha256:<16 hex>` of the file's bytes (another
+    file, even of the same geometry, computes other KV), and `@<dtype>` for another dtype
+    (bfloat16 weights compute other KV than float32 ones: the cache's dtype casts only what is
+    stored)."""
+    name = MODEL_NAME
+    shipped = find_smollm2_gguf()
+    if shipped is None or Path(path).resolve() != shipped.resolve():
+        digest = hashlib.sha256()
+        with open(path, "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                digest.update(chunk)
+        name += f"@sha256:{digest.hexdigest()[:16]}"
+    if dtype != torch.float32:
+        name += f"@{str(dtype).removeprefix('torch.')}"
+    return name
 
 
 def load_smollm2_tokenizer(path: Path | None = None) -> BPETokenizer:
