@@ -8,7 +8,7 @@ Plain data without vLLM: vLLM pickles the metadata from its scheduler process to
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -84,19 +84,53 @@ class LoadFence:
     plans the next step before it has processed that output (two batches in flight), so the
     blocks of the loads of this step and of the step before are fenced. A save planned then
     would send a synchronous load's unfilled blocks, and the KV computed over them, as the
-    prompt's KV."""
+    prompt's KV.
+
+    And the blocks a failed load left unfilled (`owed`) until the request that loaded them has
+    recomputed them: vLLM has one request recompute a shared block and the others that hold
+    it wait for it (audit BP: a sharer saved them, unfilled, after the loader was aborted).
+    If the loader leaves first (`left`: finished or preempted), every request holding them
+    saves nothing (`Save.SPOILED`): no request recomputes them."""
 
     def __init__(self) -> None:
         self._before: frozenset[int] = frozenset()  # of the loads of the step before
         self._now: frozenset[int] = frozenset()
         self._scheduled: frozenset[str] = frozenset()  # the requests the last step scheduled
+        self.owed: dict[int, tuple[str, int]] = {}  # block -> (its loader, tokens to recompute)
 
-    def blocks(self, loads: list[LoadJob], scheduled: Iterable[str]) -> set[int]:
-        """The fenced blocks of a step whose loads are `loads` and which schedules the requests
-        `scheduled` (called once a step)."""
+    def blocks(
+        self,
+        loads: list[LoadJob],
+        scheduled: Iterable[str] | Mapping[str, int],
+        computed: Mapping[str, int] | None = None,
+    ) -> set[int]:
+        """The fenced blocks of a step whose loads are `loads`, which schedules the requests
+        `scheduled` (with their tokens: vLLM's `num_scheduled_tokens`) over `computed` (request
+        -> tokens computed before; called once a step)."""
         self._before, self._now = self._now, frozenset(b for job in loads for b in job.blocks)
         self._scheduled = frozenset(scheduled)
-        return set(self._now | self._before)
+        counts = scheduled if isinstance(scheduled, Mapping) else {}
+        for block, (loader, need) in list(self.owed.items()):
+            if loader in counts and (computed or {}).get(loader, 0) + counts[loader] >= need:
+                del self.owed[block]  # recomputed by this step, before its saves
+        return set(self._now | self._before | self.owed.keys())
+
+    def left(
+        self, req_ids: Iterable[str], requests: dict[str, Planned], planned: Planned | None = None
+    ) -> None:
+        """`req_ids` left vLLM's running requests (preempted, or finished: its `planned`): the
+        blocks they owed, none recomputes, so no request holding one saves anything, nor a
+        finished one holding a block still owed."""
+        leaving = set(req_ids)
+        gone = {block for block, (loader, _) in self.owed.items() if loader in leaving}
+        for block in gone:
+            del self.owed[block]
+        held = [p for p in requests.values() if not gone.isdisjoint(p.blocks)]
+        if planned is not None and not (gone | self.owed.keys()).isdisjoint(planned.blocks):
+            held.append(planned)
+        for one in held:
+            if one.save is not Save.NEVER:
+                one.save = Save.SPOILED
 
     def computed_over(self, req_id: str, blocks: set[int]) -> bool:
         """Whether the last step scheduled `req_id` after a step whose loads wrote some of
@@ -115,14 +149,18 @@ def after_failures(
     failed step: either's prompt is saved once recomputed (`found` 0). A sharer that a later
     step scheduled before the failure was known (async scheduling) keeps what that step
     computed over the unfilled block (vLLM takes back only the failed step's tokens): it saves
-    nothing (`Save.SPOILED`), neither its prompt nor its output."""
+    nothing (`Save.SPOILED`), neither its prompt nor its output. The blocks a request's own
+    load failed to fill are `fence.owed` until it recomputes them (`LoadFence`)."""
     touched = set()
     for req_id, planned in requests.items():
         held = invalid.intersection(planned.blocks)
         if req_id not in failed and not held:
             continue
         touched.add(req_id)
-        shared = held.difference(planned.blocks[planned.local // bs : planned.found // bs])
+        own = planned.blocks[planned.local // bs : planned.found // bs]
+        fence.owed.update((b, (req_id, (i + 1) * bs)) for i, b in enumerate(planned.blocks)
+                          if b in held and b in own)  # fmt: skip
+        shared = held.difference(own)
         if planned.save is Save.SPOILED or fence.computed_over(req_id, shared):
             planned.save = Save.SPOILED
         elif planned.save is not Save.NEVER:
@@ -206,18 +244,27 @@ def prompt_save(req_id: str, planned: Planned, done: int, bs: int) -> SaveJob | 
     return SaveJob(req_id, planned.tokens[:whole], blocks, planned.key, planned.found)
 
 
-def cut_before(job: SaveJob, unfilled: set[int], bs: int) -> SaveJob | None:
+def cut_before(job: SaveJob, unfilled: set[int] | None, bs: int) -> SaveJob | None:
     """`job` up to its first block in `unfilled` (blocks a load failed to fill: their KV, and
     that of every later block, computed over them, is not the tokens'), sending nothing of them
     (even if the prefix below `start` has left kvtier: `saving.store_job`); `job` itself when
     none is. None when nothing is left to send, but a `release` job is kept (without blocks if
-    need be): vLLM holds the request's blocks until it is reported."""
+    need be): vLLM holds the request's blocks until it is reported. `unfilled` None: none is
+    sent (an MLA model's TP rank past 0: rank 0 saves the KV they all hold, `settings.tp_rank`)."""
+    if unfilled is None:
+        return released(job)
     cut = next((i for i, block in enumerate(job.blocks) if block in unfilled), None)
     if cut is None:
         return job
     whole = cut * bs
     if whole <= job.start:
-        return SaveJob(job.req_id, (), (), job.key, release=True) if job.release else None
+        return released(job)
     output = max(0, job.output - (len(job.tokens) - whole))
     tokens, blocks = job.tokens[:whole], job.blocks[:cut]
     return SaveJob(job.req_id, tokens, blocks, job.key, job.start, job.release, output)
+
+
+def released(job: SaveJob | None) -> SaveJob | None:
+    """What of `job` a worker that sends none of its KV runs: its report alone, if it is a
+    `release` job (vLLM holds the request's blocks until every worker reports it)."""
+    return SaveJob(job.req_id, (), (), job.key, release=True) if job and job.release else None

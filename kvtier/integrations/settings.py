@@ -315,12 +315,20 @@ def shard(vllm_config: Any) -> tuple[int, int]:
     size = int(parallel.tensor_parallel_size)
     if size == 1 or getattr(vllm_config.model_config, "use_mla", False):
         return 0, 1
+    return tp_rank(), size
+
+
+def tp_rank() -> int:
+    """vLLM's tensor-parallel rank of this process; 0 without a TP group (the scheduler). An
+    MLA model's ranks hold the same KV (`shard` keys them as one): the vLLM connector's rank
+    0 alone saves it and counts its tokens (before, each rank sent every save and the token
+    counts were summed over the ranks)."""
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        return int(get_tensor_model_parallel_rank()), size
+        return int(get_tensor_model_parallel_rank())
     except (AssertionError, AttributeError, RuntimeError):  # no TP group: the scheduler
-        return 0, size
+        return 0
 
 
 def kv_cache_refusal(kv_cache_config: Any) -> tuple[str, object, str] | None:

@@ -29,9 +29,9 @@ Contract:
   `finished_recving`. The scheduler never claims a hit for a request whose load failed. No
   save sends a block a load failed (or has yet) to fill, nor any later block of its request,
   whichever request's (vLLM shares a synchronous load's blocks at once): a prompt's save waits
-  two steps after a load into any of its blocks (`plans.LoadFence`), a sharer that a later step
-  computed over a failed load's block saves nothing (`plans.after_failures`), and a worker cuts
-  each save before the first block its step's loads did not fill (`plans.cut_before`).
+  two steps after a load into its blocks, and for one a load failed to fill until its loader
+  recomputed it (`plans.LoadFence`; else nothing is saved), and a worker cuts each save before
+  the first block its step's loads did not fill (`plans.cut_before`).
 - A lookup and its hit are counted once vLLM admits the request (vLLM retries one that lacks
   blocks: the sidecar is asked once until then); `vllm_stats.py` says each count.
 - A sidecar that is down, hangs or refuses a call is a miss (a lookup waits 5 s, then none is
@@ -55,8 +55,9 @@ Contract:
 Tensor parallelism: each rank has a sidecar of its own shard (`kvtier.urls` in rank order,
 `model.tp_rank` / `tp_size` in its config, checked); the scheduler asks rank 0's, and a rank
 whose sidecar lacks the blocks fails its load. An MLA model's ranks hold the same KV: one
-unsharded sidecar, its model `num_kv_heads: 1`, `head_dim` half the latent. Pipeline and
-context parallelism (other layers, or other tokens of a block, under one TP rank) are refused.
+unsharded sidecar, its model `num_kv_heads: 1`, `head_dim` half the latent, which vLLM's rank 0
+alone saves (`settings.tp_rank`). Pipeline and context parallelism (other layers, or other
+tokens of a block, under one TP rank) are refused.
 
 Events: with `kvtier.events_endpoint`, kvtier's blocks go out in vLLM's own KV-event stream
 (`take_events`, `vllm_events.py`). Not here yet: loads layer by layer, a GPU run.
@@ -91,6 +92,7 @@ from kvtier.integrations.settings import (
     kv_cache_refusal,
     served_model,
     shard,
+    tp_rank,
 )
 from kvtier.integrations.vllm_stats import COUNTERS, KvtierStats, StatsBuilders, gained_since
 
@@ -115,7 +117,8 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         refusal = kv_cache_refusal(kv_cache_config)
         if refusal is not None:
             raise ConfigError(*refusal)
-        self.tp_rank, self.tp_size = shard(vllm_config)
+        self.tp_rank, self.tp_size = shard(vllm_config)  # the KV's; vLLM's rank: `rank`
+        self.rank = tp_rank() if role == KVConnectorRole.WORKER else 0
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.settings = ConnectorSettings.parse(extra, self.tp_size)
         self.model = served_model(extra)  # the sidecar's model must have this name, if set
@@ -200,10 +203,11 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         preempted = scheduler_output.preempted_req_ids or ()
         flush = any(r in self._saving for r in preempted)  # whatever Planned it has now
         meta = KvtierMetadata(self._loads, self._saves, s.load_async, s.save_async, flush)
-        loading = self._fence.blocks(self._loads, scheduler_output.num_scheduled_tokens)
+        computed = plans.follow_blocks(self._requests, scheduler_output)
+        loading = self._fence.blocks(self._loads, scheduler_output.num_scheduled_tokens, computed)
+        self._fence.left(preempted, self._requests)  # the blocks they owe, none recomputes now
         meta.reset, self._reset = self._reset, False
         self._loads, self._saves = [], []
-        computed = plans.follow_blocks(self._requests, scheduler_output)
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             planned = self._requests.get(req_id)
             if planned is None or not planned.due or loading.intersection(planned.blocks):
@@ -216,9 +220,8 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Loads that failed (by request, or by block): never claimed again, and the prompt,
-        recomputed by vLLM, is saved; a sharer vLLM does not recompute saves nothing
-        (`plans.after_failures`). Finished requests saved: their blocks are vLLM's."""
+        """Loads that failed (by request or by block): never claimed again, their requests'
+        saves as `plans.after_failures` says. Finished requests saved: their blocks are vLLM's."""
         self._holding.difference_update(connector_output.finished_sending or ())
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         invalid = set(connector_output.invalid_block_ids or ())
@@ -237,6 +240,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             followed.discard(req_id)
         if planned is None:
             return False, None
+        self._fence.left([req_id], self._requests, planned)  # owing blocks, or holding owed ones
         job = output_save(request, planned, block_ids, self.block_size, self.settings.save_decode)
         if job is None and not (planned.save is Save.SENT and self.settings.save_async):
             return False, None
@@ -270,7 +274,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The counts gained since the last call, for vLLM's logs and `/metrics`."""
         self.stats["skipped_saves"] = self.saving.skipped  # the saves' thread skips some too
-        return gained_since(self.stats, self._reported, self.tp_rank if self._layers else 0)
+        return gained_since(self.stats, self._reported, self.rank if self._layers else 0)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -278,9 +282,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
             return
         if meta.reset:  # no KV of the old weights stored from here; then this rank's sidecar
             self.saving.drop()
-            reset_or_log(
-                map(self._clients.client, self.settings.api_keys()), f"rank {self.tp_rank}"
-            )
+            reset_or_log(map(self._clients.client, self.settings.api_keys()), f"rank {self.rank}")
         self._unfilled = set()
         for job in meta.loads:
             if not meta.load_async:
@@ -313,7 +315,8 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, KvtierMetadata) or not meta.saves:
             return
         device = self._layers[0].device if self._layers else torch.device("cpu")
-        cut = (plans.cut_before(job, self._unfilled, self.block_size) for job in meta.saves)
+        unfilled = self._unfilled if self.rank == self.tp_rank else None  # None: `tp_rank`
+        cut = (plans.cut_before(job, unfilled, self.block_size) for job in meta.saves)
         self.saving.run([job for job in cut if job is not None], not meta.save_async, device)
         self.stats["skipped_saves"] = self.saving.skipped
 
