@@ -115,6 +115,7 @@ def test_the_workers_clients_wait_their_timeout_not_120_s(hung: str) -> None:
     finally:
         clients.close()
     assert call_timeout({}, 120.0) == 120.0 and call_timeout({"kvtier.timeout_s": 3}, 1.0) == 3.0
-    for wrong in (True, "10", 0, -1.0, 3601, float("nan"), None):
+    assert call_timeout({"kvtier.timeout_s": 0.1}, 1.0) == 0.1
+    for wrong in (True, "10", 0, -1.0, 3601, float("nan"), None, 1e-9, 0.099):
         with pytest.raises(ConfigError, match=r"kvtier\.timeout_s"):
             call_timeout({"kvtier.timeout_s": wrong}, 120.0)

@@ -230,10 +230,12 @@ def served_model(extra: Mapping[str, Any]) -> str | None:
 
 def call_timeout(extra: Mapping[str, Any], default: float) -> float:
     """`kvtier.timeout_s`: the most seconds one call to the sidecar may wait (`default` when
-    unset); a `ConfigError` naming it for a bool, a non-number, or one outside (0, 3600]."""
+    unset); a `ConfigError` naming it for a bool, a non-number, or one outside [0.1, 3600]
+    (audits BP, BR: `1e-9` was taken, every call timed out, and the start failed 30 s later
+    blaming `kvtier.url`)."""
     value = extra.get("kvtier.timeout_s", default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
-        raise ConfigError("kvtier.timeout_s", value, "seconds, a number in (0, 3600]")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.1 <= value <= 3600:
+        raise ConfigError("kvtier.timeout_s", value, "seconds, a number in [0.1, 3600]")
     return float(value)
 
 
