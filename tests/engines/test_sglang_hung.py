@@ -114,7 +114,7 @@ def test_a_failure_the_sidecar_did_not_cause_silences_nothing(sidecar: Server) -
     backend.close()
 
 
-@pytest.mark.parametrize("value", [True, "10", 0, -1.0, 3601, float("nan"), None])
+@pytest.mark.parametrize("value", [True, "10", 0, -1.0, 3601, float("nan"), None, 1e-9])
 def test_timeout_s_must_be_seconds(value: object) -> None:
     with pytest.raises(ConfigError, match=r"kvtier\.timeout_s"):
         KvtierHiCacheStorage(timing_out("http://127.0.0.1:1", value))
