@@ -160,12 +160,6 @@ class TenantShares:
                 f"release leases or end reservations first"
             )
 
-    def headroom(self, tenant: str, tier: int, holding: int) -> int:
-        """How many more blocks of `tier` `tenant`, holding `holding`, may take (its quota's
-        rest; 2**62 without a quota)."""
-        limit = self.limits[tenant].quota[tier]
-        return 2**62 if limit is None else max(0, limit - holding)
-
     def fits(self, tenant: str, tier: int, holding: int, adding: int) -> bool:
         """Whether `adding` more blocks of `tier` stay within `tenant`'s quota."""
         limit = self.limits[tenant].quota[tier]

@@ -4,11 +4,10 @@ Contract:
 - Placement (`place`): new blocks go to the fastest tier that prefix closure allows (gpu,
   unless the cached prefix before them has left the gpu) and that can make room for all of them
   (`Demoter.room`: checked before anything moves), plus host under `write_through` where host
-  has room freeable without dropping an unwritten block (`host_copy_room`). Where none can, the
-  first blocks take the tier with the most room (`placement.fewer`); None when no tier can take one:
-  nothing moved. The check can count copies that room-making cannot free (a host spare of a gpu
-  block; a gpu victim that finds no room below): if no tier then made room for all, the first
-  blocks take the slots one freed, so that what moved is used. The rest are dropped. Room is
+  has room freeable without dropping an unwritten block (`host_copy_room`). None when no tier
+  can: nothing moved. The check can count copies that room-making cannot free (a host spare of
+  a gpu block; a gpu victim that finds no room below): if no tier then made room for all, the
+  first blocks take the slots one freed, so that what moved is used. The rest are dropped. Room is
   made for the namespace of the prefix (fair shares). For a reservation, the slots count
   against the reserver's quota (`QuotaError`, nothing moved, when the tier it would take is
   full to it; a write_through host copy over its host quota is left out), and never go to a
@@ -54,18 +53,21 @@ from kvtier.disk_route import insert_on_disk, stage_ahead
 from kvtier.errors import QuotaError
 from kvtier.index import Match
 from kvtier.index.node import Node, block_hits
-from kvtier.placement import Slots, fewer, take
 from kvtier.policy import WritePolicy
 from kvtier.results import Reservation, StoreResult
 from kvtier.shares import TenantShares
 from kvtier.tenancy import ReservationTable, Reserved
 from kvtier.tiers.base import DISK, GPU, HOST
 from kvtier.tiers.quantized import QuantPool
+from kvtier.transfer.clean import host_copy_room
 from kvtier.transfer.copy import InlineExecutor, Transfer
 from kvtier.transfer.demotion import Demoter, plan_copy_down, run_copy
 from kvtier.transfer.mover import Mover
 from kvtier.transfer.remote import RemoteLink
 from kvtier.transfer.shared import CacheState
+
+Slots = dict[int, list[int]]
+"""Slot numbers per tier (gpu, host) of a call's new blocks, the first ones first."""
 
 
 class Writes:
@@ -105,12 +107,12 @@ class Writes:
                     break  # room made above: it is used, not thrown away by a refusal here
                 self.shares.admit(reserver, tier, holding, count, "a reservation")
             if self.demoter.make_room(tier, count, owner):
-                return take(self, tier, count, owner, reserver)
+                return _take(self, tier, count, owner, reserver)
             if short is None and self.state.pools[tier].num_free:
                 short = tier
         if short is None:
-            return fewer(self, match, count, reserver)
-        return take(self, short, self.state.pools[short].num_free, owner, reserver)
+            return None
+        return _take(self, short, self.state.pools[short].num_free, owner, reserver)
 
     def _tiers(self, match: Match, count: int, reserving: bool) -> Iterator[int]:
         """The tiers `place` may take for `count` new blocks after `match`, fastest first, each
@@ -368,3 +370,16 @@ class Writes:
             and end.parent is not None
             and end.fastest(end.size - 1) == DISK
         )
+
+
+def _take(writes: Writes, tier: int, count: int, owner: bytes, reserver: str | None) -> Slots:
+    """`Writes.place`'s slots: `count` free ones of `tier`, and their write_through host
+    copies' where those fit (the reserver's quota, `host_copy_room`)."""
+    state, shares = writes.state, writes.shares
+    slots = {tier: state.pools[tier].allocate(count)}
+    copy = tier == GPU and writes.policy.copy_on_store
+    if copy and reserver is not None:
+        copy = shares.fits(reserver, HOST, writes.holding(reserver, BlockId(owner), HOST), count)
+    if copy and host_copy_room(writes.demoter, count, owner):
+        slots[HOST] = state.pools[HOST].allocate(count)
+    return slots

@@ -25,9 +25,9 @@ BT = TINY_BLOCK_TOKENS
 kv, seq = salted_kv, block_seq
 
 
-def write_through(gpu_blocks: int, host_blocks: int, write: str = "write_through") -> KVStore:
-    """A store of the tiny layout: gpu and host tiers of these slots, write_through (or
-    `write`), no disk, an inline mover (every call's moves done when it returns)."""
+def write_through(gpu_blocks: int, host_blocks: int) -> KVStore:
+    """A store of the tiny layout: gpu and host tiers of these slots, write_through, no disk,
+    an inline mover (every call's moves done when it returns)."""
     bb = tiny_block_bytes()
     config: dict[str, Any] = {
         "model": {**TINY_MODEL, "dtype": "float32"},
@@ -36,14 +36,10 @@ def write_through(gpu_blocks: int, host_blocks: int, write: str = "write_through
             "gpu": {"capacity": gpu_blocks * bb, "device": "cpu"},
             "host": {"capacity": host_blocks * bb, "pinned": False},
         },
-        "policy": {"write": write},
+        "policy": {"write": "write_through"},
         "mover": {"background": False},
     }
     return KVStore(parse_config(config))
-
-
-def write_back(gpu_blocks: int, host_blocks: int) -> KVStore:
-    return write_through(gpu_blocks, host_blocks, "write_back")
 
 
 def crowded() -> tuple[KVStore, list[int]]:
@@ -95,33 +91,6 @@ def test_a_reservation_short_of_room_reserves_the_blocks_it_made_room_for() -> N
     store.check()
     loaded = store.load(tokens)
     assert torch.equal(loaded.kv, kv(store, tokens, 0.75)[:, :, : 2 * BT])
-    store.close()
-
-
-def test_a_store_no_tier_can_take_whole_keeps_its_head_in_the_roomiest_tier() -> None:
-    """gpu has room for 2 of 4 new blocks (2 leased), host for 3 of them: no tier can take all,
-    and the store kept none. Now the first 3 go to host (the most room), one is dropped; a
-    reservation of the same reserves 3 there and tells the 1 it had no room for."""
-    store = write_back(gpu_blocks=4, host_blocks=3)
-    theirs, mine, tokens = seq(100, 2), seq(200, 2), seq(300, 4)
-    store.store(theirs, kv(store, theirs, 0.5))
-    store.store(mine, kv(store, mine, 0.25))
-    store.prefetch(mine, ttl_s=600)
-    reservation = store.reserve(tokens)
-    assert (reservation.tier, reservation.num_tokens, reservation.dropped_tokens) == (
-        "host",
-        3 * BT,
-        BT,
-    )  # was: id 0, nothing reserved
-    store.abort(reservation)
-    store.check()
-    result = store.store(tokens, kv(store, tokens, 0.75))
-    assert (result.stored_tokens, result.dropped_tokens) == (3 * BT, BT)  # was: (0, 4 blocks)
-    hit = store.lookup(tokens)
-    assert (hit.num_tokens, hit.host_tokens) == (3 * BT, 3 * BT)
-    assert torch.equal(store.load(tokens).kv, kv(store, tokens, 0.75)[:, :, : 3 * BT])
-    assert store.lookup(mine).gpu_tokens == 2 * BT  # the lease's blocks stay
-    store.check()
     store.close()
 
 

@@ -16,8 +16,8 @@
   callback the store gives), as if computed here: placement, room, prefix closure and quotas
   are the write path's. Then the prefetch or load runs as usual and finds them. Only a verified
   leading run is stored: a block missing or failing verification ends it (the rest would break
-  prefix closure). A chunk the local tiers do not take whole (no room for all of it: a store keeps
-  its first blocks; or KV they cannot keep: a quantized host cannot keep a value past fp16's range,
+  prefix closure). A chunk the local tiers do not take whole (no room for it: a store is all or
+  nothing; or KV they cannot keep: a quantized host cannot keep a value past fp16's range,
   which the cluster holds plain) ends the fill, counted in `fill_refused`: so a fill reads at
   most one chunk more than the local tiers keep, whatever the prompt's length, and the
   prefetch or load serves what was stored. Blocks of the chunk that another call (a load of
