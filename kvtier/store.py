@@ -60,8 +60,10 @@ from kvtier.index import LeaseId
 from kvtier.operations import Operations, check_release
 from kvtier.results import Lease, LeaseState, LoadResult, LookupResult, Reservation, StoreResult
 from kvtier.tiers.base import GPU
+from kvtier.transfer.mover import Landing
 from kvtier.transfer.persist import Persisted, persisted
 from kvtier.transfer.shared import Executor
+from kvtier.writes import gpu_need
 
 PREFETCH_ATTEMPTS = 4
 """A waiting prefetch that meets a corrupt disk copy drops it and tries again, this often."""
@@ -370,18 +372,16 @@ class KVStore:
 
 
 def _ahead(store: KVStore, tenant: str, key: bytes, first: int = 0, reserver: str | None = None,
-           release: Sequence[int] = ()) -> tuple[int, Callable[[], int]]:  # fmt: skip
+           release: Sequence[int] = ()) -> tuple[int, Callable[[], int], Landing]:  # fmt: skip
     """What `Mover.throttle` needs of a store or reservation (`reserver`'s) of `key` (from block
-    `first` on): at most how many new blocks it brings, and the planning, under the cache's
-    lock, of their room in the tier above disk (`Writes.make_room_ahead`). `ClosedError` in
-    another process than the store's, and a bad `release` (a reservation's), refused before the
-    throttle writes anything down (a refused reserve moved host blocks to disk, audit BN)."""
+    `first` on): at most how many new blocks it brings, the planning of their room in the tier
+    above disk (`Writes.make_room_ahead`), and their gpu need (`gpu_need`); both under the lock.
+    `ClosedError` in another process than the store's; a bad `release` refused first."""
     store._lock.ensure_home()
     check_release(release)
-    most = len(key) // TOKEN_NBYTES // store.block_tokens - first
-    return most, lambda: store._writes.make_room_ahead(
-        store.operations.namespace(tenant), key, first, reserver
-    )
+    most, ns = len(key) // TOKEN_NBYTES // store.block_tokens - first, store.operations.namespace
+    plan = lambda: store._writes.make_room_ahead(ns(tenant), key, first, reserver)  # noqa: E731
+    return most, plan, lambda: gpu_need(store._writes, ns(tenant), key, first)
 
 
 def _destination(

@@ -372,6 +372,17 @@ class Writes:
         )
 
 
+def gpu_need(writes: Writes, namespace: BlockId, key: bytes, first: int) -> tuple[int, bytes]:
+    """How many new blocks of `key` (from block `first` on) a store would place on gpu, and
+    the namespace room is made for (`Mover._landing`): none when they are cached already or
+    their prefix has left gpu (they go below it). Under the cache's lock."""
+    match = writes.index.match(namespace, key)
+    new = len(key) // writes.index.key_nbytes - max(match.num_blocks, first)
+    if new <= 0 or match.end.fastest_last() != GPU:
+        return 0, b""
+    return new, bytes(match.end.root.ids)
+
+
 def _take(writes: Writes, tier: int, count: int, owner: bytes, reserver: str | None) -> Slots:
     """`Writes.place`'s slots: `count` free ones of `tier`, and their write_through host
     copies' where those fit (the reserver's quota, `host_copy_room`)."""

@@ -118,6 +118,9 @@ def test_a_store_waits_for_gpu_demotions_in_the_air_rather_than_drop_its_blocks(
         while not store.status()["mover"]["in_flight"]:  # the thread plans the flights
             assert time.monotonic() < deadline, "no watermark flight was planned"
             time.sleep(0.005)
+        began = time.monotonic()  # a prompt cached whole needs no gpu room: no wait (review R1)
+        assert store.store(prompts[0], kv(prompts[0], 1)).stored_tokens == 0
+        assert time.monotonic() - began < 0.3 and store.status()["mover"]["in_flight"]
         result = store.store(prompts[2], kv(prompts[2], 1))
         assert result.stored_tokens == 4 * BT, result  # before: 0 stored, 16 tokens dropped
         assert store.drain()

@@ -54,7 +54,9 @@ class MoverConfig(Section):
     `store_wait_s`: with a background mover and a disk tier, how long one `store()` may wait
     (without the cache's lock, before it changes anything) while host holds more unwritten
     blocks than its high watermark and the mover is writing them down; past it the store goes
-    ahead and what host cannot keep is dropped (`backpressure_drops`). 0 never waits. The
+    ahead and what host cannot keep is dropped (`backpressure_drops`); with a background mover,
+    also while gpu has room for the store's gpu-bound new blocks only once its demotion flights
+    land (`Mover._landing`). 0 never waits. The
     default, 0.1 s, lets a producer that outruns the disk be slowed to the disk's pace (the
     writes of one host watermark's worth of blocks) instead of losing most of what it stores,
     and bounds what a store can add to an engine's step."""

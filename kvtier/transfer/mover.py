@@ -71,6 +71,11 @@ IDLE_WAKE_S = 0.25
 """The mover thread looks at watermarks and expiries at least this often."""
 
 
+Landing = Callable[[], tuple[int, bytes]]
+"""`throttle`'s `need`: how many of a call's new blocks go to gpu, and the namespace whose room
+it is (`writes.gpu_need`), read under the cache's lock."""
+
+
 @dataclass(frozen=True)
 class MoverSettings:
     background: bool  # a thread publishes; copies run on `executor` behind the caller
@@ -162,12 +167,15 @@ class Mover:
         flight.in_call = False
         return len(flight.write.src_slots), flight.kept if flight.published else 0
 
-    def throttle(self, most: int = 0, ahead: Callable[[], int] | None = None) -> None:
+    def throttle(
+        self, most: int = 0, ahead: Callable[[], int] | None = None, need: Landing | None = None
+    ) -> None:
         """Wait, at most `store_wait_s` and without the cache's lock (the caller must not hold
         it), while the work is behind, or host has room for the call's new blocks only by
-        dropping unwritten ones (module doc). `most`: at most how many new blocks the call
-        brings; `ahead()` (under the lock) plans their room and says for how many of them
-        host still lacks it (0: none). Any thread; it stores nothing."""
+        dropping unwritten ones, or gpu only once its demotions land (module doc). `most`: at
+        most how many new blocks the call brings; `ahead()` (under the lock) plans their room
+        and says for how many of them host still lacks it (0: none); `need()` (under the lock)
+        how many of them go to gpu, for whose namespace. Any thread; it stores nothing."""
         if self.store_wait_s <= 0:
             return
         deadline = 0.0
@@ -175,12 +183,12 @@ class Mover:
         while True:
             self._published.clear()  # before looking: a flight published after it wakes us
             with self.lock:
-                if not work.behind() and work.has_room(most) and not self._landing(most):
+                if not work.behind() and work.has_room(most) and not self._landing(need):
                     return  # the common case
                 self.reap()  # flights done: publish them, and plan the next ones down now
                 work.keep_watermarks()
                 lacking = ahead() if ahead is not None else 0
-                if not work.behind() and not work.short(lacking) and not self._landing(most):
+                if not work.behind() and not work.short(lacking) and not self._landing(need):
                     return
                 now = time.monotonic()
                 if not deadline:
@@ -190,15 +198,18 @@ class Mover:
                 return
             self._published.wait(deadline - now)
 
-    def _landing(self, most: int) -> bool:
-        """Whether gpu has room for `most` new blocks only once its demotion flights land: its
-        free slots and the copies no lease, pin or flight holds fall short while flights from
-        it are in the air (each pins its node whole). A store then dropped every block at once
-        while the copies that would free them were milliseconds from landing (gpu 8, two
+    def _landing(self, need: Landing | None) -> bool:
+        """Whether gpu has room for the call's gpu-bound new blocks (`need()`: none when they
+        are cached or go below gpu) only once its demotion flights land: its free slots and the
+        copies no lease, pin or flight holds, for the call's namespace, fall short while flights
+        from it are in the air (each pins its node whole). A store then dropped every block at
+        once while the copies that would free them were milliseconds from landing (gpu 8, two
         4-block prompts, then six more stored: 24 of 24 blocks dropped, audit BO)."""
-        if not most or not self.work.demoting[GPU]:
+        if need is None or not self.work.demoting[GPU]:
             return False
-        return not self.work.demoter.can_make_room(GPU, min(most, self.state.gpu.num_slots))
+        count, owner = need()  # (a re-store of a cached prompt: 0, no wait; review R1)
+        room = min(count, self.state.gpu.num_slots)
+        return count > 0 and not self.work.demoter.can_make_room(GPU, room, owner)
 
     def doom(self, ref: BlockRef) -> None:
         """A load found `ref`'s disk copy corrupt while some of it is locked: it is dropped,
