@@ -26,7 +26,8 @@ shape).
   of the body (a 3-byte int is a 36-byte object and its pointer), and at most `max_items`
   elements: the most a legitimate list of tokens costs, within a small factor.
 - A map inside the top level, an extension type, the unused byte 0xc1 and trailing bytes are
-  refused.
+  refused, and so is a key given twice (JSON and msgpack took the last: a proxy that checked
+  the first `tokens` or `lease_id` passed a request that acts on another).
 JSON (control calls, curl) carries no bytes, so a JSON body is at most `json_limit(max_items)`
 bytes (413 past it: 16 bytes a token and 64 KiB), holds at most `MAX_CONTAINERS` `[` / `{`
 and `MAX_QUOTES` quote characters (counted over the raw bytes, inside strings too: no field of
@@ -98,7 +99,9 @@ def loads_json(data: bytes | bytearray, max_items: int) -> dict[str, Any]:
             f"{MAX_CONTAINERS} and {MAX_QUOTES}: a request is one map of scalars and lists"
         )
     try:
-        value = json.loads(data)
+        value = json.loads(data, object_pairs_hook=_unique)
+    except Malformed:
+        raise
     except ValueError as exc:
         raise Malformed(f"not valid JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -183,7 +186,9 @@ def loads_msgpack(data: bytes | bytearray | memoryview, max_items: int, top: typ
         raise Malformed("empty")
     if len(view) <= SMALL:
         try:
-            value = msgpack.unpackb(view, raw=False)
+            value = msgpack.unpackb(view, raw=False, object_pairs_hook=_unique)
+        except Malformed:
+            raise
         except Exception as exc:  # msgpack's errors share no base; a key it cannot hash
             raise Malformed(f"not msgpack ({type(exc).__name__}: {str(exc)[:80]})") from None
         return _checked(value, top, max_items)
@@ -199,6 +204,8 @@ def loads_msgpack(data: bytes | bytearray | memoryview, max_items: int, top: typ
         value, at = _field(view, at, name, max_items)
         if is_key and not (isinstance(value, str) and len(value) <= MAX_KEY_BYTES):
             raise Malformed(f"key {i // 2}: expected a string of at most {MAX_KEY_BYTES} bytes")
+        if is_key and value in items[::2]:  # (at most MAX_FIELDS keys)
+            raise Malformed(f"{value}: given twice, expected each field once")
         items.append(value)
     if at != len(view):
         raise Malformed(f"{len(view) - at} bytes past the end of the {kind}")
@@ -248,6 +255,15 @@ def scalar_array(
     except (ValueError, msgpack.OutOfData) as exc:  # its limits, a cut-off body
         raise Malformed(f"{name}: expected an array of scalars ({type(exc).__name__})") from None
     return value, at + unpacker.tell()
+
+
+def _unique(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A map's pairs as a dict, `Malformed` naming a key given twice (a request's)."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        twice = next(key for i, (key, _) in enumerate(pairs) if key in dict(pairs[:i]))
+        raise Malformed(f"{str(twice)[:MAX_KEY_BYTES]}: given twice, expected each field once")
+    return value
 
 
 def _checked(value: Any, top: type, max_items: int) -> Any:
