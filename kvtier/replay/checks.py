@@ -20,7 +20,8 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 def check_modes(args: argparse.Namespace) -> None:
     """`InvalidArgumentError` naming both options when `args` ask for two sets of runs where
     one is made: `--sweep` with `--codec` (each replaces the tiered sizes), or either of them
-    with `--replicas N` / `--remote` / `--route` (a fleet runs the sizes as typed only)."""
+    with `--replicas N` / `--remote` / `--route` (a fleet runs the sizes as typed only);
+    `--speed` with any of those (not paced), `--plot` with a fleet not `--route`d (not drawn)."""
     asked = (("--sweep", args.sweep), ("--codec", args.codec is not None))
     many = [name for name, on in asked if on]
     fleet = [
@@ -41,6 +42,17 @@ def check_modes(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(
             f"{many[0]} with {fleet[0]}: got both, expected one of them ({fleet[0]} runs the "
             "sizes as typed, once)"
+        )
+    # the fleet and routed runs keep no clock, and a fleet of round robin draws nothing: the
+    # option was ignored (a run of 2**62 ms at --speed 1 ended at once, not paced, unsaid)
+    if args.speed is not None and fleet:
+        raise InvalidArgumentError(
+            f"--speed with {fleet[0]}: got both, expected one of them ({fleet[0]} runs are not "
+            "paced)"
+        )
+    if args.plot is not None and fleet and args.route is None:
+        raise InvalidArgumentError(
+            f"--plot with {fleet[0]}: got both, expected --route too (only routed runs are drawn)"
         )
 
 

@@ -21,9 +21,10 @@ tiered run's ratio to the infinite-cache ceiling.
 
 Checked before the trace is read (`InvalidArgumentError`, exit 2): `--sweep` and `--codec` each
 replace the sizes as typed, so they are refused together, and with `--replicas N` / `--remote`
-/ `--route`, which run the sizes as typed once (`checks.py`); `--remote` without
-`--remote-nodes` needs redis-server on PATH (`replicas.check_cluster`). Every line printed goes
-through `say` (the JSON is as `json.dumps` escapes it).
+/ `--route`, which run the sizes as typed once, unpaced (`--speed` refused with them too:
+`checks.py`); `--remote` without `--remote-nodes` needs redis-server on PATH
+(`replicas.check_cluster`). Every line printed goes through `say` (the JSON is as `json.dumps`
+escapes it).
 """
 
 from __future__ import annotations
