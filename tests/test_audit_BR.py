@@ -17,51 +17,14 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="the reference model needs the gguf package")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from tiny_gguf import tiny_gguf  # noqa: E402
 
 from kvtier.config import parse_config  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.reference import MODEL_NAME, Llama, find_smollm2_gguf, load_smollm2  # noqa: E402
 from kvtier.reference.engine import Engine  # noqa: E402
 from kvtier.store import KVStore  # noqa: E402
-
-SHAPES = {
-    "token_embd.weight": (5, 8),
-    "output_norm.weight": (8,),
-    "blk.0.attn_norm.weight": (8,),
-    "blk.0.attn_q.weight": (8, 8),
-    "blk.0.attn_k.weight": (4, 8),
-    "blk.0.attn_v.weight": (4, 8),
-    "blk.0.attn_output.weight": (8, 8),
-    "blk.0.ffn_norm.weight": (8,),
-    "blk.0.ffn_gate.weight": (16, 8),
-    "blk.0.ffn_up.weight": (16, 8),
-    "blk.0.ffn_down.weight": (8, 16),
-}
-
-
-def tiny_gguf(path: Path, seed: int) -> Path:
-    """A llama GGUF of 1 layer, width 8, 2 heads (1 KV head of 4), vocabulary 5, fp32 weights
-    of `seed`: two seeds are two models of one geometry."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(1)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_token_list([f"t{i}" for i in range(5)])
-    writer.add_eos_token_id(0)
-    rng = np.random.default_rng(seed)
-    for name, shape in SHAPES.items():
-        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def store_of(model: Llama) -> KVStore:
