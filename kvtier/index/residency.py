@@ -61,12 +61,7 @@ class Residency:
         if self.floors:  # the namespace's copies above its floor, as `above` and `over` say
             floor = self.floors.get(namespace)
             level = floor[tier] if floor is not None else 0
-            self._above[tier] += max(0, now - level) - max(0, before - level)
-            if (now > level) != (before > level):
-                if now > level:
-                    self._over[tier].add(namespace)
-                else:
-                    self._over[tier].discard(namespace)
+            self._moved(namespace, tier, before - level, now - level)
 
     def slowest_moved(self, old: int, new: int, count: int = 1) -> None:
         """`count` blocks' slowest copy went from tier `old` to `new` (-1: no copy)."""
@@ -145,10 +140,15 @@ class Residency:
             return
         before = self.floors[namespace][tier]
         self.floors[namespace] = floor = self._floor_left(namespace)
-        now, resident = floor[tier], self.resident_in(namespace, tier)
-        self._above[tier] += max(0, resident - now) - max(0, resident - before)
-        if (resident > now) != (resident > before):
-            if resident > now:
+        resident = self.resident_in(namespace, tier)
+        self._moved(namespace, tier, resident - before, resident - floor[tier])
+
+    def _moved(self, namespace: bytes, tier: int, before: int, now: int) -> None:
+        """`namespace`'s copies in `tier` less its floor went from `before` to `now`: `above`
+        and `over` follow."""
+        self._above[tier] += max(0, now) - max(0, before)
+        if (now > 0) != (before > 0):
+            if now > 0:
                 self._over[tier].add(namespace)
             else:
                 self._over[tier].discard(namespace)
