@@ -90,13 +90,19 @@ class LoadFence:
     recomputed them: vLLM has one request recompute a shared block and the others that hold
     it wait for it (audit BP: a sharer saved them, unfilled, after the loader was aborted).
     If the loader leaves first (`left`: finished or preempted), every request holding them
-    saves nothing (`Save.SPOILED`): no request recomputes them."""
+    saves nothing (`Save.SPOILED`): no request recomputes them. They stay in vLLM's prefix
+    cache under their hashes, so they are `stale` until a request computes them (its tokens
+    there are not yet computed when it is scheduled: the block was given to it anew), and a
+    request that a later step admits with a prefix hit on one saves nothing either
+    (`follow_blocks`; review R2: a request admitted after the loader was aborted saved them
+    as its prompt's KV, 32 of 64 tokens wrong)."""
 
     def __init__(self) -> None:
         self._before: frozenset[int] = frozenset()  # of the loads of the step before
         self._now: frozenset[int] = frozenset()
         self._scheduled: frozenset[str] = frozenset()  # the requests the last step scheduled
         self.owed: dict[int, tuple[str, int]] = {}  # block -> (its loader, tokens to recompute)
+        self.stale: set[int] = set()  # blocks owed by a loader that left (`left`)
 
     def blocks(
         self,
@@ -125,6 +131,7 @@ class LoadFence:
         gone = {block for block, (loader, _) in self.owed.items() if loader in leaving}
         for block in gone:
             del self.owed[block]
+        self.stale |= gone
         held = [p for p in requests.values() if not gone.isdisjoint(p.blocks)]
         if planned is not None and not (gone | self.owed.keys()).isdisjoint(planned.blocks):
             held.append(planned)
@@ -168,27 +175,52 @@ def after_failures(
     return touched
 
 
-def follow_blocks(requests: dict[str, Planned], scheduled: Any) -> dict[str, int]:
+def follow_blocks(
+    requests: dict[str, Planned], scheduled: Any, fence: LoadFence | None = None, bs: int = 1
+) -> dict[str, int]:
     """Bring the block ids of the `requests` followed up to date with a step's vLLM
-    `SchedulerOutput` (`scheduled`); the tokens each request it schedules computed before it."""
+    `SchedulerOutput` (`scheduled`); the tokens each request it schedules computed before it.
+    With `fence`, its `stale` blocks (blocks of `bs` tokens): one a request holds before its
+    computed tokens (a prefix hit) spoils its saves, one it has yet to compute is new."""
     computed: dict[str, int] = {}
     for new in scheduled.scheduled_new_reqs:
         computed[new.req_id] = new.num_computed_tokens
         planned = requests.get(new.req_id)
         if planned is not None:
             planned.blocks = list(new.block_ids[0])
+        _stale(fence, planned, list(new.block_ids[0]), new.num_computed_tokens, bs)
     cached = scheduled.scheduled_cached_reqs
     for i, req_id in enumerate(cached.req_ids):
         computed[req_id] = cached.num_computed_tokens[i]
         planned = requests.get(req_id)
         more = cached.new_block_ids[i]
+        resumed = req_id in cached.resumed_req_ids
+        if more is not None:  # a resumed request's blocks anew; a running one's added: new
+            _stale(fence, planned, list(more[0]), computed[req_id] if resumed else 0, bs)
         if planned is None or more is None:
             continue
-        if req_id in cached.resumed_req_ids:
+        if resumed:
             planned.blocks = list(more[0])
         else:
             planned.blocks.extend(more[0])
     return computed
+
+
+def _stale(
+    fence: LoadFence | None, planned: Planned | None, blocks: list[int], computed: int, bs: int
+) -> None:
+    """`follow_blocks`'s look at `blocks` (from the request's first, or new ones: `computed`
+    0) for the fence's stale ones."""
+    if fence is None or not fence.stale or fence.stale.isdisjoint(blocks):
+        return
+    for i, block in enumerate(blocks):
+        if block not in fence.stale:
+            continue
+        if i * bs < computed:  # read as cached: bytes that no request recomputed
+            if planned is not None and planned.save is not Save.NEVER:
+                planned.save = Save.SPOILED
+        else:  # the request computes it: its bytes are new
+            fence.stale.discard(block)
 
 
 def keyed_by_tokens(request: Any) -> bool:

@@ -203,7 +203,7 @@ class KvtierConnector(StatsBuilders, KVConnectorBase_V1):  # type: ignore[misc]
         preempted = scheduler_output.preempted_req_ids or ()
         flush = any(r in self._saving for r in preempted)  # whatever Planned it has now
         meta = KvtierMetadata(self._loads, self._saves, s.load_async, s.save_async, flush)
-        computed = plans.follow_blocks(self._requests, scheduler_output)
+        computed = plans.follow_blocks(self._requests, scheduler_output, self._fence, bs)
         loading = self._fence.blocks(self._loads, scheduler_output.num_scheduled_tokens, computed)
         self._fence.left(preempted, self._requests)  # the blocks they owe, none recomputes now
         meta.reset, self._reset = self._reset, False

@@ -135,10 +135,13 @@ def kvtier_kv(positions: range) -> torch.Tensor:
     return torch.stack((rows[..., : ve.DIM], rows[..., ve.DIM :]), 1)
 
 
-def shared_failed_load(server: Server, base: int, abort: bool, save_async: bool) -> list[int]:
+def shared_failed_load(
+    server: Server, base: int, abort: bool, save_async: bool, late: bool = False
+) -> list[int]:
     """R (sync load of a stored prefix, evicted before the load) and S (sharing R's blocks
-    in its step) through vLLM's real scheduler; R aborted after the step if `abort`. What kvtier
-    then holds of S's prompt: [tokens, tokens of the forward's KV]."""
+    in its step) through vLLM's real scheduler; R aborted after the step if `abort`; with
+    `late`, T (the same prefix) admitted at step 4, after R left. What kvtier then holds of
+    S's prompt (T's with `late`): [tokens, tokens of the forward's KV]."""
     prefix = list(range(base, base + 32))
     with Client(server.url, api_key=ALICE) as client:
         client.store(prefix, kvtier_kv(range(32)))
@@ -153,15 +156,22 @@ def shared_failed_load(server: Server, base: int, abort: bool, save_async: bool)
     worker.register_kv_caches(layers)
     init_none_hash(sha256)
     s_prompt = prefix + list(range(base + 300, base + 332))
-    for rid, prompt in (("R", prefix + list(range(base + 200, base + 216))), ("S", s_prompt)):
+    t_prompt = prefix + list(range(base + 400, base + 432))
+
+    def add(rid: str, prompt: list[int]) -> None:
         params = SamplingParams(max_tokens=6)
         params.update_from_generation_config({}, 2)
         hasher = get_request_block_hasher(ve.BLOCK, sha256)
         scheduler.add_request(Request(request_id=rid, prompt_token_ids=prompt,
                                       sampling_params=params, pooling_params=None,
                                       block_hasher=hasher))  # fmt: skip
+
+    add("R", prefix + list(range(base + 200, base + 216)))
+    add("S", s_prompt)
     tables: dict[str, list[int]] = {}
     for step in range(200):
+        if step == 4 and late:  # a prefix hit on the blocks no request recomputed
+            add("T", t_prompt)
         if not scheduler.requests:
             break
         if step == 1 and abort:  # R's client goes: nobody recomputes the blocks it loaded
@@ -204,7 +214,7 @@ def shared_failed_load(server: Server, base: int, abort: bool, save_async: bool)
     ]
     worker.shutdown()
     with Client(server.url, api_key=ALICE) as client:
-        got = client.load(s_prompt)
+        got = client.load(t_prompt if late else s_prompt)
     if not got.num_tokens:
         return [0, 0]
     want = kvtier_kv(range(got.num_tokens))
@@ -218,6 +228,15 @@ def test_a_sharer_saves_nothing_its_aborted_loader_never_recomputed(
 ) -> None:
     held, true = shared_failed_load(mha_sidecar, 90_000 + 1000 * save_async, True, save_async)
     assert held == true, (held, true)  # before: 64 held, 32 true
+
+
+def test_a_request_admitted_after_the_loader_left_saves_none_of_its_stale_blocks(
+    mha_sidecar: Server,
+) -> None:
+    """T comes after R was aborted: vLLM's prefix cache still holds R's unfilled blocks under
+    their hashes, and T takes them as cached (review R2: T saved them, 32 of 64 tokens wrong)."""
+    held, true = shared_failed_load(mha_sidecar, 97_000, True, False, late=True)
+    assert held == true, (held, true)
 
 
 def test_a_sharer_saves_once_its_loader_recomputed_the_blocks(mha_sidecar: Server) -> None:
