@@ -262,6 +262,14 @@ class Hold:
         load's reply beside its body: `plane.load` asks no more)."""
         return max(0, self.budget.largest() - self.nbytes)
 
+    def free_now(self) -> int:
+        """What this call could take now without a wait: within its tenant's share and the
+        total, beside what every call holds (review R2: concurrent loads of one tenant each
+        sized their reply to `room`, held their bodies, and waited on each other into 503)."""
+        budget = self.budget
+        mine = budget.by_tenant.get(self.tenant, 0)
+        return max(0, min(self.room(), budget.share - mine, budget.total - budget.held))
+
     def shrink(self, nbytes: int) -> None:
         """Hold `nbytes` in all from now (no more than held)."""
         give = max(0, self.nbytes - max(0, nbytes))

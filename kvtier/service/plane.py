@@ -157,8 +157,9 @@ class Plane:
         check_start(start, len(tokens), layout.block_tokens)
         limit = min(self.config.max_body_bytes, (1 << 32) - 1)  # msgpack's longest bin
         hold = budget.HOLD.get()
-        if hold is not None:  # beside its body: what one call may hold (`Hold.room`)
-            limit = min(limit, hold.room())
+        if hold is not None:  # beside its body: what one call may hold (`Hold.room`), and
+            limit = min(limit, hold.room())  # of it what is free now, a block at least
+            limit = min(limit, max(layout.block_bytes, hold.free_now()))
         most = limit // layout.block_bytes * layout.block_tokens
         if not most and start < len(tokens):
             # no reply holds a block (the config lets `max_body_bytes` be less than one): before,
@@ -168,7 +169,9 @@ class Plane:
                 413,
                 "body_too_large",
                 f"a block of {layout.block_bytes} bytes, more than a reply carries ({limit}: "
-                f"service.max_body_bytes, at most 2**32-1), and a load's reply is whole blocks",
+                f"service.max_body_bytes, at most 2**32-1, and what the call may hold beside its "
+                f"body: service.max_inflight_bytes and the tenants' shares), and a load's reply "
+                f"is whole blocks",
             )
         end = min(len(tokens), start + most)
         if hold is not None:
