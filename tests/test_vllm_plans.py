@@ -113,17 +113,19 @@ def load(*blocks: int) -> LoadJob:
 
 def test_the_fence_holds_the_blocks_of_this_steps_loads_and_the_last_steps() -> None:
     fence = LoadFence()
-    assert fence.blocks([load(1, 2)], ["R"]) == {1, 2}
-    assert fence.blocks([], ["S"]) == {1, 2}  # the step after: its plan is made before the output
+    assert fence.blocks([load(1, 2)], {"R": 1}, {}) == {1, 2}
+    # the step after: its plan is made before the output
+    assert fence.blocks([], {"S": 1}, {}) == {1, 2}
     assert fence.computed_over("S", {2}) and not fence.computed_over("R", {2})
-    assert fence.blocks([load(3)], ["S"]) == {3} and not fence.computed_over("S", {1, 2})
-    assert fence.blocks([load(4)], []) == {3, 4}
+    assert fence.blocks([load(3)], {"S": 1}, {}) == {3} and not fence.computed_over("S", {1, 2})
+    assert fence.blocks([load(4)], {}, {}) == {3, 4}
 
 
 def test_a_failed_load_spoils_a_sharer_a_later_step_computed_and_recomputes_the_rest() -> None:
     fence = LoadFence()
-    fence.blocks([load(1, 2)], ["R", "C"])  # step 1: R loads blocks 1, 2; C shares them
-    fence.blocks([], ["R", "S", "D"])  # step 2, planned before step 1's output: S computes too
+    fence.blocks([load(1, 2)], {"R": 1, "C": 1}, {})  # step 1: R loads blocks 1, 2; C shares them
+    # step 2, planned before step 1's output: S computes too
+    fence.blocks([], {"R": 1, "S": 1, "D": 1}, {})
     loader = Planned(tuple(range(56)), "k", [1, 2, 3], local=0, found=32, save=Save.SENT)
     same_step = Planned(tuple(range(64)), "k", [1, 2, 4, 5], local=32, found=0)
     later = Planned(tuple(range(64)), "k", [1, 2, 6, 7], local=32, found=0)

@@ -105,19 +105,15 @@ class LoadFence:
         self.stale: set[int] = set()  # blocks owed by a loader that left (`left`)
 
     def blocks(
-        self,
-        loads: list[LoadJob],
-        scheduled: Iterable[str] | Mapping[str, int],
-        computed: Mapping[str, int] | None = None,
+        self, loads: list[LoadJob], scheduled: Mapping[str, int], computed: Mapping[str, int]
     ) -> set[int]:
         """The fenced blocks of a step whose loads are `loads`, which schedules the requests
         `scheduled` (with their tokens: vLLM's `num_scheduled_tokens`) over `computed` (request
         -> tokens computed before; called once a step)."""
         self._before, self._now = self._now, frozenset(b for job in loads for b in job.blocks)
         self._scheduled = frozenset(scheduled)
-        counts = scheduled if isinstance(scheduled, Mapping) else {}
         for block, (loader, need) in list(self.owed.items()):
-            if loader in counts and (computed or {}).get(loader, 0) + counts[loader] >= need:
+            if loader in scheduled and computed.get(loader, 0) + scheduled[loader] >= need:
                 del self.owed[block]  # recomputed by this step, before its saves
         return set(self._now | self._before | self.owed.keys())
 
